@@ -1,0 +1,1 @@
+"""logitstore: a versioned store of sparse teacher distributions for offline distillation."""

@@ -1,0 +1,131 @@
+"""The sample index: one Parquet file per version, keyed by (teacher, sample_id).
+
+Users read it with polars or pyarrow alone (`logitstore info --json` prints its path as `index_path`):
+
+    sample_id     string   as given to the build, or a content hash of the text
+    teacher       string   teacher name (a store may hold several)
+    part          string   the Zarr group under teachers/<teacher>/parts/ that holds the rows
+    n_tokens      int32    T, tokens the teacher saw; T - 1 positions follow
+    token_start   int64    first row in the part's input_ids
+    position_start int64   first row in the part's per-position arrays (tail, target_logprobs, n_entries)
+    entry_start   int64    first row in the part's per-entry arrays (entry_codes, entry_logprobs, ...)
+    n_entries     int64    entries over all positions of the sample
+    content_hash  string   blake2b-128 of the sample's stored (encoded) arrays; `verify` and `diff` use it
+    source_hash   string   optional hash of the source text, null when unknown
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+
+import numpy as np
+import polars as pl
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from logitstore.blobs import BlobStore
+from logitstore.codec import EncodedSamples
+from logitstore.errors import StorageError
+
+SCHEMA = pa.schema(
+    [
+        ("sample_id", pa.string()),
+        ("teacher", pa.string()),
+        ("part", pa.string()),
+        ("n_tokens", pa.int32()),
+        ("token_start", pa.int64()),
+        ("position_start", pa.int64()),
+        ("entry_start", pa.int64()),
+        ("n_entries", pa.int64()),
+        ("content_hash", pa.string()),
+        ("source_hash", pa.string()),
+    ]
+)
+
+
+def empty_index() -> pa.Table:
+    return SCHEMA.empty_table()
+
+
+def part_rows(
+    *, sample_ids: list[str], teacher: str, part: str, enc: EncodedSamples, n_tokens: np.ndarray,
+    source_hashes: list[str | None] | None = None,
+) -> pa.Table:
+    """Index rows for one freshly encoded part (its arrays start at row 0)."""
+    token_off, position_off, entry_off = encoded_offsets(enc, n_tokens)
+    return pa.table(
+        {
+            "sample_id": sample_ids,
+            "teacher": [teacher] * len(sample_ids),
+            "part": [part] * len(sample_ids),
+            "n_tokens": n_tokens.astype(np.int32),
+            "token_start": token_off[:-1],
+            "position_start": position_off[:-1],
+            "entry_start": entry_off[:-1],
+            "n_entries": np.diff(entry_off),
+            "content_hash": sample_hashes(enc, n_tokens),
+            "source_hash": source_hashes if source_hashes is not None else [None] * len(sample_ids),
+        },
+        schema=SCHEMA,
+    )
+
+
+def encoded_offsets(enc: EncodedSamples, n_tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per-sample [S + 1] starts into the token, position and entry arrays of a part."""
+    token_off = np.concatenate([[0], np.cumsum(n_tokens, dtype=np.int64)])
+    position_off = np.concatenate([[0], np.cumsum(np.asarray(n_tokens, dtype=np.int64) - 1)])
+    entries_at = np.concatenate([[0], np.cumsum(enc.n_entries, dtype=np.int64)])
+    return token_off, position_off, entries_at[position_off]
+
+
+def sample_hashes(enc: EncodedSamples, n_tokens: np.ndarray) -> list[str]:
+    """blake2b-128 of each sample's encoded arrays. One Python iteration per sample, not per token."""
+    token_off, position_off, entry_off = encoded_offsets(enc, n_tokens)
+    per_token = [enc.input_ids]
+    per_position = [enc.n_entries, enc.tail, enc.target_logprobs]
+    per_entry = [a for a in (enc.entry_codes, enc.entry_logprobs, enc.entry_counts) if a is not None]
+    out = []
+    for s in range(len(n_tokens)):
+        h = hashlib.blake2b(digest_size=16)
+        for arrays, off in ((per_token, token_off), (per_position, position_off), (per_entry, entry_off)):
+            for a in arrays:
+                h.update(np.ascontiguousarray(a[off[s] : off[s + 1]]).tobytes())
+        out.append(h.hexdigest())
+    return out
+
+
+def write_index(blobs: BlobStore, table: pa.Table) -> str:
+    """Write the table as a content-addressed Parquet file; returns its key."""
+    table = table.sort_by([("teacher", "ascending"), ("sample_id", "ascending")])
+    buf = io.BytesIO()
+    pq.write_table(table, buf, compression="zstd")
+    data = buf.getvalue()
+    key = f"{hashlib.sha256(data).hexdigest()[:40]}.parquet"
+    if not blobs.exists(key):
+        blobs.put(key, data)
+    return key
+
+
+def read_index(blobs: BlobStore, key: str | None) -> pa.Table:
+    if key is None:
+        return empty_index()
+    try:
+        data = blobs.get(key)
+    except KeyError:
+        raise StorageError(f"the sample index {blobs.url(key)} is missing") from None
+    if not key.startswith(hashlib.sha256(data).hexdigest()[:40]):
+        raise StorageError(f"the sample index {blobs.url(key)} is damaged (its checksum does not match its name)")
+    return pq.read_table(io.BytesIO(data), schema=SCHEMA)
+
+
+def diff_indexes(a: pa.Table, b: pa.Table) -> dict[str, list[dict]]:
+    """Samples added, removed and changed (content hash differs) from version a to version b."""
+    key = ["teacher", "sample_id"]
+    left = pl.from_arrow(a).select(*key, "content_hash")
+    right = pl.from_arrow(b).select(*key, "content_hash")
+    added = right.join(left, on=key, how="anti").select(key)
+    removed = left.join(right, on=key, how="anti").select(key)
+    both = left.join(right, on=key, how="inner", suffix="_b")
+    changed = both.filter(pl.col("content_hash") != pl.col("content_hash_b")).select(key)
+    return {name: df.sort(key).to_dicts() for name, df in (("added", added), ("removed", removed), ("changed", changed))}

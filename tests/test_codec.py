@@ -1,0 +1,113 @@
+"""The codec round trip and its documented error bound, on hand-picked edges and on hypothesis data."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from logitstore import codec
+from logitstore.codec import CodecParams, dequantize, quantize
+from logitstore.synthetic import random_samples
+from tests.conftest import assert_samples_close
+
+PARAMS = CodecParams()
+
+
+def _round_trip(samples, params=PARAMS, vocab=1000):
+    order = codec.frequency_id_order(samples.entry_ids, vocab_size=vocab) if params.id_order == "frequency" else codec.identity_order(vocab)
+    enc = codec.encode(samples, params=params, code_of_id=order.astype(np.int64), vocab_size=vocab)
+    return codec.decode(enc, params=params, id_of_code=codec.invert_permutation(order), n_tokens=samples.n_tokens)
+
+
+def _assert_bound(got, expected, params=PARAMS):
+    assert_samples_close(got, expected, bound=params.error_bound, bound_fine=params.error_bound_fine,
+                         coarse_below=params.coarse_below)
+
+
+@pytest.mark.parametrize("mode", ["topk", "topp", "sampled"])
+@pytest.mark.parametrize("id_order", ["frequency", "identity"])
+def test_round_trip_within_bound(mode, id_order):
+    samples = random_samples([f"s{i}" for i in range(7)], mode=mode, k=16)
+    params = CodecParams(id_order=id_order)
+    _assert_bound(_round_trip(samples, params), samples, params)
+
+
+def test_quantize_edges():
+    lp = np.array([0.0, -0.0249, -0.025, -4.99, -5.0, -5.2, -30.0, -np.inf, 1e-6], dtype=np.float32)
+    back = dequantize(quantize(lp, params=PARAMS), params=PARAMS)
+    assert back[0] == 0.0 and np.isneginf(back[7]) and back[8] == 0.0
+    fine = lp[:5]
+    assert np.all(np.abs(back[:5] - fine) <= PARAMS.error_bound_fine + 1e-6)
+    assert np.all(np.abs(back[5:7] - lp[5:7]) <= PARAMS.error_bound + 1e-6)
+
+
+def test_tail_of_zero_and_one_round_trip_exactly():
+    samples = random_samples(["a"], k=4)
+    samples.tail[:] = 0.0
+    samples.tail[0] = 1.0
+    got = _round_trip(samples)
+    assert got.tail[0] == 1.0 and (got.tail[1:] == 0.0).all()
+
+
+def test_codes_are_sorted_and_delta_coded_per_position():
+    samples = random_samples(["a", "b"], k=8)
+    order = codec.identity_order(1000).astype(np.int64)
+    enc = codec.encode(samples, params=CodecParams(id_order="identity"), code_of_id=order, vocab_size=1000)
+    starts = samples.entry_offsets[:-1]
+    first = enc.entry_codes[starts].astype(np.int64)
+    # Within a position every later delta is a positive gap; across positions the first is absolute.
+    rest = np.ones(len(enc.entry_codes), bool)
+    rest[starts] = False
+    assert (enc.entry_codes[rest] > 0).all()
+    expected_first = [np.sort(samples.entry_ids[a:b])[0] for a, b in zip(starts, samples.entry_offsets[1:])]
+    np.testing.assert_array_equal(first, expected_first)
+
+
+def test_frequency_order_is_a_permutation_with_frequent_ids_first():
+    ids = np.array([7, 7, 7, 3, 3, 9])
+    code = codec.frequency_id_order(ids, vocab_size=12)
+    assert sorted(code.tolist()) == list(range(12))
+    assert code[7] == 0 and code[3] == 1 and code[9] == 2
+    np.testing.assert_array_equal(codec.invert_permutation(code)[code], np.arange(12))
+
+
+def test_large_vocabulary_uses_uint32_ids():
+    samples = random_samples(["a"], vocab=70_000, k=4, max_tokens=5)
+    assert codec.id_dtype(70_000) == np.uint32
+    _assert_bound(_round_trip(samples, vocab=70_000), samples)
+
+
+@pytest.mark.parametrize("bad", [dict(fine_step=0), dict(fine_step=0.5, coarse_step=0.1), dict(coarse_below=1.0),
+                                 dict(coarse_below=-5.01), dict(id_order="random")])
+def test_invalid_params_are_refused(bad):
+    with pytest.raises(ValueError):
+        CodecParams(**bad)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    lp=st.lists(st.floats(min_value=-200, max_value=0, allow_nan=False, width=32), min_size=1, max_size=300),
+    fine=st.sampled_from([0.01, 0.05, 0.1, 0.25]),
+    ratio=st.sampled_from([1, 2, 10]),
+    levels=st.integers(min_value=0, max_value=200),
+)
+def test_quantize_bound_property(lp, fine, ratio, levels):
+    params = CodecParams(fine_step=fine, coarse_step=fine * ratio, coarse_below=-levels * fine)
+    x = np.array(lp, dtype=np.float32)
+    err = np.abs(dequantize(quantize(x, params=params), params=params).astype(np.float64) - x)
+    limit = np.where(x >= params.coarse_below, params.error_bound_fine, params.error_bound)
+    assert (err <= limit + 1e-4).all()
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    n=st.integers(min_value=1, max_value=6),
+    k=st.integers(min_value=1, max_value=40),
+    mode=st.sampled_from(["topk", "topp", "sampled"]),
+    seed=st.integers(min_value=0, max_value=2**31),
+)
+def test_round_trip_property(n, k, mode, seed):
+    samples = random_samples([f"s{i}" for i in range(n)], seed=seed, vocab=300, k=k, mode=mode, max_tokens=20)
+    _assert_bound(_round_trip(samples, vocab=300), samples)

@@ -1,0 +1,201 @@
+"""The store's contract, run against every backend: local disk, memory, and S3 (moto on loopback)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from logitstore import codec
+from logitstore.errors import (
+    ConflictError,
+    DuplicateSampleError,
+    IncompatibleStoreError,
+    LogitstoreError,
+    SampleNotFoundError,
+    StoreNotFoundError,
+    VersionNotFoundError,
+)
+from logitstore.index import diff_indexes
+from logitstore.store import Store, TeacherMeta
+from logitstore.verify import verify
+from logitstore.synthetic import random_samples
+from tests.conftest import assert_samples_close
+
+VOCAB = 1000
+
+
+def teacher(name="teacher-a", mode="topk", content_hash="weights-1"):
+    return TeacherMeta(name=name, vocab_size=VOCAB, content_hash=content_hash, tokenizer_hash="tok-1",
+                       sparsity={"mode": mode, "k": 8})
+
+
+def write(store, samples, *, meta=None, message="write", branch="main", on_duplicate="error"):
+    meta = meta or teacher()
+    with store.writer(branch=branch, on_duplicate=on_duplicate) as w:
+        w.add_teacher(meta, code_of_id=codec.frequency_id_order(samples.entry_ids, vocab_size=VOCAB))
+        w.write(samples, teacher=meta.name)
+        return w.commit(message)
+
+
+def assert_matches(view, samples, teacher_name="teacher-a"):
+    params = view.teachers[teacher_name].codec
+    for i, sid in enumerate(samples.sample_ids):
+        assert_samples_close(view.sample(sid, teacher=teacher_name), samples.select(i), bound=params.error_bound,
+                             bound_fine=params.error_bound_fine, coarse_below=params.coarse_below)
+
+
+@pytest.mark.parametrize("mode", ["topk", "topp", "sampled"])
+def test_round_trip(store_uri, mode):
+    store = Store.open(store_uri, create=True)
+    samples = random_samples([f"doc-{i}" for i in range(5)], mode=mode)
+    version = write(store, samples, meta=teacher(mode=mode))
+    view = Store.open(store_uri).read()
+    assert view.snapshot_id == version
+    assert_matches(view, samples)
+    info = view.info()
+    assert info["samples"] == 5 and info["tokens"] == int(samples.n_tokens.sum())
+    assert info["stored_bytes"] > 0 and info["bytes_per_token"] == info["stored_bytes"] / info["tokens"]
+    assert info["teachers"][0]["sparsity_mode"] == mode and info["version"] == version
+    assert verify(view).ok
+
+
+def test_versions_tags_and_read_only_history(store_uri):
+    store = Store.open(store_uri, create=True)
+    first, second = random_samples(["a", "b"], seed=1), random_samples(["c"], seed=2)
+    v1 = write(store, first, message="first")
+    store.tag("v1")
+    v2 = write(store, second, message="second")
+    log = store.log()
+    assert [v.id for v in log[:2]] == [v2, v1] and log[1].tags == ["v1"] and log[0].message == "second"
+    assert log[0].samples == 3
+    old = store.read("v1")
+    assert old.snapshot_id == v1 and old.index.num_rows == 2
+    with pytest.raises(SampleNotFoundError):
+        old.sample("c")
+    assert_matches(store.read(v2), second)
+    changes = diff_indexes(store.read_index(v1), store.read_index(v2))
+    assert changes["added"] == [{"teacher": "teacher-a", "sample_id": "c"}] and not changes["removed"]
+    with pytest.raises(LogitstoreError, match="already exists"):
+        store.tag("v1", version=v2)
+
+
+def test_duplicates_error_replace_skip(store_uri):
+    store = Store.open(store_uri, create=True)
+    v1 = write(store, random_samples(["a", "b"], seed=1))
+    replacement = random_samples(["b"], seed=9)
+    with pytest.raises(DuplicateSampleError, match="already stored"):
+        write(store, replacement)
+    assert store.resolve() == v1  # nothing changed
+    write(store, replacement, on_duplicate="skip")
+    assert not any(diff_indexes(store.read_index(v1), store.read().index).values())
+    write(store, replacement, on_duplicate="replace")
+    changes = diff_indexes(store.read_index(v1), store.read().index)
+    assert changes["changed"] == [{"teacher": "teacher-a", "sample_id": "b"}]
+    assert_matches(store.read(), replacement)
+    assert verify(store.read()).ok
+
+
+def test_different_teacher_is_refused(store_uri):
+    store = Store.open(store_uri, create=True)
+    v1 = write(store, random_samples(["a"]))
+    with pytest.raises(IncompatibleStoreError, match="content_hash"):
+        write(store, random_samples(["b"]), meta=teacher(content_hash="weights-2"))
+    assert store.resolve() == v1
+
+
+def test_two_teachers_in_one_store(store_uri):
+    store = Store.open(store_uri, create=True)
+    a, b = random_samples(["x", "y"], seed=1), random_samples(["x"], seed=2)
+    write(store, a)
+    write(store, b, meta=teacher(name="teacher-b", content_hash="weights-2"))
+    view = store.read()
+    assert sorted(t["name"] for t in view.info()["teachers"]) == ["teacher-a", "teacher-b"]
+    with pytest.raises(LogitstoreError, match="several teachers"):
+        view.sample("x")
+    assert_matches(view, b, teacher_name="teacher-b")
+
+
+def test_concurrent_writers_merge_cleanly(store_uri):
+    store = Store.open(store_uri, create=True)
+    write(store, random_samples(["base"]))
+    one, two = random_samples(["one"], seed=1), random_samples(["two"], seed=2)
+    w1, w2 = store.writer(), store.writer()
+    for w, s in ((w1, one), (w2, two)):
+        w.add_teacher(teacher())
+        w.write(s, teacher="teacher-a")
+    w1.commit("one")
+    w2.commit("two")  # the branch moved: rebases, merges both indexes
+    view = store.read()
+    assert sorted(view.index["sample_id"].to_pylist()) == ["base", "one", "two"]
+    assert_matches(view, one)
+    assert_matches(view, two)
+    assert verify(view).ok
+
+
+def test_concurrent_writers_of_the_same_sample_conflict(store_uri):
+    store = Store.open(store_uri, create=True)
+    write(store, random_samples(["base"]))
+    w1, w2 = store.writer(), store.writer()
+    for w, seed in ((w1, 1), (w2, 2)):
+        w.add_teacher(teacher())
+        w.write(random_samples(["same"], seed=seed), teacher="teacher-a")
+    v = w1.commit("first wins")
+    with pytest.raises(ConflictError, match="same"):
+        w2.commit("second loses")
+    assert store.resolve() == v
+    assert_matches(store.read(), random_samples(["same"], seed=1))
+
+
+def test_branches_are_independent(store_uri):
+    store = Store.open(store_uri, create=True)
+    v1 = write(store, random_samples(["a"]))
+    store.create_branch("teacher-b-run")
+    write(store, random_samples(["b"], seed=3), branch="teacher-b-run")
+    assert store.resolve("main") == v1
+    assert store.read("teacher-b-run").index.num_rows == 2
+
+
+def test_abandoned_writer_leaves_nothing(store_uri):
+    store = Store.open(store_uri, create=True)
+    v1 = write(store, random_samples(["a"]))
+    with pytest.raises(RuntimeError):
+        with store.writer() as w:
+            w.add_teacher(teacher())
+            w.write(random_samples(["b"], seed=4), teacher="teacher-a")
+            raise RuntimeError("crash before commit")
+    assert store.resolve() == v1 and store.read().index.num_rows == 1
+
+
+def test_missing_things_have_clear_errors(store_uri):
+    with pytest.raises(StoreNotFoundError, match="not a logitstore store"):
+        Store.open(store_uri)
+    store = Store.open(store_uri, create=True)
+    write(store, random_samples(["a"]))
+    with pytest.raises(VersionNotFoundError, match="no version, tag or branch 'nope'"):
+        store.read("nope")
+    with pytest.raises(VersionNotFoundError):
+        store.read("ZZZZZZZZZZZZZZZZZZZ0")
+    with pytest.raises(SampleNotFoundError, match="no sample 'zzz'"):
+        store.read().sample("zzz")
+    with pytest.raises(LogitstoreError, match="no teacher"):
+        store.read().sample("a", teacher="other")
+
+
+def test_index_is_plain_parquet(tmp_path):
+    import polars as pl
+
+    store = Store.open(str(tmp_path / "s"), create=True)
+    samples = random_samples(["a", "b", "c"])
+    write(store, samples)
+    path = store.read().info()["index_path"]
+    df = pl.read_parquet(path)  # no logitstore involved
+    assert df["sample_id"].to_list() == ["a", "b", "c"]
+    assert df["n_tokens"].to_list() == samples.n_tokens.tolist()
+    assert set(df.columns) >= {"sample_id", "teacher", "part", "n_tokens", "content_hash"}
+
+
+def test_non_store_directory_is_never_written(tmp_path):
+    (tmp_path / "precious.txt").write_text("keep me")
+    with pytest.raises(StoreNotFoundError, match="refusing to write"):
+        Store.open(str(tmp_path), create=True)
+    assert [p.name for p in tmp_path.iterdir()] == ["precious.txt"]
