@@ -164,6 +164,58 @@ def verify(store: StoreArg, version: VersionOpt = None, json_out: JsonOpt = Fals
         raise typer.Exit(1)
 
 
+@app.command()
+@user_errors
+def build(
+    teacher: Annotated[Optional[str], typer.Option(help="Hugging Face model directory, .gguf file, or built-in name (default: smollm2-135m-instruct).")] = None,
+    data: Annotated[Optional[str], typer.Option(help="JSONL, Parquet, Arrow, CSV, a folder of those, or a saved datasets folder (default: the shipped sample corpus).")] = None,
+    store: Annotated[str, typer.Option(help="Store location; created if missing.")] = "logitstore-store",
+    text_column: Annotated[str, typer.Option(help="Column holding the text.")] = "text",
+    id_column: Annotated[Optional[str], typer.Option(help="Column holding document ids (default: a hash of the text).")] = None,
+    ids_column: Annotated[Optional[str], typer.Option(help="Column of pre-tokenized teacher token ids (instead of text).")] = None,
+    max_length: Annotated[int, typer.Option(help="Window length in teacher tokens; longer documents become windows overlapping by one token.")] = 1024,
+    top_k: Annotated[int, typer.Option(help="Entries per position (the cap, with --top-p).")] = 64,
+    top_p: Annotated[Optional[float], typer.Option(help="Keep the smallest set of top entries reaching this probability, capped at --top-k.")] = None,
+    sample: Annotated[Optional[int], typer.Option(help="Store N draws per position as distinct ids with counts (unbiased).")] = None,
+    temperature: Annotated[float, typer.Option(help="Temperature for selecting/sampling entries; stored log-probabilities stay at 1.")] = 1.0,
+    batch_tokens: Annotated[int, typer.Option(help="Padded tokens per teacher batch.")] = 8192,
+    device: Annotated[str, typer.Option(help="auto, cpu or cuda[:N].")] = "auto",
+    dtype: Annotated[str, typer.Option(help="auto (bf16 on GPU, fp32 on CPU), float32, bfloat16 or float16.")] = "auto",
+    workers: Annotated[int, typer.Option(help="Teacher worker processes (or Ray actors with --ray-address).")] = 1,
+    ray_address: Annotated[Optional[str], typer.Option(help="Ray cluster address, 'auto', or 'local' to start one here.")] = None,
+    commit_every: Annotated[float, typer.Option(help="Seconds between checkpoint commits.")] = 300.0,
+    unit_tokens: Annotated[int, typer.Option(help="Tokens per unit of work (one part, the grain of resuming).")] = 16384,
+    seed: Annotated[int, typer.Option(help="Seed for --sample draws.")] = 0,
+    engine: Annotated[str, typer.Option(help="torch, or vllm (GPU, pip install 'logitstore[vllm]'; top-k only).")] = "torch",
+    message: Annotated[Optional[str], typer.Option(help="Commit message of the new version.")] = None,
+    branch: Annotated[str, typer.Option(help="Branch to commit to (created from main if missing).")] = "main",
+    json_out: JsonOpt = False,
+) -> None:
+    """Run a teacher over a dataset and commit its sparse next-token distributions as a new version."""
+    from logitstore.pipelines.build import BuildConfig, run_build, summary_json
+    from logitstore.pipelines.sparsify import Sparsity
+
+    if top_p is not None and sample is not None:
+        raise LogitstoreError("choose one of --top-p and --sample")
+    mode = "sampled" if sample is not None else "topp" if top_p is not None else "topk"
+    try:
+        sparsity = Sparsity(mode=mode, k=top_k, p=top_p, n=sample, temperature=temperature)
+    except ValueError as e:
+        raise LogitstoreError(str(e)) from None
+    cfg = BuildConfig(store=store, teacher=teacher, data=data, text_column=text_column, id_column=id_column,
+                      ids_column=ids_column, max_length=max_length, sparsity=sparsity, batch_tokens=batch_tokens,
+                      device=device, dtype=dtype, workers=workers, ray_address=ray_address, message=message,
+                      branch=branch, commit_every=commit_every, unit_tokens=unit_tokens, seed=seed, engine=engine)
+    summary = run_build(cfg)
+    if json_out:
+        typer.echo(summary_json(summary))
+    else:
+        typer.echo(f"version {summary.version}: {summary.samples:,} samples, {summary.tokens:,} tokens in "
+                   f"{summary.seconds:.1f} s ({summary.tokens_per_second:,.0f} tokens/s), "
+                   f"{summary.bytes_per_token or 0:.1f} bytes/token; skipped {summary.skipped}, "
+                   f"duplicates {summary.duplicates}, already stored {summary.already_stored}")
+
+
 def main() -> None:
     app()
 

@@ -448,6 +448,8 @@ class StoreWriter:
         self._new_rows: list[pa.Table] = []
         self._new_keys: set[tuple[str, str]] = set()
         self._committed: str | None = None
+        self._fork_source: icechunk.Session | None = None
+        self._added_teachers: list[str] = []
 
     def __enter__(self) -> StoreWriter:
         return self
@@ -469,6 +471,8 @@ class StoreWriter:
         meta = TeacherMeta.from_json({**meta.to_json(), "created": _now(), "writer": WRITER})
         group = self.root.require_group("teachers").create_group(meta.name)
         group.attrs["logitstore_teacher"] = meta.to_json()
+        group.create_group("parts")  # here, not in forks: two forks creating it would conflict
+        self._added_teachers.append(meta.name)
         if meta.codec.id_order == "frequency":
             assert code_of_id is not None and len(code_of_id) == meta.vocab_size, "frequency order needs code_of_id"
             _write_array(group, "code_of_id", np.asarray(code_of_id, dtype=np.uint32))
@@ -481,29 +485,56 @@ class StoreWriter:
 
     def write(self, samples: SparseSamples, *, teacher: str, source_hashes: list[str | None] | None = None) -> int:
         """Encode and stage `samples` as one new part. Returns how many samples were staged."""
-        meta = self.teachers.get(teacher)
-        if meta is None:
+        if teacher not in self.teachers:
             raise LogitstoreError(f"teacher {teacher!r} is not in the store; add_teacher first")
-        samples.validate(vocab_size=meta.vocab_size)
-        if (meta.sparsity["mode"] == "sampled") != (samples.entry_counts is not None):
-            raise InvalidSampleError(f"teacher {teacher!r} is {meta.sparsity['mode']}: entry_counts must be "
-                                     f"{'given' if meta.sparsity['mode'] == 'sampled' else 'absent'}")
         keep = self._apply_duplicate_rule(teacher, samples.sample_ids)
         if not keep:
             return 0
         if len(keep) < len(samples):
             samples, source_hashes = _subset(samples, keep, source_hashes)
-        code_of_id = self._code_of_id(teacher)
-        enc = codec.encode(samples, params=meta.codec, code_of_id=code_of_id, vocab_size=meta.vocab_size)
-        part = f"{time.time_ns():x}-{secrets.token_hex(4)}"
-        with storage_errors(f"cannot write to {self.store.location.uri}"):
-            group = self.root[f"teachers/{teacher}"].require_group("parts").create_group(part)
-            stored = sum(_write_array(group, name, values) for name, values in enc.arrays().items())
-            group.attrs.update({"samples": len(samples), "tokens": int(samples.n_tokens.sum()), "stored_bytes": stored})
-        self._new_rows.append(index.part_rows(sample_ids=samples.sample_ids, teacher=teacher, part=part, enc=enc,
-                                              n_tokens=samples.n_tokens, source_hashes=source_hashes))
-        self._new_keys.update((teacher, sid) for sid in samples.sample_ids)
+        written = self.part_writer().write(samples, teacher=teacher, source_hashes=source_hashes)
+        self._add_rows(written.rows)
         return len(samples)
+
+    def part_writer(self) -> PartWriter:
+        """A writer of parts into this transaction, in this process."""
+        return PartWriter(self.session, teachers=self.teachers, where=self.store.location.uri)
+
+    def fork(self) -> PartWriter:
+        """A picklable writer of parts for another process (or Ray worker); hand its `WrittenPart`s
+        back to `merge`, in any order.
+
+        Icechunk forks only a session without uncommitted changes, so forks come from a second,
+        untouched session on the same base version while merges land in this one. Teachers must be
+        committed before forking: a fork cannot create the shared teacher groups."""
+        assert not self._added_teachers, "commit newly added teachers before forking"
+        with storage_errors(f"cannot fork a writer on {self.store.location.uri}"):
+            if self._fork_source is None:
+                self._fork_source = self.store.repo.writable_session(self.branch)
+                if self._fork_source.snapshot_id != self.base_snapshot:
+                    raise ConflictError(f"branch {self.branch!r} moved while forking; start a new writer")
+            return PartWriter(self._fork_source.fork(), teachers=self.teachers, where=self.store.location.uri)
+
+    def merge(self, written: WrittenPart) -> int:
+        """Take a forked writer's part into this transaction. Returns the samples it adds."""
+        if written.fork is not None:
+            with storage_errors(f"cannot merge a forked writer into {self.store.location.uri}"):
+                self.session.merge(written.fork)
+        rows = written.rows
+        if rows.num_rows:
+            teacher = rows["teacher"][0].as_py()
+            keep = self._apply_duplicate_rule(teacher, rows["sample_id"].to_pylist())
+            rows = rows.take(keep)
+        self._add_rows(rows)
+        return rows.num_rows
+
+    def _add_rows(self, rows: pa.Table) -> None:
+        self._new_rows.append(rows)
+        self._new_keys.update(zip(rows["teacher"].to_pylist(), rows["sample_id"].to_pylist()))
+
+    def known_keys(self) -> set[tuple[str, str]]:
+        """(teacher, sample_id) of every sample in the branch's base version or staged here."""
+        return self._base_keys | self._new_keys
 
     def _apply_duplicate_rule(self, teacher: str, sample_ids: list[str]) -> list[int]:
         dup = [i for i, sid in enumerate(sample_ids) if (teacher, sid) in self._base_keys or (teacher, sid) in self._new_keys]
@@ -520,12 +551,6 @@ class StoreWriter:
             return list(range(len(sample_ids)))
         dup_set = set(dup)
         return [i for i in range(len(sample_ids)) if i not in dup_set]
-
-    def _code_of_id(self, teacher: str) -> np.ndarray:
-        group = self.root[f"teachers/{teacher}"]
-        if "code_of_id" in group:
-            return group["code_of_id"][:].astype(np.int64)
-        return codec.identity_order(self.teachers[teacher].vocab_size).astype(np.int64)
 
     # -- commit ----------------------------------------------------------------------------------
 
@@ -570,6 +595,55 @@ class StoreWriter:
             new_keys = _keys(new_rows)
         kept = base.filter(pc.invert(_key_mask(base, new_keys)))
         return pa.concat_tables([kept, new_rows])
+
+
+@dataclass
+class WrittenPart:
+    rows: pa.Table  # index rows of the new part
+    stored_bytes: int = 0  # compressed size of the part's arrays
+    fork: icechunk.ForkSession | None = None  # the fork that holds its arrays, when written in one
+
+
+class PartWriter:
+    """Encodes `SparseSamples` and writes each batch as a new part group into one Icechunk session or
+    fork. Parts never touch existing paths, which is what lets forks merge without conflicts."""
+
+    def __init__(self, session, *, teachers: dict[str, TeacherMeta], where: str):
+        self.session = session
+        self.teachers = dict(teachers)
+        self.where = where
+        self._codes: dict[str, np.ndarray] = {}
+
+    def __getstate__(self) -> dict:
+        return {"session": self.session, "teachers": self.teachers, "where": self.where}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["session"], teachers=state["teachers"], where=state["where"])
+
+    def write(self, samples: SparseSamples, *, teacher: str, source_hashes: list[str | None] | None = None) -> WrittenPart:
+        meta = self.teachers[teacher]
+        samples.validate(vocab_size=meta.vocab_size)
+        if (meta.sparsity["mode"] == "sampled") != (samples.entry_counts is not None):
+            raise InvalidSampleError(f"teacher {teacher!r} is {meta.sparsity['mode']}: entry_counts must be "
+                                     f"{'given' if meta.sparsity['mode'] == 'sampled' else 'absent'}")
+        root = zarr.open_group(self.session.store, mode="r+")
+        enc = codec.encode(samples, params=meta.codec, code_of_id=self._code_of_id(root, teacher), vocab_size=meta.vocab_size)
+        part = f"{time.time_ns():x}-{secrets.token_hex(4)}"
+        with storage_errors(f"cannot write to {self.where}"):
+            group = root[f"teachers/{teacher}/parts"].create_group(part)
+            stored = sum(_write_array(group, name, values) for name, values in enc.arrays().items())
+            group.attrs.update({"samples": len(samples), "tokens": int(samples.n_tokens.sum()), "stored_bytes": stored})
+        rows = index.part_rows(sample_ids=samples.sample_ids, teacher=teacher, part=part, enc=enc,
+                               n_tokens=samples.n_tokens, source_hashes=source_hashes)
+        is_fork = isinstance(self.session, icechunk.ForkSession)
+        return WrittenPart(rows=rows, stored_bytes=stored, fork=self.session if is_fork else None)
+
+    def _code_of_id(self, root: zarr.Group, teacher: str) -> np.ndarray:
+        if teacher not in self._codes:
+            group = root[f"teachers/{teacher}"]
+            codes = group["code_of_id"][:] if "code_of_id" in group else codec.identity_order(self.teachers[teacher].vocab_size)
+            self._codes[teacher] = codes.astype(np.int64)
+        return self._codes[teacher]
 
 
 def _keys(table: pa.Table) -> set[tuple[str, str]]:

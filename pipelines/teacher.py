@@ -78,6 +78,8 @@ class SparseBatch:
     logprobs: torch.Tensor
     target_logprob: torch.Tensor
     tail: torch.Tensor
+    # Log-probabilities at the selection temperature, for top-p cut-offs; None at temperature 1.
+    selection_logprobs: torch.Tensor | None = None
 
 
 # --------------------------------------------------------------------------- resolve
@@ -191,8 +193,50 @@ def load_teacher(
     )
 
 
+@dataclass
+class TeacherInfo:
+    """What the store records about a teacher, known without loading its weights."""
+
+    spec: TeacherSpec
+    tokenizer: Any
+    vocab_size: int
+    content_hash: str
+    tokenizer_hash: str
+
+
+def describe_teacher(spec: TeacherSpec | str | None) -> TeacherInfo:
+    """Tokenizer, output size (from the config) and fingerprints; seconds, not the weights' load time.
+
+    The build's driver uses this so that workers alone hold models."""
+    if not isinstance(spec, TeacherSpec):
+        spec = resolve_teacher(spec)
+    return _describe(spec)
+
+
+@functools.lru_cache(maxsize=4)
+def _describe(spec: TeacherSpec) -> TeacherInfo:
+    from transformers import AutoConfig, AutoTokenizer
+
+    kwargs = {"gguf_file": spec.gguf_file} if spec.gguf_file else {}
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(spec.path, **kwargs)
+        config = AutoConfig.from_pretrained(spec.path, **kwargs)
+    except (OSError, ValueError, KeyError, RuntimeError) as exc:
+        raise TeacherError(f"teacher {spec.name!r} ({spec.path}): cannot load: {exc}") from exc
+    vocab_size = int(getattr(config, "vocab_size", 0) or 0)
+    if vocab_size < 1:
+        raise TeacherError(f"teacher {spec.name!r}: its config names no vocab_size")
+    if len(tokenizer) > vocab_size:
+        raise TeacherError(f"teacher {spec.name!r}: tokenizer has {len(tokenizer)} tokens but the model only predicts {vocab_size}")
+    return TeacherInfo(spec=spec, tokenizer=tokenizer, vocab_size=vocab_size,
+                       content_hash=_content_hash(spec), tokenizer_hash=tokenizer_hash(tokenizer))
+
+
 def _load_model_and_tokenizer(spec: TeacherSpec, *, dtype: torch.dtype):
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # per-tensor bars would drown the build's own progress
 
     kwargs = {"gguf_file": spec.gguf_file} if spec.gguf_file else {}
     # Any of these from a local load means a bad model or file, not a logitstore bug.
@@ -265,6 +309,7 @@ def sparse_topk_forward(
     *,
     k: int,
     chunk_positions: int = 1024,
+    temperature: float = 1.0,
 ) -> SparseBatch:
     """Top-k teacher distribution for every next-token prediction in the batch.
 
@@ -272,11 +317,40 @@ def sparse_topk_forward(
     at a time, so the fp32 [positions x vocab] matrix exists for one chunk only.
     Results are on the model's device. Works for right or left padding: position ids
     follow the attention mask, so a padded row matches the same row unpadded.
+    Stored log-probabilities are always at temperature 1; with another `temperature`,
+    `selection_logprobs` holds the tempered ones (top-p cuts on those).
     """
+    head = functools.partial(_head_chunk, k=k, temperature=temperature)
+    return _chunked_forward(model, input_ids, attention_mask, width=k, head=head,
+                            chunk_positions=chunk_positions, with_selection=temperature != 1.0)
+
+
+def sampled_forward(
+    model,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    *,
+    n: int,
+    generator: torch.Generator,
+    temperature: float = 1.0,
+    chunk_positions: int = 1024,
+) -> SparseBatch:
+    """`n` draws per position from the teacher distribution at `temperature` (with repeats).
+
+    `ids` [B, T-1, n] are the draws, `logprobs` their temperature-1 log-probabilities, and
+    `tail` the exact mass outside the distinct drawn ids (Sparse Logit Sampling, Anshumann et
+    al. 2025: the draws' counts give an unbiased estimate of the distribution).
+    """
+    head = functools.partial(_sample_chunk, n=n, temperature=temperature, generator=generator)
+    return _chunked_forward(model, input_ids, attention_mask, width=n, head=head,
+                            chunk_positions=chunk_positions, with_selection=False)
+
+
+def _chunked_forward(model, input_ids, attention_mask, *, width, head, chunk_positions, with_selection) -> SparseBatch:
     batch, length = input_ids.shape
     vocab = _output_size(model)
-    if not 1 <= k <= vocab:
-        raise LogitstoreError(f"k={k} must be between 1 and the vocabulary size {vocab}")
+    if not 1 <= width <= vocab:
+        raise LogitstoreError(f"k={width} must be between 1 and the vocabulary size {vocab}")
     if chunk_positions < 1:
         raise LogitstoreError(f"chunk_positions={chunk_positions} must be at least 1")
     if input_ids.numel() and not 0 <= int(input_ids.min()) <= int(input_ids.max()) < vocab:
@@ -287,10 +361,10 @@ def sparse_topk_forward(
         # The last position predicts past the end of the text: nothing to store.
         hidden = hidden[:, :-1].reshape(-1, hidden.shape[-1])
         targets = input_ids[:, 1:].reshape(-1).to(hidden.device)
-        out = _empty_sparse(hidden.shape[0], k, device=hidden.device)
+        out = _empty_sparse(hidden.shape[0], width, device=hidden.device, with_selection=with_selection)
         for start in range(0, hidden.shape[0], chunk_positions):
             rows = slice(start, start + chunk_positions)
-            _head_chunk(model, hidden[rows], targets[rows], k=k, out=out, rows=rows)
+            head(model, hidden[rows], targets[rows], out=out, rows=rows)
     return _reshape(out, batch, length - 1)
 
 
@@ -310,16 +384,17 @@ def _last_hidden_state(model, input_ids, attention_mask) -> torch.Tensor:
     return output[0]
 
 
-def _empty_sparse(n: int, k: int, *, device) -> SparseBatch:
+def _empty_sparse(n: int, k: int, *, device, with_selection: bool = False) -> SparseBatch:
     return SparseBatch(
         ids=torch.empty(n, k, dtype=torch.int32, device=device),
         logprobs=torch.empty(n, k, dtype=torch.float32, device=device),
         target_logprob=torch.empty(n, dtype=torch.float32, device=device),
         tail=torch.empty(n, dtype=torch.float32, device=device),
+        selection_logprobs=torch.empty(n, k, dtype=torch.float32, device=device) if with_selection else None,
     )
 
 
-def _head_chunk(model, hidden, targets, *, k: int, out: SparseBatch, rows: slice) -> None:
+def _head_chunk(model, hidden, targets, *, k: int, temperature: float, out: SparseBatch, rows: slice) -> None:
     """Fill `out[rows]` from one chunk of hidden states.
 
     The log-softmax is never materialised: log p = logit - logsumexp(logits), applied
@@ -335,8 +410,26 @@ def _head_chunk(model, hidden, targets, *, k: int, out: SparseBatch, rows: slice
     top_logits, top_ids = torch.topk(logits, k, dim=-1, sorted=True)
     out.ids[rows] = top_ids.to(torch.int32)
     out.logprobs[rows] = top_logits - log_norm[:, None]
+    if out.selection_logprobs is not None:  # temperature keeps the ranking, not the masses
+        out.selection_logprobs[rows] = top_logits / temperature - torch.logsumexp(logits / temperature, dim=-1)[:, None]
+    _target_and_tail(logits, log_norm, targets, top_ids, out=out, rows=rows)
+
+
+def _sample_chunk(model, hidden, targets, *, n: int, temperature: float, generator, out: SparseBatch, rows: slice) -> None:
+    logits = _logits(model, hidden)
+    log_norm = torch.logsumexp(logits, dim=-1)
+    probs = torch.softmax(logits / temperature, dim=-1)
+    draws = torch.multinomial(probs, n, replacement=True, generator=generator)
+    del probs
+    out.ids[rows] = draws.to(torch.int32)
+    out.logprobs[rows] = logits.gather(1, draws) - log_norm[:, None]
+    _target_and_tail(logits, log_norm, targets, draws, out=out, rows=rows)
+
+
+def _target_and_tail(logits, log_norm, targets, kept_ids, *, out: SparseBatch, rows: slice) -> None:
+    """Target log-probability, then the mass outside `kept_ids` summed directly (see `_head_chunk`)."""
     out.target_logprob[rows] = logits.gather(1, targets[:, None]).squeeze(1) - log_norm
-    logits.scatter_(1, top_ids, float("-inf"))
+    logits.scatter_(1, kept_ids, float("-inf"))
     tail_log = torch.logsumexp(logits, dim=-1) - log_norm
     out.tail[rows] = tail_log.exp().clamp_(0.0, 1.0)
 
@@ -353,9 +446,11 @@ def _logits(model, hidden: torch.Tensor) -> torch.Tensor:
 
 def _reshape(flat: SparseBatch, batch: int, positions: int) -> SparseBatch:
     k = flat.ids.shape[-1]
+    selection = flat.selection_logprobs
     return SparseBatch(
         ids=flat.ids.view(batch, positions, k),
         logprobs=flat.logprobs.view(batch, positions, k),
         target_logprob=flat.target_logprob.view(batch, positions),
         tail=flat.tail.view(batch, positions),
+        selection_logprobs=None if selection is None else selection.view(batch, positions, k),
     )

@@ -199,3 +199,33 @@ def test_non_store_directory_is_never_written(tmp_path):
     with pytest.raises(StoreNotFoundError, match="refusing to write"):
         Store.open(str(tmp_path), create=True)
     assert [p.name for p in tmp_path.iterdir()] == ["precious.txt"]
+
+
+def _write_in_fork(args):
+    writer, ids, seed = args
+    return writer.write(random_samples(ids, seed=seed), teacher="teacher-a")
+
+
+def test_forked_writers_in_other_processes_merge_into_one_version(store_uri):
+    import multiprocessing
+    import pickle
+
+    if store_uri.startswith("memory://"):
+        pytest.skip("a memory store lives in one process")
+    store = Store.open(store_uri, create=True)
+    batches = [(["p0-a", "p0-b"], 1), (["p1-a"], 2)]
+    with store.writer() as w:
+        w.add_teacher(teacher(), code_of_id=codec.identity_order(VOCAB))
+        w.commit("add the teacher")  # forks cannot create shared groups
+    with store.writer() as w:
+        forks = [pickle.loads(pickle.dumps(w.fork())) for _ in batches]
+        with multiprocessing.get_context("spawn").Pool(2) as pool:
+            written = pool.map(_write_in_fork, [(f, ids, seed) for f, (ids, seed) in zip(forks, batches)])
+        for part in written:
+            w.merge(part)
+        version = w.commit("two forks")
+    view = store.read(version)
+    assert sorted(view.index["sample_id"].to_pylist()) == ["p0-a", "p0-b", "p1-a"]
+    for ids, seed in batches:
+        assert_matches(view, random_samples(ids, seed=seed))
+    assert verify(view).ok

@@ -1,0 +1,292 @@
+"""Stage one: `logitstore build` runs a teacher over a dataset and commits its sparse distributions.
+
+The driver (this process) streams documents, tokenizes and windows them, and groups the samples into
+*units* of about `unit_tokens` tokens in input order. A unit is the unit of everything: one worker
+computes it (sorting its samples by length and batching them by token budget), writes it as one part,
+and it becomes visible in one commit. Units depend only on the input, never on the worker count, so
+the stored bytes are identical for 1, 2 or N workers and for a resumed build.
+
+Resuming: a unit whose samples are all in the branch already is skipped before any teacher work, so
+re-running a killed build with the same arguments recomputes nothing committed and duplicates nothing.
+The driver commits every `commit_every` seconds, so a crash loses at most that much work.
+
+Workers: in-process (`workers=1`), local processes (`workers=N`, spawn), or Ray actors
+(`ray_address`), each holding one teacher. Remote workers write into Icechunk forks that the driver
+merges; in-process writes go straight into the driver's transaction.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+import numpy as np
+
+from logitstore import codec
+from logitstore.codec import CodecParams
+from logitstore.errors import LogitstoreError
+from logitstore.pipelines import data as data_io
+from logitstore.pipelines.sparsify import Sparsity
+from logitstore.pipelines.workers import Unit, make_executor, write_unit
+from logitstore.store import DEFAULT_BRANCH, Store, TeacherMeta
+
+DEFAULT_STORE = "logitstore-store"
+
+
+class BuildError(LogitstoreError):
+    """A build cannot start or continue: bad options, or a teacher that does not fit the store."""
+
+
+@dataclass
+class BuildConfig:
+    """Everything `logitstore build` takes. Validated on construction; errors name the flag."""
+
+    store: str = DEFAULT_STORE
+    teacher: str | None = None
+    data: str | None = None
+    text_column: str = "text"
+    id_column: str | None = None
+    ids_column: str | None = None
+    max_length: int = 1024
+    sparsity: Sparsity = field(default_factory=Sparsity)
+    batch_tokens: int = 8192
+    device: str = "auto"
+    dtype: str = "auto"
+    workers: int = 1
+    ray_address: str | None = None
+    message: str | None = None
+    branch: str = DEFAULT_BRANCH
+    commit_every: float = 300.0
+    unit_tokens: int = 16384  # tokens per unit: the grain of work, of parts and of resuming
+    seed: int = 0
+    engine: str = "torch"
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.max_length >= 2, f"--max-length must be at least 2, got {self.max_length}"),
+            (self.batch_tokens >= 2, f"--batch-tokens must be at least 2, got {self.batch_tokens}"),
+            (self.workers >= 1, f"--workers must be at least 1, got {self.workers}"),
+            (self.commit_every > 0, f"--commit-every must be positive, got {self.commit_every}"),
+            (self.unit_tokens >= 1, f"--unit-tokens must be at least 1, got {self.unit_tokens}"),
+            (self.device == "auto" or self.device.split(":")[0] in ("cpu", "cuda"),
+             f"--device must be auto, cpu or cuda[:N], got {self.device!r}"),
+            (self.engine in ("torch", "vllm"), f"--engine must be torch or vllm, got {self.engine!r}"),
+            (self.dtype in ("auto", "float32", "bfloat16", "float16"),
+             f"--dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise BuildError(message)
+
+
+@dataclass
+class BuildSummary:
+    """The `--json` summary. `samples`/`tokens` count what this run wrote."""
+
+    samples: int = 0
+    tokens: int = 0
+    skipped: int = 0  # documents too short to predict anything (< 2 tokens)
+    duplicates: int = 0  # documents whose id appeared earlier in the input
+    already_stored: int = 0  # samples committed by an earlier (interrupted) run of the build
+    seconds: float = 0.0
+    tokens_per_second: float = 0.0
+    bytes_per_token: float | None = None
+    version: str = ""
+    teacher: str = ""
+    commits: int = 0
+    stored_bytes: int = 0  # compressed bytes of the parts this run wrote
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def run_build(cfg: BuildConfig, *, log: Callable[[str], None] | None = None) -> BuildSummary:
+    """Run the whole build; returns the summary. Raises `LogitstoreError`s for user errors."""
+    from logitstore.pipelines.teacher import describe_teacher
+
+    log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+    start = time.perf_counter()
+    info = describe_teacher(cfg.teacher)
+    if cfg.sparsity.mode != "sampled" and cfg.sparsity.k > info.vocab_size:
+        raise BuildError(f"--top-k {cfg.sparsity.k} is larger than the teacher's vocabulary ({info.vocab_size})")
+    store = Store.open(cfg.store, create=True)
+    if cfg.branch not in store.repo.list_branches():
+        store.create_branch(cfg.branch)
+    meta = TeacherMeta(name=info.spec.name, vocab_size=info.vocab_size, content_hash=info.content_hash,
+                       tokenizer_hash=info.tokenizer_hash, sparsity=cfg.sparsity.to_json(), codec=CodecParams())
+    summary = BuildSummary(teacher=meta.name)
+    with store.writer(branch=cfg.branch, on_duplicate="skip") as writer:
+        if meta.name in writer.teachers:
+            writer.add_teacher(meta)  # only checks: refuses a different teacher, tokenizer or sparsity
+        known = {sid for t, sid in writer.known_keys() if t == meta.name}
+    units = plan_units(cfg, info.tokenizer, known=known, summary=summary)
+    first = next(units, None)  # reads and checks the input before any model is loaded
+    if first is not None:
+        executor = make_executor(cfg, teacher_spec=info.spec)
+        try:
+            head = [first]
+            if meta.name not in store.read(cfg.branch).teachers:
+                _add_teacher_with_first_unit(store, cfg, meta, info, first, executor.compute(first), summary)
+                head = []
+            _process(store, cfg, head, units, executor, summary, log)
+        finally:
+            executor.close()
+    view = store.read(cfg.branch)
+    summary.version = view.snapshot_id
+    summary.seconds = time.perf_counter() - start
+    summary.tokens_per_second = summary.tokens / summary.seconds if summary.seconds else 0.0
+    summary.bytes_per_token = summary.stored_bytes / summary.tokens if summary.tokens else None
+    return summary
+
+
+def _add_teacher_with_first_unit(store: Store, cfg: BuildConfig, meta: TeacherMeta, info, unit: Unit,
+                                 samples, summary: BuildSummary) -> None:
+    """Register the teacher and write the first unit in one commit. The codec's id order comes from
+    the teacher's entries on that unit, so it costs no extra forward pass; forks, which cannot create
+    the shared teacher group, start after this commit."""
+    code_of_id = codec.frequency_id_order(samples.entry_ids, vocab_size=meta.vocab_size)
+    with store.writer(branch=cfg.branch) as writer:
+        writer.add_teacher(meta, tokenizer_json=info.tokenizer.backend_tokenizer.to_str(), code_of_id=code_of_id)
+        written = write_unit(writer.part_writer(), unit, samples, teacher=meta.name)
+        summary.samples += writer.merge(written)
+        summary.tokens += unit.n_tokens
+        summary.stored_bytes += written.stored_bytes
+        writer.commit(cfg.message or f"build: teacher {meta.name} (first unit)")
+        summary.commits += 1
+
+
+def _process(store, cfg, head: list[Unit], rest: Iterator[Unit], executor, summary, log) -> None:
+    progress = Progress(cfg, log=log)
+    writer = store.writer(branch=cfg.branch, on_duplicate="skip")
+    last_commit = time.monotonic()
+    try:
+        for written, unit in executor.map(_chain(head, rest), writer_for=lambda: writer, max_in_flight=2 * cfg.workers):
+            added = writer.merge(written)
+            summary.samples += added
+            summary.tokens += unit.n_tokens if added else 0
+            summary.stored_bytes += written.stored_bytes
+            progress.update(tokens=unit.n_tokens, samples=len(unit.sample_ids), documents=unit.documents_read)
+            if time.monotonic() - last_commit >= cfg.commit_every:
+                _commit(writer, cfg, summary, final=False)
+                writer = store.writer(branch=cfg.branch, on_duplicate="skip")
+                last_commit = time.monotonic()
+        _commit(writer, cfg, summary, final=True)
+    finally:
+        progress.close()
+
+
+def _commit(writer, cfg: BuildConfig, summary: BuildSummary, *, final: bool) -> None:
+    if not writer.session.has_uncommitted_changes:
+        return
+    message = cfg.message or f"build: teacher {summary.teacher}"
+    writer.commit(message if final else f"{message} (checkpoint, {summary.samples} samples so far)")
+    summary.commits += 1
+
+
+def _chain(head: list[Unit], rest: Iterator[Unit]) -> Iterator[Unit]:
+    yield from head
+    yield from rest
+
+
+# -- planning: documents -> samples -> units ---------------------------------------------------
+
+
+def plan_units(cfg: BuildConfig, tokenizer, *, known: set[str], summary: BuildSummary) -> Iterator[Unit]:
+    """Units of about `unit_tokens` tokens in input order, skipping units already stored."""
+    pending = Unit(index=0)
+    seen: set[str] = set()
+    for doc_batch in _batched(data_io.read_documents(cfg.data, text_column=cfg.text_column, id_column=cfg.id_column,
+                                                     ids_column=cfg.ids_column), 256):
+        for doc, token_ids in zip(doc_batch, _tokenize(tokenizer, doc_batch)):
+            pending.documents_read += 1
+            if doc.id in seen:
+                summary.duplicates += 1
+                continue
+            seen.add(doc.id)
+            windows = data_io.window(token_ids, max_length=cfg.max_length) if len(token_ids) >= 2 else []
+            if not windows:
+                summary.skipped += 1
+                continue
+            for sid, win in zip(data_io.window_ids(doc.id, len(windows)), windows):
+                pending.add(sid, win, doc.source_hash)
+            if pending.n_tokens >= cfg.unit_tokens:
+                yield from _unless_stored(pending, known, summary)
+                pending = Unit(index=pending.index + 1)
+    if pending.sample_ids:
+        yield from _unless_stored(pending, known, summary)
+
+
+def _unless_stored(unit: Unit, known: set[str], summary: BuildSummary) -> Iterator[Unit]:
+    stored = sum(sid in known for sid in unit.sample_ids)
+    summary.already_stored += stored
+    if stored < len(unit.sample_ids):
+        yield unit
+
+
+def _tokenize(tokenizer, docs: list) -> list[np.ndarray]:
+    texts = [d.text for d in docs if d.token_ids is None]
+    encoded = iter(tokenizer(texts)["input_ids"]) if texts else iter(())
+    return [np.asarray(d.token_ids if d.token_ids is not None else next(encoded), dtype=np.int64) for d in docs]
+
+
+def _batched(items: Iterator, size: int) -> Iterator[list]:
+    batch = []
+    for item in items:
+        batch.append(item)
+        if len(batch) == size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+# -- progress ------------------------------------------------------------------------------------
+
+
+class Progress:
+    """A tqdm bar on a terminal; a plain line every 10 seconds otherwise (logs, CI)."""
+
+    def __init__(self, cfg: BuildConfig, *, log: Callable[[str], None]):
+        self.log = log
+        self.enabled = cfg.progress
+        self.total_documents = data_io.count_documents(cfg.data) if cfg.progress else None
+        self.start = self.last = time.monotonic()
+        self.tokens = self.samples = self.documents = 0
+        self.bar = None
+        if self.enabled and sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=self.total_documents, unit="doc", desc="build", dynamic_ncols=True)
+
+    def update(self, *, tokens: int, samples: int, documents: int) -> None:
+        self.tokens += tokens
+        self.samples += samples
+        self.documents += documents
+        rate = self.tokens / max(time.monotonic() - self.start, 1e-9)
+        if self.bar is not None:
+            self.bar.update(documents)
+            self.bar.set_postfix(tokens_per_s=f"{rate:,.0f}", samples=self.samples)
+        elif self.enabled and time.monotonic() - self.last >= 10:
+            self.last = time.monotonic()
+            self.log(f"build: {self.documents:,} documents, {self.samples:,} samples, {self.tokens:,} tokens, "
+                     f"{rate:,.0f} tokens/s{self._eta()}")
+
+    def _eta(self) -> str:
+        if not self.total_documents or not self.documents:
+            return ""
+        elapsed = time.monotonic() - self.start
+        left = elapsed / self.documents * max(self.total_documents - self.documents, 0)
+        return f", ETA {left / 60:.1f} min"
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def summary_json(summary: BuildSummary) -> str:
+    return json.dumps(summary.to_json(), indent=2)

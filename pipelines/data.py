@@ -1,0 +1,638 @@
+"""Stage one's input side: documents out of a data file or folder, and how long ones are windowed.
+
+`read_documents` streams `Document`s out of what `logitstore build --data DATA` names:
+
+- a file, its format from the extension: JSON Lines (`.jsonl`, `.json`, `.ndjson`; one object per
+  line), Parquet (`.parquet`, `.pq`), Arrow IPC (`.arrow`, `.feather`, `.ipc`; file or stream
+  format, whichever it is) or CSV (`.csv`, with a header row; quoted values may span lines);
+- a folder: every file of those extensions below it, recursively, in the order of their relative
+  paths (formats may be mixed; hidden files and folders, named ".*", are skipped);
+- a folder written by Hugging Face `datasets`' `save_to_disk` (it holds `state.json` and
+  `dataset_info.json`): its `data-*.arrow` files in the order `state.json` lists them;
+- nothing (`None`): the shipped sample corpus, with its `id` column as document ids.
+
+Everything is read record batch by record batch, and only the columns asked for, so memory stays
+bounded by a batch (a few MB), not by the size of the data.
+
+Columns. Text input (the default) reads `text_column`. Pre-tokenized input reads `ids_column`:
+a list of non-negative integers per row, or, where the format has no lists (CSV), a string of
+integers separated by commas or spaces, optionally in brackets ("[1, 2, 3]"). When `ids_column`
+is given the ids win and `text_column` is not read, even when it was given too. Document ids come
+from `id_column` (strings or integers, converted to `str`), else they are content hashes: the text's
+for text input, the token ids' for pre-tokenized input.
+
+Errors are `DataError`s naming the file and the problem. Path and argument errors raise when
+`read_documents` is called; content errors (a missing column, a bad row) raise while iterating,
+when the file is reached. Duplicate document ids are not checked here: the store refuses them.
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import io
+import json
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.json as pa_json
+import pyarrow.parquet as pq
+from pyarrow import csv as pa_csv
+
+from logitstore.data import SAMPLE_CORPUS
+from logitstore.errors import LogitstoreError
+
+FORMATS: dict[str, str] = {
+    ".jsonl": "jsonl", ".json": "jsonl", ".ndjson": "jsonl",
+    ".parquet": "parquet", ".pq": "parquet",
+    ".arrow": "arrow", ".feather": "arrow", ".ipc": "arrow",
+    ".csv": "csv",
+}
+
+# JSON Lines are cut into chunks of whole lines and each chunk parsed on its own: pyarrow's
+# streaming JSON reader keeps ~35 blocks in flight and fails on a row longer than a block, this
+# keeps one chunk (plus one line) in memory and never splits a row.
+_JSON_CHUNK_BYTES = 1 << 20
+# CSV values may hold newlines, so CSV cannot be cut by lines; pyarrow's streaming reader it is,
+# restarted with larger blocks when one row does not fit a block (see `_restarting`).
+_CSV_BLOCK_BYTES = 1 << 20
+_MAX_BLOCK_BYTES = 1 << 30
+_INT64_MAX = np.iinfo(np.int64).max
+
+
+class DataError(LogitstoreError):
+    """The input data cannot be read: missing path or column, unsupported format, or a bad row."""
+
+
+@dataclass(frozen=True)
+class Document:
+    """One input document.
+
+    id: from the id column (as str), else `source_hash`. text: None for pre-tokenized input.
+    token_ids: int64, only for pre-tokenized input. source_hash: `text_hash(text)`, or for
+    pre-tokenized input the sha256 of the int64 (little-endian) ids, first 32 hex digits.
+    row: 0-based row number in the whole input, in read order.
+    """
+
+    id: str
+    text: str | None
+    token_ids: np.ndarray | None
+    source_hash: str
+    row: int
+
+
+@dataclass(frozen=True)
+class _Columns:
+    """The effective column choice: `ids` set means pre-tokenized input and `text` is None."""
+
+    text: str | None
+    id: str | None
+    ids: str | None
+
+    def roles(self) -> dict[str, str]:
+        """Column name -> the option that named it, for the columns to read."""
+        named = [(self.id, "--id-column"), (self.text, "--text-column"), (self.ids, "--ids-column")]
+        out: dict[str, str] = {}
+        for column, option in named:
+            if column is not None:
+                out.setdefault(column, option)
+        return out
+
+
+class _BadRow(Exception):
+    """A converter found a bad value at `index` of a batch; the caller adds file, row and id."""
+
+    def __init__(self, index: int, message: str):
+        super().__init__(message)
+        self.index = index
+        self.message = message
+
+
+class _BadColumn(Exception):
+    """A whole column has the wrong type."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Public API
+
+
+def text_hash(text: str) -> str:
+    """sha256 of the text's UTF-8 bytes, first 32 hex digits: default document id and source hash."""
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:32]
+
+
+def ids_hash(token_ids: np.ndarray) -> str:
+    """sha256 of the ids as little-endian int64 bytes, first 32 hex digits (pre-tokenized input)."""
+    return hashlib.sha256(np.ascontiguousarray(token_ids, dtype="<i8").tobytes()).hexdigest()[:32]
+
+
+def read_documents(
+    data: str | os.PathLike | None,
+    *,
+    text_column: str | None = "text",
+    id_column: str | None = None,
+    ids_column: str | None = None,
+    batch_rows: int = 1024,
+) -> Iterator[Document]:
+    """Stream the documents of `data` (a file, a folder, a `save_to_disk` folder, or None for the
+    sample corpus), `batch_rows` rows converted at a time. See the module docstring for formats and
+    column rules. Raises `DataError` for a missing path, an unsupported format or bad arguments now,
+    and for missing columns or bad rows while iterating."""
+    if batch_rows < 1:
+        raise ValueError(f"batch_rows must be >= 1, got {batch_rows}")
+    columns = _effective_columns(data, text_column=text_column, id_column=id_column, ids_column=ids_column)
+    _root, files = _resolve(data)
+    return _iter_documents(files, columns, batch_rows)
+
+
+def window(token_ids: np.ndarray, *, max_length: int) -> list[np.ndarray]:
+    """Cut a document's tokens into the windows the teacher sees, at most `max_length` tokens each.
+
+    A document of <= max_length tokens is one window, itself. A longer one is cut into windows of
+    max_length tokens starting every max_length - 1 tokens, so consecutive windows share exactly one
+    token and every next-token transition (t -> t+1) is predicted in exactly one window. The model's
+    context restarts at each window: the first predictions of a later window see at most a short
+    context. The last window may be shorter, but always holds at least 2 tokens (a 1-token tail would
+    hold no transition that the previous window does not already predict). Windows are views into
+    `token_ids`. Raises `DataError` if max_length < 2 (a window must hold a transition).
+    """
+    if max_length < 2:
+        raise DataError(f"--max-length must be at least 2 tokens, got {max_length}")
+    token_ids = np.asarray(token_ids)
+    if token_ids.ndim != 1:
+        raise ValueError(f"token_ids must be 1-D, got shape {token_ids.shape}")
+    n = len(token_ids)
+    if n <= max_length:
+        return [token_ids]
+    # Window k predicts transitions k*(L-1) .. k*(L-1)+L-2; starts stop before the last token so
+    # the final window always holds at least one transition.
+    starts = np.arange(0, n - 1, max_length - 1)
+    return [token_ids[s : s + max_length] for s in starts]
+
+
+def window_ids(doc_id: str, n_windows: int) -> list[str]:
+    """Sample ids of a document's windows: the document id itself for one window, else
+    `<doc_id>#w<i>` for window i = 0 .. n_windows-1."""
+    if n_windows < 1:
+        raise ValueError(f"n_windows must be >= 1, got {n_windows}")
+    if n_windows == 1:
+        return [doc_id]
+    return [f"{doc_id}#w{i}" for i in range(n_windows)]
+
+
+def input_fingerprint(
+    data: str | os.PathLike | None,
+    *,
+    text_column: str | None = "text",
+    id_column: str | None = None,
+    ids_column: str | None = None,
+) -> str:
+    """sha256 (first 32 hex digits) describing the input, so a build can refuse to resume over
+    different data: the effective columns, and per file its relative path, size and mtime_ns (no
+    file is read), or for the sample corpus (data None) the sha256 of its content."""
+    columns = _effective_columns(data, text_column=text_column, id_column=id_column, ids_column=ids_column)
+    description: dict = {"columns": [columns.text, columns.id, columns.ids]}
+    if data is None:
+        description["sample_corpus_sha256"] = _file_sha256(SAMPLE_CORPUS)
+    else:
+        root, files = _resolve(data)
+        base = root if root.is_dir() else root.parent
+        description["files"] = [
+            [path.relative_to(base).as_posix(), stat.st_size, stat.st_mtime_ns]
+            for path, _kind in files
+            for stat in [path.stat()]
+        ]
+    blob = json.dumps(description, sort_keys=True).encode("utf-8")
+    return hashlib.sha256(blob).hexdigest()[:32]
+
+
+def count_documents(data: str | os.PathLike | None) -> int | None:
+    """Rows in the input when cheap to know (for the progress bar's ETA), else None.
+
+    Parquet and Arrow IPC files say it in their metadata; JSONL is counted by newlines at disk
+    speed. CSV (newlines inside quoted values) and Arrow streams would need a full parse: None."""
+    try:
+        _root, files = _resolve(data)
+        total = 0
+        for path, kind in files:
+            if kind == "parquet":
+                total += pq.ParquetFile(path).metadata.num_rows
+            elif kind == "jsonl":
+                total += _count_lines(path)
+            elif kind == "arrow":
+                with pa.OSFile(str(path), "rb") as f:
+                    total += _arrow_file_rows(f)
+            else:
+                return None
+        return total
+    except (DataError, OSError, pa.ArrowInvalid):
+        return None
+
+
+def _count_lines(path: Path) -> int:
+    lines, last = 0, b"\n"
+    with open(path, "rb") as f:
+        while block := f.read(1 << 22):
+            lines += block.count(b"\n")
+            last = block[-1:]
+    return lines + (last != b"\n")  # a final line without a newline still counts
+
+
+def _arrow_file_rows(f) -> int:
+    reader = pa.ipc.open_file(f)  # raises ArrowInvalid for the stream format
+    return sum(reader.get_batch(i).num_rows for i in range(reader.num_record_batches))
+
+
+# ---------------------------------------------------------------------------------------------
+# Arguments and paths
+
+
+def _effective_columns(data, *, text_column, id_column, ids_column) -> _Columns:
+    """Resolve the column options: ids win over text; the sample corpus has an `id` column."""
+    if ids_column:
+        return _Columns(text=None, id=id_column or None, ids=ids_column)
+    if not text_column:
+        raise DataError("no text column and no ids column: give --text-column or --ids-column")
+    if data is None and not id_column:
+        id_column = "id"
+    return _Columns(text=text_column, id=id_column or None, ids=None)
+
+
+def _resolve(data) -> tuple[Path, list[tuple[Path, str]]]:
+    """The input's root path and its files with their formats, in read order."""
+    if data is None:
+        return SAMPLE_CORPUS, [(SAMPLE_CORPUS, "jsonl")]
+    root = Path(os.fspath(data)).expanduser()
+    if not root.exists():
+        raise DataError(f"{root}: no such file or folder")
+    if root.is_dir():
+        files = _hf_files(root) if _is_hf_dataset(root) else _folder_files(root)
+        return root, files
+    return root, [(root, _format_of(root))]
+
+
+def _format_of(path: Path) -> str:
+    kind = FORMATS.get(path.suffix.lower())
+    if kind is None:
+        supported = ", ".join(FORMATS)
+        raise DataError(f"{path}: unsupported file type {path.suffix or '(no extension)'!r}; supported: {supported}")
+    return kind
+
+
+def _folder_files(root: Path) -> list[tuple[Path, str]]:
+    """Every supported, non-hidden file below `root`, sorted by relative path."""
+    found = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        # Hidden folders (.git, .ipynb_checkpoints) hold copies or metadata, not documents.
+        dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+        for name in filenames:
+            path = Path(dirpath, name)
+            if not name.startswith(".") and path.suffix.lower() in FORMATS:
+                found.append((path.relative_to(root).as_posix(), path))
+    if not found:
+        raise DataError(f"{root}: the folder holds no data files ({', '.join(FORMATS)})")
+    return [(path, FORMATS[path.suffix.lower()]) for _rel, path in sorted(found)]
+
+
+def _is_hf_dataset(root: Path) -> bool:
+    if (root / "dataset_dict.json").is_file():
+        try:
+            splits = [str(s) for s in json.loads((root / "dataset_dict.json").read_text())["splits"]]
+        except (ValueError, KeyError, TypeError):
+            splits = []
+        raise DataError(f"{root}: a Hugging Face DatasetDict (splits: {', '.join(splits)}); "
+                        f"give one split's folder, e.g. {root / (splits[0] if splits else 'train')}")
+    return (root / "state.json").is_file() and (root / "dataset_info.json").is_file()
+
+
+def _hf_files(root: Path) -> list[tuple[Path, str]]:
+    """The Arrow stream files of a `save_to_disk` folder, in `state.json` order."""
+    try:
+        state = json.loads((root / "state.json").read_text())
+        names = [entry["filename"] for entry in state["_data_files"]]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise DataError(f"{root / 'state.json'}: not a Hugging Face datasets state file ({exc})") from exc
+    files = [(root / name, "arrow") for name in names]
+    for path, _kind in files:
+        if not path.is_file():
+            raise DataError(f"{path}: listed in {root / 'state.json'} but missing")
+    if not files:
+        raise DataError(f"{root / 'state.json'}: lists no data files")
+    return files
+
+
+def _file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 20):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading: each format yields record batches holding exactly the asked-for columns
+
+
+def _iter_documents(files, columns: _Columns, batch_rows: int) -> Iterator[Document]:
+    row = 0
+    for path, kind in files:
+        file_row = 0
+        for batch in _guarded(path, kind, _READERS[kind](path, columns.roles())):
+            for offset in range(0, batch.num_rows, batch_rows):
+                part = batch.slice(offset, batch_rows)
+                yield from _documents(part, columns, path=path, file_row=file_row, row=row)
+                file_row += part.num_rows
+                row += part.num_rows
+
+
+def _guarded(path: Path, kind: str, batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+    """Turn pyarrow's and the OS's read errors into one-line `DataError`s naming the file."""
+    try:
+        yield from batches
+    except (pa.ArrowException, OSError, UnicodeDecodeError) as exc:
+        detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        if "utf8" in detail.lower().replace("-", ""):
+            raise DataError(f"{path}: invalid UTF-8 ({detail})") from exc
+        raise DataError(f"{path}: cannot read as {kind}: {detail}") from exc
+
+
+def _check_columns(path: Path, names: list[str], roles: dict[str, str]) -> None:
+    for column, option in roles.items():
+        if column not in names:
+            raise DataError(f"{path}: no column {column!r} ({option}); its columns are: {', '.join(names)}")
+
+
+def _jsonl_batches(path: Path, roles: dict[str, str]) -> Iterator[pa.RecordBatch]:
+    schema = None
+    with open(path, "rb") as f:
+        while chunk := _read_lines(f, _JSON_CHUNK_BYTES):
+            if schema is None:
+                # Types come from the first chunk and are then fixed, so every chunk agrees and
+                # the other fields are skipped, not parsed into columns.
+                inferred = _parse_json(chunk, None).schema
+                _check_columns(path, inferred.names, roles)
+                schema = pa.schema([_json_field(inferred.field(c), c, roles[c]) for c in roles])
+            yield from _parse_json(chunk, schema).to_batches()
+
+
+def _read_lines(f, size: int) -> bytes:
+    """About `size` bytes of whole lines."""
+    chunk = f.read(size)
+    if chunk and not chunk.endswith(b"\n"):
+        chunk += f.readline()
+    return chunk
+
+
+def _parse_json(chunk: bytes, schema: pa.Schema | None) -> pa.Table:
+    # One block, so no row straddles two; and one thread, as one block cannot be split anyway.
+    read_options = pa_json.ReadOptions(block_size=len(chunk) + 1, use_threads=False)
+    if schema is None:
+        return pa_json.read_json(io.BytesIO(chunk), read_options=read_options)
+    parse_options = pa_json.ParseOptions(explicit_schema=schema, unexpected_field_behavior="ignore")
+    return pa_json.read_json(io.BytesIO(chunk), read_options=read_options, parse_options=parse_options)
+
+
+def _json_field(field: pa.Field, column: str, option: str) -> pa.Field:
+    """A column all null in the first chunk was inferred as null; give it the type it should have."""
+    if not pa.types.is_null(field.type):
+        return field
+    return pa.field(column, pa.list_(pa.int64()) if option == "--ids-column" else pa.string())
+
+
+def _csv_batches(path: Path, roles: dict[str, str]) -> Iterator[pa.RecordBatch]:
+    header = _csv_header(path)
+    if header is None:
+        return  # an empty file holds no documents
+    _check_columns(path, header, roles)
+    # Everything as strings: ids like "007" stay as written, and the ids column is parsed later.
+    convert = pa_csv.ConvertOptions(include_columns=list(roles), column_types={c: pa.string() for c in roles},
+                                    strings_can_be_null=False, quoted_strings_can_be_null=False)
+
+    def open_at(block_size: int) -> Iterator[pa.RecordBatch]:
+        reader = pa_csv.open_csv(path, read_options=pa_csv.ReadOptions(block_size=block_size),
+                                 parse_options=pa_csv.ParseOptions(newlines_in_values=True),
+                                 convert_options=convert)
+        try:
+            yield from reader
+        finally:
+            reader.close()
+
+    yield from _restarting(open_at, _CSV_BLOCK_BYTES)
+
+
+def _csv_header(path: Path) -> list[str] | None:
+    with open(path, "rb") as raw:
+        text = io.TextIOWrapper(raw, encoding="utf-8-sig", newline="")
+        return next(csv.reader(text), None)
+
+
+def _restarting(open_at: Callable[[int], Iterator[pa.RecordBatch]], block_size: int) -> Iterator[pa.RecordBatch]:
+    """Batches of `open_at(block_size)`; when a row does not fit in a block, reopen with 4x larger
+    blocks and skip the rows already yielded. Small blocks by default keep memory low: pyarrow's
+    streaming readers hold a few dozen blocks in flight."""
+    done = 0
+    while True:
+        seen = 0
+        try:
+            for batch in open_at(block_size):
+                skip = done - seen  # rows of this batch yielded before the restart
+                seen += batch.num_rows
+                if seen > done:
+                    done = seen
+                    yield batch.slice(skip) if skip > 0 else batch
+            return
+        except pa.ArrowInvalid as exc:
+            if "straddl" not in str(exc) or block_size >= _MAX_BLOCK_BYTES:
+                raise
+            block_size *= 4
+
+
+def _parquet_batches(path: Path, roles: dict[str, str]) -> Iterator[pa.RecordBatch]:
+    with pq.ParquetFile(path) as parquet:
+        _check_columns(path, parquet.schema_arrow.names, roles)
+        yield from parquet.iter_batches(columns=list(roles))
+
+
+def _arrow_batches(path: Path, roles: dict[str, str]) -> Iterator[pa.RecordBatch]:
+    # Memory-mapped: batches are zero-copy views, and only the pages of the read columns load.
+    with pa.memory_map(str(path)) as source:
+        try:
+            reader = pa.ipc.open_file(source)
+        except pa.ArrowInvalid:
+            source.seek(0)  # not the IPC file format: the stream format (what `datasets` writes)
+            reader = pa.ipc.open_stream(source)
+        _check_columns(path, reader.schema.names, roles)
+        if isinstance(reader, pa.ipc.RecordBatchFileReader):
+            for i in range(reader.num_record_batches):
+                yield reader.get_batch(i).select(list(roles))
+        else:
+            for batch in reader:
+                yield batch.select(list(roles))
+
+
+_READERS = {"jsonl": _jsonl_batches, "csv": _csv_batches, "parquet": _parquet_batches, "arrow": _arrow_batches}
+
+
+# ---------------------------------------------------------------------------------------------
+# Converting a batch into documents
+
+
+def _documents(batch: pa.RecordBatch, columns: _Columns, *, path: Path, file_row: int, row: int) -> Iterator[Document]:
+    n = batch.num_rows
+
+    def fail(index: int, message: str, doc_ids: list[str] | None) -> DataError:
+        where = f"{path}: row {file_row + index}"
+        if row != file_row:
+            where += f" (input row {row + index})"
+        if doc_ids is not None:
+            where += f", document {doc_ids[index]!r}"
+        return DataError(f"{where}: {message}")
+
+    doc_ids = None
+    try:
+        if columns.id is not None:
+            doc_ids = _id_values(_column(batch, columns.id), columns.id)
+        if columns.ids is not None:
+            tokens, texts = _ids_values(_column(batch, columns.ids), columns.ids), [None] * n
+        else:
+            tokens, texts = [None] * n, _text_values(_column(batch, columns.text), columns.text)
+    except _BadRow as bad:
+        raise fail(bad.index, bad.message, doc_ids) from None
+    except _BadColumn as bad:
+        raise DataError(f"{path}: {bad}") from None
+    for i in range(n):
+        text = texts[i]
+        if tokens[i] is None and (text is None or not text.strip()):
+            what = "null" if text is None else "empty or whitespace-only"
+            raise fail(i, f"text column {columns.text!r} is {what}", doc_ids)
+        source = ids_hash(tokens[i]) if tokens[i] is not None else text_hash(text)
+        doc_id = doc_ids[i] if doc_ids is not None else source
+        yield Document(id=doc_id, text=text, token_ids=tokens[i], source_hash=source, row=row + i)
+
+
+def _column(batch: pa.RecordBatch, name: str) -> pa.Array:
+    column = batch.column(batch.schema.get_field_index(name))
+    # Dictionary-encoded strings (Parquet, Arrow) read like plain ones.
+    return column.dictionary_decode() if pa.types.is_dictionary(column.type) else column
+
+
+def _is_text_type(t: pa.DataType) -> bool:
+    return pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_string_view(t)
+
+
+def _is_binary_type(t: pa.DataType) -> bool:
+    return (pa.types.is_binary(t) or pa.types.is_large_binary(t) or pa.types.is_binary_view(t)
+            or pa.types.is_fixed_size_binary(t))
+
+
+def _as_utf8(column: pa.Array, name: str) -> pa.Array:
+    """The column as valid UTF-8 strings; `_BadRow` at the first invalid value."""
+    try:
+        if _is_text_type(column.type):
+            column.validate(full=True)  # pyarrow does not check UTF-8 when reading JSON, Parquet, Arrow
+            return column
+        return pc.cast(column, pa.string())
+    except pa.ArrowInvalid:
+        raise _BadRow(_first_invalid_utf8(column), f"column {name!r} is not valid UTF-8") from None
+
+
+def _first_invalid_utf8(column: pa.Array) -> int:
+    raw = column.cast(pa.large_binary()) if _is_text_type(column.type) else column
+    for i, value in enumerate(raw.to_pylist()):
+        try:
+            if value is not None:
+                value.decode("utf-8")
+        except UnicodeDecodeError:
+            return i
+    return 0
+
+
+def _first_null(column: pa.Array) -> int:
+    return int(np.flatnonzero(column.is_null().to_numpy(zero_copy_only=False))[0])
+
+
+def _id_values(column: pa.Array, name: str) -> list[str]:
+    t = column.type
+    if not (_is_text_type(t) or _is_binary_type(t) or pa.types.is_integer(t) or pa.types.is_null(t)):
+        raise _BadColumn(f"id column {name!r} holds {t}; ids must be strings or integers")
+    if column.null_count:
+        raise _BadRow(_first_null(column), f"id column {name!r} is null")
+    if pa.types.is_integer(t):
+        return pc.cast(column, pa.string()).to_pylist()
+    return _as_utf8(column, name).to_pylist()
+
+
+def _text_values(column: pa.Array, name: str) -> list[str | None]:
+    t = column.type
+    if pa.types.is_null(t):
+        return [None] * len(column)
+    if not (_is_text_type(t) or _is_binary_type(t)):
+        raise _BadColumn(f"text column {name!r} holds {t}, not text")
+    return _as_utf8(column, name).to_pylist()
+
+
+def _ids_values(column: pa.Array, name: str) -> list[np.ndarray]:
+    """One int64 array per row, from a list column or (CSV) a string column."""
+    t = column.type
+    if column.null_count:
+        raise _BadRow(_first_null(column), f"ids column {name!r} is null")
+    if _is_text_type(t):
+        return [_parse_ids(value, i, name) for i, value in enumerate(column.to_pylist())]
+    if not (pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t)):
+        raise _BadColumn(f"ids column {name!r} holds {t}, not lists of token ids")
+    lengths = pc.list_value_length(column).to_numpy(zero_copy_only=False).astype(np.int64)
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    values = _integer_values(pc.list_flatten(column), offsets, name)
+    if (lengths == 0).any():
+        raise _BadRow(int(np.flatnonzero(lengths == 0)[0]), f"ids column {name!r} is empty")
+    return [values[offsets[i] : offsets[i + 1]].copy() for i in range(len(column))]
+
+
+def _integer_values(flat: pa.Array, offsets: np.ndarray, name: str) -> np.ndarray:
+    """The flattened ids as int64, checked in one vectorised pass; `_BadRow` names the row."""
+
+    def bad(value_index: int, message: str) -> _BadRow:
+        return _BadRow(int(np.searchsorted(offsets, value_index, side="right") - 1), message)
+
+    t = flat.type
+    if flat.null_count:
+        raise bad(_first_null(flat), f"ids column {name!r} holds a null token id")
+    if pa.types.is_null(t) or len(flat) == 0:
+        return np.zeros(0, dtype=np.int64)
+    if not (pa.types.is_integer(t) or pa.types.is_floating(t)):
+        raise _BadColumn(f"ids column {name!r} holds lists of {t}, not integers")
+    values = flat.to_numpy(zero_copy_only=False)
+    if pa.types.is_floating(t):
+        fractional = ~np.isfinite(values) | (values != np.round(values))
+        if fractional.any():
+            i = int(np.flatnonzero(fractional)[0])
+            raise bad(i, f"ids column {name!r} holds a non-integer token id {float(values[i])}")
+    if pa.types.is_unsigned_integer(t):
+        too_big = values > _INT64_MAX
+        if too_big.any():
+            raise bad(int(np.flatnonzero(too_big)[0]), f"ids column {name!r} holds a token id beyond int64")
+    elif (values < 0).any():
+        i = int(np.flatnonzero(values < 0)[0])
+        raise bad(i, f"ids column {name!r} holds a negative token id {int(values[i])}")
+    return values.astype(np.int64)
+
+
+def _parse_ids(value: str, index: int, name: str) -> np.ndarray:
+    """'1 2 3', '1,2,3' or '[1, 2, 3]' -> int64 ids (how CSV, which has no lists, holds them)."""
+    parts = value.strip().removeprefix("[").removesuffix("]").replace(",", " ").split()
+    if not parts:
+        raise _BadRow(index, f"ids column {name!r} is empty")
+    try:
+        ids = [int(p) for p in parts]
+    except ValueError:
+        raise _BadRow(index, f"ids column {name!r} holds a non-integer token id in {value[:40]!r}") from None
+    if min(ids) < 0:
+        raise _BadRow(index, f"ids column {name!r} holds a negative token id {min(ids)}")
+    if max(ids) > _INT64_MAX:
+        raise _BadRow(index, f"ids column {name!r} holds a token id beyond int64")
+    return np.array(ids, dtype=np.int64)

@@ -1,0 +1,296 @@
+"""Where the teacher runs during a build: in this process, in local worker processes, or on Ray.
+
+All three run the same `TeacherWorker.process(unit, part_writer)`: batch the unit's samples by token
+budget (longest first, so padding stays small), run the teacher, select entries, write one part.
+Executors only differ in where `TeacherWorker` lives and how its `WrittenPart` comes back.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+from collections import deque
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+import numpy as np
+
+from logitstore.errors import LogitstoreError
+from logitstore.samples import SparseSamples, concat
+from logitstore.store import PartWriter, WrittenPart
+
+
+@dataclass
+class Unit:
+    """A group of samples that is computed, written and committed together."""
+
+    index: int
+    sample_ids: list[str] = field(default_factory=list)
+    tokens: list[np.ndarray] = field(default_factory=list)
+    source_hashes: list[str] = field(default_factory=list)
+    n_tokens: int = 0
+    documents_read: int = 0  # input documents consumed while this unit was filled (for progress)
+
+    def add(self, sample_id: str, tokens: np.ndarray, source_hash: str) -> None:
+        self.sample_ids.append(sample_id)
+        self.tokens.append(np.asarray(tokens, dtype=np.int64))
+        self.source_hashes.append(source_hash)
+        self.n_tokens += len(tokens)
+
+
+@dataclass(frozen=True)
+class WorkerSettings:
+    teacher_spec: object
+    device: str
+    dtype: str
+    sparsity: object
+    batch_tokens: int
+    seed: int
+    engine: str = "torch"  # "torch" or "vllm"
+
+
+class TeacherWorker:
+    """Holds one loaded teacher; turns units into written parts."""
+
+    def __init__(self, settings: WorkerSettings):
+        import torch
+
+        self.settings = settings
+        if settings.engine == "vllm":
+            self.teacher = _VllmTeacherHandle(settings)
+            return
+        device = settings.device if settings.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+        self.teacher = _load_teacher_once(settings.teacher_spec, device, settings.dtype)
+
+    def process(self, unit: Unit, writer: PartWriter) -> tuple[WrittenPart, Unit]:
+        written = write_unit(writer, unit, self.compute(unit), teacher=self.teacher.spec.name)
+        unit.tokens = []  # the driver needs the counts back, not the tokens
+        return written, unit
+
+    def compute(self, unit: Unit) -> SparseSamples:
+        """The unit's sparse distributions, longest samples first (the part's row order)."""
+        import torch
+
+        s = self.settings
+        if s.engine == "vllm":
+            return self.teacher.compute(unit)
+        lengths = np.array([len(t) for t in unit.tokens])
+        order = np.argsort(-lengths, kind="stable")
+        generator = None
+        if s.sparsity.mode == "sampled":
+            generator = torch.Generator(device=self.teacher.model.device).manual_seed(_unit_seed(s.seed, unit))
+        parts = [self._forward_with_retry([unit.sample_ids[i] for i in rows], [unit.tokens[i] for i in rows], generator)
+                 for rows in token_budget_batches(lengths[order], order, budget=s.batch_tokens)]
+        return concat(parts)
+
+    def _forward_with_retry(self, sample_ids: list[str], tokens: list[np.ndarray], generator) -> SparseSamples:
+        """Out of memory: halve the batch and retry; a single sample that does not fit is an error."""
+        import torch
+
+        try:
+            return self._forward(sample_ids, tokens, generator)
+        except (torch.OutOfMemoryError, RuntimeError) as e:
+            if "out of memory" not in str(e).lower() and not isinstance(e, torch.OutOfMemoryError):
+                raise
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            if len(sample_ids) == 1:
+                raise LogitstoreError(f"sample {sample_ids[0]!r} ({len(tokens[0])} tokens) does not fit in memory "
+                                      "even alone; lower --max-length or --batch-tokens") from None
+            half = len(sample_ids) // 2
+            return concat([self._forward_with_retry(sample_ids[:half], tokens[:half], generator),
+                           self._forward_with_retry(sample_ids[half:], tokens[half:], generator)])
+
+    def _forward(self, sample_ids: list[str], tokens: list[np.ndarray], generator) -> SparseSamples:
+        import torch
+
+        from logitstore.pipelines.sparsify import to_samples
+        from logitstore.pipelines.teacher import sampled_forward, sparse_topk_forward
+
+        s, model = self.settings, self.teacher.model
+        lengths = np.array([len(t) for t in tokens])
+        ids = torch.zeros((len(tokens), lengths.max()), dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, t in enumerate(tokens):  # one copy per sample, right-padded
+            ids[row, : len(t)] = torch.as_tensor(t)
+            mask[row, : len(t)] = 1
+        if s.sparsity.mode == "sampled":
+            batch = sampled_forward(model, ids, mask, n=s.sparsity.n, generator=generator, temperature=s.sparsity.temperature)
+        else:
+            batch = sparse_topk_forward(model, ids, mask, k=s.sparsity.k, temperature=s.sparsity.temperature)
+        return to_samples(batch, sample_ids=sample_ids, lengths=lengths, input_ids=tokens, sparsity=s.sparsity)
+
+
+@functools.lru_cache(maxsize=1)
+def _load_teacher_once(spec, device: str, dtype: str):
+    """Teachers are read-only: repeated builds in one process (tests, notebooks) share one load."""
+    import torch
+
+    from logitstore.pipelines.teacher import load_teacher
+
+    return load_teacher(spec, device=device, dtype=None if dtype == "auto" else getattr(torch, dtype))
+
+
+class _VllmTeacherHandle:
+    """The vLLM engine behind the worker interface (top-k only). Not exercised by the test suite:
+    it needs a GPU with vLLM installed; its output conversion is unit-tested in test_vllm_engine.py."""
+
+    def __init__(self, settings: WorkerSettings):
+        from logitstore.pipelines.vllm_engine import VllmTeacher
+
+        if settings.sparsity.mode != "topk" or settings.sparsity.temperature != 1.0:
+            raise LogitstoreError("the vLLM engine supports --top-k at temperature 1 only")
+        spec = settings.teacher_spec
+        model = str(spec.path / spec.gguf_file) if spec.gguf_file else str(spec.path)
+        self.spec = spec
+        self.engine = VllmTeacher(model, k=settings.sparsity.k, max_num_batched_tokens=settings.batch_tokens)
+
+    def compute(self, unit: Unit) -> SparseSamples:
+        out = self.engine.forward(unit.tokens)  # vLLM schedules and batches the unit itself
+        return SparseSamples.from_dense_topk(
+            unit.sample_ids, input_ids=unit.tokens, topk_ids=[o["ids"] for o in out],
+            topk_logprobs=[o["logprobs"] for o in out], tail=[o["tail"] for o in out],
+            target_logprobs=[o["target_logprob"] for o in out])
+
+
+def write_unit(writer: PartWriter, unit: Unit, samples: SparseSamples, *, teacher: str) -> WrittenPart:
+    """Write a computed unit as one part, with each sample's source hash in the index."""
+    by_id = dict(zip(unit.sample_ids, unit.source_hashes))
+    return writer.write(samples, teacher=teacher, source_hashes=[by_id[s] for s in samples.sample_ids])
+
+
+def token_budget_batches(sorted_lengths: np.ndarray, order: np.ndarray, *, budget: int) -> Iterator[np.ndarray]:
+    """Consecutive rows of `order` (sorted longest first) whose padded size rows x longest <= budget."""
+    start = 0
+    while start < len(order):
+        longest = sorted_lengths[start]
+        rows = max(1, budget // max(int(longest), 1))
+        yield order[start : start + rows]
+        start += rows
+
+
+def _unit_seed(seed: int, unit: Unit) -> int:
+    """Sampling seed of a unit: a function of the build seed and the unit's first sample only."""
+    digest = hashlib.sha256(f"{seed}:{unit.sample_ids[0]}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
+# -- executors -----------------------------------------------------------------------------------
+
+
+class InProcessExecutor:
+    """workers=1: the teacher runs here and parts go straight into the driver's transaction."""
+
+    def __init__(self, settings: WorkerSettings):
+        self.worker = TeacherWorker(settings)
+
+    def compute(self, unit: Unit) -> SparseSamples:
+        return self.worker.compute(unit)
+
+    def map(self, units: Iterator[Unit], *, writer_for: Callable, max_in_flight: int) -> Iterator[tuple[WrittenPart, Unit]]:
+        for unit in units:
+            yield self.worker.process(unit, writer_for().part_writer())
+
+    def close(self) -> None:
+        pass
+
+
+_WORKER: TeacherWorker | None = None  # one per worker process
+
+
+def _init_worker(settings: WorkerSettings) -> None:
+    global _WORKER
+    import torch
+
+    torch.set_num_threads(1)  # N processes on N cores; more threads each would oversubscribe
+    _WORKER = TeacherWorker(settings)
+
+
+def _process_in_worker(unit: Unit, writer: PartWriter):
+    return _WORKER.process(unit, writer)
+
+
+def _compute_in_worker(unit: Unit):
+    return _WORKER.compute(unit)
+
+
+class ProcessExecutor:
+    """workers=N: N spawned processes, each with its own teacher, writing into Icechunk forks."""
+
+    def __init__(self, settings: WorkerSettings, *, workers: int):
+        import multiprocessing
+
+        self.pool = ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"),
+                                        initializer=_init_worker, initargs=(settings,))
+
+    def compute(self, unit: Unit) -> SparseSamples:
+        return self.pool.submit(_compute_in_worker, unit).result()
+
+    def map(self, units, *, writer_for, max_in_flight):
+        in_flight: deque[Future] = deque()
+        for unit in units:
+            in_flight.append(self.pool.submit(_process_in_worker, unit, writer_for().fork()))
+            if len(in_flight) >= max_in_flight:
+                yield from _completed(in_flight, block=True)
+            yield from _completed(in_flight, block=False)
+        while in_flight:
+            yield from _completed(in_flight, block=True)
+
+    def close(self) -> None:
+        self.pool.shutdown(cancel_futures=True)
+
+
+def _completed(in_flight: deque, *, block: bool):
+    """Results in submission order: merges and progress then follow input order."""
+    if block:
+        wait([in_flight[0]], return_when=FIRST_COMPLETED)
+    while in_flight and in_flight[0].done():
+        yield in_flight.popleft().result()
+
+
+class RayExecutor:
+    """ray_address: one `TeacherWorker` actor per worker on an existing (or local) Ray cluster."""
+
+    def __init__(self, settings: WorkerSettings, *, workers: int, address: str):
+        try:
+            import ray
+        except ImportError:
+            raise LogitstoreError("--ray-address needs Ray: pip install 'logitstore[ray]'") from None
+        self.ray = ray
+        if not ray.is_initialized():
+            ray.init(address=None if address == "local" else address, ignore_reinit_error=True,
+                     log_to_driver=False, include_dashboard=False)
+        gpus = 1 if settings.device.startswith("cuda") else 0
+        actor = ray.remote(num_gpus=gpus, num_cpus=1)(TeacherWorker)
+        self.actors = [actor.remote(settings) for _ in range(workers)]
+
+    def compute(self, unit: Unit) -> SparseSamples:
+        return self.ray.get(self.actors[0].compute.remote(unit))
+
+    def map(self, units, *, writer_for, max_in_flight):
+        from ray.util import ActorPool
+
+        pool = ActorPool(self.actors)
+        for unit in units:
+            pool.submit(lambda actor, args: actor.process.remote(*args), (unit, writer_for().fork()))
+            while pool.has_next() and not pool.has_free():
+                yield pool.get_next()
+        while pool.has_next():
+            yield pool.get_next()
+
+    def close(self) -> None:
+        for actor in self.actors:
+            self.ray.kill(actor)
+
+
+def make_executor(cfg, *, teacher_spec):
+    settings = WorkerSettings(teacher_spec=teacher_spec, device=cfg.device, dtype=cfg.dtype, sparsity=cfg.sparsity,
+                              batch_tokens=cfg.batch_tokens, seed=cfg.seed, engine=cfg.engine)
+    if cfg.ray_address:
+        return RayExecutor(settings, workers=cfg.workers, address=cfg.ray_address)
+    if cfg.workers == 1:
+        return InProcessExecutor(settings)
+    if cfg.store.startswith("memory://"):
+        raise LogitstoreError("--workers > 1 needs a store other processes can reach; memory:// lives in one process")
+    return ProcessExecutor(settings, workers=cfg.workers)

@@ -1,0 +1,175 @@
+"""Stage one end to end with the real default teacher: stored entries equal a dense reference,
+resuming after a kill duplicates nothing, and the worker count never changes the bytes."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from logitstore.cli.app import app
+from logitstore.data import SAMPLE_CORPUS
+from logitstore.pipelines.build import BuildConfig, run_build
+from logitstore.pipelines.teacher import resolve_teacher
+from logitstore.pipelines.workers import _load_teacher_once
+from logitstore.store import Store
+
+MAX_LENGTH = 64
+UNIT_TOKENS = 128
+
+
+@pytest.fixture(scope="module")
+def small_data(tmp_path_factory) -> Path:
+    """~450 teacher tokens of real prose: three documents of the sample corpus, cut short."""
+    docs = [json.loads(line) for line in SAMPLE_CORPUS.read_text().splitlines()[:3]]
+    path = tmp_path_factory.mktemp("data") / "small.jsonl"
+    path.write_text("".join(json.dumps({"id": d["id"], "text": d["text"][:600]}) + "\n" for d in docs))
+    return path
+
+
+def build(store, data, **kwargs):
+    cfg = dict(store=str(store), data=str(data), id_column="id", max_length=MAX_LENGTH, unit_tokens=UNIT_TOKENS,
+               progress=False)
+    return run_build(BuildConfig(**{**cfg, **kwargs}), log=lambda _: None)
+
+
+@pytest.fixture(scope="module")
+def built(small_data, tmp_path_factory):
+    store = tmp_path_factory.mktemp("built") / "store"
+    return store, build(store, small_data)
+
+
+def hashes(store) -> dict[str, str]:
+    index = Store.open(str(store)).read().index
+    return dict(zip(index["sample_id"].to_pylist(), index["content_hash"].to_pylist()))
+
+
+def test_stored_entries_equal_a_dense_reference(built):
+    store, summary = built
+    view = Store.open(str(store)).read()
+    assert summary.samples == view.index.num_rows > 3 and summary.version == view.snapshot_id
+    assert "#w1" in " ".join(view.index["sample_id"].to_pylist())  # long documents were windowed
+    params = view.teachers[summary.teacher].codec
+    model = _load_teacher_once(resolve_teacher(None), "cpu", "auto").model  # the build's own load
+    for sample_id in view.index["sample_id"].to_pylist():
+        s = view.sample(sample_id)
+        with torch.inference_mode():
+            ref = model(torch.as_tensor(s.input_ids)[None]).logits[0, :-1].double().log_softmax(-1).numpy()
+        ids = s.entry_ids.reshape(-1, 64)
+        lp = s.entry_logprobs.reshape(-1, 64)
+        ref_sorted = -np.sort(-ref, axis=1)
+        kth = ref_sorted[:, 63]
+        ref_at = np.take_along_axis(ref, ids, axis=1)
+        assert (ref_at >= kth[:, None] - 1e-4).all(), "an entry outside the reference top-64 (beyond ties)"
+        limit = np.where(ref_at >= params.coarse_below, params.error_bound_fine, params.error_bound) + 1e-4
+        assert (np.abs(lp - ref_at) <= limit).all()
+        target = ref[np.arange(len(ref)), s.input_ids[1:]]
+        assert np.allclose(s.target_logprobs, target, atol=params.error_bound + 1e-4)
+        ref_tail = -np.expm1(np.logaddexp.reduce(ref_sorted[:, :64], axis=1))
+        assert np.allclose(np.log(s.tail), np.log(ref_tail), atol=params.error_bound + 1e-3)
+
+
+def test_cli_build_json_summary_and_sparsity_modes(small_data, tmp_path):
+    runner = CliRunner()
+    for extra, check in ((["--top-p", "0.8", "--top-k", "16"], "topp"), (["--sample", "8"], "sampled")):
+        store = tmp_path / check
+        result = runner.invoke(app, ["build", "--data", str(small_data), "--store", str(store), "--max-length", "64",
+                                     "--json", *extra])
+        assert result.exit_code == 0, result.stderr
+        summary = json.loads(result.stdout)
+        assert {"samples", "tokens", "skipped", "seconds", "tokens_per_second", "bytes_per_token", "version"} <= set(summary)
+        view = Store.open(str(store)).read()
+        assert view.teachers["smollm2-135m-instruct"].sparsity["mode"] == check
+        s = view.sample(view.index["sample_id"][0].as_py())
+        mass = np.add.reduceat(np.exp(s.entry_logprobs.astype(np.float64)), s.entry_offsets[:-1])
+        if check == "topp":
+            assert s.n_entries.max() <= 16 and s.n_entries.min() >= 1 and len(set(s.n_entries.tolist())) > 1
+            assert ((mass >= 0.8 - 0.05) | (s.n_entries == 16)).all()
+        else:
+            assert (np.add.reduceat(s.entry_counts, s.entry_offsets[:-1]) == 8).all()
+        assert np.allclose(mass + s.tail, 1, atol=0.05)
+
+
+def test_two_worker_processes_write_the_same_bytes(built, small_data, tmp_path):
+    store, _ = built
+    summary = build(tmp_path / "two", small_data, workers=2)
+    assert summary.samples == len(hashes(store))
+    assert hashes(tmp_path / "two") == hashes(store)
+
+
+@pytest.mark.slow
+def test_ray_local_cluster_with_two_actors(built, small_data, tmp_path):
+    pytest.importorskip("ray")
+    store, _ = built
+    build(tmp_path / "ray", small_data, workers=2, ray_address="local")
+    assert hashes(tmp_path / "ray") == hashes(store)
+
+
+def test_killed_build_resumes_without_recomputing_or_duplicating(built, small_data, tmp_path):
+    reference, _ = built
+    store = tmp_path / "store"
+    command = [sys.executable, "-m", "logitstore.cli.app", "build", "--data", str(small_data), "--store", str(store),
+               "--id-column", "id", "--max-length", str(MAX_LENGTH), "--unit-tokens", str(UNIT_TOKENS),
+               "--commit-every", "0.001"]
+    child = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and child.poll() is None:
+        if store.exists() and _samples(store) > 0:
+            break
+        time.sleep(0.2)
+    child.send_signal(signal.SIGKILL)
+    child.wait()
+    partial = _samples(store)
+    assert 0 < partial < len(hashes(reference)), "the kill should land between checkpoints"
+    summary = build(store, small_data)
+    assert summary.already_stored == partial and summary.samples == len(hashes(reference)) - partial
+    assert hashes(store) == hashes(reference)
+
+
+def _samples(store) -> int:
+    try:
+        return Store.open(str(store)).read().index.num_rows
+    except Exception:
+        return 0
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--text-column", "nope"], "nope"),
+        (["--teacher", "/no/such/model"], "no such file or directory"),
+        (["--top-k", "100000"], "larger than the teacher's vocabulary"),
+        (["--max-length", "1"], "--max-length"),
+        (["--top-p", "1.5"], "--top-p"),
+    ],
+)
+def test_bad_build_input_is_one_clear_line(small_data, tmp_path, args, message):
+    result = CliRunner().invoke(app, ["build", "--data", str(small_data), "--store", str(tmp_path / "s"), *args])
+    assert result.exit_code == 2 and message in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("content, message", [(b'{"text": "   "}\n', "empty"), (b'{"text": "ok \xff\xfe"}\n', "UTF-8")])
+def test_bad_rows_are_refused_and_the_store_is_unchanged(built, tmp_path, content, message):
+    store, _ = built
+    before = Store.open(str(store)).resolve()
+    bad = tmp_path / "bad.jsonl"
+    bad.write_bytes(content)
+    result = CliRunner().invoke(app, ["build", "--data", str(bad), "--store", str(store)])
+    assert result.exit_code == 2 and message in result.stderr
+    assert Store.open(str(store)).resolve() == before
+
+
+def test_a_store_of_another_teacher_is_refused(built, small_data):
+    store, _ = built
+    before = Store.open(str(store)).resolve()
+    result = CliRunner().invoke(app, ["build", "--data", str(small_data), "--store", str(store), "--top-k", "8"])
+    assert result.exit_code == 2 and "sparsity" in result.stderr
+    assert Store.open(str(store)).resolve() == before

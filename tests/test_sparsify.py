@@ -1,0 +1,67 @@
+"""Entry selection (top-k, top-p, sampled) against dense references, padding dropped."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from logitstore.pipelines.sparsify import Sparsity, to_samples
+from logitstore.pipelines.teacher import SparseBatch
+
+V, K = 50, 10
+
+
+def dense_batch(*, rows=2, positions=6, seed=0):
+    rng = np.random.default_rng(seed)
+    logits = rng.normal(size=(rows, positions, V)) * 2
+    logprobs = logits - np.logaddexp.reduce(logits, axis=-1, keepdims=True)
+    order = np.argsort(-logprobs, axis=-1)[..., :K]
+    top = np.take_along_axis(logprobs, order, axis=-1)
+    tail = -np.expm1(np.logaddexp.reduce(top, axis=-1))
+    batch = SparseBatch(ids=torch.as_tensor(order, dtype=torch.int32), logprobs=torch.as_tensor(top, dtype=torch.float32),
+                        target_logprob=torch.as_tensor(logprobs[..., 0], dtype=torch.float32),
+                        tail=torch.as_tensor(tail, dtype=torch.float32))
+    return batch, logprobs
+
+
+def convert(batch, sparsity, lengths=(7, 4)):
+    tokens = [np.zeros(n, dtype=np.int64) for n in lengths]
+    return to_samples(batch, sample_ids=["a", "b"], lengths=np.array(lengths), input_ids=tokens, sparsity=sparsity)
+
+
+def test_topk_drops_padding_positions():
+    batch, _ = dense_batch()
+    s = convert(batch, Sparsity(k=K))
+    assert len(s.n_entries) == 6 + 3 and (s.n_entries == K).all()
+    np.testing.assert_array_equal(s.entry_ids[:K], batch.ids[0, 0].numpy())
+    np.testing.assert_array_equal(s.entry_ids[6 * K : 7 * K], batch.ids[1, 0].numpy())
+
+
+@pytest.mark.parametrize("p", [0.3, 0.7, 0.95])
+def test_top_p_keeps_the_shortest_prefix_and_moves_the_rest_to_the_tail(p):
+    batch, dense = dense_batch()
+    s = convert(batch, Sparsity(mode="topp", k=K, p=p), lengths=(7, 7))
+    sorted_p = np.exp(-np.sort(-dense, axis=-1)).reshape(-1, V)
+    expected_n = np.minimum((np.cumsum(sorted_p, axis=1) < p).sum(axis=1) + 1, K)
+    np.testing.assert_array_equal(s.n_entries, expected_n)
+    kept = np.add.reduceat(np.exp(s.entry_logprobs.astype(np.float64)), s.entry_offsets[:-1])
+    np.testing.assert_allclose(s.tail, 1 - kept, atol=1e-5)
+
+
+def test_sampled_draws_become_distinct_ids_with_counts():
+    draws = torch.tensor([[[3, 1, 3, 3], [2, 2, 2, 2]]], dtype=torch.int32)
+    lp = torch.log(torch.tensor([[[0.5, 0.1, 0.5, 0.5], [0.9, 0.9, 0.9, 0.9]]]))
+    batch = SparseBatch(ids=draws, logprobs=lp, target_logprob=torch.zeros(1, 2), tail=torch.tensor([[0.4, 0.1]]))
+    s = to_samples(batch, sample_ids=["a"], lengths=np.array([3]), input_ids=[np.zeros(3, dtype=np.int64)],
+                   sparsity=Sparsity(mode="sampled", n=4))
+    assert s.n_entries.tolist() == [2, 1]
+    assert s.entry_ids.tolist() == [1, 3, 2] and s.entry_counts.tolist() == [1, 3, 4]
+    np.testing.assert_allclose(np.exp(s.entry_logprobs), [0.1, 0.5, 0.9], rtol=1e-6)
+
+
+@pytest.mark.parametrize("bad", [dict(k=0), dict(mode="topp", p=0), dict(mode="sampled", n=0),
+                                 dict(temperature=0), dict(mode="nope")])
+def test_bad_sparsity_names_the_flag(bad):
+    with pytest.raises(ValueError):
+        Sparsity(**bad)

@@ -1,0 +1,334 @@
+"""The vLLM engine's conversion equals a dense reference, and its output contract is the
+torch engine's. vLLM itself is never imported: its prompt-logprob output is rebuilt from
+dense log-softmax distributions exactly as vllm/logprobs.py builds it (the prompt token
+first with its vocabulary rank, then the top-K with ranks 1..K, one dict per position)."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import sys
+import types
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+import torch
+
+from logitstore.errors import LogitstoreError
+from logitstore.pipelines.teacher import SparseBatch, sparse_topk_forward
+from logitstore.pipelines.vllm_engine import VllmTeacher, prompt_logprobs_to_sparse
+
+VOCAB = 100
+T = 12
+K = 8
+
+
+@dataclass
+class FakeLogprob:
+    """vllm.logprobs.Logprob's documented fields."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# --------------------------------------------------------------------------- fakes
+
+
+def vllm_entry(row: np.ndarray, target: int, *, n: int) -> dict[int, FakeLogprob]:
+    """One position as vLLM returns it, from a dense fp32 log-softmax row."""
+    top = np.argsort(-row, kind="stable")[:n]
+    rank = int((row >= row[target]).sum())  # V1: tokens at least as likely
+    entry = {target: FakeLogprob(float(row[target]), rank)}
+    # A top-k member overwrites the target item with its positional rank, as in vLLM.
+    entry.update({int(tok): FakeLogprob(float(row[tok]), i + 1) for i, tok in enumerate(top)})
+    return entry
+
+
+def vllm_prompt_logprobs(dense32: np.ndarray, tokens: np.ndarray, *, n: int) -> list:
+    """`RequestOutput.prompt_logprobs`: None, then entry i predicts token i from row i-1."""
+    return [None] + [vllm_entry(dense32[i - 1], int(tokens[i]), n=n) for i in range(1, len(tokens))]
+
+
+def dense_reference(dense64: np.ndarray, tokens: np.ndarray, *, k: int) -> dict:
+    """Top-k by (descending logprob, ascending id) and the exact float64 tail."""
+    order = np.lexsort((np.broadcast_to(np.arange(dense64.shape[1]), dense64.shape), -dense64))
+    ids = order[:, :k]
+    outside = np.ones_like(dense64, dtype=bool)
+    np.put_along_axis(outside, ids, False, axis=1)
+    return {
+        "ids": ids,
+        "logprobs": np.take_along_axis(dense64, ids, axis=1),
+        "target_logprob": dense64[np.arange(len(dense64)), tokens[1:]],
+        "tail": np.where(outside, np.exp(dense64), 0.0).sum(1),
+    }
+
+
+@pytest.fixture(scope="module")
+def dense():
+    """[T-1, VOCAB] log-softmax (float64, and its fp32 rounding as vLLM returns it), and a
+    prompt whose tokens alternate between inside and far outside each row's top-k."""
+    rng = np.random.default_rng(0)
+    logits = rng.normal(scale=3.0, size=(T - 1, VOCAB))
+    dense64 = logits - np.logaddexp.reduce(logits, axis=1, keepdims=True)
+    by_rank = np.argsort(-dense64, axis=1)
+    tokens = np.empty(T, dtype=np.int64)
+    tokens[0] = 17
+    tokens[1:] = np.where(np.arange(T - 1) % 2 == 0, by_rank[:, 1], by_rank[:, 50])
+    return dense64, dense64.astype(np.float32), tokens
+
+
+def assert_matches_reference(out: dict, ref: dict, dense32: np.ndarray, tokens: np.ndarray):
+    np.testing.assert_array_equal(out["ids"], ref["ids"])
+    np.testing.assert_allclose(out["logprobs"], ref["logprobs"], atol=1e-6, rtol=0)
+    # The target logprob is copied, not recomputed: exactly vLLM's fp32 value.
+    np.testing.assert_array_equal(
+        out["target_logprob"], dense32[np.arange(len(dense32)), tokens[1:]]
+    )
+    np.testing.assert_allclose(out["tail"], ref["tail"], atol=1e-6, rtol=0)
+
+
+# --------------------------------------------------------------------------- conversion
+
+
+def test_conversion_matches_the_dense_reference(dense):
+    dense64, dense32, tokens = dense
+    plp = vllm_prompt_logprobs(dense32, tokens, n=K)
+    sizes = {len(entry) for entry in plp[1:]}
+    assert sizes == {K, K + 1}, "needs targets both inside and outside the top-k"
+
+    out = prompt_logprobs_to_sparse(tokens.tolist(), plp, k=K, vocab_size=VOCAB)
+
+    assert_matches_reference(out, dense_reference(dense64, tokens, k=K), dense32, tokens)
+    assert (np.diff(out["logprobs"], axis=1) <= 0).all()
+    assert ((out["tail"] >= 0) & (out["tail"] <= 1)).all()
+
+
+def test_extra_candidates_beyond_k_are_dropped(dense):
+    # Asking vLLM for more than k: targets ranked k+1..K' sit inside vLLM's list.
+    dense64, dense32, tokens = dense
+    plp = vllm_prompt_logprobs(dense32, tokens, n=K + 45)
+    out = prompt_logprobs_to_sparse(tokens, plp, k=K, vocab_size=VOCAB)
+    assert_matches_reference(out, dense_reference(dense64, tokens, k=K), dense32, tokens)
+
+
+def test_missing_rank_falls_back_to_the_entry_order(dense):
+    dense64, dense32, tokens = dense
+    plp = vllm_prompt_logprobs(dense32, tokens, n=K)
+    for entry in plp[1:]:
+        for item in entry.values():
+            item.rank = None
+    out = prompt_logprobs_to_sparse(tokens, plp, k=K, vocab_size=VOCAB)
+    assert_matches_reference(out, dense_reference(dense64, tokens, k=K), dense32, tokens)
+
+
+def test_single_token_prompt_gives_no_positions():
+    out = prompt_logprobs_to_sparse([5], [None], k=K, vocab_size=VOCAB)
+    assert out["ids"].shape == out["logprobs"].shape == (0, K)
+    assert out["target_logprob"].shape == out["tail"].shape == (0,)
+    assert out["ids"].dtype == np.int32 and out["tail"].dtype == np.float32
+
+
+def test_too_few_top_tokens_is_a_user_error(dense):
+    _, dense32, tokens = dense
+    plp = vllm_prompt_logprobs(dense32, tokens, n=K - 1)
+    with pytest.raises(LogitstoreError, match="max_logprobs"):
+        prompt_logprobs_to_sparse(tokens, plp, k=K, vocab_size=VOCAB)
+
+
+def test_the_added_target_does_not_count_towards_k():
+    # k-1 top tokens plus the prompt token at rank 50: k items, but only k-1 candidates.
+    entry = {i: FakeLogprob(-1.0 - i, i + 1) for i in range(K - 1)}
+    entry[60] = FakeLogprob(-20.0, 50)
+    with pytest.raises(LogitstoreError, match=f"only {K - 1} top tokens"):
+        prompt_logprobs_to_sparse([0, 60], [None, entry], k=K, vocab_size=VOCAB)
+
+
+@pytest.mark.parametrize(
+    "target_rank, expected_ids",
+    [
+        (4, [9, 4, 7]),  # V1 rank (at least as likely): the tied prompt token is an extra
+        (2, [9, 3, 4]),  # V0 rank (1 + strictly more likely): it competes, by token id
+    ],
+)
+def test_ties_are_ordered_by_token_id_whatever_the_dict_order(target_rank, expected_ids):
+    # vLLM's top-3 kept 9, 7, 4 of the tied {3, 4, 7}; the prompt token 3 was added.
+    items = [
+        (9, FakeLogprob(-1.0, 1)),
+        (7, FakeLogprob(-2.5, 2)),
+        (4, FakeLogprob(-2.5, 3)),
+        (3, FakeLogprob(-2.5, target_rank)),
+    ]
+    for seed in range(5):
+        random.Random(seed).shuffle(items)
+        out = prompt_logprobs_to_sparse([1, 3], [None, dict(items)], k=3, vocab_size=VOCAB)
+        np.testing.assert_array_equal(out["ids"], [expected_ids])
+        np.testing.assert_array_equal(out["logprobs"], np.float32([[-1.0, -2.5, -2.5]]))
+        np.testing.assert_array_equal(out["target_logprob"], np.float32([-2.5]))
+        expected_tail = 1 - np.exp(-1.0) - 2 * np.exp(-2.5)
+        np.testing.assert_allclose(out["tail"], [expected_tail], atol=1e-7, rtol=0)
+
+
+@pytest.mark.parametrize(
+    "tokens, plp, match",
+    [
+        ([1, 2], None, "no prompt logprobs"),
+        ([1, 2, 3], [None, {2: FakeLogprob(-1.0, 1)}], "2 prompt logprob entries"),
+        ([1, 2], [None, None], "entry 1 is missing"),
+        ([1, 2], [None, {5: FakeLogprob(-1.0, 1)}], "lacks the prompt token 2"),
+        ([1, VOCAB], [None, {VOCAB: FakeLogprob(-1.0, 1)}], "prompt token ids"),
+        ([1, 2], [None, {2: FakeLogprob(-1.0, 1), VOCAB + 3: FakeLogprob(-2.0, 2)}], "outside"),
+        ([], [], "empty prompt"),
+    ],
+)
+def test_malformed_output_is_a_clear_error(tokens, plp, match):
+    with pytest.raises(LogitstoreError, match=match):
+        prompt_logprobs_to_sparse(tokens, plp, k=1, vocab_size=VOCAB)
+
+
+@pytest.mark.parametrize("k", [0, VOCAB + 1])
+def test_k_out_of_range_is_a_user_error(k):
+    with pytest.raises(LogitstoreError, match="k="):
+        prompt_logprobs_to_sparse([1, 2], [None, {2: FakeLogprob(-1.0, 1)}], k=k, vocab_size=VOCAB)
+
+
+# --------------------------------------------------------------------------- contract
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        initializer_range=0.5,  # peaked distributions, not near-uniform ones
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+def test_output_matches_the_torch_engine_contract(tiny_model):
+    tokens = np.random.default_rng(1).integers(0, VOCAB, size=T)
+    input_ids = torch.from_numpy(tokens)[None]
+    torch_out = sparse_topk_forward(tiny_model, input_ids, None, k=K)
+    with torch.inference_mode():
+        logits = tiny_model(input_ids).logits[0, :-1].double()
+    dense32 = logits.log_softmax(-1).float().numpy()
+
+    out = prompt_logprobs_to_sparse(
+        tokens.tolist(), vllm_prompt_logprobs(dense32, tokens, n=K), k=K, vocab_size=VOCAB
+    )
+
+    fields = dataclasses.fields(SparseBatch)
+    required = tuple(f.name for f in fields if f.default is dataclasses.MISSING)
+    assert tuple(out) == required
+    # Optional fields (tempered selection logprobs) are None on the temperature-1 top-k
+    # path, the only one vLLM's prompt logprobs can serve.
+    assert all(getattr(torch_out, f.name) is None for f in fields if f.name not in required)
+    for name, array in out.items():
+        row = getattr(torch_out, name)[0]
+        assert array.shape == tuple(row.shape), name
+        assert array.dtype == row.numpy().dtype, name
+        np.testing.assert_allclose(array, row.numpy(), atol=1e-5, rtol=0, err_msg=name)
+
+
+# --------------------------------------------------------------------------- engine
+
+
+def test_teacher_without_vllm_says_how_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "vllm", None)  # import vllm -> ImportError
+    with pytest.raises(LogitstoreError, match=r"pip install logitstore\[vllm\]` and a GPU"):
+        VllmTeacher("some/model", k=K)
+
+
+class _FakeLLM:
+    """Records how vllm.LLM is built and called; answers from dense distributions."""
+
+    def __init__(self, dense32_by_prompt, **kwargs):
+        self.kwargs = kwargs
+        self.calls = []
+        self._dense = dense32_by_prompt
+        config = types.SimpleNamespace(get_vocab_size=lambda: VOCAB)
+        self.llm_engine = types.SimpleNamespace(model_config=config)
+
+    def get_tokenizer(self):
+        return "the-tokenizer"
+
+    def generate(self, prompts, params, *, use_tqdm=True):
+        self.calls.append((prompts, params, use_tqdm))
+        outputs = []
+        for prompt in prompts:
+            tokens = np.asarray(prompt["prompt_token_ids"])
+            dense32 = self._dense[len(tokens)]
+            plp = vllm_prompt_logprobs(dense32, tokens, n=params["prompt_logprobs"])
+            outputs.append(types.SimpleNamespace(prompt_logprobs=plp))
+        return outputs
+
+
+@pytest.fixture
+def fake_vllm(monkeypatch, dense):
+    """A stand-in `vllm` module with the documented names LLM, SamplingParams and
+    inputs.TokensPrompt."""
+    dense64, dense32, tokens = dense
+    built = {}
+
+    def make_llm(**kwargs):
+        built["llm"] = _FakeLLM({T: dense32, 5: dense32[:4]}, **kwargs)
+        return built["llm"]
+
+    module = types.ModuleType("vllm")
+    module.LLM = make_llm
+    module.SamplingParams = lambda **kwargs: dict(kwargs)
+    inputs = types.ModuleType("vllm.inputs")
+    inputs.TokensPrompt = lambda **kwargs: dict(kwargs)  # a TypedDict in vLLM
+    module.inputs = inputs
+    monkeypatch.setitem(sys.modules, "vllm", module)
+    monkeypatch.setitem(sys.modules, "vllm.inputs", inputs)
+    return built
+
+
+def test_teacher_builds_and_calls_vllm_as_documented(fake_vllm, dense):
+    dense64, dense32, tokens = dense
+    teacher = VllmTeacher("org/model", k=K, gpu_memory_utilization=0.5)
+    llm = fake_vllm["llm"]
+    assert llm.kwargs == {
+        "model": "org/model",
+        "max_logprobs": K + 1,
+        "enable_prefix_caching": False,
+        "max_num_batched_tokens": 8192,
+        "dtype": "bfloat16",
+        "gpu_memory_utilization": 0.5,
+    }
+    assert teacher.vocab_size == VOCAB and teacher.tokenizer == "the-tokenizer"
+
+    out = teacher.forward([tokens.astype(np.int32), tokens[:5]])
+
+    (prompts, params, use_tqdm), = llm.calls
+    assert params == {"max_tokens": 1, "prompt_logprobs": K, "detokenize": False}
+    assert use_tqdm is False
+    assert prompts[1] == {"prompt_token_ids": tokens[:5].tolist()}
+    assert [row["ids"].shape for row in out] == [(T - 1, K), (4, K)]
+    ref = dense_reference(dense64, tokens, k=K)
+    assert_matches_reference(out[0], ref, dense32, tokens)
+    np.testing.assert_array_equal(out[1]["ids"], ref["ids"][:4])
+
+
+@pytest.mark.parametrize("kwargs", [{"enable_prefix_caching": True}, {"max_logprobs": 20}])
+def test_teacher_refuses_settings_that_break_prompt_logprobs(fake_vllm, kwargs):
+    with pytest.raises(LogitstoreError, match="sets"):
+        VllmTeacher("org/model", k=K, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "row", [np.array([], dtype=np.int64), np.array([[1, 2]]), np.array([1.0, 2.0])]
+)
+def test_teacher_rejects_rows_that_are_not_token_ids(fake_vllm, row):
+    teacher = VllmTeacher("org/model", k=K)
+    with pytest.raises(LogitstoreError, match="1-D array of token ids"):
+        teacher.forward([row])
