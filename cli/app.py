@@ -216,6 +216,78 @@ def build(
                    f"duplicates {summary.duplicates}, already stored {summary.already_stored}")
 
 
+@app.command()
+@user_errors
+def train(
+    store: Annotated[str, typer.Option(help="Store to train from.")],
+    out: Annotated[str, typer.Option(help="Run folder: checkpoints, metrics.jsonl, final/.")],
+    student: Annotated[str, typer.Option(help="Hugging Face causal-LM directory, or a built-in config (llama-tiny, llama-small).")] = "llama-tiny",
+    version: VersionOpt = None,
+    teacher: Annotated[Optional[str], typer.Option(help="Teacher name, when the store holds several.")] = None,
+    nproc: Annotated[int, typer.Option(help="Processes to launch (gloo on CPU, NCCL on CUDA).")] = 1,
+    steps: Annotated[int, typer.Option(help="Total optimizer steps of the run (a resumed run continues to it).")] = 100,
+    tokens: Annotated[Optional[int], typer.Option(help="Train on this many tokens instead of --steps.")] = None,
+    seq_len: Annotated[int, typer.Option(help="Tokens per packed row.")] = 256,
+    micro_batch: Annotated[int, typer.Option(help="Rows per process per micro-step.")] = 4,
+    grad_accum: Annotated[int, typer.Option(help="Micro-steps per optimizer step.")] = 1,
+    lr: Annotated[float, typer.Option(help="Peak learning rate.")] = 3e-3,
+    warmup_steps: Annotated[int, typer.Option(help="Linear warmup steps before the cosine decay.")] = 10,
+    min_lr_ratio: Annotated[float, typer.Option(help="Final learning rate as a fraction of --lr.")] = 0.1,
+    weight_decay: Annotated[float, typer.Option(help="AdamW weight decay.")] = 0.0,
+    grad_clip: Annotated[float, typer.Option(help="Clip the gradient norm (0: off).")] = 1.0,
+    seed: Annotated[int, typer.Option(help="Seed for weights and data order.")] = 0,
+    loss: Annotated[str, typer.Option(help="forward_kl (tail bucket), topk_renorm, reverse_kl or jsd.")] = "forward_kl",
+    kd_temperature: Annotated[float, typer.Option(help="Distillation temperature.")] = 1.0,
+    alpha: Annotated[float, typer.Option(help="Weight of cross-entropy on the actual next token.")] = 0.0,
+    jsd_beta: Annotated[float, typer.Option(help="Mixing weight of --loss jsd.")] = 0.5,
+    eval_every: Annotated[int, typer.Option(help="Evaluate on the held-out split every N steps (0: never).")] = 0,
+    eval_fraction: Annotated[float, typer.Option(help="Share of samples held out, by sample id hash.")] = 0.05,
+    checkpoint_every: Annotated[int, typer.Option(help="Checkpoint every N steps (0: only at the end).")] = 0,
+    resume: Annotated[bool, typer.Option(help="Continue from the newest complete checkpoint in --out.")] = False,
+    force: Annotated[bool, typer.Option(help="Replace a different run in --out.")] = False,
+    offload_optimizer: Annotated[bool, typer.Option(help="FSDP2 CPU offload of parameters, gradients and optimizer state.")] = False,
+    on_error: Annotated[str, typer.Option(help="A damaged sample: raise (stop) or skip (and count).")] = "raise",
+    json_out: JsonOpt = False,
+) -> None:
+    """Train a student from a store version with FSDP2; no teacher runs."""
+    from logitstore.trainer.config import TrainConfig
+    from logitstore.trainer.train import launch
+
+    cfg = TrainConfig(store=store, out=out, student=student, version=version, teacher=teacher, nproc=nproc, steps=steps,
+                      seq_len=seq_len, micro_batch=micro_batch, grad_accum=grad_accum, lr=lr, warmup_steps=warmup_steps,
+                      min_lr_ratio=min_lr_ratio, weight_decay=weight_decay, grad_clip=grad_clip, seed=seed, loss=loss,
+                      kd_temperature=kd_temperature, alpha=alpha, jsd_beta=jsd_beta, eval_every=eval_every, eval_fraction=eval_fraction,
+                      checkpoint_every=checkpoint_every, resume=resume, force=force,
+                      offload_optimizer=offload_optimizer, on_error=on_error)
+    if tokens is not None:
+        cfg.steps = max(1, -(-tokens // cfg.tokens_per_step))
+    final = launch(cfg)
+    if json_out:
+        _print_json(final)
+
+
+@app.command(name="eval")
+@user_errors
+def eval_(
+    store: Annotated[str, typer.Option(help="Store holding the teacher distributions.")],
+    student: Annotated[str, typer.Option(help="Trained student directory (e.g. OUT/final).")],
+    version: VersionOpt = None,
+    teacher: Annotated[Optional[str], typer.Option(help="Teacher name, when the store holds several.")] = None,
+    seq_len: Annotated[int, typer.Option(help="Tokens per packed row.")] = 256,
+    eval_fraction: Annotated[float, typer.Option(help="Held-out share, as in training.")] = 0.05,
+    json_out: JsonOpt = False,
+) -> None:
+    """The student's mean KL to the stored teacher (`kl`) and cross-entropy (`ce`) on held-out samples."""
+    from logitstore.trainer.train import run_eval
+
+    result = run_eval(store=store, student=student, version=version, teacher=teacher, seq_len=seq_len,
+                      eval_fraction=eval_fraction)
+    if json_out:
+        _print_json(result)
+    else:
+        typer.echo(f"held-out KL to the teacher {result['kl']:.4f} nats/token, CE {result['ce']:.4f} (version {result['version']})")
+
+
 def main() -> None:
     app()
 

@@ -1,0 +1,117 @@
+"""The student's step time three ways, in one process and one run (machine noise hits all alike):
+
+  store      batches streamed from the store (background prefetch), as `logitstore train` does
+  memory     the same batches decoded beforehand and held in memory: the data-wait overhead is store/memory
+  online     the same batches, with the teacher's forward pass run in the loop every step (the usual
+             online distillation): the speed-up of the offline design is online/store
+
+    python benchmarks/train.py                       # builds a small store with the default teacher first
+    python benchmarks/train.py --store STORE --steps 40
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+from logitstore.data import SAMPLE_CORPUS
+from logitstore.pipelines.build import BuildConfig, run_build
+from logitstore.pipelines.workers import _load_teacher_once
+from logitstore.store import Store
+from logitstore.trainer.data import PackedStream
+from logitstore.trainer.losses import LossConfig, distill_loss
+from logitstore.trainer.model import build_student, shard
+from logitstore.trainer.train import _student_logits, _targets
+
+
+def small_store(tmp: Path, *, tokens: int) -> str:
+    lines, total = [], 0
+    for line in SAMPLE_CORPUS.read_text().splitlines():
+        lines.append(line)
+        total += len(json.loads(line)["text"]) // 4  # ~4 characters per token
+        if total >= tokens:
+            break
+    (tmp / "data.jsonl").write_text("\n".join(lines) + "\n")
+    uri = str(tmp / "store")
+    run_build(BuildConfig(store=uri, data=str(tmp / "data.jsonl"), id_column="id", max_length=512, progress=False),
+              log=lambda _: None)
+    return uri
+
+
+def run_steps(model, optimizer, batches, *, teacher_model=None) -> float:
+    """Seconds per step over `batches` (the first step is a warm-up and not counted)."""
+    times = []
+    for i, batch in enumerate(batches):
+        start = time.perf_counter()
+        if teacher_model is not None:
+            with torch.inference_mode():  # the online baseline: the teacher runs every step
+                teacher_model(input_ids=batch.input_ids, position_ids=batch.position_ids,
+                              attention_mask=batch.block_causal_mask())
+        optimizer.zero_grad(set_to_none=True)
+        loss, _ = distill_loss(_student_logits(model, batch, "cpu"), _targets(batch, "cpu"), LossConfig())
+        loss.backward()
+        optimizer.step()
+        if i:
+            times.append(time.perf_counter() - start)
+    return sum(times) / len(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--store")
+    parser.add_argument("--student", default="llama-small")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--micro-batch", type=int, default=4)
+    parser.add_argument("--build-tokens", type=int, default=6000)
+    args = parser.parse_args()
+
+    os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29533")
+    dist.init_process_group("gloo")
+    with tempfile.TemporaryDirectory() as tmp:
+        uri = args.store or small_store(Path(tmp), tokens=args.build_tokens)
+        view = Store.open(uri).read()
+        teacher = view.teacher_name(None)
+        meta = view.teachers[teacher]
+        model, _ = build_student(args.student, vocab_size=meta.vocab_size, seed=0, teacher_tokenizer_hash=meta.tokenizer_hash)
+        model = shard(model, mesh=init_device_mesh("cpu", (1,)), offload_optimizer=False, cuda=False)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+        def stream():
+            return PackedStream(view, teacher=teacher, seq_len=args.seq_len, micro_batch=args.micro_batch, rank=0,
+                                world_size=1, seed=0, eval_fraction=0.05)
+
+        s = stream()
+        it = iter(s)
+        store_s = run_steps(model, optimizer, (next(it) for _ in range(args.steps + 1)))
+        wait = s.wait_seconds
+        s.close()
+        s = stream()
+        it = iter(s)
+        in_memory = [next(it) for _ in range(args.steps + 1)]
+        s.close()
+        memory_s = run_steps(model, optimizer, in_memory)
+        from logitstore.pipelines.teacher import resolve_teacher
+
+        teacher_model = _load_teacher_once(resolve_teacher(None), "cpu", "auto").model
+        online_s = run_steps(model, optimizer, in_memory, teacher_model=teacher_model)
+    dist.destroy_process_group()
+    tokens = args.seq_len * args.micro_batch
+    print(f"student {args.student}, {tokens} tokens per step, {args.steps} steps each, CPU")
+    print(f"store  (streamed)  : {store_s * 1000:8.1f} ms/step  {tokens / store_s:8,.0f} tokens/s  (waited {wait:.2f} s on data in all)")
+    print(f"memory (no I/O)    : {memory_s * 1000:8.1f} ms/step  {tokens / memory_s:8,.0f} tokens/s")
+    print(f"online (teacher)   : {online_s * 1000:8.1f} ms/step  {tokens / online_s:8,.0f} tokens/s")
+    print(f"data-wait overhead : {store_s / memory_s - 1:+.1%} (target < 2%)")
+    print(f"offline speed-up   : {online_s / store_s:.2f}x over online distillation")
+
+
+if __name__ == "__main__":
+    main()

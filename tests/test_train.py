@@ -1,0 +1,109 @@
+"""Stage two end to end on CPU with gloo: a real store from the default teacher, a fresh tiny student."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from logitstore.cli.app import app
+from logitstore.data import SAMPLE_CORPUS
+from logitstore.pipelines.build import BuildConfig, run_build
+from logitstore.trainer.config import TrainConfig
+from logitstore.trainer.train import launch
+
+COMMON = dict(seq_len=64, micro_batch=2, warmup_steps=2, lr=5e-3, eval_fraction=0.2)
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory) -> str:
+    """~3k teacher tokens of the sample corpus, distilled by the default teacher (top-16)."""
+    from logitstore.pipelines.sparsify import Sparsity
+
+    docs = [json.loads(line) for line in SAMPLE_CORPUS.read_text().splitlines()[:12]]
+    data = tmp_path_factory.mktemp("data") / "corpus.jsonl"
+    data.write_text("".join(json.dumps({"id": d["id"], "text": d["text"][:1200]}) + "\n" for d in docs))
+    uri = str(tmp_path_factory.mktemp("store") / "store")
+    run_build(BuildConfig(store=uri, data=str(data), id_column="id", max_length=128, sparsity=Sparsity(k=16),
+                          progress=False), log=lambda _: None)
+    return uri
+
+
+def metrics(out: Path) -> list[dict]:
+    return [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "step" in r]
+
+
+def test_loss_goes_down_and_the_student_exports(store, tmp_path):
+    out = tmp_path / "run"
+    launch(TrainConfig(store=store, out=str(out), steps=30, eval_every=30, **COMMON))
+    rows = metrics(out)
+    first, last = sum(r["kd"] for r in rows[:3]) / 3, sum(r["kd"] for r in rows[-3:]) / 3
+    assert last < first - 0.5, (first, last)
+    assert {"step", "loss", "tokens_per_second", "data_wait_seconds", "lr", "grad_norm", "kd", "ce"} <= set(rows[-1])
+    assert (out / "training.png").stat().st_size > 1000
+    assert rows[-1]["version"] == json.loads((out / "metrics.jsonl").read_text().splitlines()[0])["version"]
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    assert AutoModelForCausalLM.from_pretrained(out / "final") is not None
+    assert AutoTokenizer.from_pretrained(out / "final")("hello")["input_ids"]
+    result = CliRunner().invoke(app, ["eval", "--store", store, "--student", str(out / "final"), "--seq-len", "64",
+                                      "--eval-fraction", "0.2", "--json"])
+    assert result.exit_code == 0, result.stderr
+    evaluated = json.loads(result.stdout)
+    assert evaluated["kl"] > 0 and evaluated["ce"] > 0
+
+
+def test_two_processes_agree_with_one_on_the_first_step(store, tmp_path):
+    one = tmp_path / "one"
+    two = tmp_path / "two"
+    # Same global batch: 1 process x 4 rows, 2 processes x 2 rows.
+    launch(TrainConfig(store=store, out=str(one), steps=1, **{**COMMON, "micro_batch": 4}))
+    launch(TrainConfig(store=store, out=str(two), steps=1, nproc=2, **COMMON))
+    assert metrics(one)[0]["loss"] == pytest.approx(metrics(two)[0]["loss"], rel=1e-4)
+
+
+def test_killed_run_resumes_with_bit_identical_losses(store, tmp_path):
+    reference = tmp_path / "reference"
+    launch(TrainConfig(store=store, out=str(reference), steps=6, checkpoint_every=3, **COMMON))
+    out = tmp_path / "killed"
+    args = ["train", "--store", store, "--out", str(out), "--steps", "6", "--checkpoint-every", "3",
+            "--seq-len", "64", "--micro-batch", "2", "--warmup-steps", "2", "--lr", "5e-3", "--eval-fraction", "0.2"]
+    child = subprocess.Popen([sys.executable, "-m", "logitstore.cli.app", *args],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 240
+    while not (out / "step-3").exists() and child.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    child.send_signal(signal.SIGKILL)
+    child.wait()
+    assert (out / "step-3").exists() and not (out / "step-6").exists()
+    result = CliRunner().invoke(app, [*args, "--resume"])
+    assert result.exit_code == 0, result.stderr
+    resumed = {r["step"]: r["loss"] for r in metrics(out)}
+    expected = {r["step"]: r["loss"] for r in metrics(reference)}
+    assert [resumed[s] for s in (4, 5, 6)] == [expected[s] for s in (4, 5, 6)]
+
+
+def test_bad_train_input_is_one_clear_line(store, tmp_path):
+    runner = CliRunner()
+    base = ["train", "--store", store, "--steps", "1", "--seq-len", "64"]
+    cases = [
+        ([*base, "--out", str(tmp_path / "a"), "--seq-len", "100000"], "exceeds the student"),
+        ([*base, "--out", str(tmp_path / "b"), "--version", "nope"], "no version"),
+        ([*base, "--out", str(tmp_path / "c"), "--student", str(tmp_path)], "not a model directory"),
+        ([*base, "--out", str(tmp_path / "d"), "--micro-batch", "0"], "--micro-batch"),
+    ]
+    for args, message in cases:
+        result = runner.invoke(app, args)
+        assert result.exit_code == 2 and message in result.stderr, (args, result.stderr)
+    out = tmp_path / "e"
+    assert runner.invoke(app, [*base, "--out", str(out), "--micro-batch", "2"]).exit_code == 0
+    result = runner.invoke(app, [*base, "--out", str(out), "--lr", "1e-2"])
+    assert result.exit_code == 2 and "already holds a run" in result.stderr
+    result = runner.invoke(app, [*base, "--out", str(out), "--lr", "1e-2", "--resume"])
+    assert result.exit_code == 2 and "another configuration (lr" in result.stderr

@@ -1,0 +1,347 @@
+"""The trainer's data stream (trainer/data.py) against its contract: determinism, rank sharding,
+resumption, packing against the store's own decoding, the train/eval split, errors and damaged data."""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import os
+import threading
+import uuid
+
+import numpy as np
+import pytest
+import torch
+
+from logitstore import codec
+from logitstore.errors import LogitstoreError, StorageError
+from logitstore.store import Store, TeacherMeta
+from logitstore.synthetic import random_samples
+from logitstore.trainer.data import PackedBatch, PackedStream, is_eval_sample
+
+VOCAB = 1000
+SEQ, MB = 32, 2
+
+
+def build_store(uri: str, *, n: int = 60, parts: int = 3, mode: str = "topk", max_tokens: int = 60, k: int = 8):
+    """A store with `n` samples of one teacher written as `parts` parts; returns the pinned view."""
+    store = Store.open(uri, create=True)
+    ids = [f"doc-{i:03d}" for i in range(n)]
+    batches = [random_samples(list(chunk), seed=i, mode=mode, max_tokens=max_tokens, k=k, vocab=VOCAB)
+               for i, chunk in enumerate(np.array_split(ids, parts))]
+    meta = TeacherMeta(name="teacher-a", vocab_size=VOCAB, content_hash="w", tokenizer_hash="t",
+                       sparsity={"mode": mode, "k": k})
+    with store.writer() as w:
+        w.add_teacher(meta, code_of_id=codec.frequency_id_order(batches[0].entry_ids, vocab_size=VOCAB))
+        for samples in batches:
+            w.write(samples, teacher="teacher-a")
+        w.commit("data")
+    return store.read()
+
+
+@pytest.fixture(scope="module")
+def view():
+    return build_store(f"memory://{uuid.uuid4().hex[:12]}")
+
+
+@pytest.fixture(scope="module")
+def sampled_view():
+    return build_store(f"memory://{uuid.uuid4().hex[:12]}", n=30, parts=2, mode="sampled")
+
+
+def stream(view, **kw) -> PackedStream:
+    args = dict(teacher=None, seq_len=SEQ, micro_batch=MB, rank=0, world_size=1, seed=1)
+    return PackedStream(view, **{**args, **kw})
+
+
+def take(s: PackedStream, n: int) -> list[PackedBatch]:
+    """The next n batches, leaving the stream's position after them."""
+    it = iter(s)
+    out = list(itertools.islice(it, n))
+    it.close()
+    return out
+
+
+TENSORS = ("input_ids", "position_ids", "document_ids", "positions", "entry_ids", "entry_logprobs", "entry_pos",
+           "tail", "target_ids", "target_logprobs")
+
+
+def assert_same(x: PackedBatch, y: PackedBatch) -> None:
+    for name in TENSORS:
+        assert torch.equal(getattr(x, name), getattr(y, name)), name
+    assert x.n_tokens == y.n_tokens and x.segments == y.segments
+
+
+# -- determinism, sharding, resumption -----------------------------------------------------------------
+
+
+def test_same_seed_same_batches_other_seed_differs(view):
+    a, b, c = stream(view), stream(view, prefetch=0), stream(view, seed=2)
+    first, second, other = take(a, 8), take(b, 8), take(c, 8)
+    for x, y in zip(first, second):
+        assert_same(x, y.to("cpu"))
+    assert not all(torch.equal(x.input_ids, z.input_ids) for x, z in zip(first, other))
+    assert all(x.n_tokens == MB * SEQ for x in first)  # nothing skipped, nothing padded
+    for s in (a, b, c):
+        s.close()
+
+
+def test_ranks_split_the_global_rows(view):
+    one = stream(view)
+    ranks = [stream(view, world_size=2, rank=r) for r in (0, 1)]
+    assert ranks[0].steps_per_epoch == ranks[1].steps_per_epoch == one.rows_per_epoch // (2 * MB)
+    steps = ranks[0].steps_per_epoch
+    reference = take(one, 2 * steps)
+    per_rank = [take(s, steps) for s in ranks]
+    for i in range(steps):
+        for r in (0, 1):
+            assert_same(per_rank[r][i], reference[2 * i + r])
+    seen = [{(sid, a) for b in batches for sid, a, _, _ in b.segments} for batches in per_rank]
+    assert not seen[0] & seen[1]
+    assert ranks[0].state_dict() == ranks[1].state_dict()  # rows counted for all ranks together
+
+
+def test_resume_mid_epoch_and_across_an_epoch_boundary(view):
+    s = stream(view)
+    n = s.steps_per_epoch - 1
+    take(s, n)
+    state = s.state_dict()
+    assert state == {"epoch": 0, "rows_consumed": n * MB, "seed": 1, "version": view.snapshot_id}
+    expected = take(s, 3)  # the last batch of epoch 0, then epoch 1
+    assert s.state_dict()["epoch"] == 1
+    resumed = stream(view)
+    resumed.load_state_dict(state)
+    for x, y in zip(take(resumed, 3), expected):
+        assert_same(x, y)
+
+
+def test_resume_with_another_world_size(view):
+    ranks = [stream(view, world_size=2, rank=r) for r in (0, 1)]
+    for s in ranks:
+        take(s, 3)
+    state = ranks[0].state_dict()
+    assert state["rows_consumed"] == 3 * 2 * MB
+    single = stream(view)
+    single.load_state_dict(state)
+    reference = take(stream(view), 8)
+    for x, y in zip(take(single, 2), reference[6:8]):
+        assert_same(x, y)
+
+
+def test_load_state_refuses_another_version_or_seed(view):
+    s = stream(view)
+    state = s.state_dict()
+    with pytest.raises(ValueError, match="version"):
+        s.load_state_dict({**state, "version": "0" * 20})
+    with pytest.raises(ValueError, match="seed"):
+        stream(view, seed=7).load_state_dict(state)
+
+
+# -- packing ---------------------------------------------------------------------------------------------
+
+
+def check_batch(view, batch: PackedBatch, cache: dict) -> None:
+    """Every segment against `view.sample`: tokens, positions, targets and teacher entries."""
+    B, L = batch.input_ids.shape
+    flat_ids, flat_pos, flat_doc = batch.input_ids.view(-1), batch.position_ids.view(-1), batch.document_ids.view(-1)
+    supervised = []
+    for sid, a, f, n in batch.segments:
+        if sid not in cache:
+            cache[sid] = view.sample(sid)
+        sample = cache[sid]
+        assert torch.equal(flat_ids[f:f + n], torch.from_numpy(sample.input_ids[a:a + n]))
+        assert torch.equal(flat_pos[f:f + n], torch.arange(n))
+        assert (flat_doc[f:f + n] == flat_doc[f]).all()
+        supervised.append(np.arange(f, f + n - 1))
+    # Segments tile every row, and document ids differ between the segments of a row.
+    starts = sorted((f, n) for _, _, f, n in batch.segments)
+    assert starts[0][0] == 0 and all(f0 + n0 == f1 for (f0, n0), (f1, _) in zip(starts, starts[1:]))
+    assert starts[-1][0] + starts[-1][1] == B * L
+    for row in range(B):
+        firsts = [flat_doc[f].item() for _, _, f, _ in batch.segments if f // L == row]
+        assert firsts == list(range(len(firsts)))
+    np.testing.assert_array_equal(batch.positions.numpy(), np.concatenate(supervised))
+    assert torch.equal(batch.target_ids, flat_ids[batch.positions + 1])
+    assert (torch.diff(batch.entry_pos) >= 0).all()
+    check_entries(batch, cache)
+
+
+def by_position_and_id(ids: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    return np.lexsort((ids, np.repeat(np.arange(len(counts)), counts)))
+
+
+def check_entries(batch: PackedBatch, cache: dict) -> None:
+    """Positions [p, p + n - 1) of the batch are positions [a, a + n - 1) of the segment's sample."""
+    bounds = np.searchsorted(batch.entry_pos.numpy(), np.arange(len(batch.positions) + 1))
+    p = 0
+    for sid, a, _, n in batch.segments:
+        sample, q = cache[sid], slice(a, a + n - 1)
+        offsets = sample.entry_offsets
+        got = slice(bounds[p], bounds[p + n - 1])
+        want = slice(offsets[a], offsets[a + n - 1])
+        counts = np.diff(bounds[p:p + n])
+        np.testing.assert_array_equal(counts, sample.n_entries[q])
+        g = by_position_and_id(batch.entry_ids[got].numpy(), counts)
+        w = by_position_and_id(sample.entry_ids[want], counts)
+        np.testing.assert_array_equal(batch.entry_ids[got].numpy()[g], sample.entry_ids[want][w])
+        np.testing.assert_array_equal(batch.entry_logprobs[got].numpy()[g], sample.entry_logprobs[want][w])
+        if sample.entry_counts is not None:
+            np.testing.assert_array_equal(batch.entry_counts[got].numpy()[g], sample.entry_counts[want][w])
+        np.testing.assert_array_equal(batch.tail[p:p + n - 1].numpy(), sample.tail[q])
+        np.testing.assert_array_equal(batch.target_logprobs[p:p + n - 1].numpy(), sample.target_logprobs[q])
+        np.testing.assert_array_equal(batch.target_ids[p:p + n - 1].numpy(), sample.input_ids[a + 1:a + n])
+        p += n - 1
+    assert p == len(batch.positions)
+
+
+SAMPLES: dict = {}  # (version, sample id) -> view.sample(id), shared by the packing tests
+
+
+@pytest.mark.parametrize("which, cache_bytes", [("view", 0), ("view", None), ("sampled_view", 0)])
+def test_packing_matches_the_store(which, cache_bytes, request):
+    """Sliced reads (cache_bytes=0) and whole-part caching give the store's own decoding."""
+    v = request.getfixturevalue(which)
+    s = stream(v, seed=3, **({} if cache_bytes is None else {"cache_bytes": cache_bytes}))
+    assert s._reader.cache_whole == (cache_bytes is None)
+    batches = take(s, s.steps_per_epoch)
+    cache = SAMPLES.setdefault(v.snapshot_id, {})
+    for batch in batches:
+        check_batch(v, batch, cache)
+    assert (batches[0].entry_counts is not None) == (which == "sampled_view")
+
+
+def test_epoch_order_and_fragments_follow_the_contract(view):
+    s = stream(view, seed=5)
+    segments = [seg for b in take(s, s.steps_per_epoch) for seg in b.segments]
+    train_ids = sorted(sid for sid in view.index["sample_id"].to_pylist() if not is_eval_sample(sid, eval_fraction=0.05))
+    order = [train_ids[i] for i in np.random.default_rng([5, 0]).permutation(len(train_ids))]
+    walked, expected_a = [], 0
+    for sid, a, f, n in segments:
+        if not walked or walked[-1] != sid:
+            walked.append(sid)
+            expected_a = 0
+        assert a == expected_a  # a fragment continues exactly where the previous one was cut
+        expected_a = a + n
+    assert walked == order[: len(walked)]
+    assert any(f % SEQ == 0 and a > 0 for _, a, f, _ in segments)  # some sample was cut across rows
+    n_tokens = dict(zip(view.index["sample_id"].to_pylist(), view.index["n_tokens"].to_pylist()))
+    assert s.rows_per_epoch == sum(n_tokens[sid] for sid in train_ids) // SEQ
+
+
+def test_block_causal_mask():
+    doc = torch.tensor([[0, 0, 1, 1, -1]])
+    batch = PackedBatch(input_ids=torch.zeros(1, 5, dtype=torch.long), position_ids=torch.zeros(1, 5, dtype=torch.long),
+                        document_ids=doc, positions=torch.zeros(0, dtype=torch.long), entry_ids=torch.zeros(0, dtype=torch.long),
+                        entry_logprobs=torch.zeros(0), entry_pos=torch.zeros(0, dtype=torch.long), tail=torch.zeros(0),
+                        target_ids=torch.zeros(0, dtype=torch.long), target_logprobs=torch.zeros(0), entry_counts=None,
+                        n_tokens=4)
+    mask = batch.block_causal_mask(torch.bfloat16)
+    assert mask.shape == (1, 1, 5, 5) and mask.dtype == torch.bfloat16
+    allowed = (mask[0, 0] == 0).int().tolist()
+    assert allowed == [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [0, 0, 1, 0, 0], [0, 0, 1, 1, 0], [0, 0, 0, 0, 1]]
+    assert not torch.isnan(torch.softmax(torch.randn(5, 5) + mask[0, 0].float(), dim=-1)).any()
+
+
+def test_mask_of_a_real_batch_blocks_other_documents(view):
+    batch = take(stream(view), 1)[0]
+    allowed = batch.block_causal_mask() == 0
+    doc = batch.document_ids
+    q, k = torch.meshgrid(torch.arange(SEQ), torch.arange(SEQ), indexing="ij")
+    expected = (doc[:, :, None] == doc[:, None, :]) & (k <= q)
+    assert torch.equal(allowed[:, 0], expected)
+
+
+# -- splits ----------------------------------------------------------------------------------------------
+
+
+def test_is_eval_sample_is_the_documented_hash():
+    for sid in ("doc-1", "ünïcode", "x" * 100):
+        fraction = int.from_bytes(hashlib.blake2b(sid.encode(), digest_size=8).digest(), "big") / 2**64
+        assert is_eval_sample(sid, eval_fraction=fraction + 1e-9) and not is_eval_sample(sid, eval_fraction=fraction - 1e-9)
+    assert not is_eval_sample("anything", eval_fraction=0.0) and is_eval_sample("anything", eval_fraction=1.0)
+
+
+def test_train_and_eval_are_disjoint_stable_and_eval_is_one_pass(view):
+    ids_of = lambda batches: {sid for b in batches for sid, *_ in b.segments}
+    train = stream(view, eval_fraction=0.3)
+    evaluation = stream(view, split="eval", eval_fraction=0.3, seed=9)
+    train_ids = set(train.table.sample_ids)
+    eval_ids = set(evaluation.table.sample_ids)
+    assert train_ids.isdisjoint(eval_ids) and train_ids | eval_ids == set(view.index["sample_id"].to_pylist())
+    assert eval_ids == set(stream(view, split="eval", eval_fraction=0.3, seed=4).table.sample_ids)
+    passes = [list(evaluation), list(evaluation)]  # finite; the second iter() is a full pass again
+    assert len(passes[0]) == evaluation.steps_per_epoch
+    for x, y in zip(*passes):
+        assert_same(x, y)
+    assert ids_of(passes[0]) <= eval_ids and ids_of(take(train, train.steps_per_epoch)) <= train_ids
+
+
+# -- errors, prefetch and damaged data ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kw, message", [
+    ({"seq_len": 1}, "seq_len"),
+    ({"micro_batch": 0}, "micro_batch"),
+    ({"rank": 2, "world_size": 2}, "rank"),
+    ({"rank": -1}, "rank"),
+    ({"split": "test"}, "split"),
+    ({"split": "eval", "eval_fraction": 0.0}, "no samples"),
+    ({"seq_len": 4096}, "fewer than one micro-batch"),
+    ({"world_size": 64, "micro_batch": 8, "rank": 3}, "fewer than one micro-batch"),
+    ({"on_error": "ignore"}, "on_error"),
+])
+def test_bad_arguments_are_refused(view, kw, message):
+    with pytest.raises(ValueError, match=message) as info:
+        stream(view, **kw)
+    assert isinstance(info.value, LogitstoreError)
+
+
+def test_unknown_teacher_is_refused(view):
+    with pytest.raises(LogitstoreError, match="no teacher"):
+        stream(view, teacher="teacher-z")
+
+
+def test_prefetch_thread_stops_on_close_and_counts_waiting(view):
+    s = stream(view, prefetch=2)
+    it = iter(s)
+    next(it)
+    assert any(t.name == "logitstore-prefetch" for t in threading.enumerate())
+    s.close()
+    assert not any(t.name == "logitstore-prefetch" and t.is_alive() for t in threading.enumerate())
+    assert s.wait_seconds >= 0
+
+
+@pytest.fixture(scope="module")
+def damaged_view(tmp_path_factory):
+    """A local store whose largest chunk file has 16 flipped bytes (its CRC32C fails)."""
+    root = tmp_path_factory.mktemp("damaged") / "store"
+    view = build_store(str(root), n=30, parts=1, max_tokens=400, k=32)
+    victim = max((root / "chunks").iterdir(), key=lambda p: p.stat().st_size)
+    data = bytearray(victim.read_bytes())
+    mid = len(data) // 3
+    data[mid:mid + 16] = bytes(b ^ 0xFF for b in data[mid:mid + 16])
+    os.chmod(victim, 0o644)
+    victim.write_bytes(bytes(data))
+    return Store.open(str(root)).read(view.snapshot_id)
+
+
+@pytest.mark.parametrize("cache_bytes", [0, 1 << 30])
+def test_damaged_sample_is_named(damaged_view, cache_bytes):
+    s = stream(damaged_view, seq_len=128, eval_fraction=0.0, cache_bytes=cache_bytes)
+    with pytest.raises(StorageError, match=r"cannot read sample 'doc-\d+' .*checksum"):
+        take(s, s.steps_per_epoch)  # raised in the prefetch thread, re-raised here
+    s.close()
+
+
+def test_damaged_samples_are_skipped_alike_by_sliced_and_cached_reads(damaged_view):
+    skipped = []
+    for cache_bytes in (0, 1 << 30):
+        s = stream(damaged_view, seq_len=128, eval_fraction=0.0, cache_bytes=cache_bytes, on_error="skip")
+        batches = take(s, s.steps_per_epoch)
+        s.close()
+        assert 0 < s.skipped_samples < 30  # one damaged chunk, not the whole part
+        damaged = [b for b in batches if b.n_tokens < MB * 128]  # skipped fragments became padding
+        assert damaged and all((b.document_ids == -1).sum() == MB * 128 - b.n_tokens for b in damaged)
+        assert all(sid not in s.skipped_ids for b in batches for sid, *_ in b.segments)
+        skipped.append(s.skipped_ids)
+    assert skipped[0] == skipped[1]

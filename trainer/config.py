@@ -1,0 +1,74 @@
+"""`TrainConfig`: every option of `logitstore train`, validated on construction (errors name the flag)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from logitstore.errors import LogitstoreError
+
+
+class TrainConfigError(LogitstoreError):
+    """An option of `logitstore train` is out of range."""
+
+
+@dataclass
+class TrainConfig:
+    store: str
+    out: str
+    student: str = "llama-tiny"
+    version: str | None = None
+    teacher: str | None = None
+    nproc: int = 1
+    steps: int = 100  # the run's total; a resumed run continues to this step with the same schedule
+    seq_len: int = 256
+    micro_batch: int = 4  # rows of seq_len tokens per rank per micro-step
+    grad_accum: int = 1
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 10
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    seed: int = 0
+    loss: str = "forward_kl"
+    kd_temperature: float = 1.0
+    alpha: float = 0.0
+    jsd_beta: float = 0.5
+    eval_every: int = 0
+    eval_fraction: float = 0.05
+    eval_batches: int = 8
+    checkpoint_every: int = 0
+    resume: bool = False
+    force: bool = False
+    offload_optimizer: bool = False
+    on_error: str = "raise"  # a damaged sample: "raise" stops the run, "skip" skips and counts it
+    log_every: int = 1
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.nproc >= 1, "--nproc must be at least 1"),
+            (self.steps >= 1, "--steps must be at least 1"),
+            (self.seq_len >= 2, "--seq-len must be at least 2"),
+            (self.micro_batch >= 1, "--micro-batch must be at least 1"),
+            (self.grad_accum >= 1, "--grad-accum must be at least 1"),
+            (self.lr > 0, "--lr must be positive"),
+            (0 <= self.min_lr_ratio <= 1, "--min-lr-ratio must be in [0, 1]"),
+            (self.warmup_steps >= 0, "--warmup-steps must be >= 0"),
+            (self.grad_clip >= 0, "--grad-clip must be >= 0 (0 disables clipping)"),
+            (0 < self.eval_fraction < 1, "--eval-fraction must be in (0, 1)"),
+            (self.eval_every >= 0 and self.checkpoint_every >= 0, "--eval-every and --checkpoint-every must be >= 0"),
+            (self.on_error in ("raise", "skip"), "--on-error must be raise or skip"),
+            (not (self.resume and self.force), "--resume and --force exclude each other"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise TrainConfigError(message)
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.seq_len * self.micro_batch * self.grad_accum * self.nproc
+
+    def run_identity(self) -> dict:
+        """What must match to resume into an existing `--out` (not the step count, nor the process count)."""
+        skip = {"out", "steps", "resume", "force", "nproc", "log_every", "eval_every", "checkpoint_every", "on_error"}
+        return {k: v for k, v in dataclasses.asdict(self).items() if k not in skip}

@@ -1,0 +1,242 @@
+"""Distillation losses on the teacher's stored sparse entries.
+
+One call covers every supervised position of a micro-batch, flattened: P positions, E stored teacher
+entries in all. The student's logits z [P, V] exist anyway and are used directly; the teacher side
+stays sparse (per-entry and per-position arrays only). Every per-position sum is a segment sum over
+`entry_pos` (`index_add`), so no dense [P, V] teacher tensor is ever built and nothing loops in Python.
+
+Buckets. Position t has the stored entries S_t (ids i, log-probabilities lp_i at temperature 1) and one
+tail bucket for every other token:
+
+    teacher   p_i = exp(lp_i),                         p_tail = tail
+    student   q_i = softmax(z / T)[i],                 q_tail = 1 - sum_i q_i
+
+The teacher buckets are renormalised to sum 1 per position (the codec's quantization leaves
+sum_i p_i + tail off 1 by up to ~1e-2). q_tail is computed stably as a logsumexp over the student's
+logits with the stored ids masked out: log q_tail = logsumexp(z masked) - logsumexp(z), accurate
+however small the tail (1 - sum q_i would cancel catastrophically when the entries hold nearly all mass).
+
+Temperature T (`--kd-temperature`). The student's logits are divided by T. The teacher's buckets are
+tempered as p_b^(1/T) renormalised over the buckets, with the tail treated as ONE bucket. That is an
+approximation: the true tempered tail is sum_{v in tail} p_v^(1/T) / Z_T, which the sparse store
+cannot give. For T > 1 the single bucket gets less mass than the true tempered tail (each of the many
+tail tokens would grow), for T < 1 more. With every token stored (tail 0) it is exact. The KD term is
+multiplied by T^2 so its gradient keeps its scale across temperatures (Hinton et al. 2015).
+
+Divergences per position, summed over the buckets b (`--loss`):
+
+    forward_kl   sum_b p_b (log p_b - log q_b)            (default) the KL between the bucketed
+                                                          distributions; a lower bound on the full KL,
+                                                          equal to it when everything is stored
+    topk_renorm  sum_i p^_i (log p^_i - log q^_i)         both sides renormalised over the stored
+                                                          entries only, no tail bucket (MaxText/NeMo
+                                                          style); a position with no entries adds 0
+    reverse_kl   sum_b q_b (log q_b - log p_b)            over the same buckets as forward_kl
+    jsd          beta KL(p || m) + (1 - beta) KL(q || m), m = beta p + (1 - beta) q  (`--jsd-beta`)
+
+Sampled stores (`entry_counts` given: entry i was drawn c_i times out of n draws at its position).
+forward_kl then uses the unbiased estimator of Anshumann et al. 2025 ("Sparse Logit Sampling"):
+
+    kd_t = sum_i w_i (lp_i - log q_i),   w_i = c_i / n
+
+Since E[w_i] = p_i exactly, E[kd_t] = KL(p || q) and E[grad kd_t] = grad KL(p || q), with no tail or
+renormalisation. n is `n_draws`, or the position's count total when `n_draws` is None. The draws fix the
+teacher's side: T divides the student's logits and scales by T^2, but cannot re-temper the draws (the
+build's `--temperature` did that). With draws at temperature tau != 1 the gradient is that of
+KL(p_tau || q) while the value, using the stored temperature-1 lp_i, is off by a constant. The other
+kinds need the teacher's probabilities of the stored entries as a distribution, which a sampled store's
+counts do not give; they are refused.
+
+Cross-entropy (`--alpha`): ce_t = -log softmax(z)[target_t] at temperature 1.
+
+    loss = mean_t (T^2 kd_t) + alpha * mean_t ce_t
+
+Numerics: fp32 throughout, even for bf16 logits; log space everywhere; logs of masses below 1e-30 are
+clamped to log(1e-30) (a tail of exactly 0, a masked logsumexp over nothing), which keeps 0 * log 0
+terms at 0 and gradients finite.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from logitstore.errors import LogitstoreError
+
+KINDS = ("forward_kl", "topk_renorm", "reverse_kl", "jsd")
+TINY = 1e-30
+LOG_TINY = math.log(TINY)
+# Written over the student's stored ids before the tail's logsumexp: far below any real logit, yet
+# finite, so a position whose entries cover the whole vocabulary gives a finite logsumexp and a
+# finite (zero) gradient instead of exp(-inf - -inf) = NaN.
+_MASKED_LOGIT = -1e30
+
+
+class LossConfigError(LogitstoreError, ValueError):
+    """A loss option out of range or unusable with the store; the message names the flag."""
+
+
+@dataclass
+class SparseTargets:
+    """The teacher's side of one micro-batch, flattened over its P supervised positions (E entries)."""
+
+    entry_ids: Tensor  # [E] long: teacher entry token ids
+    entry_logprobs: Tensor  # [E] float: full-vocabulary log-softmax at temperature 1 (quantized)
+    entry_pos: Tensor  # [E] long: position in [0, P) of each entry, non-decreasing
+    tail: Tensor  # [P] float: teacher mass outside the stored entries
+    target_ids: Tensor  # [P] long: the actual next token
+    target_logprobs: Tensor  # [P] float: teacher log-prob of the actual next token
+    entry_counts: Tensor | None = None  # [E] float: draws per entry (sampled stores only)
+    n_draws: int | None = None  # draws per position (sampled stores only)
+
+    @property
+    def n_positions(self) -> int:
+        return int(self.tail.shape[0])
+
+
+@dataclass(frozen=True)
+class LossConfig:
+    kind: str = "forward_kl"
+    temperature: float = 1.0
+    alpha: float = 0.0
+    jsd_beta: float = 0.5
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise LossConfigError(f"--loss must be one of {', '.join(KINDS)}; got {self.kind!r}")
+        if not _is_real(self.temperature) or not 0 < self.temperature < math.inf:
+            raise LossConfigError(f"--kd-temperature must be a finite number > 0; got {self.temperature!r}")
+        if not _is_real(self.alpha) or not 0 <= self.alpha < math.inf:
+            raise LossConfigError(f"--alpha must be a finite number >= 0; got {self.alpha!r}")
+        # At beta = 0 or 1 the mixture m equals q or p and the generalized JSD is identically 0.
+        if not _is_real(self.jsd_beta) or not 0 < self.jsd_beta < 1:
+            raise LossConfigError(f"--jsd-beta must be strictly between 0 and 1; got {self.jsd_beta!r}")
+
+
+def distill_loss(student_logits: Tensor, targets: SparseTargets, cfg: LossConfig) -> tuple[Tensor, dict[str, float]]:
+    """Mean over positions. Returns (loss, parts) with parts {"kd", "ce", "loss"} as python floats."""
+    _check_shapes(student_logits, targets)
+    logits = student_logits.float()  # fp32 math even for bf16 logits
+    n = max(targets.n_positions, 1)  # an empty micro-batch gives 0, not NaN
+    kd = _kd_per_position(logits, targets, cfg=cfg).sum() / n * cfg.temperature**2
+    if cfg.alpha > 0:
+        ce = _cross_entropy(logits, targets.target_ids).sum() / n
+    else:
+        with torch.no_grad():  # reported only: no [P, V] gradient of zeros to carry back
+            ce = _cross_entropy(logits, targets.target_ids).sum() / n
+    loss = kd + cfg.alpha * ce
+    kd_f, ce_f, loss_f = torch.stack([kd.detach(), ce.detach(), loss.detach()]).tolist()  # one device sync
+    return loss, {"kd": kd_f, "ce": ce_f, "loss": loss_f}
+
+
+def _kd_per_position(logits: Tensor, t: SparseTargets, *, cfg: LossConfig) -> Tensor:
+    """[P] divergence per position, before the T^2 factor."""
+    z = logits / cfg.temperature if cfg.temperature != 1 else logits
+    n = t.n_positions
+    if t.entry_counts is not None:
+        if cfg.kind != "forward_kl":
+            raise LossConfigError(
+                f"--loss {cfg.kind} needs the teacher's distribution over the stored entries, which a sampled "
+                "store's draw counts do not give; use --loss forward_kl (the unbiased sampled estimator)"
+            )
+        return _segment_sum(_sampled_forward_kl_terms(z, t), t.entry_pos, n=n)
+    if cfg.kind == "topk_renorm":
+        log_p, log_q, pos = _entry_buckets(z, t, temperature=cfg.temperature)
+    else:
+        log_p, log_q, pos = _tail_buckets(z, t, temperature=cfg.temperature)
+    return _segment_sum(_divergence_terms(log_p, log_q, kind=cfg.kind, beta=cfg.jsd_beta), pos, n=n)
+
+
+def _tail_buckets(z: Tensor, t: SparseTargets, *, temperature: float) -> tuple[Tensor, Tensor, Tensor]:
+    """Normalised log-masses of the entries then the P tail buckets, for teacher and student, and
+    the position of each bucket ([E + P] each)."""
+    n = t.n_positions
+    pos = torch.cat([t.entry_pos, torch.arange(n, device=z.device)])
+    lse = torch.logsumexp(z, dim=-1)
+    log_q_entries = z[t.entry_pos, t.entry_ids] - lse[t.entry_pos]
+    masked = z.index_put((t.entry_pos, t.entry_ids), torch.tensor(_MASKED_LOGIT, dtype=z.dtype, device=z.device))
+    log_q_tail = (torch.logsumexp(masked, dim=-1) - lse).clamp_min(LOG_TINY)
+    log_q = torch.cat([log_q_entries, log_q_tail])
+    raw_p = torch.cat([_teacher_logprobs(t), t.tail.float().clamp_min(TINY).log()])
+    log_p = _normalise(raw_p / temperature, pos, n=n)
+    return log_p, log_q, pos
+
+
+def _entry_buckets(z: Tensor, t: SparseTargets, *, temperature: float) -> tuple[Tensor, Tensor, Tensor]:
+    """Like `_tail_buckets`, both sides renormalised over the stored entries alone ([E] each)."""
+    n = t.n_positions
+    # softmax(z / T) restricted to the entries and renormalised is a softmax of the entries' logits.
+    log_q = _normalise(z[t.entry_pos, t.entry_ids], t.entry_pos, n=n)
+    log_p = _normalise(_teacher_logprobs(t) / temperature, t.entry_pos, n=n)
+    return log_p, log_q, t.entry_pos
+
+
+def _divergence_terms(log_p: Tensor, log_q: Tensor, *, kind: str, beta: float) -> Tensor:
+    """Per-bucket terms of the divergence; they sum to it over a position's buckets."""
+    if kind in ("forward_kl", "topk_renorm"):
+        return log_p.exp() * (log_p - log_q)
+    if kind == "reverse_kl":
+        return log_q.exp() * (log_q - log_p)
+    log_m = torch.logaddexp(log_p + math.log(beta), log_q + math.log(1 - beta))
+    return beta * log_p.exp() * (log_p - log_m) + (1 - beta) * log_q.exp() * (log_q - log_m)
+
+
+def _sampled_forward_kl_terms(z: Tensor, t: SparseTargets) -> Tensor:
+    """[E] terms w_i (lp_i - log q_i) of the unbiased sampled estimator."""
+    log_q = z[t.entry_pos, t.entry_ids] - torch.logsumexp(z, dim=-1)[t.entry_pos]
+    counts = t.entry_counts.float()
+    if t.n_draws is not None:
+        weights = counts / float(t.n_draws)
+    else:
+        weights = counts / _segment_sum(counts, t.entry_pos, n=t.n_positions)[t.entry_pos]
+    return weights * (_teacher_logprobs(t) - log_q)
+
+
+def _cross_entropy(logits: Tensor, target_ids: Tensor) -> Tensor:
+    """[P] -log softmax(logits)[target] at temperature 1."""
+    return torch.logsumexp(logits, dim=-1) - logits.gather(1, target_ids[:, None]).squeeze(1)
+
+
+def _teacher_logprobs(t: SparseTargets) -> Tensor:
+    # A -inf entry (probability 0) would make 0 * -inf = NaN in the terms.
+    return t.entry_logprobs.float().clamp_min(LOG_TINY)
+
+
+def _normalise(x: Tensor, index: Tensor, *, n: int) -> Tensor:
+    """x - logsumexp of x's segment: log-masses renormalised to sum 1 per position."""
+    return x - _segment_logsumexp(x, index, n=n)[index]
+
+
+def _segment_logsumexp(x: Tensor, index: Tensor, *, n: int) -> Tensor:
+    """[n] logsumexp of x over each segment of `index`; an empty segment gives LOG_TINY."""
+    # The shift is a constant for the result's value, so it needs no gradient.
+    shift = torch.full((n,), -math.inf, dtype=x.dtype, device=x.device)
+    shift = shift.scatter_reduce(0, index, x.detach(), reduce="amax", include_self=True)
+    shift = torch.where(torch.isfinite(shift), shift, torch.zeros_like(shift))
+    total = _segment_sum((x - shift[index]).exp(), index, n=n)
+    # A non-empty segment sums to >= 1 (its max term is exp(0)); only an empty one is clamped.
+    return shift + total.clamp_min(TINY).log()
+
+
+def _segment_sum(x: Tensor, index: Tensor, *, n: int) -> Tensor:
+    return torch.zeros(n, dtype=x.dtype, device=x.device).index_add(0, index, x)
+
+
+def _is_real(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and not math.isnan(x)
+
+
+def _check_shapes(logits: Tensor, t: SparseTargets) -> None:
+    """Mismatched arrays are a caller's bug; fail with the shapes rather than a scatter error."""
+    if logits.ndim != 2 or logits.shape[0] != t.n_positions:
+        raise ValueError(f"student_logits must be [P, V] with P = {t.n_positions} positions; got {tuple(logits.shape)}")
+    n_entries = {len(t.entry_ids), len(t.entry_logprobs), len(t.entry_pos)}
+    if t.entry_counts is not None:
+        n_entries.add(len(t.entry_counts))
+    if len(n_entries) != 1:
+        raise ValueError(f"entry arrays of different lengths: {sorted(n_entries)}")
+    if {len(t.target_ids), len(t.target_logprobs)} != {t.n_positions}:
+        raise ValueError(f"target arrays must have P = {t.n_positions} elements (one per tail)")

@@ -1,0 +1,85 @@
+"""The student: a built-in fresh config or a Hugging Face causal-LM directory, sharded with FSDP2.
+
+Every rank builds the full model on CPU with the same seed and then shards it, so the initial weights
+are identical whatever the process count (1-process and 2-process runs agree on the first loss). That
+costs one full copy of the weights per rank at start-up; for students too big for that, build on the
+meta device and initialise after `to_empty` (torchtitan's recipe), which is not needed at this size.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+from logitstore.errors import LogitstoreError
+
+# Fresh Llama-style students, sized for CPU tests and small runs. The vocabulary comes from the store.
+BUILTIN_STUDENTS = {
+    "llama-tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, max_position_embeddings=2048),
+    "llama-small": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=8,
+                        num_key_value_heads=4, max_position_embeddings=2048),
+}
+
+
+class StudentError(LogitstoreError):
+    """The student cannot be built or does not fit the store's teacher."""
+
+
+def build_student(spec: str, *, vocab_size: int, seed: int, teacher_tokenizer_hash: str):
+    """(model, tokenizer or None). A built-in name uses the teacher's tokenizer (None here: the store
+    holds it); a directory must have a tokenizer equal to the teacher's."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    if spec in BUILTIN_STUDENTS:
+        config = LlamaConfig(vocab_size=vocab_size, tie_word_embeddings=True, **BUILTIN_STUDENTS[spec])
+        config._attn_implementation = "eager"  # a 4-D block-causal mask on CPU; sdpa would also do
+        return LlamaForCausalLM(config), None
+    path = Path(spec)
+    if not (path / "config.json").is_file():
+        names = ", ".join(BUILTIN_STUDENTS)
+        raise StudentError(f"--student {spec!r}: not a model directory with config.json, nor a built-in ({names})")
+    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager")
+    tokenizer = _tokenizer_of(path)
+    _check_fits(model, tokenizer, vocab_size=vocab_size, teacher_tokenizer_hash=teacher_tokenizer_hash, spec=spec)
+    return model, tokenizer
+
+
+def _tokenizer_of(path: Path):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        raise StudentError(f"--student {path}: no usable tokenizer ({e})") from None
+
+
+def _check_fits(model, tokenizer, *, vocab_size: int, teacher_tokenizer_hash: str, spec: str) -> None:
+    from logitstore.pipelines.teacher import tokenizer_hash
+
+    out = model.get_output_embeddings().weight.shape[0]
+    if out != vocab_size:
+        raise StudentError(f"--student {spec}: predicts {out} tokens but the teacher's vocabulary has {vocab_size}")
+    if tokenizer_hash(tokenizer) != teacher_tokenizer_hash:
+        raise StudentError(f"--student {spec}: its tokenizer differs from the teacher's; cross-tokenizer "
+                           "students are not supported yet")
+
+
+def max_positions(model) -> int:
+    return int(getattr(model.config, "max_position_embeddings", 1 << 30))
+
+
+def shard(model, *, mesh: DeviceMesh, offload_optimizer: bool, cuda: bool):
+    """FSDP2: each decoder block, then the root. bf16 compute with fp32 reduction on GPU."""
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if cuda else MixedPrecisionPolicy()
+    # On a CPU-only run the state already lives in host memory; pinning needs an accelerator.
+    offload = CPUOffloadPolicy(pin_memory=cuda) if offload_optimizer else None
+    kwargs = dict(mesh=mesh, mp_policy=mp, **({"offload_policy": offload} if offload else {}))
+    for block in model.model.layers:
+        fully_shard(block, **kwargs)
+    fully_shard(model, **kwargs)
+    return model

@@ -1,0 +1,334 @@
+"""Stage two: train a student from a pinned store version. Reads top to bottom, like nanoGPT's train.py.
+
+Order of construction (fixed, as in torchtitan): process group and mesh -> store version (pinned by
+snapshot id) -> student (seeded, then sharded with FSDP2) -> optimizer and schedule -> data stream ->
+resume from the newest complete checkpoint -> the loop. Every resumable piece is in the checkpoint:
+model and optimizer shards (DCP), step, data position and RNG state (train_state.json).
+
+Launch: `logitstore train --nproc N` spawns N processes itself; under `torchrun` the environment
+already names rank and world size and the same code runs. CPU uses gloo, CUDA uses NCCL.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+from logitstore.errors import LogitstoreError
+from logitstore.trainer import checkpoint
+from logitstore.trainer.config import TrainConfig, TrainConfigError
+
+
+# -- launching -----------------------------------------------------------------------------------
+
+
+def launch(cfg: TrainConfig) -> dict:
+    """Run training on `cfg.nproc` processes (or under torchrun); returns rank 0's final metrics."""
+    out = Path(cfg.out)
+    _prepare_out(out, cfg)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # started by torchrun
+        return _run(cfg)
+    if cfg.nproc == 1:
+        with _single_process_env():
+            return _run(cfg)
+    import torch.multiprocessing as mp
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    mp.start_processes(_spawned, args=(cfg,), nprocs=cfg.nproc, start_method="spawn")
+    return json.loads((out / "final_metrics.json").read_text())
+
+
+def _spawned(rank: int, cfg: TrainConfig) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(cfg.nproc))
+    try:
+        _run(cfg)
+    except LogitstoreError as e:  # one clear line from the rank that saw it, not N tracebacks
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
+
+
+@contextlib.contextmanager
+def _single_process_env():
+    """A one-process group's environment, removed afterwards so a later launch in this process (a test,
+    a notebook) is not mistaken for a torchrun worker."""
+    values = dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _prepare_out(out: Path, cfg: TrainConfig) -> None:
+    """Refuse to mix runs: an --out holding another configuration needs --resume (same config) or --force."""
+    config_file = out / "config.json"
+    if config_file.exists():
+        previous = json.loads(config_file.read_text())
+        if cfg.force:
+            import shutil
+
+            shutil.rmtree(out)
+        elif not cfg.resume:
+            raise TrainConfigError(f"--out {out} already holds a run; pass --resume to continue it or --force to replace it")
+        elif previous != cfg.run_identity():
+            changed = sorted(k for k in set(previous) | set(cfg.run_identity()) if previous.get(k) != cfg.run_identity().get(k))
+            raise TrainConfigError(f"--out {out} holds a run with another configuration ({', '.join(changed)}); "
+                                   "use a new --out or --force")
+    out.mkdir(parents=True, exist_ok=True)
+    config_file.write_text(json.dumps(cfg.run_identity(), indent=2))
+
+
+# -- one rank --------------------------------------------------------------------------------------
+
+
+def _run(cfg: TrainConfig) -> dict:
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group("nccl" if cuda else "gloo")
+    try:
+        return _train(cfg, cuda=cuda)
+    finally:
+        dist.destroy_process_group()
+
+
+def _train(cfg: TrainConfig, *, cuda: bool) -> dict:
+    from logitstore.store import Store
+    from logitstore.trainer.data import PackedStream
+    from logitstore.trainer.losses import LossConfig
+    from logitstore.trainer.model import build_student, max_positions, shard
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    mesh = init_device_mesh(device.type, (world,))
+    out = Path(cfg.out)
+
+    # The store version is pinned by snapshot id: a later build on the branch cannot change this run.
+    view = Store.open(cfg.store).read(cfg.version)
+    teacher = view.teacher_name(cfg.teacher)
+    meta = view.teachers[teacher]
+    if view.index.num_rows == 0:
+        raise TrainConfigError(f"version {view.snapshot_id} of {cfg.store} holds no samples")
+
+    model, _tokenizer = build_student(cfg.student, vocab_size=meta.vocab_size, seed=cfg.seed,
+                                      teacher_tokenizer_hash=meta.tokenizer_hash)
+    if cfg.seq_len > max_positions(model):
+        raise TrainConfigError(f"--seq-len {cfg.seq_len} exceeds the student's {max_positions(model)} positions")
+    model = shard(model.to(device), mesh=mesh, offload_optimizer=cfg.offload_optimizer, cuda=cuda)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    loss_cfg = LossConfig(kind=cfg.loss, temperature=cfg.kd_temperature, alpha=cfg.alpha, jsd_beta=cfg.jsd_beta)
+
+    stream = PackedStream(view, teacher=teacher, seq_len=cfg.seq_len, micro_batch=cfg.micro_batch, rank=rank,
+                          world_size=world, seed=cfg.seed, eval_fraction=cfg.eval_fraction, on_error=cfg.on_error)
+    step = 0
+    resumed_from = checkpoint.latest(out) if cfg.resume else None
+    if resumed_from is not None:
+        state = checkpoint.load(resumed_from, model=model, optimizer=optimizer)
+        step = state["step"]
+        stream.load_state_dict(state["data"])
+        torch.set_rng_state(torch.tensor(state["rng"], dtype=torch.uint8))
+
+    metrics_file = (out / "metrics.jsonl").open("a") if rank == 0 else None
+    header = {"event": "start", "store": cfg.store, "version": view.snapshot_id, "teacher": teacher,
+              "student": cfg.student, "nproc": world, "resumed_from": str(resumed_from) if resumed_from else None,
+              "signal": "store"}
+    _log(metrics_file, header)
+    batches = iter(stream)
+    record: dict = {}
+    try:
+        while step < cfg.steps:
+            lr = _lr_at(step, cfg)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            started = time.perf_counter()
+            wait_before = stream.wait_seconds
+            parts, tokens = _train_step(model, optimizer, batches, cfg, loss_cfg, device)
+            step += 1
+            elapsed = time.perf_counter() - started
+            record = {"step": step, **parts, "lr": lr, "tokens": tokens,
+                      "tokens_per_second": tokens / elapsed, "data_wait_seconds": stream.wait_seconds - wait_before,
+                      "skipped_samples": getattr(stream, "skipped_samples", 0), "version": view.snapshot_id}
+            if cfg.eval_every and step % cfg.eval_every == 0:
+                record.update(evaluate(model, view, teacher=teacher, cfg=cfg, loss_cfg=loss_cfg, device=device))
+            _log(metrics_file, record, echo=step % cfg.log_every == 0 or step == cfg.steps)
+            if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step < cfg.steps:
+                checkpoint.save(out, step=step, model=model, optimizer=optimizer,
+                                train_state=_train_state(step, stream))
+        checkpoint.save(out, step=step, model=model, optimizer=optimizer, train_state=_train_state(step, stream))
+        _export_final(model, view, teacher=teacher, out=out)
+    finally:
+        stream.close()
+        if metrics_file:
+            metrics_file.close()
+    if rank == 0:
+        (out / "final_metrics.json").write_text(json.dumps(record))
+        from logitstore.trainer.plots import plot_metrics
+
+        plot_metrics(out)
+    return record
+
+
+def _train_step(model, optimizer, batches, cfg: TrainConfig, loss_cfg, device) -> tuple[dict, int]:
+    """One optimizer step over `grad_accum` micro-batches. Returns mean loss parts and tokens (all ranks)."""
+    from logitstore.trainer.losses import distill_loss
+
+    optimizer.zero_grad(set_to_none=True)
+    sums: dict[str, float] = {}
+    tokens = 0
+    for _ in range(cfg.grad_accum):
+        batch = next(batches)
+        logits = _student_logits(model, batch, device)
+        loss, parts = distill_loss(logits, _targets(batch, device), loss_cfg)
+        (loss / cfg.grad_accum).backward()
+        for k, v in parts.items():
+            sums[k] = sums.get(k, 0.0) + v / cfg.grad_accum
+        tokens += batch.n_tokens
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
+    grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+    optimizer.step()
+    reduced = _all_reduce_mean({**sums, "tokens": float(tokens)})
+    tokens_all = int(round(reduced.pop("tokens") * dist.get_world_size()))
+    return {**reduced, "grad_norm": float(grad_norm)}, tokens_all
+
+
+def _student_logits(model, batch, device) -> torch.Tensor:
+    """Logits at the supervised positions only: [P, V]. The block-causal mask keeps attention in-sample."""
+    out = model(input_ids=batch.input_ids.to(device), position_ids=batch.position_ids.to(device),
+                attention_mask=batch.block_causal_mask().to(device))
+    logits = out.logits.reshape(-1, out.logits.shape[-1])
+    return logits[batch.positions.to(device)].float()
+
+
+def _targets(batch, device):
+    from logitstore.trainer.losses import SparseTargets
+
+    counts = batch.entry_counts
+    return SparseTargets(
+        entry_ids=batch.entry_ids.to(device), entry_logprobs=batch.entry_logprobs.to(device),
+        entry_pos=batch.entry_pos.to(device), tail=batch.tail.to(device), target_ids=batch.target_ids.to(device),
+        target_logprobs=batch.target_logprobs.to(device),
+        entry_counts=None if counts is None else counts.to(device),
+        n_draws=None,  # sampled stores: the loss takes each position's draw count from its counts
+    )
+
+
+def _lr_at(step: int, cfg: TrainConfig) -> float:
+    """Linear warmup, then cosine to lr * min_lr_ratio at `cfg.steps`: a function of the step alone, so
+    a resumed run follows the schedule of an uninterrupted run of the same --steps."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+    cosine = 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * cosine)
+
+
+def _all_reduce_mean(values: dict[str, float]) -> dict[str, float]:
+    keys = sorted(values)
+    t = torch.tensor([values[k] for k in keys], dtype=torch.float64)
+    dist.all_reduce(t)
+    return {k: float(v) / dist.get_world_size() for k, v in zip(keys, t.tolist())}
+
+
+def _train_state(step: int, stream) -> dict:
+    return {"step": step, "data": stream.state_dict(), "rng": torch.get_rng_state().tolist()}
+
+
+def _log(metrics_file, record: dict, *, echo: bool = False) -> None:
+    if metrics_file is None:
+        return
+    metrics_file.write(json.dumps(record) + "\n")
+    metrics_file.flush()
+    if echo and "step" in record:
+        extra = f" eval_kl {record['eval_kl']:.4f}" if "eval_kl" in record else ""
+        print(f"step {record['step']:>6}  loss {record['loss']:.4f}  kd {record['kd']:.4f}  lr {record['lr']:.2e}  "
+              f"grad {record['grad_norm']:.3f}  {record['tokens_per_second']:,.0f} tok/s  "
+              f"data wait {record['data_wait_seconds'] * 1000:.0f} ms{extra}", file=sys.stderr, flush=True)
+
+
+# -- evaluation and export -------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def evaluate(model, view, *, teacher: str, cfg: TrainConfig, loss_cfg, device) -> dict:
+    """Mean forward KL to the stored teacher (tail as a bucket) and CE on the held-out split."""
+    from logitstore.trainer.data import PackedStream
+    from logitstore.trainer.losses import LossConfig, distill_loss
+
+    stream = PackedStream(view, teacher=teacher, seq_len=cfg.seq_len, micro_batch=cfg.micro_batch,
+                          rank=dist.get_rank(), world_size=dist.get_world_size(), seed=cfg.seed, split="eval",
+                          eval_fraction=cfg.eval_fraction)
+    kl_cfg = LossConfig(kind="forward_kl", alpha=1.0)  # kd = KL to the teacher, ce reported beside it
+    totals = {"kd": 0.0, "ce": 0.0, "n": 0.0}
+    try:
+        for i, batch in enumerate(stream):
+            if i >= cfg.eval_batches:
+                break
+            _, parts = distill_loss(_student_logits(model, batch, device), _targets(batch, device), kl_cfg)
+            totals["kd"] += parts["kd"]
+            totals["ce"] += parts["ce"]
+            totals["n"] += 1
+    finally:
+        stream.close()
+    reduced = _all_reduce_mean(totals)
+    n = max(reduced["n"], 1e-9)
+    return {"eval_kl": reduced["kd"] / n, "eval_ce": reduced["ce"] / n}
+
+
+def _export_final(model, view, *, teacher: str, out: Path) -> None:
+    """Gather the full weights and save a plain Hugging Face model (with tokenizer) in OUT/final/."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if dist.get_rank() == 0:
+        from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
+        plain = AutoModelForCausalLM.from_config(model.config)
+        plain.load_state_dict(full)
+        plain.save_pretrained(out / "final")
+        tokenizer = view.tokenizer(teacher)
+        if tokenizer is not None:
+            PreTrainedTokenizerFast(tokenizer_object=tokenizer).save_pretrained(out / "final")
+    dist.barrier()
+
+
+def run_eval(*, store: str, student: str, version: str | None = None, teacher: str | None = None,
+             seq_len: int = 256, micro_batch: int = 4, eval_fraction: float = 0.05, seed: int = 0) -> dict:
+    """`logitstore eval`: a trained student's mean KL to the stored teacher and CE, on the held-out split."""
+    from logitstore.store import Store
+    from logitstore.trainer.losses import LossConfig
+    from logitstore.trainer.model import build_student
+
+    view = Store.open(store).read(version)
+    name = view.teacher_name(teacher)
+    meta = view.teachers[name]
+    model, _ = build_student(student, vocab_size=meta.vocab_size, seed=seed, teacher_tokenizer_hash=meta.tokenizer_hash)
+    cfg = TrainConfig(store=store, out="-", student=student, seq_len=seq_len, micro_batch=micro_batch,
+                      eval_fraction=eval_fraction, eval_batches=1 << 30, seed=seed)
+    with _single_process_env():
+        dist.init_process_group("gloo")
+        try:
+            result = evaluate(model.eval(), view, teacher=name, cfg=cfg, loss_cfg=LossConfig(), device=torch.device("cpu"))
+        finally:
+            dist.destroy_process_group()
+    return {"kl": result["eval_kl"], "ce": result["eval_ce"], "version": view.snapshot_id, "teacher": name}
