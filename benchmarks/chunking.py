@@ -13,12 +13,11 @@ from __future__ import annotations
 import argparse
 import time
 
-import numpy as np
 import zarr
 from zarr.storage import WrapperStore
 
 from logitstore import codec
-from logitstore.store import CHUNK_BYTES, CHUNKS_PER_SHARD, Store, StoreVersion, TeacherMeta
+from logitstore.store import CHUNK_BYTES, CHUNKS_PER_SHARD, Store, TeacherMeta
 from logitstore.synthetic import random_samples
 
 

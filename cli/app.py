@@ -230,6 +230,7 @@ def train(
     seq_len: Annotated[int, typer.Option(help="Tokens per packed row.")] = 256,
     micro_batch: Annotated[int, typer.Option(help="Rows per process per micro-step.")] = 4,
     grad_accum: Annotated[int, typer.Option(help="Micro-steps per optimizer step.")] = 1,
+    global_batch_tokens: Annotated[Optional[int], typer.Option(help="Tokens per optimizer step over all processes; sets --grad-accum.")] = None,
     lr: Annotated[float, typer.Option(help="Peak learning rate.")] = 3e-3,
     warmup_steps: Annotated[int, typer.Option(help="Linear warmup steps before the cosine decay.")] = 10,
     min_lr_ratio: Annotated[float, typer.Option(help="Final learning rate as a fraction of --lr.")] = 0.1,
@@ -259,6 +260,12 @@ def train(
                       kd_temperature=kd_temperature, alpha=alpha, jsd_beta=jsd_beta, eval_every=eval_every, eval_fraction=eval_fraction,
                       checkpoint_every=checkpoint_every, resume=resume, force=force,
                       offload_optimizer=offload_optimizer, on_error=on_error)
+    if global_batch_tokens is not None:
+        per_micro_step = seq_len * micro_batch * nproc
+        if global_batch_tokens % per_micro_step:
+            raise LogitstoreError(f"--global-batch-tokens {global_batch_tokens} is not a multiple of "
+                                  f"--seq-len x --micro-batch x --nproc = {per_micro_step}")
+        cfg.grad_accum = global_batch_tokens // per_micro_step
     if tokens is not None:
         cfg.steps = max(1, -(-tokens // cfg.tokens_per_step))
     final = launch(cfg)

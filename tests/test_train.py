@@ -97,6 +97,7 @@ def test_bad_train_input_is_one_clear_line(store, tmp_path):
         ([*base, "--out", str(tmp_path / "b"), "--version", "nope"], "no version"),
         ([*base, "--out", str(tmp_path / "c"), "--student", str(tmp_path)], "not a model directory"),
         ([*base, "--out", str(tmp_path / "d"), "--micro-batch", "0"], "--micro-batch"),
+        ([*base, "--out", str(tmp_path / "f"), "--global-batch-tokens", "100"], "not a multiple"),
     ]
     for args, message in cases:
         result = runner.invoke(app, args)
