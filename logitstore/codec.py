@@ -22,7 +22,6 @@ Encode and decode are vectorised numpy plus one numba kernel; nothing loops per 
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass
 
 import numba
@@ -63,11 +62,6 @@ class CodecParams:
     def error_bound_fine(self) -> float:
         """Largest absolute error for log-probabilities >= `coarse_below`."""
         return self.fine_step / 2
-
-    @property
-    def min_logprob(self) -> float:
-        """Log-probabilities below this decode as minus infinity (far below float32's smallest mass)."""
-        return self.coarse_below - (Q_MAX - 1 - self.fine_levels) * self.coarse_step
 
     def to_json(self) -> dict:
         bounds = {"error_bound": self.error_bound, "error_bound_fine": self.error_bound_fine}
@@ -230,7 +224,3 @@ def identity_order(vocab_size: int) -> np.ndarray:
 def _log_mass(mass: np.ndarray) -> np.ndarray:
     with np.errstate(divide="ignore"):
         return np.log(np.clip(mass, 0, 1).astype(np.float64))
-
-
-def bytes_per_token(stored_bytes: int, tokens: int) -> float:
-    return stored_bytes / tokens if tokens else math.nan

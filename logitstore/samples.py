@@ -60,10 +60,6 @@ class SparseSamples:
         """[P + 1] start of each position in the per-entry arrays."""
         return _offsets(self.n_entries)
 
-    def sample_entry_offsets(self) -> np.ndarray:
-        """[S + 1] start of each sample in the per-entry arrays."""
-        return self.entry_offsets[self.position_offsets]
-
     def select(self, i: int) -> SparseSamples:
         """Sample i alone (views where possible)."""
         t0, t1 = self.token_offsets[i : i + 2]

@@ -18,6 +18,7 @@ merges; in-process writes go straight into the driver's transaction.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import sys
 import time
@@ -165,7 +166,7 @@ def _process(store, cfg, head: list[Unit], rest: Iterator[Unit], executor, summa
     writer = store.writer(branch=cfg.branch, on_duplicate="skip")
     last_commit = time.monotonic()
     try:
-        for written, unit in executor.map(_chain(head, rest), writer_for=lambda: writer, max_in_flight=2 * cfg.workers):
+        for written, unit in executor.map(itertools.chain(head, rest), writer_for=lambda: writer, max_in_flight=2 * cfg.workers):
             added = writer.merge(written)
             summary.samples += added
             summary.tokens += unit.n_tokens if added else 0
@@ -186,11 +187,6 @@ def _commit(writer, cfg: BuildConfig, summary: BuildSummary, *, final: bool) -> 
     message = cfg.message or f"build: teacher {summary.teacher}"
     writer.commit(message if final else f"{message} (checkpoint, {summary.samples} samples so far)")
     summary.commits += 1
-
-
-def _chain(head: list[Unit], rest: Iterator[Unit]) -> Iterator[Unit]:
-    yield from head
-    yield from rest
 
 
 # -- planning: documents -> samples -> units ---------------------------------------------------
