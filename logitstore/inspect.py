@@ -36,6 +36,9 @@ def sample_as_json(view: StoreVersion, sample_id: str, *, teacher: str | None = 
     out = {"sample_id": sample_id, "teacher": teacher, "input_ids": s.input_ids.tolist(), "positions": positions}
     tokenizer = view.tokenizer(teacher)
     if tokenizer is not None:
-        out["tokens"] = [tokenizer.id_to_token(int(t)) for t in s.input_ids]
-        out["entry_tokens"] = [[tokenizer.id_to_token(int(i)) for i in pos["ids"]] for pos in positions]
+        # Decoded one by one, so byte-level markers become text (' module', not 'Ġmodule'); a token that is
+        # only part of a multi-byte character decodes to U+FFFD.
+        vocab = {int(i): tokenizer.decode([int(i)]) for i in np.unique(np.concatenate([s.input_ids, ids]))}
+        out["tokens"] = [vocab[int(t)] for t in s.input_ids]
+        out["entry_tokens"] = [[vocab[i] for i in pos["ids"]] for pos in positions]
     return out
