@@ -173,3 +173,13 @@ def test_a_store_of_another_teacher_is_refused(built, small_data):
     result = CliRunner().invoke(app, ["build", "--data", str(small_data), "--store", str(store), "--top-k", "8"])
     assert result.exit_code == 2 and "sparsity" in result.stderr
     assert Store.open(str(store)).resolve() == before
+
+
+def test_show_decodes_tokens_with_the_stored_tokenizer(built):
+    store, _ = built
+    sample_id = Store.open(str(store)).read().index["sample_id"][0].as_py()
+    result = CliRunner().invoke(app, ["show", str(store), sample_id, "--json"])
+    assert result.exit_code == 0, result.stderr
+    obj = json.loads(result.stdout)
+    assert len(obj["tokens"]) == len(obj["input_ids"]) and len(obj["entry_tokens"]) == len(obj["positions"])
+    assert any(t.startswith(" ") for t in obj["tokens"]) and not any("Ġ" in t for t in obj["tokens"])
