@@ -32,6 +32,7 @@ from logitstore import codec
 from logitstore.codec import CodecParams
 from logitstore.samples import SparseSamples
 from logitstore.store import BLOSC_LEVEL, CHUNK_BYTES, Store, TeacherMeta
+from _timing import timed  # benchmarks/ is on sys.path when a script here runs
 
 numcodecs.blosc.set_nthreads(1)
 torch.set_num_threads(2)
@@ -57,14 +58,6 @@ def teacher_output(*, tokens: int, k: int, window: int) -> tuple[SparseSamples, 
     samples = SparseSamples.from_dense_topk([f"w{i}" for i in range(len(windows))], **out)
     return samples, teacher
 
-
-def timed(fn, *, repeat: int = 3):
-    best, result = float("inf"), None
-    for _ in range(repeat):
-        start = time.perf_counter()
-        result = fn()
-        best = min(best, time.perf_counter() - start)
-    return best, result
 
 
 def naive(samples: SparseSamples, *, value_dtype, id_dtype, compressor=None) -> dict:

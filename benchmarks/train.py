@@ -81,7 +81,7 @@ def main() -> None:
         view = Store.open(uri).read()
         teacher = view.teacher_name(None)
         meta = view.teachers[teacher]
-        model, _ = build_student(args.student, vocab_size=meta.vocab_size, seed=0, teacher_tokenizer_hash=meta.tokenizer_hash)
+        model, _ = build_student(args.student, vocab_size=meta.vocab_size, seed=0)
         model = shard(model, mesh=init_device_mesh("cpu", (1,)), offload_optimizer=False, cuda=False)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
 

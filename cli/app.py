@@ -72,6 +72,10 @@ def info(store: StoreArg, version: VersionOpt = None, json_out: JsonOpt = False)
         params = ", ".join(f"{k}={v}" for k, v in t["sparsity"].items() if k != "mode" and v is not None)
         typer.echo(f"teacher      {t['name']}: vocab {t['vocab_size']:,}, {t['sparsity_mode']} ({params}), "
                    f"{t['samples']:,} samples, codec error bound {t['codec']['error_bound_fine']} / {t['codec']['error_bound']} nats")
+        for st in t["student_tokenizers"]:
+            mass = "-" if st["mapped_mass"] is None else f"{st['mapped_mass']:.1%}"
+            typer.echo(f"  student    {st['name']}: vocab {st['vocab_size']:,}, {st['mapped_ids']:,} teacher ids map exactly, "
+                       f"carrying {mass} of the teacher's probability mass")
 
 
 @app.command()
@@ -80,6 +84,7 @@ def show(
     store: StoreArg,
     sample_id: Annotated[str, typer.Argument(help="The sample's id.")],
     teacher: Annotated[Optional[str], typer.Option(help="Teacher name, when the store holds several.")] = None,
+    student_tokenizer: Annotated[Optional[str], typer.Option(help="Add this student tokenizer's ids and the alignment.")] = None,
     version: VersionOpt = None,
     top: Annotated[int, typer.Option(help="Entries to print per position (text output only).")] = 5,
     json_out: JsonOpt = False,
@@ -88,9 +93,16 @@ def show(
     from logitstore.inspect import sample_as_json
 
     view = _open(store).read(version)
-    obj = sample_as_json(view, sample_id, teacher=teacher)
+    obj = sample_as_json(view, sample_id, teacher=teacher, student_tokenizer=student_tokenizer)
     if json_out:
         _print_json(obj)
+        return
+    if student_tokenizer is not None:
+        tokens = obj.get("tokens") or [str(t) for t in obj["input_ids"]]
+        typer.echo(f"sample {obj['sample_id']}: {len(obj['input_ids'])} teacher tokens, {len(obj['student_ids'])} "
+                   f"{student_tokenizer} tokens, {len(obj['alignment'])} aligned groups")
+        for t0, t1, s0, s1 in obj["alignment"]:
+            typer.echo(f"  {tokens[t0:t1]!r:>40} = {obj['student_tokens'][s0:s1]!r}")
         return
     tokens = obj.get("tokens") or [str(t) for t in obj["input_ids"]]
     typer.echo(f"sample {obj['sample_id']}: {len(obj['input_ids'])} tokens (teacher {obj['teacher']})")
@@ -167,7 +179,8 @@ def verify(store: StoreArg, version: VersionOpt = None, json_out: JsonOpt = Fals
 @app.command()
 @user_errors
 def build(
-    teacher: Annotated[Optional[str], typer.Option(help="Hugging Face model directory, .gguf file, or built-in name (default: smollm2-135m-instruct).")] = None,
+    teacher: Annotated[Optional[list[str]], typer.Option(help="Hugging Face model directory, .gguf file, or built-in name (default: smollm2-135m-instruct). Repeat for several teachers.")] = None,
+    student_tokenizer: Annotated[Optional[list[str]], typer.Option(help="[NAME=]TOK: also align every sample to this student tokenizer (a tokenizer or model folder, or a tokenizer.json). Repeatable.")] = None,
     data: Annotated[Optional[str], typer.Option(help="JSONL, Parquet, Arrow, CSV, a folder of those, or a saved datasets folder (default: the shipped sample corpus).")] = None,
     store: Annotated[str, typer.Option(help="Store location; created if missing.")] = "logitstore-store",
     text_column: Annotated[str, typer.Option(help="Column holding the text.")] = "text",
@@ -192,7 +205,7 @@ def build(
     json_out: JsonOpt = False,
 ) -> None:
     """Run a teacher over a dataset and commit its sparse next-token distributions as a new version."""
-    from logitstore.pipelines.build import BuildConfig, run_build, summary_json
+    from logitstore.pipelines.build import BuildConfig, run_builds, summary_json
     from logitstore.pipelines.sparsify import Sparsity
 
     if top_p is not None and sample is not None:
@@ -202,11 +215,11 @@ def build(
         sparsity = Sparsity(mode=mode, k=top_k, p=top_p, n=sample, temperature=temperature)
     except ValueError as e:
         raise LogitstoreError(str(e)) from None
-    cfg = BuildConfig(store=store, teacher=teacher, data=data, text_column=text_column, id_column=id_column,
+    cfg = BuildConfig(store=store, data=data, student_tokenizers=tuple(student_tokenizer or ()), text_column=text_column, id_column=id_column,
                       ids_column=ids_column, max_length=max_length, sparsity=sparsity, batch_tokens=batch_tokens,
                       device=device, dtype=dtype, workers=workers, ray_address=ray_address, message=message,
                       branch=branch, commit_every=commit_every, unit_tokens=unit_tokens, seed=seed, engine=engine)
-    summary = run_build(cfg)
+    summary = run_builds(cfg, list(teacher or [None]))
     if json_out:
         typer.echo(summary_json(summary))
     else:
@@ -224,6 +237,9 @@ def train(
     student: Annotated[str, typer.Option(help="Hugging Face causal-LM directory, or a built-in config (llama-tiny, llama-small).")] = "llama-tiny",
     version: VersionOpt = None,
     teacher: Annotated[Optional[str], typer.Option(help="Teacher name, when the store holds several.")] = None,
+    teacher_weight: Annotated[Optional[list[str]], typer.Option(help="NAME=WEIGHT: learn from several teachers at once (repeatable; the first one's samples are the run's).")] = None,
+    student_tokenizer: Annotated[Optional[str], typer.Option(help="A built-in student uses this student tokenizer of the store (see build --student-tokenizer).")] = None,
+    uld_weight: Annotated[float, typer.Option(help="Cross-tokenizer teachers: weight of the sorted-probability (ULD) term for unmapped tokens.")] = 1.0,
     nproc: Annotated[int, typer.Option(help="Processes to launch (gloo on CPU, NCCL on CUDA).")] = 1,
     steps: Annotated[int, typer.Option(help="Total optimizer steps of the run (a resumed run continues to it).")] = 100,
     tokens: Annotated[Optional[int], typer.Option(help="Train on this many tokens instead of --steps.")] = None,
@@ -254,7 +270,11 @@ def train(
     from logitstore.trainer.config import TrainConfig
     from logitstore.trainer.train import launch
 
-    cfg = TrainConfig(store=store, out=out, student=student, version=version, teacher=teacher, nproc=nproc, steps=steps,
+    from logitstore.trainer.teachers import parse_teacher_weights
+
+    weights = parse_teacher_weights(teacher_weight) if teacher_weight else None
+    cfg = TrainConfig(store=store, out=out, student=student, version=version, teacher=teacher, teacher_weights=weights,
+                      student_tokenizer=student_tokenizer, uld_weight=uld_weight, nproc=nproc, steps=steps,
                       seq_len=seq_len, micro_batch=micro_batch, grad_accum=grad_accum, lr=lr, warmup_steps=warmup_steps,
                       min_lr_ratio=min_lr_ratio, weight_decay=weight_decay, grad_clip=grad_clip, seed=seed, loss=loss,
                       kd_temperature=kd_temperature, alpha=alpha, jsd_beta=jsd_beta, eval_every=eval_every, eval_fraction=eval_fraction,

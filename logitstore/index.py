@@ -12,6 +12,17 @@ Users read it with polars or pyarrow alone (`logitstore info --json` prints its 
     n_entries     int64    entries over all positions of the sample
     content_hash  string   blake2b-128 of the sample's stored (encoded) arrays; `verify` and `diff` use it
     source_hash   string   optional hash of the source text, null when unknown
+
+Per student tokenizer of the teacher (list columns, one element per name in the teacher's
+`students`, in that order; empty lists for a teacher without student tokenizers):
+
+    n_student_tokens list<int32>  the sample's student token ids
+    student_start    list<int64>  first row in the part's students/<name>/ids
+    n_groups         list<int32>  alignment groups of the sample
+    group_start      list<int64>  first row (of 4 int32) in the part's students/<name>/groups
+
+`content_hash` covers the student arrays too. Indexes written before these columns existed read
+with empty lists.
 """
 
 from __future__ import annotations
@@ -27,6 +38,7 @@ import pyarrow.parquet as pq
 from logitstore.blobs import BlobStore
 from logitstore.codec import EncodedSamples
 from logitstore.errors import StorageError
+from logitstore.samples import StudentTokens
 
 SCHEMA = pa.schema(
     [
@@ -40,8 +52,13 @@ SCHEMA = pa.schema(
         ("n_entries", pa.int64()),
         ("content_hash", pa.string()),
         ("source_hash", pa.string()),
+        ("n_student_tokens", pa.list_(pa.int32())),
+        ("student_start", pa.list_(pa.int64())),
+        ("n_groups", pa.list_(pa.int32())),
+        ("group_start", pa.list_(pa.int64())),
     ]
 )
+STUDENT_COLUMNS = ("n_student_tokens", "student_start", "n_groups", "group_start")
 
 
 def empty_index() -> pa.Table:
@@ -50,10 +67,14 @@ def empty_index() -> pa.Table:
 
 def part_rows(
     *, sample_ids: list[str], teacher: str, part: str, enc: EncodedSamples, n_tokens: np.ndarray,
-    source_hashes: list[str | None] | None = None,
+    source_hashes: list[str | None] | None = None, students: list[StudentTokens] = (),
 ) -> pa.Table:
-    """Index rows for one freshly encoded part (its arrays start at row 0)."""
+    """Index rows for one freshly encoded part (its arrays start at row 0). `students` follow the
+    order of the teacher's student tokenizers."""
     token_off, position_off, entry_off = encoded_offsets(enc, n_tokens)
+    per_student = [(st.n_ids, _offsets(st.n_ids)[:-1], st.n_groups, _offsets(st.n_groups)[:-1]) for st in students]
+    columns = {name: [[int(cols[k][s]) for cols in per_student] for s in range(len(sample_ids))]
+               for k, name in enumerate(STUDENT_COLUMNS)}
     return pa.table(
         {
             "sample_id": sample_ids,
@@ -64,8 +85,9 @@ def part_rows(
             "position_start": position_off[:-1],
             "entry_start": entry_off[:-1],
             "n_entries": np.diff(entry_off),
-            "content_hash": sample_hashes(enc, n_tokens),
+            "content_hash": sample_hashes(enc, n_tokens, students=students),
             "source_hash": source_hashes if source_hashes is not None else [None] * len(sample_ids),
+            **columns,
         },
         schema=SCHEMA,
     )
@@ -79,9 +101,15 @@ def encoded_offsets(enc: EncodedSamples, n_tokens: np.ndarray) -> tuple[np.ndarr
     return token_off, position_off, entries_at[position_off]
 
 
-def sample_hashes(enc: EncodedSamples, n_tokens: np.ndarray) -> list[str]:
-    """blake2b-128 of each sample's encoded arrays. One Python iteration per sample, not per token."""
+def _offsets(counts) -> np.ndarray:
+    return np.concatenate([[0], np.cumsum(np.asarray(counts, dtype=np.int64))])
+
+
+def sample_hashes(enc: EncodedSamples, n_tokens: np.ndarray, *, students: list[StudentTokens] = ()) -> list[str]:
+    """blake2b-128 of each sample's encoded arrays (and its student tokens and alignment, if any).
+    One Python iteration per sample, not per token."""
     token_off, position_off, entry_off = encoded_offsets(enc, n_tokens)
+    student_arrays = [(st.ids, _offsets(st.n_ids), st.groups, _offsets(st.n_groups)) for st in students]
     per_token = [enc.input_ids]
     per_position = [enc.n_entries, enc.tail, enc.target_logprobs]
     per_entry = [a for a in (enc.entry_codes, enc.entry_logprobs, enc.entry_counts) if a is not None]
@@ -91,6 +119,9 @@ def sample_hashes(enc: EncodedSamples, n_tokens: np.ndarray) -> list[str]:
         for arrays, off in ((per_token, token_off), (per_position, position_off), (per_entry, entry_off)):
             for a in arrays:
                 h.update(np.ascontiguousarray(a[off[s] : off[s + 1]]).tobytes())
+        for ids, id_off, groups, group_off in student_arrays:
+            h.update(np.ascontiguousarray(ids[id_off[s]:id_off[s + 1]], dtype=np.int32).tobytes())
+            h.update(np.ascontiguousarray(groups[group_off[s]:group_off[s + 1]], dtype=np.int32).tobytes())
         out.append(h.hexdigest())
     return out
 
@@ -116,7 +147,11 @@ def read_index(blobs: BlobStore, key: str | None) -> pa.Table:
         raise StorageError(f"the sample index {blobs.url(key)} is missing") from None
     if not key.startswith(hashlib.sha256(data).hexdigest()[:40]):
         raise StorageError(f"the sample index {blobs.url(key)} is damaged (its checksum does not match its name)")
-    return pq.read_table(io.BytesIO(data), schema=SCHEMA)
+    table = pq.read_table(io.BytesIO(data))
+    for name in STUDENT_COLUMNS:  # indexes from before cross-tokenizer support
+        if name not in table.column_names:
+            table = table.append_column(name, pa.array([[]] * table.num_rows, type=SCHEMA.field(name).type))
+    return table.select(SCHEMA.names).cast(SCHEMA)
 
 
 def diff_indexes(a: pa.Table, b: pa.Table) -> dict[str, list[dict]]:

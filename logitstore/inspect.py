@@ -7,11 +7,14 @@ import numpy as np
 from logitstore.store import StoreVersion
 
 
-def sample_as_json(view: StoreVersion, sample_id: str, *, teacher: str | None = None) -> dict:
+def sample_as_json(view: StoreVersion, sample_id: str, *, teacher: str | None = None,
+                   student_tokenizer: str | None = None) -> dict:
     """`{"sample_id", "input_ids", "positions": [{"ids", "logprobs", "tail", "target_logprob"}]}`.
 
     Entries of each position are sorted by probability, highest first. Sampled stores add `counts`;
     when the store keeps the teacher's tokenizer, `tokens` and `entry_tokens` hold decoded strings.
+    With `student_tokenizer`: `student_ids` and `alignment`, a list of [t0, t1, s0, s1], half-open
+    ranges into `input_ids` and `student_ids` that cover the same bytes, in order (and `student_tokens`).
     """
     teacher = view.teacher_name(teacher)
     s = view.sample(sample_id, teacher=teacher)
@@ -41,4 +44,11 @@ def sample_as_json(view: StoreVersion, sample_id: str, *, teacher: str | None = 
         vocab = {int(i): tokenizer.decode([int(i)]) for i in np.unique(np.concatenate([s.input_ids, ids]))}
         out["tokens"] = [vocab[int(t)] for t in s.input_ids]
         out["entry_tokens"] = [[vocab[i] for i in pos["ids"]] for pos in positions]
+    if student_tokenizer is not None:
+        student_ids, groups = view.student_tokens(sample_id, teacher=teacher, student=student_tokenizer)
+        out["student_tokenizer"] = student_tokenizer
+        out["student_ids"] = student_ids.tolist()
+        out["alignment"] = groups.tolist()
+        decoder = view.student_tokenizer(teacher, student_tokenizer)
+        out["student_tokens"] = [decoder.decode([int(i)]) for i in student_ids]
     return out

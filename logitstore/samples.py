@@ -214,3 +214,52 @@ def _check_values(s: SparseSamples) -> None:
         _fail("tail must be a probability mass in [0, 1]")
     if s.entry_counts is not None and len(s.entry_counts) and s.entry_counts.min() < 1:
         _fail("entry_counts must be at least 1 for every stored entry")
+
+
+@dataclass
+class StudentTokens:
+    """One student tokenizer's view of S samples (flat, like `SparseSamples`): the student's token ids
+    and the alignment groups between the sample's teacher tokens and those student tokens.
+
+    Group g of sample s is the row (t0, t1, s0, s1): teacher tokens [t0, t1) of the sample's
+    `input_ids` and student tokens [s0, s1) of its `ids` cover exactly the same bytes of the text.
+    Groups are in order and contiguous; they cover all of the sample's student ids, and its teacher
+    tokens except partial groups cut by a window edge (see `logitstore.align.window_groups`).
+    """
+
+    ids: np.ndarray  # int32 [N]
+    n_ids: np.ndarray  # int32 [S]
+    groups: np.ndarray  # int32 [G, 4]
+    n_groups: np.ndarray  # int32 [S]
+
+    def __len__(self) -> int:
+        return len(self.n_ids)
+
+    @classmethod
+    def from_samples(cls, samples: list[tuple[np.ndarray, np.ndarray]]) -> StudentTokens:
+        """From per-sample (ids, groups [g, 4]) pairs."""
+        ids = [np.asarray(i, dtype=np.int32) for i, _ in samples]
+        groups = [np.asarray(g, dtype=np.int32).reshape(-1, 4) for _, g in samples]
+        return cls(ids=_cat(ids, np.int32), n_ids=np.array([len(i) for i in ids], dtype=np.int32),
+                   groups=np.concatenate(groups) if groups else np.zeros((0, 4), np.int32),
+                   n_groups=np.array([len(g) for g in groups], dtype=np.int32))
+
+    def sample(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        """(ids, groups) of sample i."""
+        id_off, group_off = _offsets(self.n_ids), _offsets(self.n_groups)
+        return self.ids[id_off[i]:id_off[i + 1]], self.groups[group_off[i]:group_off[i + 1]]
+
+    def select(self, rows: list[int]) -> StudentTokens:
+        return StudentTokens.from_samples([self.sample(i) for i in rows])
+
+    def validate(self, *, n_tokens: np.ndarray, vocab_size: int) -> None:
+        if len(self.n_ids) != len(n_tokens) or len(self.n_groups) != len(n_tokens):
+            _fail(f"student tokens for {len(self.n_ids)} samples, teacher arrays for {len(n_tokens)}")
+        if len(self.ids) and (self.ids.min() < 0 or self.ids.max() >= vocab_size):
+            _fail(f"student token ids must lie in [0, {vocab_size})")
+        g = self.groups
+        sample_of = np.repeat(np.arange(len(n_tokens)), self.n_groups)
+        if (g[:, 0] > g[:, 1]).any() or (g[:, 2] > g[:, 3]).any() or (g[:, 0] < 0).any() or (g[:, 2] < 0).any():
+            _fail("alignment groups must be half-open ranges (t0 <= t1, s0 <= s1)")
+        if (g[:, 1] > np.asarray(n_tokens)[sample_of]).any() or (g[:, 3] > self.n_ids[sample_of]).any():
+            _fail("alignment groups must lie within the sample's teacher and student tokens")

@@ -7,6 +7,12 @@ Layout of one store (one Icechunk repository, plus the Parquet indexes beside it
     /teachers/<name>/code_of_id         uint32 [vocab]   the codec's id renumbering (frequency order)
     /teachers/<name>/tokenizer          uint8  [bytes]   tokenizer.json, so `show` can decode without the model
     /teachers/<name>/parts/<part>/...   one immutable group per write: the arrays of `codec.EncodedSamples`
+/teachers/<name>/students/<s>/      attrs["logitstore_student"]: a student tokenizer of this teacher
+                                    (name, hash, vocab size, the mapped share of the teacher's mass)
+/teachers/<name>/students/<s>/tokenizer  uint8 [bytes]  its tokenizer.json
+/teachers/<name>/students/<s>/vocab_map  int32 [vocab]  teacher id -> student id with identical bytes, or -1
+/teachers/<name>/parts/<part>/students/<s>/ids     int32 [N]    the samples' student token ids
+/teachers/<name>/parts/<part>/students/<s>/groups  int32 [4 G]  alignment groups (t0, t1, s0, s1)
 
 Every write adds new part groups and never touches existing ones, so concurrent writers (and Icechunk
 forks in the distributed build) change disjoint Zarr paths. A version is an Icechunk snapshot whose
@@ -45,7 +51,7 @@ from logitstore.errors import (
     VersionNotFoundError,
 )
 from logitstore.location import Location, commit_lock
-from logitstore.samples import SparseSamples
+from logitstore.samples import SparseSamples, StudentTokens
 
 FORMAT_VERSION = 1
 WRITER = "logitstore 0.1.0"
@@ -75,6 +81,9 @@ class TeacherMeta:
     codec: CodecParams = field(default_factory=CodecParams)
     created: str = ""
     writer: str = WRITER
+    # Student tokenizers, fixed with the teacher: ({"name", "tokenizer_hash", "vocab_size"}, ...) in the
+    # order of the index's per-student list columns.
+    students: tuple = ()
 
     def __post_init__(self) -> None:
         if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}", self.name):
@@ -94,15 +103,41 @@ class TeacherMeta:
             "codec": self.codec.to_json(),
             "created": self.created,
             "writer": self.writer,
+            "students": [dict(s) for s in self.students],
         }
 
     @classmethod
     def from_json(cls, meta: dict) -> TeacherMeta:
-        return cls(**{**meta, "codec": CodecParams.from_json(meta["codec"])})
+        students = tuple(dict(s) for s in meta.get("students", ()))
+        return cls(**{**meta, "codec": CodecParams.from_json(meta["codec"]), "students": students})
+
+    @property
+    def student_names(self) -> list[str]:
+        return [s["name"] for s in self.students]
 
     def same_teacher(self, other: TeacherMeta) -> bool:
-        keys = ("vocab_size", "content_hash", "tokenizer_hash", "sparsity")
+        keys = ("vocab_size", "content_hash", "tokenizer_hash", "sparsity", "students")
         return all(getattr(self, k) == getattr(other, k) for k in keys) and self.codec == other.codec
+
+
+@dataclass(frozen=True)
+class StudentTokenizer:
+    """A student tokenizer registered with a teacher: written once, with the teacher."""
+
+    name: str
+    tokenizer_hash: str
+    vocab_size: int
+    tokenizer_json: str
+    vocab_map: np.ndarray  # int32 [teacher vocab]: student id with identical bytes, or -1
+    mapped_mass: float | None = None  # mean teacher mass per position on mapped ids (of the first unit)
+    mapped_mass_positions: int = 0  # positions that estimate was taken over
+
+    def __post_init__(self) -> None:
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}", self.name):
+            raise InvalidSampleError(f"student tokenizer name {self.name!r}: use letters, digits, '.', '_' and '-'")
+
+    def summary(self) -> dict:
+        return {"name": self.name, "tokenizer_hash": self.tokenizer_hash, "vocab_size": self.vocab_size}
 
 
 @dataclass(frozen=True)
@@ -320,6 +355,7 @@ class StoreVersion:
                 "content_hash": meta.content_hash,
                 "tokenizer_hash": meta.tokenizer_hash,
                 "codec": meta.codec.to_json(),
+                "student_tokenizers": [self.student_info(name, s) for s in meta.student_names],
             })
         return {
             "samples": idx.num_rows,
@@ -393,6 +429,45 @@ class StoreVersion:
                 self._id_of_code[teacher] = codec.identity_order(self.teachers[teacher].vocab_size)
         return self._id_of_code[teacher]
 
+    # -- student tokenizers (cross-tokenizer distillation) -------------------------------------------
+
+    def student_group(self, teacher: str, student: str) -> zarr.Group:
+        teacher = self.teacher_name(teacher)
+        names = self.teachers[teacher].student_names
+        if student not in names:
+            raise LogitstoreError(f"teacher {teacher!r} has no student tokenizer {student!r} "
+                                  f"(it has: {', '.join(names) or 'none'}; see build --student-tokenizer)")
+        return self.root[f"teachers/{teacher}/students/{student}"]
+
+    def student_info(self, teacher: str, student: str) -> dict:
+        """name, tokenizer_hash, vocab_size, mapped_ids, and `mapped_mass`: the mean share of the
+        teacher's probability per position on tokens with an exact student counterpart (its stored
+        entries only: the tail counts as unmapped), estimated on `mapped_mass_positions` positions."""
+        return dict(self.student_group(teacher, student).attrs["logitstore_student"])
+
+    def vocab_map(self, teacher: str, student: str) -> np.ndarray:
+        return self.student_group(teacher, student)["vocab_map"][:]
+
+    def student_tokenizer(self, teacher: str, student: str):
+        from tokenizers import Tokenizer
+
+        data = self.student_group(teacher, student)["tokenizer"][:]
+        return Tokenizer.from_str(bytes(data).decode("utf-8"))
+
+    def student_tokens(self, sample_id: str, *, teacher: str | None, student: str) -> tuple[np.ndarray, np.ndarray]:
+        """(student ids [n], alignment groups [g, 4]) of one sample."""
+        teacher = self.teacher_name(teacher)
+        self.student_group(teacher, student)  # refuses an unknown name with a clear message
+        k = self.teachers[teacher].student_names.index(student)
+        r = self.index.slice(self.row_of(sample_id, teacher=teacher), 1).to_pylist()[0]
+        base = f"teachers/{teacher}/parts/{r['part']}/students/{student}"
+        with storage_errors(f"cannot read sample {sample_id!r}"):
+            s0, n = r["student_start"][k], r["n_student_tokens"][k]
+            g0, g = r["group_start"][k], r["n_groups"][k]
+            ids = self.root[f"{base}/ids"][s0:s0 + n]
+            groups = self.root[f"{base}/groups"][4 * g0:4 * (g0 + g)].reshape(-1, 4)
+        return ids.astype(np.int64), groups.astype(np.int64)
+
     def tokenizer(self, teacher: str | None = None):
         """The teacher's `tokenizers.Tokenizer` if the store keeps one, else None."""
         group = self.root[f"teachers/{self.teacher_name(teacher)}"]
@@ -461,8 +536,10 @@ class StoreWriter:
     # -- teachers --------------------------------------------------------------------------------
 
     def add_teacher(self, meta: TeacherMeta, *, tokenizer_json: str | None = None,
-                    code_of_id: np.ndarray | None = None) -> TeacherMeta:
-        """Register a teacher, or check that `meta` matches the one already in the store."""
+                    code_of_id: np.ndarray | None = None, students: list[StudentTokenizer] = ()) -> TeacherMeta:
+        """Register a teacher (with its student tokenizers), or check that `meta` matches the one
+        already in the store. `meta.students` is filled from `students`."""
+        meta = TeacherMeta.from_json({**meta.to_json(), "students": [st.summary() for st in students]})
         existing = self.teachers.get(meta.name)
         if existing is not None:
             if not existing.same_teacher(meta):
@@ -478,12 +555,20 @@ class StoreWriter:
             _write_array(group, "code_of_id", np.asarray(code_of_id, dtype=np.uint32))
         if tokenizer_json is not None:
             _write_array(group, "tokenizer", np.frombuffer(tokenizer_json.encode("utf-8"), dtype=np.uint8))
+        for st in students:
+            sub = group.require_group("students").create_group(st.name)
+            sub.attrs["logitstore_student"] = {**st.summary(), "mapped_mass": st.mapped_mass,
+                                               "mapped_mass_positions": st.mapped_mass_positions,
+                                               "mapped_ids": int((st.vocab_map >= 0).sum())}
+            _write_array(sub, "tokenizer", np.frombuffer(st.tokenizer_json.encode("utf-8"), dtype=np.uint8))
+            _write_array(sub, "vocab_map", np.asarray(st.vocab_map, dtype=np.int32))
         self.teachers[meta.name] = meta
         return meta
 
     # -- samples -----------------------------------------------------------------------------------
 
-    def write(self, samples: SparseSamples, *, teacher: str, source_hashes: list[str | None] | None = None) -> int:
+    def write(self, samples: SparseSamples, *, teacher: str, source_hashes: list[str | None] | None = None,
+              students: dict[str, StudentTokens] | None = None) -> int:
         """Encode and stage `samples` as one new part. Returns how many samples were staged."""
         if teacher not in self.teachers:
             raise LogitstoreError(f"teacher {teacher!r} is not in the store; add_teacher first")
@@ -492,7 +577,8 @@ class StoreWriter:
             return 0
         if len(keep) < len(samples):
             samples, source_hashes = _subset(samples, keep, source_hashes)
-        written = self.part_writer().write(samples, teacher=teacher, source_hashes=source_hashes)
+            students = None if students is None else {n: st.select(keep) for n, st in students.items()}
+        written = self.part_writer().write(samples, teacher=teacher, source_hashes=source_hashes, students=students)
         self._add_rows(written.rows)
         return len(samples)
 
@@ -620,9 +706,17 @@ class PartWriter:
     def __setstate__(self, state: dict) -> None:
         self.__init__(state["session"], teachers=state["teachers"], where=state["where"])
 
-    def write(self, samples: SparseSamples, *, teacher: str, source_hashes: list[str | None] | None = None) -> WrittenPart:
+    def write(self, samples: SparseSamples, *, teacher: str, source_hashes: list[str | None] | None = None,
+              students: dict[str, StudentTokens] | None = None) -> WrittenPart:
         meta = self.teachers[teacher]
         samples.validate(vocab_size=meta.vocab_size)
+        students = students or {}
+        if sorted(students) != sorted(meta.student_names):
+            raise InvalidSampleError(f"teacher {teacher!r} has student tokenizers {meta.student_names}; "
+                                     f"this write brings {sorted(students)}")
+        ordered = [students[s["name"]] for s in meta.students]
+        for st, info in zip(ordered, meta.students):
+            st.validate(n_tokens=samples.n_tokens, vocab_size=info["vocab_size"])
         if (meta.sparsity["mode"] == "sampled") != (samples.entry_counts is not None):
             raise InvalidSampleError(f"teacher {teacher!r} is {meta.sparsity['mode']}: entry_counts must be "
                                      f"{'given' if meta.sparsity['mode'] == 'sampled' else 'absent'}")
@@ -632,9 +726,13 @@ class PartWriter:
         with storage_errors(f"cannot write to {self.where}"):
             group = root[f"teachers/{teacher}/parts"].create_group(part)
             stored = sum(_write_array(group, name, values) for name, values in enc.arrays().items())
+            for st, info in zip(ordered, meta.students):
+                sub = group.require_group("students").create_group(info["name"])
+                stored += _write_array(sub, "ids", st.ids.astype(np.int32))
+                stored += _write_array(sub, "groups", st.groups.astype(np.int32).reshape(-1))
             group.attrs.update({"samples": len(samples), "tokens": int(samples.n_tokens.sum()), "stored_bytes": stored})
         rows = index.part_rows(sample_ids=samples.sample_ids, teacher=teacher, part=part, enc=enc,
-                               n_tokens=samples.n_tokens, source_hashes=source_hashes)
+                               n_tokens=samples.n_tokens, source_hashes=source_hashes, students=ordered)
         is_fork = isinstance(self.session, icechunk.ForkSession)
         return WrittenPart(rows=rows, stored_bytes=stored, fork=self.session if is_fork else None)
 
@@ -681,4 +779,8 @@ def _mismatch_message(old: TeacherMeta, new: TeacherMeta) -> str:
         if getattr(old, key) != getattr(new, key):
             return (f"the store's teacher {old.name!r} was written with {key}={getattr(old, key)!r}, "
                     f"this write has {getattr(new, key)!r}; use another teacher name or another store")
+    if old.student_names != new.student_names or old.students != new.students:
+        return (f"the store's teacher {old.name!r} was written with student tokenizers {old.student_names or 'none'}, "
+                f"this build has {new.student_names or 'none'} (--student-tokenizer must match, same files); "
+                "use another teacher name, branch or store")
     return f"the store's teacher {old.name!r} uses codec {old.codec}, this write {new.codec}"

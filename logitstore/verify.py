@@ -13,6 +13,7 @@ import numpy as np
 import pyarrow.compute as pc
 
 from logitstore.index import sample_hashes
+from logitstore.samples import StudentTokens
 from logitstore.store import ENCODED_ARRAYS, StoreVersion, slice_row
 
 
@@ -51,12 +52,27 @@ def _read_part(version: StoreVersion, teacher: str, part: str) -> dict[str, np.n
         return None
 
 
+def _student_tokens(version: StoreVersion, row: dict) -> list[StudentTokens]:
+    """The row's student ids and groups for each of its teacher's student tokenizers, in order."""
+    out = []
+    for k, name in enumerate(version.teachers[row["teacher"]].student_names):
+        base = f"teachers/{row['teacher']}/parts/{row['part']}/students/{name}"
+        s0, n, g0, g = (row[c][k] for c in ("student_start", "n_student_tokens", "group_start", "n_groups"))
+        ids = version.root[f"{base}/ids"][s0:s0 + n]
+        groups = version.root[f"{base}/groups"][4 * g0:4 * (g0 + g)]
+        if len(ids) != n or len(groups) != 4 * g:
+            raise IndexError("index points outside the stored student arrays")
+        out.append(StudentTokens(ids=ids, n_ids=np.array([n]), groups=groups.reshape(-1, 4), n_groups=np.array([g])))
+    return out
+
+
 def _check_row(version: StoreVersion, row: dict, whole: dict[str, np.ndarray] | None) -> str | None:
     try:
         if whole is not None:
             enc = slice_row(row, lambda name, rows: whole[name][rows], names=list(whole))
         else:
             enc = version.encoded_row(row)
+        students = _student_tokens(version, row)
     except Exception as e:  # a damaged chunk: decompression or checksum failure
         return f"unreadable: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}".rstrip(": ")
     n_pos = row["n_tokens"] - 1
@@ -64,6 +80,6 @@ def _check_row(version: StoreVersion, row: dict, whole: dict[str, np.ndarray] | 
         return "index points outside the stored arrays"
     if int(enc.n_entries.astype(np.int64).sum()) != row["n_entries"]:
         return "entry counts disagree with the index"
-    if sample_hashes(enc, np.array([row["n_tokens"]]))[0] != row["content_hash"]:
+    if sample_hashes(enc, np.array([row["n_tokens"]]), students=students)[0] != row["content_hash"]:
         return "content hash mismatch"
     return None

@@ -33,7 +33,7 @@ from logitstore.errors import LogitstoreError
 from logitstore.pipelines import data as data_io
 from logitstore.pipelines.sparsify import Sparsity
 from logitstore.pipelines.workers import Unit, make_executor, write_unit
-from logitstore.store import DEFAULT_BRANCH, Store, TeacherMeta
+from logitstore.store import DEFAULT_BRANCH, Store, StudentTokenizer, TeacherMeta
 
 DEFAULT_STORE = "logitstore-store"
 
@@ -66,9 +66,12 @@ class BuildConfig:
     seed: int = 0
     engine: str = "torch"
     progress: bool = True
+    student_tokenizers: tuple[str, ...] = ()  # "[NAME=]TOK" each: align every sample to these too
 
     def __post_init__(self) -> None:
         checks = [
+            (not (self.student_tokenizers and self.ids_column),
+             "--student-tokenizer needs text to align; it cannot be used with --ids-column (pre-tokenized input)"),
             (self.max_length >= 2, f"--max-length must be at least 2, got {self.max_length}"),
             (self.batch_tokens >= 2, f"--batch-tokens must be at least 2, got {self.batch_tokens}"),
             (self.workers >= 1, f"--workers must be at least 1, got {self.workers}"),
@@ -101,6 +104,7 @@ class BuildSummary:
     teacher: str = ""
     commits: int = 0
     stored_bytes: int = 0  # compressed bytes of the parts this run wrote
+    teachers: list = field(default_factory=list)  # with several --teacher: each teacher's own summary
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -115,6 +119,7 @@ def run_build(cfg: BuildConfig, *, log: Callable[[str], None] | None = None) -> 
     info = describe_teacher(cfg.teacher)
     if cfg.sparsity.mode != "sampled" and cfg.sparsity.k > info.vocab_size:
         raise BuildError(f"--top-k {cfg.sparsity.k} is larger than the teacher's vocabulary ({info.vocab_size})")
+    students = load_student_tokenizers(cfg.student_tokenizers, teacher=info)
     store = Store.open(cfg.store, create=True)
     if cfg.branch not in store.repo.list_branches():
         store.create_branch(cfg.branch)
@@ -123,16 +128,18 @@ def run_build(cfg: BuildConfig, *, log: Callable[[str], None] | None = None) -> 
     summary = BuildSummary(teacher=meta.name)
     with store.writer(branch=cfg.branch, on_duplicate="skip") as writer:
         if meta.name in writer.teachers:
-            writer.add_teacher(meta)  # only checks: refuses a different teacher, tokenizer or sparsity
+            # only checks: refuses a different teacher, tokenizer, sparsity or set of student tokenizers
+            writer.add_teacher(meta, students=[st.registration for st in students])
         known = {sid for t, sid in writer.known_keys() if t == meta.name}
-    units = plan_units(cfg, info.tokenizer, known=known, summary=summary)
+    units = plan_units(cfg, info.tokenizer, known=known, summary=summary, students=students)
     first = next(units, None)  # reads and checks the input before any model is loaded
     if first is not None:
         executor = make_executor(cfg, teacher_spec=info.spec)
         try:
             head = [first]
             if meta.name not in store.read(cfg.branch).teachers:
-                _add_teacher_with_first_unit(store, cfg, meta, info, first, executor.compute(first), summary)
+                _add_teacher_with_first_unit(store, cfg, meta, info, first, executor.compute(first), summary,
+                                             students=students)
                 head = []
             _process(store, cfg, head, units, executor, summary, log)
         finally:
@@ -145,14 +152,45 @@ def run_build(cfg: BuildConfig, *, log: Callable[[str], None] | None = None) -> 
     return summary
 
 
+def run_builds(cfg: BuildConfig, teachers: list[str | None], *, log: Callable[[str], None] | None = None) -> BuildSummary:
+    """`build --teacher A --teacher B ...`: one pass over the data per teacher, in order, each its own
+    commits on the same branch (so a crash in B keeps A's work, and a re-run skips what is stored).
+    The summary adds the teachers up; `teachers` holds each one's own summary."""
+    from logitstore.pipelines.teacher import describe_teacher
+
+    if len(teachers) <= 1:
+        return run_build(dataclasses.replace(cfg, teacher=teachers[0] if teachers else cfg.teacher), log=log)
+    names = [describe_teacher(t).spec.name for t in teachers]  # every teacher loads before any work starts
+    clash = sorted({n for n in names if names.count(n) > 1})
+    if clash:
+        raise BuildError(f"--teacher: several teachers are named {clash[0]!r} (the name is the model folder's or "
+                         "file's name); put them in folders with distinct names")
+    parts = [run_build(dataclasses.replace(cfg, teacher=t), log=log) for t in teachers]
+    total = BuildSummary(teacher=",".join(names), skipped=parts[0].skipped, duplicates=parts[0].duplicates,
+                         version=parts[-1].version, teachers=[p.to_json() for p in parts])
+    for p in parts:
+        total.samples += p.samples
+        total.tokens += p.tokens
+        total.already_stored += p.already_stored
+        total.seconds += p.seconds
+        total.commits += p.commits
+        total.stored_bytes += p.stored_bytes
+    total.tokens_per_second = total.tokens / total.seconds if total.seconds else 0.0
+    total.bytes_per_token = total.stored_bytes / total.tokens if total.tokens else None
+    return total
+
+
 def _add_teacher_with_first_unit(store: Store, cfg: BuildConfig, meta: TeacherMeta, info, unit: Unit,
-                                 samples, summary: BuildSummary) -> None:
-    """Register the teacher and write the first unit in one commit. The codec's id order comes from
-    the teacher's entries on that unit, so it costs no extra forward pass; forks, which cannot create
-    the shared teacher group, start after this commit."""
+                                 samples, summary: BuildSummary, *, students: list[StudentSide]) -> None:
+    """Register the teacher and write the first unit in one commit. The codec's id order and the
+    mapped share of each student tokenizer come from the teacher's entries on that unit, so they cost
+    no extra forward pass; forks, which cannot create the shared teacher group, start after this commit."""
     code_of_id = codec.frequency_id_order(samples.entry_ids, vocab_size=meta.vocab_size)
+    registrations = [dataclasses.replace(st.registration, **_mapped_mass(samples, st.registration.vocab_map))
+                     for st in students]
     with store.writer(branch=cfg.branch) as writer:
-        writer.add_teacher(meta, tokenizer_json=info.tokenizer.backend_tokenizer.to_str(), code_of_id=code_of_id)
+        writer.add_teacher(meta, tokenizer_json=info.tokenizer.backend_tokenizer.to_str(), code_of_id=code_of_id,
+                           students=registrations)
         written = write_unit(writer.part_writer(), unit, samples, teacher=meta.name)
         summary.samples += writer.merge(written)
         summary.tokens += unit.n_tokens
@@ -192,13 +230,15 @@ def _commit(writer, cfg: BuildConfig, summary: BuildSummary, *, final: bool) -> 
 # -- planning: documents -> samples -> units ---------------------------------------------------
 
 
-def plan_units(cfg: BuildConfig, tokenizer, *, known: set[str], summary: BuildSummary) -> Iterator[Unit]:
+def plan_units(cfg: BuildConfig, tokenizer, *, known: set[str], summary: BuildSummary,
+               students: list[StudentSide] = ()) -> Iterator[Unit]:
     """Units of about `unit_tokens` tokens in input order, skipping units already stored."""
     pending = Unit(index=0)
     seen: set[str] = set()
     for doc_batch in _batched(data_io.read_documents(cfg.data, text_column=cfg.text_column, id_column=cfg.id_column,
                                                      ids_column=cfg.ids_column), 256):
-        for doc, token_ids in zip(doc_batch, _tokenize(tokenizer, doc_batch)):
+        tokenized = _tokenize(tokenizer, doc_batch) if not students else _tokenize_aligned(tokenizer, doc_batch, students)
+        for doc, (token_ids, alignments) in zip(doc_batch, tokenized):
             pending.documents_read += 1
             if doc.id in seen:
                 summary.duplicates += 1
@@ -208,8 +248,10 @@ def plan_units(cfg: BuildConfig, tokenizer, *, known: set[str], summary: BuildSu
             if not windows:
                 summary.skipped += 1
                 continue
-            for sid, win in zip(data_io.window_ids(doc.id, len(windows)), windows):
-                pending.add(sid, win, doc.source_hash)
+            starts = np.arange(len(windows)) * (cfg.max_length - 1)  # data_io.window's stride
+            for sid, win, start in zip(data_io.window_ids(doc.id, len(windows)), windows, starts.tolist()):
+                pending.add(sid, win, doc.source_hash,
+                            students=_window_students(alignments, t_start=start, t_stop=start + len(win)))
             if pending.n_tokens >= cfg.unit_tokens:
                 yield from _unless_stored(pending, known, summary)
                 pending = Unit(index=pending.index + 1)
@@ -224,10 +266,76 @@ def _unless_stored(unit: Unit, known: set[str], summary: BuildSummary) -> Iterat
         yield unit
 
 
-def _tokenize(tokenizer, docs: list) -> list[np.ndarray]:
+def _tokenize(tokenizer, docs: list) -> list[tuple[np.ndarray, dict]]:
     texts = [d.text for d in docs if d.token_ids is None]
     encoded = iter(tokenizer(texts)["input_ids"]) if texts else iter(())
-    return [np.asarray(d.token_ids if d.token_ids is not None else next(encoded), dtype=np.int64) for d in docs]
+    return [(np.asarray(d.token_ids if d.token_ids is not None else next(encoded), dtype=np.int64), {}) for d in docs]
+
+
+# -- student tokenizers: cross-tokenizer alignment at build time -----------------------------------
+
+
+@dataclass
+class StudentSide:
+    """A student tokenizer of this build: the tokenizer, and what the store registers for it."""
+
+    tokenizer: object
+    registration: StudentTokenizer
+
+
+def load_student_tokenizers(specs: tuple[str, ...], *, teacher) -> list[StudentSide]:
+    """Parse and load every `--student-tokenizer [NAME=]TOK`, and map the teacher's vocabulary onto each."""
+    from logitstore import align
+    from logitstore.pipelines.teacher import tokenizer_hash
+    from logitstore.tokenizer_io import load_tokenizer, parse_tokenizer_spec
+
+    out: list[StudentSide] = []
+    for spec in specs:
+        name, path = parse_tokenizer_spec(spec)
+        if name in [s.registration.name for s in out]:
+            raise BuildError(f"--student-tokenizer: two tokenizers are named {name!r}; name them with NAME=TOK")
+        tokenizer = load_tokenizer(path)
+        vmap = align.vocab_map(teacher.tokenizer, tokenizer, teacher_vocab_size=teacher.vocab_size)
+        registration = StudentTokenizer(name=name, tokenizer_hash=tokenizer_hash(tokenizer), vocab_size=len(tokenizer),
+                                        tokenizer_json=tokenizer.backend_tokenizer.to_str(), vocab_map=vmap)
+        out.append(StudentSide(tokenizer=tokenizer, registration=registration))
+    return out
+
+
+def _tokenize_aligned(tokenizer, docs: list, students: list[StudentSide]) -> list[tuple[np.ndarray, dict]]:
+    """Teacher ids of each document, and per student tokenizer its ids and the whole document's groups."""
+    from logitstore import align
+
+    texts = [d.text for d in docs]
+    teacher = align.encode_with_byte_ends(tokenizer, texts)
+    per_student = [align.encode_with_byte_ends(st.tokenizer, texts) for st in students]
+    out = []
+    for i, (t_ids, t_ends) in enumerate(teacher):
+        alignments = {}
+        for st, encoded in zip(students, per_student):
+            s_ids, s_ends = encoded[i]
+            alignments[st.registration.name] = (s_ids, align.align_groups(t_ends, s_ends))
+        out.append((t_ids, alignments))
+    return out
+
+
+def _window_students(alignments: dict, *, t_start: int, t_stop: int) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Each student's ids and groups for the window of teacher tokens [t_start, t_stop)."""
+    from logitstore import align
+
+    out = {}
+    for name, (s_ids, groups) in alignments.items():
+        window, s_start, s_stop = align.window_groups(groups, t_start=t_start, t_stop=t_stop)
+        out[name] = (s_ids[s_start:s_stop], window)
+    return out
+
+
+def _mapped_mass(samples, vocab_map: np.ndarray) -> dict:
+    """The mean share of the teacher's probability per position that lands on ids with an exact
+    student counterpart (stored entries only; the tail counts as unmapped)."""
+    positions = len(samples.tail)
+    mapped = np.exp(samples.entry_logprobs.astype(np.float64)) * (vocab_map[samples.entry_ids] >= 0)
+    return {"mapped_mass": float(mapped.sum() / positions) if positions else None, "mapped_mass_positions": positions}
 
 
 def _batched(items: Iterator, size: int) -> Iterator[list]:

@@ -17,7 +17,7 @@ from typing import Callable, Iterator
 import numpy as np
 
 from logitstore.errors import LogitstoreError
-from logitstore.samples import SparseSamples, concat
+from logitstore.samples import SparseSamples, StudentTokens, concat
 from logitstore.store import PartWriter, WrittenPart
 
 
@@ -31,12 +31,16 @@ class Unit:
     source_hashes: list[str] = field(default_factory=list)
     n_tokens: int = 0
     documents_read: int = 0  # input documents consumed while this unit was filled (for progress)
+    # per sample id: {student tokenizer name: (student ids, alignment groups [g, 4])}
+    students: dict[str, dict] = field(default_factory=dict)
 
-    def add(self, sample_id: str, tokens: np.ndarray, source_hash: str) -> None:
+    def add(self, sample_id: str, tokens: np.ndarray, source_hash: str, *, students: dict | None = None) -> None:
         self.sample_ids.append(sample_id)
         self.tokens.append(np.asarray(tokens, dtype=np.int64))
         self.source_hashes.append(source_hash)
         self.n_tokens += len(tokens)
+        if students:
+            self.students[sample_id] = students
 
 
 @dataclass(frozen=True)
@@ -157,7 +161,13 @@ class _VllmTeacherHandle:
 def write_unit(writer: PartWriter, unit: Unit, samples: SparseSamples, *, teacher: str) -> WrittenPart:
     """Write a computed unit as one part, with each sample's source hash in the index."""
     by_id = dict(zip(unit.sample_ids, unit.source_hashes))
-    return writer.write(samples, teacher=teacher, source_hashes=[by_id[s] for s in samples.sample_ids])
+    students = None
+    if unit.students:
+        names = next(iter(unit.students.values())).keys()
+        students = {name: StudentTokens.from_samples([unit.students[s][name] for s in samples.sample_ids])
+                    for name in names}
+    return writer.write(samples, teacher=teacher, source_hashes=[by_id[s] for s in samples.sample_ids],
+                        students=students)
 
 
 def token_budget_batches(sorted_lengths: np.ndarray, order: np.ndarray, *, budget: int) -> Iterator[np.ndarray]:

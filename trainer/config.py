@@ -19,6 +19,10 @@ class TrainConfig:
     student: str = "llama-tiny"
     version: str | None = None
     teacher: str | None = None
+    # Several teachers: {name: weight} in order (the first one's samples are the run's); see teachers.py
+    teacher_weights: dict[str, float] | None = None
+    student_tokenizer: str | None = None  # a built-in student uses this store student tokenizer
+    uld_weight: float = 1.0  # cross-tokenizer teachers: weight of the sorted-probability (ULD) term
     nproc: int = 1
     steps: int = 100  # the run's total; a resumed run continues to this step with the same schedule
     seq_len: int = 256
@@ -59,6 +63,9 @@ class TrainConfig:
             (self.eval_every >= 0 and self.checkpoint_every >= 0, "--eval-every and --checkpoint-every must be >= 0"),
             (self.on_error in ("raise", "skip"), "--on-error must be raise or skip"),
             (not (self.resume and self.force), "--resume and --force exclude each other"),
+            (self.uld_weight >= 0, "--uld-weight must be >= 0"),
+            (not (self.teacher_weights and self.teacher), "--teacher and --teacher-weight exclude each other"),
+            (all(w > 0 for w in (self.teacher_weights or {}).values()), "--teacher-weight weights must be > 0"),
         ]
         for ok, message in checks:
             if not ok:

@@ -116,6 +116,11 @@ class PackedBatch:
     # (sample id, first token of the fragment in the sample, flat start b*L + t, length) per segment,
     # in row-major order: for logging and tests; skipped fragments are absent.
     segments: list[tuple[str, int, int, int]] = field(default_factory=list)
+    # Runs with several teachers or a cross-tokenizer teacher (`trainer/teachers.py`): per teacher,
+    # (name, SparseTargets | AlignedTargets) over the same P positions, and counts for the metrics.
+    # The single-teacher fields above then hold no entries.
+    signals: list | None = None
+    signal_counts: dict | None = None
 
     def block_causal_mask(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """[B, 1, L, L] additive mask: 0 where query may attend key (same document, key <= query),
@@ -155,10 +160,15 @@ class _SplitTable:
     n_entries: np.ndarray
 
 
-def _split_table(view: StoreVersion, *, teacher: str, split: str, eval_fraction: float) -> _SplitTable:
+def split_index(view: StoreVersion, *, teacher: str, split: str, eval_fraction: float) -> pa.Table:
+    """The index rows of one teacher in one split, sorted by sample id."""
     idx = view.index.filter(pc.equal(view.index["teacher"], teacher)).sort_by("sample_id")
     in_eval = [is_eval_sample(s, eval_fraction=eval_fraction) for s in idx["sample_id"].to_pylist()]
-    idx = idx.filter(pa.array([e == (split == "eval") for e in in_eval], type=pa.bool_()))
+    return idx.filter(pa.array([e == (split == "eval") for e in in_eval], type=pa.bool_()))
+
+
+def _split_table(view: StoreVersion, *, teacher: str, split: str, eval_fraction: float) -> _SplitTable:
+    idx = split_index(view, teacher=teacher, split=split, eval_fraction=eval_fraction)
     parts, part_codes = np.unique(np.asarray(idx["part"].to_pylist(), dtype=str), return_inverse=True)
     column = lambda name: idx[name].to_numpy().astype(np.int64)
     return _SplitTable(
@@ -598,12 +608,12 @@ class PackedStream:
         return codec.decode(EncodedSamples(**joined), params=self._params, id_of_code=self._id_of_code,
                             n_tokens=n_tokens)
 
-    def _assemble(self, pieces: _Pieces, ok: np.ndarray, decoded) -> PackedBatch:
+    def _layout(self, pieces: _Pieces, ok: np.ndarray) -> _Layout:
+        """Where the readable pieces go in the [B * L] batch: their tokens, position and document ids."""
         B, L = self.micro_batch, self.seq_len
         lengths = pieces.b - pieces.a
         row_of = pieces.flat // L
         document = np.arange(len(lengths)) - np.searchsorted(row_of, row_of, side="left")
-        input_ids = np.zeros(B * L, dtype=np.int64)
         position_ids = np.zeros(B * L, dtype=np.int64)
         document_ids = np.full(B * L, -1, dtype=np.int64)
         flat, n = pieces.flat[ok], lengths[ok]
@@ -611,6 +621,15 @@ class PackedStream:
         position_ids[tokens] = tokens - np.repeat(flat, n)
         document_ids[tokens] = np.repeat(document[ok], n)
         positions = _ranges(flat, n - 1)  # all but each piece's last token: the decoded positions' order
+        return _Layout(flat=flat, n=n, tokens=tokens, positions=positions, position_ids=position_ids,
+                       document_ids=document_ids)
+
+    def _assemble(self, pieces: _Pieces, ok: np.ndarray, decoded) -> PackedBatch:
+        B, L = self.micro_batch, self.seq_len
+        lay = self._layout(pieces, ok)
+        flat, n, tokens, positions = lay.flat, lay.n, lay.tokens, lay.positions
+        position_ids, document_ids = lay.position_ids, lay.document_ids
+        input_ids = np.zeros(B * L, dtype=np.int64)
         if decoded is None:
             return self._empty_targets(input_ids, position_ids, document_ids, B, L)
         input_ids[tokens] = decoded.input_ids
@@ -644,6 +663,16 @@ class PackedStream:
             entry_logprobs=empty_float, entry_pos=empty_long, tail=empty_float, target_ids=empty_long,
             target_logprobs=empty_float, entry_counts=empty_float if sampled else None, n_tokens=0,
         )
+
+
+@dataclass
+class _Layout:
+    flat: np.ndarray  # start of each readable piece in the flat [B * L] batch
+    n: np.ndarray  # its length
+    tokens: np.ndarray  # flat indices of all their tokens
+    positions: np.ndarray  # flat indices of the supervised tokens (all but each piece's last)
+    position_ids: np.ndarray  # [B * L]
+    document_ids: np.ndarray  # [B * L]
 
 
 def _put(items: queue.Queue, item, stop: threading.Event) -> bool:

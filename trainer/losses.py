@@ -49,7 +49,15 @@ counts do not give; they are refused.
 
 Cross-entropy (`--alpha`): ce_t = -log softmax(z)[target_t] at temperature 1.
 
-    loss = mean_t (T^2 kd_t) + alpha * mean_t ce_t
+Position weights (`weight`, for several teachers mixed over one micro-batch): kd_t is multiplied by w_t
+before the sum, which still divides by P (a position a teacher does not cover has w_t = 0 and still
+counts in the mean, so the teachers' terms add up on one scale). The CE term is not weighted: it belongs
+to the data, not to a teacher.
+
+    loss = (1/P) sum_t w_t T^2 kd_t + alpha * mean_t ce_t        (w_t = 1 without weights)
+
+`kd_term` and `ce_term` give the two terms apart, for a trainer that sums several teachers' KD terms
+(this one's and `aligned_losses.aligned_kd`'s) with one CE term; `distill_loss` is their sum.
 
 Numerics: fp32 throughout, even for bf16 logits; log space everywhere; logs of masses below 1e-30 are
 clamped to log(1e-30) (a tail of exactly 0, a masked logsumexp over nothing), which keeps 0 * log 0
@@ -91,6 +99,7 @@ class SparseTargets:
     target_logprobs: Tensor  # [P] float: teacher log-prob of the actual next token
     entry_counts: Tensor | None = None  # [E] float: draws per entry (sampled stores only)
     n_draws: int | None = None  # draws per position (sampled stores only)
+    weight: Tensor | None = None  # [P] float: per-position weight of the KD term (None = 1)
 
     @property
     def n_positions(self) -> int:
@@ -119,17 +128,44 @@ class LossConfig:
 def distill_loss(student_logits: Tensor, targets: SparseTargets, cfg: LossConfig) -> tuple[Tensor, dict[str, float]]:
     """Mean over positions. Returns (loss, parts) with parts {"kd", "ce", "loss"} as python floats."""
     _check_shapes(student_logits, targets)
-    logits = student_logits.float()  # fp32 math even for bf16 logits
-    n = max(targets.n_positions, 1)  # an empty micro-batch gives 0, not NaN
-    kd = _kd_per_position(logits, targets, cfg=cfg).sum() / n * cfg.temperature**2
+    logits = student_logits.float()  # fp32 math even for bf16 logits; converted once for both terms
+    kd = _kd_term(logits, targets, cfg)
     if cfg.alpha > 0:
-        ce = _cross_entropy(logits, targets.target_ids).sum() / n
+        ce = _ce_term(logits, targets.target_ids)
     else:
         with torch.no_grad():  # reported only: no [P, V] gradient of zeros to carry back
-            ce = _cross_entropy(logits, targets.target_ids).sum() / n
+            ce = _ce_term(logits, targets.target_ids)
     loss = kd + cfg.alpha * ce
     kd_f, ce_f, loss_f = torch.stack([kd.detach(), ce.detach(), loss.detach()]).tolist()  # one device sync
     return loss, {"kd": kd_f, "ce": ce_f, "loss": loss_f}
+
+
+def kd_term(student_logits: Tensor, targets: SparseTargets, cfg: LossConfig) -> Tensor:
+    """The KD term alone: (1/P) sum_t w_t T^2 kd_t, a scalar with grad (cfg.alpha is not used)."""
+    _check_shapes(student_logits, targets)
+    return _kd_term(student_logits.float(), targets, cfg)
+
+
+def ce_term(student_logits: Tensor, target_ids: Tensor) -> Tensor:
+    """The cross-entropy alone: mean_t -log softmax(z)[target_t] at temperature 1, a scalar with grad."""
+    if student_logits.ndim != 2 or target_ids.shape != student_logits.shape[:1]:
+        raise ValueError(
+            f"student_logits must be [P, V] and target_ids [P]; got {tuple(student_logits.shape)} "
+            f"and {tuple(target_ids.shape)}"
+        )
+    return _ce_term(student_logits.float(), target_ids)
+
+
+def _kd_term(logits: Tensor, t: SparseTargets, cfg: LossConfig) -> Tensor:
+    kd = _kd_per_position(logits, t, cfg=cfg)
+    if t.weight is not None:
+        kd = kd * t.weight.float()
+    n = max(t.n_positions, 1)  # an empty micro-batch gives 0, not NaN
+    return kd.sum() / n * cfg.temperature**2
+
+
+def _ce_term(logits: Tensor, target_ids: Tensor) -> Tensor:
+    return _cross_entropy(logits, target_ids).sum() / max(len(target_ids), 1)
 
 
 def _kd_per_position(logits: Tensor, t: SparseTargets, *, cfg: LossConfig) -> Tensor:
@@ -240,3 +276,5 @@ def _check_shapes(logits: Tensor, t: SparseTargets) -> None:
         raise ValueError(f"entry arrays of different lengths: {sorted(n_entries)}")
     if {len(t.target_ids), len(t.target_logprobs)} != {t.n_positions}:
         raise ValueError(f"target arrays must have P = {t.n_positions} elements (one per tail)")
+    if t.weight is not None and tuple(t.weight.shape) != (t.n_positions,):
+        raise ValueError(f"weight must be [P] with P = {t.n_positions}; got {tuple(t.weight.shape)}")

@@ -29,9 +29,10 @@ class StudentError(LogitstoreError):
     """The student cannot be built or does not fit the store's teacher."""
 
 
-def build_student(spec: str, *, vocab_size: int, seed: int, teacher_tokenizer_hash: str):
-    """(model, tokenizer or None). A built-in name uses the teacher's tokenizer (None here: the store
-    holds it); a directory must have a tokenizer equal to the teacher's."""
+def build_student(spec: str, *, vocab_size: int, seed: int):
+    """(model, tokenizer or None). A built-in name is a fresh model over `vocab_size` tokens (its
+    tokenizer is the store's: the teacher's, or `--student-tokenizer`); a directory brings its own
+    tokenizer, which `student_tokenizer_hash` matches against the store's before this is called."""
     from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
@@ -39,14 +40,29 @@ def build_student(spec: str, *, vocab_size: int, seed: int, teacher_tokenizer_ha
         config = LlamaConfig(vocab_size=vocab_size, tie_word_embeddings=True, **BUILTIN_STUDENTS[spec])
         config._attn_implementation = "eager"  # a 4-D block-causal mask on CPU; sdpa would also do
         return LlamaForCausalLM(config), None
+    path = _model_dir(spec)
+    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager")
+    out = model.get_output_embeddings().weight.shape[0]
+    if out < vocab_size:
+        raise StudentError(f"--student {spec}: predicts {out} tokens but its tokenizer's vocabulary in the store has {vocab_size}")
+    return model, _tokenizer_of(path)
+
+
+def student_tokenizer_hash(spec: str) -> str | None:
+    """The tokenizer hash of a student directory; None for a built-in (it takes the store's tokenizer)."""
+    if spec in BUILTIN_STUDENTS:
+        return None
+    from logitstore.pipelines.teacher import tokenizer_hash
+
+    return tokenizer_hash(_tokenizer_of(_model_dir(spec)))
+
+
+def _model_dir(spec: str) -> Path:
     path = Path(spec)
     if not (path / "config.json").is_file():
         names = ", ".join(BUILTIN_STUDENTS)
         raise StudentError(f"--student {spec!r}: not a model directory with config.json, nor a built-in ({names})")
-    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager")
-    tokenizer = _tokenizer_of(path)
-    _check_fits(model, tokenizer, vocab_size=vocab_size, teacher_tokenizer_hash=teacher_tokenizer_hash, spec=spec)
-    return model, tokenizer
+    return path
 
 
 def _tokenizer_of(path: Path):
@@ -56,17 +72,6 @@ def _tokenizer_of(path: Path):
         return AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as e:
         raise StudentError(f"--student {path}: no usable tokenizer ({e})") from None
-
-
-def _check_fits(model, tokenizer, *, vocab_size: int, teacher_tokenizer_hash: str, spec: str) -> None:
-    from logitstore.pipelines.teacher import tokenizer_hash
-
-    out = model.get_output_embeddings().weight.shape[0]
-    if out != vocab_size:
-        raise StudentError(f"--student {spec}: predicts {out} tokens but the teacher's vocabulary has {vocab_size}")
-    if tokenizer_hash(tokenizer) != teacher_tokenizer_hash:
-        raise StudentError(f"--student {spec}: its tokenizer differs from the teacher's; cross-tokenizer "
-                           "students are not supported yet")
 
 
 def max_positions(model) -> int:

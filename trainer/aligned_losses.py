@@ -1,0 +1,247 @@
+"""Distillation loss for a teacher whose tokenizer differs from the student's.
+
+The data side aligns the teacher's and the student's tokenizations of the same text into groups of
+tokens that cover the same bytes, and hands over, flattened over the P student positions of a
+micro-batch (rows of the student's logits z [P, V_s]; position p predicts the student's next token
+target_ids[p]), one `AlignedTargets`:
+
+  - 1:1 groups (P1 positions, `exact_pos`): one teacher token and one student token, same bytes after the
+    same text. There both models predict the same thing, so the teacher's next-token distribution is
+    comparable to the student's. It is stored sparsely as in `losses` (E entries + a tail per position),
+    each entry carrying the student id of its token through the exact vocabulary map (same bytes), or -1.
+  - many-token groups (1:n, n:1, n:m; G of them): the teacher's and the student's next-token distributions
+    are over different units, so only the probability each gives to the observed chain of bytes is
+    compared (C chain positions, `chain_pos`/`chain_group`).
+
+1:1 positions: the hybrid of TRL's GOLD trainer, exact KL on the matched vocabulary plus the Universal
+Logit Distillation distance (Boizard et al. 2024) for the rest. At position j (student row exact_pos[j])
+the teacher has entries i with p_i = exp(lp_i) and its tail, renormalised to sum 1 as in `losses` (the
+quantization leaves them off 1 by up to ~1e-2); M_j are the entries with a student id m_i >= 0 (distinct:
+the map is injective), U_j the others; q = softmax(z) over the student's vocabulary.
+
+    exact_j = sum_{i in M_j} p_i (log p_i - log q_{m_i}) + r_T (log r_T - log r_S)
+        r_T = 1 - sum_{M_j} p_i        (the unmapped entries + the tail)
+        r_S = 1 - sum_{M_j} q_{m_i}    (every student id not mapped at j)
+
+  The KL between the two distributions bucketed as {each mapped token} + {everything else}: exact where
+  the vocabularies match, >= 0, 0 iff they agree on every mapped token. log r_S is a logsumexp of z with
+  the mapped ids masked, minus logsumexp(z), accurate however small (as `losses` computes its tail).
+
+    uld_j = sum_{r <= k_j} |u_(r) - v_(r)| + |p_tail - (r_S - sum_{r <= k_j} v_(r))|
+        u_(1) >= ... >= u_(k_j)   the p_i of U_j sorted (k_j = |U_j|, may be 0)
+        v_(1) >= v_(2) >= ...     q over the student ids not mapped at j, sorted
+
+  Token identities do not correspond outside the map, so ULD compares sorted probabilities. The
+  teacher's tail has no known shape, so it is compared as one bucket with the student's mass past rank
+  k_j. With every teacher token stored (tail 0) this is exactly ULD's zero-padded sorted L1 over the
+  unmatched tokens (the student's ranks past k_j face padding zeros: their sum is the last term). With
+  the teacher's top entries stored, it is a lower bound on the sorted L1 over every token outside the
+  position's mapped entries (the tail's tokens rank below the stored ones, and one bucket's difference is
+  at most the sum of its ranks' differences). One `topk` over the masked student logits with
+  k = max_j k_j gives every v_(r) (softmax is monotone; mapped ids are masked to probability 0, which is
+  also the padding when k_j exceeds the student's unmapped ids); ranks past each k_j are masked out. This
+  costs one host sync, for k.
+
+Many-token groups (the "observed chain" rule). Group g covers the same bytes in both tokenizations; the
+teacher's log-probability of that chain is given (the sum of its target log-probs); the student's is the
+sum of its log-probs of its actual next tokens along the chain:
+
+    log P_T = chain_teacher_logprob[g],   log P_S = sum_{c: chain_group[c] = g} log q_{chain_pos[c]}(target)
+    chain_g = P_T (log P_T - log P_S) + (1 - P_T) (log(1 - P_T) - log(1 - P_S))
+
+  The binary KL between Bern(P_T) and Bern(P_S), {this chain} vs {anything else}: >= 0, 0 iff the two
+  agree on the chain. log(1 - P) = log1mexp(log P), stable both near 0 and far below it.
+
+Weights (`weight`, several teachers mixed): w_p per student position (1 if None); a 1:1 term has the
+weight of its position, a chain term that of its group's first chain position (0 for a group without
+positions, which the data side does not produce).
+
+    kd = (1/P) [sum_j w exact_j + uld_weight * sum_j w uld_j + sum_g w chain_g]
+
+The mean is over all P student positions, as in `losses`, so this and a same-tokenizer teacher's
+`kd_term` add up on one scale. Parts {"kd", "exact", "uld", "chain"} are each weighted sum / P; "uld" is
+reported before the uld_weight factor (kd = exact + uld_weight * uld + chain).
+
+Temperature is not supported (T = 1). The chain log-probs are sums of temperature-1 log-probs that no
+temperature can re-temper without every chain position's full distribution, and tempering the 1:1 buckets
+would add `losses`' one-bucket tail approximation on both sides of the vocabulary map.
+
+Nothing teacher-vocabulary-sized is built: the teacher side stays per-entry ([E]), per-position ([P1],
+[P1, k] for the sorted unmapped entries) and per-group ([G]); the student side is the [P1, V_s] masked
+copy of its logits (logsumexp, topk) that the bucketing needs anyway. No Python loops; per-position sums
+are segment sums (`index_add`). Numerics as in `losses`: fp32 even for bf16 logits, log space, logs of
+masses below 1e-30 clamped to log(1e-30), which keeps 0 * log 0 terms at 0 and gradients finite.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from logitstore.trainer.losses import (
+    _MASKED_LOGIT,
+    LOG_TINY,
+    TINY,
+    _is_real,
+    _normalise,
+    _segment_logsumexp,
+    _segment_sum,
+)
+
+_LN2 = math.log(2.0)
+
+
+@dataclass
+class AlignedTargets:
+    """A cross-tokenizer teacher's signal on P student positions."""
+
+    target_ids: Tensor  # [P] long: the student's actual next token
+    exact_pos: Tensor  # [P1] long in [0, P): positions at 1:1 groups (same bytes, same preceding text)
+    entry_ids: Tensor  # [E] long: the student id of each teacher entry (exact vocabulary map), -1 if none
+    entry_logprobs: Tensor  # [E] float: the teacher's full-vocabulary log-softmax at temperature 1 (quantized)
+    entry_pos: Tensor  # [E] long in [0, P1), non-decreasing
+    tail: Tensor  # [P1] float: teacher mass outside its stored entries
+    chain_teacher_logprob: Tensor  # [G] float: teacher log-prob of a many-token group's exact bytes
+    chain_pos: Tensor  # [C] long in [0, P): student positions whose target log-probs sum to the group's
+    chain_group: Tensor  # [C] long in [0, G), non-decreasing
+    weight: Tensor | None = None  # [P] float per-position weight (several teachers mixed), None = 1
+
+    @property
+    def n_positions(self) -> int:
+        return int(self.target_ids.shape[0])
+
+
+def aligned_kd(
+    student_logits: Tensor, targets: AlignedTargets, *, uld_weight: float = 1.0
+) -> tuple[Tensor, dict[str, float]]:
+    """The cross-tokenizer KD term, a scalar with grad, and parts {"kd", "exact", "uld", "chain"} as floats."""
+    _check_shapes(student_logits, targets)
+    if not _is_real(uld_weight) or not 0 <= uld_weight < math.inf:
+        raise ValueError(f"uld_weight must be a finite number >= 0; got {uld_weight!r}")
+    t = targets
+    logits = student_logits.float()  # fp32 math even for bf16 logits
+    n = max(t.n_positions, 1)  # an empty micro-batch gives 0, not NaN
+    w = t.weight.float() if t.weight is not None else torch.ones(t.n_positions, device=logits.device)
+    lse = torch.logsumexp(logits, dim=-1)
+
+    exact, uld = _one_to_one_terms(logits, lse, t)
+    w_exact = w[t.exact_pos]
+    exact = (w_exact * exact).sum() / n
+    uld = (w_exact * uld).sum() / n
+    chain = (_chain_weights(w, t) * _chain_terms(logits, lse, t)).sum() / n
+    kd = exact + uld_weight * uld + chain
+    values = torch.stack([kd.detach(), exact.detach(), uld.detach(), chain.detach()]).tolist()  # one device sync
+    return kd, dict(zip(("kd", "exact", "uld", "chain"), values))
+
+
+def _one_to_one_terms(logits: Tensor, lse: Tensor, t: AlignedTargets) -> tuple[Tensor, Tensor]:
+    """[P1] exact and uld terms of the 1:1 positions."""
+    n1 = int(t.exact_pos.shape[0])
+    mapped = t.entry_ids >= 0
+    # Teacher: entries then tails renormalised to sum 1 per position, as in `losses`.
+    pos = torch.cat([t.entry_pos, torch.arange(n1, device=logits.device)])
+    raw_p = torch.cat([t.entry_logprobs.float().clamp_min(LOG_TINY), t.tail.float().clamp_min(TINY).log()])
+    log_p = _normalise(raw_p, pos, n=n1)
+    log_p_entries, log_p_tail = log_p[: len(t.entry_pos)], log_p[len(t.entry_pos) :]
+
+    # Student rows of the 1:1 positions with each position's mapped ids masked: their logsumexp gives r_S,
+    # their topk the sorted unmapped probabilities. Only the rows needed are copied, and the unmasked copy
+    # is dropped at once: the masked one is the single [P1, V_s] tensor kept for the backward.
+    m_pos, m_ids = t.entry_pos[mapped], t.entry_ids[mapped]
+    masked_logit = torch.tensor(_MASKED_LOGIT, dtype=logits.dtype, device=logits.device)
+    masked = logits[t.exact_pos].index_put((m_pos, m_ids), masked_logit)
+    lse_rows = lse[t.exact_pos]
+    log_r_s = (torch.logsumexp(masked, dim=-1) - lse_rows).clamp_min(LOG_TINY)
+
+    # exact: the mapped buckets, then the rest bucket on both sides.
+    log_q_mapped = logits[t.exact_pos[m_pos], m_ids] - lse_rows[m_pos]
+    log_p_mapped = log_p_entries[mapped]
+    mapped_terms = _segment_sum(log_p_mapped.exp() * (log_p_mapped - log_q_mapped), m_pos, n=n1)
+    # r_T from the teacher's own rest (unmapped entries + tail), not 1 - sum p: accurate however small.
+    unmapped = ~mapped
+    log_r_t = _segment_logsumexp(
+        torch.cat([log_p_entries[unmapped], log_p_tail]),
+        torch.cat([t.entry_pos[unmapped], torch.arange(n1, device=logits.device)]),
+        n=n1,
+    )
+    exact = mapped_terms + log_r_t.exp() * (log_r_t - log_r_s)
+
+    # uld: rank each position's unmapped entries by descending probability (a stable sort by probability,
+    # then a stable sort by position keeps that order inside each position), scatter them to [P1, k].
+    u_pos, u_p = t.entry_pos[unmapped], log_p_entries[unmapped].exp()
+    counts = torch.bincount(u_pos, minlength=n1)
+    k = int(counts.max()) if n1 > 0 else 0  # topk needs k on the host
+    by_p = torch.argsort(u_p, descending=True, stable=True)
+    order = by_p[torch.argsort(u_pos[by_p], stable=True)]
+    u_pos, u_p = u_pos[order], u_p[order]
+    starts = torch.cumsum(counts, 0) - counts
+    rank = torch.arange(len(u_pos), device=logits.device) - starts[u_pos]
+    u = torch.zeros(n1, k, dtype=u_p.dtype, device=logits.device).index_put((u_pos, rank), u_p)
+    # The student's unmapped probabilities in descending order; past its vocabulary, padding zeros.
+    k_s = min(k, masked.shape[-1])
+    v = (torch.topk(masked, k_s, dim=-1).values - lse_rows[:, None]).exp()
+    v = torch.nn.functional.pad(v, (0, k - k_s))
+    in_rank = torch.arange(k, device=logits.device)[None, :] < counts[:, None]
+    ranked = torch.where(in_rank, (u - v).abs(), 0.0).sum(-1)
+    v_ranked = torch.where(in_rank, v, 0.0).sum(-1)
+    # The student's mass past rank k_j; a rounding below 0 would only be noise.
+    student_rest = (log_r_s.exp() - v_ranked).clamp_min(0.0)
+    uld = ranked + (log_p_tail.exp() - student_rest).abs()
+    return exact, uld
+
+
+def _chain_terms(logits: Tensor, lse: Tensor, t: AlignedTargets) -> Tensor:
+    """[G] binary KL(Bern(P_T) || Bern(P_S)) per many-token group."""
+    g = int(t.chain_teacher_logprob.shape[0])
+    log_q = logits[t.chain_pos, t.target_ids[t.chain_pos]] - lse[t.chain_pos]
+    log_ps = _segment_sum(log_q, t.chain_group, n=g)
+    # A quantized teacher log-prob may land just above 0 or below log(1e-30); the clamp keeps P_T in [0, 1].
+    log_pt = t.chain_teacher_logprob.float().clamp(LOG_TINY, 0.0)
+    log_p = torch.stack([log_pt, _log1mexp(log_pt)])
+    # log P_S is not clamped: a student far below the teacher on the chain keeps its gradient.
+    log_q = torch.stack([log_ps, _log1mexp(log_ps)])
+    return (log_p.exp() * (log_p - log_q)).sum(0)
+
+
+def _log1mexp(x: Tensor) -> Tensor:
+    """log(1 - exp(x)) for x <= 0, clamped to >= log(1e-30)."""
+    # At x = 0 (P = 1 in fp32) the value is -inf and its gradient infinite: evaluate just below 0
+    # instead, where the clamp passes no gradient back (0, not 0 * inf = NaN).
+    x = x.clamp_max(-TINY)
+    near = x > -_LN2
+    # Each branch sees only inputs where it is stable; the other gets -ln2 (finite in both), so the
+    # unselected branch's gradient is 0 rather than 0 * inf.
+    a = torch.log(-torch.expm1(torch.where(near, x, -_LN2)))
+    b = torch.log1p(-torch.exp(torch.where(near, -_LN2, x)))
+    return torch.where(near, a, b).clamp_min(LOG_TINY)
+
+
+def _chain_weights(w: Tensor, t: AlignedTargets) -> Tensor:
+    """[G] the weight of each group's first chain position (chain_group is non-decreasing)."""
+    g = int(t.chain_teacher_logprob.shape[0])
+    first = torch.ones_like(t.chain_group, dtype=torch.bool)
+    first[1:] = t.chain_group[1:] != t.chain_group[:-1]
+    return torch.zeros(g, dtype=w.dtype, device=w.device).index_put((t.chain_group[first],), w[t.chain_pos[first]])
+
+
+def _check_shapes(logits: Tensor, t: AlignedTargets) -> None:
+    """Mismatched arrays are a caller's bug; fail with the shapes rather than a scatter error."""
+    n = t.n_positions
+    if logits.ndim != 2 or logits.shape[0] != n:
+        raise ValueError(f"student_logits must be [P, V] with P = {n} positions; got {tuple(logits.shape)}")
+    if t.weight is not None and tuple(t.weight.shape) != (n,):
+        raise ValueError(f"weight must be [P] with P = {n}; got {tuple(t.weight.shape)}")
+    n1 = {tuple(t.exact_pos.shape), tuple(t.tail.shape)}
+    if len(n1) != 1 or len(next(iter(n1))) != 1:
+        raise ValueError(f"exact_pos and tail must be [P1] each; got {sorted(n1)}")
+    n_entries = {tuple(t.entry_ids.shape), tuple(t.entry_logprobs.shape), tuple(t.entry_pos.shape)}
+    if len(n_entries) != 1 or len(next(iter(n_entries))) != 1:
+        raise ValueError(f"entry arrays must be [E] each; got {sorted(n_entries)}")
+    if t.chain_teacher_logprob.ndim != 1:
+        raise ValueError(f"chain_teacher_logprob must be [G]; got {tuple(t.chain_teacher_logprob.shape)}")
+    n_chain = {tuple(t.chain_pos.shape), tuple(t.chain_group.shape)}
+    if len(n_chain) != 1 or len(next(iter(n_chain))) != 1:
+        raise ValueError(f"chain_pos and chain_group must be [C] each; got {sorted(n_chain)}")
