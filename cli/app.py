@@ -206,15 +206,8 @@ def build(
 ) -> None:
     """Run a teacher over a dataset and commit its sparse next-token distributions as a new version."""
     from logitstore.pipelines.build import BuildConfig, run_builds, summary_json
-    from logitstore.pipelines.sparsify import Sparsity
 
-    if top_p is not None and sample is not None:
-        raise LogitstoreError("choose one of --top-p and --sample")
-    mode = "sampled" if sample is not None else "topp" if top_p is not None else "topk"
-    try:
-        sparsity = Sparsity(mode=mode, k=top_k, p=top_p, n=sample, temperature=temperature)
-    except ValueError as e:
-        raise LogitstoreError(str(e)) from None
+    sparsity = _sparsity(top_k=top_k, top_p=top_p, sample=sample, temperature=temperature)
     cfg = BuildConfig(store=store, data=data, student_tokenizers=tuple(student_tokenizer or ()), text_column=text_column, id_column=id_column,
                       ids_column=ids_column, max_length=max_length, sparsity=sparsity, batch_tokens=batch_tokens,
                       device=device, dtype=dtype, workers=workers, ray_address=ray_address, message=message,
@@ -229,11 +222,32 @@ def build(
                    f"duplicates {summary.duplicates}, already stored {summary.already_stored}")
 
 
+def _sparsity(*, top_k: int, top_p: float | None, sample: int | None, temperature: float):
+    from logitstore.pipelines.sparsify import Sparsity
+
+    if top_p is not None and sample is not None:
+        raise LogitstoreError("choose one of --top-p and --sample")
+    mode = "sampled" if sample is not None else "topp" if top_p is not None else "topk"
+    try:
+        return Sparsity(mode=mode, k=top_k, p=top_p, n=sample, temperature=temperature)
+    except ValueError as e:
+        raise LogitstoreError(str(e)) from None
+
+
 @app.command()
 @user_errors
 def train(
-    store: Annotated[str, typer.Option(help="Store to train from.")],
     out: Annotated[str, typer.Option(help="Run folder: checkpoints, metrics.jsonl, final/.")],
+    store: Annotated[Optional[str], typer.Option(help="Store to train from.")] = None,
+    live_teacher: Annotated[Optional[str], typer.Option(help="Live mode instead of --store: run this teacher (what build --teacher takes, or 'default') beside the trainer, handing over by shared memory.")] = None,
+    data: Annotated[Optional[str], typer.Option(help="Live mode: the data, as build --data (default: the shipped corpus).")] = None,
+    text_column: Annotated[str, typer.Option(help="Live mode: as build --text-column.")] = "text",
+    id_column: Annotated[Optional[str], typer.Option(help="Live mode: as build --id-column.")] = None,
+    max_length: Annotated[int, typer.Option(help="Live mode: as build --max-length.")] = 1024,
+    top_k: Annotated[int, typer.Option(help="Live mode: as build --top-k.")] = 64,
+    top_p: Annotated[Optional[float], typer.Option(help="Live mode: as build --top-p.")] = None,
+    sample: Annotated[Optional[int], typer.Option(help="Live mode: as build --sample.")] = None,
+    temperature: Annotated[float, typer.Option(help="Live mode: as build --temperature.")] = 1.0,
     student: Annotated[str, typer.Option(help="Hugging Face causal-LM directory, or a built-in config (llama-tiny, llama-small).")] = "llama-tiny",
     version: VersionOpt = None,
     teacher: Annotated[Optional[str], typer.Option(help="Teacher name, when the store holds several.")] = None,
@@ -273,7 +287,21 @@ def train(
     from logitstore.trainer.teachers import parse_teacher_weights
 
     weights = parse_teacher_weights(teacher_weight) if teacher_weight else None
-    cfg = TrainConfig(store=store, out=out, student=student, version=version, teacher=teacher, teacher_weights=weights,
+    live = None
+    live_only = {"--data": data, "--id-column": id_column, "--top-p": top_p, "--sample": sample,
+                 "--text-column": None if text_column == "text" else text_column,
+                 "--max-length": None if max_length == 1024 else max_length,
+                 "--top-k": None if top_k == 64 else top_k, "--temperature": None if temperature == 1.0 else temperature}
+    given = [flag for flag, value in live_only.items() if value is not None]
+    if live_teacher is None and given:  # with --store these would be silently ignored: the store fixed them
+        raise LogitstoreError(f"{', '.join(given)} only apply with --live-teacher (a store's build fixed them)")
+    if live_teacher is not None:
+        from logitstore.trainer.live import LiveConfig
+
+        live = LiveConfig(teacher=live_teacher, data=data, text_column=text_column, id_column=id_column,
+                          max_length=max_length, sparsity=_sparsity(top_k=top_k, top_p=top_p, sample=sample,
+                                                                   temperature=temperature))
+    cfg = TrainConfig(live=live, store=store, out=out, student=student, version=version, teacher=teacher, teacher_weights=weights,
                       student_tokenizer=student_tokenizer, uld_weight=uld_weight, nproc=nproc, steps=steps,
                       seq_len=seq_len, micro_batch=micro_batch, grad_accum=grad_accum, lr=lr, warmup_steps=warmup_steps,
                       min_lr_ratio=min_lr_ratio, weight_decay=weight_decay, grad_clip=grad_clip, seed=seed, loss=loss,

@@ -84,6 +84,12 @@ def test_verify_whole_store(store):
         (["tag", "{store}", "v1"], "already exists"),
         (["diff", "{store}", "v1", "nope"], "no version"),
         (["info", "ftp://host/x"], "unsupported scheme"),
+        (["train", "--store", "{store}", "--out", "/tmp/never", "--top-k", "8"], "--top-k only apply with --live-teacher"),
+        (["train", "--out", "/tmp/never"], "exactly one of --store and --live-teacher"),
+        (["train", "--store", "{store}", "--live-teacher", "default", "--out", "/tmp/never"], "exactly one of"),
+        (["train", "--live-teacher", "default", "--version", "v1", "--out", "/tmp/never"], "no --teacher-weight"),
+        (["train", "--live-teacher", "default", "--top-p", "0.9", "--sample", "4", "--out", "/tmp/never"],
+         "choose one of --top-p and --sample"),
     ],
 )
 def test_user_errors_are_one_line(store, args, message):

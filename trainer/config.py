@@ -14,7 +14,7 @@ class TrainConfigError(LogitstoreError):
 
 @dataclass
 class TrainConfig:
-    store: str
+    store: str | None  # None in live mode
     out: str
     student: str = "llama-tiny"
     version: str | None = None
@@ -47,6 +47,7 @@ class TrainConfig:
     offload_optimizer: bool = False
     on_error: str = "raise"  # a damaged sample: "raise" stops the run, "skip" skips and counts it
     log_every: int = 1
+    live: object = None  # trainer.live.LiveConfig: `--live-teacher` instead of `--store`
 
     def __post_init__(self) -> None:
         checks = [
@@ -64,6 +65,10 @@ class TrainConfig:
             (self.on_error in ("raise", "skip"), "--on-error must be raise or skip"),
             (not (self.resume and self.force), "--resume and --force exclude each other"),
             (self.uld_weight >= 0, "--uld-weight must be >= 0"),
+            ((self.live is None) == bool(self.store), "give exactly one of --store and --live-teacher"),
+            (self.live is None or not (self.teacher_weights or self.student_tokenizer or self.version),
+             "--live-teacher takes one teacher with the student's tokenizer: no --teacher-weight, "
+             "--student-tokenizer or --version"),
             (not (self.teacher_weights and self.teacher), "--teacher and --teacher-weight exclude each other"),
             (all(w > 0 for w in (self.teacher_weights or {}).values()), "--teacher-weight weights must be > 0"),
         ]

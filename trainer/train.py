@@ -114,7 +114,6 @@ def _run(cfg: TrainConfig) -> dict:
 
 
 def _train(cfg: TrainConfig, *, cuda: bool) -> dict:
-    from logitstore.store import Store
     from logitstore.trainer.losses import LossConfig
     from logitstore.trainer.model import build_student, max_positions, shard
 
@@ -123,21 +122,20 @@ def _train(cfg: TrainConfig, *, cuda: bool) -> dict:
     mesh = init_device_mesh(device.type, (world,))
     out = Path(cfg.out)
 
-    # The store version is pinned by snapshot id: a later build on the branch cannot change this run.
-    view = Store.open(cfg.store).read(cfg.version)
-    if view.index.num_rows == 0:
-        raise TrainConfigError(f"version {view.snapshot_id} of {cfg.store} holds no samples")
-    sources, vocab = plan_sources(view, cfg)
-    teacher = sources[0].name
+    # The teachers' signal: a store version pinned by snapshot id (a later build on the branch cannot
+    # change this run), or in live mode a teacher process beside this rank.
+    signal = LiveSignal(cfg) if cfg.live is not None else StoreSignal(cfg)
+    teacher = signal.teacher
 
-    model, _tokenizer = build_student(cfg.student, vocab_size=vocab.vocab_size, seed=cfg.seed)
+    model, _tokenizer = build_student(cfg.student, vocab_size=signal.vocab_size, seed=cfg.seed)
     if cfg.seq_len > max_positions(model):
         raise TrainConfigError(f"--seq-len {cfg.seq_len} exceeds the student's {max_positions(model)} positions")
     model = shard(model.to(device), mesh=mesh, offload_optimizer=cfg.offload_optimizer, cuda=cuda)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     loss_cfg = LossConfig(kind=cfg.loss, temperature=cfg.kd_temperature, alpha=cfg.alpha, jsd_beta=cfg.jsd_beta)
 
-    stream = make_stream(view, sources, cfg=cfg, rank=rank, world_size=world, split="train")
+    signal.start(cfg)
+    stream = signal.stream(cfg, rank=rank, world_size=world, split="train")
     step = 0
     resumed_from = checkpoint.latest(out) if cfg.resume else None
     if resumed_from is not None:
@@ -147,10 +145,10 @@ def _train(cfg: TrainConfig, *, cuda: bool) -> dict:
         torch.set_rng_state(torch.tensor(state["rng"], dtype=torch.uint8))
 
     metrics_file = (out / "metrics.jsonl").open("a") if rank == 0 else None
-    header = {"event": "start", "store": cfg.store, "version": view.snapshot_id, "teacher": teacher,
-              "teachers": [{"name": s.name, "weight": s.weight, "student_tokenizer": s.student} for s in sources],
+    header = {"event": "start", "store": cfg.store, "version": signal.version, "teacher": teacher,
+              "teachers": [{"name": s.name, "weight": s.weight, "student_tokenizer": s.student} for s in signal.sources],
               "student": cfg.student, "nproc": world, "resumed_from": str(resumed_from) if resumed_from else None,
-              "signal": "store"}
+              "signal": signal.kind, **signal.header()}
     _log(metrics_file, header)
     batches = iter(stream)
     record: dict = {}
@@ -166,17 +164,19 @@ def _train(cfg: TrainConfig, *, cuda: bool) -> dict:
             elapsed = time.perf_counter() - started
             record = {"step": step, **parts, "lr": lr, "tokens": tokens,
                       "tokens_per_second": tokens / elapsed, "data_wait_seconds": stream.wait_seconds - wait_before,
-                      "skipped_samples": getattr(stream, "skipped_samples", 0), "version": view.snapshot_id}
+                      "skipped_samples": getattr(stream, "skipped_samples", 0), "version": signal.version,
+                      "signal": signal.kind}
             if cfg.eval_every and step % cfg.eval_every == 0:
-                record.update(evaluate(model, view, sources=sources, cfg=cfg, device=device))
+                record.update(evaluate(model, signal, cfg=cfg, device=device))
             _log(metrics_file, record, echo=step % cfg.log_every == 0 or step == cfg.steps)
             if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step < cfg.steps:
                 checkpoint.save(out, step=step, model=model, optimizer=optimizer,
                                 train_state=_train_state(step, stream))
         checkpoint.save(out, step=step, model=model, optimizer=optimizer, train_state=_train_state(step, stream))
-        _export_final(model, view, teacher=teacher, out=out, vocab=vocab)
+        _export_final(model, signal.tokenizer(), out=out)
     finally:
         stream.close()
+        signal.close()
         if metrics_file:
             metrics_file.close()
     if rank == 0:
@@ -249,6 +249,83 @@ def plan_sources(view, cfg: TrainConfig):
     if any(s.cross for s in sources) and (cfg.loss != "forward_kl" or cfg.kd_temperature != 1):
         raise TrainConfigError("a cross-tokenizer teacher supports --loss forward_kl at --kd-temperature 1 only")
     return sources, vocab
+
+
+class StoreSignal:
+    """The teachers' signal from a store version."""
+
+    kind = "store"
+
+    def __init__(self, cfg: TrainConfig):
+        from logitstore.store import Store
+
+        self.view = Store.open(cfg.store).read(cfg.version)
+        if self.view.index.num_rows == 0:
+            raise TrainConfigError(f"version {self.view.snapshot_id} of {cfg.store} holds no samples")
+        self.sources, self.vocab = plan_sources(self.view, cfg)
+        self.teacher, self.version, self.vocab_size = self.sources[0].name, self.view.snapshot_id, self.vocab.vocab_size
+
+    def start(self, cfg: TrainConfig) -> None:
+        pass
+
+    def header(self) -> dict:
+        return {}
+
+    def stream(self, cfg: TrainConfig, *, rank: int, world_size: int, split: str):
+        return make_stream(self.view, self.sources, cfg=cfg, rank=rank, world_size=world_size, split=split)
+
+    def tokenizer(self):
+        """The student's tokenizer to save with the final model (a `tokenizers.Tokenizer`), or None."""
+        if self.vocab.tokenizer_json is not None:  # a cross-tokenizer student: the store's copy of its tokenizer
+            from tokenizers import Tokenizer
+
+            return Tokenizer.from_str(self.vocab.tokenizer_json)
+        return self.view.tokenizer(self.teacher)
+
+    def close(self) -> None:
+        pass
+
+
+class LiveSignal:
+    """Live mode (`--live-teacher`): a teacher process beside this rank, handing over by shared memory."""
+
+    kind = "live"
+
+    def __init__(self, cfg: TrainConfig):
+        from logitstore.pipelines.teacher import describe_teacher
+        from logitstore.trainer.live import plan_live_samples
+        from logitstore.trainer.model import student_tokenizer_hash
+        from logitstore.trainer.teachers import Source
+
+        self.samples = plan_live_samples(cfg.live)
+        student_hash = student_tokenizer_hash(cfg.student)
+        if student_hash is not None and student_hash != describe_teacher(cfg.live.teacher).tokenizer_hash:
+            raise TrainConfigError("--live-teacher: the student's tokenizer differs from the teacher's; live mode "
+                                   "needs the same tokenizer (cross-tokenizer students train from a store)")
+        self.teacher, self.version, self.vocab_size = self.samples.teacher_name, self.samples.fingerprint, self.samples.vocab_size
+        self.sources = [Source(self.teacher, 1.0, None)]
+        self.client = None
+
+    def start(self, cfg: TrainConfig) -> None:
+        from logitstore.trainer.live import LiveTeacher
+
+        self.client = LiveTeacher(cfg.live, micro_batch=cfg.micro_batch, seq_len=cfg.seq_len)
+
+    def header(self) -> dict:
+        return {"live_teacher_pid": self.client.pid if self.client else None}
+
+    def stream(self, cfg: TrainConfig, *, rank: int, world_size: int, split: str):
+        from logitstore.trainer.live import live_stream
+
+        return live_stream(self.samples, self.client, seq_len=cfg.seq_len, micro_batch=cfg.micro_batch, rank=rank,
+                           world_size=world_size, seed=cfg.seed, split=split, eval_fraction=cfg.eval_fraction)
+
+    def tokenizer(self):
+        return self.samples.tokenizer.backend_tokenizer
+
+    def close(self) -> None:
+        if self.client is not None:
+            self.client.close()
 
 
 def make_stream(view, sources, *, cfg: TrainConfig, rank: int, world_size: int, split: str):
@@ -344,13 +421,14 @@ def _log(metrics_file, record: dict, *, echo: bool = False) -> None:
 
 
 @torch.no_grad()
-def evaluate(model, view, *, sources, cfg: TrainConfig, device) -> dict:
+def evaluate(model, signal, *, cfg: TrainConfig, device) -> dict:
     """Mean forward KL to the stored teacher (tail as a bucket) and CE on the held-out split. With several
     or cross-tokenizer teachers: each teacher's mean KL over the positions it teaches (`eval_kl/<name>`;
     for a cross-tokenizer teacher its 1:1-aligned positions), and `eval_kl` their weighted mean."""
     from logitstore.trainer.losses import LossConfig, distill_loss
 
-    stream = make_stream(view, sources, cfg=cfg, rank=dist.get_rank(), world_size=dist.get_world_size(), split="eval")
+    sources = signal.sources
+    stream = signal.stream(cfg, rank=dist.get_rank(), world_size=dist.get_world_size(), split="eval")
     kl_cfg = LossConfig(kind="forward_kl", alpha=1.0)  # kd = KL to the teacher, ce reported beside it
     totals: dict[str, float] = {"n": 0.0}
     try:
@@ -378,7 +456,7 @@ def evaluate(model, view, *, sources, cfg: TrainConfig, device) -> dict:
     return out
 
 
-def _export_final(model, view, *, teacher: str, out: Path, vocab) -> None:
+def _export_final(model, tokenizer, *, out: Path) -> None:
     """Gather the full weights and save a plain Hugging Face model (with tokenizer) in OUT/final/."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
@@ -389,12 +467,6 @@ def _export_final(model, view, *, teacher: str, out: Path, vocab) -> None:
         plain = AutoModelForCausalLM.from_config(model.config)
         plain.load_state_dict(full)
         plain.save_pretrained(out / "final")
-        if vocab.tokenizer_json is not None:  # a cross-tokenizer student: the store's copy of its tokenizer
-            from tokenizers import Tokenizer
-
-            tokenizer = Tokenizer.from_str(vocab.tokenizer_json)
-        else:
-            tokenizer = view.tokenizer(teacher)
         if tokenizer is not None:
             PreTrainedTokenizerFast(tokenizer_object=tokenizer).save_pretrained(out / "final")
     dist.barrier()
@@ -404,18 +476,16 @@ def run_eval(*, store: str, student: str, version: str | None = None, teacher: s
              seq_len: int = 256, micro_batch: int = 4, eval_fraction: float = 0.05, seed: int = 0) -> dict:
     """`logitstore eval`: a trained student's mean KL to the stored teacher and CE, on the held-out split
     (for a cross-tokenizer teacher: the KL over 1:1-aligned positions)."""
-    from logitstore.store import Store
     from logitstore.trainer.model import build_student
 
-    view = Store.open(store).read(version)
     cfg = TrainConfig(store=store, out="-", student=student, teacher=teacher, seq_len=seq_len, micro_batch=micro_batch,
-                      eval_fraction=eval_fraction, eval_batches=1 << 30, seed=seed)
-    sources, vocab = plan_sources(view, cfg)
-    model, _ = build_student(student, vocab_size=vocab.vocab_size, seed=seed)
+                      eval_fraction=eval_fraction, eval_batches=1 << 30, seed=seed, version=version)
+    signal = StoreSignal(cfg)
+    model, _ = build_student(student, vocab_size=signal.vocab_size, seed=seed)
     with _single_process_env():
         dist.init_process_group("gloo")
         try:
-            result = evaluate(model.eval(), view, sources=sources, cfg=cfg, device=torch.device("cpu"))
+            result = evaluate(model.eval(), signal, cfg=cfg, device=torch.device("cpu"))
         finally:
             dist.destroy_process_group()
-    return {"kl": result["eval_kl"], "ce": result["eval_ce"], "version": view.snapshot_id, "teacher": sources[0].name}
+    return {"kl": result["eval_kl"], "ce": result["eval_ce"], "version": signal.version, "teacher": signal.teacher}

@@ -1,0 +1,68 @@
+"""Student tokens/s in live mode (teacher process beside the trainer, shared-memory hand-over) versus
+store mode (the same teacher's output read from a store), same node, same data, seed and student.
+
+The store is built first (not timed). Both runs then train the same steps; the rate is the median of
+the steps' tokens/s after the first (which pays start-up). Both variants run in this one invocation,
+one after the other, so machine noise hits them alike.
+
+    python benchmarks/live.py                      # llama-small, 10 steps of 2 x 256 tokens, ~5 minutes on 2 cores
+    python benchmarks/live.py --steps 30 --student llama-tiny
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+from pathlib import Path
+
+from logitstore.data import SAMPLE_CORPUS
+from logitstore.pipelines.build import BuildConfig, run_build
+from logitstore.pipelines.sparsify import Sparsity
+from logitstore.trainer.config import TrainConfig
+from logitstore.trainer.live import LiveConfig
+from logitstore.trainer.train import launch
+
+
+def rates(out: Path) -> tuple[float, float]:
+    """(median tokens/s after the first step, median data wait per step in seconds)."""
+    rows = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "step" in r][1:]
+    return statistics.median(r["tokens_per_second"] for r in rows), statistics.median(r["data_wait_seconds"] for r in rows)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--student", default="llama-small")
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--micro-batch", type=int, default=2)
+    parser.add_argument("--docs", type=int, default=24, help="documents of the sample corpus to use")
+    parser.add_argument("--top-k", type=int, default=64)
+    args = parser.parse_args()
+
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        data = tmp / "corpus.jsonl"
+        data.write_text("\n".join(SAMPLE_CORPUS.read_text().splitlines()[:args.docs]) + "\n")
+        sparsity = Sparsity(k=args.top_k)
+        store = str(tmp / "store")
+        run_build(BuildConfig(store=store, data=str(data), max_length=512, sparsity=sparsity, progress=False),
+                  log=lambda _: None)
+        common = dict(student=args.student, steps=args.steps, seq_len=args.seq_len, micro_batch=args.micro_batch,
+                      warmup_steps=2, eval_fraction=0.05, log_every=10**9)
+        launch(TrainConfig(store=store, out=str(tmp / "store-run"), **common))
+        live = LiveConfig(data=str(data), max_length=512, sparsity=sparsity)
+        launch(TrainConfig(store=None, live=live, out=str(tmp / "live-run"), **common))
+        (store_rate, store_wait), (live_rate, live_wait) = rates(tmp / "store-run"), rates(tmp / "live-run")
+
+    print(f"{args.student}, {args.steps} steps of {args.micro_batch} x {args.seq_len} tokens, default teacher top-{args.top_k}, 1 process\n")
+    print("| signal | student tokens/s | data wait per step |")
+    print("|---|---:|---:|")
+    print(f"| store | {store_rate:,.0f} | {store_wait * 1000:,.0f} ms |")
+    print(f"| live (shared memory) | {live_rate:,.0f} | {live_wait * 1000:,.0f} ms |")
+    print(f"\nlive / store throughput: {live_rate / store_rate:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,159 @@
+"""Live mode on CPU: the default teacher in its own process, handing over through shared memory."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from logitstore.data import SAMPLE_CORPUS
+from logitstore.pipelines.build import BuildConfig, run_build
+from logitstore.pipelines.sparsify import Sparsity
+from logitstore.samples import SparseSamples
+from logitstore.trainer.config import TrainConfig
+from logitstore.trainer.live import LiveConfig, LiveTeacher, _allocate_ring, _write_slot
+from logitstore.trainer.train import launch
+
+COMMON = dict(seq_len=64, micro_batch=2, warmup_steps=2, lr=5e-3, eval_fraction=0.2)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    docs = [json.loads(line) for line in SAMPLE_CORPUS.read_text().splitlines()[:8]]
+    path = tmp_path_factory.mktemp("data") / "corpus.jsonl"
+    path.write_text("".join(json.dumps({"id": d["id"], "text": d["text"][:900]}) + "\n" for d in docs))
+    return path
+
+
+def live_config(corpus: Path) -> LiveConfig:
+    return LiveConfig(teacher="default", data=str(corpus), id_column="id", max_length=128, sparsity=Sparsity(k=16))
+
+
+def losses(out: Path) -> list[float]:
+    return [r["loss"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "step" in r]
+
+
+def shm_entries() -> set[str]:
+    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+
+
+def leaked_shm(before: set[str], *, grace: float = 10.0) -> set[str]:
+    """Segments created since `before` that are still there after a grace period (queues' semaphores
+    go away when their owner's finalizers run)."""
+    deadline = time.monotonic() + grace
+    while (new := shm_entries() - before) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return new
+
+
+def test_live_and_store_runs_see_the_same_batches_and_losses(corpus, tmp_path):
+    """Same teacher, data, seed and sparsity: the live run's first losses equal the store run's. Both
+    quantize with the store's codec; the teacher's batches differ (floating-point rounding), so values
+    may differ by a grid step where one sits on a step boundary: compared to 1e-4 relative."""
+    store = str(tmp_path / "store")
+    run_build(BuildConfig(store=store, data=str(corpus), id_column="id", max_length=128, sparsity=Sparsity(k=16),
+                          progress=False), log=lambda _: None)
+    launch(TrainConfig(store=store, out=str(tmp_path / "store-run"), steps=4, **COMMON))
+    before = shm_entries()
+    launch(TrainConfig(store=None, live=live_config(corpus), out=str(tmp_path / "live-run"), steps=4, **COMMON))
+    np.testing.assert_allclose(losses(tmp_path / "live-run"), losses(tmp_path / "store-run"), rtol=1e-4)
+    header = json.loads((tmp_path / "live-run" / "metrics.jsonl").read_text().splitlines()[0])
+    assert header["signal"] == "live" and header["version"].startswith("live-")
+    assert not leaked_shm(before)  # nothing left in /dev/shm
+
+
+def _start(corpus: Path, out: Path) -> subprocess.Popen:
+    args = ["train", "--live-teacher", "default", "--data", str(corpus), "--id-column", "id", "--max-length", "128",
+            "--top-k", "16", "--out", str(out), "--steps", "100000", "--seq-len", "64", "--micro-batch", "2"]
+    return subprocess.Popen([sys.executable, "-m", "logitstore.cli.app", *args], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def _teacher_pid_once_training(child: subprocess.Popen, out: Path) -> int:
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and child.poll() is None:
+        metrics = out / "metrics.jsonl"
+        lines = metrics.read_text().splitlines() if metrics.exists() else []
+        if len(lines) >= 2:  # the header and one step
+            return json.loads(lines[0])["live_teacher_pid"]
+        time.sleep(0.2)
+    child.kill()
+    raise AssertionError(f"the live run never trained: {child.stderr.read() if child.poll() is not None else ''}")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie is dead too
+        return f.read().split()[2] != "Z"
+
+
+def test_a_killed_teacher_stops_the_trainer_with_a_message(corpus, tmp_path):
+    before = shm_entries()
+    child = _start(corpus, tmp_path / "run")
+    teacher_pid = _teacher_pid_once_training(child, tmp_path / "run")
+    os.kill(teacher_pid, signal.SIGKILL)
+    killed = time.monotonic()
+    try:
+        child.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        raise AssertionError("the trainer hung after its teacher died")
+    stderr = child.stderr.read()
+    assert child.returncode != 0 and time.monotonic() - killed < 30
+    assert "live teacher process" in stderr and "exited with code -9" in stderr, stderr
+    assert "Traceback" not in stderr
+    assert not leaked_shm(before)
+
+
+def test_the_teacher_exits_when_the_trainer_dies(corpus, tmp_path):
+    before = shm_entries()
+    child = _start(corpus, tmp_path / "run")
+    teacher_pid = _teacher_pid_once_training(child, tmp_path / "run")
+    child.send_signal(signal.SIGKILL)
+    child.wait()
+    deadline = time.monotonic() + 20
+    while _alive(teacher_pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _alive(teacher_pid), "the teacher outlived its trainer"
+    assert not leaked_shm(before)
+
+
+def test_slot_round_trip_and_capacity():
+    """The hand-over's buffers: what the teacher writes into a slot is what the trainer copies out."""
+    rng = np.random.default_rng(0)
+    counts = rng.integers(0, 5, size=7).astype(np.int32)
+    samples = SparseSamples(
+        sample_ids=["0", "1"], n_tokens=np.array([3, 6]), input_ids=rng.integers(0, 50, 9),
+        n_entries=counts, entry_ids=rng.permutation(50)[:int(counts.sum())],
+        entry_logprobs=-rng.random(int(counts.sum())).astype(np.float32), tail=rng.random(7).astype(np.float32),
+        target_logprobs=-rng.random(7).astype(np.float32))
+    ring = _allocate_ring(16, 64, device=torch.device("cpu"), sampled=False)
+    assert all(t.is_shared() for slot in ring for t in slot.values())
+    shapes = _write_slot(ring[1], samples)
+    tokens = [samples.input_ids[:3], samples.input_ids[3:]]
+    got = LiveTeacher._copy_out(ring[1], shapes, tokens)
+    for name in ("n_entries", "entry_ids", "entry_logprobs", "tail", "target_logprobs"):
+        np.testing.assert_array_equal(getattr(got, name), getattr(samples, name))
+    got.validate(vocab_size=50)
+    with pytest.raises(Exception, match="exceeds the ring's slot"):
+        _write_slot(_allocate_ring(2, 64, device=torch.device("cpu"), sampled=False)[0], samples)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA transport needs a GPU")
+def test_cuda_transport_hands_over_like_shared_memory(corpus, tmp_path):
+    cfg = live_config(corpus)
+    cfg.device = "cuda"
+    launch(TrainConfig(store=None, live=cfg, out=str(tmp_path / "cuda"), steps=2, **COMMON))
+    launch(TrainConfig(store=None, live=live_config(corpus), out=str(tmp_path / "cpu"), steps=2, **COMMON))
+    np.testing.assert_allclose(losses(tmp_path / "cuda"), losses(tmp_path / "cpu"), rtol=1e-2)

@@ -1,0 +1,384 @@
+"""Live mode: the teacher runs beside the trainer and hands its sparse distributions over through
+shared memory instead of the store. Everything after the hand-over is the store path's: the same
+`PackedBatch`, loss, checkpoints and metrics.
+
+Processes. Each trainer rank starts one teacher process (spawn start method), so on a GPU node each
+GPU holds its rank's student and a teacher (documented: "one teacher per rank"). The teacher loads the
+model once, then answers requests: "the whole samples with these token ids" -> sparse entries, tail
+and target log-probabilities (`pipelines.workers.TeacherWorker.compute`, the build's own code).
+
+Data. The trainer plans the samples itself, exactly as `logitstore build` would (same reader, same
+tokenizer, same windows and ids), and orders, splits, packs and shards them with `PackedStream`'s
+rules (sorted by id, permuted by seed, split by id hash). The batch order is therefore a function of
+the sample ids and the seed only: a live run and a run on a store built from the same data and options
+see the same batches. The teacher never reorders: it computes what it is asked, in request order.
+
+Values. By default the teacher's output goes through the store's codec (encode + decode, the two-slope
+log-probability grid), so live and store runs see values on the same grid; what can still differ is
+the teacher's floating-point rounding (a request batches other samples than the build's units did),
+which moves a value by at most one grid step where it lies next to a step boundary. `quantize=False`
+hands over the raw float32 values. Sampled sparsity draws with a seed per request, so its draws are
+not a store's draws.
+
+Protocol (one ring per teacher, `RING_SLOTS` slots of pre-allocated buffers, exported once):
+  trainer -> teacher   requests queue: (seq, token id arrays)     or None to stop
+  teacher -> trainer   ready queue:    ("ring", buffers) once; then (seq, slot, shapes)
+  trainer -> teacher   acks queue:     slot, after copying out and dropping every view of it
+The teacher writes a slot only after its ack (a free slot), so a buffer is never overwritten while the
+trainer reads it. On CPU the buffers are torch tensors in shared memory (`share_memory_`; torch's
+file-descriptor sharing unlinks the segment at once, so nothing is left in /dev/shm even after a
+SIGKILL). On CUDA they are device tensors sent by CUDA IPC (torch's reductions): the teacher
+synchronises its stream before announcing a slot, the trainer copies the slot out before acking, and
+`torch.cuda.ipc_collect()` runs on teardown. The CUDA transport has not been run (no GPU here).
+
+Faults. The trainer waits on the ready queue in short polls and checks the teacher process between
+them: if it died, the run stops with `LiveTeacherError` naming its exit code (no hang). The teacher
+polls its requests the same way and exits when the trainer's process is gone.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from logitstore.errors import LogitstoreError
+from logitstore.samples import SparseSamples
+
+RING_SLOTS = 2
+POLL_SECONDS = 0.2
+
+
+class LiveTeacherError(LogitstoreError):
+    """The live teacher cannot start, or stopped during the run."""
+
+
+@dataclass
+class LiveConfig:
+    """What `--live-teacher` needs: build's teacher, data and sparsity options."""
+
+    teacher: str | None = None  # None or "default": the default teacher
+    data: str | None = None
+    text_column: str = "text"
+    id_column: str | None = None
+    max_length: int = 1024
+    sparsity: object = None  # pipelines.sparsify.Sparsity; None: build's default (top-64)
+    batch_tokens: int = 8192
+    device: str = "auto"
+    dtype: str = "auto"
+    quantize: bool = True
+
+    def __post_init__(self) -> None:
+        from logitstore.pipelines.sparsify import Sparsity
+
+        if self.teacher == "default":
+            self.teacher = None
+        if self.sparsity is None:
+            self.sparsity = Sparsity()
+        if self.max_length < 2:
+            raise LiveTeacherError(f"--max-length must be at least 2, got {self.max_length}")
+
+
+# -- planning: the samples a build would write -------------------------------------------------------
+
+
+@dataclass
+class LiveSamples:
+    """Every sample of the data, as the build would store them, sorted by id (the store index's order)."""
+
+    sample_ids: list[str]
+    tokens: list[np.ndarray]
+    n_tokens: np.ndarray
+    teacher_name: str
+    vocab_size: int
+    tokenizer: object = field(repr=False, default=None)
+
+    @property
+    def fingerprint(self) -> str:
+        """Stands in for the store version in checkpoints: the same data and teacher give the same value."""
+        import hashlib
+
+        h = hashlib.blake2b(digest_size=10)
+        h.update(self.teacher_name.encode())
+        for sid, t in zip(self.sample_ids, self.tokens):
+            h.update(sid.encode() + b"\0")
+            h.update(np.ascontiguousarray(t, dtype=np.int64).tobytes())
+        return f"live-{h.hexdigest()}"
+
+
+def plan_live_samples(cfg: LiveConfig) -> LiveSamples:
+    """The build's planning (`build.plan_units`) with nothing stored yet, flattened and sorted by id."""
+    from logitstore.pipelines.build import BuildConfig, BuildSummary, plan_units
+    from logitstore.pipelines.teacher import describe_teacher
+
+    info = describe_teacher(cfg.teacher)
+    build_cfg = BuildConfig(data=cfg.data, text_column=cfg.text_column, id_column=cfg.id_column,
+                            max_length=cfg.max_length, sparsity=cfg.sparsity, progress=False)
+    ids, tokens = [], []
+    for unit in plan_units(build_cfg, info.tokenizer, known=set(), summary=BuildSummary()):
+        ids.extend(unit.sample_ids)
+        tokens.extend(unit.tokens)
+    order = sorted(range(len(ids)), key=lambda i: ids[i].encode("utf-8"))  # Arrow's byte order
+    return LiveSamples(sample_ids=[ids[i] for i in order], tokens=[tokens[i] for i in order],
+                       n_tokens=np.array([len(tokens[i]) for i in order], dtype=np.int64),
+                       teacher_name=info.spec.name, vocab_size=info.vocab_size, tokenizer=info.tokenizer)
+
+
+# -- the teacher process -----------------------------------------------------------------------------
+
+
+def _slot_capacity(*, micro_batch: int, seq_len: int, max_length: int, width: int) -> tuple[int, int]:
+    """(positions, entries) one request can need: the whole samples touching a micro-batch's rows, at
+    most every row's tokens plus one sample sticking out at each end of each row."""
+    positions = micro_batch * (seq_len + 2 * max_length)
+    return positions, positions * width
+
+
+def _allocate_ring(positions: int, entries: int, *, device: torch.device, sampled: bool) -> list[dict]:
+    ring = []
+    for _ in range(RING_SLOTS):
+        slot = {
+            "n_entries": torch.zeros(positions, dtype=torch.int32, device=device),
+            "tail": torch.zeros(positions, dtype=torch.float32, device=device),
+            "target_logprobs": torch.zeros(positions, dtype=torch.float32, device=device),
+            "entry_ids": torch.zeros(entries, dtype=torch.int64, device=device),
+            "entry_logprobs": torch.zeros(entries, dtype=torch.float32, device=device),
+        }
+        if sampled:
+            slot["entry_counts"] = torch.zeros(entries, dtype=torch.int32, device=device)
+        if device.type == "cpu":
+            for t in slot.values():
+                t.share_memory_()
+        ring.append(slot)
+    return ring
+
+
+def teacher_main(cfg: LiveConfig, capacity: tuple[int, int], requests, ready, acks, parent_pid: int) -> None:
+    """The teacher process: load once, export the ring once, then answer requests until told to stop
+    or until the trainer's process is gone."""
+    from logitstore import codec
+    from logitstore.pipelines.teacher import resolve_teacher
+    from logitstore.pipelines.workers import TeacherWorker, Unit, WorkerSettings
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
+    worker = TeacherWorker(WorkerSettings(teacher_spec=resolve_teacher(cfg.teacher), device=cfg.device, dtype=cfg.dtype,
+                                          sparsity=cfg.sparsity, batch_tokens=cfg.batch_tokens, seed=0))
+    device = worker.teacher.model.device
+    ring = _allocate_ring(*capacity, device=device, sampled=cfg.sparsity.mode == "sampled")
+    ready.put(("ring", ring))  # exported once; the producer keeps these tensors alive until it exits
+    free = list(range(RING_SLOTS))
+    vocab = int(worker.teacher.model.get_output_embeddings().weight.shape[0])
+    params = codec.CodecParams()
+    order = codec.identity_order(vocab).astype(np.int64)
+    while True:
+        try:
+            request = requests.get(timeout=POLL_SECONDS * 5)
+        except queue.Empty:
+            if os.getppid() != parent_pid:  # the trainer died: nobody will read or ack
+                return
+            continue
+        if request is None:
+            return
+        seq, tokens = request
+        ids = [f"{seq}:{i}" for i in range(len(tokens))]
+        samples = worker.compute(Unit(index=seq, sample_ids=ids, tokens=list(tokens), n_tokens=sum(map(len, tokens))))
+        samples = _in_request_order(samples, ids)
+        if cfg.quantize:  # the store's value grid, so live and store runs see the same values
+            enc = codec.encode(samples, params=params, code_of_id=order, vocab_size=vocab)
+            samples = codec.decode(enc, params=params, id_of_code=order, n_tokens=samples.n_tokens)
+        while not free:
+            free.append(acks.get())
+        slot = free.pop(0)
+        shapes = _write_slot(ring[slot], samples)
+        if device.type == "cuda":
+            torch.cuda.current_stream(device).synchronize()  # the bytes are there before the trainer reads
+        ready.put((seq, slot, shapes))
+        while True:  # take back acks that arrived meanwhile, without blocking
+            try:
+                free.append(acks.get_nowait())
+            except queue.Empty:
+                break
+
+
+def _in_request_order(samples: SparseSamples, ids: list[str]) -> SparseSamples:
+    from logitstore.samples import concat
+
+    at = {sid: i for i, sid in enumerate(samples.sample_ids)}
+    return concat([samples.select(at[sid]) for sid in ids])
+
+
+def _write_slot(slot: dict, samples: SparseSamples) -> dict:
+    P, E = len(samples.tail), len(samples.entry_ids)
+    if P > slot["tail"].shape[0] or E > slot["entry_ids"].shape[0]:
+        raise LiveTeacherError(f"a request of {P} positions / {E} entries exceeds the ring's slot "
+                               f"({slot['tail'].shape[0]} / {slot['entry_ids'].shape[0]})")
+    values = {"n_entries": samples.n_entries, "tail": samples.tail, "target_logprobs": samples.target_logprobs,
+              "entry_ids": samples.entry_ids, "entry_logprobs": samples.entry_logprobs}
+    if samples.entry_counts is not None:
+        values["entry_counts"] = samples.entry_counts
+    for name, array in values.items():
+        n = len(array)
+        slot[name][:n].copy_(torch.from_numpy(np.ascontiguousarray(array).astype(_NUMPY[name])))
+    return {"positions": P, "entries": E}
+
+
+_NUMPY = {"n_entries": np.int32, "tail": np.float32, "target_logprobs": np.float32, "entry_ids": np.int64,
+          "entry_logprobs": np.float32, "entry_counts": np.int32}
+
+
+# -- the trainer's side ------------------------------------------------------------------------------
+
+
+class LiveTeacher:
+    """The trainer's handle on its teacher process: `compute(tokens)` -> `SparseSamples`, thread-safe."""
+
+    def __init__(self, cfg: LiveConfig, *, micro_batch: int, seq_len: int):
+        import torch.multiprocessing as mp
+
+        self.cfg = cfg
+        ctx = mp.get_context("spawn")  # CUDA and shared tensors need spawn, never fork
+        self.requests, self.ready, self.acks = ctx.Queue(), ctx.Queue(), ctx.Queue()
+        capacity = _slot_capacity(micro_batch=micro_batch, seq_len=seq_len, max_length=cfg.max_length,
+                                  width=cfg.sparsity.width)
+        self.process = ctx.Process(target=teacher_main, name="logitstore-live-teacher", daemon=True,
+                                   args=(cfg, capacity, self.requests, self.ready, self.acks, os.getpid()))
+        self.process.start()
+        self._lock = threading.Lock()
+        self._seq = 0
+        kind, self.ring = self._receive()
+        assert kind == "ring", kind
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def compute(self, tokens: list[np.ndarray]) -> SparseSamples:
+        """The teacher's sparse distributions of whole samples, in the order given."""
+        with self._lock:  # one request in flight per teacher; the train and eval streams share it
+            self._seq += 1
+            self.requests.put((self._seq, [np.asarray(t, dtype=np.int64) for t in tokens]))
+            seq, slot, shapes = self._receive()
+            assert seq == self._seq, (seq, self._seq)
+            out = self._copy_out(self.ring[slot], shapes, tokens)
+            self.acks.put(slot)  # our copies are taken; no view of the slot survives this call
+            return out
+
+    def _receive(self):
+        while True:
+            try:
+                return self.ready.get(timeout=POLL_SECONDS)
+            except queue.Empty:
+                if not self.process.is_alive():
+                    raise LiveTeacherError(f"the live teacher process (pid {self.process.pid}) exited with code "
+                                           f"{self.process.exitcode}; the run stops") from None
+
+    @staticmethod
+    def _copy_out(slot: dict, shapes: dict, tokens: list[np.ndarray]) -> SparseSamples:
+        P, E = shapes["positions"], shapes["entries"]
+        take = lambda name, n: slot[name][:n].cpu().numpy().copy() if name in slot else None
+        n_tokens = np.array([len(t) for t in tokens], dtype=np.int64)
+        return SparseSamples(
+            sample_ids=[str(i) for i in range(len(tokens))], n_tokens=n_tokens,
+            input_ids=np.concatenate(tokens).astype(np.int64) if tokens else np.zeros(0, np.int64),
+            n_entries=take("n_entries", P), entry_ids=take("entry_ids", E), entry_logprobs=take("entry_logprobs", E),
+            tail=take("tail", P), target_logprobs=take("target_logprobs", P), entry_counts=take("entry_counts", E))
+
+    def close(self) -> None:
+        """Stop the teacher and release everything: the ring's views, and the queues, whose named
+        semaphores (/dev/shm/sem.mp-*) live until their last reference goes."""
+        if self.requests is None:
+            return
+        if self.process.is_alive():
+            self.requests.put(None)
+            self.process.join(timeout=10)
+        if self.process.is_alive():
+            self.process.terminate()
+            self.process.join(timeout=5)
+        self.ring = []
+        for q in (self.requests, self.ready, self.acks):
+            q.close()
+            q.join_thread()
+        self.requests = self.ready = self.acks = None
+        self.process.close()
+        if torch.cuda.is_available():
+            torch.cuda.ipc_collect()
+
+
+# -- the stream ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class _LiveTable:
+    sample_ids: list[str]
+    n_tokens: np.ndarray
+
+
+class _LiveVersion:
+    """What the stream's resume checks need of a store version: an id for the data it reads."""
+
+    def __init__(self, snapshot_id: str):
+        self.snapshot_id = snapshot_id
+
+
+class _NoReader:
+    entry_names = ("entry_codes", "entry_logprobs")
+
+    def close(self) -> None:
+        pass
+
+
+def live_stream(samples: LiveSamples, teacher: LiveTeacher, *, seq_len: int, micro_batch: int, rank: int,
+                world_size: int, seed: int, split: str = "train", eval_fraction: float = 0.05, prefetch: int = 4):
+    """A `PackedStream` (same order, packing, sharding and resume state) whose batches come from the
+    live teacher instead of the store."""
+    from logitstore.trainer.data import PackedStream, _check_arguments, is_eval_sample
+
+    class LiveStream(PackedStream):
+        def __init__(self):  # PackedStream's state, without a store behind it
+            _check_arguments(seq_len=seq_len, micro_batch=micro_batch, rank=rank, world_size=world_size, split=split,
+                             eval_fraction=eval_fraction, prefetch=prefetch, on_error="raise")
+            keep = [i for i, sid in enumerate(samples.sample_ids)
+                    if is_eval_sample(sid, eval_fraction=eval_fraction) == (split == "eval")]
+            self.view = _LiveVersion(samples.fingerprint)
+            self.teacher = samples.teacher_name
+            self.seq_len, self.micro_batch, self.rank, self.world_size = seq_len, micro_batch, rank, world_size
+            self.seed, self.split, self.eval_fraction = seed, split, eval_fraction
+            self.prefetch, self.on_error = prefetch, "raise"
+            self.table = _LiveTable([samples.sample_ids[i] for i in keep], samples.n_tokens[keep])
+            self._tokens = [samples.tokens[i] for i in keep]
+            self.n_samples = len(keep)
+            self.rows_per_epoch = int(self.table.n_tokens.sum()) // seq_len
+            self.steps_per_epoch = self.rows_per_epoch // (world_size * micro_batch)
+            self._check_size()
+            self._reader = _NoReader()
+            self._plans, self._epoch, self._rows, self._generation = {}, 0, 0, 0
+            self._worker, self.wait_seconds, self.skipped_ids = None, 0.0, set()
+
+        def _build(self, epoch: int, row0: int):
+            pieces = self._plan(epoch).pieces(row0, row0 + self.micro_batch)
+            rows, where = np.unique(pieces.row, return_inverse=True)
+            whole = teacher.compute([self._tokens[r] for r in rows])
+            return self._assemble(pieces, np.ones(len(pieces.row), bool), _cut(whole, where.reshape(-1), pieces))
+
+    return LiveStream()
+
+
+def _cut(whole: SparseSamples, which: np.ndarray, pieces) -> SparseSamples:
+    """The pieces' fragments of whole samples: tokens [a, b) and positions [a, b - 1), in piece order."""
+    from logitstore.samples import concat
+
+    fragments = []
+    for k, (a, b) in enumerate(zip(pieces.a.tolist(), pieces.b.tolist())):  # one iteration per piece
+        s = whole.select(int(which[k]))
+        e = s.entry_offsets
+        fragments.append(SparseSamples(
+            sample_ids=s.sample_ids, n_tokens=np.array([b - a]), input_ids=s.input_ids[a:b],
+            n_entries=s.n_entries[a:b - 1], entry_ids=s.entry_ids[e[a]:e[b - 1]],
+            entry_logprobs=s.entry_logprobs[e[a]:e[b - 1]], tail=s.tail[a:b - 1],
+            target_logprobs=s.target_logprobs[a:b - 1],
+            entry_counts=None if s.entry_counts is None else s.entry_counts[e[a]:e[b - 1]]))
+    return concat(fragments)
