@@ -1,4 +1,4 @@
-"""Student tokens/s in live mode (teacher process beside the trainer, shared-memory hand-over) versus
+"""Student tokens/s in live mode (teacher process beside the trainer; shared memory on CPU, CUDA IPC on a GPU) versus
 store mode (the same teacher's output read from a store), same node, same data, seed and student.
 
 The store is built first (not timed). Both runs then train the same steps; the rate is the median of
@@ -55,12 +55,14 @@ def main() -> None:
         live = LiveConfig(data=str(data), max_length=512, sparsity=sparsity)
         launch(TrainConfig(store=None, live=live, out=str(tmp / "live-run"), **common))
         (store_rate, store_wait), (live_rate, live_wait) = rates(tmp / "store-run"), rates(tmp / "live-run")
+        header = json.loads((tmp / "live-run" / "metrics.jsonl").read_text().splitlines()[0])
+        transport = header["live_transport"].replace("_", " ")
 
     print(f"{args.student}, {args.steps} steps of {args.micro_batch} x {args.seq_len} tokens, default teacher top-{args.top_k}, 1 process\n")
     print("| signal | student tokens/s | data wait per step |")
     print("|---|---:|---:|")
     print(f"| store | {store_rate:,.0f} | {store_wait * 1000:,.0f} ms |")
-    print(f"| live (shared memory) | {live_rate:,.0f} | {live_wait * 1000:,.0f} ms |")
+    print(f"| live ({transport}) | {live_rate:,.0f} | {live_wait * 1000:,.0f} ms |")
     print(f"\nlive / store throughput: {live_rate / store_rate:.2f}x")
 
 

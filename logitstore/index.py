@@ -31,7 +31,6 @@ import hashlib
 import io
 
 import numpy as np
-import polars as pl
 import pyarrow as pa
 import pyarrow.parquet as pq
 
@@ -156,6 +155,8 @@ def read_index(blobs: BlobStore, key: str | None) -> pa.Table:
 
 def diff_indexes(a: pa.Table, b: pa.Table) -> dict[str, list[dict]]:
     """Samples added, removed and changed (content hash differs) from version a to version b."""
+    import polars as pl  # here, not at the top: it costs ~0.2 s at every CLI start and only diff needs it
+
     key = ["teacher", "sample_id"]
     left = pl.from_arrow(a).select(*key, "content_hash")
     right = pl.from_arrow(b).select(*key, "content_hash")

@@ -29,7 +29,7 @@ trainer reads it. On CPU the buffers are torch tensors in shared memory (`share_
 file-descriptor sharing unlinks the segment at once, so nothing is left in /dev/shm even after a
 SIGKILL). On CUDA they are device tensors sent by CUDA IPC (torch's reductions): the teacher
 synchronises its stream before announcing a slot, the trainer copies the slot out before acking, and
-`torch.cuda.ipc_collect()` runs on teardown. The CUDA transport has not been run (no GPU here).
+`torch.cuda.ipc_collect()` runs on teardown. The CUDA transport ran once on an H100 (README, live mode).
 
 Faults. The trainer waits on the ready queue in short polls and checks the teacher process between
 them: if it died, the run stops with `LiveTeacherError` naming its exit code (no hang). The teacher
@@ -38,6 +38,8 @@ polls its requests the same way and exits when the trainer's process is gone.
 
 from __future__ import annotations
 
+import contextlib
+import glob
 import os
 import queue
 import threading
@@ -160,6 +162,13 @@ def _allocate_ring(positions: int, entries: int, *, device: torch.device, sample
 def teacher_main(cfg: LiveConfig, capacity: tuple[int, int], requests, ready, acks, parent_pid: int) -> None:
     """The teacher process: load once, export the ring once, then answer requests until told to stop
     or until the trainer's process is gone."""
+    try:
+        _serve(cfg, capacity, requests, ready, acks, parent_pid)
+    finally:  # also when the trainer is gone and nobody else will clean up after us
+        remove_process_shm(os.getpid())
+
+
+def _serve(cfg: LiveConfig, capacity: tuple[int, int], requests, ready, acks, parent_pid: int) -> None:
     from logitstore import codec
     from logitstore.pipelines.teacher import resolve_teacher
     from logitstore.pipelines.workers import TeacherWorker, Unit, WorkerSettings
@@ -256,6 +265,11 @@ class LiveTeacher:
     def pid(self) -> int:
         return self.process.pid
 
+    @property
+    def transport(self) -> str:
+        """"cuda_ipc" when the teacher's ring lives on a GPU, else "shared_memory"."""
+        return "cuda_ipc" if self.ring[0]["tail"].is_cuda else "shared_memory"
+
     def compute(self, tokens: list[np.ndarray]) -> SparseSamples:
         """The teacher's sparse distributions of whole samples, in the order given."""
         with self._lock:  # one request in flight per teacher; the train and eval streams share it
@@ -303,9 +317,25 @@ class LiveTeacher:
             q.close()
             q.join_thread()
         self.requests = self.ready = self.acks = None
+        pid = self.process.pid
         self.process.close()
         if torch.cuda.is_available():
             torch.cuda.ipc_collect()
+        remove_process_shm(pid)  # the teacher is gone: whatever it left in /dev/shm is garbage
+
+
+def remove_process_shm(pid: int) -> list[str]:
+    """Remove the /dev/shm files named after process `pid`: the CUDA driver's `cuda.shm.<uid>.<pid hex>.<n>`
+    and PyTorch's CUDA IPC reference counters `torch_<pid>_<n>_<n>`. A process that exported CUDA
+    memory leaves both behind when it exits without tearing its context down, as a spawned child
+    does, and a killed one always does (seen on an H100: one 80 KB file per teacher run). Call only
+    once `pid` has exited, or from `pid` itself on its way out."""
+    removed = []
+    for path in glob.glob(f"/dev/shm/cuda.shm.*.{pid:x}.*") + glob.glob(f"/dev/shm/torch_{pid}_*"):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+            removed.append(path)
+    return removed
 
 
 # -- the stream ---------------------------------------------------------------------------------------

@@ -49,7 +49,7 @@ def launch(cfg: TrainConfig) -> dict:
 
 
 def _spawned(rank: int, cfg: TrainConfig) -> None:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(cfg.nproc))
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(cfg.nproc), LOCAL_WORLD_SIZE=str(cfg.nproc))
     try:
         _run(cfg)
     except LogitstoreError as e:  # one clear line from the rank that saw it, not N tracebacks
@@ -61,7 +61,8 @@ def _spawned(rank: int, cfg: TrainConfig) -> None:
 def _single_process_env():
     """A one-process group's environment, removed afterwards so a later launch in this process (a test,
     a notebook) is not mistaken for a torchrun worker."""
-    values = dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    values = dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                  MASTER_PORT=str(_free_port()))
     saved = {k: os.environ.get(k) for k in values}
     os.environ.update(values)
     try:
@@ -103,7 +104,9 @@ def _prepare_out(out: Path, cfg: TrainConfig) -> None:
 
 
 def _run(cfg: TrainConfig) -> dict:
-    cuda = torch.cuda.is_available()
+    # CUDA only when every rank on this node gets a GPU of its own (NCCL refuses two ranks on one GPU);
+    # otherwise the ranks train on the CPU over gloo, as on a machine without a GPU.
+    cuda = torch.cuda.is_available() and torch.cuda.device_count() >= int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     if cuda:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     dist.init_process_group("nccl" if cuda else "gloo")
@@ -312,7 +315,9 @@ class LiveSignal:
         self.client = LiveTeacher(cfg.live, micro_batch=cfg.micro_batch, seq_len=cfg.seq_len)
 
     def header(self) -> dict:
-        return {"live_teacher_pid": self.client.pid if self.client else None}
+        if self.client is None:
+            return {"live_teacher_pid": None}
+        return {"live_teacher_pid": self.client.pid, "live_transport": self.client.transport}
 
     def stream(self, cfg: TrainConfig, *, rank: int, world_size: int, split: str):
         from logitstore.trainer.live import live_stream
@@ -396,7 +401,9 @@ def _lr_at(step: int, cfg: TrainConfig) -> float:
 
 def _all_reduce_mean(values: dict[str, float]) -> dict[str, float]:
     keys = sorted(values)
-    t = torch.tensor([values[k] for k in keys], dtype=torch.float64)
+    # NCCL reduces device tensors only; gloo takes CPU ones
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    t = torch.tensor([values[k] for k in keys], dtype=torch.float64, device=device)
     dist.all_reduce(t)
     return {k: float(v) / dist.get_world_size() for k, v in zip(keys, t.tolist())}
 
