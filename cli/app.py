@@ -187,10 +187,11 @@ def build(
     id_column: Annotated[Optional[str], typer.Option(help="Column holding document ids (default: a hash of the text).")] = None,
     ids_column: Annotated[Optional[str], typer.Option(help="Column of pre-tokenized teacher token ids (instead of text).")] = None,
     max_length: Annotated[int, typer.Option(help="Window length in teacher tokens; longer documents become windows overlapping by one token.")] = 1024,
-    top_k: Annotated[int, typer.Option(help="Entries per position (the cap, with --top-p).")] = 64,
+    top_k: Annotated[Optional[int], typer.Option(help="Store the top K entries per position (the cap, with --top-p: default 64).")] = None,
     top_p: Annotated[Optional[float], typer.Option(help="Keep the smallest set of top entries reaching this probability, capped at --top-k.")] = None,
-    sample: Annotated[Optional[int], typer.Option(help="Store N draws per position as distinct ids with counts (unbiased).")] = None,
+    sample: Annotated[Optional[int], typer.Option(help="Store N draws per position as distinct ids with counts (unbiased). Default without any of --top-k/--top-p/--sample: --sample 16, or --top-k 64 with --student-tokenizer or --engine vllm.")] = None,
     temperature: Annotated[float, typer.Option(help="Temperature for selecting/sampling entries; stored log-probabilities stay at 1.")] = 1.0,
+    value_grid: Annotated[str, typer.Option(help="Log-probability grid: default (0.025-nat bound above -5 nats), fine (0.001, finer than fp16) or coarse (0.05); see 'Choosing a budget'.")] = "default",
     batch_tokens: Annotated[int, typer.Option(help="Padded tokens per teacher batch.")] = 8192,
     device: Annotated[str, typer.Option(help="auto, cpu or cuda[:N].")] = "auto",
     dtype: Annotated[str, typer.Option(help="auto (bf16 on GPU, fp32 on CPU), float32, bfloat16 or float16.")] = "auto",
@@ -207,8 +208,15 @@ def build(
     """Run a teacher over a dataset and commit its sparse next-token distributions as a new version."""
     from logitstore.pipelines.build import BuildConfig, run_builds, summary_json
 
-    sparsity = _sparsity(top_k=top_k, top_p=top_p, sample=sample, temperature=temperature)
-    cfg = BuildConfig(store=store, data=data, student_tokenizers=tuple(student_tokenizer or ()), text_column=text_column, id_column=id_column,
+    from logitstore.codec import GRIDS
+
+    from logitstore.pipelines.sparsify import default_sparsity
+
+    sparsity = _sparsity(top_k=top_k, top_p=top_p, sample=sample, temperature=temperature,
+                         default=default_sparsity(student_tokenizers=bool(student_tokenizer), engine=engine))
+    if value_grid not in GRIDS:
+        raise LogitstoreError(f"--value-grid must be one of {', '.join(GRIDS)}, got {value_grid!r}")
+    cfg = BuildConfig(store=store, codec=GRIDS[value_grid], data=data, student_tokenizers=tuple(student_tokenizer or ()), text_column=text_column, id_column=id_column,
                       ids_column=ids_column, max_length=max_length, sparsity=sparsity, batch_tokens=batch_tokens,
                       device=device, dtype=dtype, workers=workers, ray_address=ray_address, message=message,
                       branch=branch, commit_every=commit_every, unit_tokens=unit_tokens, seed=seed, engine=engine)
@@ -222,14 +230,21 @@ def build(
                    f"duplicates {summary.duplicates}, already stored {summary.already_stored}")
 
 
-def _sparsity(*, top_k: int, top_p: float | None, sample: int | None, temperature: float):
+def _sparsity(*, top_k: int | None, top_p: float | None, sample: int | None, temperature: float, default):
+    """The sparsity flags of build and live train; `default` when none of --top-k/--top-p/--sample is given."""
+    import dataclasses
+
     from logitstore.pipelines.sparsify import Sparsity
 
     if top_p is not None and sample is not None:
         raise LogitstoreError("choose one of --top-p and --sample")
-    mode = "sampled" if sample is not None else "topp" if top_p is not None else "topk"
+    if sample is not None and top_k is not None:
+        raise LogitstoreError("choose one of --top-k and --sample (--top-k caps --top-p only)")
     try:
-        return Sparsity(mode=mode, k=top_k, p=top_p, n=sample, temperature=temperature)
+        if top_k is None and top_p is None and sample is None:
+            return dataclasses.replace(default, temperature=temperature)
+        mode = "sampled" if sample is not None else "topp" if top_p is not None else "topk"
+        return Sparsity(mode=mode, k=64 if top_k is None else top_k, p=top_p, n=sample, temperature=temperature)
     except ValueError as e:
         raise LogitstoreError(str(e)) from None
 
@@ -244,7 +259,7 @@ def train(
     text_column: Annotated[str, typer.Option(help="Live mode: as build --text-column.")] = "text",
     id_column: Annotated[Optional[str], typer.Option(help="Live mode: as build --id-column.")] = None,
     max_length: Annotated[int, typer.Option(help="Live mode: as build --max-length.")] = 1024,
-    top_k: Annotated[int, typer.Option(help="Live mode: as build --top-k.")] = 64,
+    top_k: Annotated[Optional[int], typer.Option(help="Live mode: as build --top-k.")] = None,
     top_p: Annotated[Optional[float], typer.Option(help="Live mode: as build --top-p.")] = None,
     sample: Annotated[Optional[int], typer.Option(help="Live mode: as build --sample.")] = None,
     temperature: Annotated[float, typer.Option(help="Live mode: as build --temperature.")] = 1.0,
@@ -288,19 +303,20 @@ def train(
 
     weights = parse_teacher_weights(teacher_weight) if teacher_weight else None
     live = None
-    live_only = {"--data": data, "--id-column": id_column, "--top-p": top_p, "--sample": sample,
+    live_only = {"--data": data, "--id-column": id_column, "--top-k": top_k, "--top-p": top_p, "--sample": sample,
                  "--text-column": None if text_column == "text" else text_column,
                  "--max-length": None if max_length == 1024 else max_length,
-                 "--top-k": None if top_k == 64 else top_k, "--temperature": None if temperature == 1.0 else temperature}
+                 "--temperature": None if temperature == 1.0 else temperature}
     given = [flag for flag, value in live_only.items() if value is not None]
     if live_teacher is None and given:  # with --store these would be silently ignored: the store fixed them
         raise LogitstoreError(f"{', '.join(given)} only apply with --live-teacher (a store's build fixed them)")
     if live_teacher is not None:
+        from logitstore.pipelines.sparsify import default_sparsity
         from logitstore.trainer.live import LiveConfig
 
+        sparsity = _sparsity(top_k=top_k, top_p=top_p, sample=sample, temperature=temperature, default=default_sparsity())
         live = LiveConfig(teacher=live_teacher, data=data, text_column=text_column, id_column=id_column,
-                          max_length=max_length, sparsity=_sparsity(top_k=top_k, top_p=top_p, sample=sample,
-                                                                   temperature=temperature))
+                          max_length=max_length, sparsity=sparsity)
     cfg = TrainConfig(live=live, store=store, out=out, student=student, version=version, teacher=teacher, teacher_weights=weights,
                       student_tokenizer=student_tokenizer, uld_weight=uld_weight, nproc=nproc, steps=steps,
                       seq_len=seq_len, micro_batch=micro_batch, grad_accum=grad_accum, lr=lr, warmup_steps=warmup_steps,

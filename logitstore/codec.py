@@ -54,6 +54,11 @@ class CodecParams:
         return round(-self.coarse_below / self.fine_step)
 
     @property
+    def floor(self) -> float:
+        """The lowest finite log-probability the grid holds; anything lower (but finite) is stored as it."""
+        return self.coarse_below - (Q_MAX - 1 - self.fine_levels) * self.coarse_step
+
+    @property
     def error_bound(self) -> float:
         """Largest absolute error, in nats, of any decoded log-probability (and of the log of the tail)."""
         return self.coarse_step / 2
@@ -78,6 +83,16 @@ class CodecParams:
             )
         fields = ("fine_step", "coarse_step", "coarse_below", "id_order")
         return cls(**{k: meta[k] for k in fields})
+
+
+# Named value grids, measured against each other by benchmarks/frontier.py. "fine" is finer than fp16
+# for every log-probability below -1 nat (0.001-nat bound to -131 nats); "coarse" halves the grid's
+# entropy (0.05 / 0.5-nat bounds).
+GRIDS = {
+    "default": CodecParams(),
+    "fine": CodecParams(fine_step=0.002, coarse_step=0.002, coarse_below=-60.0),
+    "coarse": CodecParams(fine_step=0.1, coarse_step=1.0, coarse_below=-5.0),
+}
 
 
 @dataclass
@@ -119,7 +134,8 @@ def quantize(logprobs: np.ndarray, *, params: CodecParams) -> np.ndarray:
             np.rint(x / params.fine_step),
             params.fine_levels + np.rint((x - split) / params.coarse_step),
         )
-    return np.minimum(np.nan_to_num(q, posinf=Q_MAX), Q_MAX).astype(np.uint16)
+    # Finite values past the grid's floor take its last finite code; only minus infinity gets Q_MAX.
+    return np.where(np.isinf(x), Q_MAX, np.minimum(np.nan_to_num(q, posinf=Q_MAX - 1), Q_MAX - 1)).astype(np.uint16)
 
 
 def dequantize(q: np.ndarray, *, params: CodecParams) -> np.ndarray:

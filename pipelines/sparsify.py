@@ -57,6 +57,20 @@ class Sparsity:
         return out
 
 
+# What `logitstore build` and `train --live-teacher` store when no sparsity flag is given: 16 draws per
+# position, the smallest variant of benchmarks/frontier.py whose student matched (in fact beat) top-64
+# fp16 entries, at ~21 bytes/token (README "Choosing a budget"). Top-64 stays the default where the
+# teacher's probabilities of the entries are needed: cross-tokenizer alignment and the vLLM engine.
+# The dataclass default `Sparsity()` stays top-64, the library's stable meaning.
+DEFAULT_SAMPLED = Sparsity(mode="sampled", n=16)
+DEFAULT_TOPK = Sparsity(k=64)
+
+
+def default_sparsity(*, student_tokenizers: bool = False, engine: str = "torch") -> Sparsity:
+    """The CLI's default: sampled, unless the build aligns student tokenizers or runs on vLLM (top-k only)."""
+    return DEFAULT_TOPK if student_tokenizers or engine == "vllm" else DEFAULT_SAMPLED
+
+
 def to_samples(batch: SparseBatch, *, sample_ids: list[str], lengths: np.ndarray, input_ids: list[np.ndarray],
                sparsity: Sparsity) -> SparseSamples:
     """Rows of a right-padded batch -> `SparseSamples` (padding positions dropped)."""

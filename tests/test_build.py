@@ -15,9 +15,11 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+from logitstore import codec
 from logitstore.cli.app import app
 from logitstore.data import SAMPLE_CORPUS
 from logitstore.pipelines.build import BuildConfig, run_build
+from logitstore.pipelines.sparsify import Sparsity
 from logitstore.pipelines.teacher import resolve_teacher
 from logitstore.pipelines.workers import _load_teacher_once
 from logitstore.store import Store
@@ -37,7 +39,7 @@ def small_data(tmp_path_factory) -> Path:
 
 def build(store, data, **kwargs):
     cfg = dict(store=str(store), data=str(data), id_column="id", max_length=MAX_LENGTH, unit_tokens=UNIT_TOKENS,
-               progress=False)
+               sparsity=Sparsity(k=64), progress=False)  # top-64: the dense-reference test checks exact entries
     return run_build(BuildConfig(**{**cfg, **kwargs}), log=lambda _: None)
 
 
@@ -79,8 +81,10 @@ def test_stored_entries_equal_a_dense_reference(built):
 
 def test_cli_build_json_summary_and_sparsity_modes(small_data, tmp_path):
     runner = CliRunner()
-    for extra, check in ((["--top-p", "0.8", "--top-k", "16"], "topp"), (["--sample", "8"], "sampled")):
-        store = tmp_path / check
+    cases = ((["--top-p", "0.8", "--top-k", "16", "--value-grid", "coarse"], "topp"), (["--sample", "8"], "sampled"),
+             ([], "sampled"))  # no sparsity flag: the default, 16 draws (README "Choosing a budget")
+    for i, (extra, check) in enumerate(cases):
+        store = tmp_path / f"{check}-{i}"
         result = runner.invoke(app, ["build", "--data", str(small_data), "--store", str(store), "--max-length", "64",
                                      "--json", *extra])
         assert result.exit_code == 0, result.stderr
@@ -88,13 +92,17 @@ def test_cli_build_json_summary_and_sparsity_modes(small_data, tmp_path):
         assert {"samples", "tokens", "skipped", "seconds", "tokens_per_second", "bytes_per_token", "version"} <= set(summary)
         view = Store.open(str(store)).read()
         assert view.teachers["smollm2-135m-instruct"].sparsity["mode"] == check
+        grid = "coarse" if "--value-grid" in extra else "default"
+        assert view.teachers["smollm2-135m-instruct"].codec == codec.GRIDS[grid]
         s = view.sample(view.index["sample_id"][0].as_py())
         mass = np.add.reduceat(np.exp(s.entry_logprobs.astype(np.float64)), s.entry_offsets[:-1])
         if check == "topp":
             assert s.n_entries.max() <= 16 and s.n_entries.min() >= 1 and len(set(s.n_entries.tolist())) > 1
             assert ((mass >= 0.8 - 0.05) | (s.n_entries == 16)).all()
         else:
-            assert (np.add.reduceat(s.entry_counts, s.entry_offsets[:-1]) == 8).all()
+            draws = 8 if extra else 16
+            assert view.teachers["smollm2-135m-instruct"].sparsity["n"] == draws
+            assert (np.add.reduceat(s.entry_counts, s.entry_offsets[:-1]) == draws).all()
         assert np.allclose(mass + s.tail, 1, atol=0.05)
 
 
@@ -118,7 +126,7 @@ def test_killed_build_resumes_without_recomputing_or_duplicating(built, small_da
     store = tmp_path / "store"
     command = [sys.executable, "-m", "logitstore.cli.app", "build", "--data", str(small_data), "--store", str(store),
                "--id-column", "id", "--max-length", str(MAX_LENGTH), "--unit-tokens", str(UNIT_TOKENS),
-               "--commit-every", "0.001"]
+               "--top-k", "64", "--commit-every", "0.001"]
     child = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline and child.poll() is None:
@@ -149,6 +157,7 @@ def _samples(store) -> int:
         (["--top-k", "100000"], "larger than the teacher's vocabulary"),
         (["--max-length", "1"], "--max-length"),
         (["--top-p", "1.5"], "--top-p"),
+        (["--value-grid", "tiny"], "--value-grid must be one of default, fine, coarse"),
     ],
 )
 def test_bad_build_input_is_one_clear_line(small_data, tmp_path, args, message):
@@ -162,7 +171,7 @@ def test_bad_rows_are_refused_and_the_store_is_unchanged(built, tmp_path, conten
     before = Store.open(str(store)).resolve()
     bad = tmp_path / "bad.jsonl"
     bad.write_bytes(content)
-    result = CliRunner().invoke(app, ["build", "--data", str(bad), "--store", str(store)])
+    result = CliRunner().invoke(app, ["build", "--data", str(bad), "--store", str(store), "--top-k", "64"])
     assert result.exit_code == 2 and message in result.stderr
     assert Store.open(str(store)).resolve() == before
 

@@ -34,6 +34,25 @@ def test_round_trip_within_bound(mode, id_order):
     _assert_bound(_round_trip(samples, params), samples, params)
 
 
+@pytest.mark.parametrize("grid", sorted(codec.GRIDS))
+@pytest.mark.parametrize("mode", ["topk", "topp", "sampled"])
+def test_every_named_grid_round_trips_within_its_bound(grid, mode):
+    """The grids the frontier benchmark compares, each held to its own documented bound."""
+    params = codec.GRIDS[grid]
+    samples = random_samples([f"s{i}" for i in range(5)], mode=mode, k=24, seed=3)
+    _assert_bound(_round_trip(samples, params), samples, params)
+    lp = -np.random.default_rng(0).exponential(8.0, size=5000).astype(np.float32)
+    lp = lp[lp >= params.floor]
+    err = np.abs(dequantize(quantize(lp, params=params), params=params).astype(np.float64) - lp)
+    assert (err <= np.where(lp >= params.coarse_below, params.error_bound_fine, params.error_bound) + 1e-5).all()
+
+
+def test_values_below_the_floor_stay_finite():
+    params = codec.GRIDS["fine"]
+    back = dequantize(quantize(np.array([params.floor - 50.0, -np.inf], dtype=np.float32), params=params), params=params)
+    assert back[0] == pytest.approx(params.floor, abs=1e-3) and np.isneginf(back[1])
+
+
 def test_quantize_edges():
     lp = np.array([0.0, -0.0249, -0.025, -4.99, -5.0, -5.2, -30.0, -np.inf, 1e-6], dtype=np.float32)
     back = dequantize(quantize(lp, params=PARAMS), params=PARAMS)

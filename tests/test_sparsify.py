@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from logitstore.pipelines.sparsify import Sparsity, to_samples
+from logitstore.pipelines.sparsify import DEFAULT_SAMPLED, DEFAULT_TOPK, Sparsity, default_sparsity, to_samples
 from logitstore.pipelines.teacher import SparseBatch
 
 V, K = 50, 10
@@ -65,3 +65,19 @@ def test_sampled_draws_become_distinct_ids_with_counts():
 def test_bad_sparsity_names_the_flag(bad):
     with pytest.raises(ValueError):
         Sparsity(**bad)
+
+
+def test_the_cli_default_is_sampled_except_where_probabilities_are_needed():
+    from logitstore.cli.app import _sparsity
+
+    assert DEFAULT_SAMPLED == Sparsity(mode="sampled", n=16) and DEFAULT_TOPK == Sparsity(k=64)
+    assert default_sparsity() == DEFAULT_SAMPLED
+    assert default_sparsity(student_tokenizers=True) == default_sparsity(engine="vllm") == DEFAULT_TOPK
+    flags = dict(top_k=None, top_p=None, sample=None, temperature=1.0, default=DEFAULT_SAMPLED)
+    assert _sparsity(**flags) == DEFAULT_SAMPLED
+    assert _sparsity(**{**flags, "temperature": 2.0}) == Sparsity(mode="sampled", n=16, temperature=2.0)
+    assert _sparsity(**{**flags, "top_k": 8}) == Sparsity(k=8)
+    assert _sparsity(**{**flags, "top_p": 0.9}) == Sparsity(mode="topp", p=0.9, k=64)
+    assert _sparsity(**{**flags, "sample": 4}) == Sparsity(mode="sampled", n=4)
+    with pytest.raises(Exception, match="choose one of --top-k and --sample"):
+        _sparsity(**{**flags, "top_k": 8, "sample": 4})

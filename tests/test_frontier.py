@@ -1,0 +1,40 @@
+"""`benchmarks/frontier.py --quick`: the frontier benchmark keeps working end to end (real builds of the
+default teacher, real training, dense evaluation), on a tiny budget."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+
+BENCHMARK = Path(__file__).parents[1] / "benchmarks" / "frontier.py"
+
+
+def load_benchmark():
+    spec = importlib.util.spec_from_file_location("frontier", BENCHMARK)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up by name
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_quick_frontier_writes_table_plot_and_sane_numbers(tmp_path):
+    rows = load_benchmark().main(["--quick", "--out", str(tmp_path)])
+    by_name = {r["variant"]: r for r in rows}
+    assert list(by_name) == ["dense (online)", "top-64 fp16+int32", "top-16", "sampled 8"]
+    # Sizes: the baseline format's own bytes, then real stores that shrink with fewer entries.
+    assert by_name["top-64 fp16+int32"]["bytes_per_token"] == 64 * 6 + 4
+    assert by_name["top-16"]["entries_per_position"] == 16
+    assert 0 < by_name["sampled 8"]["entries_per_position"] <= 8
+    assert by_name["sampled 8"]["bytes_per_token"] < by_name["top-16"]["bytes_per_token"] \
+        < by_name["top-64 fp16+int32"]["store_bytes_per_token"]
+    for r in rows:  # every student learned something from its signal in three steps
+        assert math.isfinite(r["held_out_kl"]) and r["held_out_kl"] < r["untrained_kl"], r
+        assert math.isfinite(r["held_out_ce"])
+    assert all(r["decode_tokens_per_s"] > 0 for r in rows[1:])
+    table = (tmp_path / "frontier.md").read_text()
+    assert "| top-16 | 16.0 |" in table and "held-out KL" in table
+    assert (tmp_path / "frontier.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert json.loads((tmp_path / "frontier.json").read_text())["rows"] == json.loads(json.dumps(rows))
