@@ -206,10 +206,8 @@ def build(
     json_out: JsonOpt = False,
 ) -> None:
     """Run a teacher over a dataset and commit its sparse next-token distributions as a new version."""
-    from logitstore.pipelines.build import BuildConfig, run_builds, summary_json
-
     from logitstore.codec import GRIDS
-
+    from logitstore.pipelines.build import BuildConfig, run_builds, summary_json
     from logitstore.pipelines.sparsify import default_sparsity
 
     sparsity = _sparsity(top_k=top_k, top_p=top_p, sample=sample, temperature=temperature,

@@ -67,7 +67,8 @@ DEFAULT_TOPK = Sparsity(k=64)
 
 
 def default_sparsity(*, student_tokenizers: bool = False, engine: str = "torch") -> Sparsity:
-    """The CLI's default: sampled, unless the build aligns student tokenizers or runs on vLLM (top-k only)."""
+    """The default of the CLI and of `BuildConfig`: sampled, unless the build aligns student tokenizers or
+    runs on vLLM (top-k only)."""
     return DEFAULT_TOPK if student_tokenizers or engine == "vllm" else DEFAULT_SAMPLED
 
 

@@ -46,12 +46,16 @@ def header(out: Path) -> dict:
     return next(r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "step" not in r)
 
 
+def cuda_driver_file(pid: int) -> re.Pattern:
+    """The name of the file the CUDA driver keeps in /dev/shm for process `pid`: `cuda.shm.<n>.<pid hex>.<n>`."""
+    return re.compile(rf"cuda\.shm\.\d+\.{pid:x}\.\d+")
+
+
 def shm_entries() -> set[str]:
-    """/dev/shm, less the segment the CUDA driver keeps for this (still running) process once it has
-    imported a CUDA IPC handle: `cuda.shm.<n>.<pid in hex>.<n>`, removed when the process exits."""
-    own_cuda = re.compile(rf"cuda\.shm\.\d+\.{os.getpid():x}\.\d+")
+    """/dev/shm, less this (still running) process's own CUDA driver file, removed when it exits."""
+    own = cuda_driver_file(os.getpid())
     names = os.listdir("/dev/shm") if os.path.isdir("/dev/shm") else []
-    return {name for name in names if not own_cuda.fullmatch(name)}
+    return {name for name in names if not own.fullmatch(name)}
 
 
 def leaked_shm(before: set[str], *, grace: float = 10.0) -> set[str]:
@@ -137,7 +141,7 @@ def test_the_teacher_exits_when_the_trainer_dies(corpus, tmp_path):
         time.sleep(0.2)
     assert not _alive(teacher_pid), "the teacher outlived its trainer"
     # The one file nobody can remove: a SIGKILLed CUDA process's own driver file (README, live mode)
-    killed_trainers_own = re.compile(rf"cuda\.shm\.\d+\.{child.pid:x}\.\d+")
+    killed_trainers_own = cuda_driver_file(child.pid)
     assert not {name for name in leaked_shm(before) if not killed_trainers_own.fullmatch(name)}
 
 

@@ -324,18 +324,15 @@ class LiveTeacher:
         remove_process_shm(pid)  # the teacher is gone: whatever it left in /dev/shm is garbage
 
 
-def remove_process_shm(pid: int) -> list[str]:
+def remove_process_shm(pid: int) -> None:
     """Remove the /dev/shm files named after process `pid`: the CUDA driver's `cuda.shm.<uid>.<pid hex>.<n>`
     and PyTorch's CUDA IPC reference counters `torch_<pid>_<n>_<n>`. A process that exported CUDA
     memory leaves both behind when it exits without tearing its context down, as a spawned child
     does, and a killed one always does (seen on an H100: one 80 KB file per teacher run). Call only
     once `pid` has exited, or from `pid` itself on its way out."""
-    removed = []
     for path in glob.glob(f"/dev/shm/cuda.shm.*.{pid:x}.*") + glob.glob(f"/dev/shm/torch_{pid}_*"):
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
-            removed.append(path)
-    return removed
 
 
 # -- the stream ---------------------------------------------------------------------------------------
