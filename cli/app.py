@@ -1,6 +1,7 @@
 """The `logitstore` command line: thin typed functions that parse, call the library, and print.
 
-Exit codes: 0 success, 1 `verify` found damage, 2 a user error (one line on stderr, no traceback).
+Exit codes: 0 success, 1 damaged data (`verify` found damage, or a read hit it), 2 a user error or a
+storage outage (one line on stderr, no traceback).
 Heavy imports (torch, transformers) happen inside the commands that need them, so `info` and `show`
 start fast.
 """
@@ -31,7 +32,8 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JS
 
 
 def user_errors(fn):
-    """Print a LogitstoreError as one line and exit 2; anything else is a bug and keeps its traceback."""
+    """Print a LogitstoreError as one line and exit with its code (2; 1 for damaged data); anything
+    else is a bug and keeps its traceback."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
@@ -39,7 +41,7 @@ def user_errors(fn):
             return fn(*args, **kwargs)
         except LogitstoreError as e:
             typer.echo(f"error: {e}", err=True)
-            raise typer.Exit(2) from None
+            raise typer.Exit(e.exit_code) from None
 
     return wrapper
 
@@ -129,8 +131,18 @@ def log(store: StoreArg, version: VersionOpt = None, json_out: JsonOpt = False) 
 
 @app.command()
 @user_errors
-def tag(store: StoreArg, name: Annotated[str, typer.Argument(help="Tag name.")], version: VersionOpt = None) -> None:
-    """Name a version (default: the tip of main). Tags never move."""
+def tag(
+    store: StoreArg,
+    name: Annotated[str, typer.Argument(help="Tag name.")],
+    version: VersionOpt = None,
+    delete: Annotated[bool, typer.Option("--delete", help="Remove the tag (the version stays; the name is not reusable).")] = False,
+) -> None:
+    """Name a version (default: the tip of main). Tags never move; a name cannot be a branch's too."""
+    if delete:
+        if version is not None:
+            raise LogitstoreError("--delete takes the tag name only, not --version")
+        typer.echo(f"deleted tag {name} (was {_open(store).delete_tag(name)})")
+        return
     snapshot = _open(store).tag(name, version=version)
     typer.echo(f"tagged {snapshot} as {name}")
 
@@ -165,13 +177,16 @@ def verify(store: StoreArg, version: VersionOpt = None, json_out: JsonOpt = Fals
 
     report = run_verify(_open(store).read(version))
     if json_out:
-        _print_json({"version": report.version, "ok": report.ok, "samples": report.samples, "damaged": report.damaged})
+        _print_json({"version": report.version, "ok": report.ok, "samples": report.samples, "damaged": report.damaged,
+                     "arrays": report.arrays, "damaged_arrays": report.damaged_arrays})
     elif report.ok:
-        typer.echo(f"ok: version {report.version}, {report.samples} samples in {report.parts} parts are whole")
+        typer.echo(f"ok: version {report.version}, {report.samples} samples in {report.parts} parts and "
+                   f"{report.arrays} teacher arrays are whole")
     else:
-        for sample, problem in sorted(report.damaged.items()):
-            typer.echo(f"damaged: {sample}: {problem}", err=True)
-        typer.echo(f"{len(report.damaged)} of {report.samples} samples damaged in version {report.version}", err=True)
+        for what, problem in sorted(report.damaged_arrays.items()) + sorted(report.damaged.items()):
+            typer.echo(f"damaged: {what}: {problem}", err=True)
+        typer.echo(f"{len(report.damaged)} of {report.samples} samples and {len(report.damaged_arrays)} of "
+                   f"{report.arrays} teacher arrays damaged in version {report.version}", err=True)
     if not report.ok:
         raise typer.Exit(1)
 
@@ -203,6 +218,7 @@ def build(
     engine: Annotated[str, typer.Option(help="torch, or vllm (GPU, pip install 'logitstore[vllm]'; top-k only).")] = "torch",
     message: Annotated[Optional[str], typer.Option(help="Commit message of the new version.")] = None,
     branch: Annotated[str, typer.Option(help="Branch to commit to (created from main if missing).")] = "main",
+    on_duplicate: Annotated[str, typer.Option(help="A document stored before under its id with other text: error, replace (recompute all its windows) or skip (keep the stored ones).")] = "error",
     json_out: JsonOpt = False,
 ) -> None:
     """Run a teacher over a dataset and commit its sparse next-token distributions as a new version."""
@@ -217,7 +233,8 @@ def build(
     cfg = BuildConfig(store=store, codec=GRIDS[value_grid], data=data, student_tokenizers=tuple(student_tokenizer or ()), text_column=text_column, id_column=id_column,
                       ids_column=ids_column, max_length=max_length, sparsity=sparsity, batch_tokens=batch_tokens,
                       device=device, dtype=dtype, workers=workers, ray_address=ray_address, message=message,
-                      branch=branch, commit_every=commit_every, unit_tokens=unit_tokens, seed=seed, engine=engine)
+                      branch=branch, commit_every=commit_every, unit_tokens=unit_tokens, seed=seed, engine=engine,
+                      on_duplicate=on_duplicate)
     summary = run_builds(cfg, list(teacher or [None]))
     if json_out:
         typer.echo(summary_json(summary))
@@ -225,7 +242,8 @@ def build(
         typer.echo(f"version {summary.version}: {summary.samples:,} samples, {summary.tokens:,} tokens in "
                    f"{summary.seconds:.1f} s ({summary.tokens_per_second:,.0f} tokens/s), "
                    f"{summary.bytes_per_token or 0:.1f} bytes/token; skipped {summary.skipped}, "
-                   f"duplicates {summary.duplicates}, already stored {summary.already_stored}")
+                   f"duplicates {summary.duplicates}, already stored {summary.already_stored}"
+                   + (f", changed {summary.changed} ({on_duplicate})" if summary.changed else ""))
 
 
 def _sparsity(*, top_k: int | None, top_p: float | None, sample: int | None, temperature: float, default):
@@ -250,7 +268,7 @@ def _sparsity(*, top_k: int | None, top_p: float | None, sample: int | None, tem
 @app.command()
 @user_errors
 def train(
-    out: Annotated[str, typer.Option(help="Run folder: checkpoints, metrics.jsonl, final/.")],
+    out: Annotated[str, typer.Option(help="Run folder: checkpoints, metrics.jsonl, final/. A new or empty folder, or one a run marked (logitstore-run.json).")],
     store: Annotated[Optional[str], typer.Option(help="Store to train from.")] = None,
     live_teacher: Annotated[Optional[str], typer.Option(help="Live mode instead of --store: run this teacher (what build --teacher takes, or 'default') beside the trainer, handing over by shared memory.")] = None,
     data: Annotated[Optional[str], typer.Option(help="Live mode: the data, as build --data (default: the shipped corpus).")] = None,
@@ -287,8 +305,8 @@ def train(
     eval_every: Annotated[int, typer.Option(help="Evaluate on the held-out split every N steps (0: never).")] = 0,
     eval_fraction: Annotated[float, typer.Option(help="Share of samples held out, by sample id hash.")] = 0.05,
     checkpoint_every: Annotated[int, typer.Option(help="Checkpoint every N steps (0: only at the end).")] = 0,
-    resume: Annotated[bool, typer.Option(help="Continue from the newest complete checkpoint in --out.")] = False,
-    force: Annotated[bool, typer.Option(help="Replace a different run in --out.")] = False,
+    resume: Annotated[bool, typer.Option(help="Continue from the newest complete checkpoint in --out, on the store snapshot the run pinned (a finished run: nothing to do).")] = False,
+    force: Annotated[bool, typer.Option(help="Replace the run in --out: removes only what a run writes, and only in a folder a run marked.")] = False,
     offload_optimizer: Annotated[bool, typer.Option(help="FSDP2 CPU offload of parameters, gradients and optimizer state.")] = False,
     on_error: Annotated[str, typer.Option(help="A damaged sample: raise (stop) or skip (and count).")] = "raise",
     json_out: JsonOpt = False,

@@ -11,13 +11,18 @@ One tiny interface, three backends (local disk, S3, process memory), one conform
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 import threading
 from abc import ABC, abstractmethod
 from pathlib import Path
+from typing import TYPE_CHECKING, Iterator
 
 from logitstore.errors import StorageError
+
+if TYPE_CHECKING:
+    from logitstore.location import StorageLimits
 
 
 class BlobStore(ABC):
@@ -48,22 +53,25 @@ class LocalBlobs(BlobStore):
 
     def put(self, key: str, data: bytes) -> None:
         target = self.root / key
-        target.parent.mkdir(parents=True, exist_ok=True)
-        # Write-then-rename: a crash leaves a stray temp file, never a truncated object.
-        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".tmp-")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, target)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        with _disk_errors(f"cannot write {target}"):
+            target.parent.mkdir(parents=True, exist_ok=True)
+            # Write-then-rename: a crash leaves a stray temp file, never a truncated object.
+            fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".tmp-")
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    f.write(data)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; other readers of a shared store need the usual mode
+                os.replace(tmp, target)
+            except BaseException:
+                Path(tmp).unlink(missing_ok=True)
+                raise
 
     def get(self, key: str) -> bytes:
         try:
-            return (self.root / key).read_bytes()
+            with _disk_errors(f"cannot read {self.root / key}"):
+                return (self.root / key).read_bytes()
         except FileNotFoundError:
             raise KeyError(key) from None
 
@@ -78,6 +86,27 @@ class LocalBlobs(BlobStore):
 
     def url(self, key: str) -> str:
         return str(self.root / key)
+
+
+@contextlib.contextmanager
+def _disk_errors(what: str) -> Iterator[None]:
+    """A full disk, a read-only folder or an I/O error: one line (`StorageError`), not a traceback.
+    A missing file stays `FileNotFoundError`, which `get` turns into `KeyError`."""
+    try:
+        yield
+    except FileNotFoundError:
+        raise
+    except OSError as e:
+        raise StorageError(f"{what}: {e.strerror or e}") from None
+
+
+def _umask() -> int:
+    """The process umask, read without changing it (os.umask would set it, racing other threads)."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1], 8) for line in f if line.startswith("Umask:"))
+    except (OSError, StopIteration):
+        return 0o022
 
 
 class MemoryBlobs(BlobStore):
@@ -108,33 +137,34 @@ class MemoryBlobs(BlobStore):
 class S3Blobs(BlobStore):
     """S3 through boto3: a single PUT is atomic on S3, so no temp-and-rename is needed."""
 
-    def __init__(self, *, bucket: str, prefix: str, endpoint_url: str | None, region: str | None):
+    def __init__(self, *, bucket: str, prefix: str, endpoint_url: str | None, region: str | None,
+                 limits: StorageLimits | None = None):
         import boto3
-        import botocore.config
+
+        from logitstore.location import StorageLimits
 
         self.bucket = bucket
         self.prefix = prefix.strip("/")
-        # Few quick retries: a dead endpoint should fail in seconds, not minutes.
-        config = botocore.config.Config(
-            connect_timeout=5, read_timeout=60, retries={"max_attempts": 3, "mode": "standard"}
-        )
+        # Timeouts and retries as for the Icechunk repository beside it (LOGITSTORE_STORAGE_*).
+        config = (limits or StorageLimits.from_env()).botocore_config()
         self._client = boto3.client("s3", endpoint_url=endpoint_url, region_name=region, config=config)
 
     def _key(self, key: str) -> str:
         return f"{self.prefix}/{key}" if self.prefix else key
 
     def put(self, key: str, data: bytes) -> None:
-        self._call(self._client.put_object, Bucket=self.bucket, Key=self._key(key), Body=data)
+        self._call(lambda: self._client.put_object(Bucket=self.bucket, Key=self._key(key), Body=data),
+                   what=f"writing s3://{self.bucket}/{self._key(key)}")
 
     def get(self, key: str) -> bytes:
         from botocore.exceptions import ClientError
 
         try:
-            return self._client.get_object(Bucket=self.bucket, Key=self._key(key))["Body"].read()
-        except ClientError as e:
-            if e.response.get("Error", {}).get("Code") in ("NoSuchKey", "404"):
-                raise KeyError(key) from None
-            raise StorageError(f"S3 error reading s3://{self.bucket}/{self._key(key)}: {e}") from None
+            # the body is read inside the mapping too: a connection lost mid-body is an outage as well
+            return self._call(lambda: self._client.get_object(Bucket=self.bucket, Key=self._key(key))["Body"].read(),
+                              what=f"reading s3://{self.bucket}/{self._key(key)}")
+        except ClientError:  # only a missing key gets past `_call`
+            raise KeyError(key) from None
 
     def exists(self, key: str) -> bool:
         try:
@@ -147,7 +177,8 @@ class S3Blobs(BlobStore):
         paginator = self._client.get_paginator("list_objects_v2")
         keys = []
         strip = len(self.prefix) + 1 if self.prefix else 0
-        pages = self._call(lambda: list(paginator.paginate(Bucket=self.bucket, Prefix=self._key(prefix))))
+        pages = self._call(lambda: list(paginator.paginate(Bucket=self.bucket, Prefix=self._key(prefix))),
+                           what=f"listing s3://{self.bucket}/{self._key(prefix)}")
         for page in pages:
             keys.extend(obj["Key"][strip:] for obj in page.get("Contents", []))
         return sorted(keys)
@@ -155,10 +186,20 @@ class S3Blobs(BlobStore):
     def url(self, key: str) -> str:
         return f"s3://{self.bucket}/{self._key(key)}"
 
-    def _call(self, fn, **kwargs):
+    def _call(self, fn, *, what: str):
+        """`fn()` with boto3's failures as one-line `StorageError`s; a `ClientError` that names a
+        missing key passes through, for `get` to turn into `KeyError`."""
         from botocore.exceptions import BotoCoreError, ClientError
 
         try:
-            return fn(**kwargs)
-        except (ClientError, BotoCoreError) as e:
-            raise StorageError(f"S3 error on bucket {self.bucket!r}: {e}") from None
+            return fn()
+        except ClientError as e:
+            if e.response.get("Error", {}).get("Code") in ("NoSuchKey", "404"):
+                raise
+            raise StorageError(f"S3 error {what}: {_one_line(e)}") from None
+        except BotoCoreError as e:  # no connection, a timeout, a connection lost mid-body
+            raise StorageError(f"S3 error {what}: {_one_line(e)}") from None
+
+
+def _one_line(e: Exception) -> str:
+    return " ".join(str(e).split())

@@ -7,6 +7,8 @@ Anything that is *not* a `LogitstoreError` is a bug in logitstore and keeps its 
 class LogitstoreError(Exception):
     """Base class for every error caused by input, configuration or environment."""
 
+    exit_code = 2  # what the CLI exits with: 2 for a user error or an outage, 1 for damaged data
+
 
 class StoreNotFoundError(LogitstoreError):
     """The location holds no logitstore store."""
@@ -33,7 +35,15 @@ class ConflictError(LogitstoreError):
 
 
 class StorageError(LogitstoreError):
-    """The storage backend is unreachable, refuses the credentials, or returned damaged data."""
+    """The storage backend is unreachable, times out or refuses the credentials: an outage. Nothing is
+    wrong with the data; the command can be run again (a build or a training run resumes)."""
+
+
+class DamagedDataError(LogitstoreError):
+    """Stored bytes fail their checksum or disagree with the index: damage that `verify` reports.
+    The CLI exits 1 for it, as `verify` does when it finds damage."""
+
+    exit_code = 1
 
 
 class IncompatibleStoreError(LogitstoreError):

@@ -36,7 +36,7 @@ import pyarrow.parquet as pq
 
 from logitstore.blobs import BlobStore
 from logitstore.codec import EncodedSamples
-from logitstore.errors import StorageError
+from logitstore.errors import DamagedDataError
 from logitstore.samples import StudentTokens
 
 SCHEMA = pa.schema(
@@ -143,9 +143,9 @@ def read_index(blobs: BlobStore, key: str | None) -> pa.Table:
     try:
         data = blobs.get(key)
     except KeyError:
-        raise StorageError(f"the sample index {blobs.url(key)} is missing") from None
+        raise DamagedDataError(f"the sample index {blobs.url(key)} is missing") from None
     if not key.startswith(hashlib.sha256(data).hexdigest()[:40]):
-        raise StorageError(f"the sample index {blobs.url(key)} is damaged (its checksum does not match its name)")
+        raise DamagedDataError(f"the sample index {blobs.url(key)} is damaged (its checksum does not match its name)")
     table = pq.read_table(io.BytesIO(data))
     for name in STUDENT_COLUMNS:  # indexes from before cross-tokenizer support
         if name not in table.column_names:

@@ -4,23 +4,25 @@ A location yields two things: the Icechunk `Storage` that holds the versioned Za
 `BlobStore` beside it that holds the Parquet sample indexes (see `blobs.py`).
 S3 settings come from the standard AWS environment variables (`AWS_ACCESS_KEY_ID`,
 `AWS_SECRET_ACCESS_KEY`, `AWS_REGION`, `AWS_ENDPOINT_URL`; an `http://` endpoint is allowed).
+How long storage may take and how often it is retried comes from `StorageLimits` (`LOGITSTORE_STORAGE_*`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import socket
 import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
-from urllib.parse import urlparse
+from urllib.parse import unquote, urlparse
 
 import icechunk
 
 from logitstore.blobs import BlobStore, LocalBlobs, MemoryBlobs, S3Blobs
-from logitstore.errors import StorageError
+from logitstore.errors import LogitstoreError, StorageError
 
 INDEX_PREFIX = "logitstore-index"
 
@@ -28,6 +30,68 @@ INDEX_PREFIX = "logitstore-index"
 # serialises local commits with a file lock (`commit_lock`), so the warning would only be noise.
 if "ICECHUNK_LOG" not in os.environ:
     icechunk.set_logs_filter("icechunk=error")
+
+
+@dataclass(frozen=True)
+class StorageLimits:
+    """How long one storage request may take and how often it is tried: the one place that sets
+    Icechunk's S3 client, boto3 (the indexes) and logitstore's own deadline on every storage call
+    (`bounded.py`). Defaults suit real S3: a stalled or lost endpoint fails within two minutes."""
+
+    timeout_s: float = 20.0  # LOGITSTORE_STORAGE_TIMEOUT: one attempt of one request, seconds
+    retries: int = 3  # LOGITSTORE_STORAGE_RETRIES: attempts after a failed one
+    backoff_s: float = 5.0  # LOGITSTORE_STORAGE_BACKOFF: the longest wait between two attempts, seconds
+
+    @classmethod
+    def from_env(cls) -> StorageLimits:
+        return cls(
+            timeout_s=_env_number("LOGITSTORE_STORAGE_TIMEOUT", cls.timeout_s, minimum=0.1),
+            retries=int(_env_number("LOGITSTORE_STORAGE_RETRIES", cls.retries, minimum=0, integer=True)),
+            backoff_s=_env_number("LOGITSTORE_STORAGE_BACKOFF", cls.backoff_s, minimum=0.0),
+        )
+
+    @property
+    def attempts(self) -> int:
+        return self.retries + 1
+
+    @property
+    def deadline_s(self) -> float:
+        """The longest one storage call may take: every attempt timing out, the longest wait between."""
+        return self.attempts * self.timeout_s + self.retries * self.backoff_s
+
+    def describe(self) -> str:
+        return (f"LOGITSTORE_STORAGE_TIMEOUT={self.timeout_s:g} s, LOGITSTORE_STORAGE_RETRIES={self.retries}, "
+                f"LOGITSTORE_STORAGE_BACKOFF={self.backoff_s:g} s")
+
+    def icechunk_config(self) -> icechunk.RepositoryConfig:
+        retries = icechunk.StorageRetriesSettings(
+            max_tries=self.attempts,
+            initial_backoff_ms=int(min(0.2, self.backoff_s) * 1000),
+            max_backoff_ms=int(self.backoff_s * 1000),
+        )
+        return icechunk.RepositoryConfig(storage=icechunk.StorageSettings(retries=retries))
+
+    def botocore_config(self):
+        import botocore.config
+
+        # botocore's standard mode waits up to 20 s between attempts; it has no setting for that
+        return botocore.config.Config(connect_timeout=self.timeout_s, read_timeout=self.timeout_s,
+                                      retries={"total_max_attempts": self.attempts, "mode": "standard"})
+
+
+def _env_number(name: str, default: float, *, minimum: float, integer: bool = False) -> float:
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = int(raw) if integer else float(raw)
+    except ValueError:
+        value = None
+    if value is None or not math.isfinite(value) or value < minimum:
+        kind = "a whole number" if integer else "a number of seconds"
+        raise LogitstoreError(f"{name}={raw!r}: must be {kind} >= {minimum:g} (unset for the default, {default:g})")
+    return value
+
 
 # memory:// stores live as long as the process; the registry lets a name be opened again.
 _MEMORY_STORES: dict[str, tuple[icechunk.Storage, MemoryBlobs]] = {}
@@ -52,8 +116,8 @@ class Location:
             if not parsed.netloc:
                 raise StorageError(f"{text}: an S3 location needs a bucket, e.g. s3://bucket/prefix")
             return cls(text, "s3", f"{parsed.netloc}/{parsed.path.strip('/')}".rstrip("/"))
-        if parsed.scheme == "file":
-            return cls(text, "file", str(Path(parsed.path).resolve()))
+        if parsed.scheme == "file":  # a URL: "file:///data/my%20store" is the folder "/data/my store"
+            return cls(text, "file", str(Path(unquote(parsed.path)).resolve()))
         if parsed.scheme and len(parsed.scheme) > 1:  # one letter would be a Windows drive
             raise StorageError(f"{text}: unsupported scheme {parsed.scheme!r} (use a path, file://, s3:// or memory://)")
         return cls(text, "file", str(Path(text).expanduser().resolve()))
@@ -79,8 +143,9 @@ class Location:
     def _s3_storage_and_blobs(self) -> tuple[icechunk.Storage, BlobStore]:
         endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or None
         region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"
+        limits = StorageLimits.from_env()
         if endpoint:
-            check_endpoint_reachable(endpoint)
+            check_endpoint_reachable(endpoint, timeout_s=min(5.0, limits.timeout_s), where=self.uri)
         storage = icechunk.s3_storage(
             bucket=self.bucket,
             prefix=self.prefix or None,
@@ -90,9 +155,11 @@ class Location:
             # Custom endpoints (MinIO, moto, Ceph) rarely support virtual-host-style bucket addressing.
             force_path_style=bool(endpoint),
             from_env=True,
+            # a download whose bytes stop coming; a request with no answer at all is `bounded.py`'s
+            network_stream_timeout_seconds=max(1, math.ceil(limits.timeout_s)),
         )
         index_prefix = f"{self.prefix}/{INDEX_PREFIX}" if self.prefix else INDEX_PREFIX
-        blobs = S3Blobs(bucket=self.bucket, prefix=index_prefix, endpoint_url=endpoint, region=region)
+        blobs = S3Blobs(bucket=self.bucket, prefix=index_prefix, endpoint_url=endpoint, region=region, limits=limits)
         return storage, blobs
 
 
@@ -108,7 +175,11 @@ def commit_lock(location: Location) -> Iterator[None]:
         return
     import fcntl
 
-    with open(Path(location.path) / ".logitstore-commit.lock", "a+") as f:
+    try:
+        f = open(Path(location.path) / ".logitstore-commit.lock", "a+")
+    except OSError as e:  # a read-only filesystem or folder: the first write of a command lands here
+        raise StorageError(f"cannot write to store {location.uri}: {e.strerror or e}") from None
+    with f:
         fcntl.flock(f, fcntl.LOCK_EX)
         try:
             yield
@@ -116,7 +187,7 @@ def commit_lock(location: Location) -> Iterator[None]:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def check_endpoint_reachable(endpoint: str, *, timeout_s: float = 5.0) -> None:
+def check_endpoint_reachable(endpoint: str, *, timeout_s: float = 5.0, where: str | None = None) -> None:
     """Fail in seconds with a clear message; Icechunk's own retries take ~40 s to give up."""
     parsed = urlparse(endpoint)
     port = parsed.port or (443 if parsed.scheme == "https" else 80)
@@ -124,4 +195,5 @@ def check_endpoint_reachable(endpoint: str, *, timeout_s: float = 5.0) -> None:
         with socket.create_connection((parsed.hostname, port), timeout=timeout_s):
             pass
     except OSError as e:
-        raise StorageError(f"cannot reach the S3 endpoint {endpoint} (AWS_ENDPOINT_URL): {e}") from None
+        store = f"{where}: " if where else ""
+        raise StorageError(f"{store}cannot reach the S3 endpoint {endpoint} (AWS_ENDPOINT_URL): {e}") from None

@@ -28,6 +28,7 @@ import re
 import secrets
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Iterator
 
 import icechunk
@@ -38,9 +39,19 @@ import zarr
 from zarr.codecs import BloscCodec, Crc32cCodec
 
 from logitstore import codec, index
+from logitstore.bounded import (
+    bounded_store,
+    create_repository,
+    icechunk_failure,
+    is_panic,
+    open_repository,
+    repository_exists,
+    root_cause,
+)
 from logitstore.codec import CodecParams, EncodedSamples
 from logitstore.errors import (
     ConflictError,
+    DamagedDataError,
     DuplicateSampleError,
     IncompatibleStoreError,
     InvalidSampleError,
@@ -57,6 +68,8 @@ FORMAT_VERSION = 1
 WRITER = "logitstore 0.1.0"
 SPARSITY_MODES = ("topk", "topp", "sampled")
 DEFAULT_BRANCH = "main"
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # teachers, student tokenizers, tags and branches
+SNAPSHOT_ID = re.compile(r"[0-9A-Z]{20}")  # Icechunk's snapshot ids: 20 Crockford base32 characters
 
 # Chunking, measured in benchmarks/codec.py: an inner chunk (the unit of reading) holds 256 KiB of
 # encoded values, about 2k tokens of top-64 entries, so one sample's read touches a few chunks; a
@@ -86,7 +99,7 @@ class TeacherMeta:
     students: tuple = ()
 
     def __post_init__(self) -> None:
-        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}", self.name):
+        if not NAME.fullmatch(self.name):
             raise InvalidSampleError(f"teacher name {self.name!r}: use letters, digits, '.', '_' and '-'")
         if self.vocab_size < 1:
             raise InvalidSampleError(f"teacher {self.name}: vocab_size must be positive, got {self.vocab_size}")
@@ -133,7 +146,7 @@ class StudentTokenizer:
     mapped_mass_positions: int = 0  # positions that estimate was taken over
 
     def __post_init__(self) -> None:
-        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}", self.name):
+        if not NAME.fullmatch(self.name):
             raise InvalidSampleError(f"student tokenizer name {self.name!r}: use letters, digits, '.', '_' and '-'")
 
     def summary(self) -> dict:
@@ -153,19 +166,34 @@ class VersionInfo:
 
 @contextlib.contextmanager
 def storage_errors(what: str) -> Iterator[None]:
-    """Turn Icechunk's multi-line Rust errors into one line that names the store."""
+    """Turn Icechunk's multi-line Rust errors into one line that names the store: damaged repository
+    files (a ref or snapshot that does not parse) are `DamagedDataError`, anything else an outage."""
     try:
         yield
     except icechunk.ConflictError:
         raise
     except icechunk.IcechunkError as e:
-        raise StorageError(f"{what}: {_root_cause(e)}") from None
+        raise icechunk_failure(what, e) from None
+    except BaseException as e:  # a panic in Icechunk's Rust code on a failed request is no Exception
+        if is_panic(e):
+            raise StorageError(f"{what}: {root_cause(e)}") from None
+        raise
 
 
-def _root_cause(e: Exception) -> str:
-    lines = [ln.strip(" |`->x") for ln in str(e).splitlines() if ln.strip(" |")]
-    causes = [ln for ln in lines if ln and not ln.startswith(("context:", "at ", "with ")) and not ln[0].isdigit()]
-    return causes[-1] if causes else str(e).strip()
+@contextlib.contextmanager
+def read_errors(what: str) -> Iterator[None]:
+    """Reads of stored arrays: an unreachable or stalled store is an outage (`StorageError`, exit 2,
+    run again later); bytes that fail their CRC32C or do not decode are damage (`DamagedDataError`,
+    exit 1, what `verify` reports). `what` names the data, e.g. "the id order of teacher 'x'"."""
+    try:
+        yield
+    except LogitstoreError:
+        raise
+    except icechunk.IcechunkError as e:
+        raise icechunk_failure(f"cannot read {what}", e) from None
+    except (ValueError, RuntimeError) as e:  # zarr's CRC32C mismatch is a ValueError, a Blosc failure a RuntimeError
+        cause = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise DamagedDataError(f"{what} is damaged ({cause[:120]}); run `logitstore verify`") from None
 
 
 class Store:
@@ -180,26 +208,28 @@ class Store:
 
     @classmethod
     def open(cls, uri: str, *, create: bool = False) -> Store:
+        """Open the store at `uri`; with `create`, create it first if missing. Creation is idempotent:
+        several processes creating one store at once all end up with the same, initialised store."""
         location = Location.parse(uri)
+        if not create and location.scheme == "file" and not Path(location.path).exists():
+            raise StoreNotFoundError(f"{location.uri} is not a logitstore store (no such folder)")  # and creates none
         storage, blobs = location.storage_and_blobs()
         with storage_errors(f"cannot open store {location.uri}"):
-            exists = icechunk.Repository.exists(storage)
-            if not exists and not create:
-                raise StoreNotFoundError(f"{location.uri} is not a logitstore store (no store there)")
-            if not exists:
-                _refuse_non_empty_dir(location)
-                repo = icechunk.Repository.create(storage)
-            else:
-                repo = icechunk.Repository.open(storage)
+            repo = _open_or_create(storage, location) if create else _open_existing(storage, location)
             if create and _is_bare(repo):  # also finishes a creation killed between its two steps
-                _initialise(repo)
+                _initialise(repo, location)
         store = cls(location, repo, blobs)
         store._check_format()
         return store
 
     def _check_format(self) -> None:
-        with storage_errors(f"cannot read store {self.location.uri}"):
-            meta = _root_attrs(self.repo.readonly_session(DEFAULT_BRANCH)).get("logitstore")
+        try:
+            with storage_errors(f"cannot read store {self.location.uri}"):
+                tip = self.repo.lookup_branch(DEFAULT_BRANCH)
+                self.repo.lookup_snapshot(tip)  # a damaged snapshot raises here; a zarr read would see no group
+                meta = _root_attrs(self.repo.readonly_session(snapshot_id=tip)).get("logitstore")
+        except DamagedDataError:
+            return  # main's tip is damaged; tags and older versions may be whole, and reading main says so
         if meta is None:
             raise StoreNotFoundError(f"{self.location.uri} is an Icechunk repository but not a logitstore store")
         if meta.get("format", 0) > FORMAT_VERSION:
@@ -213,18 +243,24 @@ class Store:
         """Snapshot id for a tag, a branch or a snapshot id; None means the tip of `main`."""
         version = version or DEFAULT_BRANCH
         with storage_errors(f"store {self.location.uri}"):
-            if version in self.repo.list_tags():
+            tags = self.repo.list_tags()
+            if version in tags and version in self.repo.list_branches():  # made before names were checked
+                raise VersionNotFoundError(f"{version!r} is both a tag and a branch of {self.location.uri}; remove the "
+                                           f"tag with `logitstore tag {self.location.uri} {version} --delete`")
+            if version in tags:
                 return self.repo.lookup_tag(version)
             if version in self.repo.list_branches():
                 return self.repo.lookup_branch(version)
-            if re.fullmatch(r"[0-9A-Z]{20}", version):
+            if SNAPSHOT_ID.fullmatch(version):
                 try:
                     return self.repo.lookup_snapshot(version).id
                 except icechunk.IcechunkError:
                     pass
+        with storage_errors(f"store {self.location.uri}"):
+            branches, tags = sorted(self.repo.list_branches()), sorted(self.repo.list_tags())
         raise VersionNotFoundError(
             f"{self.location.uri} has no version, tag or branch {version!r} "
-            f"(branches: {', '.join(sorted(self.repo.list_branches()))}; tags: {', '.join(sorted(self.repo.list_tags())) or 'none'})"
+            f"(branches: {', '.join(branches)}; tags: {', '.join(tags) or 'none'})"
         )
 
     def log(self, version: str | None = None) -> list[VersionInfo]:
@@ -239,22 +275,57 @@ class Store:
 
     def tag(self, name: str, *, version: str | None = None) -> str:
         snapshot = self.resolve(version)
-        if name in self.repo.list_tags():
-            raise LogitstoreError(f"tag {name!r} already exists (at {self.repo.lookup_tag(name)}); tags never move")
+        self._check_ref_name(name, kind="tag")
         with storage_errors(f"cannot create tag {name!r}"), commit_lock(self.location):
-            self.repo.create_tag(name, snapshot)
+            try:
+                self.repo.create_tag(name, snapshot)
+            except icechunk.IcechunkError as e:
+                if "already exists" not in str(e):
+                    raise
+                # Icechunk keeps a deleted tag's name reserved, so a name never points at two versions.
+                raise LogitstoreError(f"tag {name!r} was deleted and its name cannot be reused; choose another") from None
+        return snapshot
+
+    def delete_tag(self, name: str) -> str:
+        """Remove a tag (the version it named stays, reachable by id or other names). Returns that id."""
+        with storage_errors(f"cannot delete tag {name!r}"):
+            if name not in self.repo.list_tags():
+                raise VersionNotFoundError(f"{self.location.uri} has no tag {name!r} "
+                                           f"(tags: {', '.join(sorted(self.repo.list_tags())) or 'none'})")
+            snapshot = self.repo.lookup_tag(name)
+            with commit_lock(self.location):
+                self.repo.delete_tag(name)
         return snapshot
 
     def create_branch(self, name: str, *, version: str | None = None) -> str:
         snapshot = self.resolve(version)
-        if name in self.repo.list_branches():
-            raise LogitstoreError(f"branch {name!r} already exists")
+        self._check_ref_name(name, kind="branch")
         with storage_errors(f"cannot create branch {name!r}"), commit_lock(self.location):
             self.repo.create_branch(name, snapshot)
         return snapshot
 
+    def _check_ref_name(self, name: str, *, kind: str) -> None:
+        """Tags, branches and snapshot ids share one namespace in `resolve`: a new name must not shadow
+        (or be shadowed by) another, or `train --version X` and `build --branch X` would read and
+        write different things under one name."""
+        if not NAME.fullmatch(name):
+            raise LogitstoreError(f"{kind} name {name!r}: use letters, digits, '.', '_' and '-' (at most 128)")
+        if SNAPSHOT_ID.fullmatch(name):
+            raise LogitstoreError(f"{kind} name {name!r} looks like a version id; choose another")
+        with storage_errors(f"store {self.location.uri}"):
+            tags, branches = self.repo.list_tags(), self.repo.list_branches()
+        if name in tags:
+            with storage_errors(f"store {self.location.uri}"):
+                at = self.repo.lookup_tag(name)
+            raise LogitstoreError(f"tag {name!r} already exists (at {at}); tags never move" if kind == "tag" else
+                                  f"{name!r} is already a tag (at {at}); a branch cannot have a tag's name")
+        if name in branches:
+            raise LogitstoreError(f"branch {name!r} already exists" if kind == "branch" else
+                                  f"{name!r} is a branch; a tag cannot have a branch's name")
+
     def branches(self) -> dict[str, str]:
-        return {b: self.repo.lookup_branch(b) for b in sorted(self.repo.list_branches())}
+        with storage_errors(f"store {self.location.uri}"):
+            return {b: self.repo.lookup_branch(b) for b in sorted(self.repo.list_branches())}
 
     # -- reading and writing -------------------------------------------------------------------
 
@@ -262,7 +333,9 @@ class Store:
         return StoreVersion(self, self.resolve(version))
 
     def writer(self, *, branch: str = DEFAULT_BRANCH, on_duplicate: str = "error") -> StoreWriter:
-        if branch not in self.repo.list_branches():
+        with storage_errors(f"cannot write to {self.location.uri}"):
+            branches = self.repo.list_branches()
+        if branch not in branches:
             raise VersionNotFoundError(f"{self.location.uri} has no branch {branch!r}; create it first")
         return StoreWriter(self, branch=branch, on_duplicate=on_duplicate)
 
@@ -275,12 +348,42 @@ class Store:
         return index.read_index(self.blobs, self.index_key(snapshot_id))
 
 
-def _refuse_non_empty_dir(location: Location) -> None:
-    from pathlib import Path
+def _open_existing(storage: icechunk.Storage, location: Location) -> icechunk.Repository:
+    if not repository_exists(storage, where=location.uri):
+        raise StoreNotFoundError(f"{location.uri} is not a logitstore store (no store there)")
+    return open_repository(storage, where=location.uri)
 
+
+def _open_or_create(storage: icechunk.Storage, location: Location) -> icechunk.Repository:
+    """Create the repository unless it exists. Two processes may race here: Icechunk lets one create
+    win (its first ref write is conditional) and the loser then opens what the winner made."""
+    deadline = time.monotonic() + CREATE_WAIT_S
+    while True:
+        if repository_exists(storage, where=location.uri):
+            return open_repository(storage, where=location.uri)
+        if not _only_repository_files(location):
+            raise StoreNotFoundError(f"{location.uri} exists and is not a logitstore store; refusing to write there")
+        try:
+            return create_repository(storage, where=location.uri)
+        except icechunk.IcechunkError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)  # another process is creating it: open what it made
+
+
+# How long a creation waits for a concurrent one before giving up; creating takes milliseconds.
+CREATE_WAIT_S = 10.0
+# What a local store folder may hold: Icechunk's folders and logitstore's files beside them.
+_REPOSITORY_FILES = {"chunks", "manifests", "refs", "snapshots", "transactions", "config.yaml", "logitstore-index",
+                     ".logitstore-commit.lock"}
+
+
+def _only_repository_files(location: Location) -> bool:
+    """A local folder that is missing, empty, or holds only a (possibly half-created) repository's files."""
     path = Path(location.path)
-    if location.scheme == "file" and path.exists() and (not path.is_dir() or any(path.iterdir())):
-        raise StoreNotFoundError(f"{location.uri} exists and is not a logitstore store; refusing to write there")
+    if location.scheme != "file" or not path.exists():
+        return True
+    return path.is_dir() and all(entry.name in _REPOSITORY_FILES for entry in path.iterdir())
 
 
 def _root_attrs(session: icechunk.Session) -> dict:
@@ -295,12 +398,18 @@ def _is_bare(repo: icechunk.Repository) -> bool:
     return len(list(repo.ancestry(branch=DEFAULT_BRANCH))) == 1
 
 
-def _initialise(repo: icechunk.Repository) -> None:
+def _initialise(repo: icechunk.Repository, location: Location) -> None:
     session = repo.writable_session(DEFAULT_BRANCH)
     root = zarr.open_group(session.store, mode="a")
     root.attrs["logitstore"] = {"format": FORMAT_VERSION, "created": _now(), "writer": WRITER}
     root.create_group("teachers")
-    session.commit("create logitstore store")
+    try:
+        with commit_lock(location):
+            session.commit("create logitstore store")
+    except icechunk.ConflictError:
+        if _is_bare(repo):  # not a concurrent creation: something else moved main
+            raise
+        # a concurrent creation initialised it first, the same way
 
 
 def _now() -> str:
@@ -322,6 +431,7 @@ class StoreVersion:
         self.store = store
         self.snapshot_id = snapshot_id
         with storage_errors(f"cannot read version {snapshot_id} of {store.location.uri}"):
+            store.repo.lookup_snapshot(snapshot_id)  # a damaged snapshot raises here; through zarr it would look empty
             session = store.repo.readonly_session(snapshot_id=snapshot_id)
             if "logitstore" not in _root_attrs(session):
                 raise VersionNotFoundError(f"version {snapshot_id} predates the creation of store {store.location.uri}")
@@ -407,8 +517,8 @@ class StoreVersion:
     def encoded_row(self, r: dict) -> EncodedSamples:
         """The stored integer arrays of one index row (a dict from `index.to_pylist()`)."""
         t, p = r["teacher"], r["part"]
-        names = [n for n in ENCODED_ARRAYS if n in self.part_group(t, p)]
-        with storage_errors(f"cannot read sample {r['sample_id']!r}"):
+        with read_errors(f"sample {r['sample_id']!r} of teacher {t!r} (part {p})"):
+            names = [n for n in ENCODED_ARRAYS if n in self.part_group(t, p)]
             return slice_row(r, lambda name, rows: self.array(t, p, name)[rows], names=names)
 
     def part_group(self, teacher: str, part: str) -> zarr.Group:
@@ -422,9 +532,11 @@ class StoreVersion:
 
     def id_of_code(self, teacher: str) -> np.ndarray:
         if teacher not in self._id_of_code:
-            group = self.root[f"teachers/{teacher}"]
-            if "code_of_id" in group:
-                self._id_of_code[teacher] = codec.invert_permutation(group["code_of_id"][:])
+            with read_errors(f"the id order of teacher {teacher!r} (teachers/{teacher}/code_of_id)"):
+                group = self.root[f"teachers/{teacher}"]
+                codes = group["code_of_id"][:] if "code_of_id" in group else None
+            if codes is not None:
+                self._id_of_code[teacher] = codec.invert_permutation(codes)
             else:
                 self._id_of_code[teacher] = codec.identity_order(self.teachers[teacher].vocab_size)
         return self._id_of_code[teacher]
@@ -446,13 +558,15 @@ class StoreVersion:
         return dict(self.student_group(teacher, student).attrs["logitstore_student"])
 
     def vocab_map(self, teacher: str, student: str) -> np.ndarray:
-        return self.student_group(teacher, student)["vocab_map"][:]
+        group = self.student_group(teacher, student)
+        with read_errors(f"the vocabulary map of student tokenizer {student!r} ({group.path}/vocab_map)"):
+            return group["vocab_map"][:]
 
     def student_tokenizer(self, teacher: str, student: str):
         from tokenizers import Tokenizer
 
-        data = self.student_group(teacher, student)["tokenizer"][:]
-        return Tokenizer.from_str(bytes(data).decode("utf-8"))
+        group = self.student_group(teacher, student)
+        return Tokenizer.from_str(_read_text(group, "tokenizer", what=f"student tokenizer {student!r}"))
 
     def student_tokens(self, sample_id: str, *, teacher: str | None, student: str) -> tuple[np.ndarray, np.ndarray]:
         """(student ids [n], alignment groups [g, 4]) of one sample."""
@@ -461,7 +575,7 @@ class StoreVersion:
         k = self.teachers[teacher].student_names.index(student)
         r = self.index.slice(self.row_of(sample_id, teacher=teacher), 1).to_pylist()[0]
         base = f"teachers/{teacher}/parts/{r['part']}/students/{student}"
-        with storage_errors(f"cannot read sample {sample_id!r}"):
+        with read_errors(f"student tokens of sample {sample_id!r} ({base})"):
             s0, n = r["student_start"][k], r["n_student_tokens"][k]
             g0, g = r["group_start"][k], r["n_groups"][k]
             ids = self.root[f"{base}/ids"][s0:s0 + n]
@@ -470,12 +584,20 @@ class StoreVersion:
 
     def tokenizer(self, teacher: str | None = None):
         """The teacher's `tokenizers.Tokenizer` if the store keeps one, else None."""
-        group = self.root[f"teachers/{self.teacher_name(teacher)}"]
+        name = self.teacher_name(teacher)
+        group = self.root[f"teachers/{name}"]
         if "tokenizer" not in group:
             return None
         from tokenizers import Tokenizer
 
-        return Tokenizer.from_str(bytes(group["tokenizer"][:]).decode("utf-8"))
+        return Tokenizer.from_str(_read_text(group, "tokenizer", what=f"the tokenizer of teacher {name!r}"))
+
+
+def _read_text(group: zarr.Group, name: str, *, what: str) -> str:
+    """A stored UTF-8 document (a tokenizer.json), as text."""
+    with read_errors(f"{what} ({group.path}/{name})"):
+        data = bytes(group[name][:])
+        return data.decode("utf-8")
 
 
 ENCODED_ARRAYS = ("input_ids", "n_entries", "entry_codes", "entry_logprobs", "tail", "target_logprobs", "entry_counts")
@@ -525,6 +647,7 @@ class StoreWriter:
         self._committed: str | None = None
         self._fork_source: icechunk.Session | None = None
         self._added_teachers: list[str] = []
+        self._removed: set[tuple[str, str]] = set()
 
     def __enter__(self) -> StoreWriter:
         return self
@@ -610,17 +733,20 @@ class StoreWriter:
         if rows.num_rows:
             teacher = rows["teacher"][0].as_py()
             keep = self._apply_duplicate_rule(teacher, rows["sample_id"].to_pylist())
-            rows = rows.take(keep)
+            rows = rows.take(pa.array(keep, type=pa.int64()))  # typed: an empty list would be null-typed
         self._add_rows(rows)
         return rows.num_rows
+
+    def remove(self, teacher: str, sample_ids: list[str]) -> None:
+        """Drop these samples of the base version from the index at commit (their parts stay, unreferenced:
+        older versions still read them). A removed id may then be written again in this transaction."""
+        removed = {(teacher, sid) for sid in sample_ids} & self._base_keys
+        self._base_keys -= removed
+        self._removed |= removed
 
     def _add_rows(self, rows: pa.Table) -> None:
         self._new_rows.append(rows)
         self._new_keys.update(zip(rows["teacher"].to_pylist(), rows["sample_id"].to_pylist()))
-
-    def known_keys(self) -> set[tuple[str, str]]:
-        """(teacher, sample_id) of every sample in the branch's base version or staged here."""
-        return self._base_keys | self._new_keys
 
     def _apply_duplicate_rule(self, teacher: str, sample_ids: list[str]) -> list[int]:
         dup = [i for i, sid in enumerate(sample_ids) if (teacher, sid) in self._base_keys or (teacher, sid) in self._new_keys]
@@ -645,9 +771,11 @@ class StoreWriter:
         branch meanwhile, rebase onto it and merge the indexes; fail with `ConflictError` only when
         both wrote the same Zarr paths or the same sample ids. Returns the new version id."""
         assert self._committed is None, "a StoreWriter commits once"
-        if not self.session.has_uncommitted_changes:  # e.g. every sample skipped as already stored
-            self._committed = self.session.snapshot_id
-            return self._committed
+        if not self.session.has_uncommitted_changes:
+            if not self._removed:  # e.g. every sample skipped as already stored
+                self._committed = self.session.snapshot_id
+                return self._committed
+            self._record_removal()  # Icechunk commits only a changed tree
         new_rows = pa.concat_tables(self._new_rows) if self._new_rows else index.empty_index()
         for _ in range(max_attempts):
             base = self.store.read_index(self.session.snapshot_id)
@@ -663,23 +791,33 @@ class StoreWriter:
                 self._rebase()
         raise ConflictError(f"branch {self.branch!r} kept moving; gave up after {max_attempts} attempts")
 
+    def _record_removal(self) -> None:
+        """A removal alone changes only the index: record it as an empty part of its own, a new path
+        that no concurrent writer touches."""
+        teacher = sorted(self._removed)[0][0]
+        with storage_errors(f"cannot write to {self.store.location.uri}"):
+            group = self.root[f"teachers/{teacher}/parts"].create_group(_new_part_name())
+            group.attrs.update({"samples": 0, "tokens": 0, "stored_bytes": 0, "removed": len(self._removed)})
+
     def _rebase(self) -> None:
         try:
-            self.session.rebase(icechunk.ConflictDetector())
+            with storage_errors(f"cannot commit to {self.store.location.uri}"):
+                self.session.rebase(icechunk.ConflictDetector())
         except icechunk.RebaseFailedError as e:
             paths = sorted({c.path for c in e.conflicts})
             raise ConflictError(f"another writer committed to branch {self.branch!r} first and changed the same "
                                 f"paths ({', '.join(paths[:5])}); nothing of this write was committed") from None
 
     def _merge(self, base: pa.Table, new_rows: pa.Table) -> pa.Table:
-        clash = _keys(base) & _keys(new_rows) - self._base_keys  # ids a concurrent writer added meanwhile
+        present = _keys(base) - self._removed  # what the branch holds and this write does not remove
+        clash = present & _keys(new_rows) - self._base_keys  # ids a concurrent writer added meanwhile
         if clash and self.on_duplicate == "error":
             raise ConflictError(f"a concurrent write added sample(s) {sorted(clash)[:3]} that this write also holds")
         new_keys = _keys(new_rows)
         if self.on_duplicate == "skip":
-            new_rows = new_rows.filter(pc.invert(_key_mask(new_rows, _keys(base))))
+            new_rows = new_rows.filter(pc.invert(_key_mask(new_rows, present)))
             new_keys = _keys(new_rows)
-        kept = base.filter(pc.invert(_key_mask(base, new_keys)))
+        kept = base.filter(pc.invert(_key_mask(base, new_keys | self._removed)))
         return pa.concat_tables([kept, new_rows])
 
 
@@ -720,9 +858,9 @@ class PartWriter:
         if (meta.sparsity["mode"] == "sampled") != (samples.entry_counts is not None):
             raise InvalidSampleError(f"teacher {teacher!r} is {meta.sparsity['mode']}: entry_counts must be "
                                      f"{'given' if meta.sparsity['mode'] == 'sampled' else 'absent'}")
-        root = zarr.open_group(self.session.store, mode="r+")
+        root = zarr.open_group(bounded_store(self.session.store, where=self.where), mode="r+")  # a fork's store is bare
         enc = codec.encode(samples, params=meta.codec, code_of_id=self._code_of_id(root, teacher), vocab_size=meta.vocab_size)
-        part = f"{time.time_ns():x}-{secrets.token_hex(4)}"
+        part = _new_part_name()
         with storage_errors(f"cannot write to {self.where}"):
             group = root[f"teachers/{teacher}/parts"].create_group(part)
             stored = sum(_write_array(group, name, values) for name, values in enc.arrays().items())
@@ -738,10 +876,16 @@ class PartWriter:
 
     def _code_of_id(self, root: zarr.Group, teacher: str) -> np.ndarray:
         if teacher not in self._codes:
-            group = root[f"teachers/{teacher}"]
-            codes = group["code_of_id"][:] if "code_of_id" in group else codec.identity_order(self.teachers[teacher].vocab_size)
+            with read_errors(f"the id order of teacher {teacher!r} (teachers/{teacher}/code_of_id)"):
+                group = root[f"teachers/{teacher}"]
+                codes = group["code_of_id"][:] if "code_of_id" in group else codec.identity_order(self.teachers[teacher].vocab_size)
             self._codes[teacher] = codes.astype(np.int64)
         return self._codes[teacher]
+
+
+def _new_part_name() -> str:
+    """Unique across processes and machines, and ordered by time for people reading the tree."""
+    return f"{time.time_ns():x}-{secrets.token_hex(4)}"
 
 
 def _keys(table: pa.Table) -> set[tuple[str, str]]:

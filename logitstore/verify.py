@@ -3,15 +3,23 @@
 Three layers catch damage: the Parquet index is content-addressed (its name is its checksum), every
 Zarr chunk carries a CRC32C (a damaged chunk fails to decode), and every sample's decoded arrays must
 hash to the `content_hash` the index recorded when it was written.
+
+Besides the samples, every teacher-level array (the codec's id order, the stored tokenizers, the
+student vocabulary maps) is read whole and checked for what it must be (a permutation, UTF-8 JSON, ids
+in range), and every group's and array's metadata document is opened: a version that `verify` calls
+whole is one that `show` and `train` can read.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 import numpy as np
 import pyarrow.compute as pc
+import zarr
 
+from logitstore.errors import StorageError
 from logitstore.index import sample_hashes
 from logitstore.samples import StudentTokens
 from logitstore.store import ENCODED_ARRAYS, StoreVersion, slice_row
@@ -23,14 +31,17 @@ class VerifyReport:
     samples: int = 0
     parts: int = 0
     damaged: dict[str, str] = field(default_factory=dict)  # "teacher/sample_id" -> what is wrong
+    arrays: int = 0  # teacher-level arrays read whole (id order, tokenizers, vocabulary maps)
+    damaged_arrays: dict[str, str] = field(default_factory=dict)  # "teachers/<t>/code_of_id" -> what is wrong
 
     @property
     def ok(self) -> bool:
-        return not self.damaged
+        return not self.damaged and not self.damaged_arrays
 
 
 def verify(version: StoreVersion) -> VerifyReport:
     report = VerifyReport(version=version.snapshot_id, samples=version.index.num_rows)
+    _check_metadata_and_teacher_arrays(version, report)
     idx = version.index
     for teacher, part in sorted(set(zip(idx["teacher"].to_pylist(), idx["part"].to_pylist()))):
         rows = idx.filter(pc.and_(pc.equal(idx["teacher"], teacher), pc.equal(idx["part"], part))).to_pylist()
@@ -43,11 +54,65 @@ def verify(version: StoreVersion) -> VerifyReport:
     return report
 
 
+def _check_metadata_and_teacher_arrays(version: StoreVersion, report: VerifyReport) -> None:
+    """Open every node's metadata, and read and check every array outside the parts (those are the
+    samples' arrays, checked per sample against the index)."""
+    try:
+        nodes = list(version.root.members(max_depth=None))
+    except StorageError:  # an outage is not damage: stop, exit 2
+        raise
+    except Exception as e:  # a metadata document that does not parse
+        report.damaged_arrays["/"] = _problem(e)
+        return
+    for path, node in sorted(nodes, key=lambda item: item[0]):
+        if not isinstance(node, zarr.Array) or "/parts/" in f"/{path}/":
+            continue
+        report.arrays += 1
+        try:
+            problem = _check_teacher_array(version, path, node[:])
+        except StorageError:  # an outage is not damage: stop, exit 2
+            raise
+        except Exception as e:  # a damaged chunk: decompression or checksum failure
+            problem = _problem(e)
+        if problem:
+            report.damaged_arrays[path] = problem
+
+
+def _check_teacher_array(version: StoreVersion, path: str, values: np.ndarray) -> str | None:
+    """What a teacher-level array must be, beyond its checksums."""
+    parts = path.split("/")  # teachers/<t>/<name> or teachers/<t>/students/<s>/<name>
+    meta = version.teachers.get(parts[1]) if len(parts) >= 3 and parts[0] == "teachers" else None
+    name = parts[-1]
+    if meta is None:
+        return None
+    if name == "code_of_id":
+        ok = len(values) == meta.vocab_size and np.array_equal(np.sort(values), np.arange(meta.vocab_size))
+        return None if ok else "not a permutation of the teacher's vocabulary"
+    if name == "tokenizer":
+        try:
+            json.loads(bytes(values).decode("utf-8"))
+        except ValueError:
+            return "not a UTF-8 JSON tokenizer"
+        return None
+    if name == "vocab_map":
+        student = next((st for st in meta.students if st["name"] == parts[-2]), None)
+        ok = (len(values) == meta.vocab_size and student is not None
+              and bool(((values >= -1) & (values < student["vocab_size"])).all()))
+        return None if ok else "student ids outside the student's vocabulary"
+    return None
+
+
+def _problem(e: Exception) -> str:
+    return f"unreadable: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}".rstrip(": ")
+
+
 def _read_part(version: StoreVersion, teacher: str, part: str) -> dict[str, np.ndarray] | None:
     """All arrays of a part, or None when any chunk fails to read (then rows are read one by one)."""
     try:
         group = version.part_group(teacher, part)
         return {name: version.array(teacher, part, name)[:] for name in ENCODED_ARRAYS if name in group}
+    except StorageError:  # an outage is not damage: stop, exit 2
+        raise
     except Exception:
         return None
 
@@ -73,8 +138,10 @@ def _check_row(version: StoreVersion, row: dict, whole: dict[str, np.ndarray] | 
         else:
             enc = version.encoded_row(row)
         students = _student_tokens(version, row)
+    except StorageError:  # an outage is not damage: stop, exit 2
+        raise
     except Exception as e:  # a damaged chunk: decompression or checksum failure
-        return f"unreadable: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}".rstrip(": ")
+        return _problem(e)
     n_pos = row["n_tokens"] - 1
     if len(enc.input_ids) != row["n_tokens"] or len(enc.tail) != n_pos or len(enc.entry_codes) != row["n_entries"]:
         return "index points outside the stored arrays"

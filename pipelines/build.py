@@ -26,16 +26,19 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
 
 from logitstore import codec
 from logitstore.codec import CodecParams
-from logitstore.errors import LogitstoreError
+from logitstore.errors import ConflictError, LogitstoreError
 from logitstore.pipelines import data as data_io
 from logitstore.pipelines.sparsify import Sparsity, default_sparsity
 from logitstore.pipelines.workers import Unit, make_executor, write_unit
 from logitstore.store import DEFAULT_BRANCH, Store, StudentTokenizer, TeacherMeta
 
 DEFAULT_STORE = "logitstore-store"
+ON_DUPLICATE = ("error", "replace", "skip")  # a document stored before under its id, with other text
 
 
 class BuildError(LogitstoreError):
@@ -68,6 +71,7 @@ class BuildConfig:
     progress: bool = True
     student_tokenizers: tuple[str, ...] = ()  # "[NAME=]TOK" each: align every sample to these too
     codec: CodecParams = field(default_factory=CodecParams)  # the value grid; benchmarks/frontier.py varies it
+    on_duplicate: str = "error"  # a document stored with other text: error, replace (recompute) or skip (keep)
 
     def __post_init__(self) -> None:
         if self.sparsity is None:  # the library and the CLI share one default
@@ -85,6 +89,8 @@ class BuildConfig:
             (self.engine in ("torch", "vllm"), f"--engine must be torch or vllm, got {self.engine!r}"),
             (self.dtype in ("auto", "float32", "bfloat16", "float16"),
              f"--dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}"),
+            (self.on_duplicate in ON_DUPLICATE,
+             f"--on-duplicate must be one of {', '.join(ON_DUPLICATE)}, got {self.on_duplicate!r}"),
         ]
         for ok, message in checks:
             if not ok:
@@ -100,6 +106,7 @@ class BuildSummary:
     skipped: int = 0  # documents too short to predict anything (< 2 tokens)
     duplicates: int = 0  # documents whose id appeared earlier in the input
     already_stored: int = 0  # samples committed by an earlier (interrupted) run of the build
+    changed: int = 0  # documents stored before with other text: replaced or kept, by --on-duplicate
     seconds: float = 0.0
     tokens_per_second: float = 0.0
     bytes_per_token: float | None = None
@@ -120,29 +127,24 @@ def run_build(cfg: BuildConfig, *, log: Callable[[str], None] | None = None) -> 
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     start = time.perf_counter()
     info = describe_teacher(cfg.teacher)
-    if cfg.sparsity.mode != "sampled" and cfg.sparsity.k > info.vocab_size:
-        raise BuildError(f"--top-k {cfg.sparsity.k} is larger than the teacher's vocabulary ({info.vocab_size})")
+    check_teacher_fits(cfg, info)
     students = load_student_tokenizers(cfg.student_tokenizers, teacher=info)
     store = Store.open(cfg.store, create=True)
-    if cfg.branch not in store.repo.list_branches():
+    if cfg.branch not in store.branches():
         store.create_branch(cfg.branch)
     meta = TeacherMeta(name=info.spec.name, vocab_size=info.vocab_size, content_hash=info.content_hash,
                        tokenizer_hash=info.tokenizer_hash, sparsity=cfg.sparsity.to_json(), codec=cfg.codec)
     summary = BuildSummary(teacher=meta.name)
-    with store.writer(branch=cfg.branch, on_duplicate="skip") as writer:
-        if meta.name in writer.teachers:
-            # only checks: refuses a different teacher, tokenizer, sparsity or set of student tokenizers
-            writer.add_teacher(meta, students=[st.registration for st in students])
-        known = {sid for t, sid in writer.known_keys() if t == meta.name}
-    units = plan_units(cfg, info.tokenizer, known=known, summary=summary, students=students)
+    stored = _stored_documents(store, cfg, meta, students)
+    units = plan_units(cfg, info.tokenizer, stored=stored, summary=summary, students=students,
+                       vocab_size=info.vocab_size)
     first = next(units, None)  # reads and checks the input before any model is loaded
     if first is not None:
         executor = make_executor(cfg, teacher_spec=info.spec)
         try:
             head = [first]
-            if meta.name not in store.read(cfg.branch).teachers:
-                _add_teacher_with_first_unit(store, cfg, meta, info, first, executor.compute(first), summary,
-                                             students=students)
+            if meta.name not in store.read(cfg.branch).teachers and _add_teacher_with_first_unit(
+                    store, cfg, meta, info, first, executor.compute(first), summary, students=students):
                 head = []
             _process(store, cfg, head, units, executor, summary, log)
         finally:
@@ -175,6 +177,7 @@ def run_builds(cfg: BuildConfig, teachers: list[str | None], *, log: Callable[[s
         total.samples += p.samples
         total.tokens += p.tokens
         total.already_stored += p.already_stored
+        total.changed += p.changed
         total.seconds += p.seconds
         total.commits += p.commits
         total.stored_bytes += p.stored_bytes
@@ -183,23 +186,57 @@ def run_builds(cfg: BuildConfig, teachers: list[str | None], *, log: Callable[[s
     return total
 
 
+def check_teacher_fits(cfg: BuildConfig, info) -> None:
+    """Options that the teacher's config alone can refuse, before anything is read or loaded."""
+    if cfg.sparsity.mode != "sampled" and cfg.sparsity.k > info.vocab_size:
+        raise BuildError(f"--top-k {cfg.sparsity.k} is larger than the teacher's vocabulary ({info.vocab_size})")
+    if info.max_positions is not None and cfg.max_length > info.max_positions:
+        raise BuildError(f"--max-length {cfg.max_length} exceeds the teacher's context of {info.max_positions} "
+                         f"tokens (its config's max_position_embeddings); use at most {info.max_positions}")
+
+
+def _stored_documents(store: Store, cfg: BuildConfig, meta: TeacherMeta, students: list[StudentSide]) -> StoredDocuments:
+    """What the branch holds of this teacher, after checking that the stored teacher is this one."""
+    with store.writer(branch=cfg.branch, on_duplicate="skip") as writer:
+        if meta.name in writer.teachers:
+            # only checks: refuses a different teacher, tokenizer, sparsity or set of student tokenizers
+            writer.add_teacher(meta, students=[st.registration for st in students])
+        return StoredDocuments.from_index(store.read_index(writer.base_snapshot), teacher=meta.name)
+
+
 def _add_teacher_with_first_unit(store: Store, cfg: BuildConfig, meta: TeacherMeta, info, unit: Unit,
-                                 samples, summary: BuildSummary, *, students: list[StudentSide]) -> None:
+                                 samples, summary: BuildSummary, *, students: list[StudentSide]) -> bool:
     """Register the teacher and write the first unit in one commit. The codec's id order and the
     mapped share of each student tokenizer come from the teacher's entries on that unit, so they cost
-    no extra forward pass; forks, which cannot create the shared teacher group, start after this commit."""
+    no extra forward pass; forks, which cannot create the shared teacher group, start after this commit.
+
+    Returns False when a concurrent build registered the teacher first: then this build goes on as a
+    resumed one (the first unit is computed again against the winner's id order, and what the winner
+    stored is skipped)."""
+    assert not unit.replaces, "a teacher new to the branch has no stored documents to replace"
     code_of_id = codec.frequency_id_order(samples.entry_ids, vocab_size=meta.vocab_size)
     registrations = [dataclasses.replace(st.registration, **_mapped_mass(samples, st.registration.vocab_map))
                      for st in students]
     with store.writer(branch=cfg.branch) as writer:
+        if meta.name in writer.teachers:  # registered by a concurrent build since this one looked
+            writer.add_teacher(meta, students=[st.registration for st in students])  # only checks it is this one
+            return False
         writer.add_teacher(meta, tokenizer_json=info.tokenizer.backend_tokenizer.to_str(), code_of_id=code_of_id,
                            students=registrations)
         written = write_unit(writer.part_writer(), unit, samples, teacher=meta.name)
-        summary.samples += writer.merge(written)
-        summary.tokens += unit.n_tokens
-        summary.stored_bytes += written.stored_bytes
-        writer.commit(cfg.message or f"build: teacher {meta.name} (first unit)")
-        summary.commits += 1
+        added = writer.merge(written)
+        try:
+            writer.commit(cfg.message or f"build: teacher {meta.name} (first unit)")
+        except ConflictError:
+            if meta.name not in store.read(cfg.branch).teachers:
+                raise
+            _stored_documents(store, cfg, meta, students)  # the winner's teacher must be this one
+            return False
+    summary.samples += added
+    summary.tokens += unit.n_tokens
+    summary.stored_bytes += written.stored_bytes
+    summary.commits += 1
+    return True
 
 
 def _process(store, cfg, head: list[Unit], rest: Iterator[Unit], executor, summary, log) -> None:
@@ -208,6 +245,7 @@ def _process(store, cfg, head: list[Unit], rest: Iterator[Unit], executor, summa
     last_commit = time.monotonic()
     try:
         for written, unit in executor.map(itertools.chain(head, rest), writer_for=lambda: writer, max_in_flight=2 * cfg.workers):
+            writer.remove(summary.teacher, unit.replaces)  # the changed documents' old windows
             added = writer.merge(written)
             summary.samples += added
             summary.tokens += unit.n_tokens if added else 0
@@ -217,9 +255,12 @@ def _process(store, cfg, head: list[Unit], rest: Iterator[Unit], executor, summa
                 _commit(writer, cfg, summary, final=False)
                 writer = store.writer(branch=cfg.branch, on_duplicate="skip")
                 last_commit = time.monotonic()
-        _commit(writer, cfg, summary, final=True)
+    except (data_io.DataError, BuildError):
+        _commit(writer, cfg, summary, final=False)  # a bad row further on keeps the units computed before it
+        raise
     finally:
         progress.close()
+    _commit(writer, cfg, summary, final=True)
 
 
 def _commit(writer, cfg: BuildConfig, summary: BuildSummary, *, final: bool) -> None:
@@ -233,9 +274,48 @@ def _commit(writer, cfg: BuildConfig, summary: BuildSummary, *, final: bool) -> 
 # -- planning: documents -> samples -> units ---------------------------------------------------
 
 
-def plan_units(cfg: BuildConfig, tokenizer, *, known: set[str], summary: BuildSummary,
-               students: list[StudentSide] = ()) -> Iterator[Unit]:
-    """Units of about `unit_tokens` tokens in input order, skipping units already stored."""
+@dataclass
+class StoredDocuments:
+    """What the branch already holds of one teacher, by document: a rerun skips what is stored, and
+    notices a document whose text changed under the same id (its source hash differs)."""
+
+    sample_ids: set[str] = field(default_factory=set)
+    source_of: dict[str, str | None] = field(default_factory=dict)  # document id -> its windows' source hash
+    ids_of: dict[str, list[str]] = field(default_factory=dict)  # document id -> its stored sample ids
+
+    MIXED = ""  # a document whose stored windows disagree (left by builds before source hashes were compared)
+
+    @classmethod
+    def from_index(cls, index: pa.Table, *, teacher: str) -> StoredDocuments:
+        rows = index.filter(pc.equal(index["teacher"], teacher))
+        sample_ids = rows["sample_id"].to_pylist()
+        documents = data_io.document_ids(rows["sample_id"]).to_pylist()
+        out = cls(sample_ids=set(sample_ids))
+        for sid, doc, source in zip(sample_ids, documents, rows["source_hash"].to_pylist()):  # per sample, once
+            out.ids_of.setdefault(doc, []).append(sid)
+            if out.source_of.setdefault(doc, source) != source:
+                out.source_of[doc] = cls.MIXED
+        return out
+
+    def changed(self, doc) -> bool:
+        """Stored under `doc.id` with other text. A source hash the store does not know (samples written
+        through the library without one) counts as unchanged."""
+        stored = self.source_of.get(doc.id)
+        return stored is not None and stored != doc.source_hash
+
+    def forget(self, doc_id: str) -> list[str]:
+        """Treat the document as not stored; returns its stored sample ids, to remove."""
+        ids = self.ids_of.pop(doc_id, [])
+        self.sample_ids.difference_update(ids)
+        self.source_of.pop(doc_id, None)
+        return ids
+
+
+def plan_units(cfg: BuildConfig, tokenizer, *, stored: StoredDocuments | None = None, summary: BuildSummary,
+               students: list[StudentSide] = (), vocab_size: int | None = None) -> Iterator[Unit]:
+    """Units of about `unit_tokens` tokens in input order, skipping units already stored. A long
+    document's windows fill as many units as they need, so commits keep coming."""
+    stored = stored if stored is not None else StoredDocuments()
     pending = Unit(index=0)
     seen: set[str] = set()
     for doc_batch in _batched(data_io.read_documents(cfg.data, text_column=cfg.text_column, id_column=cfg.id_column,
@@ -247,6 +327,12 @@ def plan_units(cfg: BuildConfig, tokenizer, *, known: set[str], summary: BuildSu
                 summary.duplicates += 1
                 continue
             seen.add(doc.id)
+            _check_token_ids(doc, token_ids, vocab_size=vocab_size)
+            if stored.changed(doc):
+                summary.changed += 1
+                if cfg.on_duplicate == "skip":
+                    continue
+                pending.replaces += _replace(doc, stored, cfg)
             windows = data_io.window(token_ids, max_length=cfg.max_length) if len(token_ids) >= 2 else []
             if not windows:
                 summary.skipped += 1
@@ -255,11 +341,27 @@ def plan_units(cfg: BuildConfig, tokenizer, *, known: set[str], summary: BuildSu
             for sid, win, start in zip(data_io.window_ids(doc.id, len(windows)), windows, starts.tolist()):
                 pending.add(sid, win, doc.source_hash,
                             students=_window_students(alignments, t_start=start, t_stop=start + len(win)))
-            if pending.n_tokens >= cfg.unit_tokens:
-                yield from _unless_stored(pending, known, summary)
-                pending = Unit(index=pending.index + 1)
+                if pending.n_tokens >= cfg.unit_tokens:
+                    yield from _unless_stored(pending, stored.sample_ids, summary)
+                    pending = Unit(index=pending.index + 1)
     if pending.sample_ids:
-        yield from _unless_stored(pending, known, summary)
+        yield from _unless_stored(pending, stored.sample_ids, summary)
+
+
+def _replace(doc, stored: StoredDocuments, cfg: BuildConfig) -> list[str]:
+    """A document stored with other text: its stored ids to remove (--on-duplicate replace), or the error."""
+    if cfg.on_duplicate == "replace":
+        return stored.forget(doc.id)
+    was = stored.source_of[doc.id] or "windows of mixed sources"
+    raise BuildError(f"document {doc.id!r} (input row {doc.row}) is stored with other text (source hash {was}, "
+                     f"now {doc.source_hash}); pass --on-duplicate replace to recompute it, or skip to keep the stored one")
+
+
+def _check_token_ids(doc, token_ids: np.ndarray, *, vocab_size: int | None) -> None:
+    """Pre-tokenized ids must be the teacher's: checked here, with the row, before any model loads."""
+    if vocab_size is not None and doc.token_ids is not None and len(token_ids) and int(token_ids.max()) >= vocab_size:
+        raise BuildError(f"document {doc.id!r} (input row {doc.row}): token id {int(token_ids.max())} is beyond the "
+                         f"teacher's vocabulary ({vocab_size} ids)")
 
 
 def _unless_stored(unit: Unit, known: set[str], summary: BuildSummary) -> Iterator[Unit]:

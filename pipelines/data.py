@@ -177,7 +177,8 @@ def window(token_ids: np.ndarray, *, max_length: int) -> list[np.ndarray]:
 
 def window_ids(doc_id: str, n_windows: int) -> list[str]:
     """Sample ids of a document's windows: the document id itself for one window, else
-    `<doc_id>#w<i>` for window i = 0 .. n_windows-1."""
+    `<doc_id>#w<i>` for window i = 0 .. n_windows-1. Document ids that end like a window id are
+    refused on input (`WINDOW_SUFFIX`), so a sample id names one document and one window."""
     if n_windows < 1:
         raise ValueError(f"n_windows must be >= 1, got {n_windows}")
     if n_windows == 1:
@@ -185,30 +186,14 @@ def window_ids(doc_id: str, n_windows: int) -> list[str]:
     return [f"{doc_id}#w{i}" for i in range(n_windows)]
 
 
-def input_fingerprint(
-    data: str | os.PathLike | None,
-    *,
-    text_column: str | None = "text",
-    id_column: str | None = None,
-    ids_column: str | None = None,
-) -> str:
-    """sha256 (first 32 hex digits) describing the input, so a build can refuse to resume over
-    different data: the effective columns, and per file its relative path, size and mtime_ns (no
-    file is read), or for the sample corpus (data None) the sha256 of its content."""
-    columns = _effective_columns(data, text_column=text_column, id_column=id_column, ids_column=ids_column)
-    description: dict = {"columns": [columns.text, columns.id, columns.ids]}
-    if data is None:
-        description["sample_corpus_sha256"] = _file_sha256(SAMPLE_CORPUS)
-    else:
-        root, files = _resolve(data)
-        base = root if root.is_dir() else root.parent
-        description["files"] = [
-            [path.relative_to(base).as_posix(), stat.st_size, stat.st_mtime_ns]
-            for path, _kind in files
-            for stat in [path.stat()]
-        ]
-    blob = json.dumps(description, sort_keys=True).encode("utf-8")
-    return hashlib.sha256(blob).hexdigest()[:32]
+# The suffix `window_ids` gives the windows of a long document. Reserved: an input id ending in it
+# could be a window of another document (ids `a#w1`, then a long `a`), and one would hide the other.
+WINDOW_SUFFIX = r"#w[0-9]+$"
+
+
+def document_ids(sample_ids: pa.Array) -> pa.Array:
+    """The document id of each sample id (its window suffix removed), vectorised."""
+    return pc.replace_substring_regex(sample_ids, pattern=WINDOW_SUFFIX, replacement="")
 
 
 def count_documents(data: str | os.PathLike | None) -> int | None:
@@ -324,14 +309,6 @@ def _hf_files(root: Path) -> list[tuple[Path, str]]:
     if not files:
         raise DataError(f"{root / 'state.json'}: lists no data files")
     return files
-
-
-def _file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 20):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -553,7 +530,7 @@ def _first_invalid_utf8(column: pa.Array) -> int:
 
 
 def _first_null(column: pa.Array) -> int:
-    return int(np.flatnonzero(column.is_null().to_numpy(zero_copy_only=False))[0])
+    return _first_true(column.is_null())
 
 
 def _id_values(column: pa.Array, name: str) -> list[str]:
@@ -562,9 +539,20 @@ def _id_values(column: pa.Array, name: str) -> list[str]:
         raise _BadColumn(f"id column {name!r} holds {t}; ids must be strings or integers")
     if column.null_count:
         raise _BadRow(_first_null(column), f"id column {name!r} is null")
-    if pa.types.is_integer(t):
-        return pc.cast(column, pa.string()).to_pylist()
-    return _as_utf8(column, name).to_pylist()
+    values = pc.cast(column, pa.string()) if pa.types.is_integer(t) else _as_utf8(column, name)
+    empty = pc.equal(pc.utf8_length(values), 0)
+    if pc.any(empty).as_py():
+        raise _BadRow(_first_true(empty), f"id column {name!r} is an empty string")
+    windowy = pc.match_substring_regex(values, pattern=WINDOW_SUFFIX)
+    if pc.any(windowy).as_py():
+        i = _first_true(windowy)
+        raise _BadRow(i, f"id column {name!r} holds {values[i].as_py()[:80]!r}, which ends like a window id "
+                         "('#w' and digits, reserved for the windows of long documents); rename it")
+    return values.to_pylist()
+
+
+def _first_true(mask: pa.Array) -> int:
+    return int(np.flatnonzero(mask.to_numpy(zero_copy_only=False))[0])
 
 
 def _text_values(column: pa.Array, name: str) -> list[str | None]:

@@ -202,6 +202,7 @@ class TeacherInfo:
     vocab_size: int
     content_hash: str
     tokenizer_hash: str
+    max_positions: int | None = None  # the model's context (config `max_position_embeddings`), if it says
 
 
 def describe_teacher(spec: TeacherSpec | str | None) -> TeacherInfo:
@@ -228,8 +229,9 @@ def _describe(spec: TeacherSpec) -> TeacherInfo:
         raise TeacherError(f"teacher {spec.name!r}: its config names no vocab_size")
     if len(tokenizer) > vocab_size:
         raise TeacherError(f"teacher {spec.name!r}: tokenizer has {len(tokenizer)} tokens but the model only predicts {vocab_size}")
-    return TeacherInfo(spec=spec, tokenizer=tokenizer, vocab_size=vocab_size,
-                       content_hash=_content_hash(spec), tokenizer_hash=tokenizer_hash(tokenizer))
+    max_positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    return TeacherInfo(spec=spec, tokenizer=tokenizer, vocab_size=vocab_size, content_hash=_content_hash(spec),
+                       tokenizer_hash=tokenizer_hash(tokenizer), max_positions=int(max_positions) if max_positions else None)
 
 
 def _load_model_and_tokenizer(spec: TeacherSpec, *, dtype: torch.dtype):

@@ -33,6 +33,9 @@ class Unit:
     documents_read: int = 0  # input documents consumed while this unit was filled (for progress)
     # per sample id: {student tokenizer name: (student ids, alignment groups [g, 4])}
     students: dict[str, dict] = field(default_factory=dict)
+    # stored sample ids of documents whose text changed (`--on-duplicate replace`): removed from the
+    # branch in the transaction that merges this unit, so no old window survives beside new ones
+    replaces: list[str] = field(default_factory=list)
 
     def add(self, sample_id: str, tokens: np.ndarray, source_hash: str, *, students: dict | None = None) -> None:
         self.sample_ids.append(sample_id)

@@ -89,3 +89,22 @@ def gpt2_tokenizer_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("tokenizers") / "gpt2"
     gpt2_tokenizer().save_pretrained(str(path))
     return path
+
+
+@pytest.fixture(scope="session")
+def tiny_teacher(tmp_path_factory) -> str:
+    """A 1-layer random Llama with SmolLM2's tokenizer and a 256-token context, saved as a Hugging Face
+    folder: real tokenizing, planning and writing where a real forward pass is not the point."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from logitstore.pipelines.teacher import describe_teacher
+
+    tokenizer = describe_teacher(None).tokenizer
+    path = tmp_path_factory.mktemp("teachers") / "tiny-teacher"
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256)
+    LlamaForCausalLM(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)

@@ -21,7 +21,6 @@ from logitstore.pipelines import data as data_mod
 from logitstore.pipelines.data import (
     DataError,
     Document,
-    input_fingerprint,
     read_documents,
     text_hash,
     window,
@@ -397,51 +396,6 @@ def test_not_arrow(tmp_path):
     (tmp_path / "d.arrow").write_bytes(b"this is not arrow at all")
     with raises(r"d\.arrow: cannot read as arrow"):
         list(read_documents(tmp_path / "d.arrow"))
-
-
-# ---------------------------------------------------------------------------------------------
-# Fingerprint
-
-
-def test_fingerprint_follows_the_data(tmp_path):
-    path = write_folder(tmp_path / "data", ROWS)
-    first = input_fingerprint(path, text_column="text", id_column=None, ids_column=None)
-    assert first == input_fingerprint(path, text_column="text", id_column=None, ids_column=None)
-    assert len(first) == 32
-    assert input_fingerprint(path, text_column="text", id_column="id", ids_column=None) != first
-    # ids win: the text column no longer matters
-    assert (input_fingerprint(path, text_column="text", id_column=None, ids_column="tok")
-            == input_fingerprint(path, text_column="x", id_column=None, ids_column="tok"))
-    part = path / "a" / "part0.jsonl"
-    stat = part.stat()
-    part.write_text(part.read_text().replace("Hello", "Jello"))  # same size
-    os.utime(part, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))
-    assert input_fingerprint(path, text_column="text", id_column=None, ids_column=None) != first
-
-
-def test_fingerprint_is_relative(tmp_path):
-    (tmp_path / "one").mkdir()
-    one = write_jsonl(tmp_path / "one" / "d.jsonl", ROWS)
-    two = tmp_path / "two"
-    two.mkdir()
-    (two / "d.jsonl").write_bytes(one.read_bytes())
-    stat = one.stat()
-    os.utime(two / "d.jsonl", ns=(stat.st_atime_ns, stat.st_mtime_ns))
-    kwargs = dict(text_column="text", id_column=None, ids_column=None)
-    assert input_fingerprint(tmp_path / "one", **kwargs) == input_fingerprint(two, **kwargs)
-    assert input_fingerprint(one, **kwargs) == input_fingerprint(two / "d.jsonl", **kwargs)
-
-
-def test_fingerprint_of_the_sample_corpus():
-    kwargs = dict(text_column="text", id_column=None, ids_column=None)
-    assert input_fingerprint(None, **kwargs) == input_fingerprint(None, **kwargs)
-    assert input_fingerprint(None, **kwargs) == input_fingerprint(None, text_column="text", id_column="id",
-                                                                  ids_column=None)
-
-
-def test_fingerprint_of_a_missing_path(tmp_path):
-    with raises("no such file or folder"):
-        input_fingerprint(tmp_path / "x.jsonl", text_column="text", id_column=None, ids_column=None)
 
 
 # ---------------------------------------------------------------------------------------------

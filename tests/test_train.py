@@ -84,6 +84,7 @@ def test_killed_run_resumes_with_bit_identical_losses(store, tmp_path):
     assert (out / "step-3").exists() and not (out / "step-6").exists()
     result = CliRunner().invoke(app, [*args, "--resume"])
     assert result.exit_code == 0, result.stderr
+    assert [r["step"] for r in metrics(out)] == [1, 2, 3, 4, 5, 6]  # a step logged before the kill: not twice
     resumed = {r["step"]: r["loss"] for r in metrics(out)}
     expected = {r["step"]: r["loss"] for r in metrics(reference)}
     assert [resumed[s] for s in (4, 5, 6)] == [expected[s] for s in (4, 5, 6)]

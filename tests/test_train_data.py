@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from logitstore import codec
-from logitstore.errors import LogitstoreError, StorageError
+from logitstore.errors import DamagedDataError, LogitstoreError
 from logitstore.store import Store, TeacherMeta
 from logitstore.synthetic import random_samples
 from logitstore.trainer.data import PackedBatch, PackedStream, is_eval_sample
@@ -328,7 +328,7 @@ def damaged_view(tmp_path_factory):
 @pytest.mark.parametrize("cache_bytes", [0, 1 << 30])
 def test_damaged_sample_is_named(damaged_view, cache_bytes):
     s = stream(damaged_view, seq_len=128, eval_fraction=0.0, cache_bytes=cache_bytes)
-    with pytest.raises(StorageError, match=r"cannot read sample 'doc-\d+' .*checksum"):
+    with pytest.raises(DamagedDataError, match=r"cannot read sample 'doc-\d+' .*checksum"):
         take(s, s.steps_per_epoch)  # raised in the prefetch thread, re-raised here
     s.close()
 

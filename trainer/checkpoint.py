@@ -4,7 +4,8 @@ Model and optimizer go through torch.distributed.checkpoint (each rank writes it
 reshards, so a run can resume on another process count). The rest of the run state (step, scheduler,
 data position, RNG) is small and identical on every rank: rank 0 writes it as `train_state.json`.
 A checkpoint is written to `step-N.partial/` and renamed to `step-N/` by rank 0 after every rank has
-finished, so a kill mid-save leaves a `.partial` folder that resuming ignores.
+finished, so a kill mid-save leaves a `.partial` folder that resuming ignores. `train_state.json` also
+names the store snapshot the run reads, so a resumed run reads it whatever the branch says now.
 """
 
 from __future__ import annotations
@@ -33,16 +34,27 @@ def save(out: Path, *, step: int, model, optimizer, train_state: dict) -> Path:
         (partial / "train_state.json").write_text(json.dumps(train_state))
     dist.barrier()
     if dist.get_rank() == 0:
+        if final.exists():  # a leftover that latest() skipped, or this step's state saved again: replaced whole
+            shutil.rmtree(final)
         partial.rename(final)
     dist.barrier()
     return final
+
+
+def step_of(path: Path) -> int:
+    return int(STEP_DIR.search(path.name).group(1))
 
 
 def latest(out: Path) -> Path | None:
     """The newest complete checkpoint: renamed from .partial and holding both metadata files."""
     complete = [p for p in out.glob("step-*") if STEP_DIR.search(p.name) and (p / ".metadata").is_file()
                 and (p / "train_state.json").is_file()]
-    return max(complete, key=lambda p: int(STEP_DIR.search(p.name).group(1)), default=None)
+    return max(complete, key=step_of, default=None)
+
+
+def train_state(path: Path) -> dict:
+    """A complete checkpoint's `train_state.json`: step, data position, RNG, store snapshot."""
+    return json.loads((path / "train_state.json").read_text())
 
 
 def load(path: Path, *, model, optimizer) -> dict:
@@ -50,4 +62,4 @@ def load(path: Path, *, model, optimizer) -> dict:
     state = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=str(path))
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    return json.loads((path / "train_state.json").read_text())
+    return train_state(path)

@@ -81,6 +81,9 @@ class TrainConfig:
         return self.seq_len * self.micro_batch * self.grad_accum * self.nproc
 
     def run_identity(self) -> dict:
-        """What must match to resume into an existing `--out` (not the step count, nor the process count)."""
-        skip = {"out", "steps", "resume", "force", "nproc", "log_every", "eval_every", "checkpoint_every", "on_error"}
+        """What must match to resume into an existing `--out` (not the step count, nor the process count).
+        Not `version` either: a resumed run reads the snapshot its run pinned, and `--version`, when
+        given, is checked against that snapshot (a branch name names another one once the branch moves)."""
+        skip = {"out", "steps", "resume", "force", "nproc", "log_every", "eval_every", "checkpoint_every", "on_error",
+                "version"}
         return {k: v for k, v in dataclasses.asdict(self).items() if k not in skip}

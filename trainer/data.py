@@ -44,9 +44,12 @@ The contract (tests/test_train_data.py holds the stream to it):
   on the queue. `prefetch=0` builds batches in the consumer's thread.
 - **Damaged data.** A sample whose arrays fail to read (a Zarr chunk failing its CRC32C, an index range
   outside the stored arrays, entry counts that disagree with the index, codes or token ids outside the
-  vocabulary) raises `StorageError` naming the sample id. With `on_error="skip"` its fragment becomes
+  vocabulary) raises `DamagedDataError` naming the sample id. With `on_error="skip"` its fragment becomes
   padding instead (document id -1, no targets, not counted in `n_tokens`), so the row sequence and the
   step count stay the same on every rank; `skipped_samples` counts distinct skipped ids.
+- **Outages.** A store that cannot be reached, or stops answering (`StorageLimits`), is not damage:
+  every read raises `StorageError` and stops the stream whatever `on_error` says, so a run never trains
+  on a store with holes punched by a network failure; it resumes from its last checkpoint.
 """
 
 from __future__ import annotations
@@ -66,8 +69,8 @@ import torch
 
 from logitstore import codec
 from logitstore.codec import EncodedSamples
-from logitstore.errors import LogitstoreError, StorageError
-from logitstore.store import StoreVersion
+from logitstore.errors import DamagedDataError, LogitstoreError, StorageError
+from logitstore.store import StoreVersion, read_errors
 
 SPLITS = ("train", "eval")
 ON_ERROR = ("raise", "skip")
@@ -233,7 +236,7 @@ def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
 _BUGS = (TypeError, AttributeError, NameError, AssertionError, ImportError)
 
 
-class _Damaged(Exception):
+class _Damaged(DamagedDataError):
     """Stored arrays that read without error but contradict the index or the vocabulary."""
 
 
@@ -325,8 +328,8 @@ class _Reader:
 
     def _read_part_safely(self, pieces: _Pieces, group: np.ndarray) -> list[EncodedSamples | Exception]:
         try:
-            return self._read_part(pieces, group)
-        except _BUGS:
+            return self._read_classified(pieces, group)
+        except (*_BUGS, StorageError):  # an outage stops the stream: it is never damage to skip
             raise
         except Exception:
             if len(group) == 1:
@@ -336,11 +339,18 @@ class _Reader:
 
     def _read_one(self, pieces: _Pieces, i: int) -> EncodedSamples | Exception:
         try:
-            return self._read_part(pieces, np.array([i]))[0]
-        except _BUGS:
+            return self._read_classified(pieces, np.array([i]))[0]
+        except (*_BUGS, StorageError):
             raise
-        except Exception as e:  # damaged or unreachable data: the stream names the sample or skips it
+        except Exception as e:  # damaged data: the stream names the sample or skips it
             return e
+
+    def _read_classified(self, pieces: _Pieces, group: np.ndarray) -> list[EncodedSamples]:
+        """`_read_part` with failures sorted as the store's own reads sort them: `StorageError` for an
+        outage, `DamagedDataError` for bytes that fail their checksum or do not decode."""
+        part = self.table.parts[int(self.table.part[pieces.row[group[0]]])]
+        with read_errors(f"part {part} of teacher {self.teacher!r}"):
+            return self._read_part(pieces, group)
 
     def _array(self, part: str, name: str):
         """The part's array: a Zarr array to slice, or in cache mode the whole array in memory."""
@@ -352,6 +362,8 @@ class _Reader:
             if (part, "whole", name) not in self._arrays:
                 try:
                     self._arrays[(part, "whole", name)] = self._zarr_array(part, name)[:]
+                except StorageError:  # an outage: the part is not damaged, and the stream stops anyway
+                    raise
                 except Exception:
                     self._sliced.add(part)
                     raise
@@ -586,14 +598,16 @@ class PackedStream:
         return self._assemble(pieces, ok, decoded)
 
     def _unreadable(self, row: int, error: Exception) -> None:
+        if isinstance(error, StorageError):  # an outage is never a damaged sample to skip
+            raise error
         sample_id = self.table.sample_ids[row]
         if self.on_error == "skip":
             self.skipped_ids.add(sample_id)
             return
         part = self.table.parts[int(self.table.part[row])]
         cause = str(error).splitlines()[0] if str(error) else type(error).__name__
-        raise StorageError(f"cannot read sample {sample_id!r} of teacher {self.teacher!r} (part {part}) in version "
-                           f"{self.view.snapshot_id}: {cause}") from error
+        raise DamagedDataError(f"cannot read sample {sample_id!r} of teacher {self.teacher!r} (part {part}) in version "
+                               f"{self.view.snapshot_id}: {cause} (--on-error skip trains without it)") from error
 
     def _decode(self, encoded: list[EncodedSamples], n_tokens: np.ndarray):
         """All pieces of the batch in one vectorised decode (each piece is a valid sample on its own:

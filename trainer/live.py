@@ -114,14 +114,15 @@ class LiveSamples:
 
 def plan_live_samples(cfg: LiveConfig) -> LiveSamples:
     """The build's planning (`build.plan_units`) with nothing stored yet, flattened and sorted by id."""
-    from logitstore.pipelines.build import BuildConfig, BuildSummary, plan_units
+    from logitstore.pipelines.build import BuildConfig, BuildSummary, check_teacher_fits, plan_units
     from logitstore.pipelines.teacher import describe_teacher
 
     info = describe_teacher(cfg.teacher)
     build_cfg = BuildConfig(data=cfg.data, text_column=cfg.text_column, id_column=cfg.id_column,
                             max_length=cfg.max_length, sparsity=cfg.sparsity, progress=False)
+    check_teacher_fits(build_cfg, info)
     ids, tokens = [], []
-    for unit in plan_units(build_cfg, info.tokenizer, known=set(), summary=BuildSummary()):
+    for unit in plan_units(build_cfg, info.tokenizer, summary=BuildSummary(), vocab_size=info.vocab_size):
         ids.extend(unit.sample_ids)
         tokens.extend(unit.tokens)
     order = sorted(range(len(ids)), key=lambda i: ids[i].encode("utf-8"))  # Arrow's byte order

@@ -39,7 +39,7 @@ import pyarrow.compute as pc
 import torch
 
 from logitstore.errors import LogitstoreError
-from logitstore.store import StoreVersion
+from logitstore.store import StoreVersion, read_errors
 from logitstore.trainer.data import (
     DEFAULT_CACHE_BYTES,
     PackedBatch,
@@ -265,10 +265,11 @@ class MixedStream(PackedStream):
             sel = np.flatnonzero(parts == code)
             r = own_rows[sel]
             base = f"teachers/{source.name}/parts/{st.table.parts[code]}/students/{source.student}"
-            ids, id_off = _gather(self._student_array(f"{base}/ids"), cols["student_start"][r],
-                                  cols["student_start"][r] + cols["n_student_tokens"][r])
-            groups, g_off = _gather(self._student_array(f"{base}/groups"), 4 * cols["group_start"][r],
-                                    4 * (cols["group_start"][r] + cols["n_groups"][r]))
+            with read_errors(f"the student tokens in {base}"):  # damage stops the run too; no per-sample skip here
+                ids, id_off = _gather(self._student_array(f"{base}/ids"), cols["student_start"][r],
+                                      cols["student_start"][r] + cols["n_student_tokens"][r])
+                groups, g_off = _gather(self._student_array(f"{base}/groups"), 4 * cols["group_start"][r],
+                                        4 * (cols["group_start"][r] + cols["n_groups"][r]))
             for k, j in enumerate(sel.tolist()):
                 out[j] = (ids[id_off[k]:id_off[k + 1]].astype(np.int64),
                           groups[g_off[k]:g_off[k + 1]].astype(np.int64).reshape(-1, 4))

@@ -1,9 +1,12 @@
 """Stage two: train a student from a pinned store version. Reads top to bottom, like nanoGPT's train.py.
 
-Order of construction (fixed, as in torchtitan): process group and mesh -> store version (pinned by
-snapshot id) -> student (seeded, then sharded with FSDP2) -> optimizer and schedule -> data stream ->
-resume from the newest complete checkpoint -> the loop. Every resumable piece is in the checkpoint:
-model and optimizer shards (DCP), step, data position and RNG state (train_state.json).
+Before any process starts, `run_folder.plan` checks `--out` (a new, empty or run-marked folder; what a
+resume continues from and which snapshot it reads). Order of construction (fixed, as in torchtitan):
+process group and mesh -> store version (pinned by snapshot id) -> student (seeded) -> the run takes
+`--out` (`run_folder.claim`) -> FSDP2 sharding -> optimizer and schedule -> data stream -> resume from
+the newest complete checkpoint -> the loop -> last checkpoint, final metrics, `final/`. Every resumable
+piece is in the checkpoint: model and optimizer shards (DCP), step, data position, RNG state and the
+store snapshot (train_state.json).
 
 Launch: `logitstore train --nproc N` spawns N processes itself; under `torchrun` the environment
 already names rank and world size and the same code runs. CPU uses gloo, CUDA uses NCCL.
@@ -12,9 +15,11 @@ already names rank and world size and the same code runs. CPU uses gloo, CUDA us
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import os
+import shutil
 import socket
 import sys
 import time
@@ -25,7 +30,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from logitstore.errors import LogitstoreError
-from logitstore.trainer import checkpoint
+from logitstore.trainer import checkpoint, run_folder
 from logitstore.trainer.config import TrainConfig, TrainConfigError
 
 
@@ -34,27 +39,43 @@ from logitstore.trainer.config import TrainConfig, TrainConfigError
 
 def launch(cfg: TrainConfig) -> dict:
     """Run training on `cfg.nproc` processes (or under torchrun); returns rank 0's final metrics."""
-    out = Path(cfg.out)
-    _prepare_out(out, cfg)
+    plan = run_folder.plan(cfg)
+    if plan.finished is not None:
+        print(f"the run in {plan.out} already finished at step {plan.resume_step}; nothing to do", file=sys.stderr)
+        return plan.finished
+    if plan.snapshot is not None:  # a resumed store run reads what its run pinned, not what the branch says now
+        cfg = dataclasses.replace(cfg, version=plan.snapshot)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # started by torchrun
-        return _run(cfg)
+        return _run(cfg, plan)
     if cfg.nproc == 1:
         with _single_process_env():
-            return _run(cfg)
+            return _run(cfg, plan)
+    _spawn(cfg, plan)
+    return json.loads((plan.out / "final_metrics.json").read_text())
+
+
+def _spawn(cfg: TrainConfig, plan: run_folder.RunPlan) -> None:
+    """`cfg.nproc` processes; a rank's LogitstoreError comes back through a queue and is raised here, so
+    the command prints one line and exits with its code (the parent sees only an exit status)."""
     import torch.multiprocessing as mp
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
-    mp.start_processes(_spawned, args=(cfg,), nprocs=cfg.nproc, start_method="spawn")
-    return json.loads((out / "final_metrics.json").read_text())
+    errors = mp.get_context("spawn").SimpleQueue()
+    try:
+        mp.start_processes(_spawned, args=(cfg, plan, errors), nprocs=cfg.nproc, start_method="spawn")
+    except mp.ProcessExitedException:
+        if errors.empty():  # killed, or a bug whose traceback the rank printed
+            raise
+        raise errors.get() from None
 
 
-def _spawned(rank: int, cfg: TrainConfig) -> None:
+def _spawned(rank: int, cfg: TrainConfig, plan: run_folder.RunPlan, errors) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(cfg.nproc), LOCAL_WORLD_SIZE=str(cfg.nproc))
     try:
-        _run(cfg)
-    except LogitstoreError as e:  # one clear line from the rank that saw it, not N tracebacks
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        raise SystemExit(2) from None
+        _run(cfg, plan)
+    except LogitstoreError as e:  # to the parent, which prints it once, not once per rank
+        errors.put(e)
+        raise SystemExit(e.exit_code) from None
 
 
 @contextlib.contextmanager
@@ -81,29 +102,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _prepare_out(out: Path, cfg: TrainConfig) -> None:
-    """Refuse to mix runs: an --out holding another configuration needs --resume (same config) or --force."""
-    config_file = out / "config.json"
-    if config_file.exists():
-        previous = json.loads(config_file.read_text())
-        if cfg.force:
-            import shutil
-
-            shutil.rmtree(out)
-        elif not cfg.resume:
-            raise TrainConfigError(f"--out {out} already holds a run; pass --resume to continue it or --force to replace it")
-        elif previous != cfg.run_identity():
-            changed = sorted(k for k in set(previous) | set(cfg.run_identity()) if previous.get(k) != cfg.run_identity().get(k))
-            raise TrainConfigError(f"--out {out} holds a run with another configuration ({', '.join(changed)}); "
-                                   "use a new --out or --force")
-    out.mkdir(parents=True, exist_ok=True)
-    config_file.write_text(json.dumps(cfg.run_identity(), indent=2))
-
-
 # -- one rank --------------------------------------------------------------------------------------
 
 
-def _run(cfg: TrainConfig) -> dict:
+def _run(cfg: TrainConfig, plan: run_folder.RunPlan) -> dict:
     # CUDA only when every rank on this node gets a GPU of its own (NCCL refuses two ranks on one GPU);
     # otherwise the ranks train on the CPU over gloo, as on a machine without a GPU.
     cuda = torch.cuda.is_available() and torch.cuda.device_count() >= int(os.environ.get("LOCAL_WORLD_SIZE", 1))
@@ -111,12 +113,12 @@ def _run(cfg: TrainConfig) -> dict:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     dist.init_process_group("nccl" if cuda else "gloo")
     try:
-        return _train(cfg, cuda=cuda)
+        return _train(cfg, plan, cuda=cuda)
     finally:
         dist.destroy_process_group()
 
 
-def _train(cfg: TrainConfig, *, cuda: bool) -> dict:
+def _train(cfg: TrainConfig, plan: run_folder.RunPlan, *, cuda: bool) -> dict:
     from logitstore.trainer.losses import LossConfig
     from logitstore.trainer.model import build_student, max_positions, shard
 
@@ -133,6 +135,10 @@ def _train(cfg: TrainConfig, *, cuda: bool) -> dict:
     model, _tokenizer = build_student(cfg.student, vocab_size=signal.vocab_size, seed=cfg.seed)
     if cfg.seq_len > max_positions(model):
         raise TrainConfigError(f"--seq-len {cfg.seq_len} exceeds the student's {max_positions(model)} positions")
+    # Only now, with store and student accepted, does the run take --out: a failed start leaves it as it was.
+    if rank == 0:
+        run_folder.claim(plan, cfg, snapshot=signal.snapshot)
+    dist.barrier()
     model = shard(model.to(device), mesh=mesh, offload_optimizer=cfg.offload_optimizer, cuda=cuda)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     loss_cfg = LossConfig(kind=cfg.loss, temperature=cfg.kd_temperature, alpha=cfg.alpha, jsd_beta=cfg.jsd_beta)
@@ -140,12 +146,13 @@ def _train(cfg: TrainConfig, *, cuda: bool) -> dict:
     signal.start(cfg)
     stream = signal.stream(cfg, rank=rank, world_size=world, split="train")
     step = 0
-    resumed_from = checkpoint.latest(out) if cfg.resume else None
+    resumed_from = plan.resume_from
     if resumed_from is not None:
         state = checkpoint.load(resumed_from, model=model, optimizer=optimizer)
         step = state["step"]
         stream.load_state_dict(state["data"])
         torch.set_rng_state(torch.tensor(state["rng"], dtype=torch.uint8))
+    resumed_step = step
 
     metrics_file = (out / "metrics.jsonl").open("a") if rank == 0 else None
     header = {"event": "start", "store": cfg.store, "version": signal.version, "teacher": teacher,
@@ -154,7 +161,7 @@ def _train(cfg: TrainConfig, *, cuda: bool) -> dict:
               "signal": signal.kind, **signal.header()}
     _log(metrics_file, header)
     batches = iter(stream)
-    record: dict = {}
+    record = run_folder.last_record(out, step=step) if resumed_from is not None else {}
     try:
         while step < cfg.steps:
             lr = _lr_at(step, cfg)
@@ -174,19 +181,21 @@ def _train(cfg: TrainConfig, *, cuda: bool) -> dict:
             _log(metrics_file, record, echo=step % cfg.log_every == 0 or step == cfg.steps)
             if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step < cfg.steps:
                 checkpoint.save(out, step=step, model=model, optimizer=optimizer,
-                                train_state=_train_state(step, stream))
-        checkpoint.save(out, step=step, model=model, optimizer=optimizer, train_state=_train_state(step, stream))
-        _export_final(model, signal.tokenizer(), out=out)
+                                train_state=_train_state(step, stream, signal))
+        if step > resumed_step:  # a resumed run at or past --steps holds its last checkpoint already
+            checkpoint.save(out, step=step, model=model, optimizer=optimizer,
+                            train_state=_train_state(step, stream, signal))
+        if rank == 0:
+            (out / "final_metrics.json").write_text(json.dumps(record))
+            from logitstore.trainer.plots import plot_metrics
+
+            plot_metrics(out)
+        _export_final(model, signal.tokenizer(), out=out)  # last: final/ exists only once the run is done
     finally:
         stream.close()
         signal.close()
         if metrics_file:
             metrics_file.close()
-    if rank == 0:
-        (out / "final_metrics.json").write_text(json.dumps(record))
-        from logitstore.trainer.plots import plot_metrics
-
-        plot_metrics(out)
     return record
 
 
@@ -267,6 +276,7 @@ class StoreSignal:
             raise TrainConfigError(f"version {self.view.snapshot_id} of {cfg.store} holds no samples")
         self.sources, self.vocab = plan_sources(self.view, cfg)
         self.teacher, self.version, self.vocab_size = self.sources[0].name, self.view.snapshot_id, self.vocab.vocab_size
+        self.snapshot = self.view.snapshot_id  # what a resumed run reads again
 
     def start(self, cfg: TrainConfig) -> None:
         pass
@@ -306,6 +316,7 @@ class LiveSignal:
             raise TrainConfigError("--live-teacher: the student's tokenizer differs from the teacher's; live mode "
                                    "needs the same tokenizer (cross-tokenizer students train from a store)")
         self.teacher, self.version, self.vocab_size = self.samples.teacher_name, self.samples.fingerprint, self.samples.vocab_size
+        self.snapshot = None  # no store: nothing to pin
         self.sources = [Source(self.teacher, 1.0, None)]
         self.client = None
 
@@ -408,8 +419,8 @@ def _all_reduce_mean(values: dict[str, float]) -> dict[str, float]:
     return {k: float(v) / dist.get_world_size() for k, v in zip(keys, t.tolist())}
 
 
-def _train_state(step: int, stream) -> dict:
-    return {"step": step, "data": stream.state_dict(), "rng": torch.get_rng_state().tolist()}
+def _train_state(step: int, stream, signal) -> dict:
+    return {"step": step, "data": stream.state_dict(), "rng": torch.get_rng_state().tolist(), "snapshot": signal.snapshot}
 
 
 def _log(metrics_file, record: dict, *, echo: bool = False) -> None:
@@ -464,18 +475,24 @@ def evaluate(model, signal, *, cfg: TrainConfig, device) -> dict:
 
 
 def _export_final(model, tokenizer, *, out: Path) -> None:
-    """Gather the full weights and save a plain Hugging Face model (with tokenizer) in OUT/final/."""
+    """Gather the full weights and save a plain Hugging Face model (with tokenizer) in OUT/final/, written
+    as final.partial/ and renamed, so final/ exists only complete (the run claimed --out, removing any
+    previous export)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if dist.get_rank() == 0:
         from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
+        partial = out / "final.partial"
+        if partial.exists():
+            shutil.rmtree(partial)
         plain = AutoModelForCausalLM.from_config(model.config)
         plain.load_state_dict(full)
-        plain.save_pretrained(out / "final")
+        plain.save_pretrained(partial)
         if tokenizer is not None:
-            PreTrainedTokenizerFast(tokenizer_object=tokenizer).save_pretrained(out / "final")
+            PreTrainedTokenizerFast(tokenizer_object=tokenizer).save_pretrained(partial)
+        partial.rename(out / "final")
     dist.barrier()
 
 

@@ -1,0 +1,184 @@
+"""The run folder (`--out`): which folder a run may take, what `--force` removes, where a resumed run
+continues and which store snapshot it reads.
+
+A run marks the folder it takes with `logitstore-run.json` (the format, the run's identity and the store
+snapshot it reads). `--out` may be a new folder, an empty one, or a folder a run marked; a folder that
+holds anything else is refused, with or without `--force`: `--force` removes only what a run writes
+(`_RUN_ENTRIES`), and a folder without the marker was not made by a run. `plan` decides before any
+process starts and writes nothing but the empty folder; `claim` takes the folder once the run's
+configuration has passed the checks that need the store and the student, so a failed start leaves it
+as it was.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from logitstore.trainer import checkpoint
+from logitstore.trainer.config import TrainConfig, TrainConfigError
+
+MARKER = "logitstore-run.json"
+_FORMAT = {"format": "logitstore-run", "format_version": 1}
+# Everything a run writes into --out, and so everything --force may remove.
+_RUN_ENTRIES = re.compile(r"step-\d+(\.partial)?|final(\.partial)?|final_metrics\.json|training\.png"
+                          r"|metrics\.jsonl(\.partial)?|logitstore-run\.json(\.partial)?")
+# The previous export: a run that trains or exports again replaces it, so final/ exists only while it
+# belongs to the newest checkpoint (that is what makes a resumed finished run a no-op).
+_EXPORT_ENTRIES = ("final", "final.partial", "final_metrics.json")
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """What a run does with its folder, decided before any process starts."""
+
+    out: Path
+    resume_from: Path | None = None  # the newest complete checkpoint, which a resumed run loads
+    snapshot: str | None = None  # the store snapshot the folder's run pinned, which a resumed run reads
+    replace: bool = False  # --force on a marked folder: the old run's entries go when the run claims it
+    finished: dict | None = None  # a resumed run that already finished: its final metrics
+
+    @property
+    def resume_step(self) -> int:
+        return checkpoint.step_of(self.resume_from) if self.resume_from is not None else 0
+
+
+def plan(cfg: TrainConfig) -> RunPlan:
+    """Check --out against the options; refuse in one line what the run must not touch."""
+    out = Path(cfg.out)
+    _ensure_writable(out)
+    marker = read_marker(out)
+    if marker is None:
+        if any(out.iterdir()):
+            raise TrainConfigError(f"--out {out} holds files but no logitstore run (no {MARKER}); use a new or "
+                                   "empty folder (--force replaces only a folder a run marked)")
+        return RunPlan(out)
+    if cfg.force:
+        return RunPlan(out, replace=True)
+    if not cfg.resume:
+        raise TrainConfigError(f"--out {out} already holds a run; pass --resume to continue it or --force to "
+                               "replace it")
+    return _resume_plan(out, marker, cfg)
+
+
+def _ensure_writable(out: Path) -> None:
+    """Create --out (an empty folder claims nothing) and write a nameless file in it: os.access misses
+    read-only mounts for root, and a rank's OSError would be a traceback."""
+    if out.exists() and not out.is_dir():
+        raise TrainConfigError(f"--out {out} is a file, not a folder")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out):
+            pass
+    except OSError as e:
+        raise TrainConfigError(f"--out {out} cannot be written: {e.strerror or e}") from None
+
+
+def read_marker(out: Path) -> dict | None:
+    path = out / MARKER
+    if not path.exists():
+        return None
+    try:
+        marker = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise TrainConfigError(f"--out {out}: its run marker {MARKER} cannot be read ({e})") from None
+    if not isinstance(marker, dict) or {k: marker.get(k) for k in _FORMAT} != _FORMAT:
+        raise TrainConfigError(f"--out {out}: {MARKER} is not a run marker this logitstore writes ({_FORMAT})")
+    return marker
+
+
+def _resume_plan(out: Path, marker: dict, cfg: TrainConfig) -> RunPlan:
+    _check_identity(out, marker["identity"], cfg)
+    resume_from = checkpoint.latest(out)
+    state = checkpoint.train_state(resume_from) if resume_from is not None else {}
+    snapshot = state.get("snapshot", marker["snapshot"])
+    if snapshot is not None and cfg.version is not None:
+        _check_version(out, cfg, snapshot)
+    finished = None
+    # A run finishes by exporting final/ last, and a run that continues removes the old final/ first.
+    if resume_from is not None and state["step"] >= cfg.steps and (out / "final").is_dir():
+        finished = json.loads((out / "final_metrics.json").read_text())
+    return RunPlan(out, resume_from=resume_from, snapshot=snapshot, finished=finished)
+
+
+def _check_identity(out: Path, previous: dict, cfg: TrainConfig) -> None:
+    current = json.loads(json.dumps(cfg.run_identity()))  # as the marker holds it: tuples are lists there
+    changed = sorted(k for k in set(previous) | set(current) if previous.get(k) != current.get(k))
+    if changed:
+        raise TrainConfigError(f"--out {out} holds a run with another configuration ({', '.join(changed)}); "
+                               "use a new --out or --force")
+
+
+def _check_version(out: Path, cfg: TrainConfig, snapshot: str) -> None:
+    """--version with --resume must name the snapshot the run reads (a tag, a branch still there, the id)."""
+    from logitstore.store import Store
+
+    requested = Store.open(cfg.store).resolve(cfg.version)
+    if requested != snapshot:
+        raise TrainConfigError(f"--out {out} trains on version {snapshot}, but --version {cfg.version} is {requested}; "
+                               "leave out --version to resume, or use a new --out")
+
+
+def claim(plan: RunPlan, cfg: TrainConfig, *, snapshot: str | None) -> None:
+    """Take --out for this run (rank 0, once the configuration passed): remove the old run's entries
+    (--force) or the previous export, drop the metrics past the checkpoint a resumed run continues from,
+    and write the marker."""
+    out = plan.out
+    try:
+        for path in _doomed(plan):
+            _remove(path)
+        if cfg.resume:
+            truncate_metrics(out / "metrics.jsonl", step=plan.resume_step)
+        _write_atomic(out / MARKER, json.dumps({**_FORMAT, "identity": cfg.run_identity(), "snapshot": snapshot},
+                                               indent=2))
+    except OSError as e:
+        raise TrainConfigError(f"--out {out} cannot be written: {e.strerror or e}") from None
+
+
+def _doomed(plan: RunPlan) -> list[Path]:
+    if plan.replace:
+        return [path for path in plan.out.iterdir() if _RUN_ENTRIES.fullmatch(path.name)]
+    return [plan.out / name for name in _EXPORT_ENTRIES]
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def truncate_metrics(path: Path, *, step: int) -> None:
+    """Keep the start events and the step records up to `step`, the checkpoint a resumed run continues
+    from: a killed run logged steps past it that the resumed run logs again. A line the kill cut short
+    goes too. Costs one read and rewrite of the file per resume."""
+    if not path.exists():
+        return
+    kept = [line for line in path.read_text().splitlines() if _record_upto(line, step)]
+    _write_atomic(path, "".join(f"{line}\n" for line in kept))
+
+
+def _record_upto(line: str, step: int) -> bool:
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return False
+    return isinstance(record, dict) and record.get("step", 0) <= step
+
+
+def last_record(out: Path, *, step: int) -> dict:
+    """The metrics record of `step` (what final_metrics.json holds when a resumed run only exports)."""
+    path = out / "metrics.jsonl"
+    records = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    return next((r for r in reversed(records) if r.get("step") == step), {})
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    partial = path.with_name(f"{path.name}.partial")
+    partial.write_text(text)
+    os.replace(partial, path)
