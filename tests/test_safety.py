@@ -342,10 +342,11 @@ def test_writes_to_a_read_only_filesystem_are_one_line(tiny_teacher, tmp_path):
     import subprocess
     import sys
 
-    if shutil.which("unshare") is None or subprocess.run(["unshare", "-m", "true"], capture_output=True).returncode:
-        pytest.skip("no private mount namespace here (unshare -m needs CAP_SYS_ADMIN)")
     uri = str(tmp_path / "store")
     write_store(uri)
+    probe = ["unshare", "-m", "sh", "-c", f"mount --bind {uri} {uri} && mount -o remount,bind,ro {uri} {uri}"]
+    if shutil.which("unshare") is None or subprocess.run(probe, capture_output=True).returncode:
+        pytest.skip("cannot make a read-only bind mount in a private mount namespace here (needs CAP_SYS_ADMIN)")
     data = jsonl(tmp_path / "d.jsonl", [{"text": LONG}])
     result = subprocess.run(["unshare", "-m", sys.executable, "-c", READ_ONLY, uri, str(data), tiny_teacher],
                             capture_output=True, text=True, timeout=300)
