@@ -1,17 +1,30 @@
-"""What the store side costs a build: teacher forward alone versus the whole `logitstore build`.
+"""What the store side costs a build: the teacher's forward passes alone versus the whole `logitstore build`.
 
-Both run in one process on the same samples and the same batches (the teacher is loaded once and
-shared), alternating, so machine noise hits both alike. The difference is everything that is not the
-teacher: reading and tokenizing, windowing, entry selection, encoding, compression, writing, commits.
-Target: the store side adds under 5% to the teacher's time.
+Like with like: both sides use the same sparsity (default `--sample 16`, the build's default; `--top-k K`
+for top-k), the same windows, units and batches (the build's own planning, `build.plan_units`, and
+batching, `workers.token_budget_batches`), and per unit the same sampling seed. The difference is
+everything that is not the teacher's forward pass: reading and tokenizing, entry selection
+(`sparsify.to_samples`), encoding, compression, writing, merging and commits. Runs alternate (forward
+alone, then build) and each side keeps its best of `--repeats`. Target: the store side adds < 5%.
 
-    python benchmarks/build.py                   # ~8k tokens of the sample corpus, CPU
-    python benchmarks/build.py --tokens 50000 --device cuda
+Two teachers, side by side:
+
+- the real default teacher (SmolLM2-135M, 49,152-token vocabulary) on `--device`;
+- stand-ins as fast as a GPU (`--standin-rate`, tokens/s; default 250k and 1M): the real teacher's output
+  rows (computed once, before any timing, over one unit's worth of the corpus: real log-softmax
+  values, draws and tails) replayed at that rate. A stand-in batch takes exactly tokens / rate seconds:
+  the rest of that time it sleeps, as a host thread waits on a GPU, so the CPU is free meanwhile. The
+  build runs its own selection, encoding and writes on what it returns. Its rows cycle through the
+  pool, which holds a whole unit, so no part holds a row twice and compression sees real data.
+
+    python benchmarks/build.py                              # sampled-16, CPU teacher, stand-ins at 250k and 1M tokens/s
+    python benchmarks/build.py --top-k 64 --device cuda --tokens 65536
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import tempfile
 import time
@@ -21,71 +34,269 @@ import numpy as np
 import torch
 
 from logitstore.data import SAMPLE_CORPUS
-from logitstore.pipelines.build import BuildConfig, run_build
-from logitstore.pipelines.data import window
-from logitstore.pipelines.teacher import describe_teacher, sparse_topk_forward
-from logitstore.pipelines.workers import _load_teacher_once, token_budget_batches
+from logitstore.pipelines import build as build_module
+from logitstore.pipelines import teacher as teacher_module
+from logitstore.pipelines.build import BuildConfig, BuildSummary, plan_units, run_build
+from logitstore.pipelines.sparsify import Sparsity
+from logitstore.pipelines.teacher import SparseBatch, describe_teacher
+from logitstore.pipelines.workers import _load_teacher_once, _unit_seed, token_budget_batches
 
 
-def corpus_slice(path: Path, *, tokens: int, tokenizer) -> int:
-    """Write the first documents of the sample corpus holding about `tokens` tokens; returns the count."""
-    total, lines = 0, []
-    for line in SAMPLE_CORPUS.read_text().splitlines():
-        n = len(tokenizer(json.loads(line)["text"])["input_ids"])
-        lines.append(line)
-        total += n
-        if total >= tokens:
-            break
+def corpus(path: Path, *, tokens: int, tokenizer) -> int:
+    """Documents of the sample corpus holding about `tokens` tokens, repeated under new ids when the
+    corpus is shorter; returns the token count."""
+    docs = [json.loads(line) for line in SAMPLE_CORPUS.read_text().splitlines()]
+    lengths = [len(ids) for ids in tokenizer([d["text"] for d in docs])["input_ids"]]
+    total, lines, copy = 0, [], 0
+    while total < tokens:
+        for doc, n in zip(docs, lengths):
+            lines.append(json.dumps({"id": f"{doc['id']}~{copy}", "text": doc["text"]}))
+            total += n
+            if total >= tokens:
+                break
+        copy += 1
     path.write_text("\n".join(lines) + "\n")
     return total
 
 
-def forward_only(model, tokenizer, data: Path, *, max_length: int, batch_tokens: int, k: int) -> float:
-    """The teacher's share: the same windows and batches as the build, forward passes only."""
-    windows = [w for line in data.read_text().splitlines()
-               for w in window(np.array(tokenizer(json.loads(line)["text"])["input_ids"]), max_length=max_length)]
-    lengths = np.array([len(w) for w in windows])
-    order = np.argsort(-lengths, kind="stable")
-    start = time.perf_counter()
-    for rows in token_budget_batches(lengths[order], order, budget=batch_tokens):
-        ids = torch.zeros((len(rows), lengths[rows].max()), dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for r, i in enumerate(rows):
-            ids[r, : lengths[i]] = torch.as_tensor(windows[i])
-            mask[r, : lengths[i]] = 1
-        sparse_topk_forward(model, ids, mask, k=k)
-    return time.perf_counter() - start
+def config(args, *, store: str, data: Path) -> BuildConfig:
+    return BuildConfig(store=store, data=str(data), id_column="id", max_length=args.max_length,
+                       batch_tokens=args.batch_tokens, unit_tokens=args.unit_tokens, device=args.device,
+                       sparsity=args.sparsity, seed=0, progress=False)
+
+
+def forward(model, ids: torch.Tensor, mask: torch.Tensor, sparsity: Sparsity, generator) -> SparseBatch:
+    """The teacher's forward pass as `TeacherWorker._forward` runs it (looked up at call time, so a
+    stand-in patched into the module runs here too)."""
+    if sparsity.mode == "sampled":
+        return teacher_module.sampled_forward(model, ids, mask, n=sparsity.n, generator=generator,
+                                              temperature=sparsity.temperature)
+    return teacher_module.sparse_topk_forward(model, ids, mask, k=sparsity.k, temperature=sparsity.temperature)
+
+
+def batches(cfg: BuildConfig, tokenizer) -> list[tuple[int, list]]:
+    """Per unit, in the build's order: its sampling seed and the (ids, mask) of each batch the build runs."""
+    out = []
+    for unit in plan_units(cfg, tokenizer, summary=BuildSummary()):
+        lengths = np.array([len(t) for t in unit.tokens])
+        order = np.argsort(-lengths, kind="stable")
+        unit_batches = []
+        for rows in token_budget_batches(lengths[order], order, budget=cfg.batch_tokens):
+            ids = torch.zeros((len(rows), lengths[rows].max()), dtype=torch.long)
+            mask = torch.zeros_like(ids)
+            for r, i in enumerate(rows):  # one copy per sample
+                ids[r, : lengths[i]] = torch.as_tensor(unit.tokens[i])
+                mask[r, : lengths[i]] = 1
+            unit_batches.append((ids, mask))
+        out.append((_unit_seed(cfg.seed, unit), unit_batches))
+    return out
+
+
+def each_batch(model, planned):
+    """(ids, mask, generator) of every planned batch; one generator per unit, seeded as the build seeds it."""
+    for seed, unit_batches in planned:
+        generator = torch.Generator(device=model.device).manual_seed(seed)
+        for ids, mask in unit_batches:
+            yield ids, mask, generator
+
+
+def forward_only(model, planned, sparsity: Sparsity) -> tuple[float, list[float]]:
+    """(seconds, seconds of each unit) of the teacher's forward passes over the planned batches."""
+    per_unit = []
+    for seed, unit_batches in planned:
+        start = time.perf_counter()
+        for ids, mask, generator in each_batch(model, [(seed, unit_batches)]):
+            forward(model, ids, mask, sparsity, generator)
+        per_unit.append(time.perf_counter() - start)
+    return sum(per_unit), per_unit
+
+
+class StandIn:
+    """A teacher as fast as a GPU: replays real output rows at `rate` tokens/s (see the module docstring)."""
+
+    def __init__(self, pool: dict[str, np.ndarray], *, rate: float):
+        self.pool, self.rate, self.cursor = pool, rate, 0
+        self.rows = len(pool["tail"])
+
+    @classmethod
+    def pool_from(cls, model, planned, sparsity: Sparsity) -> dict[str, np.ndarray]:
+        """The real teacher's rows (every real position of the planned batches), before selection."""
+        parts = {"ids": [], "logprobs": [], "target": [], "tail": []}
+        for ids, mask, generator in each_batch(model, planned):
+            batch = forward(model, ids, mask, sparsity, generator)
+            valid = mask[:, 1:].bool().numpy()  # position t predicts token t + 1
+            parts["ids"].append(batch.ids.cpu().numpy()[valid])
+            parts["logprobs"].append(batch.logprobs.cpu().numpy()[valid])
+            parts["target"].append(batch.target_logprob.cpu().numpy()[valid])
+            parts["tail"].append(batch.tail.cpu().numpy()[valid])
+        return {k: np.concatenate(v) for k, v in parts.items()}
+
+    def forward(self, model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **_) -> SparseBatch:
+        start = time.perf_counter()
+        b, t = input_ids.shape
+        take = (self.cursor + np.arange(b * (t - 1))) % self.rows  # padding positions too, as a GPU computes them
+        self.cursor = (self.cursor + len(take)) % self.rows
+        width = self.pool["ids"].shape[1]
+        batch = SparseBatch(
+            ids=torch.from_numpy(self.pool["ids"][take].reshape(b, t - 1, width)),
+            logprobs=torch.from_numpy(self.pool["logprobs"][take].reshape(b, t - 1, width)),
+            target_logprob=torch.from_numpy(self.pool["target"][take].reshape(b, t - 1)),
+            tail=torch.from_numpy(self.pool["tail"][take].reshape(b, t - 1)))
+        tokens = int(attention_mask.sum()) if attention_mask is not None else b * t
+        left = tokens / self.rate - (time.perf_counter() - start)
+        if left > 0:
+            time.sleep(left)  # the GPU's share: the host waits, its CPU free
+        return batch
+
+    @contextlib.contextmanager
+    def installed(self):
+        """The build's workers call the teacher module's forward functions: point both at this stand-in,
+        from the pool's first row (so every run stores the same rows)."""
+        self.cursor = 0
+        saved = teacher_module.sparse_topk_forward, teacher_module.sampled_forward
+        teacher_module.sparse_topk_forward = teacher_module.sampled_forward = self.forward
+        try:
+            yield
+        finally:
+            teacher_module.sparse_topk_forward, teacher_module.sampled_forward = saved
+
+
+class UnitClock:
+    """When the build's driver merges each unit (it updates its progress then, shown or not), to time the
+    steady state: the units after the first two (the first is computed alone with the teacher's
+    registration, the second fills the pipeline)."""
+
+    def __init__(self):
+        self.merged: list[tuple[float, int]] = []
+
+    @contextlib.contextmanager
+    def installed(self):
+        saved = build_module.Progress.update
+
+        def update(progress, *, tokens: int, samples: int, documents: int) -> None:
+            self.merged.append((time.perf_counter(), tokens))
+            saved(progress, tokens=tokens, samples=samples, documents=documents)
+
+        build_module.Progress.update = update
+        try:
+            yield self
+        finally:
+            build_module.Progress.update = saved
+
+    def steady(self) -> tuple[float, int]:
+        """(seconds, tokens) from the first unit merged by the pipeline to the last."""
+        if len(self.merged) < 2:
+            return float("nan"), 0
+        return self.merged[-1][0] - self.merged[0][0], sum(t for _, t in self.merged[1:])
+
+
+def write_alone(args, pool: dict[str, np.ndarray], planned, *, tmp: Path, teacher_meta, repeats: int) -> tuple[float, int]:
+    """(best seconds, tokens) of `PartWriter.write` of one unit of the stand-in's samples (selected by the
+    build's `to_samples`) into a store: encode, compress, hash, store, in this process."""
+    from logitstore import codec
+    from logitstore.pipelines.sparsify import to_samples
+    from logitstore.samples import concat
+    from logitstore.store import Store
+
+    standin = StandIn(pool, rate=float("inf"))
+    seed, unit_batches = planned[0]
+    parts = []
+    for i, (ids, mask) in enumerate(unit_batches):
+        lengths = mask.sum(dim=1).numpy()
+        tokens = [ids[r, :n].numpy() for r, n in enumerate(lengths)]
+        parts.append(to_samples(standin.forward(None, ids, mask), sample_ids=[f"b{i}-{r}" for r in range(len(tokens))],
+                                lengths=lengths, input_ids=tokens, sparsity=args.sparsity))
+    samples = concat(parts)
+    store = Store.open(str(tmp / "write-alone"), create=True)
+    with store.writer() as writer:
+        writer.add_teacher(teacher_meta, code_of_id=codec.frequency_id_order(samples.entry_ids, vocab_size=teacher_meta.vocab_size))
+        writer.commit("teacher")
+    best = float("inf")
+    with store.writer() as writer:
+        part_writer = writer.part_writer()
+        part_writer.write(samples, teacher=teacher_meta.name)  # compiles and caches what the first write needs
+        for _ in range(repeats):
+            start = time.perf_counter()
+            part_writer.write(samples, teacher=teacher_meta.name)
+            best = min(best, time.perf_counter() - start)
+    return best, int(samples.n_tokens.sum())
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--tokens", type=int, default=8192, help="tokens for the real teacher (default 8192)")
+    parser.add_argument("--standin-tokens", type=int, default=1 << 20, help="tokens for the stand-ins (default 1048576)")
+    parser.add_argument("--standin-rate", type=float, nargs="*", default=[250_000, 1_000_000],
+                        help="stand-in teachers, in tokens/s (default 250000 1000000); none to skip them")
     parser.add_argument("--max-length", type=int, default=512)
     parser.add_argument("--batch-tokens", type=int, default=4096)
-    parser.add_argument("--k", type=int, default=64)
+    parser.add_argument("--unit-tokens", type=int, default=16384)
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument("--sample", type=int, default=None, help="draws per position (default 16)")
+    group.add_argument("--top-k", type=int, default=None)
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
+    args.sparsity = Sparsity(k=args.top_k) if args.top_k else Sparsity(mode="sampled", n=args.sample or 16)
+    sparsity_name = f"top-{args.top_k}" if args.top_k else f"sampled-{args.sparsity.n}"
+
+    from logitstore.store import TeacherMeta
 
     info = describe_teacher(None)
     model = _load_teacher_once(info.spec, args.device, "auto").model
+    results = []  # (label, tokens, forward s, build s, bytes/token, steady forward s, steady build s)
     with tempfile.TemporaryDirectory() as tmp:
-        data = Path(tmp) / "data.jsonl"
-        n_tokens = corpus_slice(data, tokens=args.tokens, tokenizer=info.tokenizer)
-        forward_s, build_s = [], []
+        tmp = Path(tmp)
+        runs = []  # (label, tokens, data, planned batches, stand-in or None)
+        real_data = tmp / "real.jsonl"
+        real_tokens = corpus(real_data, tokens=args.tokens, tokenizer=info.tokenizer)
+        runs.append((f"{info.spec.name} ({args.device})", real_tokens, real_data,
+                     batches(config(args, store="", data=real_data), info.tokenizer), None))
+        written = None
+        if args.standin_rate:
+            pool_data = tmp / "pool.jsonl"
+            corpus(pool_data, tokens=args.unit_tokens, tokenizer=info.tokenizer)
+            print(f"stand-in rows: the real teacher over {args.unit_tokens:,} tokens (once, not timed) ...", flush=True)
+            pool = StandIn.pool_from(model, batches(config(args, store="", data=pool_data), info.tokenizer),
+                                     args.sparsity)
+            standin_data = tmp / "standin.jsonl"
+            standin_tokens = corpus(standin_data, tokens=args.standin_tokens, tokenizer=info.tokenizer)
+            planned = batches(config(args, store="", data=standin_data), info.tokenizer)
+            for rate in args.standin_rate:
+                runs.append((f"stand-in at {rate:,.0f} tokens/s", standin_tokens, standin_data, planned,
+                             StandIn(pool, rate=rate)))
+            meta = TeacherMeta(name=info.spec.name, vocab_size=info.vocab_size, content_hash=info.content_hash,
+                               tokenizer_hash=info.tokenizer_hash, sparsity=args.sparsity.to_json())
+            written = write_alone(args, pool, planned, tmp=tmp, teacher_meta=meta, repeats=5 * args.repeats)
+        best = {label: [float("inf")] * 4 + [None] for label, *_ in runs}
         for r in range(args.repeats):
-            forward_s.append(forward_only(model, info.tokenizer, data, max_length=args.max_length,
-                                          batch_tokens=args.batch_tokens, k=args.k))
-            cfg = BuildConfig(store=str(Path(tmp) / f"store-{r}"), data=str(data), id_column="id",
-                              max_length=args.max_length, batch_tokens=args.batch_tokens, device=args.device,
-                              progress=False)
-            summary = run_build(cfg, log=lambda _: None)
-            build_s.append(summary.seconds)
-    f, b = min(forward_s), min(build_s)
-    print(f"{n_tokens:,} tokens, top-{args.k}, max length {args.max_length}, device {args.device}; best of {args.repeats}")
-    print(f"teacher forward alone : {f:8.2f} s  ({n_tokens / f:,.0f} tokens/s)")
-    print(f"full build            : {b:8.2f} s  ({n_tokens / b:,.0f} tokens/s, {summary.bytes_per_token:.1f} bytes/token)")
-    print(f"store side overhead   : {b / f - 1:+.1%} of the teacher's time (target < +5%)")
+            for k, (label, _, data, planned, standin) in enumerate(runs):
+                with standin.installed() if standin else contextlib.nullcontext():
+                    f, per_unit = forward_only(model, planned, args.sparsity)
+                with standin.installed() if standin else contextlib.nullcontext(), UnitClock().installed() as clock:
+                    summary = run_build(config(args, store=str(tmp / f"store-{k}-{r}"), data=data), log=lambda _: None)
+                steady_s, steady_tokens = clock.steady()
+                b = best[label]
+                b[0], b[1] = min(b[0], f), min(b[1], summary.seconds)
+                if steady_tokens:  # units 2.. of the build, against the same units' forward passes
+                    b[2], b[3] = min(b[2], sum(per_unit[2:])), min(b[3], steady_s)
+                b[4] = summary.bytes_per_token
+    print(f"{sparsity_name} for the forward pass and the build alike; max length {args.max_length}, batches of "
+          f"{args.batch_tokens:,} tokens, units of {args.unit_tokens:,} tokens, vocab {info.vocab_size:,}; "
+          f"best of {args.repeats}, alternating")
+    print(f"{'teacher':32s} {'tokens':>9s} {'forward alone':>22s} {'full build':>22s} {'B/token':>7s} "
+          f"{'store side':>10s} {'steady state':>12s}")
+    for label, tokens, *_ in runs:
+        f, b, steady_f, steady_b, bpt = best[label]
+        steady = f"{steady_b / steady_f - 1:+12.1%}" if steady_f < float("inf") else f"{'-':>12s}"
+        print(f"{label:32s} {tokens:9,d} {f:7.2f} s {tokens / f:>8,.0f} t/s {b:7.2f} s {tokens / b:>8,.0f} t/s "
+              f"{bpt:7.1f} {b / f - 1:+10.1%} {steady}")
+    print("store side: what the build adds to the teacher's time (target < +5%); steady state: the same from the "
+          "third unit on (no store creation, teacher registration, first unit or pipeline fill)")
+    if written:
+        seconds, tokens = written
+        print(f"write side alone: PartWriter.write of one {tokens:,}-token unit of the stand-in's samples "
+              f"(encode, compress, hash, store): {seconds * 1e3:.1f} ms, {tokens / seconds:,.0f} tokens/s")
 
 
 if __name__ == "__main__":

@@ -56,7 +56,7 @@ from logitstore.pipelines.workers import _load_teacher_once
 from logitstore.samples import concat
 from logitstore.store import Store, TeacherMeta
 from logitstore.trainer.config import TrainConfig
-from logitstore.trainer.data import PackedStream, is_eval_sample
+from logitstore.trainer.stream import is_eval_sample, store_stream
 from logitstore.trainer.live import LiveConfig, plan_live_samples
 from logitstore.trainer.losses import LossConfig, distill_loss
 from logitstore.trainer.model import build_student
@@ -374,7 +374,7 @@ def main(argv=None) -> list[dict]:
         tokens = int(plan.n_tokens.sum())
         print(f"teacher pass: {len(plan.sample_ids)} samples, {tokens:,} tokens, {time.perf_counter() - started:.0f} s; "
               f"held out: {sum(map(len, held.windows)):,} tokens", flush=True)
-        stream_of = lambda view: lambda: PackedStream(view, teacher=None, seq_len=args.seq_len, micro_batch=args.micro_batch,
+        stream_of = lambda view: lambda: store_stream(view, teacher=None, seq_len=args.seq_len, micro_batch=args.micro_batch,
                                                       rank=0, world_size=1, seed=args.seed, eval_fraction=0.0)
         chosen = [v for v in sparse_variants(args.quick) if not args.variants or v.name in args.variants or v.nominal_bytes]
         for i, v in enumerate(chosen):

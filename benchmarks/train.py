@@ -26,7 +26,7 @@ from logitstore.data import SAMPLE_CORPUS
 from logitstore.pipelines.build import BuildConfig, run_build
 from logitstore.pipelines.workers import _load_teacher_once
 from logitstore.store import Store
-from logitstore.trainer.data import PackedStream
+from logitstore.trainer.stream import store_stream
 from logitstore.trainer.losses import LossConfig, distill_loss
 from logitstore.trainer.model import build_student, shard
 from logitstore.trainer.train import _student_logits, _targets
@@ -86,7 +86,7 @@ def main() -> None:
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
         def stream():
-            return PackedStream(view, teacher=teacher, seq_len=args.seq_len, micro_batch=args.micro_batch, rank=0,
+            return store_stream(view, teacher=teacher, seq_len=args.seq_len, micro_batch=args.micro_batch, rank=0,
                                 world_size=1, seed=0, eval_fraction=0.05)
 
         s = stream()

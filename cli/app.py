@@ -309,6 +309,7 @@ def train(
     force: Annotated[bool, typer.Option(help="Replace the run in --out: removes only what a run writes, and only in a folder a run marked.")] = False,
     offload_optimizer: Annotated[bool, typer.Option(help="FSDP2 CPU offload of parameters, gradients and optimizer state.")] = False,
     on_error: Annotated[str, typer.Option(help="A damaged sample: raise (stop) or skip (and count).")] = "raise",
+    memory_budget: Annotated[Optional[str], typer.Option(help="Stored data each process's stream holds in memory (e.g. 512MB; default 4GiB); a store larger than this is read in windows of parts, shuffled within each (README 'Streaming').")] = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Train a student from a store version with FSDP2; no teacher runs."""
@@ -339,7 +340,8 @@ def train(
                       min_lr_ratio=min_lr_ratio, weight_decay=weight_decay, grad_clip=grad_clip, seed=seed, loss=loss,
                       kd_temperature=kd_temperature, alpha=alpha, jsd_beta=jsd_beta, eval_every=eval_every, eval_fraction=eval_fraction,
                       checkpoint_every=checkpoint_every, resume=resume, force=force,
-                      offload_optimizer=offload_optimizer, on_error=on_error)
+                      offload_optimizer=offload_optimizer, on_error=on_error,
+                      **({"memory_budget": memory_budget} if memory_budget is not None else {}))
     if global_batch_tokens is not None:
         per_micro_step = seq_len * micro_batch * nproc
         if global_batch_tokens % per_micro_step:

@@ -1,1 +1,47 @@
-"""logitstore: a versioned store of sparse teacher distributions for offline distillation."""
+"""logitstore: a versioned store of sparse teacher distributions for offline distillation.
+
+The Python API in two calls (the CLI, the trainer and the benchmarks use the same ones):
+
+    import logitstore
+    view = logitstore.open("s3://bucket/distill", version="v1")        # read-only, pinned
+    with logitstore.stream(view, seq_len=4096, micro_batch=8, seed=0) as batches:
+        for batch in batches:                                            # PackedBatch
+            ...
+
+Heavy modules (torch, the trainer) load on first use, so `import logitstore` stays cheap.
+"""
+
+from __future__ import annotations
+
+def open(uri: str, version: str | None = None):  # noqa: A001 - the API reads as logitstore.open
+    """A read-only view of one version (a tag, a branch, a snapshot id; default: the tip of main)."""
+    from logitstore.store import Store
+
+    return Store.open(uri).read(version)
+
+
+def stream(view, *, seq_len: int, micro_batch: int, seed: int = 0, rank: int | None = None,
+           world_size: int | None = None, teacher: str | None = None, split: str = "train",
+           memory_budget: int | str | None = None, eval_fraction: float = 0.05, on_error: str = "raise",
+           prefetch: int = 4):
+    """Packed micro-batches of `seq_len` tokens from a version: an iterable of `PackedBatch` with
+    `state_dict()`, `load_state_dict()` and `close()` (also a context manager). `rank` and `world_size`
+    default to `torch.distributed`'s when it is initialised, else 0 and 1. `memory_budget` (bytes, or
+    a string such as "512MB" or "2GiB"; default `trainer.stream.DEFAULT_MEMORY_BUDGET`, 4 GiB) bounds the
+    stored data held in memory and so the shuffle window; see the README's "Streaming" section."""
+    from logitstore.trainer.stream import store_stream
+
+    rank, world_size = _rank_and_world(rank, world_size)
+    return store_stream(view, teacher=teacher, seq_len=seq_len, micro_batch=micro_batch, rank=rank,
+                        world_size=world_size, seed=seed, split=split, eval_fraction=eval_fraction, prefetch=prefetch,
+                        on_error=on_error, memory_budget=memory_budget)
+
+
+def _rank_and_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
+    if rank is not None and world_size is not None:
+        return rank, world_size
+    import torch.distributed as dist
+
+    initialised = dist.is_available() and dist.is_initialized()
+    default_rank, default_world = (dist.get_rank(), dist.get_world_size()) if initialised else (0, 1)
+    return (default_rank if rank is None else rank), (default_world if world_size is None else world_size)

@@ -130,6 +130,11 @@ class BoundedStore(WrapperStore):
                 return
             yield item
 
+    async def get_many(self, keys: list[str], prototype: BufferPrototype, *, what: str) -> list[Buffer | None]:
+        """Whole objects, requested at once under one deadline for them all: for a reader that fetches
+        many objects together (`rawread`), one timer instead of one per request (~0.25 ms each here)."""
+        return await self._call(what, asyncio.gather(*(self._store.get(key, prototype) for key in keys)))
+
     # Requests. The rest of `WrapperStore` (properties, opening) passes through unchanged.
 
     async def get(self, key: str, prototype: BufferPrototype, byte_range: ByteRequest | None = None) -> Buffer | None:

@@ -113,14 +113,15 @@ def sample_hashes(enc: EncodedSamples, n_tokens: np.ndarray, *, students: list[S
     per_position = [enc.n_entries, enc.tail, enc.target_logprobs]
     per_entry = [a for a in (enc.entry_codes, enc.entry_logprobs, enc.entry_counts) if a is not None]
     out = []
+    # Slices go to blake2b as buffers, not copies (`tobytes`); the bytes hashed are the same.
     for s in range(len(n_tokens)):
         h = hashlib.blake2b(digest_size=16)
         for arrays, off in ((per_token, token_off), (per_position, position_off), (per_entry, entry_off)):
             for a in arrays:
-                h.update(np.ascontiguousarray(a[off[s] : off[s + 1]]).tobytes())
+                h.update(np.ascontiguousarray(a[off[s] : off[s + 1]]))
         for ids, id_off, groups, group_off in student_arrays:
-            h.update(np.ascontiguousarray(ids[id_off[s]:id_off[s + 1]], dtype=np.int32).tobytes())
-            h.update(np.ascontiguousarray(groups[group_off[s]:group_off[s + 1]], dtype=np.int32).tobytes())
+            h.update(np.ascontiguousarray(ids[id_off[s]:id_off[s + 1]], dtype=np.int32))
+            h.update(np.ascontiguousarray(groups[group_off[s]:group_off[s + 1]], dtype=np.int32))
         out.append(h.hexdigest())
     return out
 

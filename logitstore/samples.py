@@ -102,10 +102,12 @@ class SparseSamples:
             target_logprobs=_cat(target_logprobs, np.float32),
         )
 
-    def validate(self, *, vocab_size: int) -> None:
-        """Raise `InvalidSampleError` naming the first problem found. Vectorised: O(E) numpy passes."""
+    def validate(self, *, vocab_size: int, duplicates: bool = True) -> None:
+        """Raise `InvalidSampleError` naming the first problem found. Vectorised: O(E) numpy passes.
+        `duplicates=False` leaves out the check for a token id twice among one position's entries,
+        the one check that sorts (60 ms per 1M entries): `codec.encode` makes it for free."""
         _check_shapes(self)
-        _check_ids(self, vocab_size)
+        _check_ids(self, vocab_size, duplicates=duplicates)
         _check_values(self)
 
 
@@ -188,12 +190,13 @@ def _check_shapes(s: SparseSamples) -> None:
             _fail(f"{name} has {len(arrays[name])} elements, expected {n_e} (the sum of n_entries)")
 
 
-def _check_ids(s: SparseSamples, vocab_size: int) -> None:
+def _check_ids(s: SparseSamples, vocab_size: int, *, duplicates: bool) -> None:
     for name, ids in (("input_ids", s.input_ids), ("entry_ids", s.entry_ids)):
-        if len(ids) and (ids.min() < 0 or ids.max() >= vocab_size):
-            bad = int(ids.max()) if ids.max() >= vocab_size else int(ids.min())
+        low, high = (int(ids.min()), int(ids.max())) if len(ids) else (0, 0)
+        if low < 0 or high >= vocab_size:
+            bad = high if high >= vocab_size else low
             _fail(f"{name} holds token id {bad}, outside the vocabulary [0, {vocab_size})")
-    if len(s.entry_ids) < 2:
+    if len(s.entry_ids) < 2 or not duplicates:
         return
     # Duplicate ids within one position: sort by (position, id) and look for equal neighbours.
     position = np.repeat(np.arange(len(s.n_entries)), s.n_entries)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+import numba
 import numpy as np
 
 from logitstore.pipelines.teacher import SparseBatch
@@ -83,23 +84,25 @@ def to_samples(batch: SparseBatch, *, sample_ids: list[str], lengths: np.ndarray
     tail = batch.tail.cpu().numpy()[valid].astype(np.float64)
     target = batch.target_logprob.cpu().numpy()[valid]
     counts = None
-    if sparsity.mode == "topk":
-        keep = np.ones(ids.shape, dtype=bool)
-    elif sparsity.mode == "topp":
-        selection = logprobs if batch.selection_logprobs is None else batch.selection_logprobs.cpu().numpy()[valid]
-        keep, tail = _top_p(logprobs, selection, tail, p=sparsity.p)
+    if sparsity.mode == "sampled":
+        n_entries, entry_ids, entry_logprobs, counts = _distinct_draws(ids, logprobs)
     else:
-        ids, logprobs, counts, keep = _distinct_draws(ids, logprobs)
+        if sparsity.mode == "topk":
+            keep = np.ones(ids.shape, dtype=bool)
+        else:
+            selection = logprobs if batch.selection_logprobs is None else batch.selection_logprobs.cpu().numpy()[valid]
+            keep, tail = _top_p(logprobs, selection, tail, p=sparsity.p)
+        n_entries, entry_ids, entry_logprobs = keep.sum(axis=1), ids[keep], logprobs[keep]
     return SparseSamples(
         sample_ids=list(sample_ids),
         n_tokens=lengths,
         input_ids=np.concatenate([np.asarray(x, dtype=np.int64) for x in input_ids]),
-        n_entries=keep.sum(axis=1).astype(np.int64),
-        entry_ids=ids[keep].astype(np.int64),
-        entry_logprobs=logprobs[keep].astype(np.float32),
+        n_entries=n_entries.astype(np.int64),
+        entry_ids=entry_ids.astype(np.int64),
+        entry_logprobs=entry_logprobs.astype(np.float32),
         tail=np.clip(tail, 0, 1).astype(np.float32),
         target_logprobs=target.astype(np.float32),
-        entry_counts=None if counts is None else counts[keep].astype(np.int64),
+        entry_counts=counts,
     )
 
 
@@ -112,17 +115,51 @@ def _top_p(logprobs: np.ndarray, selection: np.ndarray, tail: np.ndarray, *, p: 
     return keep, tail + dropped
 
 
-def _distinct_draws(draws: np.ndarray, logprobs: np.ndarray):
-    """Per row: sorted distinct ids, the log-probability and the count of each; padded with `keep`."""
-    order = np.argsort(draws, axis=1, kind="stable")
-    draws = np.take_along_axis(draws, order, axis=1)
-    logprobs = np.take_along_axis(logprobs, order, axis=1)
-    first = np.ones(draws.shape, dtype=bool)
-    first[:, 1:] = draws[:, 1:] != draws[:, :-1]
-    # Count of each distinct id = distance to the next first-occurrence in the same row.
-    flat_first = np.flatnonzero(first.reshape(-1))
-    row_ends = np.arange(1, draws.shape[0] + 1) * draws.shape[1]
-    next_start = np.minimum(np.append(flat_first[1:], draws.size), np.repeat(row_ends, first.sum(axis=1)))
-    counts = np.zeros(draws.shape, dtype=np.int64)
-    counts.reshape(-1)[flat_first] = next_start - flat_first
-    return draws, logprobs, counts, first
+def _distinct_draws(draws: np.ndarray, logprobs: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Per row [P, n]: the distinct drawn ids in ascending order, each with its log-probability and its
+    count, flat: (entries per row, ids, log-probabilities, counts)."""
+    positions, width = draws.shape
+    n_entries = np.empty(positions, dtype=np.int64)
+    ids = np.empty(positions * width, dtype=np.int64)
+    values = np.empty(positions * width, dtype=np.float32)
+    counts = np.empty(positions * width, dtype=np.int64)
+    if draws.size:
+        used = _distinct_draws_kernel(np.ascontiguousarray(draws), np.ascontiguousarray(logprobs), n_entries, ids, values, counts)
+        ids, values, counts = ids[:used], values[:used], counts[:used]
+    else:
+        ids, values, counts = ids[:0], values[:0], counts[:0]
+    return n_entries, ids, values, counts
+
+
+@numba.njit(cache=True, nogil=True)
+def _distinct_draws_kernel(draws, logprobs, n_entries, ids, values, counts):
+    # One pass per row: insertion sort of its n draws (n is small, 16 by default; an equal id always
+    # has the same log-probability), then each run of equal ids becomes one entry with its length as
+    # the count. numpy needed a sort, two gathers and a cumulative count over [P, n]: ~15 ms per 16k
+    # positions at n = 16, this ~1 ms. Returns the entries written.
+    width = draws.shape[1]
+    row_ids = np.empty(width, dtype=np.int64)
+    row_values = np.empty(width, dtype=np.float32)
+    e = 0
+    for p in range(draws.shape[0]):
+        for j in range(width):
+            key = np.int64(draws[p, j])
+            value = logprobs[p, j]
+            b = j - 1
+            while b >= 0 and row_ids[b] > key:
+                row_ids[b + 1] = row_ids[b]
+                row_values[b + 1] = row_values[b]
+                b -= 1
+            row_ids[b + 1] = key
+            row_values[b + 1] = value
+        start = e
+        for j in range(width):
+            if j > 0 and row_ids[j] == row_ids[j - 1]:
+                counts[e - 1] += 1
+            else:
+                ids[e] = row_ids[j]
+                values[e] = row_values[j]
+                counts[e] = 1
+                e += 1
+        n_entries[p] = e - start
+    return e

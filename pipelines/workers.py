@@ -3,14 +3,20 @@
 All three run the same `TeacherWorker.process(unit, part_writer)`: batch the unit's samples by token
 budget (longest first, so padding stays small), run the teacher, select entries, write one part.
 Executors only differ in where `TeacherWorker` lives and how its `WrittenPart` comes back.
+
+The write (encode, compress, store) is off the teacher's critical path where a worker runs units in
+`OVERLAP` threads (in-process, and Ray actors): the worker's compute lock is held for forward passes
+only, so units' selection and writes overlap the next unit's forward passes. At most `OVERLAP` units
+are in a worker at once, each written into its own Icechunk fork that the driver merges in input order.
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
+import threading
 from collections import deque
-from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
@@ -19,6 +25,14 @@ import numpy as np
 from logitstore.errors import LogitstoreError
 from logitstore.samples import SparseSamples, StudentTokens, concat
 from logitstore.store import PartWriter, WrittenPart
+
+
+# Units a worker holds at once, each in its own thread: one in the teacher's forward passes while up to
+# two others are selected and written (a write queue of depth 2). With two, the teacher idled whenever
+# a write (slowed by the planner and the other write sharing the CPU) outlasted a unit's forward pass:
+# a 250k tokens/s stand-in teacher lost ~10% more of its time (benchmarks/build.py). Memory: one unit's
+# entries per thread (~3 MB at sampled-16, ~12 MB at top-64).
+OVERLAP = 3
 
 
 @dataclass
@@ -64,6 +78,9 @@ class TeacherWorker:
         import torch
 
         self.settings = settings
+        # One forward pass at a time (one teacher, one device): held for the forward pass alone, so
+        # selection and writes (CPU) run while another thread's forward pass keeps the teacher busy.
+        self._compute_lock = threading.Lock()
         if settings.engine == "vllm":
             self.teacher = _VllmTeacherHandle(settings)
             return
@@ -71,6 +88,10 @@ class TeacherWorker:
         self.teacher = _load_teacher_once(settings.teacher_spec, device, settings.dtype)
 
     def process(self, unit: Unit, writer: PartWriter) -> tuple[WrittenPart, Unit]:
+        """Compute and write one unit. Safe to call from several threads: the forward passes take turns
+        on the teacher, and selection and the write run beside the other thread's forward passes. A
+        unit's result does not depend on how the threads interleave (sampling is seeded per unit and
+        each unit's batches run in order in its own thread)."""
         written = write_unit(writer, unit, self.compute(unit), teacher=self.teacher.spec.name)
         unit.tokens = []  # the driver needs the counts back, not the tokens
         return written, unit
@@ -81,7 +102,8 @@ class TeacherWorker:
 
         s = self.settings
         if s.engine == "vllm":
-            return self.teacher.compute(unit)
+            with self._compute_lock:
+                return self.teacher.compute(unit)
         lengths = np.array([len(t) for t in unit.tokens])
         order = np.argsort(-lengths, kind="stable")
         generator = None
@@ -122,10 +144,12 @@ class TeacherWorker:
         for row, t in enumerate(tokens):  # one copy per sample, right-padded
             ids[row, : len(t)] = torch.as_tensor(t)
             mask[row, : len(t)] = 1
-        if s.sparsity.mode == "sampled":
-            batch = sampled_forward(model, ids, mask, n=s.sparsity.n, generator=generator, temperature=s.sparsity.temperature)
-        else:
-            batch = sparse_topk_forward(model, ids, mask, k=s.sparsity.k, temperature=s.sparsity.temperature)
+        with self._compute_lock:  # the teacher's share; selection below runs beside the next forward pass
+            if s.sparsity.mode == "sampled":
+                batch = sampled_forward(model, ids, mask, n=s.sparsity.n, generator=generator,
+                                        temperature=s.sparsity.temperature)
+            else:
+                batch = sparse_topk_forward(model, ids, mask, k=s.sparsity.k, temperature=s.sparsity.temperature)
         return to_samples(batch, sample_ids=sample_ids, lengths=lengths, input_ids=tokens, sparsity=s.sparsity)
 
 
@@ -193,20 +217,41 @@ def _unit_seed(seed: int, unit: Unit) -> int:
 
 
 class InProcessExecutor:
-    """workers=1: the teacher runs here and parts go straight into the driver's transaction."""
+    """workers=1: the teacher runs in this process, in `OVERLAP` threads that take turns on it, so units'
+    writes (encode, compress, store: CPU and I/O) run beside the next unit's forward passes. Each unit
+    goes into its own fork of the driver's transaction: a commit between two merges never catches a
+    half-written part."""
 
     def __init__(self, settings: WorkerSettings):
         self.worker = TeacherWorker(settings)
+        self.pool = ThreadPoolExecutor(max_workers=OVERLAP, thread_name_prefix="logitstore-unit")
 
     def compute(self, unit: Unit) -> SparseSamples:
         return self.worker.compute(unit)
 
     def map(self, units: Iterator[Unit], *, writer_for: Callable, max_in_flight: int) -> Iterator[tuple[WrittenPart, Unit]]:
+        units = iter(units)
+        first = next(units, None)
+        if first is not None:
+            # The first unit runs in this thread, so numba compiles (or loads from its cache) the selection
+            # and encoding kernels here. Compiled first in a unit thread, they made the process abort at
+            # exit now and then ("terminate called without an active exception": 1 build in ~16 with an
+            # empty numba cache). It costs one unit's overlap.
+            yield self.worker.process(first, writer_for().fork())
+        # One unit more than threads: a thread that finishes finds the next unit waiting.
+        in_flight: deque[Future] = deque()
         for unit in units:
-            yield self.worker.process(unit, writer_for().part_writer())
+            in_flight.append(self.pool.submit(self.worker.process, unit, writer_for().fork()))
+            if len(in_flight) > OVERLAP:
+                yield from _completed(in_flight, block=True)
+            yield from _completed(in_flight, block=False)
+        while in_flight:
+            yield from _completed(in_flight, block=True)
 
     def close(self) -> None:
-        pass
+        # Units not started are dropped; a running one finishes (a forward pass cannot be interrupted)
+        # and its fork, never merged, is discarded with the transaction.
+        self.pool.shutdown(wait=True, cancel_futures=True)
 
 
 _WORKER: TeacherWorker | None = None  # one per worker process
@@ -229,7 +274,9 @@ def _compute_in_worker(unit: Unit):
 
 
 class ProcessExecutor:
-    """workers=N: N spawned processes, each with its own teacher, writing into Icechunk forks."""
+    """workers=N: N spawned processes, each with its own teacher, writing into Icechunk forks. A process
+    runs its units one after another (compute, then write): with N CPU workers on N cores the writes
+    overlap the other processes' forward passes, and threads in each would only compete for the cores."""
 
     def __init__(self, settings: WorkerSettings, *, workers: int):
         import multiprocessing
@@ -275,7 +322,9 @@ class RayExecutor:
             ray.init(address=None if address == "local" else address, ignore_reinit_error=True,
                      log_to_driver=False, include_dashboard=False)
         gpus = 1 if settings.device.startswith("cuda") else 0
-        actor = ray.remote(num_gpus=gpus, num_cpus=1)(TeacherWorker)
+        # Threaded actors: `OVERLAP` calls of `process` at once per actor, so an actor's write overlaps
+        # its next forward pass (the worker's compute lock keeps the forward passes one at a time).
+        actor = ray.remote(num_gpus=gpus, num_cpus=1, max_concurrency=OVERLAP)(TeacherWorker)
         self.actors = [actor.remote(settings) for _ in range(workers)]
 
     def compute(self, unit: Unit) -> SparseSamples:
@@ -284,7 +333,7 @@ class RayExecutor:
     def map(self, units, *, writer_for, max_in_flight):
         from ray.util import ActorPool
 
-        pool = ActorPool(self.actors)
+        pool = ActorPool([a for _ in range(OVERLAP) for a in self.actors])  # OVERLAP slots per actor
         for unit in units:
             pool.submit(lambda actor, args: actor.process.remote(*args), (unit, writer_for().fork()))
             while pool.has_next() and not pool.has_free():

@@ -192,3 +192,44 @@ def test_show_decodes_tokens_with_the_stored_tokenizer(built):
     obj = json.loads(result.stdout)
     assert len(obj["tokens"]) == len(obj["input_ids"]) and len(obj["entry_tokens"]) == len(obj["positions"])
     assert any(t.startswith(" ") for t in obj["tokens"]) and not any("Ġ" in t for t in obj["tokens"])
+
+
+def test_the_in_process_executor_overlaps_units_keeps_their_order_and_raises_their_errors(monkeypatch):
+    """Units run in `OVERLAP` threads (a write beside the next forward pass); the driver still gets
+    them in input order, and a unit's error reaches it after the units before it."""
+    import threading
+
+    from logitstore.errors import LogitstoreError
+    from logitstore.pipelines import workers
+
+    running, most = [0], [0]
+    lock = threading.Lock()
+
+    class Worker:
+        def __init__(self, settings):
+            pass
+
+        def process(self, unit, writer):
+            with lock:
+                running[0] += 1
+                most[0] = max(most[0], running[0])
+            time.sleep(0.02 * (unit.index % 3 == 0))  # some finish out of order
+            with lock:
+                running[0] -= 1
+            if unit.index == 5:
+                raise LogitstoreError("unit 5 failed")
+            return writer, unit
+
+    class Writer:
+        def fork(self):
+            return "fork"
+
+    monkeypatch.setattr(workers, "TeacherWorker", Worker)
+    executor = workers.InProcessExecutor(settings=None)
+    got = []
+    with pytest.raises(LogitstoreError, match="unit 5 failed"):
+        for written, unit in executor.map((workers.Unit(index=i) for i in range(8)), writer_for=Writer,
+                                          max_in_flight=2):
+            got.append(unit.index)
+    executor.close()
+    assert got == [0, 1, 2, 3, 4] and 1 < most[0] <= workers.OVERLAP

@@ -130,3 +130,42 @@ def test_quantize_bound_property(lp, fine, ratio, levels):
 def test_round_trip_property(n, k, mode, seed):
     samples = random_samples([f"s{i}" for i in range(n)], seed=seed, vocab=300, k=k, mode=mode, max_tokens=20)
     _assert_bound(_round_trip(samples, vocab=300), samples)
+
+
+def _quantize_numpy(logprobs, *, params):
+    """The grid as numpy formulas (the form `quantize` had before its numba kernel): the reference."""
+    x = np.maximum(-np.asarray(logprobs, dtype=np.float64), 0)
+    split = -params.coarse_below
+    with np.errstate(invalid="ignore", over="ignore"):
+        q = np.where(x <= split, np.rint(x / params.fine_step),
+                     params.fine_levels + np.rint((x - split) / params.coarse_step))
+    q_max = codec.Q_MAX
+    return np.where(np.isinf(x), q_max, np.minimum(np.nan_to_num(q, posinf=q_max - 1), q_max - 1)).astype(np.uint16)
+
+
+@pytest.mark.parametrize("grid", sorted(codec.GRIDS))
+def test_quantize_equals_the_numpy_formulas_code_for_code(grid):
+    params = codec.GRIDS[grid]
+    rng = np.random.default_rng(0)
+    steps = np.arange(70_000)
+    edges = [0.0, -0.0, 1e-5, 1e-4, -np.inf, np.inf, np.nan, -1e-20, -1e300, -1e308, params.coarse_below,
+             params.coarse_below - params.fine_step / 2, params.floor, params.floor - params.coarse_step / 2]
+    values = np.concatenate([rng.normal(0, 30, 100_000), -np.abs(rng.normal(0, 1e6, 1000)), edges,
+                             -steps * params.fine_step, -(steps + 0.5) * params.fine_step,
+                             params.coarse_below - steps * params.coarse_step / 2])
+    for dtype in (np.float64, np.float32):
+        with np.errstate(over="ignore"):  # 1e300 as float32 is infinite
+            typed = values.astype(dtype)
+        np.testing.assert_array_equal(quantize(typed, params=params), _quantize_numpy(typed, params=params))
+
+
+def test_encode_finds_a_duplicate_entry_and_names_it():
+    from logitstore.errors import InvalidSampleError
+
+    samples = random_samples(["a", "b"], k=8)
+    position = 3
+    start = samples.entry_offsets[position]
+    samples.entry_ids[start + 5] = samples.entry_ids[start + 1]
+    with pytest.raises(InvalidSampleError, match=rf"token id {samples.entry_ids[start + 1]} appears twice among the "
+                                                  rf"entries of position {position}"):
+        codec.encode(samples, params=PARAMS, code_of_id=codec.identity_order(1000), vocab_size=1000)

@@ -155,18 +155,18 @@ def test_a_student_with_an_unknown_tokenizer_is_refused(store, tmp_path):
 
 
 def test_same_tokenizer_signal_through_the_mixed_path_equals_the_single_teacher_path(store):
-    """The mixed stream with one same-tokenizer teacher gives the batches and loss of `PackedStream`."""
-    from logitstore.trainer.data import PackedStream
+    """The mixed source with one same-tokenizer teacher gives the batches and loss of the store source."""
     from logitstore.trainer.losses import LossConfig, distill_loss
-    from logitstore.trainer.teachers import MixedStream, Source
+    from logitstore.trainer.stream import Stream, store_stream
+    from logitstore.trainer.teachers import MixedSource, Source
     from logitstore.trainer.train import _targets, mixed_loss
 
     view = Store.open(store).read()
     teacher = view.teacher_name(None)
     args = dict(seq_len=64, micro_batch=2, rank=0, world_size=1, seed=3, prefetch=0)
     torch.manual_seed(0)
-    with PackedStream(view, teacher=teacher, **args) as single, \
-            MixedStream(view, sources=[Source(teacher, 1.0, None)], **args) as mixed:
+    mixed_source = MixedSource(view, sources=[Source(teacher, 1.0, None)], split="train", eval_fraction=0.05)
+    with store_stream(view, teacher=teacher, **args) as single, Stream(mixed_source, **args) as mixed:
         for a, b in zip(single, mixed):
             assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.positions, b.positions)
             logits = torch.randn(len(a.positions), 49152)

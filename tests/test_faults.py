@@ -26,8 +26,8 @@ from logitstore.errors import LogitstoreError, StorageError
 from logitstore.location import StorageLimits
 from logitstore.store import Store, TeacherMeta, storage_errors
 from logitstore.synthetic import random_samples
-from logitstore.trainer.data import PackedStream
-from logitstore.trainer.teachers import MixedStream, Source
+from logitstore.trainer.stream import store_stream
+from logitstore.trainer.teachers import Source
 from logitstore.verify import verify
 from tests.faultproxy import FaultProxy
 from tests.test_store import VOCAB, assert_matches, teacher, write
@@ -221,13 +221,19 @@ def trainer_view(uri: str, *, teachers=("teacher-a",)):
 
 @pytest.mark.parametrize("kind, fault", [("packed", "refuse"), ("packed", "stall"), ("mixed", "refuse")])
 def test_outage_in_the_data_stream_stops_it_and_skips_nothing(proxy, uri, kind, fault):
-    # cache_bytes=0: every batch reads its pieces from storage, as on a store larger than memory
-    args = dict(seq_len=32, micro_batch=4, rank=0, world_size=1, seed=1, prefetch=1, on_error="skip", cache_bytes=0)
+    args = dict(seq_len=32, micro_batch=4, rank=0, world_size=1, seed=1, prefetch=1, on_error="skip")
     if kind == "packed":
-        stream = PackedStream(trainer_view(uri), teacher=None, **args)
+        view, sources = trainer_view(uri), None
     else:  # two teachers of one tokenizer: the reads of trainer/teachers.py
         view = trainer_view(uri, teachers=("teacher-a", "teacher-b"))
-        stream = MixedStream(view, sources=[Source("teacher-a", 0.5, None), Source("teacher-b", 0.5, None)], **args)
+        sources = [Source("teacher-a", 0.5, None), Source("teacher-b", 0.5, None)]
+    # A budget of two parts: windows of one part, so the stream keeps reading from storage, as on a
+    # store larger than memory (a store that fits would be read whole before the fault).
+    probe = store_stream(view, sources=sources, **args)
+    budget = 2 * int(probe.source.part_bytes().max())
+    probe.close()
+    stream = store_stream(view, sources=sources, memory_budget=budget, **args)
+    assert stream.window_parts == 1
     batches = iter(stream)
     try:
         next(batches)

@@ -228,3 +228,80 @@ def test_forked_writers_in_other_processes_merge_into_one_version(store_uri):
     for ids, seed in batches:
         assert_matches(view, random_samples(ids, seed=seed))
     assert verify(view).ok
+
+
+def _objects(store, prefix: str) -> dict[str, bytes]:
+    from zarr.core.buffer import default_buffer_prototype
+    from zarr.core.sync import sync
+
+    async def collect():
+        keys = [k async for k in store.list_prefix(prefix)]
+        return {k[len(prefix):]: (await store.get(k, default_buffer_prototype())).to_bytes() for k in keys}
+
+    return sync(collect())
+
+
+@pytest.mark.parametrize("case", ["small", "several shards", "an all-zero chunk", "student tokens"])
+def test_a_part_is_written_as_zarr_writes_it_byte_for_byte(tmp_path, case):
+    """`PartWriter` writes its arrays without zarr-python's machinery (rawwrite.py): every object, every
+    byte and the stored size equal writing each array through Zarr (`_write_array`)."""
+    import dataclasses
+
+    import numpy as np
+    import zarr
+
+    from logitstore.samples import StudentTokens, concat
+    from logitstore.store import StudentTokenizer, _write_array
+
+    samples = random_samples([f"d{i}" for i in range(12)], k=8)
+    students, registered = None, []
+    if case == "several shards":  # uint16 chunks of 128k values, 64 per shard: > 8M entries
+        samples = concat([dataclasses.replace(random_samples([f"b{r}"], seed=r, min_tokens=1024, max_tokens=1024, k=64),
+                                              sample_ids=[f"b{r}"]) for r in range(2)])
+        samples = concat([dataclasses.replace(samples, sample_ids=[f"{s}-{r}" for s in samples.sample_ids]) for r in range(66)])
+    if case == "an all-zero chunk":
+        samples.input_ids[:] = 0  # Zarr leaves an all-fill-value chunk out, and then its shard
+    if case == "student tokens":
+        students = {"s": StudentTokens.from_samples([(np.arange(n // 2) % 7, np.array([[0, n, 0, n // 2]]))
+                                                     for n in samples.n_tokens])}
+        registered = [StudentTokenizer(name="s", tokenizer_hash="h", vocab_size=7, tokenizer_json="{}",
+                                       vocab_map=np.arange(VOCAB, dtype=np.int32) % 7)]
+    store = Store.open(str(tmp_path / "store"), create=True)
+    with store.writer() as w:
+        w.add_teacher(teacher(), code_of_id=codec.frequency_id_order(samples.entry_ids, vocab_size=VOCAB), students=registered)
+        w.commit("teacher")
+    with store.writer() as w:
+        part_writer = w.part_writer()
+        written = part_writer.write(samples, teacher="teacher-a", students=students)
+        w.merge(written)
+        part = written.rows["part"][0].as_py()
+        enc = codec.encode(samples, params=codec.CodecParams(), code_of_id=part_writer.code_of_id("teacher-a"), vocab_size=VOCAB)
+        group = zarr.open_group(w.session.store, mode="r+")["teachers/teacher-a/parts"].create_group("by-zarr")
+        stored = sum(_write_array(group, name, values) for name, values in enc.arrays().items())
+        for name, st in (students or {}).items():
+            sub = group.require_group("students").create_group(name)
+            stored += _write_array(sub, "ids", st.ids.astype(np.int32))
+            stored += _write_array(sub, "groups", st.groups.astype(np.int32).reshape(-1))
+        group.attrs.update({"samples": len(samples), "tokens": int(samples.n_tokens.sum()), "stored_bytes": stored})
+        ours = _objects(w.session.store, f"teachers/teacher-a/parts/{part}/")
+        theirs = _objects(w.session.store, "teachers/teacher-a/parts/by-zarr/")
+        assert sorted(ours) == sorted(theirs)
+        assert [key for key in ours if ours[key] != theirs[key]] == []
+        assert written.stored_bytes == stored
+        if case == "several shards":
+            assert "entry_codes/c/1" in ours
+        if case == "an all-zero chunk":
+            assert "input_ids/c/0" not in ours and "input_ids/zarr.json" in ours
+        version = w.commit("write")
+    view = store.read(version)
+    assert_matches(view, samples)
+    assert verify(view).ok
+
+
+def test_a_duplicate_entry_is_refused_by_the_write(store_uri):
+    samples = random_samples(["a", "b"], k=8)
+    samples.entry_ids[9] = samples.entry_ids[8]  # found by the encoder's sort, not by a sort of its own
+    store = Store.open(store_uri, create=True)
+    with pytest.raises(LogitstoreError, match=r"token id \d+ appears twice among the entries of position 1"):
+        write(store, samples)
+    assert store.read().index.num_rows == 0

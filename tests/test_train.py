@@ -99,10 +99,13 @@ def test_bad_train_input_is_one_clear_line(store, tmp_path):
         ([*base, "--out", str(tmp_path / "c"), "--student", str(tmp_path)], "not a model directory"),
         ([*base, "--out", str(tmp_path / "d"), "--micro-batch", "0"], "--micro-batch"),
         ([*base, "--out", str(tmp_path / "f"), "--global-batch-tokens", "100"], "not a multiple"),
+        ([*base, "--out", str(tmp_path / "g"), "--memory-budget", "12XB"], "--memory-budget"),
+        ([*base, "--out", str(tmp_path / "h"), "--memory-budget", "1KB"], "smaller than two parts"),
     ]
     for args, message in cases:
         result = runner.invoke(app, args)
         assert result.exit_code == 2 and message in result.stderr, (args, result.stderr)
+        assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr, result.stderr
     out = tmp_path / "e"
     assert runner.invoke(app, [*base, "--out", str(out), "--micro-batch", "2"]).exit_code == 0
     result = runner.invoke(app, [*base, "--out", str(out), "--lr", "1e-2"])

@@ -6,6 +6,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from logitstore.errors import LogitstoreError
+from logitstore.trainer.stream import DEFAULT_MEMORY_BUDGET
 
 
 class TrainConfigError(LogitstoreError):
@@ -46,6 +47,7 @@ class TrainConfig:
     force: bool = False
     offload_optimizer: bool = False
     on_error: str = "raise"  # a damaged sample: "raise" stops the run, "skip" skips and counts it
+    memory_budget: str = DEFAULT_MEMORY_BUDGET  # stored data a rank's stream holds (bytes or "512MB"); sets the shuffle window
     log_every: int = 1
     live: object = None  # trainer.live.LiveConfig: `--live-teacher` instead of `--store`
 
@@ -75,6 +77,9 @@ class TrainConfig:
         for ok, message in checks:
             if not ok:
                 raise TrainConfigError(message)
+        from logitstore.sizes import parse_bytes
+
+        parse_bytes(self.memory_budget, name="--memory-budget")  # a typo fails here, not in every rank
 
     @property
     def tokens_per_step(self) -> int:

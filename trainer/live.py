@@ -8,9 +8,9 @@ model once, then answers requests: "the whole samples with these token ids" -> s
 and target log-probabilities (`pipelines.workers.TeacherWorker.compute`, the build's own code).
 
 Data. The trainer plans the samples itself, exactly as `logitstore build` would (same reader, same
-tokenizer, same windows and ids), and orders, splits, packs and shards them with `PackedStream`'s
-rules (sorted by id, permuted by seed, split by id hash). The batch order is therefore a function of
-the sample ids and the seed only: a live run and a run on a store built from the same data and options
+tokenizer, same windows and ids), and orders, splits, packs and shards them with the stream engine's
+rules (`trainer/stream.py`, `LiveSource`: sorted by id, permuted by seed, split by id hash). The batch
+order is therefore a function of the sample ids and the seed only: a live run and a run on a store built from the same data and options
 see the same batches. The teacher never reorders: it computes what it is asked, in request order.
 
 Values. By default the teacher's output goes through the store's codec (encode + decode, the two-slope
@@ -339,60 +339,47 @@ def remove_process_shm(pid: int) -> None:
 # -- the stream ---------------------------------------------------------------------------------------
 
 
-@dataclass
-class _LiveTable:
-    sample_ids: list[str]
-    n_tokens: np.ndarray
+class LiveSource:
+    """Live mode as a source of the stream engine (`trainer/stream.py`): the planned samples of one
+    split, ordered, packed and sharded as a store's (one window: the global shuffle), and computed
+    whole by the teacher process for each micro-batch, then cut into its pieces."""
 
+    def __init__(self, samples: LiveSamples, teacher: LiveTeacher, *, split: str, eval_fraction: float):
+        from logitstore.trainer.stream import SplitTable, is_eval_sample
 
-class _LiveVersion:
-    """What the stream's resume checks need of a store version: an id for the data it reads."""
+        keep = [i for i, sid in enumerate(samples.sample_ids)  # one step per sample, at start
+                if is_eval_sample(sid, eval_fraction=eval_fraction) == (split == "eval")]
+        self.teacher, self.version = teacher, samples.fingerprint
+        self.table = SplitTable(sample_ids=[samples.sample_ids[i] for i in keep], n_tokens=samples.n_tokens[keep],
+                                part=np.zeros(len(keep), dtype=np.int64), parts=["live"])
+        self._tokens = [samples.tokens[i] for i in keep]
+        self.where = f"the {split} split of live teacher {samples.teacher_name!r}"
 
-    def __init__(self, snapshot_id: str):
-        self.snapshot_id = snapshot_id
+    def part_bytes(self) -> None:
+        return None  # nothing to read: the teacher computes every batch
 
+    def read_part(self, code: int) -> None:
+        raise AssertionError("a live source has no parts to read")
 
-class _NoReader:
-    entry_names = ("entry_codes", "entry_logprobs")
+    def build(self, pieces, parts: dict, *, stream):
+        from logitstore.trainer.stream import assemble
 
-    def close(self) -> None:
-        pass
+        rows, where = np.unique(pieces.row, return_inverse=True)
+        whole = self.teacher.compute([self._tokens[r] for r in rows])
+        decoded = _cut(whole, where.reshape(-1), pieces)
+        return assemble(pieces, np.ones(len(pieces.row), bool), decoded, sample_ids=self.table.sample_ids,
+                        micro_batch=stream.micro_batch, seq_len=stream.seq_len, sampled=decoded.entry_counts is not None)
 
 
 def live_stream(samples: LiveSamples, teacher: LiveTeacher, *, seq_len: int, micro_batch: int, rank: int,
                 world_size: int, seed: int, split: str = "train", eval_fraction: float = 0.05, prefetch: int = 4):
-    """A `PackedStream` (same order, packing, sharding and resume state) whose batches come from the
-    live teacher instead of the store."""
-    from logitstore.trainer.data import PackedStream, _check_arguments, is_eval_sample
+    """The stream engine over live mode: same order, packing, sharding and resume state as a store run
+    on the same samples, batches from the live teacher."""
+    from logitstore.trainer.stream import Stream, check_eval_fraction
 
-    class LiveStream(PackedStream):
-        def __init__(self):  # PackedStream's state, without a store behind it
-            _check_arguments(seq_len=seq_len, micro_batch=micro_batch, rank=rank, world_size=world_size, split=split,
-                             eval_fraction=eval_fraction, prefetch=prefetch, on_error="raise")
-            keep = [i for i, sid in enumerate(samples.sample_ids)
-                    if is_eval_sample(sid, eval_fraction=eval_fraction) == (split == "eval")]
-            self.view = _LiveVersion(samples.fingerprint)
-            self.teacher = samples.teacher_name
-            self.seq_len, self.micro_batch, self.rank, self.world_size = seq_len, micro_batch, rank, world_size
-            self.seed, self.split, self.eval_fraction = seed, split, eval_fraction
-            self.prefetch, self.on_error = prefetch, "raise"
-            self.table = _LiveTable([samples.sample_ids[i] for i in keep], samples.n_tokens[keep])
-            self._tokens = [samples.tokens[i] for i in keep]
-            self.n_samples = len(keep)
-            self.rows_per_epoch = int(self.table.n_tokens.sum()) // seq_len
-            self.steps_per_epoch = self.rows_per_epoch // (world_size * micro_batch)
-            self._check_size()
-            self._reader = _NoReader()
-            self._plans, self._epoch, self._rows, self._generation = {}, 0, 0, 0
-            self._worker, self.wait_seconds, self.skipped_ids = None, 0.0, set()
-
-        def _build(self, epoch: int, row0: int):
-            pieces = self._plan(epoch).pieces(row0, row0 + self.micro_batch)
-            rows, where = np.unique(pieces.row, return_inverse=True)
-            whole = teacher.compute([self._tokens[r] for r in rows])
-            return self._assemble(pieces, np.ones(len(pieces.row), bool), _cut(whole, where.reshape(-1), pieces))
-
-    return LiveStream()
+    check_eval_fraction(eval_fraction)
+    return Stream(LiveSource(samples, teacher, split=split, eval_fraction=eval_fraction), seq_len=seq_len,
+                  micro_batch=micro_batch, rank=rank, world_size=world_size, seed=seed, split=split, prefetch=prefetch)
 
 
 def _cut(whole: SparseSamples, which: np.ndarray, pieces) -> SparseSamples:

@@ -23,10 +23,10 @@ Rules (documented in the README):
 - Metrics: `signal_share` is the share of supervised student positions that received a term from at
   least one teacher; `exact_share` the share at 1:1 groups or from same-tokenizer teachers.
 
-The packed stream is the single-teacher `PackedStream` with another way to build a batch: each
-sample of the batch is read whole from every source (a sample cut across two rows is read twice),
-turned into student-position signals with numpy, then cut into the batch's pieces. Nothing loops per
-token or entry in Python; the loops are per piece and per source.
+`MixedSource` is a source of the stream engine (`trainer/stream.py`) with another way to build a
+batch: each sample of the batch is decoded whole from every source's parts in memory (a sample cut
+across two rows is decoded twice), turned into student-position signals with numpy, then cut into the
+batch's pieces. Nothing loops per token or entry in Python; the loops are per piece and per source.
 """
 
 from __future__ import annotations
@@ -38,19 +38,19 @@ import numpy as np
 import pyarrow.compute as pc
 import torch
 
-from logitstore.errors import LogitstoreError
+from logitstore import codec
+from logitstore.errors import DamagedDataError, LogitstoreError
 from logitstore.store import StoreVersion, read_errors
-from logitstore.trainer.data import (
-    DEFAULT_CACHE_BYTES,
+from logitstore.trainer.stream import (
     PackedBatch,
-    PackedStream,
-    _gather,
-    _Pieces,
-    _ranges,
-    _Reader,
-    _SplitTable,
+    PartReader,
+    Pieces,
+    SplitTable,
+    TeacherRows,
+    layout,
     split_index,
 )
+from logitstore.trainer.stream import ranges as _ranges
 
 
 class TeacherSourceError(LogitstoreError, ValueError):
@@ -147,59 +147,79 @@ def resolve_sources(view: StoreVersion, *, weights: dict[str, float], vocab: Stu
     return sources
 
 
-# -- the stream ------------------------------------------------------------------------------------
+# -- the source of several teachers ------------------------------------------------------------------------
 
 
 @dataclass
 class _SourceTable:
     """A source's split rows matched to the first source's rows (-1 where it lacks the sample)."""
 
-    table: _SplitTable
-    row_of: np.ndarray  # [n primary rows] -> row in `table`, or -1
+    rows: TeacherRows
+    row_of: np.ndarray  # [n primary rows] -> row in `rows`, or -1
     students: dict[str, np.ndarray] | None  # student_start / n_student_tokens / group_start / n_groups
 
 
-class MixedStream(PackedStream):
-    """`PackedStream` for several sources; same contract (order, packing, sharding, resume), with
-    lengths in the student's tokens and `PackedBatch.signals` instead of the single-teacher targets."""
+class MixedSource:
+    """Several sources for the stream engine (`trainer/stream.py`); same contract (order, packing,
+    sharding, resume), with lengths in the student's tokens and `PackedBatch.signals` instead of the
+    single-teacher targets. A *part* here is a part of the first source; reading it reads, for every
+    source, the parts of its own that hold those samples (one each when the teachers were built from
+    the same data, as `build --teacher A --teacher B` does), and a cross source's student arrays."""
 
-    def __init__(self, view: StoreVersion, *, sources: list[Source], seq_len: int, micro_batch: int, rank: int,
-                 world_size: int, seed: int, split: str = "train", eval_fraction: float = 0.05,
-                 prefetch: int = 4, on_error: str = "raise", cache_bytes: int = DEFAULT_CACHE_BYTES):
+    def __init__(self, view: StoreVersion, *, sources: list[Source], split: str, eval_fraction: float):
         assert sources, "at least one source"
-        self.sources = sources
-        super().__init__(view, teacher=sources[0].name, seq_len=seq_len, micro_batch=micro_batch, rank=rank,
-                         world_size=world_size, seed=seed, split=split, eval_fraction=eval_fraction,
-                         prefetch=prefetch, on_error=on_error, cache_bytes=cache_bytes)
-        self._source_tables = [_source_table(view, s, split=split, eval_fraction=eval_fraction,
-                                             primary_ids=self.table.sample_ids) for s in sources]
+        self.view, self.sources, self.version = view, sources, view.snapshot_id
+        primary = TeacherRows.of(view, teacher=sources[0].name, split=split, eval_fraction=eval_fraction)
+        self._tables = [_source_table(view, s, split=split, eval_fraction=eval_fraction, primary_ids=primary.sample_ids)
+                        for s in sources]
         # Pack by the student-side lengths of the first source's samples.
-        primary = self._source_tables[0]
-        if sources[0].cross:
-            self.table.n_tokens = primary.students["n_student_tokens"]
-            self.rows_per_epoch = int(self.table.n_tokens.sum()) // seq_len
-            self.steps_per_epoch = self.rows_per_epoch // (world_size * micro_batch)
-            self._check_size()
-        self._readers = [_Reader(view, teacher=s.name, table=t.table, cache_bytes=cache_bytes)
-                         for s, t in zip(sources, self._source_tables)]
-        self._decoders = [(view.teachers[s.name].codec, view.id_of_code(s.name)) for s in sources]
-        self._student_arrays: dict[tuple, object] = {}
+        lengths = self._tables[0].students["n_student_tokens"] if sources[0].cross else primary.n_tokens
+        self.table = SplitTable(sample_ids=primary.sample_ids, n_tokens=lengths, part=primary.part, parts=primary.parts)
+        self._primary = primary
+        self._readers = [PartReader(view, teacher=s.name, rows=t.rows) for s, t in zip(sources, self._tables)]
+        self._decoders = [(view.teachers[s.name].codec, view.id_of_code(s.name).astype(np.int32)) for s in sources]
+        self.where = f"the {split} split of teachers {', '.join(s.name for s in sources)} in version {view.snapshot_id}"
 
-    def close(self) -> None:
-        super().close()
-        for reader in getattr(self, "_readers", []):
-            reader.close()
+    def _own_parts(self, i: int, code: int) -> list[int]:
+        """The parts of source i holding the samples of the first source's part `code`."""
+        own = self._tables[i].row_of[self._primary.in_part(code)]
+        return np.unique(self._tables[i].rows.part[own[own >= 0]]).tolist()
+
+    def part_bytes(self) -> np.ndarray:
+        out = np.zeros(len(self.table.parts), dtype=np.int64)
+        for code in range(len(out)):  # one step per part, at start
+            for i, reader in enumerate(self._readers):
+                out[code] += int(reader.bytes[self._own_parts(i, code)].sum()) * (2 if self.sources[i].cross else 1)
+        return out  # a cross source's student ids and groups counted as much again: a generous bound
+
+    def read_part(self, code: int) -> list[tuple[dict, dict]]:
+        """Per source: ({own part: PartData}, {own part: (student ids, groups)} for a cross source)."""
+        out = []
+        for i, (source, reader) in enumerate(zip(self.sources, self._readers)):
+            own = self._own_parts(i, code)
+            students = {c: self._student_arrays(i, c) for c in own} if source.cross else {}
+            out.append(({c: reader.read(c) for c in own}, students))
+        return out
+
+    def _student_arrays(self, i: int, code: int) -> tuple[np.ndarray, np.ndarray]:
+        source = self.sources[i]
+        base = f"teachers/{source.name}/parts/{self._tables[i].rows.parts[code]}/students/{source.student}"
+        with read_errors(f"the student tokens in {base}"):  # damage stops the run too; no per-sample skip here
+            return self.view.root[f"{base}/ids"][:], self.view.root[f"{base}/groups"][:]
 
     # -- a batch -----------------------------------------------------------------------------------
 
-    def _build(self, epoch: int, row0: int) -> PackedBatch:
-        pieces = self._plan(epoch).pieces(row0, row0 + self.micro_batch)
+    def build(self, pieces: Pieces, parts: dict[int, list], *, stream) -> PackedBatch:
         rows = np.unique(pieces.row)
         per_source = []
         for i in range(len(self.sources)):
-            signals, errors = self._read_source(i, rows)
+            loaded, students = {}, {}
+            for by_source in parts.values():
+                loaded.update(by_source[i][0])
+                students.update(by_source[i][1])
+            signals, errors = self._read_source(i, rows, loaded, students)
             for r, error in errors.items():
-                self._unreadable(r, error)  # raises, or (on_error="skip") counts the sample as skipped
+                stream.unreadable(r, error)  # raises, or (on_error="skip") counts the sample as skipped
             per_source.append(signals)
         primary = per_source[0]
         ok = np.array([r in primary for r in pieces.row.tolist()], dtype=bool)
@@ -207,41 +227,35 @@ class MixedStream(PackedStream):
             for r in list(later):
                 if r not in primary or not np.array_equal(later[r].tokens, primary[r].tokens):
                     del later[r]
-        return self._assemble_mixed(pieces, ok, per_source)
+        return self._assemble(pieces, ok, per_source, micro_batch=stream.micro_batch, seq_len=stream.seq_len)
 
-    def _read_source(self, i: int, rows: np.ndarray) -> tuple[dict, dict]:
+    def _read_source(self, i: int, rows: np.ndarray, loaded: dict, students: dict) -> tuple[dict, dict]:
         """({primary row: _SampleSignal} for the rows this source has and could read,
         {primary row: exception} for those it has but could not read)."""
-        source, st = self.sources[i], self._source_tables[i]
+        source, st, reader = self.sources[i], self._tables[i], self._readers[i]
         own = st.row_of[rows]
         have = own >= 0
-        if not have.any():
-            return {}, {}
-        own_rows = own[have]
-        primary_rows = rows[have]
-        t = st.table
-        pieces = _Pieces(row=own_rows, a=np.zeros(len(own_rows), np.int64), b=t.n_tokens[own_rows],
-                         flat=np.zeros(len(own_rows), np.int64))
-        encoded = self._readers[i].read(pieces)
-        students = self._read_students(i, own_rows) if source.cross else None
-        out: dict = {}
-        good = [j for j, e in enumerate(encoded) if not isinstance(e, Exception)]
-        errors = {int(primary_rows[j]): e for j, e in enumerate(encoded) if isinstance(e, Exception)}
+        errors: dict = {}
+        good = []
+        for primary_row, own_row in zip(rows[have].tolist(), own[have].tolist()):  # one step per sample
+            damage = loaded[int(st.rows.part[own_row])].damaged.get(own_row)
+            if damage is None:
+                good.append((primary_row, own_row))
+            else:
+                errors[primary_row] = damage
         if not good:
-            return out, errors
+            return {}, errors
+        primary_rows = np.array([p for p, _ in good], dtype=np.int64)
+        own_rows = np.array([o for _, o in good], dtype=np.int64)
+        n_tokens = st.rows.n_tokens[own_rows]
         params, id_of_code = self._decoders[i]
-        from logitstore import codec
-        from logitstore.codec import EncodedSamples
-
-        names = ("input_ids", "n_entries", "entry_codes", "entry_logprobs", "tail", "target_logprobs", "entry_counts")
-        joined = {n: (None if getattr(encoded[good[0]], n) is None else np.concatenate([getattr(encoded[j], n) for j in good]))
-                  for n in names}
-        decoded = codec.decode(EncodedSamples(**joined), params=params, id_of_code=id_of_code,
-                               n_tokens=t.n_tokens[own_rows[good]])
-        tok_off = decoded.token_offsets
-        pos_off = decoded.position_offsets
+        enc = reader.gather(loaded, own_rows, np.zeros(len(own_rows), np.int64), n_tokens)
+        decoded = codec.decode(enc, params=params, id_of_code=id_of_code, n_tokens=n_tokens)
+        aligned = self._students(i, own_rows, students) if source.cross else None
+        tok_off, pos_off = decoded.token_offsets, decoded.position_offsets
         ent_off = np.concatenate([[0], np.cumsum(decoded.n_entries, dtype=np.int64)])
-        for k, j in enumerate(good):
+        out: dict = {}
+        for k in range(len(own_rows)):  # one step per sample: slicing only
             p0, p1 = pos_off[k], pos_off[k + 1]
             signal = _SampleSignal(
                 tokens=decoded.input_ids[tok_off[k]:tok_off[k + 1]],
@@ -249,42 +263,32 @@ class MixedStream(PackedStream):
                 entry_ids=decoded.entry_ids[ent_off[p0]:ent_off[p1]].astype(np.int64),
                 entry_logprobs=decoded.entry_logprobs[ent_off[p0]:ent_off[p1]],
                 tail=decoded.tail[p0:p1], target_logprobs=decoded.target_logprobs[p0:p1])
-            if students is not None:
-                ids, groups = students[j]
+            if aligned is not None:
+                ids, groups = aligned[k]
                 signal = signal.through(groups, student_ids=ids, vocab_map=source.vocab_map)
-            out[int(primary_rows[j])] = signal
+            out[int(primary_rows[k])] = signal
         return out, errors
 
-    def _read_students(self, i: int, own_rows: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
-        """Student ids and groups [g, 4] of each row, read part by part."""
-        source, st = self.sources[i], self._source_tables[i]
+    def _students(self, i: int, own_rows: np.ndarray, students: dict) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Student ids and groups [g, 4] of each row, from its part's student arrays."""
+        st = self._tables[i]
         cols = st.students
-        out: list = [None] * len(own_rows)
-        parts = st.table.part[own_rows]
-        for code in np.unique(parts).tolist():
-            sel = np.flatnonzero(parts == code)
-            r = own_rows[sel]
-            base = f"teachers/{source.name}/parts/{st.table.parts[code]}/students/{source.student}"
-            with read_errors(f"the student tokens in {base}"):  # damage stops the run too; no per-sample skip here
-                ids, id_off = _gather(self._student_array(f"{base}/ids"), cols["student_start"][r],
-                                      cols["student_start"][r] + cols["n_student_tokens"][r])
-                groups, g_off = _gather(self._student_array(f"{base}/groups"), 4 * cols["group_start"][r],
-                                        4 * (cols["group_start"][r] + cols["n_groups"][r]))
-            for k, j in enumerate(sel.tolist()):
-                out[j] = (ids[id_off[k]:id_off[k + 1]].astype(np.int64),
-                          groups[g_off[k]:g_off[k + 1]].astype(np.int64).reshape(-1, 4))
+        out = []
+        for row in own_rows.tolist():  # one step per sample: slicing only
+            ids, groups = students[int(st.rows.part[row])]
+            s0, n = cols["student_start"][row], cols["n_student_tokens"][row]
+            g0, g = cols["group_start"][row], cols["n_groups"][row]
+            if s0 + n > len(ids) or 4 * (g0 + g) > len(groups):
+                raise DamagedDataError(f"the student tokens of sample {st.rows.sample_ids[row]!r} lie outside the "
+                                       "stored arrays")
+            out.append((ids[s0:s0 + n].astype(np.int64), groups[4 * g0:4 * (g0 + g)].astype(np.int64).reshape(-1, 4)))
         return out
 
-    def _student_array(self, path: str):
-        if path not in self._student_arrays:
-            self._student_arrays[path] = self.view.root[path]
-        return self._student_arrays[path]
-
-    def _assemble_mixed(self, pieces: _Pieces, ok: np.ndarray, per_source: list[dict]) -> PackedBatch:
-        B, L = self.micro_batch, self.seq_len
-        lay = self._layout(pieces, ok)
+    def _assemble(self, pieces: Pieces, ok: np.ndarray, per_source: list[dict], *, micro_batch: int,
+                  seq_len: int) -> PackedBatch:
+        B, L = micro_batch, seq_len
+        lay = layout(pieces, ok, micro_batch=B, seq_len=L)
         flat, n, tokens, positions = lay.flat, lay.n, lay.tokens, lay.positions
-        position_ids, document_ids = lay.position_ids, lay.document_ids
         input_ids = np.zeros(B * L, dtype=np.int64)
         rows, starts = pieces.row[ok], pieces.a[ok]
         primary = per_source[0]
@@ -318,8 +322,9 @@ class MixedStream(PackedStream):
         counts["exact_positions"] = int(exact_covered.sum())
         empty_long, empty_float = torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.float32)
         return PackedBatch(
-            input_ids=torch.from_numpy(input_ids.reshape(B, L)), position_ids=torch.from_numpy(position_ids.reshape(B, L)),
-            document_ids=torch.from_numpy(document_ids.reshape(B, L)), positions=torch.from_numpy(positions),
+            input_ids=torch.from_numpy(input_ids.reshape(B, L)),
+            position_ids=torch.from_numpy(lay.position_ids.reshape(B, L)),
+            document_ids=torch.from_numpy(lay.document_ids.reshape(B, L)), positions=torch.from_numpy(positions),
             entry_ids=empty_long, entry_logprobs=empty_float, entry_pos=empty_long, tail=empty_float,
             target_ids=torch.from_numpy(input_ids[positions + 1]), target_logprobs=empty_float, entry_counts=None,
             n_tokens=int(n.sum()),
@@ -438,16 +443,14 @@ def _aligned_targets(pieces, *, starts, n, first_position, weight, target_ids):
 
 def _source_table(view: StoreVersion, source: Source, *, split: str, eval_fraction: float,
                   primary_ids: list[str]) -> _SourceTable:
-    from logitstore.trainer.data import _split_table
-
     idx = split_index(view, teacher=source.name, split=split, eval_fraction=eval_fraction)
-    table = _split_table(view, teacher=source.name, split=split, eval_fraction=eval_fraction)
+    table = TeacherRows.of(view, teacher=source.name, split=split, eval_fraction=eval_fraction)
     students = None
     if source.cross:
         k = view.teachers[source.name].student_names.index(source.student)
         students = {c: pc.list_element(idx[c], k).to_numpy().astype(np.int64)
                     for c in ("student_start", "n_student_tokens", "group_start", "n_groups")}
-    return _SourceTable(table=table, row_of=match_rows(primary_ids, table.sample_ids), students=students)
+    return _SourceTable(rows=table, row_of=match_rows(primary_ids, table.sample_ids), students=students)
 
 
 def match_rows(primary_ids: list[str], ids: list[str]) -> np.ndarray:

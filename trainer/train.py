@@ -345,15 +345,12 @@ class LiveSignal:
 
 
 def make_stream(view, sources, *, cfg: TrainConfig, rank: int, world_size: int, split: str):
-    """The single-teacher `PackedStream`, or the `MixedStream` of several or cross-tokenizer teachers."""
-    from logitstore.trainer.data import PackedStream
-    from logitstore.trainer.teachers import MixedStream
+    """The stream engine over the store: one teacher, or several or cross-tokenizer teachers."""
+    from logitstore.trainer.stream import store_stream
 
-    common = dict(seq_len=cfg.seq_len, micro_batch=cfg.micro_batch, rank=rank, world_size=world_size, seed=cfg.seed,
-                  split=split, eval_fraction=cfg.eval_fraction, on_error=cfg.on_error)
-    if len(sources) == 1 and not sources[0].cross:
-        return PackedStream(view, teacher=sources[0].name, **common)
-    return MixedStream(view, sources=sources, **common)
+    return store_stream(view, sources=sources, seq_len=cfg.seq_len, micro_batch=cfg.micro_batch, rank=rank,
+                        world_size=world_size, seed=cfg.seed, split=split, eval_fraction=cfg.eval_fraction,
+                        on_error=cfg.on_error, memory_budget=cfg.memory_budget)
 
 
 def mixed_loss(logits, batch, loss_cfg, *, uld_weight: float, device, indicator: bool = False):

@@ -1,5 +1,6 @@
-"""The trainer's data stream (trainer/data.py) against its contract: determinism, rank sharding,
-resumption, packing against the store's own decoding, the train/eval split, errors and damaged data."""
+"""The stream engine (trainer/stream.py) against its contract: determinism, rank sharding, resumption,
+the window shuffle and its memory budget, packing against the store's own decoding, the train/eval
+split, errors and damaged data."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from logitstore import codec
 from logitstore.errors import DamagedDataError, LogitstoreError
 from logitstore.store import Store, TeacherMeta
 from logitstore.synthetic import random_samples
-from logitstore.trainer.data import PackedBatch, PackedStream, is_eval_sample
+from logitstore.trainer.stream import PackedBatch, Stream, StreamConfigError, is_eval_sample, store_stream
 
 VOCAB = 1000
 SEQ, MB = 32, 2
@@ -46,15 +47,25 @@ def view():
 
 @pytest.fixture(scope="module")
 def sampled_view():
-    return build_store(f"memory://{uuid.uuid4().hex[:12]}", n=30, parts=2, mode="sampled")
+    return build_store(f"memory://{uuid.uuid4().hex[:12]}", n=30, parts=3, mode="sampled")
 
 
-def stream(view, **kw) -> PackedStream:
+def stream(view, **kw) -> Stream:
     args = dict(teacher=None, seq_len=SEQ, micro_batch=MB, rank=0, world_size=1, seed=1)
-    return PackedStream(view, **{**args, **kw})
+    return store_stream(view, **{**args, **kw})
 
 
-def take(s: PackedStream, n: int) -> list[PackedBatch]:
+def windowed(view, **kw) -> Stream:
+    """A stream whose memory budget holds two parts: windows of one part, the smallest there are."""
+    probe = stream(view, **kw)
+    budget = 2 * int(probe.source.part_bytes().max())
+    probe.close()
+    s = stream(view, memory_budget=budget, **kw)
+    assert s.window_parts == 1
+    return s
+
+
+def take(s: Stream, n: int) -> list[PackedBatch]:
     """The next n batches, leaving the stream's position after them."""
     it = iter(s)
     out = list(itertools.islice(it, n))
@@ -106,7 +117,7 @@ def test_resume_mid_epoch_and_across_an_epoch_boundary(view):
     n = s.steps_per_epoch - 1
     take(s, n)
     state = s.state_dict()
-    assert state == {"epoch": 0, "rows_consumed": n * MB, "seed": 1, "version": view.snapshot_id}
+    assert state == {"epoch": 0, "rows_consumed": n * MB, "seed": 1, "version": view.snapshot_id, "window_parts": None}
     expected = take(s, 3)  # the last batch of epoch 0, then epoch 1
     assert s.state_dict()["epoch"] == 1
     resumed = stream(view)
@@ -197,12 +208,12 @@ def check_entries(batch: PackedBatch, cache: dict) -> None:
 SAMPLES: dict = {}  # (version, sample id) -> view.sample(id), shared by the packing tests
 
 
-@pytest.mark.parametrize("which, cache_bytes", [("view", 0), ("view", None), ("sampled_view", 0)])
-def test_packing_matches_the_store(which, cache_bytes, request):
-    """Sliced reads (cache_bytes=0) and whole-part caching give the store's own decoding."""
+@pytest.mark.parametrize("which, windows", [("view", True), ("view", False), ("sampled_view", True)])
+def test_packing_matches_the_store(which, windows, request):
+    """Windows of one part and the global shuffle (everything in memory) give the store's own decoding."""
     v = request.getfixturevalue(which)
-    s = stream(v, seed=3, **({} if cache_bytes is None else {"cache_bytes": cache_bytes}))
-    assert s._reader.cache_whole == (cache_bytes is None)
+    s = windowed(v, seed=3) if windows else stream(v, seed=3)
+    assert (s.window_parts == 1) == windows
     batches = take(s, s.steps_per_epoch)
     cache = SAMPLES.setdefault(v.snapshot_id, {})
     for batch in batches:
@@ -315,7 +326,7 @@ def test_prefetch_thread_stops_on_close_and_counts_waiting(view):
 def damaged_view(tmp_path_factory):
     """A local store whose largest chunk file has 16 flipped bytes (its CRC32C fails)."""
     root = tmp_path_factory.mktemp("damaged") / "store"
-    view = build_store(str(root), n=30, parts=1, max_tokens=400, k=32)
+    view = build_store(str(root), n=30, parts=3, max_tokens=400, k=32)
     victim = max((root / "chunks").iterdir(), key=lambda p: p.stat().st_size)
     data = bytearray(victim.read_bytes())
     mid = len(data) // 3
@@ -325,23 +336,97 @@ def damaged_view(tmp_path_factory):
     return Store.open(str(root)).read(view.snapshot_id)
 
 
-@pytest.mark.parametrize("cache_bytes", [0, 1 << 30])
-def test_damaged_sample_is_named(damaged_view, cache_bytes):
-    s = stream(damaged_view, seq_len=128, eval_fraction=0.0, cache_bytes=cache_bytes)
+@pytest.mark.parametrize("windows", [True, False])
+def test_damaged_sample_is_named(damaged_view, windows):
+    s = (windowed if windows else stream)(damaged_view, seq_len=128, eval_fraction=0.0)
     with pytest.raises(DamagedDataError, match=r"cannot read sample 'doc-\d+' .*checksum"):
         take(s, s.steps_per_epoch)  # raised in the prefetch thread, re-raised here
     s.close()
 
 
-def test_damaged_samples_are_skipped_alike_by_sliced_and_cached_reads(damaged_view):
+def test_damaged_samples_are_skipped_alike_in_windows_and_globally(damaged_view):
+    from logitstore.verify import verify
+
+    damaged_ids = {key.split("/", 1)[1] for key in verify(damaged_view).damaged}
     skipped = []
-    for cache_bytes in (0, 1 << 30):
-        s = stream(damaged_view, seq_len=128, eval_fraction=0.0, cache_bytes=cache_bytes, on_error="skip")
+    for windows in (True, False):
+        s = (windowed if windows else stream)(damaged_view, seq_len=128, eval_fraction=0.0, on_error="skip")
         batches = take(s, s.steps_per_epoch)
         s.close()
         assert 0 < s.skipped_samples < 30  # one damaged chunk, not the whole part
         damaged = [b for b in batches if b.n_tokens < MB * 128]  # skipped fragments became padding
         assert damaged and all((b.document_ids == -1).sum() == MB * 128 - b.n_tokens for b in damaged)
         assert all(sid not in s.skipped_ids for b in batches for sid, *_ in b.segments)
+        touched = s._plan(0).pieces(0, s.steps_per_epoch * MB).row  # the samples this epoch's batches hold
+        assert s.skipped_ids == damaged_ids & {s.table.sample_ids[r] for r in touched.tolist()}
         skipped.append(s.skipped_ids)
-    assert skipped[0] == skipped[1]
+    assert skipped[0] and skipped[1]  # each order meets some of the damage (they differ in what they drop)
+
+
+# -- the window shuffle and the memory budget ---------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def many_parts():
+    """40 parts of ~100 tokens each: a store a budget of two parts' worth cannot hold."""
+    return build_store(f"memory://{uuid.uuid4().hex[:12]}", n=120, parts=40, max_tokens=70)
+
+
+def test_window_order_is_a_permutation_grouped_by_window(many_parts):
+    s = windowed(many_parts, seed=4)
+    plan = s._plan(0)
+    assert sorted(plan.order.tolist()) == list(range(s.n_samples))  # every sample once per epoch
+    windows = np.searchsorted(plan.window_start, np.arange(len(plan.order)), side="right") - 1
+    part_window = {}
+    for part, window in zip(s.table.part[plan.order].tolist(), windows.tolist()):
+        assert part_window.setdefault(part, window) == window  # a part's samples share one window
+    assert plan.n_windows == len(s.table.parts)  # windows of one part
+    assert not np.array_equal(plan.order, windowed(many_parts, seed=5)._plan(0).order)
+    np.testing.assert_array_equal(plan.order, windowed(many_parts, seed=4)._plan(0).order)
+    assert not np.array_equal(plan.order, s._plan(1).order)
+
+
+def test_windows_read_each_part_once_per_epoch_within_the_budget(many_parts):
+    s = windowed(many_parts, seed=4, micro_batch=1, prefetch=0)  # prefetch would build into the next epoch
+    batches = take(s, s.steps_per_epoch)
+    largest, n_parts = int(s.source.part_bytes().max()), len(s.table.parts)
+    assert n_parts <= s.part_reads <= n_parts + s.window_parts  # plus the next epoch's first window, read ahead
+    assert s.peak_parts_held * largest <= s.memory_budget + s.window_parts * largest
+    cache = SAMPLES.setdefault(many_parts.snapshot_id, {})
+    for batch in batches[:5]:
+        check_batch(many_parts, batch, cache)
+    s.close()
+
+
+def test_windowed_resume_is_bit_identical_and_needs_the_same_budget(many_parts):
+    s = windowed(many_parts, seed=2)
+    n = s.steps_per_epoch - 2
+    take(s, n)
+    state = s.state_dict()
+    assert state["window_parts"] == 1
+    expected = take(s, 4)  # across the epoch boundary
+    resumed = windowed(many_parts, seed=2)
+    resumed.load_state_dict(state)
+    for x, y in zip(take(resumed, 4), expected):
+        assert_same(x, y)
+    with pytest.raises(StreamConfigError, match="same --memory-budget"):
+        stream(many_parts, seed=2).load_state_dict(state)  # the default budget holds the store: one window
+
+
+def test_ranks_split_the_rows_of_a_windowed_stream(many_parts):
+    one = windowed(many_parts)
+    ranks = [windowed(many_parts, world_size=2, rank=r) for r in (0, 1)]
+    steps = ranks[0].steps_per_epoch
+    reference = take(one, 2 * steps)
+    for i, (x, y) in enumerate(zip(take(ranks[0], steps), take(ranks[1], steps))):
+        assert_same(x, reference[2 * i])
+        assert_same(y, reference[2 * i + 1])
+
+
+def test_a_budget_below_two_parts_is_one_clear_error(many_parts):
+    largest = int(stream(many_parts).source.part_bytes().max())
+    with pytest.raises(StreamConfigError, match="smaller than two parts") as info:
+        stream(many_parts, memory_budget=largest)
+    assert "--memory-budget" in str(info.value) and "\n" not in str(info.value)
+    with pytest.raises(LogitstoreError, match="--memory-budget"):
+        stream(many_parts, memory_budget="12 parsecs")

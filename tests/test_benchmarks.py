@@ -1,0 +1,35 @@
+"""`benchmarks/stream.py --quick`: the streaming benchmark runs end to end (write through the real
+writer, one epoch through `logitstore.stream`, the decode floor, byte counting) and reports sane numbers."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+BENCHMARK = Path(__file__).parents[1] / "benchmarks" / "stream.py"
+FIELDS = ("write_tokens_per_second", "read_tokens_per_second", "decode_tokens_per_second", "read_amplification",
+          "first_batch_seconds", "stored_bytes")
+
+
+def test_quick_stream_benchmark_reports_every_field(tmp_path):
+    out = subprocess.run([sys.executable, str(BENCHMARK), "--quick", "--json", "--store", str(tmp_path / "store")],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout)
+    for field in FIELDS:
+        assert math.isfinite(result[field]) and result[field] > 0, (field, result[field])
+    shapes = result["shapes"]
+    assert shapes["mode"] == "sampled" and shapes["k"] == 16 and shapes["vocab"] == 49_152
+    assert shapes["tokens"] >= 65_536 and shapes["parts"] >= 50
+    assert 1 <= shapes["entries_per_position"] <= 16  # distinct ids of 16 draws
+    assert shapes["store_to_budget"] >= 10  # the read is measured with the store far beyond the budget
+    assert result["epoch_fraction"] == 1.0 and result["batches_read"] == result["steps_per_epoch"] > 0
+    assert result["requests"] > 0 and result["bytes_fetched"] > 0
+    # Every byte that goes into a batch was fetched at least once, and the floor fetches nothing.
+    assert result["read_amplification"] >= 0.9
+    assert result["decode_bytes_fetched_when_cached"] == 0
+    assert 5 < result["bytes_per_token"] < 60  # sampled-16 stores ~20 B/token
+    assert "write" in out.stderr and "read amplification" in out.stderr  # the human summary, beside the JSON

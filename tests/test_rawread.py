@@ -1,0 +1,76 @@
+"""`rawread` against Zarr: every array of a store, sharded or not, several chunks and shards, empty
+arrays, chunks never written, a damaged chunk, and layouts it must leave to Zarr."""
+
+from __future__ import annotations
+
+import uuid
+
+import numpy as np
+import pytest
+import zarr
+from zarr.codecs import BloscCodec, Crc32cCodec
+
+from logitstore import rawread
+from logitstore.store import Store
+from tests.test_safety import flip_chunk_of, write_store
+
+
+def zarr_arrays(group: zarr.Group) -> dict[str, zarr.Array]:
+    return {path: node for path, node in group.members(max_depth=None) if isinstance(node, zarr.Array)}
+
+
+def test_every_array_of_a_store_reads_as_zarr_reads_it(tmp_path):
+    view = write_store(str(tmp_path / "store"), n=40).read()
+    arrays = zarr_arrays(view.root)
+    assert len(arrays) == 8  # code_of_id, tokenizer and the six arrays of a top-k part
+    got = rawread.read_arrays(view.root.store, list(arrays))
+    assert got is not None
+    for (path, array), values in zip(arrays.items(), got):
+        np.testing.assert_array_equal(values, array[:], err_msg=path)
+        assert values.dtype == array.dtype
+
+
+@pytest.mark.parametrize("length, chunk, shard", [
+    (1000, 128, 512),     # several shards of several inner chunks, the last shard partial
+    (1000, 128, None),    # no sharding: several plain chunks
+    (0, 64, 256),         # empty
+    (300, 1000, 1000),    # one inner chunk larger than the array
+])
+def test_layouts_logitstore_writes(length, chunk, shard):
+    group = zarr.open_group(zarr.storage.MemoryStore(), mode="w")
+    values = np.arange(length, dtype=np.uint32) * 7 % 65521
+    blosc = BloscCodec(typesize=4, cname="zstd", clevel=5, shuffle="shuffle")
+    kwargs = {"shards": (shard,)} if shard else {}
+    array = group.create_array("a", shape=(length,), dtype=np.uint32, chunks=(chunk,), compressors=[blosc, Crc32cCodec()],
+                               fill_value=3, **kwargs)
+    array[:] = values
+    [got] = rawread.read_arrays(group.store, ["a"])
+    np.testing.assert_array_equal(got, values)
+
+
+def test_chunks_never_written_read_as_the_fill_value():
+    group = zarr.open_group(zarr.storage.MemoryStore(), mode="w")
+    blosc = BloscCodec(typesize=2, cname="zstd", clevel=5, shuffle="shuffle")
+    for name, kwargs in (("sharded", {"shards": (64,)}), ("plain", {})):
+        array = group.create_array(name, shape=(200,), dtype=np.uint16, chunks=(16,), compressors=[blosc, Crc32cCodec()],
+                                   fill_value=9, **kwargs)
+        array[20:30] = 1  # touches one inner chunk (or chunk): the rest stays unwritten
+        [got] = rawread.read_arrays(group.store, [name])
+        np.testing.assert_array_equal(got, array[:])
+
+
+def test_other_layouts_are_left_to_zarr():
+    group = zarr.open_group(zarr.storage.MemoryStore(), mode="w")
+    group.create_array("no_crc", shape=(10,), dtype=np.uint16, chunks=(5,), compressors=[BloscCodec()])
+    group.create_array("two_d", shape=(4, 4), dtype=np.uint16, chunks=(2, 2), compressors=[BloscCodec(), Crc32cCodec()])
+    for name in ("no_crc", "two_d"):
+        assert rawread.read_arrays(group.store, [name]) is None
+
+
+def test_a_damaged_chunk_fails_its_checksum(tmp_path):
+    uri = str(tmp_path / "store")
+    write_store(uri)
+    flip_chunk_of(uri, "teachers/teacher-a/code_of_id")
+    view = Store.open(uri).read()
+    with pytest.raises(ValueError, match="checksum"):
+        rawread.read_arrays(view.root.store, ["teachers/teacher-a/code_of_id"])
