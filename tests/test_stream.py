@@ -430,3 +430,33 @@ def test_a_budget_below_two_parts_is_one_clear_error(many_parts):
     assert "--memory-budget" in str(info.value) and "\n" not in str(info.value)
     with pytest.raises(LogitstoreError, match="--memory-budget"):
         stream(many_parts, memory_budget="12 parsecs")
+
+
+# -- DataLoader worker processes ---------------------------------------------------------------------------
+
+
+def test_dataloader_workers_yield_the_batches_of_one_process_and_resume(tmp_path):
+    """Worker w of W takes the steps w, w + W, ...: a DataLoader yields exactly the single-process
+    batches, each worker reading in its own (spawned) process; `batch.data_state` resumes it."""
+    local = build_store(str(tmp_path / "store"), n=120, parts=40, max_tokens=70)
+    reference = take(windowed(local, seed=3), 12)
+
+    def loader(s: Stream):
+        return torch.utils.data.DataLoader(s, batch_size=None, num_workers=2, multiprocessing_context="spawn")
+
+    s = windowed(local, seed=3)
+    got = list(itertools.islice(iter(loader(s)), 12))
+    for x, y in zip(got, reference):
+        assert_same(x, y)
+    resumed = windowed(local, seed=3)
+    resumed.load_state_dict(got[6].data_state)  # as a training loop resumes from its last batch
+    for x, y in zip(itertools.islice(iter(loader(resumed)), 5), reference[7:]):
+        assert_same(x, y)
+    with pytest.raises(StreamConfigError, match="cannot be sent to another process"):
+        import pickle
+
+        pickle.dumps(windowed(many_parts_view(), seed=3))
+
+
+def many_parts_view():
+    return build_store(f"memory://{uuid.uuid4().hex[:12]}", n=12, parts=4, max_tokens=70)

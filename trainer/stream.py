@@ -47,6 +47,14 @@ The contract (tests/test_stream.py holds the engine to it):
   `load_state_dict` refuses a state from another version, seed or window (memory budget).
 - **Iteration.** The train split is infinite over epochs. The eval split is one pass of epoch 0: each
   `iter()` yields from the current position to the end of the pass and then rewinds to the start.
+- **DataLoader workers.** A stream is an `IterableDataset`: in a `DataLoader(stream, batch_size=None,
+  num_workers=W, multiprocessing_context="spawn")` worker w yields the steps w, w + W, ... from where
+  the stream stood, so the loader (in order) yields exactly the batches of one process. Each worker is
+  sent the stream's recipe (store URI, snapshot, arguments, position) and opens the version itself
+  (Icechunk must not be forked; memory stores and several-teacher streams cannot be sent). Each worker
+  reads the parts its steps touch, so W workers read most parts W times. The parent's stream does not
+  see the workers' progress: every batch carries `data_state`, the `state_dict()` after it, which
+  `load_state_dict` resumes from.
 - **Prefetch.** A background thread builds up to `prefetch` micro-batches ahead and asks for the parts
   of the batches after them, so reads overlap decoding; its exceptions are re-raised in the consumer;
   `close()` stops it. `wait_seconds` is the consumer's cumulative time waiting. `prefetch=0` builds
@@ -137,6 +145,9 @@ class PackedBatch:
     # The single-teacher fields above then hold no entries.
     signals: list | None = None
     signal_counts: dict | None = None
+    # The stream's `state_dict()` once this batch is consumed: resume point for a loop that reads the
+    # stream through a DataLoader's worker processes, whose progress the parent's stream cannot see.
+    data_state: dict | None = None
 
     def block_causal_mask(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """[B, 1, L, L] additive mask: 0 where query may attend key (same document, key <= query),
@@ -694,9 +705,11 @@ class _Failure:
     error: BaseException
 
 
-class Stream:
+class Stream(torch.utils.data.IterableDataset):
     """Packed micro-batches of one rank from a source. See the module docstring for the contract. Use as
-    an iterable; `state_dict`/`load_state_dict` resume mid-epoch; `close()` (or `with`) when done."""
+    an iterable; `state_dict`/`load_state_dict` resume mid-epoch; `close()` (or `with`) when done. An
+    `IterableDataset`, so `DataLoader(stream, batch_size=None, num_workers=W, multiprocessing_context=
+    "spawn")` decodes in W processes and yields the same batches in the same order."""
 
     def __init__(self, source: Source, *, seq_len: int, micro_batch: int, rank: int, world_size: int, seed: int,
                  split: str = "train", prefetch: int = 4, on_error: str = "raise",
@@ -722,6 +735,7 @@ class Stream:
         self._worker: tuple[threading.Thread, threading.Event] | None = None
         self.wait_seconds = 0.0
         self.skipped_ids: set[str] = set()
+        self._recipe: dict | None = None  # how `store_stream` made it: what a worker process rebuilds it from
 
     @property
     def _where(self) -> str:
@@ -795,6 +809,7 @@ class Stream:
                 if generation != self._generation:  # superseded by a newer iter() or a load_state_dict
                     return
                 self._epoch, self._rows = epoch, rows
+                batch.data_state = self.state_dict()
                 yield batch
             if self.split == "eval" and generation == self._generation:
                 self._epoch, self._rows = 0, 0  # the pass is over: the next iter() is a full pass again
@@ -803,16 +818,21 @@ class Stream:
                 self._stop_worker()
 
     def _schedule(self, epoch: int, rows: int) -> Iterator[tuple[int, int, int]]:
-        """(epoch, first global row of this rank's micro-batch, rows consumed after the step)."""
+        """(epoch, first global row of this rank's micro-batch, rows consumed after the step); in a
+        DataLoader worker, only its share of the steps (`_worker_slice`)."""
         block = self.world_size * self.micro_batch
+        worker, workers = self._worker_slice()
+        step = 0
         while True:
             if rows + block > self.rows_per_epoch:
                 if self.split == "eval":
                     return
                 epoch, rows = epoch + 1, 0
                 continue
-            yield epoch, rows + self.rank * self.micro_batch, rows + block
+            if step % workers == worker:
+                yield epoch, rows + self.rank * self.micro_batch, rows + block
             rows += block
+            step += 1
 
     def _inline(self) -> Iterator[tuple[PackedBatch, int, int]]:
         for epoch, row0, after in self._schedule(self._epoch, self._rows):
@@ -861,6 +881,22 @@ class Stream:
 
     def __enter__(self) -> Stream:
         return self
+
+    # -- DataLoader worker processes -------------------------------------------------------------------
+
+    def __reduce__(self):
+        # A stream crosses into a DataLoader worker (spawned: Icechunk must never be forked) as the recipe
+        # it was made from, at its current position; the worker opens the version itself.
+        if self._recipe is None:
+            raise StreamConfigError(f"a stream of {self._where} cannot be sent to another process; only a "
+                                    "store stream (logitstore.stream) can, for DataLoader workers")
+        return _stream_from_recipe, (self._recipe, self.state_dict())
+
+    def _worker_slice(self) -> tuple[int, int]:
+        """(this DataLoader worker, workers): worker w of W yields the steps w, w + W, ... counted from
+        where the iteration starts, so a DataLoader (in order) yields the same batches as one process."""
+        info = torch.utils.data.get_worker_info()
+        return (0, 1) if info is None else (info.id, info.num_workers)
 
     def __exit__(self, *exc) -> None:
         self.close()
@@ -996,6 +1032,23 @@ def store_stream(view: StoreVersion, *, teacher: str | None = None, sources: lis
     else:
         name = sources[0].name if sources else teacher
         source = StoreSource(view, teacher=name, split=split, eval_fraction=eval_fraction)
-    return Stream(source, seq_len=seq_len, micro_batch=micro_batch, rank=rank, world_size=world_size, seed=seed,
-                  split=split, prefetch=prefetch, on_error=on_error, memory_budget=memory_budget,
-                  read_threads=read_threads)
+    stream = Stream(source, seq_len=seq_len, micro_batch=micro_batch, rank=rank, world_size=world_size, seed=seed,
+                    split=split, prefetch=prefetch, on_error=on_error, memory_budget=memory_budget,
+                    read_threads=read_threads)
+    if sources is None and view.store.location.uri.split("://")[0] != "memory":
+        stream._recipe = {"uri": view.store.location.uri, "snapshot": view.snapshot_id,
+                          "kwargs": dict(teacher=teacher, seq_len=seq_len, micro_batch=micro_batch, rank=rank,
+                                         world_size=world_size, seed=seed, split=split, eval_fraction=eval_fraction,
+                                         prefetch=prefetch, on_error=on_error, memory_budget=memory_budget,
+                                         read_threads=read_threads)}
+    return stream
+
+
+def _stream_from_recipe(recipe: dict, state: dict) -> Stream:
+    """The stream `store_stream` made from `recipe`, at `state`: how a stream arrives in another process."""
+    from logitstore.store import Store
+
+    view = Store.open(recipe["uri"]).read(recipe["snapshot"])
+    stream = store_stream(view, **recipe["kwargs"])
+    stream.load_state_dict(state)
+    return stream
