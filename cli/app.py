@@ -12,7 +12,7 @@ import functools
 import json
 import math
 import sys
-from typing import Annotated, Optional
+from typing import Annotated, Literal, Optional
 
 import typer
 
@@ -29,6 +29,17 @@ app = typer.Typer(
 StoreArg = Annotated[str, typer.Argument(help="Store location: a path, file://, s3://bucket/prefix or memory://name.")]
 VersionOpt = Annotated[Optional[str], typer.Option("--version", help="Version id, tag or branch (default: main).")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON.")]
+
+# Fixed choices, shown in --help and checked by the parser. The registries they mirror (losses.KINDS,
+# codec.GRIDS, ...) import torch or numba, which would slow every command's start; tests/test_cli.py checks
+# that the two agree.
+Loss = Literal["forward_kl", "topk_renorm", "reverse_kl", "jsd"]
+ValueGrid = Literal["default", "fine", "coarse"]
+Engine = Literal["torch", "vllm"]
+OnError = Literal["raise", "skip"]
+OnDuplicate = Literal["error", "replace", "skip"]
+# The order commands are listed in --help: the order of use.
+COMMAND_ORDER = ("build", "train", "eval", "info", "ls", "show", "diff", "log", "tag", "verify")
 
 
 def user_errors(fn):
@@ -89,13 +100,21 @@ def show(
     student_tokenizer: Annotated[Optional[str], typer.Option(help="Add this student tokenizer's ids and the alignment.")] = None,
     version: VersionOpt = None,
     top: Annotated[int, typer.Option(help="Entries to print per position (text output only).")] = 5,
+    positions: Annotated[Optional[str], typer.Option(help="Only positions A:B (from A, before B; e.g. 0:20, 100:, :50).")] = None,
     json_out: JsonOpt = False,
 ) -> None:
     """A sample's tokens and, per position, its entries (highest probability first), tail and target."""
-    from logitstore.inspect import sample_as_json
+    from logitstore.inspect import parse_positions, sample_as_json
 
+    start, stop = parse_positions(positions) if positions is not None else (None, None)
     view = _open(store).read(version)
     obj = sample_as_json(view, sample_id, teacher=teacher, student_tokenizer=student_tokenizer)
+    first = min(start or 0, len(obj["positions"]))
+    if positions is not None:  # JSON keeps every token; `first_position` says where `positions` starts
+        obj["positions"] = obj["positions"][start:stop]
+        obj["first_position"] = first
+        if "entry_tokens" in obj:
+            obj["entry_tokens"] = obj["entry_tokens"][start:stop]
     if json_out:
         _print_json(obj)
         return
@@ -108,11 +127,36 @@ def show(
         return
     tokens = obj.get("tokens") or [str(t) for t in obj["input_ids"]]
     typer.echo(f"sample {obj['sample_id']}: {len(obj['input_ids'])} tokens (teacher {obj['teacher']})")
-    for t, pos in enumerate(obj["positions"]):
-        names = obj.get("entry_tokens", [None] * len(obj["positions"]))[t] or [str(i) for i in pos["ids"]]
+    for k, pos in enumerate(obj["positions"]):
+        t = first + k
+        names = obj.get("entry_tokens", [None] * len(obj["positions"]))[k] or [str(i) for i in pos["ids"]]
         entries = "  ".join(f"{n!r}:{math.exp(lp):.3f}" for n, lp in list(zip(names, pos["logprobs"]))[:top])
         typer.echo(f"{t:5d} {tokens[t]!r:>14} -> {tokens[t + 1]!r:<14} target p={math.exp(pos['target_logprob']):.3f} "
                    f"tail={pos['tail']:.3f} | {entries}")
+
+
+@app.command(name="ls")
+@user_errors
+def ls(
+    store: StoreArg,
+    version: VersionOpt = None,
+    limit: Annotated[Optional[int], typer.Option(min=0, help="List only the first N samples.")] = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """The stored samples: id, tokens and teacher, in the order they were written."""
+    from logitstore.inspect import list_samples
+
+    view = _open(store).read(version)
+    rows = list_samples(view, limit=limit)
+    if json_out:
+        _print_json(rows)
+        return
+    width = max([len("sample_id"), *(len(r["sample_id"]) for r in rows)])
+    typer.echo(f"{'sample_id':<{width}}  {'tokens':>7}  teacher")
+    for r in rows:
+        typer.echo(f"{r['sample_id']:<{width}}  {r['tokens']:>7,}  {r['teacher']}")
+    shown = f"{len(rows):,} of {view.index.num_rows:,}" if len(rows) < view.index.num_rows else f"{len(rows):,}"
+    typer.echo(f"{shown} samples", err=True)
 
 
 @app.command()
@@ -194,42 +238,44 @@ def verify(store: StoreArg, version: VersionOpt = None, json_out: JsonOpt = Fals
 @app.command()
 @user_errors
 def build(
-    teacher: Annotated[Optional[list[str]], typer.Option(help="Hugging Face model directory, .gguf file, or built-in name (default: smollm2-135m-instruct). Repeat for several teachers.")] = None,
-    student_tokenizer: Annotated[Optional[list[str]], typer.Option(help="[NAME=]TOK: also align every sample to this student tokenizer (a tokenizer or model folder, or a tokenizer.json). Repeatable.")] = None,
-    data: Annotated[Optional[str], typer.Option(help="JSONL, Parquet, Arrow, CSV, a folder of those, or a saved datasets folder (default: the shipped sample corpus).")] = None,
-    store: Annotated[str, typer.Option(help="Store location; created if missing.")] = "logitstore-store",
-    text_column: Annotated[str, typer.Option(help="Column holding the text.")] = "text",
-    id_column: Annotated[Optional[str], typer.Option(help="Column holding document ids (default: a hash of the text).")] = None,
-    ids_column: Annotated[Optional[str], typer.Option(help="Column of pre-tokenized teacher token ids (instead of text).")] = None,
-    max_length: Annotated[int, typer.Option(help="Window length in teacher tokens; longer documents become windows overlapping by one token.")] = 1024,
-    top_k: Annotated[Optional[int], typer.Option(help="Store the top K entries per position (the cap, with --top-p: default 64).")] = None,
-    top_p: Annotated[Optional[float], typer.Option(help="Keep the smallest set of top entries reaching this probability, capped at --top-k.")] = None,
-    sample: Annotated[Optional[int], typer.Option(help="Store N draws per position as distinct ids with counts (unbiased). Default without any of --top-k/--top-p/--sample: --sample 16, or --top-k 64 with --student-tokenizer or --engine vllm.")] = None,
-    temperature: Annotated[float, typer.Option(help="Temperature for selecting/sampling entries; stored log-probabilities stay at 1.")] = 1.0,
-    value_grid: Annotated[str, typer.Option(help="Log-probability grid: default (0.025-nat bound above -5 nats), fine (0.001, finer than fp16) or coarse (0.05); see 'Choosing a budget'.")] = "default",
-    batch_tokens: Annotated[int, typer.Option(help="Padded tokens per teacher batch.")] = 8192,
-    device: Annotated[str, typer.Option(help="auto, cpu or cuda[:N].")] = "auto",
-    dtype: Annotated[str, typer.Option(help="auto (bf16 on GPU, fp32 on CPU), float32, bfloat16 or float16.")] = "auto",
-    workers: Annotated[int, typer.Option(help="Teacher worker processes (or Ray actors with --ray-address).")] = 1,
-    ray_address: Annotated[Optional[str], typer.Option(help="Ray cluster address, 'auto', or 'local' to start one here.")] = None,
-    commit_every: Annotated[float, typer.Option(help="Seconds between checkpoint commits.")] = 300.0,
-    unit_tokens: Annotated[int, typer.Option(help="Tokens per unit of work (one part, the grain of resuming).")] = 16384,
-    seed: Annotated[int, typer.Option(help="Seed for --sample draws.")] = 0,
-    engine: Annotated[str, typer.Option(help="torch, or vllm (GPU, pip install 'logitstore[vllm]'; top-k only).")] = "torch",
-    message: Annotated[Optional[str], typer.Option(help="Commit message of the new version.")] = None,
-    branch: Annotated[str, typer.Option(help="Branch to commit to (created from main if missing).")] = "main",
-    on_duplicate: Annotated[str, typer.Option(help="A document stored before under its id with other text: error, replace (recompute all its windows) or skip (keep the stored ones).")] = "error",
-    json_out: JsonOpt = False,
+    data: Annotated[Optional[str], typer.Option(rich_help_panel="Data", help="JSONL, Parquet, Arrow, CSV, a folder of those, or a saved datasets folder (default: the shipped sample corpus).")] = None,
+    text_column: Annotated[str, typer.Option(rich_help_panel="Data", help="Column holding the text.")] = "text",
+    id_column: Annotated[Optional[str], typer.Option(rich_help_panel="Data", help='Column holding document ids (default: the input\'s "id" column where it has one, else a hash of the text; "" for hashes always).')] = None,
+    ids_column: Annotated[Optional[str], typer.Option(rich_help_panel="Data", help="Column of pre-tokenized teacher token ids (instead of text).")] = None,
+    max_length: Annotated[int, typer.Option(rich_help_panel="Data", help="Window length in teacher tokens; longer documents become windows overlapping by one token.")] = 1024,
+    teacher: Annotated[Optional[list[str]], typer.Option(rich_help_panel="Teacher", help="Hugging Face model directory, .gguf file, or built-in name (default: smollm2-135m-instruct). Repeat for several teachers.")] = None,
+    student_tokenizer: Annotated[Optional[list[str]], typer.Option(rich_help_panel="Teacher", help="\\[NAME=]TOK: also align every sample to this student tokenizer (a tokenizer or model folder, or a tokenizer.json). Repeatable.")] = None,
+    engine: Annotated[Engine, typer.Option(rich_help_panel="Teacher", help="torch, or vllm (GPU, pip install 'logitstore\\[vllm]'; top-k only).")] = "torch",
+    device: Annotated[str, typer.Option(rich_help_panel="Teacher", help="auto, cpu or cuda\\[:N].")] = "auto",
+    dtype: Annotated[str, typer.Option(rich_help_panel="Teacher", help="auto (bf16 on GPU, fp32 on CPU), float32, bfloat16 or float16.")] = "auto",
+    batch_tokens: Annotated[int, typer.Option(rich_help_panel="Teacher", help="Padded tokens per teacher batch.")] = 8192,
+    workers: Annotated[int, typer.Option(rich_help_panel="Teacher", help="Teacher worker processes (or Ray actors with --ray-address).")] = 1,
+    ray_address: Annotated[Optional[str], typer.Option(rich_help_panel="Teacher", help="Ray cluster address, 'auto', or 'local' to start one here.")] = None,
+    top_k: Annotated[Optional[int], typer.Option(rich_help_panel="Sparsity", help="Store the top K entries per position (the cap, with --top-p: default 64).")] = None,
+    top_p: Annotated[Optional[float], typer.Option(rich_help_panel="Sparsity", help="Keep the smallest set of top entries reaching this probability, capped at --top-k.")] = None,
+    sample: Annotated[Optional[int], typer.Option(rich_help_panel="Sparsity", help="Store N draws per position as distinct ids with counts (unbiased). Default without any of --top-k/--top-p/--sample: --sample 16, or --top-k 64 with --student-tokenizer or --engine vllm.")] = None,
+    temperature: Annotated[float, typer.Option(rich_help_panel="Sparsity", help="Temperature for selecting/sampling entries; stored log-probabilities stay at 1.")] = 1.0,
+    value_grid: Annotated[ValueGrid, typer.Option(rich_help_panel="Sparsity", help="Log-probability grid: default (0.025-nat bound above -5 nats), fine (0.001, finer than fp16) or coarse (0.05); see 'Choosing a budget'.")] = "default",
+    seed: Annotated[int, typer.Option(rich_help_panel="Sparsity", help="Seed for --sample draws.")] = 0,
+    store: Annotated[str, typer.Option(rich_help_panel="Store", help="Store location; created if missing.")] = "logitstore-store",
+    branch: Annotated[str, typer.Option(rich_help_panel="Store", help="Branch to commit to (created from main if missing).")] = "main",
+    message: Annotated[Optional[str], typer.Option(rich_help_panel="Store", help="Commit message of the new version.")] = None,
+    on_duplicate: Annotated[OnDuplicate, typer.Option(rich_help_panel="Store", help="A document stored before under its id with other text: error, replace (recompute all its windows) or skip (keep the stored ones).")] = "error",
+    commit_every: Annotated[float, typer.Option(rich_help_panel="Store", help="Seconds between checkpoint commits.")] = 300.0,
+    unit_tokens: Annotated[int, typer.Option(rich_help_panel="Store", help="Tokens per unit of work (one part, the grain of resuming).")] = 16384,
+    json_out: Annotated[bool, typer.Option("--json", help="Print machine-readable JSON.", rich_help_panel="Output")] = False,
 ) -> None:
     """Run a teacher over a dataset and commit its sparse next-token distributions as a new version."""
+    from logitstore.pipelines.data import check_input
+
+    # The input before anything heavy (torch, a teacher, a store): a wrong path or column shows in ~1 s.
+    check_input(data, text_column=text_column, id_column=id_column, ids_column=ids_column)
     from logitstore.codec import GRIDS
     from logitstore.pipelines.build import BuildConfig, run_builds, summary_json
     from logitstore.pipelines.sparsify import default_sparsity
 
     sparsity = _sparsity(top_k=top_k, top_p=top_p, sample=sample, temperature=temperature,
                          default=default_sparsity(student_tokenizers=bool(student_tokenizer), engine=engine))
-    if value_grid not in GRIDS:
-        raise LogitstoreError(f"--value-grid must be one of {', '.join(GRIDS)}, got {value_grid!r}")
     cfg = BuildConfig(store=store, codec=GRIDS[value_grid], data=data, student_tokenizers=tuple(student_tokenizer or ()), text_column=text_column, id_column=id_column,
                       ids_column=ids_column, max_length=max_length, sparsity=sparsity, batch_tokens=batch_tokens,
                       device=device, dtype=dtype, workers=workers, ray_address=ray_address, message=message,
@@ -268,49 +314,49 @@ def _sparsity(*, top_k: int | None, top_p: float | None, sample: int | None, tem
 @app.command()
 @user_errors
 def train(
-    out: Annotated[str, typer.Option(help="Run folder: checkpoints, metrics.jsonl, final/. A new or empty folder, or one a run marked (logitstore-run.json).")],
-    store: Annotated[Optional[str], typer.Option(help="Store to train from.")] = None,
-    live_teacher: Annotated[Optional[str], typer.Option(help="Live mode instead of --store: run this teacher (what build --teacher takes, or 'default') beside the trainer, handing over by shared memory.")] = None,
-    data: Annotated[Optional[str], typer.Option(help="Live mode: the data, as build --data (default: the shipped corpus).")] = None,
-    text_column: Annotated[str, typer.Option(help="Live mode: as build --text-column.")] = "text",
-    id_column: Annotated[Optional[str], typer.Option(help="Live mode: as build --id-column.")] = None,
-    max_length: Annotated[int, typer.Option(help="Live mode: as build --max-length.")] = 1024,
-    top_k: Annotated[Optional[int], typer.Option(help="Live mode: as build --top-k.")] = None,
-    top_p: Annotated[Optional[float], typer.Option(help="Live mode: as build --top-p.")] = None,
-    sample: Annotated[Optional[int], typer.Option(help="Live mode: as build --sample.")] = None,
-    temperature: Annotated[float, typer.Option(help="Live mode: as build --temperature.")] = 1.0,
-    student: Annotated[str, typer.Option(help="Hugging Face causal-LM directory, or a built-in config (llama-tiny, llama-small).")] = "llama-tiny",
-    version: VersionOpt = None,
-    teacher: Annotated[Optional[str], typer.Option(help="Teacher name, when the store holds several.")] = None,
-    teacher_weight: Annotated[Optional[list[str]], typer.Option(help="NAME=WEIGHT: learn from several teachers at once (repeatable; the first one's samples are the run's).")] = None,
-    student_tokenizer: Annotated[Optional[str], typer.Option(help="A built-in student uses this student tokenizer of the store (see build --student-tokenizer).")] = None,
-    uld_weight: Annotated[float, typer.Option(help="Cross-tokenizer teachers: weight of the sorted-probability (ULD) term for unmapped tokens.")] = 1.0,
-    nproc: Annotated[int, typer.Option(help="Processes to launch (gloo on CPU, NCCL on CUDA).")] = 1,
-    steps: Annotated[int, typer.Option(help="Total optimizer steps of the run (a resumed run continues to it).")] = 100,
-    tokens: Annotated[Optional[int], typer.Option(help="Train on this many tokens instead of --steps.")] = None,
-    seq_len: Annotated[int, typer.Option(help="Tokens per packed row.")] = 256,
-    micro_batch: Annotated[int, typer.Option(help="Rows per process per micro-step.")] = 4,
-    grad_accum: Annotated[int, typer.Option(help="Micro-steps per optimizer step.")] = 1,
-    global_batch_tokens: Annotated[Optional[int], typer.Option(help="Tokens per optimizer step over all processes; sets --grad-accum.")] = None,
-    lr: Annotated[float, typer.Option(help="Peak learning rate.")] = 3e-3,
-    warmup_steps: Annotated[int, typer.Option(help="Linear warmup steps before the cosine decay.")] = 10,
-    min_lr_ratio: Annotated[float, typer.Option(help="Final learning rate as a fraction of --lr.")] = 0.1,
-    weight_decay: Annotated[float, typer.Option(help="AdamW weight decay.")] = 0.0,
-    grad_clip: Annotated[float, typer.Option(help="Clip the gradient norm (0: off).")] = 1.0,
-    seed: Annotated[int, typer.Option(help="Seed for weights and data order.")] = 0,
-    loss: Annotated[str, typer.Option(help="forward_kl (tail bucket), topk_renorm, reverse_kl or jsd.")] = "forward_kl",
-    kd_temperature: Annotated[float, typer.Option(help="Distillation temperature.")] = 1.0,
-    alpha: Annotated[float, typer.Option(help="Weight of cross-entropy on the actual next token.")] = 0.0,
-    jsd_beta: Annotated[float, typer.Option(help="Mixing weight of --loss jsd.")] = 0.5,
-    eval_every: Annotated[int, typer.Option(help="Evaluate on the held-out split every N steps (0: never).")] = 0,
-    eval_fraction: Annotated[float, typer.Option(help="Share of samples held out, by sample id hash.")] = 0.05,
-    checkpoint_every: Annotated[int, typer.Option(help="Checkpoint every N steps (0: only at the end).")] = 0,
-    resume: Annotated[bool, typer.Option(help="Continue from the newest complete checkpoint in --out, on the store snapshot the run pinned (a finished run: nothing to do).")] = False,
-    force: Annotated[bool, typer.Option(help="Replace the run in --out: removes only what a run writes, and only in a folder a run marked.")] = False,
-    offload_optimizer: Annotated[bool, typer.Option(help="FSDP2 CPU offload of parameters, gradients and optimizer state.")] = False,
-    on_error: Annotated[str, typer.Option(help="A damaged sample: raise (stop) or skip (and count).")] = "raise",
-    memory_budget: Annotated[Optional[str], typer.Option(help="Stored data each process's stream holds in memory (e.g. 512MB; default 4GiB); a store larger than this is read in windows of parts, shuffled within each (README 'Streaming').")] = None,
-    json_out: JsonOpt = False,
+    out: Annotated[str, typer.Option(rich_help_panel="Output", help="Run folder: checkpoints, metrics.jsonl, final/. A new or empty folder, or one a run marked (logitstore-run.json).")],
+    resume: Annotated[bool, typer.Option(rich_help_panel="Output", help="Continue from the newest complete checkpoint in --out, on the store snapshot the run pinned (a finished run: nothing to do).")] = False,
+    force: Annotated[bool, typer.Option(rich_help_panel="Output", help="Replace the run in --out: removes only what a run writes, and only in a folder a run marked.")] = False,
+    json_out: Annotated[bool, typer.Option("--json", help="Print machine-readable JSON.", rich_help_panel="Output")] = False,
+    store: Annotated[Optional[str], typer.Option(rich_help_panel="Data", help="Store to train from (required, unless --live-teacher).")] = None,
+    version: Annotated[Optional[str], typer.Option("--version", help="Version id, tag or branch (default: main).", rich_help_panel="Data")] = None,
+    teacher: Annotated[Optional[str], typer.Option(rich_help_panel="Data", help="Teacher name, when the store holds several.")] = None,
+    teacher_weight: Annotated[Optional[list[str]], typer.Option(rich_help_panel="Data", help="NAME=WEIGHT: learn from several teachers at once (repeatable; the first one's samples are the run's).")] = None,
+    student_tokenizer: Annotated[Optional[str], typer.Option(rich_help_panel="Data", help="A built-in student uses this student tokenizer of the store (see build --student-tokenizer).")] = None,
+    seq_len: Annotated[int, typer.Option(rich_help_panel="Data", help="Tokens per packed row.")] = 256,
+    micro_batch: Annotated[int, typer.Option(rich_help_panel="Data", help="Rows per process per micro-step.")] = 4,
+    memory_budget: Annotated[Optional[str], typer.Option(rich_help_panel="Data", help="Stored data each process's stream holds in memory (e.g. 512MB; default 4GiB); a store larger than this is read in windows of parts, shuffled within each (README 'Streaming').")] = None,
+    on_error: Annotated[OnError, typer.Option(rich_help_panel="Data", help="A damaged sample: raise (stop) or skip (and count).")] = "raise",
+    eval_fraction: Annotated[float, typer.Option(rich_help_panel="Data", help="Share of samples held out, by sample id hash.")] = 0.05,
+    student: Annotated[str, typer.Option(rich_help_panel="Student", help="Hugging Face causal-LM directory, or a built-in config (llama-tiny, llama-small).")] = "llama-tiny",
+    nproc: Annotated[int, typer.Option(rich_help_panel="Student", help="Processes to launch (gloo on CPU, NCCL on CUDA).")] = 1,
+    offload_optimizer: Annotated[bool, typer.Option(rich_help_panel="Student", help="FSDP2 CPU offload of parameters, gradients and optimizer state.")] = False,
+    steps: Annotated[int, typer.Option(rich_help_panel="Optimisation", help="Total optimizer steps of the run (a resumed run continues to it).")] = 100,
+    tokens: Annotated[Optional[int], typer.Option(rich_help_panel="Optimisation", help="Train on this many tokens instead of --steps.")] = None,
+    grad_accum: Annotated[int, typer.Option(rich_help_panel="Optimisation", help="Micro-steps per optimizer step.")] = 1,
+    global_batch_tokens: Annotated[Optional[int], typer.Option(rich_help_panel="Optimisation", help="Tokens per optimizer step over all processes; sets --grad-accum.")] = None,
+    lr: Annotated[float, typer.Option(rich_help_panel="Optimisation", help="Peak learning rate.")] = 3e-3,
+    warmup_steps: Annotated[int, typer.Option(rich_help_panel="Optimisation", help="Linear warmup steps before the cosine decay.")] = 10,
+    min_lr_ratio: Annotated[float, typer.Option(rich_help_panel="Optimisation", help="Final learning rate as a fraction of --lr.")] = 0.1,
+    weight_decay: Annotated[float, typer.Option(rich_help_panel="Optimisation", help="AdamW weight decay.")] = 0.0,
+    grad_clip: Annotated[float, typer.Option(rich_help_panel="Optimisation", help="Clip the gradient norm (0: off).")] = 1.0,
+    seed: Annotated[int, typer.Option(rich_help_panel="Optimisation", help="Seed for weights and data order.")] = 0,
+    loss: Annotated[Loss, typer.Option(rich_help_panel="Loss", help="forward_kl (tail bucket), topk_renorm, reverse_kl or jsd.")] = "forward_kl",
+    kd_temperature: Annotated[float, typer.Option(rich_help_panel="Loss", help="Distillation temperature.")] = 1.0,
+    alpha: Annotated[float, typer.Option(rich_help_panel="Loss", help="Weight of cross-entropy on the actual next token.")] = 0.0,
+    jsd_beta: Annotated[float, typer.Option(rich_help_panel="Loss", help="Mixing weight of --loss jsd.")] = 0.5,
+    uld_weight: Annotated[float, typer.Option(rich_help_panel="Loss", help="Cross-tokenizer teachers: weight of the sorted-probability (ULD) term for unmapped tokens.")] = 1.0,
+    checkpoint_every: Annotated[int, typer.Option(rich_help_panel="Checkpoints and evaluation", help="Checkpoint every N steps (0: only at the end).")] = 0,
+    eval_every: Annotated[int, typer.Option(rich_help_panel="Checkpoints and evaluation", help="Evaluate on the held-out split every N steps (0: never).")] = 0,
+    live_teacher: Annotated[Optional[str], typer.Option(rich_help_panel="Live mode (instead of --store)", help="Live mode instead of --store: run this teacher (what build --teacher takes, or 'default') beside the trainer, handing over by shared memory.")] = None,
+    data: Annotated[Optional[str], typer.Option(rich_help_panel="Live mode (instead of --store)", help="Live mode: the data, as build --data (default: the shipped corpus).")] = None,
+    text_column: Annotated[str, typer.Option(rich_help_panel="Live mode (instead of --store)", help="Live mode: as build --text-column.")] = "text",
+    id_column: Annotated[Optional[str], typer.Option(rich_help_panel="Live mode (instead of --store)", help="Live mode: as build --id-column.")] = None,
+    max_length: Annotated[int, typer.Option(rich_help_panel="Live mode (instead of --store)", help="Live mode: as build --max-length.")] = 1024,
+    top_k: Annotated[Optional[int], typer.Option(rich_help_panel="Live mode (instead of --store)", help="Live mode: as build --top-k.")] = None,
+    top_p: Annotated[Optional[float], typer.Option(rich_help_panel="Live mode (instead of --store)", help="Live mode: as build --top-p.")] = None,
+    sample: Annotated[Optional[int], typer.Option(rich_help_panel="Live mode (instead of --store)", help="Live mode: as build --sample.")] = None,
+    temperature: Annotated[float, typer.Option(rich_help_panel="Live mode (instead of --store)", help="Live mode: as build --temperature.")] = 1.0,
 ) -> None:
     """Train a student from a store version with FSDP2; no teacher runs."""
     from logitstore.trainer.config import TrainConfig
@@ -375,6 +421,21 @@ def eval_(
         _print_json(result)
     else:
         typer.echo(f"held-out KL to the teacher {result['kl']:.4f} nats/token, CE {result['ce']:.4f} (version {result['version']})")
+
+
+@app.callback(invoke_without_command=True)
+def _program(
+    show_version: Annotated[bool, typer.Option("--version", is_eager=True, help="Print the version of logitstore and exit.")] = False,
+) -> None:
+    """Offline distillation: a versioned store of sparse teacher next-token distributions."""
+    if show_version:
+        from importlib.metadata import version as installed
+
+        typer.echo(f"logitstore {installed('logitstore')}")
+        raise typer.Exit(0)
+
+
+app.registered_commands.sort(key=lambda c: COMMAND_ORDER.index(c.name or c.callback.__name__))
 
 
 def main() -> None:

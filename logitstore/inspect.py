@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 
 from logitstore.store import StoreVersion
@@ -52,3 +54,24 @@ def sample_as_json(view: StoreVersion, sample_id: str, *, teacher: str | None = 
         decoder = view.student_tokenizer(teacher, student_tokenizer)
         out["student_tokens"] = [decoder.decode([int(i)]) for i in student_ids]
     return out
+
+
+def list_samples(view: StoreVersion, *, limit: int | None = None) -> list[dict]:
+    """`[{"sample_id", "tokens", "teacher"}]`, one per stored sample and teacher, in index order (the
+    order the samples were written); the first `limit` of them."""
+    index = view.index if limit is None else view.index.slice(0, limit)
+    return [{"sample_id": sid, "tokens": n, "teacher": t} for sid, n, t in
+            zip(index["sample_id"].to_pylist(), index["n_tokens"].to_pylist(), index["teacher"].to_pylist())]
+
+
+def parse_positions(text: str) -> tuple[int | None, int | None]:
+    """`A:B` (either side may be left out, as in a Python slice; no negatives) -> (A, B)."""
+    from logitstore.errors import LogitstoreError
+
+    match = re.fullmatch(r"\s*(\d*)\s*:\s*(\d*)\s*", text)
+    if match is None:
+        raise LogitstoreError(f"--positions {text!r}: expected A:B, e.g. 0:20, 100: or :50")
+    start, stop = (int(g) if g else None for g in match.groups())
+    if start is not None and stop is not None and stop < start:
+        raise LogitstoreError(f"--positions {text!r}: the end {stop} is before the start {start}")
+    return start, stop

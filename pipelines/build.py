@@ -128,6 +128,10 @@ def run_build(cfg: BuildConfig, *, log: Callable[[str], None] | None = None) -> 
 
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     start = time.perf_counter()
+    # The input first (exists, columns, first rows): a mistake there shows in a second, before any model
+    # loads and before a store is created.
+    ids_from = data_io.check_input(cfg.data, text_column=cfg.text_column, id_column=cfg.id_column,
+                                   ids_column=cfg.ids_column)
     info = describe_teacher(cfg.teacher)
     check_teacher_fits(cfg, info)
     students = load_student_tokenizers(cfg.student_tokenizers, teacher=info)
@@ -142,15 +146,20 @@ def run_build(cfg: BuildConfig, *, log: Callable[[str], None] | None = None) -> 
                        vocab_size=info.vocab_size)
     first = next(units, None)  # reads and checks the input before any model is loaded
     if first is not None:
-        executor = make_executor(cfg, teacher_spec=info.spec)
+        log(f"build: sample ids are {ids_from}")
+        progress = Progress(cfg, log=log)  # from the first unit's first batch on
+        executor = make_executor(cfg, teacher_spec=info.spec, on_batch=progress.batch)
         try:
             head = [first]
             if meta.name not in store.read(cfg.branch).teachers and _add_teacher_with_first_unit(
                     store, cfg, meta, info, first, executor.compute(first), summary, students=students):
                 head = []
-            _process(store, cfg, head, units, executor, summary, log)
+                progress.update(tokens=first.n_tokens, samples=len(first.sample_ids), documents=first.documents_read)
+            _process(store, cfg, head, units, executor, summary, progress)
+            progress.finish()
         finally:
             executor.close()
+            progress.close()
     view = store.read(cfg.branch)
     summary.version = view.snapshot_id
     summary.seconds = time.perf_counter() - start
@@ -241,8 +250,7 @@ def _add_teacher_with_first_unit(store: Store, cfg: BuildConfig, meta: TeacherMe
     return True
 
 
-def _process(store, cfg, head: list[Unit], rest: Iterator[Unit], executor, summary, log) -> None:
-    progress = Progress(cfg, log=log)
+def _process(store, cfg, head: list[Unit], rest: Iterator[Unit], executor, summary, progress: Progress) -> None:
     writer = store.writer(branch=cfg.branch, on_duplicate="skip")
     last_commit = time.monotonic()
     units = _planned_ahead(itertools.chain(head, rest), depth=PLAN_AHEAD)
@@ -263,7 +271,6 @@ def _process(store, cfg, head: list[Unit], rest: Iterator[Unit], executor, summa
         raise
     finally:
         units.close()  # stops the planner thread
-        progress.close()
     _commit(writer, cfg, summary, final=True)
 
 
@@ -508,39 +515,75 @@ def _batched(items: Iterator, size: int) -> Iterator[list]:
 
 
 class Progress:
-    """A tqdm bar on a terminal; a plain line every 10 seconds otherwise (logs, CI)."""
+    """Build progress in tokens: a tqdm bar on a terminal, else a line at the first batch and every
+    `every` seconds (logs, CI, a pipe), and a last line at the end.
 
-    def __init__(self, cfg: BuildConfig, *, log: Callable[[str], None]):
-        self.log = log
+    Tokens are counted as the teacher computes them (`batch`, from the in-process executor's workers,
+    so the first line comes with the first batch) or, for executors in other processes, as units are
+    merged (`update`). The ETA is the remaining tokens over the measured tokens/s; remaining tokens are
+    estimated from the input's document count (when cheap to know) times the tokens per document so far.
+    """
+
+    def __init__(self, cfg: BuildConfig, *, log: Callable[[str], None], every: float = 10.0):
+        self.log, self.every = log, every
         self.enabled = cfg.progress
         self.total_documents = data_io.count_documents(cfg.data) if cfg.progress else None
-        self.start = self.last = time.monotonic()
-        self.tokens = self.samples = self.documents = 0
+        self.start = time.monotonic()
+        self.last: float | None = None  # when the last line was printed; None: no line yet
+        self.computed = self.tokens = self.samples = self.documents = 0
+        self._lock = threading.Lock()  # the teacher's threads report batches
         self.bar = None
         if self.enabled and sys.stderr.isatty():
             from tqdm import tqdm
 
-            self.bar = tqdm(total=self.total_documents, unit="doc", desc="build", dynamic_ncols=True)
+            self.bar = tqdm(total=None, unit="tok", unit_scale=True, desc="build", dynamic_ncols=True)
+
+    def batch(self, tokens: int) -> None:
+        """The teacher computed `tokens` more tokens (any thread)."""
+        with self._lock:
+            self.computed += tokens
+            self._report()
 
     def update(self, *, tokens: int, samples: int, documents: int) -> None:
-        self.tokens += tokens
-        self.samples += samples
-        self.documents += documents
-        rate = self.tokens / max(time.monotonic() - self.start, 1e-9)
-        if self.bar is not None:
-            self.bar.update(documents)
-            self.bar.set_postfix(tokens_per_s=f"{rate:,.0f}", samples=self.samples)
-        elif self.enabled and time.monotonic() - self.last >= 10:
-            self.last = time.monotonic()
-            self.log(f"build: {self.documents:,} documents, {self.samples:,} samples, {self.tokens:,} tokens, "
-                     f"{rate:,.0f} tokens/s{self._eta()}")
+        """A unit was merged: its tokens count now if no batch reported them."""
+        with self._lock:
+            self.tokens += tokens
+            self.samples += samples
+            self.documents += documents
+            self._report()
 
-    def _eta(self) -> str:
+    def _done(self) -> int:
+        return max(self.computed, self.tokens)
+
+    def _total(self) -> int | None:
         if not self.total_documents or not self.documents:
-            return ""
-        elapsed = time.monotonic() - self.start
-        left = elapsed / self.documents * max(self.total_documents - self.documents, 0)
-        return f", ETA {left / 60:.1f} min"
+            return None
+        per_document = self.tokens / self.documents
+        return max(self._done(), int(per_document * self.total_documents))
+
+    def _report(self, *, final: bool = False) -> None:
+        if not self.enabled:
+            return
+        now = time.monotonic()
+        rate = self._done() / max(now - self.start, 1e-9)
+        if self.bar is not None:
+            self.bar.total = self._done() if final else self._total()
+            self.bar.n = self._done()
+            self.bar.set_postfix(samples=self.samples, refresh=False)
+            self.bar.refresh()
+            return
+        if final or self.last is None or now - self.last >= self.every:
+            self.last = now
+            total = self._total()
+            eta = "" if final or total is None or not rate else f", ETA {(total - self._done()) / rate / 60:.1f} min"
+            of = f" of ~{total:,}" if total and not final else ""
+            self.log(f"build: {self._done():,}{of} tokens, {self.samples:,} samples, {self.documents:,} documents, "
+                     f"{rate:,.0f} tokens/s{eta}")
+
+    def finish(self) -> None:
+        """The build is done: the bar to 100%, or a last line with the totals."""
+        with self._lock:
+            self._report(final=True)
 
     def close(self) -> None:
         if self.bar is not None:

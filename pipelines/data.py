@@ -18,8 +18,9 @@ Columns. Text input (the default) reads `text_column`. Pre-tokenized input reads
 a list of non-negative integers per row, or, where the format has no lists (CSV), a string of
 integers separated by commas or spaces, optionally in brackets ("[1, 2, 3]"). When `ids_column`
 is given the ids win and `text_column` is not read, even when it was given too. Document ids come
-from `id_column` (strings or integers, converted to `str`), else they are content hashes: the text's
-for text input, the token ids' for pre-tokenized input.
+from `id_column` (strings or integers, converted to `str`); with no `id_column` (None), from a column
+named `id` in any file that has one (`AUTO_ID_COLUMN`); else, and with `id_column=""`, they are
+content hashes: the text's for text input, the token ids' for pre-tokenized input.
 
 Errors are `DataError`s naming the file and the problem. Path and argument errors raise when
 `read_documents` is called; content errors (a missing column, a bad row) raise while iterating,
@@ -86,6 +87,10 @@ class Document:
     row: int
 
 
+AUTO_ID_COLUMN = "id"  # gives the document ids, where a file has it, when no --id-column is given
+_AUTOMATIC = "the automatic id column"
+
+
 @dataclass(frozen=True)
 class _Columns:
     """The effective column choice: `ids` set means pre-tokenized input and `text` is None."""
@@ -93,10 +98,13 @@ class _Columns:
     text: str | None
     id: str | None
     ids: str | None
+    id_automatic: bool = False  # `id` is AUTO_ID_COLUMN, read where a file has it
 
     def roles(self) -> dict[str, str]:
-        """Column name -> the option that named it, for the columns to read."""
-        named = [(self.id, "--id-column"), (self.text, "--text-column"), (self.ids, "--ids-column")]
+        """Column name -> the option that named it, for the columns to read. The automatic id column is
+        read where a file has it (`_check_columns` drops it where not)."""
+        id_option = _AUTOMATIC if self.id_automatic else "--id-column"
+        named = [(self.id, id_option), (self.text, "--text-column"), (self.ids, "--ids-column")]
         out: dict[str, str] = {}
         for column, option in named:
             if column is not None:
@@ -129,6 +137,31 @@ def text_hash(text: str) -> str:
 def ids_hash(token_ids: np.ndarray) -> str:
     """sha256 of the ids as little-endian int64 bytes, first 32 hex digits (pre-tokenized input)."""
     return hashlib.sha256(np.ascontiguousarray(token_ids, dtype="<i8").tobytes()).hexdigest()[:32]
+
+
+def check_input(
+    data: str | os.PathLike | None,
+    *,
+    text_column: str | None = "text",
+    id_column: str | None = None,
+    ids_column: str | None = None,
+) -> str:
+    """Read the first rows of the first file, as `read_documents` will, and return where document ids
+    come from ("the input's 'id' column", or "content hashes"). Raises `DataError` for a missing path,
+    a missing column or bad first rows: what a build checks before it loads a model."""
+    columns = _effective_columns(data, text_column=text_column, id_column=id_column, ids_column=ids_column)
+    _root, files = _resolve(data)
+    if not files:
+        return "content hashes"
+    path, kind = files[0]
+    roles = columns.roles()
+    first = next(iter(_guarded(path, kind, _READERS[kind](path, roles))), None)  # checks the columns
+    if first is not None:
+        for _document in _documents(first.slice(0, 64), columns, path=path, file_row=0, row=0):
+            pass  # converts the first rows: bad ids or texts fail here
+    if columns.id is not None and columns.id in roles:
+        return f"the input's {columns.id!r} column" + (" (found automatically)" if columns.id_automatic else "")
+    return "content hashes"
 
 
 def read_documents(
@@ -240,12 +273,17 @@ def _arrow_file_rows(f) -> int:
 def _effective_columns(data, *, text_column, id_column, ids_column) -> _Columns:
     """Resolve the column options: ids win over text; the sample corpus has an `id` column."""
     if ids_column:
-        return _Columns(text=None, id=id_column or None, ids=ids_column)
+        return _Columns(text=None, ids=ids_column, **_id_column(id_column))
     if not text_column:
         raise DataError("no text column and no ids column: give --text-column or --ids-column")
-    if data is None and not id_column:
-        id_column = "id"
-    return _Columns(text=text_column, id=id_column or None, ids=None)
+    return _Columns(text=text_column, ids=None, **_id_column(id_column))
+
+
+def _id_column(id_column: str | None) -> dict:
+    """None -> the automatic `id` column; "" -> content hashes; else the column named."""
+    if id_column is None:
+        return {"id": AUTO_ID_COLUMN, "id_automatic": True}
+    return {"id": id_column or None}
 
 
 def _resolve(data) -> tuple[Path, list[tuple[Path, str]]]:
@@ -338,10 +376,23 @@ def _guarded(path: Path, kind: str, batches: Iterator[pa.RecordBatch]) -> Iterat
         raise DataError(f"{path}: cannot read as {kind}: {detail}") from exc
 
 
-def _check_columns(path: Path, names: list[str], roles: dict[str, str]) -> None:
-    for column, option in roles.items():
-        if column not in names:
-            raise DataError(f"{path}: no column {column!r} ({option}); its columns are: {', '.join(names)}")
+def _check_columns(path: Path, names: list[str], roles: dict[str, str], *, header_row: bool = False) -> None:
+    """Refuse a file without a named column; drop the automatic id column from `roles` where absent."""
+    for column, option in list(roles.items()):
+        if column in names:
+            continue
+        if option == _AUTOMATIC:
+            del roles[column]
+            continue
+        header = " (the first row is taken as the header)" if header_row else ""
+        raise DataError(f"{path}: no column {column!r} ({option}); its columns are: {_names(names)}{header}")
+
+
+def _names(names: list[str], *, most: int = 8, width: int = 30) -> str:
+    """Column names for a one-line message: a header row of text must not fill the screen."""
+    cut = [n if len(n) <= width else n[:width - 3] + "..." for n in names[:most]]
+    more = f" and {len(names) - most} more" if len(names) > most else ""
+    return ", ".join(repr(n) for n in cut) + more
 
 
 def _jsonl_batches(path: Path, roles: dict[str, str]) -> Iterator[pa.RecordBatch]:
@@ -385,7 +436,7 @@ def _csv_batches(path: Path, roles: dict[str, str]) -> Iterator[pa.RecordBatch]:
     header = _csv_header(path)
     if header is None:
         return  # an empty file holds no documents
-    _check_columns(path, header, roles)
+    _check_columns(path, header, roles, header_row=True)
     # Everything as strings: ids like "007" stay as written, and the ids column is parsed later.
     convert = pa_csv.ConvertOptions(include_columns=list(roles), column_types={c: pa.string() for c in roles},
                                     strings_can_be_null=False, quoted_strings_can_be_null=False)
@@ -472,7 +523,7 @@ def _documents(batch: pa.RecordBatch, columns: _Columns, *, path: Path, file_row
 
     doc_ids = None
     try:
-        if columns.id is not None:
+        if columns.id is not None and columns.id in batch.schema.names:  # the automatic one may be absent
             doc_ids = _id_values(_column(batch, columns.id), columns.id)
         if columns.ids is not None:
             tokens, texts = _ids_values(_column(batch, columns.ids), columns.ids), [None] * n

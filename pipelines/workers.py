@@ -78,6 +78,7 @@ class TeacherWorker:
         import torch
 
         self.settings = settings
+        self.on_batch: Callable[[int], None] | None = None  # told the tokens of each batch computed
         # One forward pass at a time (one teacher, one device): held for the forward pass alone, so
         # selection and writes (CPU) run while another thread's forward pass keeps the teacher busy.
         self._compute_lock = threading.Lock()
@@ -103,14 +104,20 @@ class TeacherWorker:
         s = self.settings
         if s.engine == "vllm":
             with self._compute_lock:
-                return self.teacher.compute(unit)
+                samples = self.teacher.compute(unit)
+            if self.on_batch is not None:
+                self.on_batch(unit.n_tokens)
+            return samples
         lengths = np.array([len(t) for t in unit.tokens])
         order = np.argsort(-lengths, kind="stable")
         generator = None
         if s.sparsity.mode == "sampled":
             generator = torch.Generator(device=self.teacher.model.device).manual_seed(_unit_seed(s.seed, unit))
-        parts = [self._forward_with_retry([unit.sample_ids[i] for i in rows], [unit.tokens[i] for i in rows], generator)
-                 for rows in token_budget_batches(lengths[order], order, budget=s.batch_tokens)]
+        parts = []
+        for rows in token_budget_batches(lengths[order], order, budget=s.batch_tokens):
+            parts.append(self._forward_with_retry([unit.sample_ids[i] for i in rows], [unit.tokens[i] for i in rows], generator))
+            if self.on_batch is not None:
+                self.on_batch(int(lengths[rows].sum()))
         return concat(parts)
 
     def _forward_with_retry(self, sample_ids: list[str], tokens: list[np.ndarray], generator) -> SparseSamples:
@@ -346,13 +353,17 @@ class RayExecutor:
             self.ray.kill(actor)
 
 
-def make_executor(cfg, *, teacher_spec):
+def make_executor(cfg, *, teacher_spec, on_batch: Callable[[int], None] | None = None):
+    """The executor `cfg` asks for. `on_batch(tokens)` hears of every teacher batch computed in this
+    process (the in-process executor); the others report units as they come back."""
     settings = WorkerSettings(teacher_spec=teacher_spec, device=cfg.device, dtype=cfg.dtype, sparsity=cfg.sparsity,
                               batch_tokens=cfg.batch_tokens, seed=cfg.seed, engine=cfg.engine)
     if cfg.ray_address:
         return RayExecutor(settings, workers=cfg.workers, address=cfg.ray_address)
     if cfg.workers == 1:
-        return InProcessExecutor(settings)
+        executor = InProcessExecutor(settings)
+        executor.worker.on_batch = on_batch
+        return executor
     if cfg.store.startswith("memory://"):
         raise LogitstoreError("--workers > 1 needs a store other processes can reach; memory:// lives in one process")
     return ProcessExecutor(settings, workers=cfg.workers)

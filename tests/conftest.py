@@ -108,3 +108,8 @@ def tiny_teacher(tmp_path_factory) -> str:
     LlamaForCausalLM(config).save_pretrained(path)
     tokenizer.save_pretrained(path)
     return str(path)
+
+
+def without_progress(stderr: str) -> str:
+    """stderr less the build's progress lines ("build: ..."): what a test of error messages looks at."""
+    return "\n".join(line for line in stderr.strip().splitlines() if not line.startswith("build: "))

@@ -157,7 +157,7 @@ def _samples(store) -> int:
         (["--top-k", "100000"], "larger than the teacher's vocabulary"),
         (["--max-length", "1"], "--max-length"),
         (["--top-p", "1.5"], "--top-p"),
-        (["--value-grid", "tiny"], "--value-grid must be one of default, fine, coarse"),
+        (["--value-grid", "tiny"], "'tiny' is not one of"),
     ],
 )
 def test_bad_build_input_is_one_clear_line(small_data, tmp_path, args, message):

@@ -115,3 +115,63 @@ def test_unreachable_s3_endpoint_fails_fast(monkeypatch):
 def test_missing_s3_bucket_is_a_clear_error(s3_endpoint):
     result = run("info", "s3://no-such-bucket/x", code=2)
     assert result.stderr.startswith("error: ")
+
+
+def test_ls_lists_every_sample_and_show_takes_a_range_of_positions(store):
+    listed = run_json("ls", store)
+    assert [(r["sample_id"], r["teacher"]) for r in listed] == [("a", "teacher-a"), ("b", "teacher-a"), ("c", "teacher-a")]
+    assert [r["tokens"] for r in listed] == [len(run_json("show", store, s)["input_ids"]) for s in "abc"]
+    assert [r["sample_id"] for r in run_json("ls", store, "--version", "v1")] == ["a", "b"]
+    assert [r["sample_id"] for r in run_json("ls", store, "--limit", "1")] == ["a"]
+    assert run("ls", store).stdout.splitlines()[0].split() == ["sample_id", "tokens", "teacher"]
+    whole = run_json("show", store, "b")
+    part = run_json("show", store, "b", "--positions", "2:4")
+    assert part["positions"] == whole["positions"][2:4] and part["first_position"] == 2
+    assert part["input_ids"] == whole["input_ids"]
+    assert len(run("show", store, "b", "--positions", ":3").stdout.splitlines()) == 1 + 3
+    for bad in ("3:1", "x", "-1:2"):
+        result = run("show", store, "b", "--positions", bad, code=2)
+        assert "--positions" in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+def test_a_missing_data_file_fails_fast_and_creates_no_store(tmp_path):
+    import subprocess
+    import sys
+
+    started = time.monotonic()
+    result = subprocess.run([sys.executable, "-m", "logitstore.cli.app", "build", "--store", str(tmp_path / "s"),
+                             "--data", str(tmp_path / "missing.jsonl")], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and result.stderr.strip() == f"error: {tmp_path / 'missing.jsonl'}: no such file or folder"
+    assert time.monotonic() - started < 3 and not (tmp_path / "s").exists()
+    csv = tmp_path / "no-header.csv"
+    csv.write_text("A whole first document, with commas, taken as the header row because it is the first row,2\n"
+                   "another row,3\n")
+    result = runner.invoke(app, ["build", "--store", str(tmp_path / "s"), "--data", str(csv)])
+    assert result.exit_code == 2 and "the first row is taken as the header" in result.stderr
+    assert len(result.stderr) < 300 and not (tmp_path / "s").exists()
+
+
+def test_help_groups_options_shows_choices_and_lists_commands_in_order_of_use():
+    import typing
+
+    from logitstore.cli import app as cli
+    from logitstore.codec import GRIDS
+    from logitstore.trainer.losses import KINDS
+    from logitstore.trainer.stream import ON_ERROR
+
+    assert typing.get_args(cli.Loss) == KINDS and typing.get_args(cli.OnError) == ON_ERROR
+    assert set(typing.get_args(cli.ValueGrid)) == set(GRIDS)
+    wide = {"COLUMNS": "200"}  # so no choice list is wrapped
+    train_help = runner.invoke(app, ["train", "--help"], env=wide).stdout
+    panels = ["Output", "Data", "Student", "Optimisation", "Loss", "Checkpoints and evaluation", "Live mode"]
+    assert [train_help.index(f"─ {p}") for p in panels] == sorted(train_help.index(f"─ {p}") for p in panels)
+    assert "forward_kl|topk_renorm|reverse_kl|jsd" in train_help and "raise|skip" in train_help
+    build_help = runner.invoke(app, ["build", "--help"], env=wide).stdout
+    assert all(f"─ {p}" in build_help for p in ("Data", "Teacher", "Sparsity", "Store"))
+    assert "logitstore[vllm]" in build_help and "default|fine|coarse" in build_help and "error|replace|skip" in build_help
+    commands = [line.split()[1] for line in run("--help").stdout.splitlines() if line.startswith("│ ") and
+                line.split()[1] in cli.COMMAND_ORDER]
+    assert commands == list(cli.COMMAND_ORDER)
+    assert run("--version").stdout.startswith("logitstore ")
+    result = run("train", "--store", "x", "--out", "y", "--loss", "kl", code=2)
+    assert "'kl' is not one of" in result.stderr or "is not one of" in result.stderr

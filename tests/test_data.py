@@ -127,13 +127,14 @@ def summary(docs: list[Document]) -> list[tuple]:
 @pytest.mark.parametrize("name", list(WRITERS))
 def test_every_format_reads_the_same_documents(tmp_path, name):
     path = WRITERS[name](tmp_path / name, ROWS)
-    docs = list(read_documents(path, batch_rows=2))
+    docs = list(read_documents(path, batch_rows=2, id_column=""))  # "": content hashes as ids
     expected = [(text_hash(r["text"]), r["text"], text_hash(r["text"]), i) for i, r in enumerate(ROWS)]
     assert summary(docs) == expected
     assert all(d.token_ids is None for d in docs)
 
     with_ids = list(read_documents(path, id_column="id"))
     assert [d.id for d in with_ids] == [r["id"] for r in ROWS]
+    assert [d.id for d in read_documents(path)] == [r["id"] for r in ROWS]  # an `id` column is found by itself
     assert [d.source_hash for d in with_ids] == [text_hash(r["text"]) for r in ROWS]
 
 
@@ -197,7 +198,7 @@ def test_empty_files_hold_no_documents(tmp_path):
 def test_ids_column(tmp_path, name):
     rows = [{"id": r["id"], "text": r["text"], "tok": t} for r, t in zip(ROWS, TOKENS)]
     path = WRITERS[name](tmp_path / name, rows)
-    docs = list(read_documents(path, ids_column="tok", batch_rows=2))
+    docs = list(read_documents(path, ids_column="tok", batch_rows=2, id_column=""))
     assert [d.token_ids.tolist() for d in docs] == TOKENS
     assert all(d.token_ids.dtype == np.int64 and d.text is None for d in docs)
     hashes = [data_mod.ids_hash(np.array(t)) for t in TOKENS]
@@ -264,7 +265,7 @@ def test_neither_text_nor_ids(tmp_path):
 def test_missing_column(tmp_path, name, option):
     path = WRITERS[name](tmp_path / name, ROWS)
     flag = "--" + option.replace("_", "-")
-    with raises(rf"{name}: no column 'body' \({flag}\); its columns are: id, text"):
+    with raises(rf"{name}: no column 'body' \({flag}\); its columns are: 'id', 'text'"):
         list(read_documents(path, **{option: "body"}))
 
 
@@ -291,7 +292,7 @@ def test_bad_text_names_row_and_id(tmp_path, bad, what):
     with raises(rf"d\.jsonl: row 2, document 'c': text column 'text' is {what}"):
         list(read_documents(path, id_column="id"))
     with raises(rf"d\.jsonl: row 2: text column 'text' is {what}"):
-        list(read_documents(path))
+        list(read_documents(path, id_column=""))
 
 
 def test_empty_csv_text(tmp_path):
@@ -471,3 +472,19 @@ def test_jsonl_is_streamed(tmp_path):
     assert count == 50_000 and doc.id == "d49999"
     assert peak_arrow < size / 10, f"Arrow held {peak_arrow / 1e6:.1f} MB of a {size / 1e6:.1f} MB file"
     assert peak_rss < size / 2, f"RSS grew {peak_rss / 1e6:.1f} MB reading a {size / 1e6:.1f} MB file"
+
+
+def test_an_id_column_is_used_automatically_and_check_input_says_so(tmp_path):
+    from logitstore.pipelines.data import check_input
+
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"id": "x-1", "text": "one"}\n{"id": "y-2", "text": "two"}\n')
+    assert [d.id for d in read_documents(path)] == ["x-1", "y-2"]
+    assert check_input(path) == "the input's 'id' column (found automatically)"
+    hashed = [d.id for d in read_documents(path, id_column="")]  # "" asks for content hashes
+    assert hashed == [d.source_hash for d in read_documents(path)] and check_input(path, id_column="") == "content hashes"
+    plain = tmp_path / "p.jsonl"
+    plain.write_text('{"text": "one"}\n')
+    assert check_input(plain) == "content hashes"
+    with pytest.raises(DataError, match="no column 'name'"):
+        check_input(path, id_column="name")

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
+from tests.conftest import without_progress
 from logitstore import codec
 from logitstore.bounded import run
 from logitstore.cli.app import app
@@ -185,7 +186,7 @@ def test_endpoint_lost_mid_build_stops_it_and_a_rerun_resumes(proxy, uri, s3_end
         done.set()
         watcher.join()
     assert result.exit_code == 2, (result.stdout, result.stderr, result.exception)
-    lines = result.stderr.strip().splitlines()
+    lines = without_progress(result.stderr).splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and uri in lines[0], result.stderr
     proxy.resume()
     kept = Store.open(uri).read()

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
+from tests.conftest import without_progress
 from logitstore import codec
 from logitstore.cli.app import app
 from logitstore.errors import DamagedDataError
@@ -30,8 +31,9 @@ def run(*args):
 
 def one_line_error(result, code: int) -> str:
     assert result.exit_code == code, (result.stdout, result.stderr, result.exception)
-    assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
-    return result.stderr
+    stderr = without_progress(result.stderr)
+    assert "Traceback" not in stderr and len(stderr.splitlines()) == 1, result.stderr
+    return stderr
 
 
 def word_tokenizer_json(vocab: int = VOCAB) -> str:
@@ -332,7 +334,8 @@ subprocess.run(["mount", "--bind", store, store], check=True)
 subprocess.run(["mount", "-o", "remount,bind,ro", store, store], check=True)
 for args in (["tag", store, "v2"], ["build", "--store", store, "--data", cli[0], "--max-length", "32", "--teacher", cli[1]]):
     r = subprocess.run([sys.executable, "-m", "logitstore.cli.app", *args], capture_output=True, text=True)
-    print(r.returncode, r.stderr.strip().replace(chr(10), " | "))
+    errors = [line for line in r.stderr.strip().splitlines() if not line.startswith("build: ")]  # not progress
+    print(r.returncode, " | ".join(errors))
 """
 
 
@@ -357,3 +360,38 @@ def test_writes_to_a_read_only_filesystem_are_one_line(tiny_teacher, tmp_path):
         code, message = line.split(" ", 1)
         assert code == "2" and message.startswith("error:") and "|" not in message and "Read-only" in message, line
     assert Store.open(uri).read().index.num_rows == 12 and not Store.open(uri).repo.list_tags()
+
+
+def test_a_piped_build_reports_progress_in_tokens_from_the_first_batch(tiny_teacher, tmp_path):
+    import subprocess
+    import sys
+
+    rows = [{"id": f"d{i}", "text": f"Document {i}: " + LONG} for i in range(8)]
+    data = jsonl(tmp_path / "d.jsonl", rows)
+    result = subprocess.run([sys.executable, "-m", "logitstore.cli.app", "build", "--teacher", tiny_teacher, "--store",
+                             str(tmp_path / "store"), "--data", str(data), "--max-length", "32", "--unit-tokens", "64",
+                             "--batch-tokens", "64", "--json"], capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stderr[-2000:]
+    summary = json.loads(result.stdout)
+    lines = [line for line in result.stderr.splitlines() if line.startswith("build: ")]
+    assert lines[0] == "build: sample ids are the input's 'id' column (found automatically)"
+    progress = lines[1:]
+    assert len(progress) >= 2 and all("tokens/s" in line for line in progress)  # the first batch's, and the last
+    first_tokens = int(progress[0].split()[1].replace(",", ""))
+    assert 0 < first_tokens <= 64  # one batch of --batch-tokens, before any unit was merged
+    assert progress[-1].startswith(f"build: {summary['tokens']:,} tokens, {summary['samples']:,} samples")
+    assert "stdlib" not in result.stderr and [r["sample_id"] for r in json.loads(run("ls", tmp_path / "store", "--json").stdout)][:1] == ["d0#w0"]
+
+
+def test_progress_estimates_the_remaining_tokens_from_the_documents_read(tmp_path):
+    from logitstore.pipelines.build import BuildConfig, Progress
+
+    data = jsonl(tmp_path / "d.jsonl", [{"text": f"doc {i}"} for i in range(10)])
+    lines = []
+    progress = Progress(BuildConfig(store="memory://p", data=str(data)), log=lines.append, every=0)
+    progress.batch(100)  # a line at the first batch: no documents merged yet, so no ETA
+    assert lines[-1].startswith("build: 100 tokens, 0 samples") and "ETA" not in lines[-1]
+    progress.update(tokens=400, samples=4, documents=2)  # 200 tokens per document, 10 documents
+    assert lines[-1].startswith("build: 400 of ~2,000 tokens") and "ETA" in lines[-1]
+    progress.finish()
+    assert lines[-1].startswith("build: 400 tokens, 4 samples, 2 documents") and "ETA" not in lines[-1]

@@ -106,7 +106,7 @@ def test_bad_train_input_is_one_clear_line(store, tmp_path):
         result = runner.invoke(app, args)
         assert result.exit_code == 2 and message in result.stderr, (args, result.stderr)
         assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr, result.stderr
-    out = tmp_path / "e"
+    out = tmp_path / "b"  # the folder of the failed --version nope: the corrected command needs no --force
     assert runner.invoke(app, [*base, "--out", str(out), "--micro-batch", "2"]).exit_code == 0
     result = runner.invoke(app, [*base, "--out", str(out), "--lr", "1e-2"])
     assert result.exit_code == 2 and "already holds a run" in result.stderr
