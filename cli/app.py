@@ -399,6 +399,10 @@ def train(
     final = launch(cfg)
     if json_out:
         _print_json(final)
+        return
+    held_out = f", held-out KL {final['eval_kl']:.4f}" if "eval_kl" in final else ""
+    typer.echo(f"done: step {final.get('step', '-')}{held_out}; the student is in {cfg.out}/final, "
+               f"the curves in {cfg.out}/training.png")
 
 
 @app.command(name="eval")

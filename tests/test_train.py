@@ -107,8 +107,13 @@ def test_bad_train_input_is_one_clear_line(store, tmp_path):
         assert result.exit_code == 2 and message in result.stderr, (args, result.stderr)
         assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr, result.stderr
     out = tmp_path / "b"  # the folder of the failed --version nope: the corrected command needs no --force
-    assert runner.invoke(app, [*base, "--out", str(out), "--micro-batch", "2"]).exit_code == 0
+    result = runner.invoke(app, [*base, "--out", str(out), "--micro-batch", "2", "--eval-fraction", "0.5"])
+    assert result.exit_code == 0, result.stderr
+    final = json.loads((out / "final_metrics.json").read_text())
+    assert "eval_kl" in final  # no --eval-every: a run still ends with a held-out KL
+    assert f"held-out KL {final['eval_kl']:.4f}; the student is in {out}/final" in result.stdout
+    assert "ETA" in result.stderr and (out / "training.png").exists()
     result = runner.invoke(app, [*base, "--out", str(out), "--lr", "1e-2"])
     assert result.exit_code == 2 and "already holds a run" in result.stderr
-    result = runner.invoke(app, [*base, "--out", str(out), "--lr", "1e-2", "--resume"])
+    result = runner.invoke(app, [*base, "--out", str(out), "--lr", "1e-2", "--resume", "--eval-fraction", "0.5"])
     assert result.exit_code == 2 and "another configuration (lr" in result.stderr

@@ -162,6 +162,7 @@ def _train(cfg: TrainConfig, plan: run_folder.RunPlan, *, cuda: bool) -> dict:
     _log(metrics_file, header)
     batches = iter(stream)
     record = run_folder.last_record(out, step=step) if resumed_from is not None else {}
+    run_started = time.perf_counter()
     try:
         while step < cfg.steps:
             lr = _lr_at(step, cfg)
@@ -178,6 +179,9 @@ def _train(cfg: TrainConfig, plan: run_folder.RunPlan, *, cuda: bool) -> dict:
                       "signal": signal.kind}
             if cfg.eval_every and step % cfg.eval_every == 0:
                 record.update(evaluate(model, signal, cfg=cfg, device=device))
+            elif step == cfg.steps:  # every run ends with a held-out KL, if its split can give one
+                record.update(_final_evaluation(model, signal, cfg=cfg, device=device, rank=rank))
+            record["eta_seconds"] = (time.perf_counter() - run_started) / (step - resumed_step) * (cfg.steps - step)
             _log(metrics_file, record, echo=step % cfg.log_every == 0 or step == cfg.steps)
             if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step < cfg.steps:
                 checkpoint.save(out, step=step, model=model, optimizer=optimizer,
@@ -427,9 +431,25 @@ def _log(metrics_file, record: dict, *, echo: bool = False) -> None:
     metrics_file.flush()
     if echo and "step" in record:
         extra = f" eval_kl {record['eval_kl']:.4f}" if "eval_kl" in record else ""
+        eta = f"  ETA {record['eta_seconds'] / 60:.1f} min" if "eta_seconds" in record else ""
         print(f"step {record['step']:>6}  loss {record['loss']:.4f}  kd {record['kd']:.4f}  lr {record['lr']:.2e}  "
               f"grad {record['grad_norm']:.3f}  {record['tokens_per_second']:,.0f} tok/s  "
-              f"data wait {record['data_wait_seconds'] * 1000:.0f} ms{extra}", file=sys.stderr, flush=True)
+              f"data wait {record['data_wait_seconds'] * 1000:.0f} ms{extra}{eta}", file=sys.stderr, flush=True)
+
+
+def _final_evaluation(model, signal, *, cfg: TrainConfig, device, rank: int) -> dict:
+    """The held-out KL at the last step; a split too small for one micro-batch is said once and skipped
+    (every rank meets the same split, so all skip alike)."""
+    from logitstore.trainer.stream import StreamConfigError
+
+    if cfg.eval_fraction == 0:
+        return {}
+    try:
+        return evaluate(model, signal, cfg=cfg, device=device)
+    except StreamConfigError as e:
+        if rank == 0:
+            print(f"no held-out evaluation at the end: {e}; raise --eval-fraction to get one", file=sys.stderr, flush=True)
+        return {}
 
 
 # -- evaluation and export -------------------------------------------------------------------------
