@@ -20,7 +20,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
-import queue
 import sys
 import threading
 import time
@@ -32,6 +31,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from logitstore import codec
+from logitstore.ahead import read_ahead
 from logitstore.codec import CodecParams
 from logitstore.errors import ConflictError, LogitstoreError
 from logitstore.pipelines import data as data_io
@@ -253,7 +253,7 @@ def _add_teacher_with_first_unit(store: Store, cfg: BuildConfig, meta: TeacherMe
 def _process(store, cfg, head: list[Unit], rest: Iterator[Unit], executor, summary, progress: Progress) -> None:
     writer = store.writer(branch=cfg.branch, on_duplicate="skip")
     last_commit = time.monotonic()
-    units = _planned_ahead(itertools.chain(head, rest), depth=PLAN_AHEAD)
+    units = read_ahead(itertools.chain(head, rest), depth=PLAN_AHEAD, name="logitstore-plan")
     try:
         for written, unit in executor.map(units, writer_for=lambda: writer, max_in_flight=2 * cfg.workers):
             writer.remove(summary.teacher, unit.replaces)  # the changed documents' old windows
@@ -279,45 +279,6 @@ def _process(store, cfg, head: list[Unit], rest: Iterator[Unit], executor, summa
 # fast teacher idle (a GPU-speed stand-in lost ~15% of its time to it, benchmarks/build.py). A unit
 # ahead holds only its tokens (~130 KB), so 32 of them cost ~4 MB.
 PLAN_AHEAD = 32
-
-
-def _planned_ahead(units: Iterator[Unit], *, depth: int) -> Iterator[Unit]:
-    """`units`, taken from a thread that runs up to `depth` units ahead. A planning error (a bad row)
-    comes out where its unit would have, after the units before it; leaving early stops the thread."""
-    ahead: queue.Queue = queue.Queue(maxsize=depth)
-    stop = threading.Event()
-
-    def put(item) -> bool:
-        while not stop.is_set():  # a consumer that left early never takes it: check, then wait again
-            try:
-                ahead.put(item, timeout=0.1)
-                return True
-            except queue.Full:
-                pass
-        return False
-
-    def plan() -> None:
-        try:
-            for unit in units:
-                if not put(("unit", unit)):
-                    return
-            put(("end", None))
-        except BaseException as e:  # handed to the driver, which raises it in its own thread
-            put(("error", e))
-
-    thread = threading.Thread(target=plan, name="logitstore-plan", daemon=True)
-    thread.start()
-    try:
-        while True:
-            kind, value = ahead.get()
-            if kind == "end":
-                return
-            if kind == "error":
-                raise value
-            yield value
-    finally:
-        stop.set()
-        thread.join()
 
 
 def _commit(writer, cfg: BuildConfig, summary: BuildSummary, *, final: bool) -> None:

@@ -246,14 +246,8 @@ class InProcessExecutor:
             # empty numba cache). It costs one unit's overlap.
             yield self.worker.process(first, writer_for().fork())
         # One unit more than threads: a thread that finishes finds the next unit waiting.
-        in_flight: deque[Future] = deque()
-        for unit in units:
-            in_flight.append(self.pool.submit(self.worker.process, unit, writer_for().fork()))
-            if len(in_flight) > OVERLAP:
-                yield from _completed(in_flight, block=True)
-            yield from _completed(in_flight, block=False)
-        while in_flight:
-            yield from _completed(in_flight, block=True)
+        yield from _in_order(units, lambda unit: self.pool.submit(self.worker.process, unit, writer_for().fork()),
+                             max_in_flight=OVERLAP + 1)
 
     def close(self) -> None:
         # Units not started are dropped; a running one finishes (a forward pass cannot be interrupted)
@@ -295,17 +289,24 @@ class ProcessExecutor:
         return self.pool.submit(_compute_in_worker, unit).result()
 
     def map(self, units, *, writer_for, max_in_flight):
-        in_flight: deque[Future] = deque()
-        for unit in units:
-            in_flight.append(self.pool.submit(_process_in_worker, unit, writer_for().fork()))
-            if len(in_flight) >= max_in_flight:
-                yield from _completed(in_flight, block=True)
-            yield from _completed(in_flight, block=False)
-        while in_flight:
-            yield from _completed(in_flight, block=True)
+        yield from _in_order(units, lambda unit: self.pool.submit(_process_in_worker, unit, writer_for().fork()),
+                             max_in_flight=max_in_flight)
 
     def close(self) -> None:
         self.pool.shutdown(cancel_futures=True)
+
+
+def _in_order(units: Iterator[Unit], submit: Callable[[Unit], Future], *, max_in_flight: int):
+    """Submit units, at most `max_in_flight` unfinished at once, and yield their results in submission
+    order as they complete."""
+    in_flight: deque[Future] = deque()
+    for unit in units:
+        in_flight.append(submit(unit))
+        if len(in_flight) >= max_in_flight:
+            yield from _completed(in_flight, block=True)
+        yield from _completed(in_flight, block=False)
+    while in_flight:
+        yield from _completed(in_flight, block=True)
 
 
 def _completed(in_flight: deque, *, block: bool):

@@ -72,8 +72,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import queue
-import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, fields
@@ -87,6 +85,7 @@ import torch
 from zarr.core.sync import sync as zarr_sync
 
 from logitstore import codec
+from logitstore.ahead import read_ahead
 from logitstore.codec import EncodedSamples
 from logitstore.errors import DamagedDataError, LogitstoreError, StorageError
 from logitstore.rawread import read_arrays
@@ -102,7 +101,6 @@ LOOKAHEAD_BATCHES = 8  # micro-batches ahead whose parts are asked for: work for
 # on object storage a request costs more than a few KB of extra bytes.
 MERGE_GAP = 4096
 _WINDOW_STREAM = 2**32  # the RNG stream of the part permutation, apart from the windows' 0, 1, ...
-_PUT_POLL_SECONDS = 0.1
 
 
 class StreamConfigError(LogitstoreError, ValueError):
@@ -700,11 +698,6 @@ class _Parts:
 _END = object()
 
 
-@dataclass
-class _Failure:
-    error: BaseException
-
-
 class Stream(torch.utils.data.IterableDataset):
     """Packed micro-batches of one rank from a source. See the module docstring for the contract. Use as
     an iterable; `state_dict`/`load_state_dict` resume mid-epoch; `close()` (or `with`) when done. An
@@ -732,7 +725,7 @@ class Stream(torch.utils.data.IterableDataset):
         self._held: tuple | None = None  # (epoch, window) whose parts the stream holds now
         self._epoch, self._rows = 0, 0  # the consumer's position: what has been yielded
         self._generation = 0
-        self._worker: tuple[threading.Thread, threading.Event] | None = None
+        self._worker: Iterator | None = None  # the prefetch thread's iterator (`read_ahead`)
         self.wait_seconds = 0.0
         self.skipped_ids: set[str] = set()
         self._recipe: dict | None = None  # how `store_stream` made it: what a worker process rebuilds it from
@@ -835,40 +828,26 @@ class Stream(torch.utils.data.IterableDataset):
             step += 1
 
     def _inline(self) -> Iterator[tuple[PackedBatch, int, int]]:
-        for epoch, row0, after in self._schedule(self._epoch, self._rows):
+        return self._batches(self._epoch, self._rows)
+
+    def _batches(self, epoch: int, rows: int) -> Iterator[tuple[PackedBatch, int, int]]:
+        for epoch, row0, after in self._schedule(epoch, rows):
             yield self._build(epoch, row0), epoch, after
 
     def _prefetched(self) -> Iterator[tuple[PackedBatch, int, int]]:
-        items: queue.Queue = queue.Queue(maxsize=self.prefetch)
-        stop = threading.Event()
-        thread = threading.Thread(target=self._produce, args=(items, stop, self._epoch, self._rows),
-                                  name="logitstore-prefetch", daemon=True)
-        self._worker = (thread, stop)
-        thread.start()
+        ahead = read_ahead(self._batches(self._epoch, self._rows), depth=self.prefetch, name="logitstore-prefetch")
+        self._worker = ahead  # `_stop_worker` closes it; a closed one yields nothing more
         while True:
             started = time.perf_counter()
-            item = items.get()
+            item = next(ahead, _END)
             self.wait_seconds += time.perf_counter() - started
             if item is _END:
                 return
-            if isinstance(item, _Failure):
-                raise item.error
             yield item
-
-    def _produce(self, items: queue.Queue, stop: threading.Event, epoch: int, rows: int) -> None:
-        try:
-            for epoch, row0, after in self._schedule(epoch, rows):
-                if not _put(items, (self._build(epoch, row0), epoch, after), stop):
-                    return
-            _put(items, _END, stop)
-        except BaseException as e:  # handed to the consumer, which re-raises it with its traceback
-            _put(items, _Failure(e), stop)
 
     def _stop_worker(self) -> None:
         if self._worker is not None:
-            thread, stop = self._worker
-            stop.set()
-            thread.join()
+            self._worker.close()  # stops the thread and waits for the batch it is building
             self._worker = None
 
     def close(self) -> None:
@@ -979,17 +958,6 @@ def _window_parts(part_bytes: np.ndarray, budget: int, *, where: str) -> int:
                                 f"({format_bytes(2 * largest)}: the part being read and the next); raise "
                                 f"--memory-budget to at least {format_bytes(2 * largest)}")
     return budget // (2 * largest)
-
-
-def _put(items: queue.Queue, item, stop: threading.Event) -> bool:
-    """Put unless the consumer asked to stop; False when it did."""
-    while not stop.is_set():
-        try:
-            items.put(item, timeout=_PUT_POLL_SECONDS)
-            return True
-        except queue.Full:
-            continue
-    return False
 
 
 def _check_arguments(*, seq_len: int, micro_batch: int, rank: int, world_size: int, split: str, prefetch: int,
