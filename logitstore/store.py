@@ -401,6 +401,8 @@ def _is_bare(repo: icechunk.Repository) -> bool:
 def _initialise(repo: icechunk.Repository, location: Location) -> None:
     session = repo.writable_session(DEFAULT_BRANCH)
     root = zarr.open_group(session.store, mode="a")
+    if "teachers" in root:  # a concurrent creation initialised it between our look and this session
+        return
     root.attrs["logitstore"] = {"format": FORMAT_VERSION, "created": _now(), "writer": WRITER}
     root.create_group("teachers")
     try:
