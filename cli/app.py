@@ -38,6 +38,22 @@ ValueGrid = Literal["default", "fine", "coarse"]
 Engine = Literal["torch", "vllm"]
 OnError = Literal["raise", "skip"]
 OnDuplicate = Literal["error", "replace", "skip"]
+Dtype = Literal["auto", "float32", "bfloat16", "float16"]
+
+
+def _no_placeholder_for_flags(display_type_rich):
+    """typer 0.29 shows a type after every option, flags too (`--json <bool>` reads as if it took a
+    value, and `--json true` then fails): a flag shows none."""
+
+    @functools.wraps(display_type_rich)
+    def display(self, ctx):
+        return None if self.is_flag else display_type_rich(self, ctx)
+
+    return display
+
+
+typer.core.TyperOption.display_type_rich = _no_placeholder_for_flags(typer.core.TyperOption.display_type_rich)
+
 # The order commands are listed in --help: the order of use.
 COMMAND_ORDER = ("build", "train", "eval", "info", "ls", "show", "diff", "log", "tag", "verify")
 
@@ -243,11 +259,12 @@ def build(
     id_column: Annotated[Optional[str], typer.Option(rich_help_panel="Data", help='Column holding document ids (default: the input\'s "id" column where it has one, else a hash of the text; "" for hashes always).')] = None,
     ids_column: Annotated[Optional[str], typer.Option(rich_help_panel="Data", help="Column of pre-tokenized teacher token ids (instead of text).")] = None,
     max_length: Annotated[int, typer.Option(rich_help_panel="Data", help="Window length in teacher tokens; longer documents become windows overlapping by one token.")] = 1024,
+    limit: Annotated[Optional[int], typer.Option(rich_help_panel="Data", help="Read only the input's first N documents: a quick trial.")] = None,
     teacher: Annotated[Optional[list[str]], typer.Option(rich_help_panel="Teacher", help="Hugging Face model directory, .gguf file, or built-in name (default: smollm2-135m-instruct). Repeat for several teachers.")] = None,
     student_tokenizer: Annotated[Optional[list[str]], typer.Option(rich_help_panel="Teacher", help="\\[NAME=]TOK: also align every sample to this student tokenizer (a tokenizer or model folder, or a tokenizer.json). Repeatable.")] = None,
     engine: Annotated[Engine, typer.Option(rich_help_panel="Teacher", help="torch, or vllm (GPU, pip install 'logitstore\\[vllm]'; top-k only).")] = "torch",
     device: Annotated[str, typer.Option(rich_help_panel="Teacher", help="auto, cpu or cuda\\[:N].")] = "auto",
-    dtype: Annotated[str, typer.Option(rich_help_panel="Teacher", help="auto (bf16 on GPU, fp32 on CPU), float32, bfloat16 or float16.")] = "auto",
+    dtype: Annotated[Dtype, typer.Option(rich_help_panel="Teacher", help="auto: bf16 on GPU, fp32 on CPU.")] = "auto",
     batch_tokens: Annotated[int, typer.Option(rich_help_panel="Teacher", help="Padded tokens per teacher batch.")] = 8192,
     workers: Annotated[int, typer.Option(rich_help_panel="Teacher", help="Teacher worker processes (or Ray actors with --ray-address).")] = 1,
     ray_address: Annotated[Optional[str], typer.Option(rich_help_panel="Teacher", help="Ray cluster address, 'auto', or 'local' to start one here.")] = None,
@@ -280,7 +297,7 @@ def build(
                       ids_column=ids_column, max_length=max_length, sparsity=sparsity, batch_tokens=batch_tokens,
                       device=device, dtype=dtype, workers=workers, ray_address=ray_address, message=message,
                       branch=branch, commit_every=commit_every, unit_tokens=unit_tokens, seed=seed, engine=engine,
-                      on_duplicate=on_duplicate)
+                      on_duplicate=on_duplicate, limit=limit)
     summary = run_builds(cfg, list(teacher or [None]))
     if json_out:
         typer.echo(summary_json(summary))
@@ -315,8 +332,8 @@ def _sparsity(*, top_k: int | None, top_p: float | None, sample: int | None, tem
 @user_errors
 def train(
     out: Annotated[str, typer.Option(rich_help_panel="Output", help="Run folder: checkpoints, metrics.jsonl, final/. A new or empty folder, or one a run marked (logitstore-run.json).")],
-    resume: Annotated[bool, typer.Option(rich_help_panel="Output", help="Continue from the newest complete checkpoint in --out, on the store snapshot the run pinned (a finished run: nothing to do).")] = False,
-    force: Annotated[bool, typer.Option(rich_help_panel="Output", help="Replace the run in --out: removes only what a run writes, and only in a folder a run marked.")] = False,
+    resume: Annotated[bool, typer.Option("--resume", rich_help_panel="Output", help="Continue from the newest complete checkpoint in --out, on the store snapshot the run pinned (a finished run: nothing to do).")] = False,
+    force: Annotated[bool, typer.Option("--force", rich_help_panel="Output", help="Replace the run in --out: removes only what a run writes, and only in a folder a run marked.")] = False,
     json_out: Annotated[bool, typer.Option("--json", help="Print machine-readable JSON.", rich_help_panel="Output")] = False,
     store: Annotated[Optional[str], typer.Option(rich_help_panel="Data", help="Store to train from (required, unless --live-teacher).")] = None,
     version: Annotated[Optional[str], typer.Option("--version", help="Version id, tag or branch (default: main).", rich_help_panel="Data")] = None,
@@ -330,7 +347,7 @@ def train(
     eval_fraction: Annotated[float, typer.Option(rich_help_panel="Data", help="Share of samples held out, by sample id hash.")] = 0.05,
     student: Annotated[str, typer.Option(rich_help_panel="Student", help="Hugging Face causal-LM directory, or a built-in config (llama-tiny, llama-small).")] = "llama-tiny",
     nproc: Annotated[int, typer.Option(rich_help_panel="Student", help="Processes to launch (gloo on CPU, NCCL on CUDA).")] = 1,
-    offload_optimizer: Annotated[bool, typer.Option(rich_help_panel="Student", help="FSDP2 CPU offload of parameters, gradients and optimizer state.")] = False,
+    offload_optimizer: Annotated[bool, typer.Option("--offload-optimizer", rich_help_panel="Student", help="FSDP2 CPU offload of parameters, gradients and optimizer state.")] = False,
     steps: Annotated[int, typer.Option(rich_help_panel="Optimisation", help="Total optimizer steps of the run (a resumed run continues to it).")] = 100,
     tokens: Annotated[Optional[int], typer.Option(rich_help_panel="Optimisation", help="Train on this many tokens instead of --steps.")] = None,
     grad_accum: Annotated[int, typer.Option(rich_help_panel="Optimisation", help="Micro-steps per optimizer step.")] = 1,
@@ -413,7 +430,7 @@ def eval_(
     version: VersionOpt = None,
     teacher: Annotated[Optional[str], typer.Option(help="Teacher name, when the store holds several.")] = None,
     seq_len: Annotated[int, typer.Option(help="Tokens per packed row.")] = 256,
-    eval_fraction: Annotated[float, typer.Option(help="Held-out share, as in training.")] = 0.05,
+    eval_fraction: Annotated[float, typer.Option(help="Held-out share, as in training (1: every sample, for a store built from held-out text).")] = 0.05,
     json_out: JsonOpt = False,
 ) -> None:
     """The student's mean KL to the stored teacher (`kl`) and cross-entropy (`ce`) on held-out samples."""

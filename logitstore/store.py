@@ -222,6 +222,23 @@ class Store:
         store._check_format()
         return store
 
+    @classmethod
+    def open_if_exists(cls, uri: str) -> Store | None:
+        """The store at `uri`, or None where there is none yet (a location `open(create=True)` would
+        create one in). A location holding something else is refused now, not at creation. For a job
+        that creates its store with its first commit, so that failing before leaves nothing behind."""
+        location = Location.parse(uri)
+        if location.scheme == "file" and not Path(location.path).exists():
+            return None  # before Icechunk's local storage, which makes the folder when opened
+        storage, _ = location.storage_and_blobs()
+        with storage_errors(f"cannot open store {location.uri}"):
+            exists = repository_exists(storage, where=location.uri)
+        if not exists:
+            if not _only_repository_files(location):
+                raise StoreNotFoundError(f"{location.uri} exists and is not a logitstore store; refusing to write there")
+            return None
+        return cls.open(uri, create=True)  # create=True also finishes a creation killed half-way
+
     def _check_format(self) -> None:
         try:
             with storage_errors(f"cannot read store {self.location.uri}"):

@@ -40,6 +40,7 @@ from logitstore.pipelines.workers import Unit, make_executor, write_unit
 from logitstore.store import DEFAULT_BRANCH, Store, StudentTokenizer, TeacherMeta
 
 DEFAULT_STORE = "logitstore-store"
+DTYPES = ("auto", "float32", "bfloat16", "float16")  # the teacher's weights; auto: bf16 on GPU, fp32 on CPU
 ON_DUPLICATE = ("error", "replace", "skip")  # a document stored before under its id, with other text
 
 
@@ -74,6 +75,7 @@ class BuildConfig:
     student_tokenizers: tuple[str, ...] = ()  # "[NAME=]TOK" each: align every sample to these too
     codec: CodecParams = field(default_factory=CodecParams)  # the value grid; benchmarks/frontier.py varies it
     on_duplicate: str = "error"  # a document stored with other text: error, replace (recompute) or skip (keep)
+    limit: int | None = None  # read only the input's first N documents: a quick trial of a large input
 
     def __post_init__(self) -> None:
         if self.sparsity is None:  # the library and the CLI share one default
@@ -86,11 +88,11 @@ class BuildConfig:
             (self.workers >= 1, f"--workers must be at least 1, got {self.workers}"),
             (self.commit_every > 0, f"--commit-every must be positive, got {self.commit_every}"),
             (self.unit_tokens >= 1, f"--unit-tokens must be at least 1, got {self.unit_tokens}"),
+            (self.limit is None or self.limit >= 1, f"--limit must be at least 1, got {self.limit}"),
             (self.device == "auto" or self.device.split(":")[0] in ("cpu", "cuda"),
              f"--device must be auto, cpu or cuda[:N], got {self.device!r}"),
             (self.engine in ("torch", "vllm"), f"--engine must be torch or vllm, got {self.engine!r}"),
-            (self.dtype in ("auto", "float32", "bfloat16", "float16"),
-             f"--dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}"),
+            (self.dtype in DTYPES, f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}"),
             (self.on_duplicate in ON_DUPLICATE,
              f"--on-duplicate must be one of {', '.join(ON_DUPLICATE)}, got {self.on_duplicate!r}"),
         ]
@@ -135,9 +137,9 @@ def run_build(cfg: BuildConfig, *, log: Callable[[str], None] | None = None) -> 
     info = describe_teacher(cfg.teacher)
     check_teacher_fits(cfg, info)
     students = load_student_tokenizers(cfg.student_tokenizers, teacher=info)
-    store = Store.open(cfg.store, create=True)
-    if cfg.branch not in store.branches():
-        store.create_branch(cfg.branch)
+    # The store (and a new branch) is made only with the first commit: a build that fails before leaves
+    # no empty store or branch behind.
+    store = Store.open_if_exists(cfg.store)
     meta = TeacherMeta(name=info.spec.name, vocab_size=info.vocab_size, content_hash=info.content_hash,
                        tokenizer_hash=info.tokenizer_hash, sparsity=cfg.sparsity.to_json(), codec=cfg.codec)
     summary = BuildSummary(teacher=meta.name)
@@ -151,8 +153,11 @@ def run_build(cfg: BuildConfig, *, log: Callable[[str], None] | None = None) -> 
         executor = make_executor(cfg, teacher_spec=info.spec, on_batch=progress.batch)
         try:
             head = [first]
-            if meta.name not in store.read(cfg.branch).teachers and _add_teacher_with_first_unit(
-                    store, cfg, meta, info, first, executor.compute(first), summary, students=students):
+            new_teacher = store is None or meta.name not in store.read(_base_branch(store, cfg)).teachers
+            samples = executor.compute(first) if new_teacher else None
+            store = _store_and_branch(store, cfg)
+            if new_teacher and _add_teacher_with_first_unit(store, cfg, meta, info, first, samples, summary,
+                                                            students=students):
                 head = []
                 progress.update(tokens=first.n_tokens, samples=len(first.sample_ids), documents=first.documents_read)
             _process(store, cfg, head, units, executor, summary, progress)
@@ -160,7 +165,7 @@ def run_build(cfg: BuildConfig, *, log: Callable[[str], None] | None = None) -> 
         finally:
             executor.close()
             progress.close()
-    view = store.read(cfg.branch)
+    view = _store_and_branch(store, cfg).read(cfg.branch)  # nothing to write: an empty store, as asked
     summary.version = view.snapshot_id
     summary.seconds = time.perf_counter() - start
     summary.tokens_per_second = summary.tokens / summary.seconds if summary.seconds else 0.0
@@ -206,9 +211,26 @@ def check_teacher_fits(cfg: BuildConfig, info) -> None:
                          f"tokens (its config's max_position_embeddings); use at most {info.max_positions}")
 
 
-def _stored_documents(store: Store, cfg: BuildConfig, meta: TeacherMeta, students: list[StudentSide]) -> StoredDocuments:
-    """What the branch holds of this teacher, after checking that the stored teacher is this one."""
-    with store.writer(branch=cfg.branch, on_duplicate="skip") as writer:
+def _store_and_branch(store: Store | None, cfg: BuildConfig) -> Store:
+    """The store, created if missing, with the build's branch (a new one starts from main)."""
+    store = store or Store.open(cfg.store, create=True)
+    if cfg.branch not in store.branches():
+        store.create_branch(cfg.branch)
+    return store
+
+
+def _base_branch(store: Store, cfg: BuildConfig) -> str:
+    """The build's branch, or main where the branch is not made yet (it will start from main)."""
+    return cfg.branch if cfg.branch in store.branches() else DEFAULT_BRANCH
+
+
+def _stored_documents(store: Store | None, cfg: BuildConfig, meta: TeacherMeta,
+                      students: list[StudentSide]) -> StoredDocuments:
+    """What the branch holds of this teacher (a branch not made yet: what main holds, which it will
+    start from), after checking that the stored teacher is this one."""
+    if store is None:
+        return StoredDocuments()
+    with store.writer(branch=_base_branch(store, cfg), on_duplicate="skip") as writer:
         if meta.name in writer.teachers:
             # only checks: refuses a different teacher, tokenizer, sparsity or set of student tokenizers
             writer.add_teacher(meta, students=[st.registration for st in students])
@@ -336,8 +358,9 @@ def plan_units(cfg: BuildConfig, tokenizer, *, stored: StoredDocuments | None = 
     stored = stored if stored is not None else StoredDocuments()
     pending = Unit(index=0)
     seen: set[str] = set()
-    for doc_batch in _batched(data_io.read_documents(cfg.data, text_column=cfg.text_column, id_column=cfg.id_column,
-                                                     ids_column=cfg.ids_column), 256):
+    documents = data_io.read_documents(cfg.data, text_column=cfg.text_column, id_column=cfg.id_column,
+                                       ids_column=cfg.ids_column)
+    for doc_batch in _batched(itertools.islice(documents, cfg.limit), 256):
         tokenized = _tokenize(tokenizer, doc_batch) if not students else _tokenize_aligned(tokenizer, doc_batch, students)
         for doc, (token_ids, alignments) in zip(doc_batch, tokenized):
             pending.documents_read += 1
@@ -489,6 +512,8 @@ class Progress:
         self.log, self.every = log, every
         self.enabled = cfg.progress
         self.total_documents = data_io.count_documents(cfg.data) if cfg.progress else None
+        if self.total_documents is not None and cfg.limit is not None:
+            self.total_documents = min(self.total_documents, cfg.limit)
         self.start = time.monotonic()
         self.last: float | None = None  # when the last line was printed; None: no line yet
         self.computed = self.tokens = self.samples = self.documents = 0

@@ -176,6 +176,18 @@ def test_bad_rows_are_refused_and_the_store_is_unchanged(built, tmp_path, conten
     assert Store.open(str(store)).resolve() == before
 
 
+def test_a_build_failing_after_the_teacher_loads_leaves_no_store_or_branch(built, tmp_path):
+    # The 70th row is bad: past the rows checked before the teacher loads, so it fails in planning.
+    bad = tmp_path / "late.jsonl"
+    bad.write_text("".join(json.dumps({"text": f"row {i}"}) + "\n" for i in range(69)) + '{"text": " "}\n')
+    result = CliRunner().invoke(app, ["build", "--data", str(bad), "--store", str(tmp_path / "new")])
+    assert result.exit_code == 2 and "empty" in result.stderr and not (tmp_path / "new").exists()
+    store, _ = built
+    result = CliRunner().invoke(app, ["build", "--data", str(bad), "--store", str(store), "--top-k", "64",
+                                      "--branch", "trial"])
+    assert result.exit_code == 2 and "trial" not in Store.open(str(store)).branches()
+
+
 def test_a_store_of_another_teacher_is_refused(built, small_data):
     store, _ = built
     before = Store.open(str(store)).resolve()

@@ -161,6 +161,9 @@ def test_help_groups_options_shows_choices_and_lists_commands_in_order_of_use():
 
     assert typing.get_args(cli.Loss) == KINDS and typing.get_args(cli.OnError) == ON_ERROR
     assert set(typing.get_args(cli.ValueGrid)) == set(GRIDS)
+    from logitstore.pipelines.build import DTYPES, ON_DUPLICATE
+
+    assert typing.get_args(cli.Dtype) == DTYPES and typing.get_args(cli.OnDuplicate) == ON_DUPLICATE
     wide = {"COLUMNS": "200"}  # so no choice list is wrapped
     train_help = runner.invoke(app, ["train", "--help"], env=wide).stdout
     panels = ["Output", "Data", "Student", "Optimisation", "Loss", "Checkpoints and evaluation", "Live mode"]
@@ -169,6 +172,7 @@ def test_help_groups_options_shows_choices_and_lists_commands_in_order_of_use():
     build_help = runner.invoke(app, ["build", "--help"], env=wide).stdout
     assert all(f"─ {p}" in build_help for p in ("Data", "Teacher", "Sparsity", "Store"))
     assert "logitstore[vllm]" in build_help and "default|fine|coarse" in build_help and "error|replace|skip" in build_help
+    assert "<bool>" not in build_help + train_help and "--no-" not in train_help  # flags: one name, no value
     commands = [line.split()[1] for line in run("--help").stdout.splitlines() if line.startswith("│ ") and
                 line.split()[1] in cli.COMMAND_ORDER]
     assert commands == list(cli.COMMAND_ORDER)

@@ -287,6 +287,26 @@ def test_train_and_eval_are_disjoint_stable_and_eval_is_one_pass(view):
     assert ids_of(passes[0]) <= eval_ids and ids_of(take(train, train.steps_per_epoch)) <= train_ids
 
 
+@pytest.mark.parametrize("seq_len, micro_batch, world_size", [(SEQ, MB, 1), (4096, 4, 1), (50, 3, 2), (7, 64, 3)])
+def test_eval_split_evaluates_every_token_once_however_small(view, seq_len, micro_batch, world_size):
+    # A split smaller than a row or a micro-batch still gives one (padded) step on every rank.
+    ranks = [stream(view, split="eval", eval_fraction=0.3, seq_len=seq_len, micro_batch=micro_batch,
+                    world_size=world_size, rank=r) for r in range(world_size)]
+    steps = ranks[0].steps_per_epoch
+    assert steps >= 1 and all(len(list(s)) == steps for s in ranks)
+    table = ranks[0].table
+    tokens = {sid: n for sid, n in zip(table.sample_ids, table.n_tokens.tolist())}
+    seen: dict[str, int] = {}
+    for s in ranks:
+        for batch in s:
+            assert batch.input_ids.shape == (micro_batch, seq_len)
+            assert batch.n_tokens == int((batch.document_ids >= 0).sum())  # the rest is padding
+            for sid, _, _, n in batch.segments:
+                seen[sid] = seen.get(sid, 0) + n
+        assert s.state_dict()["rows_consumed"] == 0  # the pass is over: rewound
+    assert seen == tokens
+
+
 # -- errors, prefetch and damaged data ---------------------------------------------------------------------
 
 
@@ -296,7 +316,7 @@ def test_train_and_eval_are_disjoint_stable_and_eval_is_one_pass(view):
     ({"rank": 2, "world_size": 2}, "rank"),
     ({"rank": -1}, "rank"),
     ({"split": "test"}, "split"),
-    ({"split": "eval", "eval_fraction": 0.0}, "no samples"),
+    ({"split": "eval", "eval_fraction": 0.0}, "no samples; raise --eval-fraction"),
     ({"seq_len": 4096}, "fewer than one micro-batch"),
     ({"world_size": 64, "micro_batch": 8, "rank": 3}, "fewer than one micro-batch"),
     ({"on_error": "ignore"}, "on_error"),

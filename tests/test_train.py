@@ -117,3 +117,24 @@ def test_bad_train_input_is_one_clear_line(store, tmp_path):
     assert result.exit_code == 2 and "already holds a run" in result.stderr
     result = runner.invoke(app, [*base, "--out", str(out), "--lr", "1e-2", "--resume", "--eval-fraction", "0.5"])
     assert result.exit_code == 2 and "another configuration (lr" in result.stderr
+
+
+def test_eval_on_a_store_of_three_samples_and_an_empty_split(tmp_path):
+    # Three short samples pack into fewer rows than one micro-batch: eval pads its last row and step.
+    from logitstore.pipelines.sparsify import Sparsity
+
+    data = tmp_path / "three.jsonl"
+    data.write_text("".join(json.dumps({"id": f"s{i}", "text": text}) + "\n" for i, text in
+                            enumerate(["def add(a, b):\n    return a + b\n", "Knowledge distillation trains a student.",
+                                       "import os\nprint(os.getcwd())\n"])))
+    store = str(tmp_path / "store")
+    run_build(BuildConfig(store=store, data=str(data), max_length=64, sparsity=Sparsity(k=8), progress=False),
+              log=lambda _: None)
+    args = ["eval", "--store", store, "--student", "llama-tiny", "--json"]
+    result = CliRunner().invoke(app, [*args, "--eval-fraction", "1"])
+    assert result.exit_code == 0, result.stderr
+    evaluated = json.loads(result.stdout)
+    assert evaluated["kl"] > 0 and evaluated["ce"] > 0  # a fresh student: far from the teacher
+    result = CliRunner().invoke(app, [*args, "--eval-fraction", "0"])
+    assert result.exit_code == 2 and "holds no samples; raise --eval-fraction" in result.stderr, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1

@@ -9,6 +9,9 @@ from logitstore.errors import LogitstoreError
 from logitstore.trainer.stream import DEFAULT_MEMORY_BUDGET
 
 
+EVAL_ONLY = "-"  # the `out` of a configuration that only evaluates (`logitstore eval`): it writes nothing
+
+
 class TrainConfigError(LogitstoreError):
     """An option of `logitstore train` is out of range."""
 
@@ -62,7 +65,10 @@ class TrainConfig:
             (0 <= self.min_lr_ratio <= 1, "--min-lr-ratio must be in [0, 1]"),
             (self.warmup_steps >= 0, "--warmup-steps must be >= 0"),
             (self.grad_clip >= 0, "--grad-clip must be >= 0 (0 disables clipping)"),
-            (0 < self.eval_fraction < 1, "--eval-fraction must be in (0, 1)"),
+            (0 <= self.eval_fraction <= 1, "--eval-fraction must be in [0, 1] (0 holds nothing out)"),
+            (self.eval_fraction < 1 or self.out == EVAL_ONLY,
+             "--eval-fraction 1 holds out every sample: nothing is left to train on"),
+            (not (self.eval_every and self.eval_fraction == 0), "--eval-every needs a held-out split: --eval-fraction > 0"),
             (self.eval_every >= 0 and self.checkpoint_every >= 0, "--eval-every and --checkpoint-every must be >= 0"),
             (self.on_error in ("raise", "skip"), "--on-error must be raise or skip"),
             (not (self.resume and self.force), "--resume and --force exclude each other"),

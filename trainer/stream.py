@@ -32,13 +32,16 @@ The contract (tests/test_stream.py holds the engine to it):
 - **Packing.** The ordered samples are laid end to end and cut into rows of exactly `seq_len` tokens,
   which is the same as greedy filling: a sample that does not fit in the rest of a row is cut there and
   its remainder starts the next row as a new *fragment*. Row j of an epoch is tokens
-  [j*seq_len, (j+1)*seq_len) of that concatenation, so any row is found without reading data; the last
-  partial row of the epoch is dropped. Position ids restart at 0 at every sample or fragment start;
+  [j*seq_len, (j+1)*seq_len) of that concatenation, so any row is found without reading data. The train
+  split drops the last partial row of the epoch; the eval split keeps it, padded, so every held-out
+  token is evaluated however small the split. Position ids restart at 0 at every sample or fragment start;
   document ids number the segments of a row 0, 1, ... Token t of a row is *supervised* (it carries the
   teacher's distribution over token t+1) iff tokens t and t+1 lie in the same row and the same sample.
 - **Sharding.** Rows are global. Each step consumes `world_size * micro_batch` consecutive global rows;
   rank r takes the r-th block of `micro_batch` of them. `steps_per_epoch = rows_per_epoch //
-  (world_size*micro_batch)` is the same on every rank; the leftover rows of the epoch are dropped.
+  (world_size*micro_batch)` is the same on every rank; the leftover rows of the epoch are dropped. The
+  eval split rounds up instead: its last step's rows past the end are padding (no targets), so a split
+  of one sample gives one step on every rank.
   Every rank reads every window it takes rows from (all of them), so N ranks read the store N times
   per epoch: from local disk the page cache serves the repeats, from S3 it is N times the requests.
 - **State.** `state_dict()` = {"epoch", "rows_consumed", "seed", "version", "window_parts"}: global rows
@@ -242,12 +245,18 @@ class EpochPlan:
         return len(self.window_start)
 
     def pieces(self, row0: int, row1: int) -> Pieces:
-        start, stop = row0 * self.seq_len, row1 * self.seq_len
+        """The fragments of rows [row0, row1); tokens past the end of the epoch's stream (the eval
+        split's padded last row and step) are in none: they are padding."""
+        total = int(self.ends[-1]) if len(self.ends) else 0
+        start, stop = min(row0 * self.seq_len, total), min(row1 * self.seq_len, total)
+        if start == stop:
+            empty = np.zeros(0, dtype=np.int64)
+            return Pieces(row=empty, a=empty, b=empty, flat=empty, window=empty)
         first = np.searchsorted(self.ends, start, side="right")
         last = np.searchsorted(self.begins, stop, side="left")
         # Every sample boundary and every row boundary inside the span starts a new piece.
         cuts = np.concatenate([self.begins[first:last], self.ends[first:last],
-                               np.arange(start, stop + 1, self.seq_len)])
+                               np.arange(start, stop, self.seq_len), [stop]])
         cuts = np.unique(cuts[(cuts >= start) & (cuts <= stop)])
         k = np.searchsorted(self.ends, cuts[:-1], side="right")  # position in the epoch order
         return Pieces(row=self.order[k], a=cuts[:-1] - self.begins[k], b=cuts[1:] - self.begins[k],
@@ -713,8 +722,13 @@ class Stream(torch.utils.data.IterableDataset):
         self.seq_len, self.micro_batch, self.rank, self.world_size = seq_len, micro_batch, rank, world_size
         self.seed, self.split, self.prefetch, self.on_error = seed, split, prefetch, on_error
         self.n_samples = len(self.table.sample_ids)
-        self.rows_per_epoch = int(self.table.n_tokens.sum()) // seq_len
-        self.steps_per_epoch = self.rows_per_epoch // (world_size * micro_batch)
+        tokens, block = int(self.table.n_tokens.sum()), world_size * micro_batch
+        if split == "eval":  # every token counts once: a padded last row and a padded last step
+            self.rows_per_epoch = -(-tokens // seq_len)
+            self.steps_per_epoch = -(-self.rows_per_epoch // block)
+        else:
+            self.rows_per_epoch = tokens // seq_len
+            self.steps_per_epoch = self.rows_per_epoch // block
         self._check_size()
         self.memory_budget = parse_bytes(memory_budget if memory_budget is not None else DEFAULT_MEMORY_BUDGET,
                                          name="memory budget (--memory-budget)")
@@ -751,7 +765,8 @@ class Stream(torch.utils.data.IterableDataset):
 
     def _check_size(self) -> None:
         if self.n_samples == 0:
-            raise StreamConfigError(f"{self._where} holds no samples")
+            hint = "; raise --eval-fraction to hold some out" if self.split == "eval" else ""
+            raise StreamConfigError(f"{self._where} holds no samples{hint}")
         if self.steps_per_epoch == 0:
             raise StreamConfigError(
                 f"{self._where} packs into {self.rows_per_epoch} rows of {self.seq_len} tokens, fewer than one "
@@ -817,14 +832,16 @@ class Stream(torch.utils.data.IterableDataset):
         worker, workers = self._worker_slice()
         step = 0
         while True:
-            if rows + block > self.rows_per_epoch:
-                if self.split == "eval":
+            if self.split == "eval":  # one pass; the last step may run past the end (padding rows)
+                if rows >= self.rows_per_epoch:
                     return
+            elif rows + block > self.rows_per_epoch:
                 epoch, rows = epoch + 1, 0
                 continue
+            after = min(rows + block, self.rows_per_epoch)
             if step % workers == worker:
-                yield epoch, rows + self.rank * self.micro_batch, rows + block
-            rows += block
+                yield epoch, rows + self.rank * self.micro_batch, after
+            rows = after
             step += 1
 
     def _inline(self) -> Iterator[tuple[PackedBatch, int, int]]:
@@ -895,7 +912,9 @@ class Stream(torch.utils.data.IterableDataset):
         pieces = plan.pieces(row0, row0 + self.micro_batch)
         parts = {}
         if self._parts is not None:
-            if plan.n_windows > 1:  # read a window and the next whole, in order; nothing beyond (the budget)
+            if not len(pieces.row):  # rows past the end of the eval pass: padding only
+                pass
+            elif plan.n_windows > 1:  # read a window and the next whole, in order; nothing beyond (the budget)
                 self._hold_windows(epoch, plan, window=int(pieces.window[0]))
             else:  # one window: read what the next batches need first; everything read stays
                 self._parts.want(self._upcoming_parts(plan, row0))

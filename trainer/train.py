@@ -31,7 +31,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from logitstore.errors import LogitstoreError
 from logitstore.trainer import checkpoint, run_folder
-from logitstore.trainer.config import TrainConfig, TrainConfigError
+from logitstore.trainer.config import EVAL_ONLY, TrainConfig, TrainConfigError
 
 
 # -- launching -----------------------------------------------------------------------------------
@@ -430,7 +430,7 @@ def _log(metrics_file, record: dict, *, echo: bool = False) -> None:
     metrics_file.write(json.dumps(record) + "\n")
     metrics_file.flush()
     if echo and "step" in record:
-        extra = f" eval_kl {record['eval_kl']:.4f}" if "eval_kl" in record else ""
+        extra = f"  held-out KL {record['eval_kl']:.4f}" if "eval_kl" in record else ""
         eta = f"  ETA {record['eta_seconds'] / 60:.1f} min" if "eta_seconds" in record else ""
         print(f"step {record['step']:>6}  loss {record['loss']:.4f}  kd {record['kd']:.4f}  lr {record['lr']:.2e}  "
               f"grad {record['grad_norm']:.3f}  {record['tokens_per_second']:,.0f} tok/s  "
@@ -438,8 +438,8 @@ def _log(metrics_file, record: dict, *, echo: bool = False) -> None:
 
 
 def _final_evaluation(model, signal, *, cfg: TrainConfig, device, rank: int) -> dict:
-    """The held-out KL at the last step; a split too small for one micro-batch is said once and skipped
-    (every rank meets the same split, so all skip alike)."""
+    """The held-out KL at the last step; an empty held-out split is said once and skipped (every rank
+    meets the same split, so all skip alike)."""
     from logitstore.trainer.stream import StreamConfigError
 
     if cfg.eval_fraction == 0:
@@ -448,7 +448,7 @@ def _final_evaluation(model, signal, *, cfg: TrainConfig, device, rank: int) -> 
         return evaluate(model, signal, cfg=cfg, device=device)
     except StreamConfigError as e:
         if rank == 0:
-            print(f"no held-out evaluation at the end: {e}; raise --eval-fraction to get one", file=sys.stderr, flush=True)
+            print(f"no held-out evaluation at the end: {e}", file=sys.stderr, flush=True)
         return {}
 
 
@@ -479,12 +479,13 @@ def evaluate(model, signal, *, cfg: TrainConfig, device) -> dict:
                 total_weight = sum(s.weight for s in sources)
                 parts = {"kd": sum(s.weight * parts[f"kl/{s.name}"] for s in sources) / total_weight, "ce": parts["ce"],
                          **{k: v for k, v in parts.items() if k.startswith("kl/") or k.endswith("_share")}}
+            weight = len(batch.positions)  # per-position means: a short (padded) last batch counts less
             for k, v in parts.items():
-                totals[k] = totals.get(k, 0.0) + v
-            totals["n"] += 1
+                totals[k] = totals.get(k, 0.0) + v * weight
+            totals["n"] += weight
     finally:
         stream.close()
-    reduced = _all_reduce_mean(totals)
+    reduced = _all_reduce_mean(totals)  # a mean of sums over ranks: the ratio below is the global mean
     n = max(reduced.pop("n"), 1e-9)
     out = {"eval_kl": reduced.pop("kd") / n, "eval_ce": reduced.pop("ce") / n}
     out.update({f"eval_{k}": v / n for k, v in reduced.items()})
@@ -519,7 +520,7 @@ def run_eval(*, store: str, student: str, version: str | None = None, teacher: s
     (for a cross-tokenizer teacher: the KL over 1:1-aligned positions)."""
     from logitstore.trainer.model import build_student
 
-    cfg = TrainConfig(store=store, out="-", student=student, teacher=teacher, seq_len=seq_len, micro_batch=micro_batch,
+    cfg = TrainConfig(store=store, out=EVAL_ONLY, student=student, teacher=teacher, seq_len=seq_len, micro_batch=micro_batch,
                       eval_fraction=eval_fraction, eval_batches=1 << 30, seed=seed, version=version)
     signal = StoreSignal(cfg)
     model, _ = build_student(student, vocab_size=signal.vocab_size, seed=seed)
