@@ -60,7 +60,8 @@ from logitstore.trainer.stream import is_eval_sample, store_stream
 from logitstore.trainer.live import LiveConfig, plan_live_samples
 from logitstore.trainer.losses import LossConfig, distill_loss
 from logitstore.trainer.model import build_student
-from logitstore.trainer.train import _lr_at, _student_logits, _targets
+from logitstore.trainer.objective import sparse_targets, student_outputs
+from logitstore.trainer.train import _lr_at
 
 FP16_GRID = codec.GRIDS["fine"]  # finer than fp16 below -1 nat
 COARSE_GRID = codec.GRIDS["coarse"]
@@ -187,7 +188,9 @@ def write_store(uri: str, samples, *, variant: Variant, info, part_tokens: int =
 def dense_logprobs(teacher, batch) -> torch.Tensor:
     """The teacher's full log-distribution at a packed batch's supervised positions: [P, V]."""
     with torch.inference_mode():
-        logits = _student_logits(teacher, batch, "cpu")  # same call: packed rows, block-causal mask
+        # The teacher as loaded for builds (eager/sdpa attention): packed rows need the block-causal mask.
+        out = teacher(input_ids=batch.input_ids, position_ids=batch.position_ids, attention_mask=batch.block_causal_mask())
+        logits = out.logits.reshape(-1, out.logits.shape[-1])[batch.positions].float()
     return torch.log_softmax(logits, dim=-1)
 
 
@@ -254,7 +257,7 @@ def train_student(stream_of, *, args, vocab: int, teacher=None) -> torch.nn.Modu
     is the dense online KL; otherwise the store's sparse `forward_kl` (tail as a bucket)."""
     student, _ = build_student(args.student, vocab_size=vocab, seed=args.seed)
     optimizer = torch.optim.AdamW(student.parameters(), lr=args.lr, weight_decay=0.0)
-    schedule = TrainConfig(store="frontier", out="-", steps=args.steps, lr=args.lr, warmup_steps=max(1, args.steps // 10))
+    schedule = TrainConfig.from_flags(store="frontier", out="-", steps=args.steps, lr=args.lr, warmup_steps=max(1, args.steps // 10))
     stream = stream_of()
     batches = iter(stream)
     try:
@@ -262,11 +265,11 @@ def train_student(stream_of, *, args, vocab: int, teacher=None) -> torch.nn.Modu
             batch = next(batches)
             for group in optimizer.param_groups:
                 group["lr"] = _lr_at(step, schedule)
-            logits = _student_logits(student, batch, "cpu")
+            outputs = student_outputs(student, batch, "cpu")
             if teacher is not None:
-                loss = dense_kl(logits, dense_logprobs(teacher, batch))
+                loss = dense_kl(outputs.logits(), dense_logprobs(teacher, batch))
             else:
-                loss, _ = distill_loss(logits, _targets(batch, "cpu"), LossConfig())
+                loss, _ = distill_loss(outputs.logits(), sparse_targets(batch, "cpu"), LossConfig())
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(student.parameters(), 1.0)

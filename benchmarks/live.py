@@ -51,9 +51,9 @@ def main() -> None:
                   log=lambda _: None)
         common = dict(student=args.student, steps=args.steps, seq_len=args.seq_len, micro_batch=args.micro_batch,
                       warmup_steps=2, eval_fraction=0.05, log_every=10**9)
-        launch(TrainConfig(store=store, out=str(tmp / "store-run"), **common))
+        launch(TrainConfig.from_flags(store=store, out=str(tmp / "store-run"), **common))
         live = LiveConfig(data=str(data), max_length=512, sparsity=sparsity)
-        launch(TrainConfig(store=None, live=live, out=str(tmp / "live-run"), **common))
+        launch(TrainConfig.from_flags(store=None, live=live, out=str(tmp / "live-run"), **common))
         (store_rate, store_wait), (live_rate, live_wait) = rates(tmp / "store-run"), rates(tmp / "live-run")
         header = json.loads((tmp / "live-run" / "metrics.jsonl").read_text().splitlines()[0])
         transport = header["live_transport"].replace("_", " ")

@@ -7,6 +7,16 @@
 
     python benchmarks/train.py                       # builds a small store with the default teacher first
     python benchmarks/train.py --store STORE --steps 40
+
+`--scaling` (issue 16) measures the step itself at long sequences instead: `llama-small` (vocabulary
+49,152, sampled-16 synthetic store of 200k tokens in samples of up to 1,024) at --seq-len 512, 2048 and
+8192 with the same 8,192 tokens per step, today's path (segment attention, chunked loss from the hidden
+states) against the path it replaced (eager attention with a dense [B, 1, L, L] block-causal mask, the
+full [B, L, V] logits cast to fp32 before the loss). Each configuration runs in its own process, so its
+peak RSS is its own; the loss alone is measured the same way (P = 8,192 positions, d = 256). Prints a
+table, writes benchmarks/results/train-scaling.{json,md}.
+
+    python benchmarks/train.py --scaling             # ~15 minutes on 2 CPU cores
 """
 
 from __future__ import annotations
@@ -22,14 +32,15 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
+import train_scaling as scaling  # benchmarks/train_scaling.py, beside this file
 from logitstore.data import SAMPLE_CORPUS
 from logitstore.pipelines.build import BuildConfig, run_build
 from logitstore.pipelines.workers import _load_teacher_once
 from logitstore.store import Store
-from logitstore.trainer.stream import store_stream
-from logitstore.trainer.losses import LossConfig, distill_loss
+from logitstore.trainer.losses import LossConfig
 from logitstore.trainer.model import build_student, shard
-from logitstore.trainer.train import _student_logits, _targets
+from logitstore.trainer.objective import batch_loss, student_outputs
+from logitstore.trainer.stream import store_stream
 
 
 def small_store(tmp: Path, *, tokens: int) -> str:
@@ -56,7 +67,7 @@ def run_steps(model, optimizer, batches, *, teacher_model=None) -> float:
                 teacher_model(input_ids=batch.input_ids, position_ids=batch.position_ids,
                               attention_mask=batch.block_causal_mask())
         optimizer.zero_grad(set_to_none=True)
-        loss, _ = distill_loss(_student_logits(model, batch, "cpu"), _targets(batch, "cpu"), LossConfig())
+        loss, _ = batch_loss(student_outputs(model, batch, "cpu"), batch, LossConfig(), device="cpu")
         loss.backward()
         optimizer.step()
         if i:
@@ -66,6 +77,8 @@ def run_steps(model, optimizer, batches, *, teacher_model=None) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--scaling", action="store_true", help="the long-sequence table (issue 16)")
+    parser.add_argument("--measure", help=argparse.SUPPRESS)  # one configuration of --scaling, in its own process
     parser.add_argument("--store")
     parser.add_argument("--student", default="llama-small")
     parser.add_argument("--steps", type=int, default=20)
@@ -73,6 +86,12 @@ def main() -> None:
     parser.add_argument("--micro-batch", type=int, default=4)
     parser.add_argument("--build-tokens", type=int, default=6000)
     args = parser.parse_args()
+    if args.measure:
+        print(json.dumps(scaling.measure(args.measure, store=args.store, steps=args.steps)))
+        return
+    if args.scaling:
+        scaling.main()
+        return
 
     os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29533")
     dist.init_process_group("gloo")

@@ -345,9 +345,12 @@ def train(
     memory_budget: Annotated[Optional[str], typer.Option(rich_help_panel="Data", help="Stored data each process's stream holds in memory (e.g. 512MB; default 4GiB); a store larger than this is read in windows of parts, shuffled within each (README 'Streaming').")] = None,
     on_error: Annotated[OnError, typer.Option(rich_help_panel="Data", help="A damaged sample: raise (stop) or skip (and count).")] = "raise",
     eval_fraction: Annotated[float, typer.Option(rich_help_panel="Data", help="Share of samples held out, by sample id hash.")] = 0.05,
-    student: Annotated[str, typer.Option(rich_help_panel="Student", help="Hugging Face causal-LM directory, or a built-in config (llama-tiny, llama-small).")] = "llama-tiny",
+    student: Annotated[str, typer.Option(rich_help_panel="Student", help="Hugging Face causal-LM directory, or a built-in config (llama-tiny, llama-small, smollm2-135m).")] = "llama-tiny",
     nproc: Annotated[int, typer.Option(rich_help_panel="Student", help="Processes to launch (gloo on CPU, NCCL on CUDA).")] = 1,
     offload_optimizer: Annotated[bool, typer.Option("--offload-optimizer", rich_help_panel="Student", help="FSDP2 CPU offload of parameters, gradients and optimizer state.")] = False,
+    activation_checkpointing: Annotated[bool, typer.Option("--activation-checkpointing", rich_help_panel="Student", help="Recompute each block's activations in backward: about one more forward per step, far less memory.")] = False,
+    compile: Annotated[bool, typer.Option("--compile", rich_help_panel="Student", help="torch.compile each block's feed-forward (compiles first; the attention is fused already).")] = False,
+    defer_grad_sync: Annotated[bool, typer.Option("--defer-grad-sync", rich_help_panel="Optimisation", help="With --grad-accum > 1, reduce gradients once per step, not per micro-batch (holds them unsharded meanwhile).")] = False,
     steps: Annotated[int, typer.Option(rich_help_panel="Optimisation", help="Total optimizer steps of the run (a resumed run continues to it).")] = 100,
     tokens: Annotated[Optional[int], typer.Option(rich_help_panel="Optimisation", help="Train on this many tokens instead of --steps.")] = None,
     grad_accum: Annotated[int, typer.Option(rich_help_panel="Optimisation", help="Micro-steps per optimizer step.")] = 1,
@@ -365,6 +368,7 @@ def train(
     uld_weight: Annotated[float, typer.Option(rich_help_panel="Loss", help="Cross-tokenizer teachers: weight of the sorted-probability (ULD) term for unmapped tokens.")] = 1.0,
     checkpoint_every: Annotated[int, typer.Option(rich_help_panel="Checkpoints and evaluation", help="Checkpoint every N steps (0: only at the end).")] = 0,
     eval_every: Annotated[int, typer.Option(rich_help_panel="Checkpoints and evaluation", help="Evaluate on the held-out split every N steps (0: never).")] = 0,
+    report_to: Annotated[Optional[list[str]], typer.Option(rich_help_panel="Output", help="Also send the metrics to: tensorboard (OUT/tensorboard; pip install 'logitstore\\[tensorboard]'). Repeatable.")] = None,
     live_teacher: Annotated[Optional[str], typer.Option(rich_help_panel="Live mode (instead of --store)", help="Live mode instead of --store: run this teacher (what build --teacher takes, or 'default') beside the trainer, handing over by shared memory.")] = None,
     data: Annotated[Optional[str], typer.Option(rich_help_panel="Live mode (instead of --store)", help="Live mode: the data, as build --data (default: the shipped corpus).")] = None,
     text_column: Annotated[str, typer.Option(rich_help_panel="Live mode (instead of --store)", help="Live mode: as build --text-column.")] = "text",
@@ -397,29 +401,23 @@ def train(
         sparsity = _sparsity(top_k=top_k, top_p=top_p, sample=sample, temperature=temperature, default=default_sparsity())
         live = LiveConfig(teacher=live_teacher, data=data, text_column=text_column, id_column=id_column,
                           max_length=max_length, sparsity=sparsity)
-    cfg = TrainConfig(live=live, store=store, out=out, student=student, version=version, teacher=teacher, teacher_weights=weights,
+    cfg = TrainConfig.from_flags(live=live, store=store, out=out, student=student, version=version, teacher=teacher, teacher_weights=weights,
                       student_tokenizer=student_tokenizer, uld_weight=uld_weight, nproc=nproc, steps=steps,
                       seq_len=seq_len, micro_batch=micro_batch, grad_accum=grad_accum, lr=lr, warmup_steps=warmup_steps,
                       min_lr_ratio=min_lr_ratio, weight_decay=weight_decay, grad_clip=grad_clip, seed=seed, loss=loss,
                       kd_temperature=kd_temperature, alpha=alpha, jsd_beta=jsd_beta, eval_every=eval_every, eval_fraction=eval_fraction,
                       checkpoint_every=checkpoint_every, resume=resume, force=force,
-                      offload_optimizer=offload_optimizer, on_error=on_error,
+                      offload_optimizer=offload_optimizer, on_error=on_error, activation_checkpointing=activation_checkpointing,
+                      compile=compile, defer_grad_sync=defer_grad_sync, report_to=tuple(report_to or ()),
+                      global_batch_tokens=global_batch_tokens, tokens=tokens,
                       **({"memory_budget": memory_budget} if memory_budget is not None else {}))
-    if global_batch_tokens is not None:
-        per_micro_step = seq_len * micro_batch * nproc
-        if global_batch_tokens % per_micro_step:
-            raise LogitstoreError(f"--global-batch-tokens {global_batch_tokens} is not a multiple of "
-                                  f"--seq-len x --micro-batch x --nproc = {per_micro_step}")
-        cfg.grad_accum = global_batch_tokens // per_micro_step
-    if tokens is not None:
-        cfg.steps = max(1, -(-tokens // cfg.tokens_per_step))
     final = launch(cfg)
     if json_out:
         _print_json(final)
         return
     held_out = f", held-out KL {final['eval_kl']:.4f}" if "eval_kl" in final else ""
-    typer.echo(f"done: step {final.get('step', '-')}{held_out}; the student is in {cfg.out}/final, "
-               f"the curves in {cfg.out}/training.png")
+    typer.echo(f"done: step {final.get('step', '-')}{held_out}; the student is in {cfg.output.out}/final, "
+               f"the curves in {cfg.output.out}/training.png")
 
 
 @app.command(name="eval")

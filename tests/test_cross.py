@@ -133,7 +133,7 @@ def test_student_tokenizer_needs_text(tmp_path, gpt2_tokenizer_dir):
 
 def test_cross_tokenizer_student_learns_from_the_aligned_teacher(store, tmp_path):
     out = tmp_path / "run"
-    launch(TrainConfig(store=store, out=str(out), student="llama-tiny", student_tokenizer="gpt2", steps=24,
+    launch(TrainConfig.from_flags(store=store, out=str(out), student="llama-tiny", student_tokenizer="gpt2", steps=24,
                        eval_every=4, eval_batches=4, **COMMON))
     rows = metrics(out)
     evals = [r["eval_kl"] for r in rows if "eval_kl" in r]
@@ -160,7 +160,7 @@ def test_same_tokenizer_signal_through_the_mixed_path_equals_the_single_teacher_
     from logitstore.trainer.losses import LossConfig, distill_loss
     from logitstore.trainer.stream import Stream, store_stream
     from logitstore.trainer.teachers import MixedSource, Source
-    from logitstore.trainer.train import _targets, mixed_loss
+    from logitstore.trainer.objective import mixed_loss, sparse_targets as _targets
 
     view = Store.open(store).read()
     teacher = view.teacher_name(None)
@@ -203,7 +203,7 @@ def test_several_teachers_in_one_store_and_one_run(store, corpus, gpt2_teacher, 
     assert [t["name"] for t in json.loads(run("info", store, "--json").stdout)["teachers"]] == ["smollm2-135m-instruct"]
 
     out = tmp_path / "mixed"
-    launch(TrainConfig(store=store, version="two-teachers", out=str(out), student="llama-tiny",
+    launch(TrainConfig.from_flags(store=store, version="two-teachers", out=str(out), student="llama-tiny",
                        student_tokenizer="gpt2", teacher_weights={"smollm2-135m-instruct": 0.7, "tiny-gpt2": 0.3},
                        steps=6, eval_every=6, eval_batches=2, **COMMON))
     rows = metrics(out)

@@ -74,9 +74,9 @@ def test_live_and_store_runs_see_the_same_batches_and_losses(corpus, tmp_path):
     store = str(tmp_path / "store")
     run_build(BuildConfig(store=store, data=str(corpus), id_column="id", max_length=128, sparsity=Sparsity(k=16),
                           progress=False), log=lambda _: None)
-    launch(TrainConfig(store=store, out=str(tmp_path / "store-run"), steps=4, **COMMON))
+    launch(TrainConfig.from_flags(store=store, out=str(tmp_path / "store-run"), steps=4, **COMMON))
     before = shm_entries()
-    launch(TrainConfig(store=None, live=live_config(corpus), out=str(tmp_path / "live-run"), steps=4, **COMMON))
+    launch(TrainConfig.from_flags(store=None, live=live_config(corpus), out=str(tmp_path / "live-run"), steps=4, **COMMON))
     np.testing.assert_allclose(losses(tmp_path / "live-run"), losses(tmp_path / "store-run"), rtol=1e-4)
     first = header(tmp_path / "live-run")
     assert first["signal"] == "live" and first["version"].startswith("live-")
@@ -173,7 +173,7 @@ def test_cuda_transport_hands_over_like_shared_memory(corpus, tmp_path):
     for device in ("cuda", "cpu"):
         cfg = live_config(corpus)
         cfg.device = device
-        launch(TrainConfig(store=None, live=cfg, out=str(tmp_path / device), steps=2, **COMMON))
+        launch(TrainConfig.from_flags(store=None, live=cfg, out=str(tmp_path / device), steps=2, **COMMON))
     assert header(tmp_path / "cuda")["live_transport"] == "cuda_ipc"
     assert header(tmp_path / "cpu")["live_transport"] == "shared_memory"
     np.testing.assert_allclose(losses(tmp_path / "cuda"), losses(tmp_path / "cpu"), rtol=1e-2)

@@ -388,3 +388,57 @@ def test_kd_term_and_ce_term_of_an_empty_micro_batch_are_zero():
     total = kd_term(z, t, LossConfig()) + ce_term(z, t.target_ids)
     total.backward()
     assert float(total.detach()) == 0.0
+
+
+# -- the chunked head: distill_loss(hidden @ weight.T) without the [P, V] logits ----------------------------
+
+
+def _chunked_case(t: SparseTargets, cfg: LossConfig, *, chunk: int, seed: int) -> None:
+    """Value and gradients (hidden states and weight) of the chunked loss against the dense float64
+    reference on the same hidden @ weight.T."""
+    from logitstore.trainer.losses import chunked_distill_loss
+
+    g = torch.Generator().manual_seed(3000 + seed)
+    d = 6
+    hidden = torch.randn(P, d, generator=g)
+    weight = torch.randn(V, d, generator=g)
+
+    def grads(fn, dtype):
+        h, w = hidden.to(dtype).requires_grad_(), weight.to(dtype).requires_grad_()
+        out = fn(h, w)
+        loss = out[0] if isinstance(out, tuple) else out
+        return (float(loss.detach()), *torch.autograd.grad(loss, (h, w)))
+
+    got = grads(lambda h, w: chunked_distill_loss(h, w, t, cfg, chunk=chunk), torch.float32)
+    want = grads(lambda h, w: reference(h @ w.T, t, cfg), torch.float64)
+    assert got[0] == pytest.approx(want[0], abs=1e-5)
+    for a, b in zip(got[1:], want[1:]):
+        assert (a.double() - b).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("chunk", [1, 3, P])
+@pytest.mark.parametrize("kind", KINDS)
+def test_chunked_head_matches_the_dense_reference(kind, chunk):
+    seed = KINDS.index(kind)
+    t = LAYOUTS["varying"](_teacher_logits(seed))
+    cfg = LossConfig(kind=kind, temperature=1.5, alpha=0.25, jsd_beta=0.3 if kind == "jsd" else 0.5)
+    _chunked_case(t, cfg, chunk=chunk, seed=seed)
+
+
+@pytest.mark.parametrize("with_n_draws", [True, False])
+def test_chunked_head_matches_the_reference_on_a_sampled_store(with_n_draws):
+    t = _sampled(_teacher_logits(7), n_draws=16, generator=torch.Generator().manual_seed(7))
+    if not with_n_draws:
+        t.n_draws = None
+    _chunked_case(t, LossConfig(temperature=2.0, alpha=0.5), chunk=2, seed=7)
+
+
+def test_chunked_head_reports_the_same_parts_as_distill_loss():
+    from logitstore.trainer.losses import chunked_distill_loss
+
+    t = LAYOUTS["topk"](_teacher_logits(3))
+    hidden, weight = torch.randn(P, 6), torch.randn(V, 6)
+    cfg = LossConfig(alpha=0.5)
+    _, whole = distill_loss(hidden @ weight.T, t, cfg)
+    _, chunked = chunked_distill_loss(hidden, weight, t, cfg, chunk=2)
+    assert chunked == pytest.approx(whole, abs=1e-5)

@@ -110,7 +110,7 @@ def test_resume_reads_the_pinned_snapshot_and_a_finished_run_is_a_no_op(store, t
     uri = str(tmp_path / "store")
     shutil.copytree(store, uri)  # main moves below; the module's store stays as it is
     out = tmp_path / "run"
-    launch(TrainConfig(store=uri, out=str(out), steps=1, **COMMON))
+    launch(TrainConfig.from_flags(store=uri, out=str(out), steps=1, **COMMON))
     pinned = starts(out)[0]["version"]
     moved = move_main(uri)
     resume = ["--store", uri, "--out", out, "--steps", 2, *FLAGS, "--resume"]
@@ -170,7 +170,7 @@ def test_a_read_only_filesystem_out_is_one_line(store, tmp_path):
 
 def test_a_resumed_run_logs_each_step_once(store, tmp_path):
     out = tmp_path / "run"
-    cfg = TrainConfig(store=store, out=str(out), steps=2, checkpoint_every=1, **COMMON)
+    cfg = TrainConfig.from_flags(store=store, out=str(out), steps=2, checkpoint_every=1, **COMMON)
     launch(cfg)
     first = [r for r in records(out) if "step" in r]
     # Killed while saving step 2's checkpoint, after logging step 2 and while writing a line after it.
@@ -178,7 +178,7 @@ def test_a_resumed_run_logs_each_step_once(store, tmp_path):
     shutil.rmtree(out / "final")
     with (out / "metrics.jsonl").open("a") as f:
         f.write('{"step": 3, "lo')
-    launch(dataclasses.replace(cfg, resume=True))
+    launch(dataclasses.replace(cfg, output=dataclasses.replace(cfg.output, resume=True)))
     assert steps(out) == [1, 2] and len(starts(out)) == 2
     assert records(out)[-1]["loss"] == first[-1]["loss"]  # and step 2 is the same step again
 

@@ -41,7 +41,7 @@ def metrics(out: Path) -> list[dict]:
 
 def test_loss_goes_down_and_the_student_exports(store, tmp_path):
     out = tmp_path / "run"
-    launch(TrainConfig(store=store, out=str(out), steps=30, eval_every=30, **COMMON))
+    launch(TrainConfig.from_flags(store=store, out=str(out), steps=30, eval_every=30, **COMMON))
     rows = metrics(out)
     first, last = sum(r["kd"] for r in rows[:3]) / 3, sum(r["kd"] for r in rows[-3:]) / 3
     assert last < first - 0.5, (first, last)
@@ -63,14 +63,14 @@ def test_two_processes_agree_with_one_on_the_first_step(store, tmp_path):
     one = tmp_path / "one"
     two = tmp_path / "two"
     # Same global batch: 1 process x 4 rows, 2 processes x 2 rows.
-    launch(TrainConfig(store=store, out=str(one), steps=1, **{**COMMON, "micro_batch": 4}))
-    launch(TrainConfig(store=store, out=str(two), steps=1, nproc=2, **COMMON))
+    launch(TrainConfig.from_flags(store=store, out=str(one), steps=1, **{**COMMON, "micro_batch": 4}))
+    launch(TrainConfig.from_flags(store=store, out=str(two), steps=1, nproc=2, **COMMON))
     assert metrics(one)[0]["loss"] == pytest.approx(metrics(two)[0]["loss"], rel=1e-4)
 
 
 def test_killed_run_resumes_with_bit_identical_losses(store, tmp_path):
     reference = tmp_path / "reference"
-    launch(TrainConfig(store=store, out=str(reference), steps=6, checkpoint_every=3, **COMMON))
+    launch(TrainConfig.from_flags(store=store, out=str(reference), steps=6, checkpoint_every=3, **COMMON))
     out = tmp_path / "killed"
     args = ["train", "--store", store, "--out", str(out), "--steps", "6", "--checkpoint-every", "3",
             "--seq-len", "64", "--micro-batch", "2", "--warmup-steps", "2", "--lr", "5e-3", "--eval-fraction", "0.2"]
@@ -101,11 +101,16 @@ def test_bad_train_input_is_one_clear_line(store, tmp_path):
         ([*base, "--out", str(tmp_path / "f"), "--global-batch-tokens", "100"], "not a multiple"),
         ([*base, "--out", str(tmp_path / "g"), "--memory-budget", "12XB"], "--memory-budget"),
         ([*base, "--out", str(tmp_path / "h"), "--memory-budget", "1KB"], "smaller than two parts"),
+        ([*base, "--out", str(tmp_path / "i"), "--kd-temperature", "-1", "--nproc", "2"], "--kd-temperature"),
+        ([*base, "--out", str(tmp_path / "j"), "--report-to", "wandb", "--nproc", "2"], "--report-to 'wandb'"),
+        ([*base, "--out", str(tmp_path / "k"), "--seq-len", "9000", "--nproc", "2"], "exceeds the student's 8192"),
     ]
     for args, message in cases:
         result = runner.invoke(app, args)
         assert result.exit_code == 2 and message in result.stderr, (args, result.stderr)
         assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr, result.stderr
+    for name in "ijk":  # configuration errors: refused before any process started or --out was touched
+        assert not (tmp_path / name).exists()
     out = tmp_path / "b"  # the folder of the failed --version nope: the corrected command needs no --force
     result = runner.invoke(app, [*base, "--out", str(out), "--micro-batch", "2", "--eval-fraction", "0.5"])
     assert result.exit_code == 0, result.stderr
@@ -138,3 +143,19 @@ def test_eval_on_a_store_of_three_samples_and_an_empty_split(tmp_path):
     result = CliRunner().invoke(app, [*args, "--eval-fraction", "0"])
     assert result.exit_code == 2 and "holds no samples; raise --eval-fraction" in result.stderr, result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_gpu_levers_leave_the_losses_unchanged(store, tmp_path):
+    # Activation checkpointing recomputes the same activations; the compiled feed-forward computes the
+    # same function; deferring the gradient reduction to the last micro-batch sums the same gradients in
+    # another order; tensorboard only receives the records.
+    args = dict(COMMON, steps=2, nproc=2, grad_accum=2)
+    launch(TrainConfig.from_flags(store=store, out=str(tmp_path / "plain"), **args))
+    levers = tmp_path / "levers"
+    launch(TrainConfig.from_flags(store=store, out=str(levers), activation_checkpointing=True, compile=True, defer_grad_sync=True,
+                       report_to=("tensorboard",), **args))
+    plain, pulled = metrics(tmp_path / "plain"), metrics(levers)
+    assert [r["loss"] for r in pulled] == pytest.approx([r["loss"] for r in plain], rel=1e-4)
+    events = list((levers / "tensorboard").glob("events.out.tfevents.*"))
+    assert events and events[0].stat().st_size > 100
+

@@ -112,6 +112,7 @@ class LossConfig:
     temperature: float = 1.0
     alpha: float = 0.0
     jsd_beta: float = 0.5
+    uld_weight: float = 1.0  # cross-tokenizer teachers: weight of the sorted-probability (ULD) term
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -123,6 +124,8 @@ class LossConfig:
         # At beta = 0 or 1 the mixture m equals q or p and the generalized JSD is identically 0.
         if not _is_real(self.jsd_beta) or not 0 < self.jsd_beta < 1:
             raise LossConfigError(f"--jsd-beta must be strictly between 0 and 1; got {self.jsd_beta!r}")
+        if not _is_real(self.uld_weight) or not 0 <= self.uld_weight < math.inf:
+            raise LossConfigError(f"--uld-weight must be a finite number >= 0; got {self.uld_weight!r}")
 
 
 def distill_loss(student_logits: Tensor, targets: SparseTargets, cfg: LossConfig) -> tuple[Tensor, dict[str, float]]:
@@ -138,6 +141,74 @@ def distill_loss(student_logits: Tensor, targets: SparseTargets, cfg: LossConfig
     loss = kd + cfg.alpha * ce
     kd_f, ce_f, loss_f = torch.stack([kd.detach(), ce.detach(), loss.detach()]).tolist()  # one device sync
     return loss, {"kd": kd_f, "ce": ce_f, "loss": loss_f}
+
+
+def chunked_distill_loss(hidden: Tensor, weight: Tensor, targets: SparseTargets, cfg: LossConfig, *,
+                         chunk: int | None = None) -> tuple[Tensor, dict[str, float]]:
+    """`distill_loss(hidden @ weight.T, targets, cfg)`, the same value and gradients, without the [P, V]
+    logits: the head is applied `chunk` positions at a time (default `CHUNK_ELEMENTS // V`), and each
+    chunk's loss and gradients are computed at once and its logits let go (Liger-kernel's fused linear
+    cross-entropy, for every loss here). hidden [P, d] (the final hidden states at the supervised
+    positions), weight [V, d] (the output embedding). Memory: one chunk's logits, their gradient and the
+    loss's temporaries, about 64 MB each in fp32, instead of [P, V] several times over."""
+    n = targets.n_positions
+    if hidden.ndim != 2 or hidden.shape[0] != n or weight.ndim != 2 or weight.shape[1] != hidden.shape[1]:
+        raise ValueError(f"hidden must be [P, d] with P = {n} and weight [V, d]; got {tuple(hidden.shape)} and "
+                         f"{tuple(weight.shape)}")
+    chunk = chunk or max(1, CHUNK_ELEMENTS // weight.shape[0])
+    starts = list(range(0, n, chunk))
+    bounds = torch.searchsorted(targets.entry_pos, torch.tensor(starts + [n], device=targets.entry_pos.device))
+    entry_bounds = bounds.tolist()  # one device sync for all chunks
+    chunks = [(a, min(a + chunk, n), entry_bounds[i], entry_bounds[i + 1]) for i, a in enumerate(starts)]
+    parts = {"kd": 0.0, "ce": 0.0, "loss": 0.0}
+    loss = _ChunkedHead.apply(hidden, weight, targets, cfg, chunks, parts)
+    return loss, parts
+
+
+# Elements of one chunk's [positions, V] logits in `chunked_distill_loss`: 16M, 64 MB in fp32.
+CHUNK_ELEMENTS = 1 << 24
+
+
+class _ChunkedHead(torch.autograd.Function):
+    """Forward computes each chunk's loss and its gradients with respect to the hidden states and the
+    weight (autograd on the chunk alone, so every loss kind is exact); backward only scales them."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, cfg, chunks, parts):
+        n = targets.n_positions
+        grad_hidden = torch.zeros_like(hidden)
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        w = weight.detach()
+        for a, b, e0, e1 in chunks:
+            with torch.enable_grad():
+                logits = (hidden[a:b].detach() @ w.T).float().requires_grad_()
+                loss, chunk_parts = distill_loss(logits, _slice_targets(targets, a, b, e0, e1), cfg)
+                loss = loss * ((b - a) / n)  # the chunk's share of the mean over all P positions
+                (grad_logits,) = torch.autograd.grad(loss, logits)
+            g = grad_logits.to(w.dtype)
+            grad_hidden[a:b] = g @ w
+            grad_weight += (g.T @ hidden[a:b].detach()).float()
+            total += loss.detach()
+            for key, value in chunk_parts.items():
+                parts[key] += value * (b - a) / n
+        ctx.save_for_backward(grad_hidden, grad_weight.to(weight.dtype))
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        grad_hidden, grad_weight = ctx.saved_tensors
+        return grad_hidden * grad_output.to(grad_hidden.dtype), grad_weight * grad_output.to(grad_weight.dtype), \
+            None, None, None, None
+
+
+def _slice_targets(t: SparseTargets, a: int, b: int, e0: int, e1: int) -> SparseTargets:
+    """Positions [a, b) and their entries [e0, e1) (entry_pos is non-decreasing), renumbered from 0."""
+    return SparseTargets(
+        entry_ids=t.entry_ids[e0:e1], entry_logprobs=t.entry_logprobs[e0:e1], entry_pos=t.entry_pos[e0:e1] - a,
+        tail=t.tail[a:b], target_ids=t.target_ids[a:b], target_logprobs=t.target_logprobs[a:b],
+        entry_counts=None if t.entry_counts is None else t.entry_counts[e0:e1], n_draws=t.n_draws,
+        weight=None if t.weight is None else t.weight[a:b])
 
 
 def kd_term(student_logits: Tensor, targets: SparseTargets, cfg: LossConfig) -> Tensor:

@@ -15,13 +15,20 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
 from logitstore.errors import LogitstoreError
+from logitstore.trainer.attention import ATTENTION
+from logitstore.trainer.attention import register as register_attention
 
 # Fresh Llama-style students, sized for CPU tests and small runs. The vocabulary comes from the store.
+# `smollm2-135m` is SmolLM2-135M's shape (30 layers, hidden 576, 9 heads, 3 key/value heads), freshly
+# initialised: the GPU benchmark's student. Rotary positions, so max_position_embeddings is only a limit.
 BUILTIN_STUDENTS = {
     "llama-tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                       num_key_value_heads=2, max_position_embeddings=2048),
+                       num_key_value_heads=2, max_position_embeddings=8192),
     "llama-small": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=8,
-                        num_key_value_heads=4, max_position_embeddings=2048),
+                        num_key_value_heads=4, max_position_embeddings=8192),
+    "smollm2-135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                         num_key_value_heads=3, max_position_embeddings=8192, rope_theta=100000.0,
+                         rms_norm_eps=1e-5),
 }
 
 
@@ -35,13 +42,14 @@ def build_student(spec: str, *, vocab_size: int, seed: int):
     tokenizer, which `student_tokenizer_hash` matches against the store's before this is called."""
     from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
+    register_attention()  # packed rows attend within their segments, without an L x L mask
     torch.manual_seed(seed)
     if spec in BUILTIN_STUDENTS:
         config = LlamaConfig(vocab_size=vocab_size, tie_word_embeddings=True, **BUILTIN_STUDENTS[spec])
-        config._attn_implementation = "eager"  # a 4-D block-causal mask on CPU; sdpa would also do
+        config._attn_implementation = ATTENTION
         return LlamaForCausalLM(config), None
     path = _model_dir(spec)
-    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager")
+    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation=ATTENTION)
     out = model.get_output_embeddings().weight.shape[0]
     if out < vocab_size:
         raise StudentError(f"--student {spec}: predicts {out} tokens but its tokenizer's vocabulary in the store has {vocab_size}")
@@ -74,8 +82,31 @@ def _tokenizer_of(path: Path):
         raise StudentError(f"--student {path}: no usable tokenizer ({e})") from None
 
 
-def max_positions(model) -> int:
-    return int(getattr(model.config, "max_position_embeddings", 1 << 30))
+def student_max_positions(spec: str) -> int:
+    """The longest row the student takes, from its config alone (a built-in's, or config.json's
+    `max_position_embeddings`; none given: no limit)."""
+    if spec in BUILTIN_STUDENTS:
+        return BUILTIN_STUDENTS[spec]["max_position_embeddings"]
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(_model_dir(spec))
+    return int(getattr(config, "max_position_embeddings", None) or 1 << 30)
+
+
+def apply_levers(model, *, activation_checkpointing: bool, compile: bool) -> None:
+    """The memory and speed levers, before sharding (torchtitan's order: checkpointing, compile, FSDP).
+
+    activation checkpointing: each decoder block keeps only its input for backward and recomputes
+    the rest (about one more forward per step, for activation memory of one block instead of all);
+    compile: `torch.compile` of each block's feed-forward, the bulk of its FLOPs with shapes fixed by
+    the batch. The attention stays eager: it is already a fused kernel, and its per-segment shapes change
+    with every batch, which would recompile a compiled attention again and again."""
+    if activation_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if compile:
+        for block in model.get_decoder().layers:
+            if hasattr(block, "mlp"):
+                block.mlp.compile()
 
 
 def shard(model, *, mesh: DeviceMesh, offload_optimizer: bool, cuda: bool):
@@ -84,7 +115,7 @@ def shard(model, *, mesh: DeviceMesh, offload_optimizer: bool, cuda: bool):
     # On a CPU-only run the state already lives in host memory; pinning needs an accelerator.
     offload = CPUOffloadPolicy(pin_memory=cuda) if offload_optimizer else None
     kwargs = dict(mesh=mesh, mp_policy=mp, **({"offload_policy": offload} if offload else {}))
-    for block in model.model.layers:
+    for block in model.get_decoder().layers:
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)
     return model

@@ -50,7 +50,7 @@ class RunPlan:
 
 def plan(cfg: TrainConfig) -> RunPlan:
     """Check --out against the options; refuse in one line what the run must not touch."""
-    out = Path(cfg.out)
+    out = Path(cfg.output.out)
     _ensure_writable(out)
     marker = read_marker(out)
     if marker is None:
@@ -58,9 +58,9 @@ def plan(cfg: TrainConfig) -> RunPlan:
             raise TrainConfigError(f"--out {out} holds files but no logitstore run (no {MARKER}); use a new or "
                                    "empty folder (--force replaces only a folder a run marked)")
         return RunPlan(out)
-    if cfg.force:
+    if cfg.output.force:
         return RunPlan(out, replace=True)
-    if not cfg.resume:
+    if not cfg.output.resume:
         raise TrainConfigError(f"--out {out} already holds a run; pass --resume to continue it or --force to "
                                "replace it")
     return _resume_plan(out, marker, cfg)
@@ -97,11 +97,11 @@ def _resume_plan(out: Path, marker: dict, cfg: TrainConfig) -> RunPlan:
     resume_from = checkpoint.latest(out)
     state = checkpoint.train_state(resume_from) if resume_from is not None else {}
     snapshot = state.get("snapshot", marker["snapshot"])
-    if snapshot is not None and cfg.version is not None:
+    if snapshot is not None and cfg.data.version is not None:
         _check_version(out, cfg, snapshot)
     finished = None
     # A run finishes by exporting final/ last, and a run that continues removes the old final/ first.
-    if resume_from is not None and state["step"] >= cfg.steps and (out / "final").is_dir():
+    if resume_from is not None and state["step"] >= cfg.schedule.steps and (out / "final").is_dir():
         finished = json.loads((out / "final_metrics.json").read_text())
     return RunPlan(out, resume_from=resume_from, snapshot=snapshot, finished=finished)
 
@@ -118,9 +118,9 @@ def _check_version(out: Path, cfg: TrainConfig, snapshot: str) -> None:
     """--version with --resume must name the snapshot the run reads (a tag, a branch still there, the id)."""
     from logitstore.store import Store
 
-    requested = Store.open(cfg.store).resolve(cfg.version)
+    requested = Store.open(cfg.data.store).resolve(cfg.data.version)
     if requested != snapshot:
-        raise TrainConfigError(f"--out {out} trains on version {snapshot}, but --version {cfg.version} is {requested}; "
+        raise TrainConfigError(f"--out {out} trains on version {snapshot}, but --version {cfg.data.version} is {requested}; "
                                "leave out --version to resume, or use a new --out")
 
 
@@ -132,7 +132,7 @@ def claim(plan: RunPlan, cfg: TrainConfig, *, snapshot: str | None) -> None:
     try:
         for path in _doomed(plan):
             _remove(path)
-        if cfg.resume:
+        if cfg.output.resume:
             truncate_metrics(out / "metrics.jsonl", step=plan.resume_step)
         _write_atomic(out / MARKER, json.dumps({**_FORMAT, "identity": cfg.run_identity(), "snapshot": snapshot},
                                                indent=2))

@@ -32,37 +32,48 @@ from torch.distributed.device_mesh import init_device_mesh
 from logitstore.errors import LogitstoreError
 from logitstore.trainer import checkpoint, run_folder
 from logitstore.trainer.config import EVAL_ONLY, TrainConfig, TrainConfigError
+from logitstore.trainer.objective import batch_loss, evaluation_loss, student_outputs
 
 
 # -- launching -----------------------------------------------------------------------------------
 
 
 def launch(cfg: TrainConfig) -> dict:
-    """Run training on `cfg.nproc` processes (or under torchrun); returns rank 0's final metrics."""
+    """Run training on `cfg.student.nproc` processes (or under torchrun); returns rank 0's final metrics."""
+    check_student_fits(cfg)  # before any process starts, like every other configuration error
     plan = run_folder.plan(cfg)
     if plan.finished is not None:
         print(f"the run in {plan.out} already finished at step {plan.resume_step}; nothing to do", file=sys.stderr)
         return plan.finished
     if plan.snapshot is not None:  # a resumed store run reads what its run pinned, not what the branch says now
-        cfg = dataclasses.replace(cfg, version=plan.snapshot)
+        cfg = cfg.with_version(plan.snapshot)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # started by torchrun
         return _run(cfg, plan)
-    if cfg.nproc == 1:
+    if cfg.student.nproc == 1:
         with _single_process_env():
             return _run(cfg, plan)
     _spawn(cfg, plan)
     return json.loads((plan.out / "final_metrics.json").read_text())
 
 
+def check_student_fits(cfg: TrainConfig) -> None:
+    """--seq-len within the student's positions, read from its config alone (no weights loaded)."""
+    from logitstore.trainer.model import student_max_positions
+
+    limit = student_max_positions(cfg.student.student)
+    if cfg.data.seq_len > limit:
+        raise TrainConfigError(f"--seq-len {cfg.data.seq_len} exceeds the student's {limit} positions")
+
+
 def _spawn(cfg: TrainConfig, plan: run_folder.RunPlan) -> None:
-    """`cfg.nproc` processes; a rank's LogitstoreError comes back through a queue and is raised here, so
+    """`cfg.student.nproc` processes; a rank's LogitstoreError comes back through a queue and is raised here, so
     the command prints one line and exits with its code (the parent sees only an exit status)."""
     import torch.multiprocessing as mp
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
     errors = mp.get_context("spawn").SimpleQueue()
     try:
-        mp.start_processes(_spawned, args=(cfg, plan, errors), nprocs=cfg.nproc, start_method="spawn")
+        mp.start_processes(_spawned, args=(cfg, plan, errors), nprocs=cfg.student.nproc, start_method="spawn")
     except mp.ProcessExitedException:
         if errors.empty():  # killed, or a bug whose traceback the rank printed
             raise
@@ -70,7 +81,7 @@ def _spawn(cfg: TrainConfig, plan: run_folder.RunPlan) -> None:
 
 
 def _spawned(rank: int, cfg: TrainConfig, plan: run_folder.RunPlan, errors) -> None:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(cfg.nproc), LOCAL_WORLD_SIZE=str(cfg.nproc))
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(cfg.student.nproc), LOCAL_WORLD_SIZE=str(cfg.student.nproc))
     try:
         _run(cfg, plan)
     except LogitstoreError as e:  # to the parent, which prints it once, not once per rank
@@ -119,29 +130,27 @@ def _run(cfg: TrainConfig, plan: run_folder.RunPlan) -> dict:
 
 
 def _train(cfg: TrainConfig, plan: run_folder.RunPlan, *, cuda: bool) -> dict:
-    from logitstore.trainer.losses import LossConfig
-    from logitstore.trainer.model import build_student, max_positions, shard
+    from logitstore.trainer.model import apply_levers, build_student, shard
+    from logitstore.trainer.report import open_sinks
 
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     mesh = init_device_mesh(device.type, (world,))
-    out = Path(cfg.out)
+    out = Path(cfg.output.out)
 
     # The teachers' signal: a store version pinned by snapshot id (a later build on the branch cannot
     # change this run), or in live mode a teacher process beside this rank.
     signal = LiveSignal(cfg) if cfg.live is not None else StoreSignal(cfg)
     teacher = signal.teacher
 
-    model, _tokenizer = build_student(cfg.student, vocab_size=signal.vocab_size, seed=cfg.seed)
-    if cfg.seq_len > max_positions(model):
-        raise TrainConfigError(f"--seq-len {cfg.seq_len} exceeds the student's {max_positions(model)} positions")
+    model, _tokenizer = build_student(cfg.student.student, vocab_size=signal.vocab_size, seed=cfg.student.seed)
     # Only now, with store and student accepted, does the run take --out: a failed start leaves it as it was.
     if rank == 0:
         run_folder.claim(plan, cfg, snapshot=signal.snapshot)
     dist.barrier()
-    model = shard(model.to(device), mesh=mesh, offload_optimizer=cfg.offload_optimizer, cuda=cuda)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    loss_cfg = LossConfig(kind=cfg.loss, temperature=cfg.kd_temperature, alpha=cfg.alpha, jsd_beta=cfg.jsd_beta)
+    apply_levers(model, activation_checkpointing=cfg.student.activation_checkpointing, compile=cfg.student.compile)
+    model = shard(model.to(device), mesh=mesh, offload_optimizer=cfg.student.offload_optimizer, cuda=cuda)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay)
 
     signal.start(cfg)
     stream = signal.stream(cfg, rank=rank, world_size=world, split="train")
@@ -155,35 +164,38 @@ def _train(cfg: TrainConfig, plan: run_folder.RunPlan, *, cuda: bool) -> dict:
     resumed_step = step
 
     metrics_file = (out / "metrics.jsonl").open("a") if rank == 0 else None
-    header = {"event": "start", "store": cfg.store, "version": signal.version, "teacher": teacher,
+    sinks = open_sinks(cfg.output.report_to, out=out) if rank == 0 else []  # --report-to, beside metrics.jsonl
+    header = {"event": "start", "store": cfg.data.store, "version": signal.version, "teacher": teacher,
               "teachers": [{"name": s.name, "weight": s.weight, "student_tokenizer": s.student} for s in signal.sources],
-              "student": cfg.student, "nproc": world, "resumed_from": str(resumed_from) if resumed_from else None,
+              "student": cfg.student.student, "nproc": world, "resumed_from": str(resumed_from) if resumed_from else None,
               "signal": signal.kind, **signal.header()}
     _log(metrics_file, header)
     batches = iter(stream)
     record = run_folder.last_record(out, step=step) if resumed_from is not None else {}
     run_started = time.perf_counter()
     try:
-        while step < cfg.steps:
+        while step < cfg.schedule.steps:
             lr = _lr_at(step, cfg)
             for group in optimizer.param_groups:
                 group["lr"] = lr
             started = time.perf_counter()
             wait_before = stream.wait_seconds
-            parts, tokens = _train_step(model, optimizer, batches, cfg, loss_cfg, device)
+            parts, tokens = _train_step(model, optimizer, batches, cfg, device)
             step += 1
             elapsed = time.perf_counter() - started
             record = {"step": step, **parts, "lr": lr, "tokens": tokens,
                       "tokens_per_second": tokens / elapsed, "data_wait_seconds": stream.wait_seconds - wait_before,
                       "skipped_samples": getattr(stream, "skipped_samples", 0), "version": signal.version,
                       "signal": signal.kind}
-            if cfg.eval_every and step % cfg.eval_every == 0:
+            if cfg.schedule.eval_every and step % cfg.schedule.eval_every == 0:
                 record.update(evaluate(model, signal, cfg=cfg, device=device))
-            elif step == cfg.steps:  # every run ends with a held-out KL, if its split can give one
+            elif step == cfg.schedule.steps:  # every run ends with a held-out KL, if its split can give one
                 record.update(_final_evaluation(model, signal, cfg=cfg, device=device, rank=rank))
-            record["eta_seconds"] = (time.perf_counter() - run_started) / (step - resumed_step) * (cfg.steps - step)
-            _log(metrics_file, record, echo=step % cfg.log_every == 0 or step == cfg.steps)
-            if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step < cfg.steps:
+            record["eta_seconds"] = (time.perf_counter() - run_started) / (step - resumed_step) * (cfg.schedule.steps - step)
+            _log(metrics_file, record, echo=step % cfg.schedule.log_every == 0 or step == cfg.schedule.steps)
+            for sink in sinks:
+                sink.write(record)
+            if cfg.schedule.checkpoint_every and step % cfg.schedule.checkpoint_every == 0 and step < cfg.schedule.steps:
                 checkpoint.save(out, step=step, model=model, optimizer=optimizer,
                                 train_state=_train_state(step, stream, signal))
         if step > resumed_step:  # a resumed run at or past --steps holds its last checkpoint already
@@ -200,54 +212,31 @@ def _train(cfg: TrainConfig, plan: run_folder.RunPlan, *, cuda: bool) -> dict:
         signal.close()
         if metrics_file:
             metrics_file.close()
+        for sink in sinks:
+            sink.close()
     return record
 
 
-def _train_step(model, optimizer, batches, cfg: TrainConfig, loss_cfg, device) -> tuple[dict, int]:
+def _train_step(model, optimizer, batches, cfg: TrainConfig, device) -> tuple[dict, int]:
     """One optimizer step over `grad_accum` micro-batches. Returns mean loss parts and tokens (all ranks)."""
-    from logitstore.trainer.losses import distill_loss
-
     optimizer.zero_grad(set_to_none=True)
     sums: dict[str, float] = {}
     tokens = 0
-    for _ in range(cfg.grad_accum):
+    for micro_step in range(cfg.optim.grad_accum):
+        if cfg.optim.defer_grad_sync:  # reduce once, after the last micro-batch: 1/grad_accum of the communication
+            model.set_requires_gradient_sync(micro_step == cfg.optim.grad_accum - 1)
         batch = next(batches)
-        logits = _student_logits(model, batch, device)
-        if batch.signals is None:
-            loss, parts = distill_loss(logits, _targets(batch, device), loss_cfg)
-        else:
-            loss, parts = mixed_loss(logits, batch, loss_cfg, uld_weight=cfg.uld_weight, device=device)
-        (loss / cfg.grad_accum).backward()
+        loss, parts = batch_loss(student_outputs(model, batch, device), batch, cfg.loss, device=device)
+        (loss / cfg.optim.grad_accum).backward()
         for k, v in parts.items():
-            sums[k] = sums.get(k, 0.0) + v / cfg.grad_accum
+            sums[k] = sums.get(k, 0.0) + v / cfg.optim.grad_accum
         tokens += batch.n_tokens
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf"))
     grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
     optimizer.step()
     reduced = _all_reduce_mean({**sums, "tokens": float(tokens)})
     tokens_all = int(round(reduced.pop("tokens") * dist.get_world_size()))
     return {**reduced, "grad_norm": float(grad_norm)}, tokens_all
-
-
-def _student_logits(model, batch, device) -> torch.Tensor:
-    """Logits at the supervised positions only: [P, V]. The block-causal mask keeps attention in-sample."""
-    out = model(input_ids=batch.input_ids.to(device), position_ids=batch.position_ids.to(device),
-                attention_mask=batch.block_causal_mask().to(device))
-    logits = out.logits.reshape(-1, out.logits.shape[-1])
-    return logits[batch.positions.to(device)].float()
-
-
-def _targets(batch, device):
-    from logitstore.trainer.losses import SparseTargets
-
-    counts = batch.entry_counts
-    return SparseTargets(
-        entry_ids=batch.entry_ids.to(device), entry_logprobs=batch.entry_logprobs.to(device),
-        entry_pos=batch.entry_pos.to(device), tail=batch.tail.to(device), target_ids=batch.target_ids.to(device),
-        target_logprobs=batch.target_logprobs.to(device),
-        entry_counts=None if counts is None else counts.to(device),
-        n_draws=None,  # sampled stores: the loss takes each position's draw count from its counts
-    )
 
 
 # -- teachers: which ones, and how their signal reaches the student ----------------------------------
@@ -258,11 +247,11 @@ def plan_sources(view, cfg: TrainConfig):
     from logitstore.trainer.model import student_tokenizer_hash
     from logitstore.trainer.teachers import resolve_sources, student_vocabulary
 
-    weights = cfg.teacher_weights or {view.teacher_name(cfg.teacher): 1.0}
-    vocab = student_vocabulary(view, teachers=list(weights), student_tokenizer=cfg.student_tokenizer,
-                               student_hash=student_tokenizer_hash(cfg.student))
+    weights = cfg.data.teacher_weights or {view.teacher_name(cfg.data.teacher): 1.0}
+    vocab = student_vocabulary(view, teachers=list(weights), student_tokenizer=cfg.data.student_tokenizer,
+                               student_hash=student_tokenizer_hash(cfg.student.student))
     sources = resolve_sources(view, weights=weights, vocab=vocab)
-    if any(s.cross for s in sources) and (cfg.loss != "forward_kl" or cfg.kd_temperature != 1):
+    if any(s.cross for s in sources) and (cfg.loss.kind != "forward_kl" or cfg.loss.temperature != 1):
         raise TrainConfigError("a cross-tokenizer teacher supports --loss forward_kl at --kd-temperature 1 only")
     return sources, vocab
 
@@ -275,9 +264,9 @@ class StoreSignal:
     def __init__(self, cfg: TrainConfig):
         from logitstore.store import Store
 
-        self.view = Store.open(cfg.store).read(cfg.version)
+        self.view = Store.open(cfg.data.store).read(cfg.data.version)
         if self.view.index.num_rows == 0:
-            raise TrainConfigError(f"version {self.view.snapshot_id} of {cfg.store} holds no samples")
+            raise TrainConfigError(f"version {self.view.snapshot_id} of {cfg.data.store} holds no samples")
         self.sources, self.vocab = plan_sources(self.view, cfg)
         self.teacher, self.version, self.vocab_size = self.sources[0].name, self.view.snapshot_id, self.vocab.vocab_size
         self.snapshot = self.view.snapshot_id  # what a resumed run reads again
@@ -315,7 +304,7 @@ class LiveSignal:
         from logitstore.trainer.teachers import Source
 
         self.samples = plan_live_samples(cfg.live)
-        student_hash = student_tokenizer_hash(cfg.student)
+        student_hash = student_tokenizer_hash(cfg.student.student)
         if student_hash is not None and student_hash != describe_teacher(cfg.live.teacher).tokenizer_hash:
             raise TrainConfigError("--live-teacher: the student's tokenizer differs from the teacher's; live mode "
                                    "needs the same tokenizer (cross-tokenizer students train from a store)")
@@ -327,7 +316,7 @@ class LiveSignal:
     def start(self, cfg: TrainConfig) -> None:
         from logitstore.trainer.live import LiveTeacher
 
-        self.client = LiveTeacher(cfg.live, micro_batch=cfg.micro_batch, seq_len=cfg.seq_len)
+        self.client = LiveTeacher(cfg.live, micro_batch=cfg.data.micro_batch, seq_len=cfg.data.seq_len)
 
     def header(self) -> dict:
         if self.client is None:
@@ -337,8 +326,8 @@ class LiveSignal:
     def stream(self, cfg: TrainConfig, *, rank: int, world_size: int, split: str):
         from logitstore.trainer.live import live_stream
 
-        return live_stream(self.samples, self.client, seq_len=cfg.seq_len, micro_batch=cfg.micro_batch, rank=rank,
-                           world_size=world_size, seed=cfg.seed, split=split, eval_fraction=cfg.eval_fraction)
+        return live_stream(self.samples, self.client, seq_len=cfg.data.seq_len, micro_batch=cfg.data.micro_batch, rank=rank,
+                           world_size=world_size, seed=cfg.student.seed, split=split, eval_fraction=cfg.data.eval_fraction)
 
     def tokenizer(self):
         return self.samples.tokenizer.backend_tokenizer
@@ -352,63 +341,19 @@ def make_stream(view, sources, *, cfg: TrainConfig, rank: int, world_size: int, 
     """The stream engine over the store: one teacher, or several or cross-tokenizer teachers."""
     from logitstore.trainer.stream import store_stream
 
-    return store_stream(view, sources=sources, seq_len=cfg.seq_len, micro_batch=cfg.micro_batch, rank=rank,
-                        world_size=world_size, seed=cfg.seed, split=split, eval_fraction=cfg.eval_fraction,
-                        on_error=cfg.on_error, memory_budget=cfg.memory_budget)
-
-
-def mixed_loss(logits, batch, loss_cfg, *, uld_weight: float, device, indicator: bool = False):
-    """Sum of every teacher's weighted KD term, plus alpha * CE once. `indicator` (evaluation) replaces
-    the weights by 1 wherever a teacher has signal and reports each teacher's mean KL over its positions."""
-    from logitstore.trainer.aligned_losses import AlignedTargets, aligned_kd
-    from logitstore.trainer.losses import ce_term, kd_term
-
-    kd = torch.zeros((), device=device)
-    parts: dict[str, float] = {}
-    P = max(len(batch.positions), 1)
-    for name, targets in batch.signals:
-        targets = _to_device(targets, device)
-        if indicator:
-            targets.weight = (targets.weight > 0).float()
-        if isinstance(targets, AlignedTargets):
-            term, sub = aligned_kd(logits, targets, uld_weight=uld_weight)
-            n = int((targets.weight[targets.exact_pos] > 0).sum()) if indicator else 0
-            parts[f"kl/{name}"] = sub["exact"] * P / max(n, 1) if indicator else sub["kd"]
-        else:
-            term = kd_term(logits, targets, loss_cfg)
-            n = int((targets.weight > 0).sum()) if indicator else 0
-            parts[f"kl/{name}"] = float(term.detach()) * (P / max(n, 1) if indicator else 1.0)
-        kd = kd + term
-    if loss_cfg.alpha > 0:
-        ce = ce_term(logits, batch.target_ids.to(device))
-        loss = kd + loss_cfg.alpha * ce
-    else:
-        with torch.no_grad():  # reported only: no [P, V] gradient of zeros to carry back
-            ce = ce_term(logits, batch.target_ids.to(device))
-        loss = kd
-    counts = batch.signal_counts
-    parts.update({"kd": float(kd.detach()), "ce": float(ce.detach()), "loss": float(loss.detach()),
-                  "signal_share": counts["signal_positions"] / max(counts["positions"], 1),
-                  "exact_share": counts["exact_positions"] / max(counts["positions"], 1)})
-    return loss, parts
-
-
-def _to_device(targets, device):
-    import dataclasses
-
-    return dataclasses.replace(targets, **{f.name: getattr(targets, f.name).to(device)
-                                           for f in dataclasses.fields(targets)
-                                           if isinstance(getattr(targets, f.name), torch.Tensor)})
+    return store_stream(view, sources=sources, seq_len=cfg.data.seq_len, micro_batch=cfg.data.micro_batch, rank=rank,
+                        world_size=world_size, seed=cfg.student.seed, split=split, eval_fraction=cfg.data.eval_fraction,
+                        on_error=cfg.data.on_error, memory_budget=cfg.data.memory_budget)
 
 
 def _lr_at(step: int, cfg: TrainConfig) -> float:
-    """Linear warmup, then cosine to lr * min_lr_ratio at `cfg.steps`: a function of the step alone, so
+    """Linear warmup, then cosine to lr * min_lr_ratio at `cfg.schedule.steps`: a function of the step alone, so
     a resumed run follows the schedule of an uninterrupted run of the same --steps."""
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+    if step < cfg.optim.warmup_steps:
+        return cfg.optim.lr * (step + 1) / cfg.optim.warmup_steps
+    progress = (step - cfg.optim.warmup_steps) / max(1, cfg.schedule.steps - cfg.optim.warmup_steps)
     cosine = 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
-    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * cosine)
+    return cfg.optim.lr * (cfg.optim.min_lr_ratio + (1 - cfg.optim.min_lr_ratio) * cosine)
 
 
 def _all_reduce_mean(values: dict[str, float]) -> dict[str, float]:
@@ -442,7 +387,7 @@ def _final_evaluation(model, signal, *, cfg: TrainConfig, device, rank: int) -> 
     meets the same split, so all skip alike)."""
     from logitstore.trainer.stream import StreamConfigError
 
-    if cfg.eval_fraction == 0:
+    if cfg.data.eval_fraction == 0:
         return {}
     try:
         return evaluate(model, signal, cfg=cfg, device=device)
@@ -460,22 +405,18 @@ def evaluate(model, signal, *, cfg: TrainConfig, device) -> dict:
     """Mean forward KL to the stored teacher (tail as a bucket) and CE on the held-out split. With several
     or cross-tokenizer teachers: each teacher's mean KL over the positions it teaches (`eval_kl/<name>`;
     for a cross-tokenizer teacher its 1:1-aligned positions), and `eval_kl` their weighted mean."""
-    from logitstore.trainer.losses import LossConfig, distill_loss
-
     sources = signal.sources
     stream = signal.stream(cfg, rank=dist.get_rank(), world_size=dist.get_world_size(), split="eval")
-    kl_cfg = LossConfig(kind="forward_kl", alpha=1.0)  # kd = KL to the teacher, ce reported beside it
     totals: dict[str, float] = {"n": 0.0}
     try:
         for i, batch in enumerate(stream):
-            if i >= cfg.eval_batches:
+            if i >= cfg.schedule.eval_batches:
                 break
-            logits = _student_logits(model, batch, device)
+            _, parts = batch_loss(student_outputs(model, batch, device), batch, evaluation_loss(cfg.loss),
+                                  device=device, evaluation=True)
             if batch.signals is None:
-                _, parts = distill_loss(logits, _targets(batch, device), kl_cfg)
                 parts = {"kd": parts["kd"], "ce": parts["ce"]}
             else:
-                _, parts = mixed_loss(logits, batch, kl_cfg, uld_weight=cfg.uld_weight, device=device, indicator=True)
                 total_weight = sum(s.weight for s in sources)
                 parts = {"kd": sum(s.weight * parts[f"kl/{s.name}"] for s in sources) / total_weight, "ce": parts["ce"],
                          **{k: v for k, v in parts.items() if k.startswith("kl/") or k.endswith("_share")}}
@@ -520,7 +461,7 @@ def run_eval(*, store: str, student: str, version: str | None = None, teacher: s
     (for a cross-tokenizer teacher: the KL over 1:1-aligned positions)."""
     from logitstore.trainer.model import build_student
 
-    cfg = TrainConfig(store=store, out=EVAL_ONLY, student=student, teacher=teacher, seq_len=seq_len, micro_batch=micro_batch,
+    cfg = TrainConfig.from_flags(store=store, out=EVAL_ONLY, student=student, teacher=teacher, seq_len=seq_len, micro_batch=micro_batch,
                       eval_fraction=eval_fraction, eval_batches=1 << 30, seed=seed, version=version)
     signal = StoreSignal(cfg)
     model, _ = build_student(student, vocab_size=signal.vocab_size, seed=seed)
