@@ -160,7 +160,7 @@ def test_same_tokenizer_signal_through_the_mixed_path_equals_the_single_teacher_
     from logitstore.trainer.losses import LossConfig, distill_loss
     from logitstore.trainer.stream import Stream, store_stream
     from logitstore.trainer.teachers import MixedSource, Source
-    from logitstore.trainer.objective import mixed_loss, sparse_targets as _targets
+    from logitstore.trainer.objective import StudentOutputs, mixed_loss, sparse_targets as _targets
 
     view = Store.open(store).read()
     teacher = view.teacher_name(None)
@@ -170,16 +170,55 @@ def test_same_tokenizer_signal_through_the_mixed_path_equals_the_single_teacher_
     with store_stream(view, teacher=teacher, **args) as single, Stream(mixed_source, **args) as mixed:
         for a, b in zip(single, mixed):
             assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.positions, b.positions)
-            logits = torch.randn(len(a.positions), 49152)
+            outputs = StudentOutputs(hidden=torch.randn(len(a.positions), 8), weight=torch.randn(49152, 8))
             cfg = LossConfig()
-            expected, _ = distill_loss(logits, _targets(a, "cpu"), cfg)
-            got, parts = mixed_loss(logits, b, cfg, uld_weight=1.0, device="cpu")
+            expected, _ = distill_loss(outputs.logits(), _targets(a, "cpu"), cfg)
+            got, parts = mixed_loss(outputs, b, cfg, device="cpu", chunk=7)
             torch.testing.assert_close(got, expected)
             assert parts["signal_share"] == 1.0
             if a.segments[-1][0] == single.table.sample_ids[-1]:
                 break
             if len(a.segments) > 8:
                 break
+
+
+def test_cross_tokenizer_loss_in_chunks_equals_the_loss_in_one_piece(store):
+    """The chunked head on aligned targets (chunks that never split a many-token group) gives the value
+    and gradients of the whole [P, V] logits at once, in training and in evaluation."""
+    from logitstore.trainer.aligned_losses import aligned_kd
+    from logitstore.trainer.losses import LossConfig
+    from logitstore.trainer.objective import StudentOutputs, _whole_groups, mixed_loss
+    from logitstore.trainer.train import plan_sources
+    from logitstore.trainer.stream import store_stream
+
+    view = Store.open(store).read()
+    cfg = TrainConfig.from_flags(store=store, out="-", student="llama-tiny", student_tokenizer="gpt2", eval_fraction=0)
+    sources, vocab = plan_sources(view, cfg)
+    with store_stream(view, sources=sources, seq_len=64, micro_batch=2, rank=0, world_size=1, seed=1, prefetch=0) as s:
+        batch = next(iter(s))
+    (name, targets), = batch.signals
+    assert len(targets.chain_group) > 0  # the batch has many-token groups to keep whole
+    P = len(batch.positions)
+    allowed = _whole_groups(batch.signals, P)
+    assert allowed[0] and allowed[P] and not allowed.all()
+    torch.manual_seed(0)
+    hidden, weight = torch.randn(P, 8), torch.randn(50257, 8) * 0.3
+
+    def run(chunk, evaluation=False):
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        loss, parts = mixed_loss(StudentOutputs(hidden=h, weight=w), batch, LossConfig(alpha=0.5), device="cpu",
+                                 chunk=chunk, indicator=evaluation)
+        loss.backward()
+        return float(loss.detach()), parts, h.grad, w.grad
+
+    whole, chunked = run(P), run(5)
+    assert chunked[0] == pytest.approx(whole[0], rel=1e-5)
+    assert chunked[1] == pytest.approx(whole[1], rel=1e-4, abs=1e-6)
+    torch.testing.assert_close(chunked[2], whole[2], rtol=1e-4, atol=1e-7)
+    torch.testing.assert_close(chunked[3], whole[3], rtol=1e-4, atol=1e-7)
+    direct, sub = aligned_kd(hidden @ weight.T, targets, uld_weight=1.0)  # one piece, no chunking at all
+    assert whole[1][f"kl/{name}"] == pytest.approx(sub["kd"], rel=1e-5)
+    assert run(5, evaluation=True)[1][f"kl/{name}"] == pytest.approx(run(P, evaluation=True)[1][f"kl/{name}"], rel=1e-4)
 
 
 # -- several teachers ---------------------------------------------------------------------------------

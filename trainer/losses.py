@@ -155,13 +155,47 @@ def chunked_distill_loss(hidden: Tensor, weight: Tensor, targets: SparseTargets,
     if hidden.ndim != 2 or hidden.shape[0] != n or weight.ndim != 2 or weight.shape[1] != hidden.shape[1]:
         raise ValueError(f"hidden must be [P, d] with P = {n} and weight [V, d]; got {tuple(hidden.shape)} and "
                          f"{tuple(weight.shape)}")
-    chunk = chunk or max(1, CHUNK_ELEMENTS // weight.shape[0])
-    starts = list(range(0, n, chunk))
-    bounds = torch.searchsorted(targets.entry_pos, torch.tensor(starts + [n], device=targets.entry_pos.device))
-    entry_bounds = bounds.tolist()  # one device sync for all chunks
-    chunks = [(a, min(a + chunk, n), entry_bounds[i], entry_bounds[i + 1]) for i, a in enumerate(starts)]
-    parts = {"kd": 0.0, "ce": 0.0, "loss": 0.0}
-    loss = _ChunkedHead.apply(hidden, weight, targets, cfg, chunks, parts)
+    bounds = chunk_bounds(n, chunk=chunk or chunk_positions(weight))
+    cuts = torch.tensor([a for a, _ in bounds] + [n], device=targets.entry_pos.device)
+    entry_cuts = torch.searchsorted(targets.entry_pos, cuts).tolist()  # one device sync for all chunks
+    entries = {a: (entry_cuts[i], entry_cuts[i + 1]) for i, (a, _) in enumerate(bounds)}
+
+    def loss_of_chunk(logits: Tensor, a: int, b: int) -> tuple[Tensor, dict[str, float]]:
+        loss, parts = distill_loss(logits, slice_targets(targets, a, b, *entries[a]), cfg)
+        return loss, parts
+
+    loss, parts = chunked_head_loss(hidden, weight, loss_of_chunk, bounds=bounds, n=n)
+    return loss, {"kd": 0.0, "ce": 0.0, "loss": 0.0, **parts}  # an empty micro-batch: zeros
+
+
+def chunk_positions(weight: Tensor) -> int:
+    """Positions per chunk for a head of `weight` [V, d]: `CHUNK_ELEMENTS` logits."""
+    return max(1, CHUNK_ELEMENTS // weight.shape[0])
+
+
+def chunk_bounds(n: int, *, chunk: int, allowed=None) -> list[tuple[int, int]]:
+    """[a, b) spans of about `chunk` positions covering [0, n); with `allowed` (a bool array over the
+    cut points 0..n), every cut is an allowed one (the nearest at or below the size, else the next)."""
+    import numpy as np
+
+    ok = np.flatnonzero(np.ones(n + 1, dtype=bool) if allowed is None else allowed)
+    bounds, a = [], 0
+    while a < n:  # one step per chunk
+        below = ok[(ok > a) & (ok <= a + chunk)]
+        b = int(below[-1]) if len(below) else int(ok[ok > a][0])
+        bounds.append((a, b))
+        a = b
+    return bounds
+
+
+def chunked_head_loss(hidden: Tensor, weight: Tensor, loss_of_chunk, *, bounds: list[tuple[int, int]],
+                      n: int) -> tuple[Tensor, dict[str, float]]:
+    """The loss of the logits `hidden @ weight.T`, computed a chunk of positions at a time:
+    `loss_of_chunk(logits [b - a, V] fp32, a, b)` gives the mean over the chunk's positions (and its parts
+    as floats); the result is the mean over all n, with its parts likewise, and the gradients of hidden
+    and weight. Only one chunk's logits exist at a time."""
+    parts: dict[str, float] = {}
+    loss = _ChunkedHead.apply(hidden, weight, loss_of_chunk, bounds, n, parts)
     return loss, parts
 
 
@@ -174,24 +208,23 @@ class _ChunkedHead(torch.autograd.Function):
     weight (autograd on the chunk alone, so every loss kind is exact); backward only scales them."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, cfg, chunks, parts):
-        n = targets.n_positions
+    def forward(ctx, hidden, weight, loss_of_chunk, bounds, n, parts):
         grad_hidden = torch.zeros_like(hidden)
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         w = weight.detach()
-        for a, b, e0, e1 in chunks:
+        for a, b in bounds:
             with torch.enable_grad():
                 logits = (hidden[a:b].detach() @ w.T).float().requires_grad_()
-                loss, chunk_parts = distill_loss(logits, _slice_targets(targets, a, b, e0, e1), cfg)
-                loss = loss * ((b - a) / n)  # the chunk's share of the mean over all P positions
+                loss, chunk_parts = loss_of_chunk(logits, a, b)
+                loss = loss * ((b - a) / n)  # the chunk's share of the mean over all n positions
                 (grad_logits,) = torch.autograd.grad(loss, logits)
             g = grad_logits.to(w.dtype)
             grad_hidden[a:b] = g @ w
             grad_weight += (g.T @ hidden[a:b].detach()).float()
             total += loss.detach()
             for key, value in chunk_parts.items():
-                parts[key] += value * (b - a) / n
+                parts[key] = parts.get(key, 0.0) + value * (b - a) / n
         ctx.save_for_backward(grad_hidden, grad_weight.to(weight.dtype))
         return total
 
@@ -202,7 +235,7 @@ class _ChunkedHead(torch.autograd.Function):
             None, None, None, None
 
 
-def _slice_targets(t: SparseTargets, a: int, b: int, e0: int, e1: int) -> SparseTargets:
+def slice_targets(t: SparseTargets, a: int, b: int, e0: int, e1: int) -> SparseTargets:
     """Positions [a, b) and their entries [e0, e1) (entry_pos is non-decreasing), renumbered from 0."""
     return SparseTargets(
         entry_ids=t.entry_ids[e0:e1], entry_logprobs=t.entry_logprobs[e0:e1], entry_pos=t.entry_pos[e0:e1] - a,

@@ -8,8 +8,8 @@ final hidden states taken from the decoder's output. The head is applied by the 
 
 - one teacher: `losses.chunked_distill_loss`, a few hundred positions at a time, so the [P, V] logits
   never exist at once (in fp32 or at all);
-- several or cross-tokenizer teachers: the logits at the supervised positions only, [P, V] in fp32,
-  then `mixed_loss` (not chunked yet: the cross-tokenizer terms group several positions).
+- several or cross-tokenizer teachers: `mixed_loss`, the same chunked head with every teacher's terms
+  per chunk (cuts never split a cross-tokenizer teacher's many-token group).
 
 The head's weight is read after the forward: FSDP2 leaves the root module's parameters (embeddings,
 final norm, head) unsharded after the forward, for the backward that follows, so the weight read here is
@@ -25,7 +25,8 @@ import torch
 from torch import Tensor
 
 from logitstore.trainer.attention import plan_segments
-from logitstore.trainer.losses import LossConfig, SparseTargets, ce_term, chunked_distill_loss, kd_term
+from logitstore.trainer.losses import (LossConfig, SparseTargets, ce_term, chunk_bounds,
+                                       chunk_positions, chunked_distill_loss, chunked_head_loss, kd_term, slice_targets)
 
 
 def evaluation_loss(cfg: LossConfig) -> LossConfig:
@@ -40,7 +41,8 @@ class StudentOutputs:
     weight: Tensor  # [V, d] the output embedding (the head)
 
     def logits(self) -> Tensor:
-        """[P, V] fp32 logits at every supervised position at once (the paths not chunked yet)."""
+        """[P, V] fp32 logits at every supervised position at once: for references and benchmarks (the
+        trainer never builds them)."""
         return (self.hidden @ self.weight.T).float()
 
 
@@ -67,7 +69,7 @@ def batch_loss(outputs: StudentOutputs, batch, cfg: LossConfig, *, device,
     signal shares. `evaluation` reports each teacher's mean KL over the positions it teaches."""
     if batch.signals is None:
         return chunked_distill_loss(outputs.hidden, outputs.weight, sparse_targets(batch, device), cfg)
-    return mixed_loss(outputs.logits(), batch, cfg, uld_weight=cfg.uld_weight, device=device, indicator=evaluation)
+    return mixed_loss(outputs, batch, cfg, device=device, indicator=evaluation)
 
 
 def sparse_targets(batch, device) -> SparseTargets:
@@ -82,39 +84,93 @@ def sparse_targets(batch, device) -> SparseTargets:
     )
 
 
-def mixed_loss(logits, batch, loss_cfg, *, uld_weight: float, device, indicator: bool = False):
-    """Sum of every teacher's weighted KD term, plus alpha * CE once. `indicator` (evaluation) replaces
-    the weights by 1 wherever a teacher has signal and reports each teacher's mean KL over its positions."""
+def mixed_loss(outputs: StudentOutputs, batch, cfg: LossConfig, *, device, indicator: bool = False,
+               chunk: int | None = None) -> tuple[Tensor, dict[str, float]]:
+    """Sum of every teacher's weighted KD term, plus alpha * CE once, the head applied in chunks of
+    positions (`losses.chunked_head_loss`; a cross-tokenizer teacher's many-token group never straddles
+    two chunks). `indicator` (evaluation) replaces the weights by 1 wherever a teacher has signal and
+    reports each teacher's mean KL over its positions."""
     from logitstore.trainer.aligned_losses import AlignedTargets, aligned_kd
 
-    kd = torch.zeros((), device=device)
-    parts: dict[str, float] = {}
-    P = max(len(batch.positions), 1)
-    for name, targets in batch.signals:
-        targets = _to_device(targets, device)
-        if indicator:
+    signals = [(name, _to_device(targets, device)) for name, targets in batch.signals]
+    if indicator:
+        for _, targets in signals:
             targets.weight = (targets.weight > 0).float()
-        if isinstance(targets, AlignedTargets):
-            term, sub = aligned_kd(logits, targets, uld_weight=uld_weight)
-            n = int((targets.weight[targets.exact_pos] > 0).sum()) if indicator else 0
-            parts[f"kl/{name}"] = sub["exact"] * P / max(n, 1) if indicator else sub["kd"]
+    P = len(batch.positions)
+    target_ids = batch.target_ids.to(device)
+    bounds = chunk_bounds(P, chunk=chunk or chunk_positions(outputs.weight), allowed=_whole_groups(signals, P))
+
+    def loss_of_chunk(logits: Tensor, a: int, b: int) -> tuple[Tensor, dict[str, float]]:
+        kd = torch.zeros((), device=logits.device)
+        parts = {}
+        for name, targets in signals:
+            if isinstance(targets, AlignedTargets):
+                term, sub = aligned_kd(logits, slice_aligned(targets, a, b), uld_weight=cfg.uld_weight)
+                parts[f"kl/{name}"] = sub["exact"] if indicator else sub["kd"]
+            else:
+                term = kd_term(logits, slice_positions(targets, a, b), cfg)
+                parts[f"kl/{name}"] = float(term.detach())
+            kd = kd + term
+        if cfg.alpha > 0:
+            ce = ce_term(logits, target_ids[a:b])
+            loss = kd + cfg.alpha * ce
         else:
-            term = kd_term(logits, targets, loss_cfg)
-            n = int((targets.weight > 0).sum()) if indicator else 0
-            parts[f"kl/{name}"] = float(term.detach()) * (P / max(n, 1) if indicator else 1.0)
-        kd = kd + term
-    if loss_cfg.alpha > 0:
-        ce = ce_term(logits, batch.target_ids.to(device))
-        loss = kd + loss_cfg.alpha * ce
-    else:
-        with torch.no_grad():  # reported only: no [P, V] gradient of zeros to carry back
-            ce = ce_term(logits, batch.target_ids.to(device))
-        loss = kd
+            with torch.no_grad():  # reported only: no gradient of zeros to carry back
+                ce = ce_term(logits, target_ids[a:b])
+            loss = kd
+        parts.update({"kd": float(kd.detach()), "ce": float(ce.detach()), "loss": float(loss.detach())})
+        return loss, parts
+
+    loss, parts = chunked_head_loss(outputs.hidden, outputs.weight, loss_of_chunk, bounds=bounds, n=max(P, 1))
+    parts = {"kd": 0.0, "ce": 0.0, "loss": 0.0, **{f"kl/{name}": 0.0 for name, _ in signals}, **parts}
+    if indicator:  # each teacher's mean over the positions it teaches, not over all P
+        for name, targets in signals:
+            taught = targets.weight[targets.exact_pos] if isinstance(targets, AlignedTargets) else targets.weight
+            parts[f"kl/{name}"] *= P / max(int((taught > 0).sum()), 1)
     counts = batch.signal_counts
-    parts.update({"kd": float(kd.detach()), "ce": float(ce.detach()), "loss": float(loss.detach()),
-                  "signal_share": counts["signal_positions"] / max(counts["positions"], 1),
+    parts.update({"signal_share": counts["signal_positions"] / max(counts["positions"], 1),
                   "exact_share": counts["exact_positions"] / max(counts["positions"], 1)})
     return loss, parts
+
+
+def slice_positions(t: SparseTargets, a: int, b: int) -> SparseTargets:
+    """A same-tokenizer teacher's targets at positions [a, b), renumbered from 0."""
+    e0, e1 = torch.searchsorted(t.entry_pos, torch.tensor([a, b], device=t.entry_pos.device)).tolist()
+    return slice_targets(t, a, b, e0, e1)
+
+
+def slice_aligned(t, a: int, b: int):
+    """A cross-tokenizer teacher's targets at positions [a, b), renumbered from 0; the chunk holds whole
+    many-token groups (`_whole_groups`)."""
+    keep = (t.exact_pos >= a) & (t.exact_pos < b)
+    new_index = torch.cumsum(keep.long(), 0) - 1  # exact position i -> its index in the chunk
+    entries = keep[t.entry_pos]
+    chain = (t.chain_pos >= a) & (t.chain_pos < b)
+    groups, chain_group = torch.unique(t.chain_group[chain], return_inverse=True)
+    return dataclasses.replace(
+        t, target_ids=t.target_ids[a:b], exact_pos=t.exact_pos[keep] - a, tail=t.tail[keep],
+        entry_ids=t.entry_ids[entries], entry_logprobs=t.entry_logprobs[entries], entry_pos=new_index[t.entry_pos[entries]],
+        chain_teacher_logprob=t.chain_teacher_logprob[groups], chain_pos=t.chain_pos[chain] - a,
+        chain_group=chain_group.reshape(-1), weight=None if t.weight is None else t.weight[a:b])
+
+
+def _whole_groups(signals, P: int):
+    """[P + 1] bool: the cuts between positions that split no cross-tokenizer many-token group."""
+    import numpy as np
+
+    from logitstore.trainer.aligned_losses import AlignedTargets
+
+    inside = np.zeros(P + 2, dtype=np.int64)  # +1 at a group's second position, -1 past its last
+    for _, t in signals:
+        if isinstance(t, AlignedTargets) and len(t.chain_group):
+            g = int(t.chain_teacher_logprob.shape[0])
+            first = torch.full((g,), P, dtype=torch.long, device=t.chain_pos.device).scatter_reduce(
+                0, t.chain_group, t.chain_pos, reduce="amin")
+            last = torch.zeros(g, dtype=torch.long, device=t.chain_pos.device).scatter_reduce(
+                0, t.chain_group, t.chain_pos, reduce="amax")
+            np.add.at(inside, first.cpu().numpy() + 1, 1)
+            np.add.at(inside, last.cpu().numpy() + 1, -1)
+    return np.cumsum(inside)[: P + 1] <= 0
 
 
 def _to_device(targets, device):
