@@ -289,10 +289,10 @@ def build(
     check_input(data, text_column=text_column, id_column=id_column, ids_column=ids_column)
     from logitstore.codec import GRIDS
     from logitstore.pipelines.build import BuildConfig, run_builds, summary_json
-    from logitstore.pipelines.sparsify import default_sparsity
+    from logitstore.pipelines.sparsify import default_sparsity, sparsity_from_flags
 
-    sparsity = _sparsity(top_k=top_k, top_p=top_p, sample=sample, temperature=temperature,
-                         default=default_sparsity(student_tokenizers=bool(student_tokenizer), engine=engine))
+    sparsity = sparsity_from_flags(top_k=top_k, top_p=top_p, sample=sample, temperature=temperature,
+                                   default=default_sparsity(student_tokenizers=bool(student_tokenizer), engine=engine))
     cfg = BuildConfig(store=store, codec=GRIDS[value_grid], data=data, student_tokenizers=tuple(student_tokenizer or ()), text_column=text_column, id_column=id_column,
                       ids_column=ids_column, max_length=max_length, sparsity=sparsity, batch_tokens=batch_tokens,
                       device=device, dtype=dtype, workers=workers, ray_address=ray_address, message=message,
@@ -307,25 +307,6 @@ def build(
                    f"{summary.bytes_per_token or 0:.1f} bytes/token; skipped {summary.skipped}, "
                    f"duplicates {summary.duplicates}, already stored {summary.already_stored}"
                    + (f", changed {summary.changed} ({on_duplicate})" if summary.changed else ""))
-
-
-def _sparsity(*, top_k: int | None, top_p: float | None, sample: int | None, temperature: float, default):
-    """The sparsity flags of build and live train; `default` when none of --top-k/--top-p/--sample is given."""
-    import dataclasses
-
-    from logitstore.pipelines.sparsify import Sparsity
-
-    if top_p is not None and sample is not None:
-        raise LogitstoreError("choose one of --top-p and --sample")
-    if sample is not None and top_k is not None:
-        raise LogitstoreError("choose one of --top-k and --sample (--top-k caps --top-p only)")
-    try:
-        if top_k is None and top_p is None and sample is None:
-            return dataclasses.replace(default, temperature=temperature)
-        mode = "sampled" if sample is not None else "topp" if top_p is not None else "topk"
-        return Sparsity(mode=mode, k=64 if top_k is None else top_k, p=top_p, n=sample, temperature=temperature)
-    except ValueError as e:
-        raise LogitstoreError(str(e)) from None
 
 
 @app.command()
@@ -371,36 +352,23 @@ def train(
     report_to: Annotated[Optional[list[str]], typer.Option(rich_help_panel="Output", help="Also send the metrics to: tensorboard (OUT/tensorboard; pip install 'logitstore\\[tensorboard]'). Repeatable.")] = None,
     live_teacher: Annotated[Optional[str], typer.Option(rich_help_panel="Live mode (instead of --store)", help="Live mode instead of --store: run this teacher (what build --teacher takes, or 'default') beside the trainer, handing over by shared memory.")] = None,
     data: Annotated[Optional[str], typer.Option(rich_help_panel="Live mode (instead of --store)", help="Live mode: the data, as build --data (default: the shipped corpus).")] = None,
-    text_column: Annotated[str, typer.Option(rich_help_panel="Live mode (instead of --store)", help="Live mode: as build --text-column.")] = "text",
+    text_column: Annotated[Optional[str], typer.Option(rich_help_panel="Live mode (instead of --store)", help="Live mode: as build --text-column (default text).")] = None,
     id_column: Annotated[Optional[str], typer.Option(rich_help_panel="Live mode (instead of --store)", help="Live mode: as build --id-column.")] = None,
-    max_length: Annotated[int, typer.Option(rich_help_panel="Live mode (instead of --store)", help="Live mode: as build --max-length.")] = 1024,
+    max_length: Annotated[Optional[int], typer.Option(rich_help_panel="Live mode (instead of --store)", help="Live mode: as build --max-length (default 1024).")] = None,
     top_k: Annotated[Optional[int], typer.Option(rich_help_panel="Live mode (instead of --store)", help="Live mode: as build --top-k.")] = None,
     top_p: Annotated[Optional[float], typer.Option(rich_help_panel="Live mode (instead of --store)", help="Live mode: as build --top-p.")] = None,
     sample: Annotated[Optional[int], typer.Option(rich_help_panel="Live mode (instead of --store)", help="Live mode: as build --sample.")] = None,
-    temperature: Annotated[float, typer.Option(rich_help_panel="Live mode (instead of --store)", help="Live mode: as build --temperature.")] = 1.0,
+    temperature: Annotated[Optional[float], typer.Option(rich_help_panel="Live mode (instead of --store)", help="Live mode: as build --temperature (default 1.0).")] = None,
 ) -> None:
     """Train a student from a store version with FSDP2; no teacher runs."""
     from logitstore.trainer.config import TrainConfig
+    from logitstore.trainer.live import LiveConfig
+    from logitstore.trainer.teachers import parse_teacher_weights
     from logitstore.trainer.train import launch
 
-    from logitstore.trainer.teachers import parse_teacher_weights
-
     weights = parse_teacher_weights(teacher_weight) if teacher_weight else None
-    live = None
-    live_only = {"--data": data, "--id-column": id_column, "--top-k": top_k, "--top-p": top_p, "--sample": sample,
-                 "--text-column": None if text_column == "text" else text_column,
-                 "--max-length": None if max_length == 1024 else max_length,
-                 "--temperature": None if temperature == 1.0 else temperature}
-    given = [flag for flag, value in live_only.items() if value is not None]
-    if live_teacher is None and given:  # with --store these would be silently ignored: the store fixed them
-        raise LogitstoreError(f"{', '.join(given)} only apply with --live-teacher (a store's build fixed them)")
-    if live_teacher is not None:
-        from logitstore.pipelines.sparsify import default_sparsity
-        from logitstore.trainer.live import LiveConfig
-
-        sparsity = _sparsity(top_k=top_k, top_p=top_p, sample=sample, temperature=temperature, default=default_sparsity())
-        live = LiveConfig(teacher=live_teacher, data=data, text_column=text_column, id_column=id_column,
-                          max_length=max_length, sparsity=sparsity)
+    live = LiveConfig.from_flags(live_teacher, data=data, text_column=text_column, id_column=id_column,
+                                 max_length=max_length, top_k=top_k, top_p=top_p, sample=sample, temperature=temperature)
     cfg = TrainConfig.from_flags(live=live, store=store, out=out, student=student, version=version, teacher=teacher, teacher_weights=weights,
                       student_tokenizer=student_tokenizer, uld_weight=uld_weight, nproc=nproc, steps=steps,
                       seq_len=seq_len, micro_batch=micro_batch, grad_accum=grad_accum, lr=lr, warmup_steps=warmup_steps,

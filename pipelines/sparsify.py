@@ -11,12 +11,13 @@ Stored log-probabilities are always at temperature 1. Everything here is vectori
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import numba
 import numpy as np
 
 from logitstore.pipelines.teacher import SparseBatch
+from logitstore.errors import LogitstoreError
 from logitstore.samples import SparseSamples
 
 MODES = ("topk", "topp", "sampled")
@@ -65,6 +66,27 @@ class Sparsity:
 # The dataclass default `Sparsity()` stays top-64, the library's stable meaning.
 DEFAULT_SAMPLED = Sparsity(mode="sampled", n=16)
 DEFAULT_TOPK = Sparsity(k=64)
+
+
+class SparsityError(LogitstoreError, ValueError):
+    """Sparsity flags that contradict each other or are out of range; the message names the flag."""
+
+
+def sparsity_from_flags(*, top_k: int | None, top_p: float | None, sample: int | None, temperature: float,
+                        default: Sparsity) -> Sparsity:
+    """The sparsity of build's and live train's flags; `default` when none of --top-k/--top-p/--sample
+    is given (at `temperature`)."""
+    if top_p is not None and sample is not None:
+        raise SparsityError("choose one of --top-p and --sample")
+    if sample is not None and top_k is not None:
+        raise SparsityError("choose one of --top-k and --sample (--top-k caps --top-p only)")
+    try:
+        if top_k is None and top_p is None and sample is None:
+            return replace(default, temperature=temperature)
+        mode = "sampled" if sample is not None else "topp" if top_p is not None else "topk"
+        return Sparsity(mode=mode, k=64 if top_k is None else top_k, p=top_p, n=sample, temperature=temperature)
+    except ValueError as e:
+        raise SparsityError(str(e)) from None
 
 
 def default_sparsity(*, student_tokenizers: bool = False, engine: str = "torch") -> Sparsity:

@@ -177,3 +177,13 @@ def test_cuda_transport_hands_over_like_shared_memory(corpus, tmp_path):
     assert header(tmp_path / "cuda")["live_transport"] == "cuda_ipc"
     assert header(tmp_path / "cpu")["live_transport"] == "shared_memory"
     np.testing.assert_allclose(losses(tmp_path / "cuda"), losses(tmp_path / "cpu"), rtol=1e-2)
+
+
+def test_live_flags_make_a_live_config_only_with_a_live_teacher():
+    from logitstore.trainer.live import LiveTeacherError
+
+    assert LiveConfig.from_flags(None) is None
+    cfg = LiveConfig.from_flags("default", top_k=8, max_length=64)
+    assert (cfg.teacher, cfg.text_column, cfg.max_length, cfg.sparsity) == (None, "text", 64, Sparsity(k=8))
+    with pytest.raises(LiveTeacherError, match="--max-length, --temperature only apply with --live-teacher"):
+        LiveConfig.from_flags(None, max_length=64, temperature=2.0)

@@ -68,7 +68,7 @@ def test_bad_sparsity_names_the_flag(bad):
 
 
 def test_the_cli_default_is_sampled_except_where_probabilities_are_needed():
-    from logitstore.cli.app import _sparsity
+    from logitstore.pipelines.sparsify import SparsityError, sparsity_from_flags as _sparsity
 
     assert DEFAULT_SAMPLED == Sparsity(mode="sampled", n=16) and DEFAULT_TOPK == Sparsity(k=64)
     assert default_sparsity() == DEFAULT_SAMPLED
@@ -79,5 +79,5 @@ def test_the_cli_default_is_sampled_except_where_probabilities_are_needed():
     assert _sparsity(**{**flags, "top_k": 8}) == Sparsity(k=8)
     assert _sparsity(**{**flags, "top_p": 0.9}) == Sparsity(mode="topp", p=0.9, k=64)
     assert _sparsity(**{**flags, "sample": 4}) == Sparsity(mode="sampled", n=4)
-    with pytest.raises(Exception, match="choose one of --top-k and --sample"):
+    with pytest.raises(SparsityError, match="choose one of --top-k and --sample"):
         _sparsity(**{**flags, "top_k": 8, "sample": 4})

@@ -74,6 +74,25 @@ class LiveConfig:
     dtype: str = "auto"
     quantize: bool = True
 
+    @classmethod
+    def from_flags(cls, live_teacher: str | None, *, data=None, text_column=None, id_column=None, max_length=None,
+                   top_k=None, top_p=None, sample=None, temperature=None) -> LiveConfig | None:
+        """`train --live-teacher` and its flags (None: not given); None without --live-teacher, where any
+        of these flags is refused (with --store the build fixed them: they would be silently ignored)."""
+        flags = {"--data": data, "--text-column": text_column, "--id-column": id_column, "--max-length": max_length,
+                 "--top-k": top_k, "--top-p": top_p, "--sample": sample, "--temperature": temperature}
+        given = [flag for flag, value in flags.items() if value is not None]
+        if live_teacher is None:
+            if given:
+                raise LiveTeacherError(f"{', '.join(given)} only apply with --live-teacher (a store's build fixed them)")
+            return None
+        from logitstore.pipelines.sparsify import default_sparsity, sparsity_from_flags
+
+        sparsity = sparsity_from_flags(top_k=top_k, top_p=top_p, sample=sample,
+                                       temperature=1.0 if temperature is None else temperature, default=default_sparsity())
+        return cls(teacher=live_teacher, data=data, text_column=text_column or "text", id_column=id_column,
+                   max_length=1024 if max_length is None else max_length, sparsity=sparsity)
+
     def __post_init__(self) -> None:
         from logitstore.pipelines.sparsify import Sparsity
 
