@@ -8,6 +8,9 @@ The Python API in two calls (the CLI, the trainer and the benchmarks use the sam
         for batch in batches:                                            # PackedBatch
             ...
 
+`logitstore.torch_dataset(view, ...)` is the same stream as a torch `IterableDataset`, and
+`logitstore.hf.DistillationTrainer` trains under `transformers.Trainer` from a store.
+
 Heavy modules (torch, the trainer) load on first use, so `import logitstore` stays cheap.
 """
 
@@ -35,6 +38,16 @@ def stream(view, *, seq_len: int, micro_batch: int, seed: int = 0, rank: int | N
     return store_stream(view, teacher=teacher, seq_len=seq_len, micro_batch=micro_batch, rank=rank,
                         world_size=world_size, seed=seed, split=split, eval_fraction=eval_fraction, prefetch=prefetch,
                         on_error=on_error, memory_budget=memory_budget)
+
+
+def torch_dataset(view, **stream_options):
+    """The version as a `torch.utils.data.IterableDataset` of packed micro-batches: `stream(view, ...)`,
+    which is one, with the same keywords. It shards by `torch.distributed` rank on its own, and by
+    DataLoader worker when read as `DataLoader(ds, batch_size=None, num_workers=W,
+    multiprocessing_context="spawn")` (the loader then yields the batches of one process, in order);
+    `state_dict()`/`load_state_dict()` resume it (through workers: each batch's `data_state`). For
+    `transformers.Trainer`, `logitstore.hf.DistillationTrainer` uses it."""
+    return stream(view, **stream_options)
 
 
 def _rank_and_world(rank: int | None, world_size: int | None) -> tuple[int, int]:

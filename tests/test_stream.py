@@ -480,3 +480,14 @@ def test_dataloader_workers_yield_the_batches_of_one_process_and_resume(tmp_path
 
 def many_parts_view():
     return build_store(f"memory://{uuid.uuid4().hex[:12]}", n=12, parts=4, max_tokens=70)
+
+
+def test_torch_dataset_is_the_stream_as_an_iterable_dataset(view):
+    import logitstore
+
+    ds = logitstore.torch_dataset(view, seq_len=SEQ, micro_batch=MB, seed=1, eval_fraction=0.05)
+    assert isinstance(ds, torch.utils.data.IterableDataset)
+    loaded = list(itertools.islice(iter(torch.utils.data.DataLoader(ds, batch_size=None)), 3))
+    for x, y in zip(loaded, take(stream(view), 3)):
+        assert_same(x, y)
+    ds.close()

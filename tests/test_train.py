@@ -159,3 +159,46 @@ def test_gpu_levers_leave_the_losses_unchanged(store, tmp_path):
     events = list((levers / "tensorboard").glob("events.out.tfevents.*"))
     assert events and events[0].stat().st_size > 100
 
+
+
+def test_transformers_trainer_distils_from_a_store_like_logitstore_train(store, tmp_path):
+    # logitstore.hf.DistillationTrainer: the same stream, student and loss code under transformers.Trainer.
+    import logitstore
+    from transformers import TrainingArguments
+
+    from logitstore.hf import DistillationTrainer
+    from logitstore.trainer.model import build_student
+
+    reference = tmp_path / "reference"
+    launch(TrainConfig.from_flags(store=store, out=str(reference), steps=1, **COMMON))
+    view = logitstore.open(store)
+    model, _ = build_student("llama-tiny", vocab_size=view.teachers[view.teacher_name(None)].vocab_size, seed=0)
+    args = TrainingArguments(output_dir=str(tmp_path / "hf"), max_steps=24, per_device_train_batch_size=COMMON["micro_batch"],
+                             learning_rate=COMMON["lr"], warmup_steps=2, logging_steps=1, seed=0, report_to=[],
+                             save_strategy="no", use_cpu=True)
+    trainer = DistillationTrainer(model, args, store=store, seq_len=COMMON["seq_len"],
+                                  eval_fraction=COMMON["eval_fraction"])
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert logs[0]["loss"] == pytest.approx(metrics(reference)[0]["loss"], abs=1e-3)  # Trainer rounds to 4 digits
+    kd = [h["kd"] for h in logs]
+    assert sum(kd[-3:]) / 3 < sum(kd[:3]) / 3 - 0.5, kd
+
+
+def test_the_readme_trainer_snippet_runs_as_written(store, tmp_path, capsys):
+    import os
+    import re
+    import runpy
+
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    section = readme.split("## Use it from `transformers.Trainer`", 1)[1]
+    (tmp_path / "snippet.py").write_text(re.search(r"```python\n(.*?)```", section, re.S).group(1))
+    os.symlink(store, tmp_path / "quick")  # the quick path's store, as the snippet names it
+    cwd = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        runpy.run_path(str(tmp_path / "snippet.py"), run_name="__main__")
+    finally:
+        os.chdir(cwd)
+    printed = capsys.readouterr().out.strip().splitlines()[-1]
+    assert printed.startswith("[(5, ") and "(10, " in printed

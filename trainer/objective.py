@@ -49,7 +49,8 @@ class StudentOutputs:
 def student_outputs(model, batch, device) -> StudentOutputs:
     """Run the student on a packed micro-batch: its hidden states at the supervised positions."""
     captured = {}
-    decoder = model.get_decoder()
+    inner = getattr(model, "module", model)  # the model inside a DDP wrapper (Trainer's); FSDP2 wraps none
+    decoder = inner.get_decoder()
     hook = decoder.register_forward_hook(lambda _m, _args, out: captured.__setitem__("hidden", out.last_hidden_state))
     try:
         model(input_ids=batch.input_ids.to(device, non_blocking=True),
@@ -60,7 +61,7 @@ def student_outputs(model, batch, device) -> StudentOutputs:
         hook.remove()
     hidden = captured["hidden"]
     hidden = hidden.reshape(-1, hidden.shape[-1])[batch.positions.to(device, non_blocking=True)]
-    return StudentOutputs(hidden=hidden, weight=model.get_output_embeddings().weight)
+    return StudentOutputs(hidden=hidden, weight=inner.get_output_embeddings().weight)
 
 
 def batch_loss(outputs: StudentOutputs, batch, cfg: LossConfig, *, device,

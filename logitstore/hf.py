@@ -1,0 +1,90 @@
+"""logitstore inside Hugging Face `transformers.Trainer`: `DistillationTrainer` trains any causal LM from a
+store version with the same stream and the same loss code as `logitstore train`, so a Trainer user keeps
+its callbacks, logging (`report_to`), checkpointing and accelerate/DeepSpeed/FSDP configurations.
+
+    from transformers import AutoModelForCausalLM, TrainingArguments
+    from logitstore.hf import DistillationTrainer
+
+    model = AutoModelForCausalLM.from_pretrained("path/to/student")
+    args = TrainingArguments(output_dir="run", max_steps=100, learning_rate=3e-4, logging_steps=10,
+                             per_device_train_batch_size=4)    # rows of seq_len tokens per device
+    DistillationTrainer(model, args, store="s3://bucket/distill", version="v1", seq_len=1024).train()
+
+What it does differently from a plain Trainer: the training data is `logitstore.stream(view, ...)`
+(packed rows, sharded by `torch.distributed` rank, resumable), handed over whole (no collation, no
+accelerate re-sharding); the student runs with the segment attention (`trainer/attention.py`, no L x L
+mask) and the loss is `trainer.objective.batch_loss` on its hidden states (the chunked head): `kd` and
+`ce` are logged beside `loss`. `args.per_device_train_batch_size` is the micro-batch in rows,
+`args.max_steps` is required (the stream is endless), `args.seed` seeds the data order.
+
+Not done yet (README): live teachers, TRL's trainers, Trainer's evaluation loop over the held-out split
+(use `logitstore eval` on the saved model).
+"""
+
+from __future__ import annotations
+
+from transformers import Trainer
+
+import logitstore
+from logitstore.errors import LogitstoreError
+from logitstore.trainer.attention import ATTENTION
+from logitstore.trainer.attention import register as register_attention
+from logitstore.trainer.losses import LossConfig
+from logitstore.trainer.objective import batch_loss, student_outputs
+
+
+class DistillationTrainer(Trainer):
+    """A `transformers.Trainer` whose training data and loss come from a logitstore store version."""
+
+    def __init__(self, model, args, *, store: str, version: str | None = None, seq_len: int = 1024,
+                 loss: str | LossConfig = "forward_kl", teacher: str | None = None, eval_fraction: float = 0.05,
+                 memory_budget: int | str | None = None, **trainer_kwargs):
+        if args.max_steps is None or args.max_steps <= 0:
+            raise LogitstoreError("DistillationTrainer needs TrainingArguments(max_steps=N): the stream is endless")
+        self.loss_config = loss if isinstance(loss, LossConfig) else LossConfig(kind=loss)
+        self.view = logitstore.open(store, version)
+        self.stream_options = dict(seq_len=seq_len, teacher=teacher, eval_fraction=eval_fraction,
+                                   memory_budget=memory_budget)
+        register_attention()
+        model.config._attn_implementation = ATTENTION  # packed rows: segments attend within themselves
+        self._parts: dict[str, list[float]] = {}
+        super().__init__(model=model, args=args, **trainer_kwargs)
+
+    def get_train_dataloader(self):
+        """The store's stream, one packed micro-batch per item. Not passed through accelerate: the stream
+        shards by rank itself, and its batches are whole (a `PackedBatch` is no dict of tensors)."""
+        self.stream = logitstore.stream(self.view, micro_batch=self.args.per_device_train_batch_size,
+                                        seed=self.args.seed, **self.stream_options)
+        return _Batches(self.stream, steps=self.args.max_steps * self.args.gradient_accumulation_steps)
+
+    def compute_loss(self, model, inputs, return_outputs: bool = False, num_items_in_batch=None):
+        batch = inputs["packed"]
+        loss, parts = batch_loss(student_outputs(model, batch, self.args.device), batch, self.loss_config,
+                                 device=self.args.device)
+        for key in ("kd", "ce"):
+            self._parts.setdefault(key, []).append(parts[key])
+        return (loss, None) if return_outputs else loss
+
+    def log(self, logs: dict, *args, **kwargs) -> None:
+        if "loss" in logs:  # training logs: the mean KD and CE since the last one, beside Trainer's loss
+            for key, values in self._parts.items():
+                if values:
+                    logs[key] = sum(values) / len(values)
+            self._parts = {}
+        super().log(logs, *args, **kwargs)
+
+
+class _Batches:
+    """What Trainer iterates: `{"packed": PackedBatch}` items, `steps` of them (Trainer asks for a length)."""
+
+    def __init__(self, stream, *, steps: int):
+        self.stream, self.steps = stream, steps
+
+    def __len__(self) -> int:
+        return self.steps
+
+    def __iter__(self):
+        for i, batch in enumerate(self.stream):
+            if i >= self.steps:
+                return
+            yield {"packed": batch}
