@@ -62,7 +62,9 @@ def load_tokenizer(path: str):
     line naming the path, since the path came from the user."""
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-    full = os.path.expanduser(path)
+    from logitstore.hub import is_hub_id, local_folder
+
+    full = str(local_folder(path, flag="--student-tokenizer")) if is_hub_id(path) else os.path.expanduser(path)
     if not os.path.exists(full):
         raise TokenizerError(f"tokenizer {path!r}: no such file or directory")
     try:

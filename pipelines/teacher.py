@@ -15,6 +15,7 @@ import functools
 import hashlib
 import importlib.util
 import json
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ from typing import Any
 import torch
 
 from logitstore.errors import LogitstoreError
+from logitstore.hub import is_hub_id, local_folder, repo_name
 
 DEFAULT_TEACHER = "smollm2-135m-instruct"
 
@@ -89,12 +91,16 @@ def resolve_teacher(spec: str | None) -> TeacherSpec:
     """Turn a user's teacher argument into a `TeacherSpec`.
 
     Accepts None or "default", a builtin name (see `BUILTIN_TEACHERS`), a local
-    Hugging Face model directory (with config.json), or a path to a .gguf file.
+    Hugging Face model directory (with config.json), a path to a .gguf file, or a Hub id
+    (`org/name[@revision]`, `logitstore/hub.py`) where no such path exists.
     """
     if spec is None or spec == "default":
         spec = DEFAULT_TEACHER
     if spec in BUILTIN_TEACHERS:
         return _resolve_builtin(spec)
+    if is_hub_id(spec):  # org/name[@revision]: from the local Hugging Face cache, offline first
+        resolved = _resolve_hf_dir(local_folder(spec, flag="--teacher"))
+        return dataclasses.replace(resolved, name=repo_name(spec))  # not the snapshot folder's commit hash
     path = Path(spec).expanduser()
     if not path.exists():
         known = ", ".join(sorted(BUILTIN_TEACHERS))

@@ -66,7 +66,9 @@ def student_tokenizer_hash(spec: str) -> str | None:
 
 
 def _model_dir(spec: str) -> Path:
-    path = Path(spec)
+    from logitstore.hub import is_hub_id, local_folder
+
+    path = local_folder(spec, flag="--student") if is_hub_id(spec) else Path(spec)
     if not (path / "config.json").is_file():
         names = ", ".join(BUILTIN_STUDENTS)
         raise StudentError(f"--student {spec!r}: not a model directory with config.json, nor a built-in ({names})")
