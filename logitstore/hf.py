@@ -17,8 +17,10 @@ mask) and the loss is `trainer.objective.batch_loss` on its hidden states (the c
 `ce` are logged beside `loss`. `args.per_device_train_batch_size` is the micro-batch in rows,
 `args.max_steps` is required (the stream is endless), `args.seed` seeds the data order.
 
-Not done yet (README): live teachers, TRL's trainers, Trainer's evaluation loop over the held-out split
-(use `logitstore eval` on the saved model).
+`evaluate()` measures the held-out split (`eval_kl`, `eval_ce`), as `logitstore eval` does.
+
+Not done yet (README): live teachers, TRL's trainers, resuming a Trainer checkpoint at the same data
+position.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from logitstore.errors import LogitstoreError
 from logitstore.trainer.attention import ATTENTION
 from logitstore.trainer.attention import register as register_attention
 from logitstore.trainer.losses import LossConfig
-from logitstore.trainer.objective import batch_loss, student_outputs
+from logitstore.trainer.objective import batch_loss, evaluation_loss, student_outputs
 
 
 class DistillationTrainer(Trainer):
@@ -64,6 +66,35 @@ class DistillationTrainer(Trainer):
         for key in ("kd", "ce"):
             self._parts.setdefault(key, []).append(parts[key])
         return (loss, None) if return_outputs else loss
+
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
+        """The held-out split (`eval_fraction` of sample ids, as `logitstore train` holds out): the mean
+        forward KL to the teacher (`eval_kl`) and CE (`eval_ce`) over its supervised positions, the same
+        numbers as `logitstore eval`. Trainer's own evaluation loop and `eval_dataset` are not used."""
+        import torch
+        import torch.distributed as dist
+
+        model = self.model
+        was_training = model.training
+        model.eval()
+        sums = torch.zeros(3, dtype=torch.float64)  # kd x positions, ce x positions, positions
+        with logitstore.stream(self.view, micro_batch=self.args.per_device_eval_batch_size, seed=self.args.seed,
+                               split="eval", **self.stream_options) as batches, torch.no_grad():
+            for batch in batches:
+                _, parts = batch_loss(student_outputs(model, batch, self.args.device), batch,
+                                      evaluation_loss(self.loss_config), device=self.args.device, evaluation=True)
+                n = len(batch.positions)
+                sums += torch.tensor([parts["kd"] * n, parts["ce"] * n, n], dtype=torch.float64)
+        if dist.is_available() and dist.is_initialized():
+            device = self.args.device if dist.get_backend() == "nccl" else "cpu"
+            sums = sums.to(device)
+            dist.all_reduce(sums)
+            sums = sums.cpu()
+        model.train(was_training)
+        n = max(float(sums[2]), 1e-9)
+        metrics = {f"{metric_key_prefix}_kl": float(sums[0]) / n, f"{metric_key_prefix}_ce": float(sums[1]) / n}
+        self.log(metrics)
+        return metrics
 
     def log(self, logs: dict, *args, **kwargs) -> None:
         if "loss" in logs:  # training logs: the mean KD and CE since the last one, beside Trainer's loss

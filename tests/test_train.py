@@ -178,7 +178,10 @@ def test_transformers_trainer_distils_from_a_store_like_logitstore_train(store, 
                              save_strategy="no", use_cpu=True)
     trainer = DistillationTrainer(model, args, store=store, seq_len=COMMON["seq_len"],
                                   eval_fraction=COMMON["eval_fraction"])
+    before = trainer.evaluate()
     trainer.train()
+    after = trainer.evaluate()
+    assert after["eval_kl"] < before["eval_kl"] - 0.5 and after["eval_ce"] > 0  # the held-out split, as in eval
     logs = [h for h in trainer.state.log_history if "loss" in h]
     assert logs[0]["loss"] == pytest.approx(metrics(reference)[0]["loss"], abs=1e-3)  # Trainer rounds to 4 digits
     kd = [h["kd"] for h in logs]
