@@ -254,7 +254,9 @@ def verify(store: StoreArg, version: VersionOpt = None, json_out: JsonOpt = Fals
 @app.command()
 @user_errors
 def build(
-    data: Annotated[Optional[str], typer.Option(rich_help_panel="Data", help="JSONL, Parquet, Arrow, CSV, a folder of those, or a saved datasets folder (default: the shipped sample corpus).")] = None,
+    data: Annotated[Optional[str], typer.Option(rich_help_panel="Data", help="JSONL, Parquet, Arrow, CSV, a folder of those, a saved datasets folder, or a datasets name (default: the shipped sample corpus).")] = None,
+    split: Annotated[Optional[str], typer.Option(rich_help_panel="Data", help="With a datasets name or folder: the split to read (default train).")] = None,
+    data_config: Annotated[Optional[str], typer.Option(rich_help_panel="Data", help="With a datasets name: its configuration (subset).")] = None,
     text_column: Annotated[str, typer.Option(rich_help_panel="Data", help="Column holding the text.")] = "text",
     id_column: Annotated[Optional[str], typer.Option(rich_help_panel="Data", help='Column holding document ids (default: the input\'s "id" column where it has one, else a hash of the text; "" for hashes always).')] = None,
     ids_column: Annotated[Optional[str], typer.Option(rich_help_panel="Data", help="Column of pre-tokenized teacher token ids (instead of text).")] = None,
@@ -283,9 +285,10 @@ def build(
     json_out: Annotated[bool, typer.Option("--json", help="Print machine-readable JSON.", rich_help_panel="Output")] = False,
 ) -> None:
     """Run a teacher over a dataset and commit its sparse next-token distributions as a new version."""
-    from logitstore.pipelines.data import check_input
+    from logitstore.pipelines.data import check_input, dataset_source
 
     # The input before anything heavy (torch, a teacher, a store): a wrong path or column shows in ~1 s.
+    data = dataset_source(data, split=split, config=data_config)
     check_input(data, text_column=text_column, id_column=id_column, ids_column=ids_column)
     from logitstore.codec import GRIDS
     from logitstore.pipelines.build import BuildConfig, run_builds, summary_json

@@ -54,7 +54,7 @@ class BuildConfig:
 
     store: str = DEFAULT_STORE
     teacher: str | None = None
-    data: str | None = None
+    data: str | data_io.HubDataset | None = None  # a path, or a datasets name (`data_io.dataset_source`)
     text_column: str = "text"
     id_column: str | None = None
     ids_column: str | None = None

@@ -9,7 +9,11 @@
   paths (formats may be mixed; hidden files and folders, named ".*", are skipped);
 - a folder written by Hugging Face `datasets`' `save_to_disk` (it holds `state.json` and
   `dataset_info.json`): its `data-*.arrow` files in the order `state.json` lists them;
-- nothing (`None`): the shipped sample corpus, with its `id` column as document ids.
+- nothing (`None`): the shipped sample corpus, with its `id` column as document ids;
+- a `HubDataset` (`build --data NAME --split S --data-config C`): a Hugging Face `datasets` name or a
+  local dataset folder, through `datasets.load_dataset(..., streaming=True)` (the optional `datasets`
+  package), 1,024 rows at a time. `dataset_source` decides: a name that is no local path, or any
+  `--split`/`--data-config`, goes through `datasets`; a plain local file or folder does not.
 
 Everything is read record batch by record batch, and only the columns asked for, so memory stays
 bounded by a batch (a few MB), not by the size of the data.
@@ -137,6 +141,30 @@ def text_hash(text: str) -> str:
 def ids_hash(token_ids: np.ndarray) -> str:
     """sha256 of the ids as little-endian int64 bytes, first 32 hex digits (pre-tokenized input)."""
     return hashlib.sha256(np.ascontiguousarray(token_ids, dtype="<i8").tobytes()).hexdigest()[:32]
+
+
+@dataclass(frozen=True)
+class HubDataset:
+    """A `datasets` dataset to stream: a Hub name (`org/name`) or a local dataset folder."""
+
+    name: str
+    config: str | None = None
+    split: str = "train"
+
+    def __str__(self) -> str:  # how messages name it
+        return f"{self.name}" + (f" ({self.config})" if self.config else "") + f" split {self.split!r}"
+
+
+def dataset_source(data: str | None, *, split: str | None = None, config: str | None = None):
+    """What `--data` (with `--split`/`--data-config`) reads: the path as given, or a `HubDataset` for a
+    name that is no local path, or wherever a split or configuration was asked for."""
+    if data is None:
+        if split is not None or config is not None:
+            raise DataError("--split and --data-config apply to a datasets name or folder given with --data")
+        return None
+    if split is None and config is None and Path(data).expanduser().exists():
+        return data
+    return HubDataset(name=data, config=config, split=split or "train")
 
 
 def check_input(
@@ -290,6 +318,8 @@ def _resolve(data) -> tuple[Path, list[tuple[Path, str]]]:
     """The input's root path and its files with their formats, in read order."""
     if data is None:
         return SAMPLE_CORPUS, [(SAMPLE_CORPUS, "jsonl")]
+    if isinstance(data, HubDataset):
+        return Path(data.name), [(data, "datasets")]
     root = Path(os.fspath(data)).expanduser()
     if not root.exists():
         raise DataError(f"{root}: no such file or folder")
@@ -503,7 +533,30 @@ def _arrow_batches(path: Path, roles: dict[str, str]) -> Iterator[pa.RecordBatch
                 yield batch.select(list(roles))
 
 
-_READERS = {"jsonl": _jsonl_batches, "csv": _csv_batches, "parquet": _parquet_batches, "arrow": _arrow_batches}
+def _datasets_batches(source: HubDataset, roles: dict[str, str]) -> Iterator[pa.RecordBatch]:
+    """Rows of a `datasets` dataset, streamed 1,024 at a time, only the columns asked for."""
+    try:
+        import datasets
+    except ImportError:
+        raise DataError(f"--data {source.name!r}: reading a datasets name needs the datasets package "
+                        "(pip install 'logitstore[hf]')") from None
+    try:
+        stream = datasets.load_dataset(source.name, source.config, split=source.split, streaming=True)
+        names = list(stream.features) if stream.features is not None else None
+        if names is None:  # features unknown until read: the first row's keys
+            names = list(next(iter(stream), {}).keys())
+        _check_columns(source, names, roles)
+        for batch in stream.iter(batch_size=1024):
+            yield pa.RecordBatch.from_pydict({column: batch[column] for column in roles})
+    except DataError:
+        raise
+    except Exception as exc:  # datasets raises ValueError, ConnectionError, FileNotFoundError, ... for one bad name
+        detail = " ".join(str(exc).split())[:240] or type(exc).__name__
+        raise DataError(f"--data {source}: {detail}") from None
+
+
+_READERS = {"jsonl": _jsonl_batches, "csv": _csv_batches, "parquet": _parquet_batches, "arrow": _arrow_batches,
+            "datasets": _datasets_batches}
 
 
 # ---------------------------------------------------------------------------------------------
