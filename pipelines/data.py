@@ -38,6 +38,7 @@ import hashlib
 import io
 import json
 import os
+import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -155,14 +156,21 @@ class HubDataset:
         return f"{self.name}" + (f" ({self.config})" if self.config else "") + f" split {self.split!r}"
 
 
+# `org/name`: a Hub dataset id. Without --split/--data-config, only this shape (and no local path of that
+# name, and no data file extension) is taken for a datasets name: a mistyped local path stays one.
+_DATASET_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
+
+
 def dataset_source(data: str | None, *, split: str | None = None, config: str | None = None):
-    """What `--data` (with `--split`/`--data-config`) reads: the path as given, or a `HubDataset` for a
-    name that is no local path, or wherever a split or configuration was asked for."""
+    """What `--data` (with `--split`/`--data-config`) reads: the path as given, or a `HubDataset` for an
+    `org/name` that is no local path, or wherever a split or configuration was asked for."""
     if data is None:
         if split is not None or config is not None:
             raise DataError("--split and --data-config apply to a datasets name or folder given with --data")
         return None
-    if split is None and config is None and Path(data).expanduser().exists():
+    named = (_DATASET_ID.fullmatch(data) and Path(data).suffix.lower() not in FORMATS
+             and not Path(data).expanduser().exists())
+    if split is None and config is None and not named:
         return data
     return HubDataset(name=data, config=config, split=split or "train")
 
