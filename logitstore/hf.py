@@ -32,7 +32,7 @@ from logitstore.errors import LogitstoreError
 from logitstore.trainer.attention import ATTENTION
 from logitstore.trainer.attention import register as register_attention
 from logitstore.trainer.losses import LossConfig
-from logitstore.trainer.objective import batch_loss, evaluation_loss, student_outputs
+from logitstore.trainer.objective import batch_loss, held_out_metrics, student_outputs
 
 
 class DistillationTrainer(Trainer):
@@ -71,28 +71,14 @@ class DistillationTrainer(Trainer):
         """The held-out split (`eval_fraction` of sample ids, as `logitstore train` holds out): the mean
         forward KL to the teacher (`eval_kl`) and CE (`eval_ce`) over its supervised positions, the same
         numbers as `logitstore eval`. Trainer's own evaluation loop and `eval_dataset` are not used."""
-        import torch
-        import torch.distributed as dist
-
         model = self.model
         was_training = model.training
         model.eval()
-        sums = torch.zeros(3, dtype=torch.float64)  # kd x positions, ce x positions, positions
         with logitstore.stream(self.view, micro_batch=self.args.per_device_eval_batch_size, seed=self.args.seed,
-                               split="eval", **self.stream_options) as batches, torch.no_grad():
-            for batch in batches:
-                _, parts = batch_loss(student_outputs(model, batch, self.args.device), batch,
-                                      evaluation_loss(self.loss_config), device=self.args.device, evaluation=True)
-                n = len(batch.positions)
-                sums += torch.tensor([parts["kd"] * n, parts["ce"] * n, n], dtype=torch.float64)
-        if dist.is_available() and dist.is_initialized():
-            device = self.args.device if dist.get_backend() == "nccl" else "cpu"
-            sums = sums.to(device)
-            dist.all_reduce(sums)
-            sums = sums.cpu()
+                               split="eval", **self.stream_options) as batches:
+            measured = held_out_metrics(model, batches, self.loss_config, device=self.args.device)
         model.train(was_training)
-        n = max(float(sums[2]), 1e-9)
-        metrics = {f"{metric_key_prefix}_kl": float(sums[0]) / n, f"{metric_key_prefix}_ce": float(sums[1]) / n}
+        metrics = {f"{metric_key_prefix}_{key.removeprefix('eval_')}": value for key, value in measured.items()}
         self.log(metrics)
         return metrics
 

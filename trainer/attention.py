@@ -52,12 +52,10 @@ class SegmentPlan:
     index: list[torch.Tensor]
     keep: list[torch.Tensor]
     inverse: torch.Tensor
-    shape: tuple[int, int]  # (B, L)
 
     def to(self, device) -> SegmentPlan:
         move = lambda ts: [t.to(device, non_blocking=True) for t in ts]
-        return SegmentPlan(index=move(self.index), keep=move(self.keep), inverse=self.inverse.to(device, non_blocking=True),
-                           shape=self.shape)
+        return SegmentPlan(index=move(self.index), keep=move(self.keep), inverse=self.inverse.to(device, non_blocking=True))
 
 
 def plan_segments(position_ids: torch.Tensor) -> SegmentPlan:
@@ -81,7 +79,7 @@ def plan_segments(position_ids: torch.Tensor) -> SegmentPlan:
         order.append(idx[slot_ok])
     inverse = np.empty(B * L, dtype=np.int64)
     inverse[np.concatenate(order)] = np.arange(B * L)
-    return SegmentPlan(index=index, keep=keep, inverse=torch.from_numpy(inverse), shape=(B, L))
+    return SegmentPlan(index=index, keep=keep, inverse=torch.from_numpy(inverse))
 
 
 def segment_attention(module, query, key, value, attention_mask, *, scaling: float | None = None,

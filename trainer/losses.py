@@ -156,15 +156,9 @@ def chunked_distill_loss(hidden: Tensor, weight: Tensor, targets: SparseTargets,
         raise ValueError(f"hidden must be [P, d] with P = {n} and weight [V, d]; got {tuple(hidden.shape)} and "
                          f"{tuple(weight.shape)}")
     bounds = chunk_bounds(n, chunk=chunk or chunk_positions(weight))
-    cuts = torch.tensor([a for a, _ in bounds] + [n], device=targets.entry_pos.device)
-    entry_cuts = torch.searchsorted(targets.entry_pos, cuts).tolist()  # one device sync for all chunks
-    entries = {a: (entry_cuts[i], entry_cuts[i + 1]) for i, (a, _) in enumerate(bounds)}
-
-    def loss_of_chunk(logits: Tensor, a: int, b: int) -> tuple[Tensor, dict[str, float]]:
-        loss, parts = distill_loss(logits, slice_targets(targets, a, b, *entries[a]), cfg)
-        return loss, parts
-
-    loss, parts = chunked_head_loss(hidden, weight, loss_of_chunk, bounds=bounds, n=n)
+    slice_at = position_slicer(targets, bounds)
+    loss, parts = chunked_head_loss(hidden, weight, lambda logits, a, b: distill_loss(logits, slice_at(a, b), cfg),
+                                    bounds=bounds, n=n)
     return loss, {"kd": 0.0, "ce": 0.0, "loss": 0.0, **parts}  # an empty micro-batch: zeros
 
 
@@ -235,8 +229,18 @@ class _ChunkedHead(torch.autograd.Function):
             None, None, None, None
 
 
-def slice_targets(t: SparseTargets, a: int, b: int, e0: int, e1: int) -> SparseTargets:
-    """Positions [a, b) and their entries [e0, e1) (entry_pos is non-decreasing), renumbered from 0."""
+def position_slicer(t: SparseTargets, bounds: list[tuple[int, int]]):
+    """`slice_at(a, b)`: the targets at positions [a, b) of the chunk spans `bounds`, renumbered from 0.
+    The entries of every span are found in one search (entry_pos is non-decreasing): one device sync
+    for all chunks, not one per chunk."""
+    cuts = torch.tensor([a for a, _ in bounds] + [t.n_positions], device=t.entry_pos.device)
+    entry_cuts = torch.searchsorted(t.entry_pos, cuts).tolist()
+    entries = {a: (entry_cuts[i], entry_cuts[i + 1]) for i, (a, _) in enumerate(bounds)}
+    return lambda a, b: _slice_targets(t, a, b, *entries[a])
+
+
+def _slice_targets(t: SparseTargets, a: int, b: int, e0: int, e1: int) -> SparseTargets:
+    """Positions [a, b) and their entries [e0, e1), renumbered from 0."""
     return SparseTargets(
         entry_ids=t.entry_ids[e0:e1], entry_logprobs=t.entry_logprobs[e0:e1], entry_pos=t.entry_pos[e0:e1] - a,
         tail=t.tail[a:b], target_ids=t.target_ids[a:b], target_logprobs=t.target_logprobs[a:b],

@@ -25,8 +25,8 @@ import torch
 from torch import Tensor
 
 from logitstore.trainer.attention import plan_segments
-from logitstore.trainer.losses import (LossConfig, SparseTargets, ce_term, chunk_bounds,
-                                       chunk_positions, chunked_distill_loss, chunked_head_loss, kd_term, slice_targets)
+from logitstore.trainer.losses import (LossConfig, SparseTargets, ce_term, chunk_bounds, chunk_positions,
+                                       chunked_distill_loss, chunked_head_loss, kd_term, position_slicer)
 
 
 def evaluation_loss(cfg: LossConfig) -> LossConfig:
@@ -73,6 +73,50 @@ def batch_loss(outputs: StudentOutputs, batch, cfg: LossConfig, *, device,
     return mixed_loss(outputs, batch, cfg, device=device, indicator=evaluation)
 
 
+@torch.no_grad()
+def held_out_metrics(model, batches, cfg: LossConfig, *, device, weights: dict[str, float] | None = None,
+                     limit: int | None = None) -> dict[str, float]:
+    """Held-out means over `batches` (at most `limit`) and over every rank, per supervised position:
+    `eval_kl`, the forward KL to the teacher (tail as a bucket), and `eval_ce`. With several or
+    cross-tokenizer teachers, each one's mean KL over the positions it teaches (`eval_kl/<name>`; for a
+    cross-tokenizer teacher its 1:1-aligned positions), and `eval_kl` their mean by `weights`."""
+    totals: dict[str, float] = {"n": 0.0}
+    for i, batch in enumerate(batches):
+        if limit is not None and i >= limit:
+            break
+        _, parts = batch_loss(student_outputs(model, batch, device), batch, evaluation_loss(cfg), device=device,
+                              evaluation=True)
+        if batch.signals is None:
+            parts = {"kd": parts["kd"], "ce": parts["ce"]}
+        else:
+            total_weight = sum(weights.values())
+            parts = {"kd": sum(w * parts[f"kl/{name}"] for name, w in weights.items()) / total_weight, "ce": parts["ce"],
+                     **{k: v for k, v in parts.items() if k.startswith("kl/") or k.endswith("_share")}}
+        weight = len(batch.positions)  # per-position means: a short (padded) last batch counts less
+        for k, v in parts.items():
+            totals[k] = totals.get(k, 0.0) + v * weight
+        totals["n"] += weight
+    reduced = all_reduce_mean(totals)  # a mean of sums over ranks: the ratio below is the global mean
+    n = max(reduced.pop("n"), 1e-9)
+    out = {"eval_kl": reduced.pop("kd") / n, "eval_ce": reduced.pop("ce") / n}
+    out.update({f"eval_{k}": v / n for k, v in reduced.items()})
+    return out
+
+
+def all_reduce_mean(values: dict[str, float]) -> dict[str, float]:
+    """The mean over the ranks of each value (the values themselves without a process group)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return dict(values)
+    keys = sorted(values)
+    # NCCL reduces device tensors only; gloo takes CPU ones
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    t = torch.tensor([values[k] for k in keys], dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return {k: float(v) / dist.get_world_size() for k, v in zip(keys, t.tolist())}
+
+
 def sparse_targets(batch, device) -> SparseTargets:
     """The single teacher's targets of a batch, on `device`."""
     counts = batch.entry_counts
@@ -100,6 +144,8 @@ def mixed_loss(outputs: StudentOutputs, batch, cfg: LossConfig, *, device, indic
     P = len(batch.positions)
     target_ids = batch.target_ids.to(device)
     bounds = chunk_bounds(P, chunk=chunk or chunk_positions(outputs.weight), allowed=_whole_groups(signals, P))
+    slicers = {name: position_slicer(targets, bounds) for name, targets in signals
+               if not isinstance(targets, AlignedTargets)}
 
     def loss_of_chunk(logits: Tensor, a: int, b: int) -> tuple[Tensor, dict[str, float]]:
         kd = torch.zeros((), device=logits.device)
@@ -109,7 +155,7 @@ def mixed_loss(outputs: StudentOutputs, batch, cfg: LossConfig, *, device, indic
                 term, sub = aligned_kd(logits, slice_aligned(targets, a, b), uld_weight=cfg.uld_weight)
                 parts[f"kl/{name}"] = sub["exact"] if indicator else sub["kd"]
             else:
-                term = kd_term(logits, slice_positions(targets, a, b), cfg)
+                term = kd_term(logits, slicers[name](a, b), cfg)
                 parts[f"kl/{name}"] = float(term.detach())
             kd = kd + term
         if cfg.alpha > 0:
@@ -132,12 +178,6 @@ def mixed_loss(outputs: StudentOutputs, batch, cfg: LossConfig, *, device, indic
     parts.update({"signal_share": counts["signal_positions"] / max(counts["positions"], 1),
                   "exact_share": counts["exact_positions"] / max(counts["positions"], 1)})
     return loss, parts
-
-
-def slice_positions(t: SparseTargets, a: int, b: int) -> SparseTargets:
-    """A same-tokenizer teacher's targets at positions [a, b), renumbered from 0."""
-    e0, e1 = torch.searchsorted(t.entry_pos, torch.tensor([a, b], device=t.entry_pos.device)).tolist()
-    return slice_targets(t, a, b, e0, e1)
 
 
 def slice_aligned(t, a: int, b: int):

@@ -15,7 +15,6 @@ already names rank and world size and the same code runs. CPU uses gloo, CUDA us
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import math
 import os
@@ -32,7 +31,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from logitstore.errors import LogitstoreError
 from logitstore.trainer import checkpoint, run_folder
 from logitstore.trainer.config import EVAL_ONLY, TrainConfig, TrainConfigError
-from logitstore.trainer.objective import batch_loss, evaluation_loss, student_outputs
+from logitstore.trainer.objective import all_reduce_mean, batch_loss, held_out_metrics, student_outputs
 
 
 # -- launching -----------------------------------------------------------------------------------
@@ -234,7 +233,7 @@ def _train_step(model, optimizer, batches, cfg: TrainConfig, device) -> tuple[di
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf"))
     grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
     optimizer.step()
-    reduced = _all_reduce_mean({**sums, "tokens": float(tokens)})
+    reduced = all_reduce_mean({**sums, "tokens": float(tokens)})
     tokens_all = int(round(reduced.pop("tokens") * dist.get_world_size()))
     return {**reduced, "grad_norm": float(grad_norm)}, tokens_all
 
@@ -356,15 +355,6 @@ def _lr_at(step: int, cfg: TrainConfig) -> float:
     return cfg.optim.lr * (cfg.optim.min_lr_ratio + (1 - cfg.optim.min_lr_ratio) * cosine)
 
 
-def _all_reduce_mean(values: dict[str, float]) -> dict[str, float]:
-    keys = sorted(values)
-    # NCCL reduces device tensors only; gloo takes CPU ones
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-    t = torch.tensor([values[k] for k in keys], dtype=torch.float64, device=device)
-    dist.all_reduce(t)
-    return {k: float(v) / dist.get_world_size() for k, v in zip(keys, t.tolist())}
-
-
 def _train_state(step: int, stream, signal) -> dict:
     return {"step": step, "data": stream.state_dict(), "rng": torch.get_rng_state().tolist(), "snapshot": signal.snapshot}
 
@@ -400,37 +390,14 @@ def _final_evaluation(model, signal, *, cfg: TrainConfig, device, rank: int) -> 
 # -- evaluation and export -------------------------------------------------------------------------
 
 
-@torch.no_grad()
 def evaluate(model, signal, *, cfg: TrainConfig, device) -> dict:
-    """Mean forward KL to the stored teacher (tail as a bucket) and CE on the held-out split. With several
-    or cross-tokenizer teachers: each teacher's mean KL over the positions it teaches (`eval_kl/<name>`;
-    for a cross-tokenizer teacher its 1:1-aligned positions), and `eval_kl` their weighted mean."""
-    sources = signal.sources
+    """The held-out split's metrics (`objective.held_out_metrics`) over at most `--eval-batches` batches."""
     stream = signal.stream(cfg, rank=dist.get_rank(), world_size=dist.get_world_size(), split="eval")
-    totals: dict[str, float] = {"n": 0.0}
     try:
-        for i, batch in enumerate(stream):
-            if i >= cfg.schedule.eval_batches:
-                break
-            _, parts = batch_loss(student_outputs(model, batch, device), batch, evaluation_loss(cfg.loss),
-                                  device=device, evaluation=True)
-            if batch.signals is None:
-                parts = {"kd": parts["kd"], "ce": parts["ce"]}
-            else:
-                total_weight = sum(s.weight for s in sources)
-                parts = {"kd": sum(s.weight * parts[f"kl/{s.name}"] for s in sources) / total_weight, "ce": parts["ce"],
-                         **{k: v for k, v in parts.items() if k.startswith("kl/") or k.endswith("_share")}}
-            weight = len(batch.positions)  # per-position means: a short (padded) last batch counts less
-            for k, v in parts.items():
-                totals[k] = totals.get(k, 0.0) + v * weight
-            totals["n"] += weight
+        return held_out_metrics(model, stream, cfg.loss, device=device, limit=cfg.schedule.eval_batches,
+                                weights={s.name: s.weight for s in signal.sources})
     finally:
         stream.close()
-    reduced = _all_reduce_mean(totals)  # a mean of sums over ranks: the ratio below is the global mean
-    n = max(reduced.pop("n"), 1e-9)
-    out = {"eval_kl": reduced.pop("kd") / n, "eval_ce": reduced.pop("ce") / n}
-    out.update({f"eval_{k}": v / n for k, v in reduced.items()})
-    return out
 
 
 def _export_final(model, tokenizer, *, out: Path) -> None:
