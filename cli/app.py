@@ -39,6 +39,7 @@ Engine = Literal["torch", "vllm"]
 OnError = Literal["raise", "skip"]
 OnDuplicate = Literal["error", "replace", "skip"]
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
+TrainOn = Literal["completion", "prompt+completion"]  # logitstore.chat.TRAIN_ON (a test keeps them equal)
 
 
 def _no_placeholder_for_flags(display_type_rich):
@@ -260,6 +261,8 @@ def build(
     text_column: Annotated[str, typer.Option(rich_help_panel="Data", help="Column holding the text.")] = "text",
     id_column: Annotated[Optional[str], typer.Option(rich_help_panel="Data", help='Column holding document ids (default: the input\'s "id" column where it has one, else a hash of the text; "" for hashes always).')] = None,
     ids_column: Annotated[Optional[str], typer.Option(rich_help_panel="Data", help="Column of pre-tokenized teacher token ids (instead of text).")] = None,
+    chat_column: Annotated[Optional[str], typer.Option(rich_help_panel="Data", help="Column of conversations (lists of {role, content}), rendered with the teacher's chat template; the assistant's tokens are the completion (README 'Chat data').")] = None,
+    train_on: Annotated[TrainOn, typer.Option(rich_help_panel="Data", help="Chat data: store teacher entries for the completion only (saves bytes and teacher work) or for prompt+completion.")] = "completion",
     max_length: Annotated[int, typer.Option(rich_help_panel="Data", help="Window length in teacher tokens; longer documents become windows overlapping by one token.")] = 1024,
     limit: Annotated[Optional[int], typer.Option(rich_help_panel="Data", help="Read only the input's first N documents: a quick trial.")] = None,
     teacher: Annotated[Optional[list[str]], typer.Option(rich_help_panel="Teacher", help="Hugging Face model directory, .gguf file, Hub id (org/name[@rev], local cache first), or built-in name (default: smollm2-135m-instruct). Repeat for several teachers.")] = None,
@@ -289,7 +292,7 @@ def build(
 
     # The input before anything heavy (torch, a teacher, a store): a wrong path or column shows in ~1 s.
     data = dataset_source(data, split=split, config=data_config)
-    check_input(data, text_column=text_column, id_column=id_column, ids_column=ids_column)
+    check_input(data, text_column=text_column, id_column=id_column, ids_column=ids_column, chat_column=chat_column)
     from logitstore.codec import GRIDS
     from logitstore.pipelines.build import BuildConfig, run_builds, summary_json
     from logitstore.pipelines.sparsify import default_sparsity, sparsity_from_flags
@@ -300,7 +303,7 @@ def build(
                       ids_column=ids_column, max_length=max_length, sparsity=sparsity, batch_tokens=batch_tokens,
                       device=device, dtype=dtype, workers=workers, ray_address=ray_address, message=message,
                       branch=branch, commit_every=commit_every, unit_tokens=unit_tokens, seed=seed, engine=engine,
-                      on_duplicate=on_duplicate, limit=limit)
+                      on_duplicate=on_duplicate, limit=limit, chat_column=chat_column, train_on=train_on)
     summary = run_builds(cfg, list(teacher or [None]))
     if json_out:
         typer.echo(summary_json(summary))
@@ -309,7 +312,8 @@ def build(
                    f"{summary.seconds:.1f} s ({summary.tokens_per_second:,.0f} tokens/s), "
                    f"{summary.bytes_per_token or 0:.1f} bytes/token; skipped {summary.skipped}, "
                    f"duplicates {summary.duplicates}, already stored {summary.already_stored}"
-                   + (f", changed {summary.changed} ({on_duplicate})" if summary.changed else ""))
+                   + (f", changed {summary.changed} ({on_duplicate})" if summary.changed else "")
+                   + (f", no assistant tokens {summary.no_completion}" if summary.no_completion else ""))
 
 
 @app.command()
@@ -329,6 +333,7 @@ def train(
     memory_budget: Annotated[Optional[str], typer.Option(rich_help_panel="Data", help="Stored data each process's stream holds in memory (e.g. 512MB; default 4GiB); a store larger than this is read in windows of parts, shuffled within each (README 'Streaming').")] = None,
     on_error: Annotated[OnError, typer.Option(rich_help_panel="Data", help="A damaged sample: raise (stop) or skip (and count).")] = "raise",
     eval_fraction: Annotated[float, typer.Option(rich_help_panel="Data", help="Share of samples held out, by sample id hash.")] = 0.05,
+    train_on: Annotated[TrainOn, typer.Option(rich_help_panel="Data", help="Chat data: supervise the completion (the assistant's tokens) or prompt+completion; plain text stores supervise every token either way.")] = "completion",
     student: Annotated[str, typer.Option(rich_help_panel="Student", help="Hugging Face causal-LM directory, Hub id (org/name[@rev]), or a built-in config (llama-tiny, llama-small, smollm2-135m).")] = "llama-tiny",
     nproc: Annotated[int, typer.Option(rich_help_panel="Student", help="Processes to launch (gloo on CPU, NCCL on CUDA).")] = 1,
     offload_optimizer: Annotated[bool, typer.Option("--offload-optimizer", rich_help_panel="Student", help="FSDP2 CPU offload of parameters, gradients and optimizer state.")] = False,
@@ -380,7 +385,7 @@ def train(
                       checkpoint_every=checkpoint_every, resume=resume, force=force,
                       offload_optimizer=offload_optimizer, on_error=on_error, activation_checkpointing=activation_checkpointing,
                       compile=compile, defer_grad_sync=defer_grad_sync, report_to=tuple(report_to or ()),
-                      global_batch_tokens=global_batch_tokens, tokens=tokens,
+                      global_batch_tokens=global_batch_tokens, tokens=tokens, train_on=train_on,
                       **({"memory_budget": memory_budget} if memory_budget is not None else {}))
     final = launch(cfg)
     if json_out:
@@ -400,13 +405,14 @@ def eval_(
     teacher: Annotated[Optional[str], typer.Option(help="Teacher name, when the store holds several.")] = None,
     seq_len: Annotated[int, typer.Option(help="Tokens per packed row.")] = 256,
     eval_fraction: Annotated[float, typer.Option(help="Held-out share, as in training (1: every sample, for a store built from held-out text).")] = 0.05,
+    train_on: Annotated[TrainOn, typer.Option(help="Chat data: measure the completion's tokens only, or prompt+completion.")] = "completion",
     json_out: JsonOpt = False,
 ) -> None:
     """The student's mean KL to the stored teacher (`kl`) and cross-entropy (`ce`) on held-out samples."""
     from logitstore.trainer.train import run_eval
 
     result = run_eval(store=store, student=student, version=version, teacher=teacher, seq_len=seq_len,
-                      eval_fraction=eval_fraction)
+                      eval_fraction=eval_fraction, train_on=train_on)
     if json_out:
         _print_json(result)
     else:

@@ -26,18 +26,19 @@ def open(uri: str, version: str | None = None):  # noqa: A001 - the API reads as
 def stream(view, *, seq_len: int, micro_batch: int, seed: int = 0, rank: int | None = None,
            world_size: int | None = None, teacher: str | None = None, split: str = "train",
            memory_budget: int | str | None = None, eval_fraction: float = 0.05, on_error: str = "raise",
-           prefetch: int = 4):
+           prefetch: int = 4, train_on: str = "completion"):
     """Packed micro-batches of `seq_len` tokens from a version: an iterable of `PackedBatch` with
     `state_dict()`, `load_state_dict()` and `close()` (also a context manager). `rank` and `world_size`
     default to `torch.distributed`'s when it is initialised, else 0 and 1. `memory_budget` (bytes, or
     a string such as "512MB" or "2GiB"; default `trainer.stream.DEFAULT_MEMORY_BUDGET`, 4 GiB) bounds the
-    stored data held in memory and so the shuffle window; see the README's "Streaming" section."""
+    stored data held in memory and so the shuffle window; see the README's "Streaming" section. For chat
+    data, `train_on="completion"` keeps only the positions that predict the assistant's tokens."""
     from logitstore.trainer.stream import store_stream
 
     rank, world_size = _rank_and_world(rank, world_size)
     return store_stream(view, teacher=teacher, seq_len=seq_len, micro_batch=micro_batch, rank=rank,
                         world_size=world_size, seed=seed, split=split, eval_fraction=eval_fraction, prefetch=prefetch,
-                        on_error=on_error, memory_budget=memory_budget)
+                        on_error=on_error, memory_budget=memory_budget, train_on=train_on)
 
 
 def torch_dataset(view, **stream_options):

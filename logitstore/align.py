@@ -83,18 +83,19 @@ __all__ = ["align_groups", "encode_with_byte_ends", "token_byte_strings", "vocab
 # Tokenization with byte ends
 
 
-def encode_with_byte_ends(tokenizer, texts: list[str]) -> list[tuple[np.ndarray, np.ndarray]]:
+def encode_with_byte_ends(tokenizer, texts: list[str], *, add_special_tokens: bool = True) -> list[tuple[np.ndarray, np.ndarray]]:
     """Token ids and byte ends per text, from one batched tokenizer call.
 
     The ids are exactly what `tokenizer(texts)["input_ids"]` gives (special tokens included), so they
-    index the same positions as the teacher's stored distributions."""
+    index the same positions as the teacher's stored distributions. Rendered chat text holds its
+    special tokens already: pass `add_special_tokens=False`, as `apply_chat_template(tokenize=True)` does."""
     require_fast(tokenizer)
     if isinstance(texts, str):
         raise TypeError("encode_with_byte_ends takes a list of texts, not one str")
     texts = list(texts)
     if not texts:
         return []
-    id_lists, offset_lists = _encode(tokenizer, texts)
+    id_lists, offset_lists = _encode(tokenizer, texts, add_special_tokens=add_special_tokens)
     counts = np.fromiter((len(x) for x in id_lists), dtype=np.int64, count=len(texts))
     n = int(counts.sum())
     ids = np.fromiter(chain.from_iterable(id_lists), dtype=np.int64, count=n)
@@ -135,12 +136,12 @@ def encode_with_byte_ends(tokenizer, texts: list[str]) -> list[tuple[np.ndarray,
     return list(zip(np.split(ids, cut), np.split(ends, cut)))
 
 
-def _encode(tokenizer, texts):
+def _encode(tokenizer, texts, *, add_special_tokens: bool = True):
     if _is_raw(tokenizer):
-        encodings = tokenizer.encode_batch(texts)
+        encodings = tokenizer.encode_batch(texts, add_special_tokens=add_special_tokens)
         return [e.ids for e in encodings], [e.offsets for e in encodings]
     try:
-        enc = tokenizer(texts, return_offsets_mapping=True)
+        enc = tokenizer(texts, return_offsets_mapping=True, add_special_tokens=add_special_tokens)
     except NotImplementedError as exc:
         raise TokenizerError(f"{type(tokenizer).__name__} gives no offsets; logitstore needs a fast tokenizer") from exc
     return enc["input_ids"], enc["offset_mapping"]

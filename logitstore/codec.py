@@ -107,6 +107,7 @@ class EncodedSamples:
     tail: np.ndarray  # uint16 quantized log of the tail mass
     target_logprobs: np.ndarray  # uint16 quantized
     entry_counts: np.ndarray | None = None  # uint16
+    loss_mask: np.ndarray | None = None  # uint8 per token, chat data only
 
     def arrays(self) -> dict[str, np.ndarray]:
         out = {k: v for k, v in self.__dict__.items() if v is not None}
@@ -211,6 +212,7 @@ def encode(samples: SparseSamples, *, params: CodecParams, code_of_id: np.ndarra
         tail=quantize(_log_mass(samples.tail), params=params),
         target_logprobs=quantize(samples.target_logprobs, params=params),
         entry_counts=counts,
+        loss_mask=None if samples.loss_mask is None else samples.loss_mask.astype(np.uint8),
     )
 
 
@@ -240,6 +242,7 @@ def decode(enc: EncodedSamples, *, params: CodecParams, id_of_code: np.ndarray, 
         tail=tail,
         target_logprobs=dequantize(enc.target_logprobs, params=params),
         entry_counts=None if enc.entry_counts is None else enc.entry_counts.astype(np.int64),
+        loss_mask=enc.loss_mask,
     )
 
 

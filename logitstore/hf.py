@@ -15,7 +15,9 @@ What it does differently from a plain Trainer: the training data is `logitstore.
 accelerate re-sharding); the student runs with the segment attention (`trainer/attention.py`, no L x L
 mask) and the loss is `trainer.objective.batch_loss` on its hidden states (the chunked head): `kd` and
 `ce` are logged beside `loss`. `args.per_device_train_batch_size` is the micro-batch in rows,
-`args.max_steps` is required (the stream is endless), `args.seed` seeds the data order.
+`args.max_steps` is required (the stream is endless), `args.seed` seeds the data order. Chat stores
+supervise the assistant's tokens only (`train_on="completion"`, the default) or every token
+(`"prompt+completion"`, for a store built with that).
 
 `evaluate()` measures the held-out split (`eval_kl`, `eval_ce`), as `logitstore eval` does.
 
@@ -40,13 +42,13 @@ class DistillationTrainer(Trainer):
 
     def __init__(self, model, args, *, store: str, version: str | None = None, seq_len: int = 1024,
                  loss: str | LossConfig = "forward_kl", teacher: str | None = None, eval_fraction: float = 0.05,
-                 memory_budget: int | str | None = None, **trainer_kwargs):
+                 memory_budget: int | str | None = None, train_on: str = "completion", **trainer_kwargs):
         if args.max_steps is None or args.max_steps <= 0:
             raise LogitstoreError("DistillationTrainer needs TrainingArguments(max_steps=N): the stream is endless")
         self.loss_config = loss if isinstance(loss, LossConfig) else LossConfig(kind=loss)
         self.view = logitstore.open(store, version)
         self.stream_options = dict(seq_len=seq_len, teacher=teacher, eval_fraction=eval_fraction,
-                                   memory_budget=memory_budget)
+                                   memory_budget=memory_budget, train_on=train_on)
         register_attention()
         model.config._attn_implementation = ATTENTION  # packed rows: segments attend within themselves
         self._parts: dict[str, list[float]] = {}

@@ -108,8 +108,8 @@ def sample_hashes(enc: EncodedSamples, n_tokens: np.ndarray, *, students: list[S
     """blake2b-128 of each sample's encoded arrays (and its student tokens and alignment, if any).
     One Python iteration per sample, not per token."""
     token_off, position_off, entry_off = encoded_offsets(enc, n_tokens)
-    student_arrays = [(st.ids, _offsets(st.n_ids), st.groups, _offsets(st.n_groups)) for st in students]
-    per_token = [enc.input_ids]
+    student_arrays = [(st.ids, _offsets(st.n_ids), st.groups, _offsets(st.n_groups), st.loss_mask) for st in students]
+    per_token = [a for a in (enc.input_ids, enc.loss_mask) if a is not None]
     per_position = [enc.n_entries, enc.tail, enc.target_logprobs]
     per_entry = [a for a in (enc.entry_codes, enc.entry_logprobs, enc.entry_counts) if a is not None]
     out = []
@@ -119,9 +119,11 @@ def sample_hashes(enc: EncodedSamples, n_tokens: np.ndarray, *, students: list[S
         for arrays, off in ((per_token, token_off), (per_position, position_off), (per_entry, entry_off)):
             for a in arrays:
                 h.update(np.ascontiguousarray(a[off[s] : off[s + 1]]))
-        for ids, id_off, groups, group_off in student_arrays:
+        for ids, id_off, groups, group_off, mask in student_arrays:
             h.update(np.ascontiguousarray(ids[id_off[s]:id_off[s + 1]], dtype=np.int32))
             h.update(np.ascontiguousarray(groups[group_off[s]:group_off[s + 1]], dtype=np.int32))
+            if mask is not None:
+                h.update(np.ascontiguousarray(mask[id_off[s]:id_off[s + 1]], dtype=np.uint8))
         out.append(h.hexdigest())
     return out
 

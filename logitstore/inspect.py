@@ -11,7 +11,7 @@ from logitstore.store import StoreVersion
 
 def sample_as_json(view: StoreVersion, sample_id: str, *, teacher: str | None = None,
                    student_tokenizer: str | None = None) -> dict:
-    """`{"sample_id", "input_ids", "positions": [{"ids", "logprobs", "tail", "target_logprob"}]}`.
+    """`{"sample_id", "input_ids", "loss_mask", "positions": [{"ids", "logprobs", "tail", "target_logprob"}]}`.
 
     Entries of each position are sorted by probability, highest first. Sampled stores add `counts`;
     when the store keeps the teacher's tokenizer, `tokens` and `entry_tokens` hold decoded strings.
@@ -38,7 +38,10 @@ def sample_as_json(view: StoreVersion, sample_id: str, *, teacher: str | None = 
         if counts is not None:
             entry["counts"] = counts[e0:e1].tolist()
         positions.append(entry)
-    out = {"sample_id": sample_id, "teacher": teacher, "input_ids": s.input_ids.tolist(), "positions": positions}
+    # Chat data: 1 for the completion's tokens (position t is supervised iff token t + 1 is); [] for plain text.
+    loss_mask = [] if s.loss_mask is None else s.loss_mask.astype(int).tolist()
+    out = {"sample_id": sample_id, "teacher": teacher, "input_ids": s.input_ids.tolist(), "loss_mask": loss_mask,
+           "positions": positions}
     tokenizer = view.tokenizer(teacher)
     if tokenizer is not None:
         # Decoded one by one, so byte-level markers become text (' module', not 'Ġmodule'); a token that is

@@ -12,10 +12,13 @@ token t + 1.
     entry_counts     [E] or None    draws per entry (sampled stores only)
     tail             [P]            probability mass outside the stored entries
     target_logprobs  [P]            log-probability of the actual next token, stored or not
+    loss_mask        [sum T_s] or None   1 for completion tokens (chat data, `logitstore.chat`);
+                                    None for plain text, where every token is supervised
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -37,6 +40,7 @@ class SparseSamples:
     tail: np.ndarray
     target_logprobs: np.ndarray
     entry_counts: np.ndarray | None = None
+    loss_mask: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.sample_ids)
@@ -66,6 +70,7 @@ class SparseSamples:
         p0, p1 = self.position_offsets[i : i + 2]
         e0, e1 = self.entry_offsets[[p0, p1]]
         counts = None if self.entry_counts is None else self.entry_counts[e0:e1]
+        mask = None if self.loss_mask is None else self.loss_mask[t0:t1]
         return SparseSamples(
             sample_ids=[self.sample_ids[i]],
             n_tokens=self.n_tokens[i : i + 1],
@@ -76,7 +81,20 @@ class SparseSamples:
             tail=self.tail[p0:p1],
             target_logprobs=self.target_logprobs[p0:p1],
             entry_counts=counts,
+            loss_mask=mask,
         )
+
+    def keep_positions(self, keep: np.ndarray) -> SparseSamples:
+        """These samples with no entries at the positions where `keep` [P] is False (tail 1, target
+        log-probability 0): what a chat build stores for prompt positions, which no loss reads."""
+        keep = np.asarray(keep, dtype=bool)
+        entry_keep = np.repeat(keep, self.n_entries)
+        counts = None if self.entry_counts is None else self.entry_counts[entry_keep]
+        return dataclasses.replace(
+            self, n_entries=np.where(keep, self.n_entries, 0), entry_ids=self.entry_ids[entry_keep],
+            entry_logprobs=self.entry_logprobs[entry_keep], entry_counts=counts,
+            tail=np.where(keep, self.tail, 1).astype(self.tail.dtype),
+            target_logprobs=np.where(keep, self.target_logprobs, 0).astype(self.target_logprobs.dtype))
 
     @classmethod
     def from_dense_topk(
@@ -115,6 +133,8 @@ def concat(parts: list[SparseSamples]) -> SparseSamples:
     assert parts, "concat needs at least one part"
     has_counts = parts[0].entry_counts is not None
     assert all((p.entry_counts is not None) == has_counts for p in parts), "mixing sampled and non-sampled"
+    has_mask = parts[0].loss_mask is not None
+    assert all((p.loss_mask is not None) == has_mask for p in parts), "mixing chat and plain samples"
     return SparseSamples(
         sample_ids=[sid for p in parts for sid in p.sample_ids],
         n_tokens=np.concatenate([p.n_tokens for p in parts]),
@@ -125,6 +145,7 @@ def concat(parts: list[SparseSamples]) -> SparseSamples:
         tail=np.concatenate([p.tail for p in parts]),
         target_logprobs=np.concatenate([p.target_logprobs for p in parts]),
         entry_counts=np.concatenate([p.entry_counts for p in parts]) if has_counts else None,
+        loss_mask=np.concatenate([p.loss_mask for p in parts]) if has_mask else None,
     )
 
 
@@ -156,10 +177,12 @@ def _check_shapes(s: SparseSamples) -> None:
     }
     if s.entry_counts is not None:
         arrays["entry_counts"] = s.entry_counts
+    if s.loss_mask is not None:
+        arrays["loss_mask"] = s.loss_mask
     for name, a in arrays.items():
         if not isinstance(a, np.ndarray) or a.ndim != 1:
             _fail(f"{name} must be a 1-D numpy array, got {type(a).__name__} of shape {getattr(a, 'shape', None)}")
-        kind = "f" if name in ("entry_logprobs", "tail", "target_logprobs") else "iu"
+        kind = "f" if name in ("entry_logprobs", "tail", "target_logprobs") else "iub" if name == "loss_mask" else "iu"
         if a.dtype.kind not in kind:
             _fail(f"{name} must have a {'float' if kind == 'f' else 'integer'} dtype, got {a.dtype}")
     if len(s.sample_ids) != len(s.n_tokens):
@@ -175,12 +198,13 @@ def _check_shapes(s: SparseSamples) -> None:
         _fail(f"sample {short!r} has {int(s.n_tokens.min())} tokens; a sample needs at least 2")
     expected = {
         "input_ids": int(s.n_tokens.sum()),
+        "loss_mask": int(s.n_tokens.sum()),
         "n_entries": int(s.n_positions.sum()),
         "tail": int(s.n_positions.sum()),
         "target_logprobs": int(s.n_positions.sum()),
     }
     for name, n in expected.items():
-        if len(arrays[name]) != n:
+        if name in arrays and len(arrays[name]) != n:
             _fail(f"{name} has {len(arrays[name])} elements, expected {n} from the token counts")
     if len(s.n_entries) and s.n_entries.min() < 0:
         _fail("n_entries has a negative count")
@@ -215,6 +239,8 @@ def _check_values(s: SparseSamples) -> None:
             _fail(f"{name} contains a positive log-probability ({float(values.max()):.4g})")
     if np.isnan(s.tail).any() or (len(s.tail) and (s.tail.min() < -1e-4 or s.tail.max() > 1 + 1e-4)):
         _fail("tail must be a probability mass in [0, 1]")
+    if s.loss_mask is not None and len(s.loss_mask) and s.loss_mask.max() > 1:
+        _fail("loss_mask must hold 0 or 1 per token")
     if s.entry_counts is not None and len(s.entry_counts) and s.entry_counts.min() < 1:
         _fail("entry_counts must be at least 1 for every stored entry")
 
@@ -234,23 +260,28 @@ class StudentTokens:
     n_ids: np.ndarray  # int32 [S]
     groups: np.ndarray  # int32 [G, 4]
     n_groups: np.ndarray  # int32 [S]
+    loss_mask: np.ndarray | None = None  # uint8 [N], chat data: 1 for student tokens inside the completion
 
     def __len__(self) -> int:
         return len(self.n_ids)
 
     @classmethod
-    def from_samples(cls, samples: list[tuple[np.ndarray, np.ndarray]]) -> StudentTokens:
-        """From per-sample (ids, groups [g, 4]) pairs."""
-        ids = [np.asarray(i, dtype=np.int32) for i, _ in samples]
-        groups = [np.asarray(g, dtype=np.int32).reshape(-1, 4) for _, g in samples]
+    def from_samples(cls, samples: list[tuple]) -> StudentTokens:
+        """From per-sample (ids, groups [g, 4]) pairs, or (ids, groups, loss_mask) triples (chat data)."""
+        ids = [np.asarray(x[0], dtype=np.int32) for x in samples]
+        groups = [np.asarray(x[1], dtype=np.int32).reshape(-1, 4) for x in samples]
+        masked = bool(samples) and len(samples[0]) == 3
+        assert all((len(x) == 3) == masked for x in samples), "mixing chat and plain samples"
         return cls(ids=_cat(ids, np.int32), n_ids=np.array([len(i) for i in ids], dtype=np.int32),
                    groups=np.concatenate(groups) if groups else np.zeros((0, 4), np.int32),
-                   n_groups=np.array([len(g) for g in groups], dtype=np.int32))
+                   n_groups=np.array([len(g) for g in groups], dtype=np.int32),
+                   loss_mask=_cat([x[2] for x in samples], np.uint8) if masked else None)
 
-    def sample(self, i: int) -> tuple[np.ndarray, np.ndarray]:
-        """(ids, groups) of sample i."""
+    def sample(self, i: int) -> tuple:
+        """(ids, groups) of sample i, and its loss mask for chat data."""
         id_off, group_off = _offsets(self.n_ids), _offsets(self.n_groups)
-        return self.ids[id_off[i]:id_off[i + 1]], self.groups[group_off[i]:group_off[i + 1]]
+        out = (self.ids[id_off[i]:id_off[i + 1]], self.groups[group_off[i]:group_off[i + 1]])
+        return out if self.loss_mask is None else (*out, self.loss_mask[id_off[i]:id_off[i + 1]])
 
     def select(self, rows: list[int]) -> StudentTokens:
         return StudentTokens.from_samples([self.sample(i) for i in rows])
@@ -260,6 +291,8 @@ class StudentTokens:
             _fail(f"student tokens for {len(self.n_ids)} samples, teacher arrays for {len(n_tokens)}")
         if len(self.ids) and (self.ids.min() < 0 or self.ids.max() >= vocab_size):
             _fail(f"student token ids must lie in [0, {vocab_size})")
+        if self.loss_mask is not None and len(self.loss_mask) != len(self.ids):
+            _fail(f"student loss_mask has {len(self.loss_mask)} elements, expected {len(self.ids)} (one per student token)")
         g = self.groups
         sample_of = np.repeat(np.arange(len(n_tokens)), self.n_groups)
         if (g[:, 0] > g[:, 1]).any() or (g[:, 2] > g[:, 3]).any() or (g[:, 0] < 0).any() or (g[:, 2] < 0).any():

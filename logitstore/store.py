@@ -97,6 +97,9 @@ class TeacherMeta:
     # Student tokenizers, fixed with the teacher: ({"name", "tokenizer_hash", "vocab_size"}, ...) in the
     # order of the index's per-student list columns.
     students: tuple = ()
+    # Chat data (`logitstore.chat`): None for plain text; else every part holds a per-token `loss_mask`
+    # and this says which positions hold teacher entries: "completion" or "prompt+completion" (all).
+    loss_mask: str | None = None
 
     def __post_init__(self) -> None:
         if not NAME.fullmatch(self.name):
@@ -117,6 +120,7 @@ class TeacherMeta:
             "created": self.created,
             "writer": self.writer,
             "students": [dict(s) for s in self.students],
+            "loss_mask": self.loss_mask,
         }
 
     @classmethod
@@ -129,7 +133,7 @@ class TeacherMeta:
         return [s["name"] for s in self.students]
 
     def same_teacher(self, other: TeacherMeta) -> bool:
-        keys = ("vocab_size", "content_hash", "tokenizer_hash", "sparsity", "students")
+        keys = ("vocab_size", "content_hash", "tokenizer_hash", "sparsity", "students", "loss_mask")
         return all(getattr(self, k) == getattr(other, k) for k in keys) and self.codec == other.codec
 
 
@@ -619,8 +623,9 @@ def _read_text(group: zarr.Group, name: str, *, what: str) -> str:
         return data.decode("utf-8")
 
 
-ENCODED_ARRAYS = ("input_ids", "n_entries", "entry_codes", "entry_logprobs", "tail", "target_logprobs", "entry_counts")
-_ROW_AXIS = {"input_ids": "token", "n_entries": "position", "tail": "position", "target_logprobs": "position",
+ENCODED_ARRAYS = ("input_ids", "n_entries", "entry_codes", "entry_logprobs", "tail", "target_logprobs", "entry_counts",
+                  "loss_mask")
+_ROW_AXIS = {"input_ids": "token", "loss_mask": "token", "n_entries": "position", "tail": "position", "target_logprobs": "position",
              "entry_codes": "entry", "entry_logprobs": "entry", "entry_counts": "entry"}
 
 
@@ -885,6 +890,9 @@ class PartWriter:
         ordered = [students[s["name"]] for s in meta.students]
         for st, info in zip(ordered, meta.students):
             st.validate(n_tokens=samples.n_tokens, vocab_size=info["vocab_size"])
+        if (meta.loss_mask is not None) != (samples.loss_mask is not None):
+            raise InvalidSampleError(f"teacher {teacher!r} holds {'chat' if meta.loss_mask else 'plain text'} samples: "
+                                     f"loss_mask must be {'given' if meta.loss_mask else 'absent'}")
         if (meta.sparsity["mode"] == "sampled") != (samples.entry_counts is not None):
             raise InvalidSampleError(f"teacher {teacher!r} is {meta.sparsity['mode']}: entry_counts must be "
                                      f"{'given' if meta.sparsity['mode'] == 'sampled' else 'absent'}")
@@ -898,6 +906,11 @@ class PartWriter:
         for st, info in zip(ordered, meta.students):
             arrays[f"students/{info['name']}/ids"] = st.ids.astype(np.int32)
             arrays[f"students/{info['name']}/groups"] = st.groups.astype(np.int32).reshape(-1)
+            if (st.loss_mask is not None) != (meta.loss_mask is not None):
+                raise InvalidSampleError(f"student tokens of {info['name']!r}: loss_mask must be "
+                                         f"{'given' if meta.loss_mask else 'absent'} for this teacher")
+            if st.loss_mask is not None:
+                arrays[f"students/{info['name']}/loss_mask"] = st.loss_mask.astype(np.uint8)
         path = f"teachers/{teacher}/parts/{part}"
         pending = rawwrite.encode_arrays({f"{path}/{name}": (values, _array_kwargs(values)) for name, values in arrays.items()})
         rows = index.part_rows(sample_ids=samples.sample_ids, teacher=teacher, part=part, enc=enc,
@@ -975,4 +988,9 @@ def _mismatch_message(old: TeacherMeta, new: TeacherMeta) -> str:
         return (f"the store's teacher {old.name!r} was written with student tokenizers {old.student_names or 'none'}, "
                 f"this build has {new.student_names or 'none'} (--student-tokenizer must match, same files); "
                 "use another teacher name, branch or store")
+    if old.loss_mask != new.loss_mask:
+        def kind(m):
+            return "plain text" if m is None else f"chat data with teacher entries for {m} tokens"
+        return (f"the store's teacher {old.name!r} holds {kind(old.loss_mask)}, this build brings {kind(new.loss_mask)} "
+                "(--chat-column and --train-on must match); use another teacher name, branch or store")
     return f"the store's teacher {old.name!r} uses codec {old.codec}, this write {new.codec}"

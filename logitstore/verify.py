@@ -125,9 +125,11 @@ def _student_tokens(version: StoreVersion, row: dict) -> list[StudentTokens]:
         s0, n, g0, g = (row[c][k] for c in ("student_start", "n_student_tokens", "group_start", "n_groups"))
         ids = version.root[f"{base}/ids"][s0:s0 + n]
         groups = version.root[f"{base}/groups"][4 * g0:4 * (g0 + g)]
-        if len(ids) != n or len(groups) != 4 * g:
+        mask = version.root[f"{base}/loss_mask"][s0:s0 + n] if "loss_mask" in version.root[base] else None
+        if len(ids) != n or len(groups) != 4 * g or (mask is not None and len(mask) != n):
             raise IndexError("index points outside the stored student arrays")
-        out.append(StudentTokens(ids=ids, n_ids=np.array([n]), groups=groups.reshape(-1, 4), n_groups=np.array([g])))
+        out.append(StudentTokens(ids=ids, n_ids=np.array([n]), groups=groups.reshape(-1, 4), n_groups=np.array([g]),
+                                 loss_mask=mask))
     return out
 
 

@@ -30,7 +30,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from logitstore import codec
+from logitstore import chat, codec
 from logitstore.ahead import read_ahead
 from logitstore.codec import CodecParams
 from logitstore.errors import ConflictError, LogitstoreError
@@ -76,8 +76,14 @@ class BuildConfig:
     codec: CodecParams = field(default_factory=CodecParams)  # the value grid; benchmarks/frontier.py varies it
     on_duplicate: str = "error"  # a document stored with other text: error, replace (recompute) or skip (keep)
     limit: int | None = None  # read only the input's first N documents: a quick trial of a large input
+    chat_column: str | None = None  # conversations ({"role", "content"} lists), rendered by the chat template
+    train_on: str = "completion"  # chat data: teacher entries for the completion only, or prompt+completion
 
     def __post_init__(self) -> None:
+        if self.data is None and self.chat_column:  # the shipped chat sample, as the text sample corpus for text
+            from logitstore.data import SAMPLE_CHAT
+
+            self.data = str(SAMPLE_CHAT)
         if self.sparsity is None:  # the library and the CLI share one default
             self.sparsity = default_sparsity(student_tokenizers=bool(self.student_tokenizers), engine=self.engine)
         checks = [
@@ -95,6 +101,11 @@ class BuildConfig:
             (self.dtype in DTYPES, f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}"),
             (self.on_duplicate in ON_DUPLICATE,
              f"--on-duplicate must be one of {', '.join(ON_DUPLICATE)}, got {self.on_duplicate!r}"),
+            (self.train_on in chat.TRAIN_ON, f"--train-on must be one of {', '.join(chat.TRAIN_ON)}, got {self.train_on!r}"),
+            (self.chat_column is not None or self.train_on == "completion",
+             "--train-on applies to chat data (--chat-column); a plain text store supervises every token"),
+            (not (self.chat_column and self.ids_column),
+             "--chat-column and --ids-column exclude each other: conversations are rendered by the chat template"),
         ]
         for ok, message in checks:
             if not ok:
@@ -108,6 +119,7 @@ class BuildSummary:
     samples: int = 0
     tokens: int = 0
     skipped: int = 0  # documents too short to predict anything (< 2 tokens)
+    no_completion: int = 0  # conversations whose rendering holds no assistant token (skipped)
     duplicates: int = 0  # documents whose id appeared earlier in the input
     already_stored: int = 0  # samples committed by an earlier (interrupted) run of the build
     changed: int = 0  # documents stored before with other text: replaced or kept, by --on-duplicate
@@ -133,7 +145,7 @@ def run_build(cfg: BuildConfig, *, log: Callable[[str], None] | None = None) -> 
     # The input first (exists, columns, first rows): a mistake there shows in a second, before any model
     # loads and before a store is created.
     ids_from = data_io.check_input(cfg.data, text_column=cfg.text_column, id_column=cfg.id_column,
-                                   ids_column=cfg.ids_column)
+                                   ids_column=cfg.ids_column, chat_column=cfg.chat_column)
     info = describe_teacher(cfg.teacher)
     check_teacher_fits(cfg, info)
     students = load_student_tokenizers(cfg.student_tokenizers, teacher=info)
@@ -141,7 +153,8 @@ def run_build(cfg: BuildConfig, *, log: Callable[[str], None] | None = None) -> 
     # no empty store or branch behind.
     store = Store.open_if_exists(cfg.store)
     meta = TeacherMeta(name=info.spec.name, vocab_size=info.vocab_size, content_hash=info.content_hash,
-                       tokenizer_hash=info.tokenizer_hash, sparsity=cfg.sparsity.to_json(), codec=cfg.codec)
+                       tokenizer_hash=info.tokenizer_hash, sparsity=cfg.sparsity.to_json(), codec=cfg.codec,
+                       loss_mask=cfg.train_on if cfg.chat_column else None)
     summary = BuildSummary(teacher=meta.name)
     stored = _stored_documents(store, cfg, meta, students)
     units = plan_units(cfg, info.tokenizer, stored=stored, summary=summary, students=students,
@@ -359,15 +372,23 @@ def plan_units(cfg: BuildConfig, tokenizer, *, stored: StoredDocuments | None = 
     pending = Unit(index=0)
     seen: set[str] = set()
     documents = data_io.read_documents(cfg.data, text_column=cfg.text_column, id_column=cfg.id_column,
-                                       ids_column=cfg.ids_column)
+                                       ids_column=cfg.ids_column, chat_column=cfg.chat_column)
     for doc_batch in _batched(itertools.islice(documents, cfg.limit), 256):
-        tokenized = _tokenize(tokenizer, doc_batch) if not students else _tokenize_aligned(tokenizer, doc_batch, students)
-        for doc, (token_ids, alignments) in zip(doc_batch, tokenized):
+        if cfg.chat_column:
+            tokenized = _tokenize_chat(tokenizer, doc_batch, students)
+        elif students:
+            tokenized = _tokenize_aligned(tokenizer, doc_batch, students)
+        else:
+            tokenized = _tokenize(tokenizer, doc_batch)
+        for doc, (token_ids, alignments, loss_mask) in zip(doc_batch, tokenized):
             pending.documents_read += 1
             if doc.id in seen:
                 summary.duplicates += 1
                 continue
             seen.add(doc.id)
+            if loss_mask is not None and not loss_mask[1:].any():
+                summary.no_completion += 1
+                continue
             _check_token_ids(doc, token_ids, vocab_size=vocab_size)
             if stored.changed(doc):
                 summary.changed += 1
@@ -381,7 +402,8 @@ def plan_units(cfg: BuildConfig, tokenizer, *, stored: StoredDocuments | None = 
             starts = np.arange(len(windows)) * (cfg.max_length - 1)  # data_io.window's stride
             for sid, win, start in zip(data_io.window_ids(doc.id, len(windows)), windows, starts.tolist()):
                 pending.add(sid, win, doc.source_hash,
-                            students=_window_students(alignments, t_start=start, t_stop=start + len(win)))
+                            students=_window_students(alignments, t_start=start, t_stop=start + len(win)),
+                            loss_mask=None if loss_mask is None else loss_mask[start:start + len(win)])
                 if pending.n_tokens >= cfg.unit_tokens:
                     yield from _unless_stored(pending, stored.sample_ids, summary)
                     pending = Unit(index=pending.index + 1)
@@ -412,10 +434,37 @@ def _unless_stored(unit: Unit, known: set[str], summary: BuildSummary) -> Iterat
         yield unit
 
 
-def _tokenize(tokenizer, docs: list) -> list[tuple[np.ndarray, dict]]:
+def _tokenize(tokenizer, docs: list) -> list[tuple[np.ndarray, dict, None]]:
     texts = [d.text for d in docs if d.token_ids is None]
     encoded = iter(tokenizer(texts)["input_ids"]) if texts else iter(())
-    return [(np.asarray(d.token_ids if d.token_ids is not None else next(encoded), dtype=np.int64), {}) for d in docs]
+    return [(np.asarray(d.token_ids if d.token_ids is not None else next(encoded), dtype=np.int64), {}, None)
+            for d in docs]
+
+
+def _tokenize_chat(tokenizer, docs: list, students: list[StudentSide] = ()) -> list[tuple[np.ndarray, dict, np.ndarray]]:
+    """Conversations rendered by the teacher's chat template: ids and the loss mask (`logitstore.chat`),
+    and per student tokenizer its ids, the groups and its own mask of the same spans: a student token
+    is supervised iff its bytes lie inside an assistant span."""
+    from logitstore import align
+
+    rendered = []
+    for doc in docs:  # one template render per turn of each conversation
+        try:
+            rendered.append(chat.render(tokenizer, doc.messages))
+        except chat.ChatError as e:
+            raise BuildError(f"document {doc.id!r} (input row {doc.row}): {e}") from None
+    texts = [text for text, _ in rendered]
+    encoded = align.encode_with_byte_ends(tokenizer, texts, add_special_tokens=False)
+    per_student = [align.encode_with_byte_ends(st.tokenizer, texts, add_special_tokens=False) for st in students]
+    out = []
+    for i, ((ids, ends), (text, spans)) in enumerate(zip(encoded, rendered)):
+        byte_spans = chat.byte_spans(text, spans)
+        alignments = {}
+        for st, student_encoded in zip(students, per_student):
+            s_ids, s_ends = student_encoded[i]
+            alignments[st.registration.name] = (s_ids, align.align_groups(ends, s_ends), chat.token_mask(s_ends, byte_spans))
+        out.append((ids, alignments, chat.token_mask(ends, byte_spans)))
+    return out
 
 
 # -- student tokenizers: cross-tokenizer alignment at build time -----------------------------------
@@ -448,7 +497,7 @@ def load_student_tokenizers(specs: tuple[str, ...], *, teacher) -> list[StudentS
     return out
 
 
-def _tokenize_aligned(tokenizer, docs: list, students: list[StudentSide]) -> list[tuple[np.ndarray, dict]]:
+def _tokenize_aligned(tokenizer, docs: list, students: list[StudentSide]) -> list[tuple[np.ndarray, dict, None]]:
     """Teacher ids of each document, and per student tokenizer its ids and the whole document's groups."""
     from logitstore import align
 
@@ -461,7 +510,7 @@ def _tokenize_aligned(tokenizer, docs: list, students: list[StudentSide]) -> lis
         for st, encoded in zip(students, per_student):
             s_ids, s_ends = encoded[i]
             alignments[st.registration.name] = (s_ids, align.align_groups(t_ends, s_ends))
-        out.append((t_ids, alignments))
+        out.append((t_ids, alignments, None))
     return out
 
 
@@ -470,9 +519,9 @@ def _window_students(alignments: dict, *, t_start: int, t_stop: int) -> dict[str
     from logitstore import align
 
     out = {}
-    for name, (s_ids, groups) in alignments.items():
+    for name, (s_ids, groups, *mask) in alignments.items():  # chat data: a third element, the student's mask
         window, s_start, s_stop = align.window_groups(groups, t_start=t_start, t_stop=t_stop)
-        out[name] = (s_ids[s_start:s_stop], window)
+        out[name] = (s_ids[s_start:s_stop], window, *(m[s_start:s_stop] for m in mask))
     return out
 
 

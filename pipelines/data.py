@@ -9,7 +9,8 @@
   paths (formats may be mixed; hidden files and folders, named ".*", are skipped);
 - a folder written by Hugging Face `datasets`' `save_to_disk` (it holds `state.json` and
   `dataset_info.json`): its `data-*.arrow` files in the order `state.json` lists them;
-- nothing (`None`): the shipped sample corpus, with its `id` column as document ids;
+- nothing (`None`): the shipped sample corpus, with its `id` column as document ids (with a chat
+  column: the shipped chat sample, `logitstore/data/sample_chat.jsonl`);
 - a `HubDataset` (`build --data NAME --split S --data-config C`): a Hugging Face `datasets` name or a
   local dataset folder, through `datasets.load_dataset(..., streaming=True)` (the optional `datasets`
   package), 1,024 rows at a time. `dataset_source` decides: a name that is no local path, or any
@@ -25,6 +26,9 @@ is given the ids win and `text_column` is not read, even when it was given too. 
 from `id_column` (strings or integers, converted to `str`); with no `id_column` (None), from a column
 named `id` in any file that has one (`AUTO_ID_COLUMN`); else, and with `id_column=""`, they are
 content hashes: the text's for text input, the token ids' for pre-tokenized input.
+Chat input reads `chat_column` (`build --chat-column messages`): a list of `{"role", "content"}`
+messages per row, or its JSON text (CSV); `logitstore.chat` checks and later renders it, and its
+content hash is the conversation's canonical JSON's.
 
 Errors are `DataError`s naming the file and the problem. Path and argument errors raise when
 `read_documents` is called; content errors (a missing column, a bad row) raise while iterating,
@@ -50,7 +54,7 @@ import pyarrow.json as pa_json
 import pyarrow.parquet as pq
 from pyarrow import csv as pa_csv
 
-from logitstore.data import SAMPLE_CORPUS
+from logitstore.data import SAMPLE_CORPUS, default_input
 from logitstore.errors import LogitstoreError
 
 FORMATS: dict[str, str] = {
@@ -90,6 +94,7 @@ class Document:
     token_ids: np.ndarray | None
     source_hash: str
     row: int
+    messages: list[dict] | None = None  # chat input (--chat-column): the conversation; text is None
 
 
 AUTO_ID_COLUMN = "id"  # gives the document ids, where a file has it, when no --id-column is given
@@ -104,12 +109,14 @@ class _Columns:
     id: str | None
     ids: str | None
     id_automatic: bool = False  # `id` is AUTO_ID_COLUMN, read where a file has it
+    chat: str | None = None  # the conversations' column (--chat-column): then text and ids are None
 
     def roles(self) -> dict[str, str]:
         """Column name -> the option that named it, for the columns to read. The automatic id column is
         read where a file has it (`_check_columns` drops it where not)."""
         id_option = _AUTOMATIC if self.id_automatic else "--id-column"
-        named = [(self.id, id_option), (self.text, "--text-column"), (self.ids, "--ids-column")]
+        named = [(self.id, id_option), (self.text, "--text-column"), (self.ids, "--ids-column"),
+                 (self.chat, "--chat-column")]
         out: dict[str, str] = {}
         for column, option in named:
             if column is not None:
@@ -181,12 +188,14 @@ def check_input(
     text_column: str | None = "text",
     id_column: str | None = None,
     ids_column: str | None = None,
+    chat_column: str | None = None,
 ) -> str:
     """Read the first rows of the first file, as `read_documents` will, and return where document ids
     come from ("the input's 'id' column", or "content hashes"). Raises `DataError` for a missing path,
     a missing column or bad first rows: what a build checks before it loads a model."""
-    columns = _effective_columns(data, text_column=text_column, id_column=id_column, ids_column=ids_column)
-    _root, files = _resolve(data)
+    columns = _effective_columns(data, text_column=text_column, id_column=id_column, ids_column=ids_column,
+                                 chat_column=chat_column)
+    _root, files = _resolve(data if data is not None else default_input(chat=bool(chat_column)))
     if not files:
         return "content hashes"
     path, kind = files[0]
@@ -206,6 +215,7 @@ def read_documents(
     text_column: str | None = "text",
     id_column: str | None = None,
     ids_column: str | None = None,
+    chat_column: str | None = None,
     batch_rows: int = 1024,
 ) -> Iterator[Document]:
     """Stream the documents of `data` (a file, a folder, a `save_to_disk` folder, or None for the
@@ -214,8 +224,9 @@ def read_documents(
     and for missing columns or bad rows while iterating."""
     if batch_rows < 1:
         raise ValueError(f"batch_rows must be >= 1, got {batch_rows}")
-    columns = _effective_columns(data, text_column=text_column, id_column=id_column, ids_column=ids_column)
-    _root, files = _resolve(data)
+    columns = _effective_columns(data, text_column=text_column, id_column=id_column, ids_column=ids_column,
+                                 chat_column=chat_column)
+    _root, files = _resolve(data if data is not None else default_input(chat=bool(chat_column)))
     return _iter_documents(files, columns, batch_rows)
 
 
@@ -306,8 +317,13 @@ def _arrow_file_rows(f) -> int:
 # Arguments and paths
 
 
-def _effective_columns(data, *, text_column, id_column, ids_column) -> _Columns:
+def _effective_columns(data, *, text_column, id_column, ids_column, chat_column=None) -> _Columns:
     """Resolve the column options: ids win over text; the sample corpus has an `id` column."""
+    if chat_column:
+        if ids_column:
+            raise DataError("--chat-column and --ids-column exclude each other: conversations are rendered "
+                            "with the teacher's chat template, so they cannot be pre-tokenized")
+        return _Columns(text=None, ids=None, chat=chat_column, **_id_column(id_column))
     if ids_column:
         return _Columns(text=None, ids=ids_column, **_id_column(id_column))
     if not text_column:
@@ -467,7 +483,7 @@ def _json_field(field: pa.Field, column: str, option: str) -> pa.Field:
     """A column all null in the first chunk was inferred as null; give it the type it should have."""
     if not pa.types.is_null(field.type):
         return field
-    return pa.field(column, pa.list_(pa.int64()) if option == "--ids-column" else pa.string())
+    return pa.field(column, pa.list_(pa.int64()) if option == "--ids-column" else pa.string())  # chat: JSON text
 
 
 def _csv_batches(path: Path, roles: dict[str, str]) -> Iterator[pa.RecordBatch]:
@@ -586,6 +602,8 @@ def _documents(batch: pa.RecordBatch, columns: _Columns, *, path: Path, file_row
     try:
         if columns.id is not None and columns.id in batch.schema.names:  # the automatic one may be absent
             doc_ids = _id_values(_column(batch, columns.id), columns.id)
+        if columns.chat is not None:
+            return (yield from _conversations(batch, columns, doc_ids, fail, row=row))
         if columns.ids is not None:
             tokens, texts = _ids_values(_column(batch, columns.ids), columns.ids), [None] * n
         else:
@@ -602,6 +620,25 @@ def _documents(batch: pa.RecordBatch, columns: _Columns, *, path: Path, file_row
         source = ids_hash(tokens[i]) if tokens[i] is not None else text_hash(text)
         doc_id = doc_ids[i] if doc_ids is not None else source
         yield Document(id=doc_id, text=text, token_ids=tokens[i], source_hash=source, row=row + i)
+
+
+def _conversations(batch: pa.RecordBatch, columns: _Columns, doc_ids, fail, *, row: int) -> Iterator[Document]:
+    """Chat rows: a list of {"role", "content"} per row (or its JSON text, as CSV holds it)."""
+    from logitstore.chat import as_messages, conversation_hash_text, message_problem
+
+    name = columns.chat
+    column = _column(batch, name)
+    t = column.type
+    if not (pa.types.is_list(t) or pa.types.is_large_list(t) or _is_text_type(t) or pa.types.is_null(t)):
+        raise DataError(f"chat column {name!r} holds {t}; each row must be a list of {{'role', 'content'}} messages")
+    for i, value in enumerate(column.to_pylist()):  # one step per conversation
+        problem = "is null" if value is None else message_problem(value)
+        if problem:
+            raise fail(i, f"chat column {name!r} {problem}", doc_ids)
+        messages = as_messages(value)
+        source = text_hash(conversation_hash_text(messages))
+        doc_id = doc_ids[i] if doc_ids is not None else source
+        yield Document(id=doc_id, text=None, token_ids=None, source_hash=source, row=row + i, messages=messages)
 
 
 def _column(batch: pa.RecordBatch, name: str) -> pa.Array:

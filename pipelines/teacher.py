@@ -318,6 +318,7 @@ def sparse_topk_forward(
     k: int,
     chunk_positions: int = 1024,
     temperature: float = 1.0,
+    keep: torch.Tensor | None = None,
 ) -> SparseBatch:
     """Top-k teacher distribution for every next-token prediction in the batch.
 
@@ -327,9 +328,11 @@ def sparse_topk_forward(
     follow the attention mask, so a padded row matches the same row unpadded.
     Stored log-probabilities are always at temperature 1; with another `temperature`,
     `selection_logprobs` holds the tempered ones (top-p cuts on those).
+    `keep` (bool [B, T-1]): run the head only on these positions (chat data's completion); the others
+    hold placeholders (ids 0..k-1, log-probabilities -30, tail 1, target 0) for the caller to drop.
     """
     head = functools.partial(_head_chunk, k=k, temperature=temperature)
-    return _chunked_forward(model, input_ids, attention_mask, width=k, head=head,
+    return _chunked_forward(model, input_ids, attention_mask, width=k, head=head, keep=keep,
                             chunk_positions=chunk_positions, with_selection=temperature != 1.0)
 
 
@@ -342,6 +345,7 @@ def sampled_forward(
     generator: torch.Generator,
     temperature: float = 1.0,
     chunk_positions: int = 1024,
+    keep: torch.Tensor | None = None,
 ) -> SparseBatch:
     """`n` draws per position from the teacher distribution at `temperature` (with repeats).
 
@@ -350,11 +354,12 @@ def sampled_forward(
     al. 2025: the draws' counts give an unbiased estimate of the distribution).
     """
     head = functools.partial(_sample_chunk, n=n, temperature=temperature, generator=generator)
-    return _chunked_forward(model, input_ids, attention_mask, width=n, head=head,
+    return _chunked_forward(model, input_ids, attention_mask, width=n, head=head, keep=keep,
                             chunk_positions=chunk_positions, with_selection=False)
 
 
-def _chunked_forward(model, input_ids, attention_mask, *, width, head, chunk_positions, with_selection) -> SparseBatch:
+def _chunked_forward(model, input_ids, attention_mask, *, width, head, chunk_positions, with_selection,
+                     keep=None) -> SparseBatch:
     batch, length = input_ids.shape
     vocab = _output_size(model)
     if not 1 <= width <= vocab:
@@ -370,10 +375,27 @@ def _chunked_forward(model, input_ids, attention_mask, *, width, head, chunk_pos
         hidden = hidden[:, :-1].reshape(-1, hidden.shape[-1])
         targets = input_ids[:, 1:].reshape(-1).to(hidden.device)
         out = _empty_sparse(hidden.shape[0], width, device=hidden.device, with_selection=with_selection)
-        for start in range(0, hidden.shape[0], chunk_positions):
-            rows = slice(start, start + chunk_positions)
+        if keep is None:
+            for start in range(0, hidden.shape[0], chunk_positions):
+                rows = slice(start, start + chunk_positions)
+                head(model, hidden[rows], targets[rows], out=out, rows=rows)
+            return _reshape(out, batch, length - 1)
+        # Only the kept positions pay for the head (the [positions x vocab] product and its softmax).
+        _fill_placeholders(out)
+        kept = torch.nonzero(keep.reshape(-1).to(hidden.device)).squeeze(1)
+        for start in range(0, len(kept), chunk_positions):
+            rows = kept[start:start + chunk_positions]
             head(model, hidden[rows], targets[rows], out=out, rows=rows)
     return _reshape(out, batch, length - 1)
+
+
+def _fill_placeholders(out: SparseBatch) -> None:
+    out.ids.copy_(torch.arange(out.ids.shape[1], dtype=out.ids.dtype, device=out.ids.device).expand_as(out.ids))
+    out.logprobs.fill_(-30.0)
+    out.target_logprob.fill_(0.0)
+    out.tail.fill_(1.0)
+    if out.selection_logprobs is not None:
+        out.selection_logprobs.fill_(-30.0)
 
 
 def _last_hidden_state(model, input_ids, attention_mask) -> torch.Tensor:

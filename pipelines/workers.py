@@ -22,6 +22,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
+from logitstore.chat import supervised_positions
 from logitstore.errors import LogitstoreError
 from logitstore.samples import SparseSamples, StudentTokens, concat
 from logitstore.store import PartWriter, WrittenPart
@@ -50,9 +51,14 @@ class Unit:
     # stored sample ids of documents whose text changed (`--on-duplicate replace`): removed from the
     # branch in the transaction that merges this unit, so no old window survives beside new ones
     replaces: list[str] = field(default_factory=list)
+    # per sample id: uint8 [tokens], 1 for completion tokens (chat data only; `logitstore.chat`)
+    loss_masks: dict[str, np.ndarray] = field(default_factory=dict)
 
-    def add(self, sample_id: str, tokens: np.ndarray, source_hash: str, *, students: dict | None = None) -> None:
+    def add(self, sample_id: str, tokens: np.ndarray, source_hash: str, *, students: dict | None = None,
+            loss_mask: np.ndarray | None = None) -> None:
         self.sample_ids.append(sample_id)
+        if loss_mask is not None:
+            self.loss_masks[sample_id] = np.asarray(loss_mask, dtype=np.uint8)
         self.tokens.append(np.asarray(tokens, dtype=np.int64))
         self.source_hashes.append(source_hash)
         self.n_tokens += len(tokens)
@@ -69,6 +75,8 @@ class WorkerSettings:
     batch_tokens: int
     seed: int
     engine: str = "torch"  # "torch" or "vllm"
+    # chat data: teacher entries for "completion" positions only, or for every one ("prompt+completion")
+    entries_for: str = "prompt+completion"
 
 
 class TeacherWorker:
@@ -98,7 +106,17 @@ class TeacherWorker:
         return written, unit
 
     def compute(self, unit: Unit) -> SparseSamples:
-        """The unit's sparse distributions, longest samples first (the part's row order)."""
+        """The unit's sparse distributions, longest samples first (the part's row order). Chat samples
+        carry their loss mask; with entries for the completion only, prompt positions hold none."""
+        samples = self._compute(unit)
+        if not unit.loss_masks:
+            return samples
+        samples.loss_mask = np.concatenate([unit.loss_masks[sid] for sid in samples.sample_ids])
+        if self.settings.entries_for == "completion":
+            samples = samples.keep_positions(supervised_positions(samples.loss_mask, samples.n_tokens))
+        return samples
+
+    def _compute(self, unit: Unit) -> SparseSamples:
         import torch
 
         s = self.settings
@@ -114,18 +132,22 @@ class TeacherWorker:
         if s.sparsity.mode == "sampled":
             generator = torch.Generator(device=self.teacher.model.device).manual_seed(_unit_seed(s.seed, unit))
         parts = []
+        masks = [unit.loss_masks.get(sid) for sid in unit.sample_ids] if s.entries_for == "completion" else None
         for rows in token_budget_batches(lengths[order], order, budget=s.batch_tokens):
-            parts.append(self._forward_with_retry([unit.sample_ids[i] for i in rows], [unit.tokens[i] for i in rows], generator))
+            keep = None if not unit.loss_masks or masks is None else [masks[i][1:] for i in rows]
+            parts.append(self._forward_with_retry([unit.sample_ids[i] for i in rows], [unit.tokens[i] for i in rows],
+                                                  generator, keep=keep))
             if self.on_batch is not None:
                 self.on_batch(int(lengths[rows].sum()))
         return concat(parts)
 
-    def _forward_with_retry(self, sample_ids: list[str], tokens: list[np.ndarray], generator) -> SparseSamples:
+    def _forward_with_retry(self, sample_ids: list[str], tokens: list[np.ndarray], generator,
+                            *, keep: list[np.ndarray] | None = None) -> SparseSamples:
         """Out of memory: halve the batch and retry; a single sample that does not fit is an error."""
         import torch
 
         try:
-            return self._forward(sample_ids, tokens, generator)
+            return self._forward(sample_ids, tokens, generator, keep=keep)
         except (torch.OutOfMemoryError, RuntimeError) as e:
             if "out of memory" not in str(e).lower() and not isinstance(e, torch.OutOfMemoryError):
                 raise
@@ -135,10 +157,12 @@ class TeacherWorker:
                 raise LogitstoreError(f"sample {sample_ids[0]!r} ({len(tokens[0])} tokens) does not fit in memory "
                                       "even alone; lower --max-length or --batch-tokens") from None
             half = len(sample_ids) // 2
-            return concat([self._forward_with_retry(sample_ids[:half], tokens[:half], generator),
-                           self._forward_with_retry(sample_ids[half:], tokens[half:], generator)])
+            halves = (None, None) if keep is None else (keep[:half], keep[half:])
+            return concat([self._forward_with_retry(sample_ids[:half], tokens[:half], generator, keep=halves[0]),
+                           self._forward_with_retry(sample_ids[half:], tokens[half:], generator, keep=halves[1])])
 
-    def _forward(self, sample_ids: list[str], tokens: list[np.ndarray], generator) -> SparseSamples:
+    def _forward(self, sample_ids: list[str], tokens: list[np.ndarray], generator,
+                 *, keep: list[np.ndarray] | None = None) -> SparseSamples:
         import torch
 
         from logitstore.pipelines.sparsify import to_samples
@@ -151,12 +175,18 @@ class TeacherWorker:
         for row, t in enumerate(tokens):  # one copy per sample, right-padded
             ids[row, : len(t)] = torch.as_tensor(t)
             mask[row, : len(t)] = 1
+        head_on = None
+        if keep is not None:  # chat data: the head runs on completion positions only
+            head_on = torch.zeros((len(tokens), lengths.max() - 1), dtype=torch.bool)
+            for row, k in enumerate(keep):
+                head_on[row, : len(k)] = torch.from_numpy(k.astype(bool))
         with self._compute_lock:  # the teacher's share; selection below runs beside the next forward pass
             if s.sparsity.mode == "sampled":
                 batch = sampled_forward(model, ids, mask, n=s.sparsity.n, generator=generator,
-                                        temperature=s.sparsity.temperature)
+                                        temperature=s.sparsity.temperature, keep=head_on)
             else:
-                batch = sparse_topk_forward(model, ids, mask, k=s.sparsity.k, temperature=s.sparsity.temperature)
+                batch = sparse_topk_forward(model, ids, mask, k=s.sparsity.k, temperature=s.sparsity.temperature,
+                                            keep=head_on)
         return to_samples(batch, sample_ids=sample_ids, lengths=lengths, input_ids=tokens, sparsity=s.sparsity)
 
 
@@ -358,7 +388,7 @@ def make_executor(cfg, *, teacher_spec, on_batch: Callable[[int], None] | None =
     """The executor `cfg` asks for. `on_batch(tokens)` hears of every teacher batch computed in this
     process (the in-process executor); the others report units as they come back."""
     settings = WorkerSettings(teacher_spec=teacher_spec, device=cfg.device, dtype=cfg.dtype, sparsity=cfg.sparsity,
-                              batch_tokens=cfg.batch_tokens, seed=cfg.seed, engine=cfg.engine)
+                              batch_tokens=cfg.batch_tokens, seed=cfg.seed, engine=cfg.engine, entries_for=cfg.train_on)
     if cfg.ray_address:
         return RayExecutor(settings, workers=cfg.workers, address=cfg.ray_address)
     if cfg.workers == 1:

@@ -75,6 +75,7 @@ masses below 1e-30 clamped to log(1e-30), which keeps 0 * log 0 terms at 0 and g
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -112,6 +113,26 @@ class AlignedTargets:
     @property
     def n_positions(self) -> int:
         return int(self.target_ids.shape[0])
+
+    def only(self, keep: Tensor) -> AlignedTargets:
+        """These targets at the student positions where `keep` [P] (bool) holds, renumbered (chat data's
+        completion). A many-token group stays only if all its positions stay: its log-probability is a sum
+        over all of them."""
+        new_index = torch.cumsum(keep.long(), 0) - 1
+        exact = keep[self.exact_pos]
+        exact_index = torch.cumsum(exact.long(), 0) - 1
+        entries = exact[self.entry_pos]
+        n_groups = self.chain_teacher_logprob.shape[0]
+        dropped = torch.zeros(n_groups, dtype=torch.long).index_add_(0, self.chain_group, (~keep[self.chain_pos]).long())
+        groups = dropped == 0
+        links = groups[self.chain_group]
+        return dataclasses.replace(
+            self, target_ids=self.target_ids[keep], exact_pos=new_index[self.exact_pos[exact]],
+            entry_ids=self.entry_ids[entries], entry_logprobs=self.entry_logprobs[entries],
+            entry_pos=exact_index[self.entry_pos[entries]], tail=self.tail[exact],
+            chain_teacher_logprob=self.chain_teacher_logprob[groups], chain_pos=new_index[self.chain_pos[links]],
+            chain_group=(torch.cumsum(groups.long(), 0) - 1)[self.chain_group[links]],
+            weight=None if self.weight is None else self.weight[keep])
 
 
 def aligned_kd(

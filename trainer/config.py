@@ -48,9 +48,13 @@ class DataConfig:
     eval_fraction: float = 0.05
     on_error: str = "raise"  # a damaged sample: "raise" stops the run, "skip" skips and counts it
     memory_budget: str = DEFAULT_MEMORY_BUDGET  # stored data a rank's stream holds (bytes or "512MB"); sets the shuffle window
+    train_on: str = "completion"  # chat data (logitstore.chat): supervise the completion, or prompt+completion
 
     def __post_init__(self) -> None:
+        from logitstore.chat import TRAIN_ON
+
         _check([
+            (self.train_on in TRAIN_ON, f"--train-on must be one of {', '.join(TRAIN_ON)}"),
             (self.seq_len >= 2, "--seq-len must be at least 2"),
             (self.micro_batch >= 1, "--micro-batch must be at least 1"),
             (0 <= self.eval_fraction <= 1, "--eval-fraction must be in [0, 1] (0 holds nothing out)"),
@@ -200,4 +204,6 @@ class TrainConfig:
             flat.update(dataclasses.asdict(getattr(self, name)))
         flat["loss"], flat["kd_temperature"] = flat.pop("kind"), flat.pop("temperature")
         flat["store"], flat["live"] = self.data.store, None if self.live is None else dataclasses.asdict(self.live)
+        if flat["train_on"] == "completion":  # the default is left out: runs from before the flag still resume
+            del flat["train_on"]
         return {k: v for k, v in flat.items() if k not in skip}

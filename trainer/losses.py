@@ -66,6 +66,7 @@ terms at 0 and gradients finite.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -104,6 +105,17 @@ class SparseTargets:
     @property
     def n_positions(self) -> int:
         return int(self.tail.shape[0])
+
+    def only(self, keep: Tensor) -> SparseTargets:
+        """These targets at the positions where `keep` [P] (bool) holds, renumbered (chat data's completion)."""
+        entries = keep[self.entry_pos]
+        new_index = torch.cumsum(keep.long(), 0) - 1
+        pick = lambda x: None if x is None else x[keep]
+        return dataclasses.replace(
+            self, entry_ids=self.entry_ids[entries], entry_logprobs=self.entry_logprobs[entries],
+            entry_pos=new_index[self.entry_pos[entries]], tail=self.tail[keep], target_ids=self.target_ids[keep],
+            target_logprobs=self.target_logprobs[keep], weight=pick(self.weight),
+            entry_counts=None if self.entry_counts is None else self.entry_counts[entries])
 
 
 @dataclass(frozen=True)

@@ -74,6 +74,7 @@ The contract (tests/test_stream.py holds the engine to it):
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -89,6 +90,7 @@ from zarr.core.sync import sync as zarr_sync
 
 from logitstore import codec
 from logitstore.ahead import read_ahead
+from logitstore.chat import supervised_positions
 from logitstore.codec import EncodedSamples
 from logitstore.errors import DamagedDataError, LogitstoreError, StorageError
 from logitstore.rawread import read_arrays
@@ -363,7 +365,9 @@ class PartReader:
         self.view, self.teacher, self.rows = view, teacher, rows
         self.vocab_size = meta.vocab_size
         self.sampled = meta.sparsity["mode"] == "sampled"
-        self.names = tuple(n for n in ENCODED_ARRAYS if n != "entry_counts" or self.sampled)
+        self.masked = meta.loss_mask is not None  # chat data: a per-token loss_mask in every part
+        self.names = tuple(n for n in ENCODED_ARRAYS
+                           if (n != "entry_counts" or self.sampled) and (n != "loss_mask" or self.masked))
         self.id_bytes = codec.id_dtype(meta.vocab_size).itemsize
         split_bytes = self._bytes(rows.n_tokens, rows.n_entries, rows.part, len(rows.parts))
         all_rows = view.index.filter(pc.equal(view.index["teacher"], teacher))
@@ -378,7 +382,7 @@ class PartReader:
 
     def _bytes(self, n_tokens, n_entries, part, n_parts) -> np.ndarray:
         """Bytes in memory per part of the given samples: the encoded arrays plus `entry_cum`."""
-        per_sample = (n_tokens * self.id_bytes + (n_tokens - 1) * (6 + 8)
+        per_sample = (n_tokens * (self.id_bytes + self.masked) + (n_tokens - 1) * (6 + 8)
                       + n_entries * (self.id_bytes + 2 + (2 if self.sampled else 0)))
         return np.bincount(part, weights=per_sample, minlength=n_parts).astype(np.int64)
 
@@ -420,7 +424,7 @@ class PartReader:
         r = self.rows
         ts, ps, es = r.token_start[rows], r.position_start[rows], r.entry_start[rows]
         n, ne = r.n_tokens[rows], r.n_entries[rows]
-        spans = {"input_ids": (ts, ts + n), "n_entries": (ps, ps + n - 1), "tail": (ps, ps + n - 1),
+        spans = {"input_ids": (ts, ts + n), "loss_mask": (ts, ts + n), "n_entries": (ps, ps + n - 1), "tail": (ps, ps + n - 1),
                  "target_logprobs": (ps, ps + n - 1), "entry_codes": (es, es + ne), "entry_logprobs": (es, es + ne),
                  "entry_counts": (es, es + ne)}
         return {name: spans[name] for name in self.names}
@@ -503,7 +507,7 @@ class PartReader:
             e0[sel] = es[sel] + cum[p + a[sel]] - cum[p]
             e1[sel] = es[sel] + cum[p + b[sel] - 1] - cum[p]
         spans = {"input_ids": (ts + a, ts + b), "position": (ps + a, ps + b - 1), "entry": (e0, e1)}
-        axis = {"input_ids": "input_ids", "n_entries": "position", "tail": "position", "target_logprobs": "position",
+        axis = {"input_ids": "input_ids", "loss_mask": "input_ids", "n_entries": "position", "tail": "position", "target_logprobs": "position",
                 "entry_codes": "entry", "entry_logprobs": "entry", "entry_counts": "entry"}
         held = [parts[c].arrays for c in code.tolist()]
         bounds = {k: (lo.tolist(), hi.tolist()) for k, (lo, hi) in spans.items()}
@@ -560,9 +564,12 @@ def _rows_touching(elements: np.ndarray, starts: np.ndarray, lengths: np.ndarray
 class StoreSource:
     """One teacher of a store version: pieces become `PackedBatch`es of that teacher's targets."""
 
-    def __init__(self, view: StoreVersion, *, teacher: str | None, split: str, eval_fraction: float):
+    def __init__(self, view: StoreVersion, *, teacher: str | None, split: str, eval_fraction: float,
+                 train_on: str = "completion"):
         self.view, self.teacher = view, view.teacher_name(teacher)
         self.version = view.snapshot_id
+        self.completion_only = train_on == "completion"
+        check_train_on(view, teacher=self.teacher, train_on=train_on)
         self.rows = TeacherRows.of(view, teacher=self.teacher, split=split, eval_fraction=eval_fraction)
         self.table = SplitTable(sample_ids=self.rows.sample_ids, n_tokens=self.rows.n_tokens, part=self.rows.part,
                                 parts=self.rows.parts)
@@ -589,7 +596,19 @@ class StoreSource:
             enc = self.reader.gather(parts, pieces.row[ok], pieces.a[ok], pieces.b[ok])
             decoded = codec.decode(enc, params=self.params, id_of_code=self.id_of_code, n_tokens=(pieces.b - pieces.a)[ok])
         return assemble(pieces, ok, decoded, sample_ids=self.table.sample_ids, micro_batch=stream.micro_batch,
-                        seq_len=stream.seq_len, sampled=self.reader.sampled)
+                        seq_len=stream.seq_len, sampled=self.reader.sampled, completion_only=self.completion_only)
+
+
+def check_train_on(view: StoreVersion, *, teacher: str, train_on: str) -> None:
+    """`--train-on`: a known value, and prompt+completion only where the store holds entries for prompts."""
+    from logitstore.chat import TRAIN_ON
+
+    if train_on not in TRAIN_ON:
+        raise StreamConfigError(f"--train-on must be one of {', '.join(TRAIN_ON)}, got {train_on!r}")
+    if train_on == "prompt+completion" and view.teachers[teacher].loss_mask == "completion":
+        raise StreamConfigError(f"--train-on prompt+completion: teacher {teacher!r} in version {view.snapshot_id} holds "
+                                "entries for completion tokens only (built with --train-on completion); rebuild with "
+                                "build --train-on prompt+completion, or train on the completion")
 
 
 # -- assembling a batch -----------------------------------------------------------------------------------
@@ -624,8 +643,9 @@ def layout(pieces: Pieces, ok: np.ndarray, *, micro_batch: int, seq_len: int) ->
 
 
 def assemble(pieces: Pieces, ok: np.ndarray, decoded, *, sample_ids: list[str], micro_batch: int, seq_len: int,
-             sampled: bool) -> PackedBatch:
-    """The batch of the readable pieces (`ok`), whose decoded samples are `decoded` in piece order."""
+             sampled: bool, completion_only: bool = True) -> PackedBatch:
+    """The batch of the readable pieces (`ok`), whose decoded samples are `decoded` in piece order. Chat
+    data (`decoded.loss_mask`) with `completion_only` keeps the positions whose next token is completion."""
     B, L = micro_batch, seq_len
     lay = layout(pieces, ok, micro_batch=B, seq_len=L)
     input_ids = np.zeros(B * L, dtype=np.int64)
@@ -638,23 +658,36 @@ def assemble(pieces: Pieces, ok: np.ndarray, decoded, *, sample_ids: list[str], 
                            entry_pos=empty_long, tail=empty_float, target_ids=empty_long, target_logprobs=empty_float,
                            entry_counts=empty_float if sampled else None, n_tokens=0)
     input_ids[lay.tokens] = decoded.input_ids
-    entry_pos = np.repeat(np.arange(len(lay.positions), dtype=np.int64), decoded.n_entries)
+    positions = lay.positions
+    if completion_only and decoded.loss_mask is not None:
+        keep = supervised_positions(decoded.loss_mask, lay.n)
+        positions, decoded = positions[keep], _positions_only(decoded, keep)
+    entry_pos = np.repeat(np.arange(len(positions), dtype=np.int64), decoded.n_entries)
     segments = [(sample_ids[r], int(a), int(f), int(m))
                 for r, a, f, m in zip(pieces.row[ok].tolist(), pieces.a[ok].tolist(), lay.flat.tolist(), lay.n.tolist())]
     counts = None if decoded.entry_counts is None else torch.from_numpy(decoded.entry_counts.astype(np.float32))
     return PackedBatch(
         **common,
-        positions=torch.from_numpy(lay.positions),
+        positions=torch.from_numpy(positions),
         entry_ids=torch.from_numpy(decoded.entry_ids.astype(np.int64)),
         entry_logprobs=torch.from_numpy(decoded.entry_logprobs),
         entry_pos=torch.from_numpy(entry_pos),
         tail=torch.from_numpy(decoded.tail.astype(np.float32)),
-        target_ids=torch.from_numpy(input_ids[lay.positions + 1]),
+        target_ids=torch.from_numpy(input_ids[positions + 1]),
         target_logprobs=torch.from_numpy(decoded.target_logprobs),
         entry_counts=counts,
         n_tokens=int(lay.n.sum()),
         segments=segments,
     )
+
+
+def _positions_only(decoded, keep: np.ndarray):
+    """The decoded pieces' per-position and per-entry arrays at the kept positions only."""
+    entries = np.repeat(keep, decoded.n_entries)
+    counts = None if decoded.entry_counts is None else decoded.entry_counts[entries]
+    return dataclasses.replace(decoded, n_entries=decoded.n_entries[keep], tail=decoded.tail[keep],
+                               target_logprobs=decoded.target_logprobs[keep], entry_ids=decoded.entry_ids[entries],
+                               entry_logprobs=decoded.entry_logprobs[entries], entry_counts=counts)
 
 
 # -- the parts in memory ----------------------------------------------------------------------------------
@@ -1006,19 +1039,21 @@ def check_eval_fraction(eval_fraction: float) -> None:
 def store_stream(view: StoreVersion, *, teacher: str | None = None, sources: list | None = None, seq_len: int,
                  micro_batch: int, rank: int, world_size: int, seed: int, split: str = "train",
                  eval_fraction: float = 0.05, prefetch: int = 4, on_error: str = "raise",
-                 memory_budget: int | str | None = None, read_threads: int = READ_THREADS) -> Stream:
+                 memory_budget: int | str | None = None, read_threads: int = READ_THREADS,
+                 train_on: str = "completion") -> Stream:
     """The stream of a store version: one teacher (`teacher`, or the version's only one), or several or
-    cross-tokenizer teachers (`sources`, `trainer/teachers.py`)."""
+    cross-tokenizer teachers (`sources`, `trainer/teachers.py`). `train_on` (chat data, `logitstore.chat`):
+    supervise the completion only, or prompt+completion."""
     check_eval_fraction(eval_fraction)
     if split not in SPLITS:
         raise StreamConfigError(f"split must be one of {SPLITS}, got {split!r}")
     if sources is not None and (len(sources) > 1 or sources[0].cross):
         from logitstore.trainer.teachers import MixedSource
 
-        source = MixedSource(view, sources=sources, split=split, eval_fraction=eval_fraction)
+        source = MixedSource(view, sources=sources, split=split, eval_fraction=eval_fraction, train_on=train_on)
     else:
         name = sources[0].name if sources else teacher
-        source = StoreSource(view, teacher=name, split=split, eval_fraction=eval_fraction)
+        source = StoreSource(view, teacher=name, split=split, eval_fraction=eval_fraction, train_on=train_on)
     stream = Stream(source, seq_len=seq_len, micro_batch=micro_batch, rank=rank, world_size=world_size, seed=seed,
                     split=split, prefetch=prefetch, on_error=on_error, memory_budget=memory_budget,
                     read_threads=read_threads)
@@ -1027,7 +1062,7 @@ def store_stream(view: StoreVersion, *, teacher: str | None = None, sources: lis
                           "kwargs": dict(teacher=teacher, seq_len=seq_len, micro_batch=micro_batch, rank=rank,
                                          world_size=world_size, seed=seed, split=split, eval_fraction=eval_fraction,
                                          prefetch=prefetch, on_error=on_error, memory_budget=memory_budget,
-                                         read_threads=read_threads)}
+                                         read_threads=read_threads, train_on=train_on)}
     return stream
 
 

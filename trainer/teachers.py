@@ -39,6 +39,7 @@ import pyarrow.compute as pc
 import torch
 
 from logitstore import codec
+from logitstore.chat import supervised_positions
 from logitstore.errors import DamagedDataError, LogitstoreError
 from logitstore.store import StoreVersion, read_errors
 from logitstore.trainer.stream import (
@@ -47,6 +48,7 @@ from logitstore.trainer.stream import (
     Pieces,
     SplitTable,
     TeacherRows,
+    check_train_on,
     layout,
     split_index,
 )
@@ -166,9 +168,14 @@ class MixedSource:
     source, the parts of its own that hold those samples (one each when the teachers were built from
     the same data, as `build --teacher A --teacher B` does), and a cross source's student arrays."""
 
-    def __init__(self, view: StoreVersion, *, sources: list[Source], split: str, eval_fraction: float):
+    def __init__(self, view: StoreVersion, *, sources: list[Source], split: str, eval_fraction: float,
+                 train_on: str = "completion"):
         assert sources, "at least one source"
         self.view, self.sources, self.version = view, sources, view.snapshot_id
+        for source in sources:
+            check_train_on(view, teacher=source.name, train_on=train_on)
+        # Chat data: the first source's loss mask (on the student's side) picks the supervised positions.
+        self.completion_only = train_on == "completion" and view.teachers[sources[0].name].loss_mask is not None
         primary = TeacherRows.of(view, teacher=sources[0].name, split=split, eval_fraction=eval_fraction)
         self._tables = [_source_table(view, s, split=split, eval_fraction=eval_fraction, primary_ids=primary.sample_ids)
                         for s in sources]
@@ -201,11 +208,13 @@ class MixedSource:
             out.append(({c: reader.read(c) for c in own}, students))
         return out
 
-    def _student_arrays(self, i: int, code: int) -> tuple[np.ndarray, np.ndarray]:
+    def _student_arrays(self, i: int, code: int) -> tuple:
+        """(ids, groups), and the loss mask for chat data, of a part's student tokens."""
         source = self.sources[i]
         base = f"teachers/{source.name}/parts/{self._tables[i].rows.parts[code]}/students/{source.student}"
+        names = ("ids", "groups", "loss_mask") if self.view.teachers[source.name].loss_mask else ("ids", "groups")
         with read_errors(f"the student tokens in {base}"):  # damage stops the run too; no per-sample skip here
-            return self.view.root[f"{base}/ids"][:], self.view.root[f"{base}/groups"][:]
+            return tuple(self.view.root[f"{base}/{name}"][:] for name in names)
 
     # -- a batch -----------------------------------------------------------------------------------
 
@@ -262,26 +271,28 @@ class MixedSource:
                 n_entries=decoded.n_entries[p0:p1].astype(np.int64),
                 entry_ids=decoded.entry_ids[ent_off[p0]:ent_off[p1]].astype(np.int64),
                 entry_logprobs=decoded.entry_logprobs[ent_off[p0]:ent_off[p1]],
-                tail=decoded.tail[p0:p1], target_logprobs=decoded.target_logprobs[p0:p1])
+                tail=decoded.tail[p0:p1], target_logprobs=decoded.target_logprobs[p0:p1],
+                loss_mask=None if decoded.loss_mask is None else decoded.loss_mask[tok_off[k]:tok_off[k + 1]])
             if aligned is not None:
-                ids, groups = aligned[k]
-                signal = signal.through(groups, student_ids=ids, vocab_map=source.vocab_map)
+                ids, groups, *mask = aligned[k]
+                signal = signal.through(groups, student_ids=ids, vocab_map=source.vocab_map, loss_mask=mask[0] if mask else None)
             out[int(primary_rows[k])] = signal
         return out, errors
 
-    def _students(self, i: int, own_rows: np.ndarray, students: dict) -> list[tuple[np.ndarray, np.ndarray]]:
-        """Student ids and groups [g, 4] of each row, from its part's student arrays."""
+    def _students(self, i: int, own_rows: np.ndarray, students: dict) -> list[tuple]:
+        """Student ids and groups [g, 4] of each row (and its loss mask, chat data), from its part's arrays."""
         st = self._tables[i]
         cols = st.students
         out = []
         for row in own_rows.tolist():  # one step per sample: slicing only
-            ids, groups = students[int(st.rows.part[row])]
+            ids, groups, *mask = students[int(st.rows.part[row])]
             s0, n = cols["student_start"][row], cols["n_student_tokens"][row]
             g0, g = cols["group_start"][row], cols["n_groups"][row]
-            if s0 + n > len(ids) or 4 * (g0 + g) > len(groups):
+            if s0 + n > len(ids) or 4 * (g0 + g) > len(groups) or any(len(m) != len(ids) for m in mask):
                 raise DamagedDataError(f"the student tokens of sample {st.rows.sample_ids[row]!r} lie outside the "
                                        "stored arrays")
-            out.append((ids[s0:s0 + n].astype(np.int64), groups[4 * g0:4 * (g0 + g)].astype(np.int64).reshape(-1, 4)))
+            out.append((ids[s0:s0 + n].astype(np.int64), groups[4 * g0:4 * (g0 + g)].astype(np.int64).reshape(-1, 4),
+                        *(m[s0:s0 + n] for m in mask)))
         return out
 
     def _assemble(self, pieces: Pieces, ok: np.ndarray, per_source: list[dict], *, micro_batch: int,
@@ -299,8 +310,7 @@ class MixedSource:
         present = np.array([[int(r) in src for r in rows] for src in per_source], dtype=bool).reshape(len(per_source), -1)
         w = np.array([s.weight for s in self.sources])[:, None] * present
         w = w / np.maximum(w.sum(axis=0, keepdims=True), 1e-30)
-        signals, covered, exact_covered = [], np.zeros(len(positions), bool), np.zeros(len(positions), bool)
-        counts = {"positions": len(positions), "chains_cut": 0}
+        signals, coverage, chains_cut = [], [], 0
         for i, (source, src) in enumerate(zip(self.sources, per_source)):
             pieces_i = [(k, src[int(r)]) for k, r in enumerate(rows) if present[i, k]]
             weight = np.zeros(len(positions), np.float32)
@@ -309,15 +319,24 @@ class MixedSource:
             if source.cross:
                 targets, cov, exact, cut = _aligned_targets(pieces_i, starts=starts, n=n, first_position=first_position,
                                                             weight=weight, target_ids=input_ids[positions + 1])
-                counts["chains_cut"] += cut
+                chains_cut += cut
             else:
                 targets, cov = _same_targets(pieces_i, starts=starts, n=n, first_position=first_position,
                                              weight=weight, target_ids=input_ids[positions + 1], P=len(positions))
                 exact = cov
             signals.append((source.name, targets))
+            coverage.append((cov, exact))
+        if self.completion_only and len(rows):  # chat data: the positions whose next token is completion
+            mask = np.concatenate([primary[int(r)].loss_mask[a:a + m] for r, a, m in zip(rows, starts, n)])
+            keep = supervised_positions(mask, n)
+            signals = [(name, targets.only(torch.from_numpy(keep))) for name, targets in signals]
+            positions, coverage = positions[keep], [(cov[keep], exact[keep]) for cov, exact in coverage]
+        counts = {"positions": len(positions), "chains_cut": chains_cut}
+        covered, exact_covered = np.zeros(len(positions), bool), np.zeros(len(positions), bool)
+        for (name, _), (cov, exact) in zip(signals, coverage):
             covered |= cov
             exact_covered |= exact
-            counts[f"signal_positions/{source.name}"] = int(cov.sum())
+            counts[f"signal_positions/{name}"] = int(cov.sum())
         counts["signal_positions"] = int(covered.sum())
         counts["exact_positions"] = int(exact_covered.sum())
         empty_long, empty_float = torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.float32)
@@ -350,8 +369,10 @@ class _SampleSignal:
     chain_s0: np.ndarray | None = None
     chain_s1: np.ndarray | None = None
     chain_logprob: np.ndarray | None = None
+    loss_mask: np.ndarray | None = None  # chat data: per student-side token, 1 in the completion
 
-    def through(self, groups: np.ndarray, *, student_ids: np.ndarray, vocab_map: np.ndarray) -> _SampleSignal:
+    def through(self, groups: np.ndarray, *, student_ids: np.ndarray, vocab_map: np.ndarray,
+                loss_mask: np.ndarray | None = None) -> _SampleSignal:
         t0, t1, s0, s1 = (groups[:, k] for k in range(4))
         usable = (t0 >= 1) & (s0 >= 1) & (t1 > t0) & (s1 > s0)  # a group with text before it on both sides
         one = usable & (t1 - t0 == 1) & (s1 - s0 == 1)
@@ -364,7 +385,7 @@ class _SampleSignal:
             tail=self.tail, target_logprobs=self.target_logprobs,
             exact_s=s0[one] - 1, exact_t=t0[one] - 1,
             chain_s0=s0[chain] - 1, chain_s1=s1[chain] - 1,
-            chain_logprob=(prefix[t1[chain] - 1] - prefix[t0[chain] - 1]).astype(np.float32),
+            chain_logprob=(prefix[t1[chain] - 1] - prefix[t0[chain] - 1]).astype(np.float32), loss_mask=loss_mask,
         )
 
 

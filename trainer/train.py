@@ -342,7 +342,7 @@ def make_stream(view, sources, *, cfg: TrainConfig, rank: int, world_size: int, 
 
     return store_stream(view, sources=sources, seq_len=cfg.data.seq_len, micro_batch=cfg.data.micro_batch, rank=rank,
                         world_size=world_size, seed=cfg.student.seed, split=split, eval_fraction=cfg.data.eval_fraction,
-                        on_error=cfg.data.on_error, memory_budget=cfg.data.memory_budget)
+                        on_error=cfg.data.on_error, memory_budget=cfg.data.memory_budget, train_on=cfg.data.train_on)
 
 
 def _lr_at(step: int, cfg: TrainConfig) -> float:
@@ -423,13 +423,15 @@ def _export_final(model, tokenizer, *, out: Path) -> None:
 
 
 def run_eval(*, store: str, student: str, version: str | None = None, teacher: str | None = None,
-             seq_len: int = 256, micro_batch: int = 4, eval_fraction: float = 0.05, seed: int = 0) -> dict:
+             seq_len: int = 256, micro_batch: int = 4, eval_fraction: float = 0.05, seed: int = 0,
+             train_on: str = "completion") -> dict:
     """`logitstore eval`: a trained student's mean KL to the stored teacher and CE, on the held-out split
     (for a cross-tokenizer teacher: the KL over 1:1-aligned positions)."""
     from logitstore.trainer.model import build_student
 
     cfg = TrainConfig.from_flags(store=store, out=EVAL_ONLY, student=student, teacher=teacher, seq_len=seq_len, micro_batch=micro_batch,
-                      eval_fraction=eval_fraction, eval_batches=1 << 30, seed=seed, version=version)
+                      eval_fraction=eval_fraction, eval_batches=1 << 30, seed=seed, version=version,
+                      train_on=train_on)
     signal = StoreSignal(cfg)
     model, _ = build_student(student, vocab_size=signal.vocab_size, seed=seed)
     with _single_process_env():
