@@ -21,8 +21,8 @@ supervise the assistant's tokens only (`train_on="completion"`, the default) or 
 
 `evaluate()` measures the held-out split (`eval_kl`, `eval_ce`), as `logitstore eval` does.
 
-Not done yet (README): live teachers, TRL's trainers, resuming a Trainer checkpoint at the same data
-position.
+TRL: `DistillationSFTTrainer` (`hf_trl.py`, `pip install 'logitstore[hf]'`) is the same on TRL's
+`SFTTrainer`. Not done yet (README): live teachers, resuming a Trainer checkpoint at the same data position.
 """
 
 from __future__ import annotations
@@ -37,8 +37,9 @@ from logitstore.trainer.losses import LossConfig
 from logitstore.trainer.objective import batch_loss, held_out_metrics, student_outputs
 
 
-class DistillationTrainer(Trainer):
-    """A `transformers.Trainer` whose training data and loss come from a logitstore store version."""
+class StoreDistillation:
+    """What `DistillationTrainer` and `DistillationSFTTrainer` add to their Trainer: the store's stream as
+    the training data and logitstore's loss; mixed in before the Trainer class."""
 
     def __init__(self, model, args, *, store: str, version: str | None = None, seq_len: int = 1024,
                  loss: str | LossConfig = "forward_kl", teacher: str | None = None, eval_fraction: float = 0.05,
@@ -91,6 +92,19 @@ class DistillationTrainer(Trainer):
                     logs[key] = sum(values) / len(values)
             self._parts = {}
         super().log(logs, *args, **kwargs)
+
+
+class DistillationTrainer(StoreDistillation, Trainer):
+    """A `transformers.Trainer` whose training data and loss come from a logitstore store version."""
+
+
+def __getattr__(name: str):
+    """`DistillationSFTTrainer` is made on first use: it needs TRL, which plain Trainer users need not install."""
+    if name == "DistillationSFTTrainer":
+        from logitstore.hf_trl import DistillationSFTTrainer
+
+        return DistillationSFTTrainer
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class _Batches:

@@ -7,7 +7,9 @@ Zarr's event loop (the arrays' `zarr.json`, then every chunk or shard object who
 calling thread (Blosc and CRC32C release the GIL, so reader threads decode in parallel): ~4x less.
 
 What it reads: exactly the arrays logitstore writes (`store._write_array`): 1-D, little-endian, codecs
-`bytes -> blosc -> crc32c`, sharded (`sharding_indexed`, index at the end, `bytes -> crc32c`) or not.
+`bytes -> blosc -> crc32c`, sharded (`sharding_indexed`, index at the end, `bytes -> crc32c`) or not;
+for the log-probability arrays of format-2 teachers, the grid codec first (`zarr_codec.py`), whose
+uint16 codes it returns undecoded (logitstore's decoder takes codes).
 Anything else returns None and the caller reads it with Zarr. Every chunk's CRC32C is checked (a
 mismatch raises `ValueError`, as Zarr does, which `store.read_errors` turns into `DamagedDataError`);
 the store's Zarr store is used for the requests, so timeouts and error mapping (`bounded.py`) hold.
@@ -29,6 +31,7 @@ from logitstore.bounded import BoundedStore
 
 _EMPTY = 2**64 - 1  # an inner chunk never written (all fill value)
 _PLAIN = ({"name": "bytes", "configuration": {"endian": "little"}}, "blosc", {"name": "crc32c"})
+GRID_CODEC = "logitstore.logprob_grid"  # zarr_codec.NAME, named here so reading needs no zarr codec import
 
 
 def read_arrays(store, paths: list[str]) -> list[np.ndarray] | None:
@@ -115,16 +118,22 @@ def _layout(meta: dict) -> _Layout | None:
         fill = meta["fill_value"]
         object_shape = meta["chunk_grid"]["configuration"]["chunk_shape"][0]
         codecs = meta["codecs"]
-        if meta.get("storage_transformers") or not isinstance(fill, int):
+        if meta.get("storage_transformers") or not isinstance(fill, int | float):
             return None
         if len(codecs) == 1 and codecs[0]["name"] == "sharding_indexed":
             config = codecs[0]["configuration"]
             index_ok = (config["index_location"] == "end" and config["index_codecs"] == [_PLAIN[0], _PLAIN[2]])
-            if not (index_ok and _plain(config["codecs"])):
+            inner = config["codecs"]
+            if inner and inner[0]["name"] == GRID_CODEC:  # float32 log-probabilities stored as uint16 codes:
+                inner, dtype = inner[1:], np.dtype("<u2")  # read the codes, which is what logitstore decodes
+                if fill != 0:
+                    return None
+                fill = 0
+            if not (index_ok and _plain(inner) and isinstance(fill, int)):
                 return None
             return _Layout(length=meta["shape"][0], dtype=dtype, object_shape=object_shape,
                            chunk_shape=config["chunk_shape"][0], sharded=True, fill_value=fill)
-        if _plain(codecs):
+        if _plain(codecs) and isinstance(fill, int):
             return _Layout(length=meta["shape"][0], dtype=dtype, object_shape=object_shape,
                            chunk_shape=object_shape, sharded=False, fill_value=fill)
     except (KeyError, TypeError, IndexError, ValueError):

@@ -128,27 +128,33 @@ def _start(values: np.ndarray, create_kwargs: dict) -> tuple[bytes, _Layout, lis
 
 
 def _template_key(values: np.ndarray, kwargs: dict) -> dict:
-    if tuple(kwargs["shape"]) != values.shape or np.dtype(kwargs["dtype"]).newbyteorder("<") != values.dtype:
+    # A grid-coded array (`zarr_codec.py`) is declared float32 and written from its uint16 codes.
+    filters = kwargs.get("filters") or []
+    stored = np.dtype(np.uint16) if filters else np.dtype(kwargs["dtype"]).newbyteorder("<")
+    if tuple(kwargs["shape"]) != values.shape or stored != values.dtype:
         raise ValueError(f"arguments for a {kwargs['dtype']} array of shape {kwargs['shape']}, "
                          f"values {values.dtype} of shape {values.shape}")
     blosc, crc = kwargs["compressors"]
     return {"dtype": np.dtype(kwargs["dtype"]).str, "chunk": kwargs["chunks"][0], "shard": kwargs["shards"][0],
             "blosc": json.dumps(blosc.to_dict(), sort_keys=True), "crc": json.dumps(crc.to_dict(), sort_keys=True),
-            "fill_value": kwargs["fill_value"]}
+            "fill_value": kwargs["fill_value"], "filters": json.dumps([f.to_dict() for f in filters], sort_keys=True)}
 
 
 @functools.lru_cache(maxsize=64)
-def _template(*, dtype: str, chunk: int, shard: int, blosc: str, crc: str, fill_value: int):
+def _template(*, dtype: str, chunk: int, shard: int, blosc: str, crc: str, fill_value, filters: str):
     """Zarr's own metadata for this layout (an array made once in memory), and how to encode chunks for it."""
     from zarr.codecs import BloscCodec, Crc32cCodec
 
+    from logitstore.zarr_codec import LogprobGrid
+
     blosc_codec = BloscCodec.from_dict(json.loads(blosc))
+    grid = [LogprobGrid.from_dict(f) for f in json.loads(filters)]
     array = zarr.create_array(zarr.storage.MemoryStore(), shape=(shard,), dtype=np.dtype(dtype), chunks=(chunk,),
                               shards=(shard,), compressors=[blosc_codec, Crc32cCodec.from_dict(json.loads(crc))],
-                              fill_value=fill_value)
+                              fill_value=fill_value, filters=grid or None)
     metadata = array.metadata
     (sharding,) = metadata.codecs
-    inner = [c.to_dict() for c in sharding.codecs]
+    inner = [c.to_dict() for c in sharding.codecs[len(grid):]]  # the grid codec, if any, comes first
     expected = ["bytes", "blosc", "crc32c"]
     if ([c["name"] for c in inner] != expected or sharding.index_location.value != "end"
             or [c.to_dict()["name"] for c in sharding.index_codecs] != ["bytes", "crc32c"]):
@@ -158,7 +164,8 @@ def _template(*, dtype: str, chunk: int, shard: int, blosc: str, crc: str, fill_
     # As zarr's BloscCodec builds its numcodecs codec (typesize passed: numcodecs >= 0.16).
     codec = Blosc.from_config({"cname": config["cname"], "clevel": config["clevel"], "shuffle": shuffle,
                                "blocksize": config["blocksize"], "typesize": config["typesize"]})
-    return metadata, _Layout(chunk=chunk, chunks_per_shard=shard // chunk, blosc=codec, fill_value=fill_value)
+    # Chunks are encoded from the stored values: for a grid-coded array, codes, whose fill (0.0) is code 0.
+    return metadata, _Layout(chunk=chunk, chunks_per_shard=shard // chunk, blosc=codec, fill_value=0 if grid else fill_value)
 
 
 def _chunk(values: np.ndarray, layout: _Layout) -> bytes | None:

@@ -63,8 +63,11 @@ from logitstore.errors import (
 )
 from logitstore.location import Location, commit_lock
 from logitstore.samples import SparseSamples, StudentTokens
+from logitstore.zarr_codec import GRID_ARRAYS, LogprobGrid, as_codes
 
-FORMAT_VERSION = 1
+# 2: teachers registered since hold their log-probability arrays as float32 through the grid codec
+# (`zarr_codec.py`; `TeacherMeta.values`); format-1 teachers keep plain uint16 codes and read as before.
+FORMAT_VERSION = 2
 WRITER = "logitstore 0.1.0"
 SPARSITY_MODES = ("topk", "topp", "sampled")
 DEFAULT_BRANCH = "main"
@@ -100,6 +103,10 @@ class TeacherMeta:
     # Chat data (`logitstore.chat`): None for plain text; else every part holds a per-token `loss_mask`
     # and this says which positions hold teacher entries: "completion" or "prompt+completion" (all).
     loss_mask: str | None = None
+    # How the log-probability arrays are declared to Zarr: "logprobs" (float32 through the grid codec,
+    # readable by plain zarr; store format 2) or "codes" (uint16, teachers written before format 2).
+    # The bytes stored are the same uint16 codes either way.
+    values: str = "logprobs"
 
     def __post_init__(self) -> None:
         if not NAME.fullmatch(self.name):
@@ -121,12 +128,18 @@ class TeacherMeta:
             "writer": self.writer,
             "students": [dict(s) for s in self.students],
             "loss_mask": self.loss_mask,
+            "values": self.values,
         }
 
     @classmethod
     def from_json(cls, meta: dict) -> TeacherMeta:
         students = tuple(dict(s) for s in meta.get("students", ()))
-        return cls(**{**meta, "codec": CodecParams.from_json(meta["codec"]), "students": students})
+        return cls(**{"values": "codes", **meta, "codec": CodecParams.from_json(meta["codec"]), "students": students})
+
+    @property
+    def grid(self) -> CodecParams | None:
+        """The grid codec's parameters where the log-probability arrays go through it, else None."""
+        return self.codec if self.values == "logprobs" else None
 
     @property
     def student_names(self) -> list[str]:
@@ -540,9 +553,10 @@ class StoreVersion:
     def encoded_row(self, r: dict) -> EncodedSamples:
         """The stored integer arrays of one index row (a dict from `index.to_pylist()`)."""
         t, p = r["teacher"], r["part"]
+        params = self.teachers[t].codec
         with read_errors(f"sample {r['sample_id']!r} of teacher {t!r} (part {p})"):
             names = [n for n in ENCODED_ARRAYS if n in self.part_group(t, p)]
-            return slice_row(r, lambda name, rows: self.array(t, p, name)[rows], names=names)
+            return slice_row(r, lambda name, rows: as_codes(self.array(t, p, name)[rows], params), names=names)
 
     def part_group(self, teacher: str, part: str) -> zarr.Group:
         return self.root[f"teachers/{teacher}/parts/{part}"]
@@ -700,6 +714,9 @@ class StoreWriter:
         group.attrs["logitstore_teacher"] = meta.to_json()
         group.create_group("parts")  # here, not in forks: two forks creating it would conflict
         self._added_teachers.append(meta.name)
+        if meta.values == "logprobs" and self.root.attrs["logitstore"].get("format", 1) < 2:
+            # an older store gains a format-2 teacher: older logitstores now refuse it in one line
+            self.root.attrs["logitstore"] = {**self.root.attrs["logitstore"], "format": FORMAT_VERSION}
         if meta.codec.id_order == "frequency":
             assert code_of_id is not None and len(code_of_id) == meta.vocab_size, "frequency order needs code_of_id"
             _write_array(group, "code_of_id", np.asarray(code_of_id, dtype=np.uint32))
@@ -912,7 +929,9 @@ class PartWriter:
             if st.loss_mask is not None:
                 arrays[f"students/{info['name']}/loss_mask"] = st.loss_mask.astype(np.uint8)
         path = f"teachers/{teacher}/parts/{part}"
-        pending = rawwrite.encode_arrays({f"{path}/{name}": (values, _array_kwargs(values)) for name, values in arrays.items()})
+        grids = {name: meta.grid for name in GRID_ARRAYS}
+        pending = rawwrite.encode_arrays({f"{path}/{name}": (values, _array_kwargs(values, grid=grids.get(name)))
+                                          for name, values in arrays.items()})
         rows = index.part_rows(sample_ids=samples.sample_ids, teacher=teacher, part=part, enc=enc,
                                n_tokens=samples.n_tokens, source_hashes=source_hashes, students=ordered)
         encoded = pending.result()
@@ -959,22 +978,28 @@ def _subset(samples: SparseSamples, keep: list[int], source_hashes):
     return picked, None if source_hashes is None else [source_hashes[i] for i in keep]
 
 
-def _write_array(group: zarr.Group, name: str, values: np.ndarray) -> int:
+def _write_array(group: zarr.Group, name: str, values: np.ndarray, *, grid: CodecParams | None = None) -> int:
     """Write a 1-D array sharded for object storage; returns its compressed size in bytes. Through Zarr:
-    for the per-teacher arrays, written once; parts go through `rawwrite` in the same layout."""
-    array = group.create_array(name, **_array_kwargs(values))
+    for the per-teacher arrays, written once; parts go through `rawwrite` in the same layout. With
+    `grid`, `values` are uint16 codes, written as the float32 log-probabilities they stand for."""
+    array = group.create_array(name, **_array_kwargs(values, grid=grid))
     if len(values):
-        array[:] = values
+        array[:] = values if grid is None else codec.dequantize(values, params=grid)
     return int(array.nbytes_stored())
 
 
-def _array_kwargs(values: np.ndarray) -> dict:
-    """How a 1-D array is laid out (`zarr.create_array`'s arguments): one definition for both write paths."""
+def _array_kwargs(values: np.ndarray, *, grid: CodecParams | None = None) -> dict:
+    """How a 1-D array is laid out (`zarr.create_array`'s arguments): one definition for both write paths.
+    With `grid`, the array is float32 log-probabilities stored as these uint16 codes (`zarr_codec.py`)."""
     itemsize = values.dtype.itemsize
     chunk = max(1, CHUNK_BYTES // itemsize)
     n_chunks = max(1, -(-len(values) // chunk))
     shard = chunk * min(CHUNKS_PER_SHARD, n_chunks)
     blosc = BloscCodec(typesize=itemsize, cname="zstd", clevel=BLOSC_LEVEL, shuffle="shuffle" if itemsize > 1 else "noshuffle")
+    if grid is not None:
+        assert values.dtype == np.uint16, "grid-coded arrays are written from their uint16 codes"
+        return dict(shape=values.shape, dtype=np.float32, chunks=(chunk,), shards=(shard,), filters=[LogprobGrid.of(grid)],
+                    compressors=[blosc, Crc32cCodec()], fill_value=0.0)
     return dict(shape=values.shape, dtype=values.dtype, chunks=(chunk,), shards=(shard,),
                 compressors=[blosc, Crc32cCodec()], fill_value=0)
 

@@ -23,6 +23,7 @@ from logitstore.errors import StorageError
 from logitstore.index import sample_hashes
 from logitstore.samples import StudentTokens
 from logitstore.store import ENCODED_ARRAYS, StoreVersion, slice_row
+from logitstore.zarr_codec import as_codes
 
 
 @dataclass
@@ -110,7 +111,8 @@ def _read_part(version: StoreVersion, teacher: str, part: str) -> dict[str, np.n
     """All arrays of a part, or None when any chunk fails to read (then rows are read one by one)."""
     try:
         group = version.part_group(teacher, part)
-        return {name: version.array(teacher, part, name)[:] for name in ENCODED_ARRAYS if name in group}
+        params = version.teachers[teacher].codec
+        return {name: as_codes(version.array(teacher, part, name)[:], params) for name in ENCODED_ARRAYS if name in group}
     except StorageError:  # an outage is not damage: stop, exit 2
         raise
     except Exception:

@@ -241,10 +241,11 @@ def _objects(store, prefix: str) -> dict[str, bytes]:
     return sync(collect())
 
 
-@pytest.mark.parametrize("case", ["small", "several shards", "an all-zero chunk", "student tokens"])
+@pytest.mark.parametrize("case", ["small", "several shards", "an all-zero chunk", "student tokens", "a format-1 teacher"])
 def test_a_part_is_written_as_zarr_writes_it_byte_for_byte(tmp_path, case):
     """`PartWriter` writes its arrays without zarr-python's machinery (rawwrite.py): every object, every
-    byte and the stored size equal writing each array through Zarr (`_write_array`)."""
+    byte and the stored size equal writing each array through Zarr (`_write_array`), the log-probability
+    arrays as float32 through the grid codec (or, for a teacher from before store format 2, as codes)."""
     import dataclasses
 
     import numpy as np
@@ -266,9 +267,12 @@ def test_a_part_is_written_as_zarr_writes_it_byte_for_byte(tmp_path, case):
                                                      for n in samples.n_tokens])}
         registered = [StudentTokenizer(name="s", tokenizer_hash="h", vocab_size=7, tokenizer_json="{}",
                                        vocab_map=np.arange(VOCAB, dtype=np.int32) % 7)]
+    from logitstore.zarr_codec import GRID_ARRAYS
+
+    meta = teacher() if case != "a format-1 teacher" else dataclasses.replace(teacher(), values="codes")
     store = Store.open(str(tmp_path / "store"), create=True)
     with store.writer() as w:
-        w.add_teacher(teacher(), code_of_id=codec.frequency_id_order(samples.entry_ids, vocab_size=VOCAB), students=registered)
+        w.add_teacher(meta, code_of_id=codec.frequency_id_order(samples.entry_ids, vocab_size=VOCAB), students=registered)
         w.commit("teacher")
     with store.writer() as w:
         part_writer = w.part_writer()
@@ -277,7 +281,8 @@ def test_a_part_is_written_as_zarr_writes_it_byte_for_byte(tmp_path, case):
         part = written.rows["part"][0].as_py()
         enc = codec.encode(samples, params=codec.CodecParams(), code_of_id=part_writer.code_of_id("teacher-a"), vocab_size=VOCAB)
         group = zarr.open_group(w.session.store, mode="r+")["teachers/teacher-a/parts"].create_group("by-zarr")
-        stored = sum(_write_array(group, name, values) for name, values in enc.arrays().items())
+        stored = sum(_write_array(group, name, values, grid=meta.grid if name in GRID_ARRAYS else None)
+                     for name, values in enc.arrays().items())
         for name, st in (students or {}).items():
             sub = group.require_group("students").create_group(name)
             stored += _write_array(sub, "ids", st.ids.astype(np.int32))
@@ -288,6 +293,8 @@ def test_a_part_is_written_as_zarr_writes_it_byte_for_byte(tmp_path, case):
         assert sorted(ours) == sorted(theirs)
         assert [key for key in ours if ours[key] != theirs[key]] == []
         assert written.stored_bytes == stored
+        kind = zarr.open_group(w.session.store, mode="r")[f"teachers/teacher-a/parts/{part}/tail"].dtype
+        assert kind == (np.float32 if meta.values == "logprobs" else np.uint16)
         if case == "several shards":
             assert "entry_codes/c/1" in ours
         if case == "an all-zero chunk":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -161,40 +162,49 @@ def test_gpu_levers_leave_the_losses_unchanged(store, tmp_path):
 
 
 
-def test_transformers_trainer_distils_from_a_store_like_logitstore_train(store, tmp_path):
-    # logitstore.hf.DistillationTrainer: the same stream, student and loss code under transformers.Trainer.
+@pytest.mark.parametrize("kind", ["transformers", "trl"])
+def test_trainers_distil_from_a_store_like_logitstore_train(store, tmp_path, kind):
+    # logitstore.hf.DistillationTrainer (transformers.Trainer) and DistillationSFTTrainer (TRL's
+    # SFTTrainer): the same stream, student and loss code as logitstore train.
     import logitstore
     from transformers import TrainingArguments
 
     from logitstore.hf import DistillationTrainer
     from logitstore.trainer.model import build_student
 
+    if kind == "trl":
+        trl = pytest.importorskip("trl")
+        from logitstore.hf import DistillationSFTTrainer as trainer_class
+        arguments = trl.SFTConfig
+    else:
+        trainer_class, arguments = DistillationTrainer, TrainingArguments
     reference = tmp_path / "reference"
     launch(TrainConfig.from_flags(store=store, out=str(reference), steps=1, **COMMON))
     view = logitstore.open(store)
     model, _ = build_student("llama-tiny", vocab_size=view.teachers[view.teacher_name(None)].vocab_size, seed=0)
-    args = TrainingArguments(output_dir=str(tmp_path / "hf"), max_steps=24, per_device_train_batch_size=COMMON["micro_batch"],
-                             learning_rate=COMMON["lr"], warmup_steps=2, logging_steps=1, seed=0, report_to=[],
-                             save_strategy="no", use_cpu=True)
-    trainer = DistillationTrainer(model, args, store=store, seq_len=COMMON["seq_len"],
-                                  eval_fraction=COMMON["eval_fraction"])
+    args = arguments(output_dir=str(tmp_path / kind), max_steps=24, per_device_train_batch_size=COMMON["micro_batch"],
+                     learning_rate=COMMON["lr"], warmup_steps=2, logging_steps=1, seed=0, report_to=[],
+                     save_strategy="no", use_cpu=True)
+    trainer = trainer_class(model, args, store=store, seq_len=COMMON["seq_len"], eval_fraction=COMMON["eval_fraction"])
     before = trainer.evaluate()
     trainer.train()
     after = trainer.evaluate()
     assert after["eval_kl"] < before["eval_kl"] - 0.5 and after["eval_ce"] > 0  # the held-out split, as in eval
-    logs = [h for h in trainer.state.log_history if "loss" in h]
+    logs = [h for h in trainer.state.log_history if "kd" in h]
     assert logs[0]["loss"] == pytest.approx(metrics(reference)[0]["loss"], abs=1e-3)  # Trainer rounds to 4 digits
     kd = [h["kd"] for h in logs]
     assert sum(kd[-3:]) / 3 < sum(kd[:3]) / 3 - 0.5, kd
 
 
-def test_the_readme_trainer_snippet_runs_as_written(store, tmp_path, capsys):
+def run_readme_snippet(after: str, store, tmp_path, capsys) -> str:
+    """Run the first Python snippet after `after` in the README, in a folder where ./quick is `store`;
+    returns its last printed line."""
     import os
     import re
     import runpy
 
     readme = (Path(__file__).parents[1] / "README.md").read_text()
-    section = readme.split("## Use it from `transformers.Trainer`", 1)[1]
+    section = readme.split(after, 1)[1]
     (tmp_path / "snippet.py").write_text(re.search(r"```python\n(.*?)```", section, re.S).group(1))
     os.symlink(store, tmp_path / "quick")  # the quick path's store, as the snippet names it
     cwd = os.getcwd()
@@ -203,5 +213,21 @@ def test_the_readme_trainer_snippet_runs_as_written(store, tmp_path, capsys):
         runpy.run_path(str(tmp_path / "snippet.py"), run_name="__main__")
     finally:
         os.chdir(cwd)
-    printed = capsys.readouterr().out.strip().splitlines()[-1]
+    return capsys.readouterr().out.strip().splitlines()[-1]
+
+
+def test_the_readme_trainer_snippet_runs_as_written(store, tmp_path, capsys):
+    printed = run_readme_snippet("**`transformers.Trainer`.**", store, tmp_path, capsys)
     assert printed.startswith("[(5, ") and "(10, " in printed
+
+
+def test_the_readme_trl_snippet_runs_as_written(store, tmp_path, capsys):
+    pytest.importorskip("trl")
+    printed = run_readme_snippet("**TRL.**", store, tmp_path, capsys)
+    assert printed.startswith("[(5, ") and "(10, " in printed
+
+
+def test_the_readme_own_loop_snippet_runs_as_written_and_learns(store, tmp_path, capsys):
+    printed = run_readme_snippet("**Your own loop.**", store, tmp_path, capsys)
+    first, last = (float(x) for x in re.fullmatch(r"KD (\S+) -> (\S+) in 10 steps", printed).groups())
+    assert last < first - 0.5, printed

@@ -96,6 +96,7 @@ from logitstore.errors import DamagedDataError, LogitstoreError, StorageError
 from logitstore.rawread import read_arrays
 from logitstore.sizes import format_bytes, parse_bytes
 from logitstore.store import ENCODED_ARRAYS, StoreVersion, read_errors
+from logitstore.zarr_codec import as_codes
 
 SPLITS = ("train", "eval")
 ON_ERROR = ("raise", "skip")
@@ -363,7 +364,7 @@ class PartReader:
     def __init__(self, view: StoreVersion, *, teacher: str, rows: TeacherRows):
         meta = view.teachers[teacher]
         self.view, self.teacher, self.rows = view, teacher, rows
-        self.vocab_size = meta.vocab_size
+        self.vocab_size, self.params = meta.vocab_size, meta.codec
         self.sampled = meta.sparsity["mode"] == "sampled"
         self.masked = meta.loss_mask is not None  # chat data: a per-token loss_mask in every part
         self.names = tuple(n for n in ENCODED_ARRAYS
@@ -412,7 +413,7 @@ class PartReader:
 
         async def one(name: str) -> np.ndarray:
             array = await root.getitem(f"{base}/{name}")
-            return await array.getitem(slice(None))
+            return as_codes(await array.getitem(slice(None)), self.params)
 
         async def every() -> list:
             return await asyncio.gather(*(one(name) for name in self.names))
@@ -435,9 +436,9 @@ class PartReader:
         out = {}
         for name, (starts, stops) in self._spans(rows).items():
             array = self.view.array(self.teacher, part, name)
-            full = np.zeros(array.shape[0], dtype=array.dtype)
+            full = np.zeros(array.shape[0], dtype=_stored_dtype(array))
             for s, e in _merged(starts, stops):  # one request per run of nearby samples
-                values = array[s:e]
+                values = as_codes(array[s:e], self.params)
                 if len(values) != e - s:  # Zarr clamps slices silently: an index beyond the stored array
                     raise _Damaged(f"index range [{s}, {e}) lies outside the stored array of {array.shape[0]}")
                 full[s:e] = values
@@ -446,7 +447,7 @@ class PartReader:
 
     def _by_sample(self, part: str, rows: np.ndarray) -> tuple[dict[str, np.ndarray], dict[int, Exception]]:
         arrays = {name: np.zeros(self.view.array(self.teacher, part, name).shape[0],
-                                 dtype=self.view.array(self.teacher, part, name).dtype) for name in self.names}
+                                 dtype=_stored_dtype(self.view.array(self.teacher, part, name))) for name in self.names}
         damaged: dict[int, Exception] = {}
         for row in rows.tolist():  # one step per sample, only for a part with a damaged chunk
             try:
@@ -516,6 +517,11 @@ class PartReader:
             lo, hi = bounds[axis[name]]
             out[name] = np.concatenate([arrays[name][s:e] for arrays, s, e in zip(held, lo, hi)])
         return EncodedSamples(**out)
+
+
+def _stored_dtype(array) -> np.dtype:
+    """The dtype of an array's stored values: uint16 codes for the grid codec's float32 log-probabilities."""
+    return np.dtype(np.uint16) if array.dtype == np.float32 else array.dtype
 
 
 @numba.njit(cache=True, nogil=True)

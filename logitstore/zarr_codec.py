@@ -1,0 +1,88 @@
+"""The log-probability grid as a Zarr v3 codec, so plain `zarr` reads a store's values as log-probabilities.
+
+logitstore keeps log-probabilities as uint16 codes on a two-slope grid (`codec.CodecParams`). The
+arrays of a teacher registered since store format 2 (`entry_logprobs`, `target_logprobs`, `tail`, the
+last as the log of the tail mass) declare `data_type: float32` and put this codec first in their chain:
+
+    "codecs": [{"name": "logitstore.logprob_grid", "configuration": {"fine_step": 0.05, "coarse_step": 0.5,
+                "coarse_below": -5.0}}, {"name": "sharding_indexed", ...}]
+
+so `zarr.open_array(...)[:]` decodes the codes to float32 log-probabilities (each within the grid's
+error bound of the teacher's value; -inf for a mass of zero), and writing float32 through Zarr
+quantizes them. The stored bytes are the same uint16 codes as before: logitstore's own readers
+(`rawread.py`) still take the codes without decoding them twice.
+
+Zarr finds the codec through the `zarr.codecs` entry point that installing logitstore registers
+(`pyproject.toml`), without `import logitstore`; importing this module registers it too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import numpy as np
+from zarr.abc.codec import ArrayArrayCodec
+from zarr.core.common import parse_named_configuration
+from zarr.core.dtype import UInt16
+from zarr.registry import register_codec
+
+from logitstore.codec import CodecParams, dequantize, quantize
+
+NAME = "logitstore.logprob_grid"
+GRID_ARRAYS = ("entry_logprobs", "target_logprobs", "tail")  # the arrays this codec applies to
+
+
+@dataclass(frozen=True)
+class LogprobGrid(ArrayArrayCodec):
+    """float32 log-probabilities <-> uint16 codes of `CodecParams`' grid."""
+
+    fine_step: float = 0.05
+    coarse_step: float = 0.5
+    coarse_below: float = -5.0
+    is_fixed_size = True
+
+    @classmethod
+    def of(cls, params: CodecParams) -> LogprobGrid:
+        return cls(fine_step=params.fine_step, coarse_step=params.coarse_step, coarse_below=params.coarse_below)
+
+    @property
+    def params(self) -> CodecParams:
+        return CodecParams(fine_step=self.fine_step, coarse_step=self.coarse_step, coarse_below=self.coarse_below)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> LogprobGrid:
+        _, configuration = parse_named_configuration(data, NAME)
+        return cls(**{k: float(v) for k, v in (configuration or {}).items()})
+
+    def to_dict(self) -> dict:
+        return {"name": NAME, "configuration": {"fine_step": self.fine_step, "coarse_step": self.coarse_step,
+                                                "coarse_below": self.coarse_below}}
+
+    def validate(self, *, shape, dtype, chunk_grid) -> None:
+        if dtype.to_native_dtype() != np.dtype("float32"):
+            raise ValueError(f"{NAME} encodes float32 log-probabilities, not {dtype}")
+        self.params  # checks the grid
+
+    def resolve_metadata(self, chunk_spec):
+        return replace(chunk_spec, dtype=UInt16(), fill_value=0)  # 0.0 is code 0
+
+    async def _decode_single(self, chunk_array, chunk_spec):
+        codes = np.asarray(chunk_array.as_numpy_array(), dtype=np.uint16)
+        return chunk_spec.prototype.nd_buffer.from_numpy_array(dequantize(codes, params=self.params))
+
+    async def _encode_single(self, chunk_array, chunk_spec):
+        values = np.asarray(chunk_array.as_numpy_array(), dtype=np.float32)
+        return chunk_spec.prototype.nd_buffer.from_numpy_array(quantize(values, params=self.params))
+
+    def compute_encoded_size(self, input_byte_length: int, chunk_spec) -> int:
+        return input_byte_length // 2
+
+
+def as_codes(values: np.ndarray, params: CodecParams) -> np.ndarray:
+    """What logitstore decodes, from an array read through Zarr: float32 log-probabilities (this codec)
+    re-quantized, which gives the stored codes back exactly (tested for every code); any other array
+    (codes of older teachers, ids, counts) as it is."""
+    return quantize(values, params=params) if values.dtype == np.float32 else values
+
+
+register_codec(NAME, LogprobGrid)
