@@ -22,16 +22,20 @@ from __future__ import annotations
 
 from trl import SFTTrainer
 
+from logitstore.errors import LogitstoreError
 from logitstore.hf import StoreDistillation
 
 
 class DistillationSFTTrainer(StoreDistillation, SFTTrainer):
     """TRL's `SFTTrainer` whose training data and loss come from a logitstore store version."""
 
-    def __init__(self, model, args, *, store: str, version: str | None = None, processing_class=None,
+    def __init__(self, model, args, *, store: str | None = None, version: str | None = None, processing_class=None,
                  train_dataset=None, **kwargs):
         import logitstore
 
+        if store is None:
+            raise LogitstoreError("DistillationSFTTrainer reads a store (store=URI); for a live teacher use "
+                                  "logitstore.hf.DistillationTrainer(live=...)")
         view = logitstore.open(store, version)
         teacher = view.teacher_name(kwargs.get("teacher"))
         if processing_class is None:

@@ -82,6 +82,26 @@ def test_live_and_store_runs_see_the_same_batches_and_losses(corpus, tmp_path):
     assert first["signal"] == "live" and first["version"].startswith("live-")
     assert first["live_transport"] == ("cuda_ipc" if torch.cuda.is_available() else "shared_memory")
     assert not leaked_shm(before)  # nothing left in /dev/shm
+    # The same live teacher under transformers.Trainer (logitstore.hf.DistillationTrainer(live=...)):
+    # the same first batch, so the same first KD as the store run.
+    from transformers import TrainingArguments
+
+    from logitstore.hf import DistillationTrainer
+    from logitstore.trainer.model import build_student
+
+    model, _ = build_student("llama-tiny", vocab_size=49152, seed=0)
+    args = TrainingArguments(output_dir=str(tmp_path / "hf-live"), max_steps=3, per_device_train_batch_size=2,
+                             learning_rate=COMMON["lr"], logging_steps=1, seed=0, report_to=[], save_strategy="no",
+                             use_cpu=True)
+    with DistillationTrainer(model, args, live=live_config(corpus), seq_len=64, eval_fraction=0.2) as trainer:
+        trainer.train()
+        held_out = trainer.evaluate()
+        teacher_pid = trainer.signal.client.pid
+    kd = [h["kd"] for h in trainer.state.log_history if "kd" in h]
+    store_kd = [r["kd"] for r in map(json.loads, (tmp_path / "store-run" / "metrics.jsonl").read_text().splitlines())
+                if "step" in r]
+    assert kd[0] == pytest.approx(store_kd[0], rel=1e-4) and len(kd) == 3
+    assert held_out["eval_kl"] > 0 and not _alive(teacher_pid)
 
 
 def _start(corpus: Path, out: Path) -> subprocess.Popen:

@@ -196,6 +196,39 @@ def test_trainers_distil_from_a_store_like_logitstore_train(store, tmp_path, kin
     assert sum(kd[-3:]) / 3 < sum(kd[:3]) / 3 - 0.5, kd
 
 
+def test_distillation_trainer_resumes_a_checkpoint_at_its_data_position(store, tmp_path):
+    # Six steps with a checkpoint at step 3, then a fresh trainer resumed from checkpoint-3: steps 4-6
+    # see the same batches (the stream's position is in the checkpoint) and give the same losses.
+    import logitstore
+    from transformers import TrainingArguments
+
+    from logitstore.hf import DistillationTrainer
+    from logitstore.trainer.model import build_student
+
+    def trainer(out: Path) -> DistillationTrainer:
+        view = logitstore.open(store)
+        model, _ = build_student("llama-tiny", vocab_size=view.teachers[view.teacher_name(None)].vocab_size, seed=0)
+        args = TrainingArguments(output_dir=str(out), max_steps=6, per_device_train_batch_size=COMMON["micro_batch"],
+                                 learning_rate=COMMON["lr"], logging_steps=1, seed=0, report_to=[],
+                                 save_strategy="steps", save_steps=3, use_cpu=True)
+        return DistillationTrainer(model, args, store=store, seq_len=COMMON["seq_len"])
+
+    def kd_by_step(t: DistillationTrainer) -> dict[int, float]:
+        return {h["step"]: h["kd"] for h in t.state.log_history if "kd" in h}
+
+    whole = trainer(tmp_path / "whole")
+    whole.train()
+    assert (tmp_path / "whole" / "checkpoint-3" / "logitstore_stream.json").is_file()
+    resumed = trainer(tmp_path / "whole")
+    resumed.train(resume_from_checkpoint=str(tmp_path / "whole" / "checkpoint-3"))
+    expected, got = kd_by_step(whole), kd_by_step(resumed)
+    assert sorted(got) == [1, 2, 3, 4, 5, 6]  # steps 1-3 come from the checkpoint's log history
+    assert [got[s] for s in (4, 5, 6)] == pytest.approx([expected[s] for s in (4, 5, 6)], abs=1e-5)
+    with pytest.raises(Exception, match="logitstore_stream.json"):
+        (tmp_path / "whole" / "checkpoint-6" / "logitstore_stream.json").unlink()
+        trainer(tmp_path / "whole").train(resume_from_checkpoint=True)
+
+
 def run_readme_snippet(after: str, store, tmp_path, capsys) -> str:
     """Run the first Python snippet after `after` in the README, in a folder where ./quick is `store`;
     returns its last printed line."""
