@@ -2,7 +2,7 @@
 
 Like with like: both sides use the same sparsity (default `--sample 16`, the build's default; `--top-k K`
 for top-k), the same windows, units and batches (the build's own planning, `build.plan_units`, and
-batching, `workers.token_budget_batches`), and per unit the same sampling seed. The difference is
+batching, `engines.token_budget_batches`), and per unit the same sampling seed. The difference is
 everything that is not the teacher's forward pass: reading and tokenizing, entry selection
 (`sparsify.to_samples`), encoding, compression, writing, merging and commits. Runs alternate (forward
 alone, then build) and each side keeps its best of `--repeats`. Target: the store side adds < 5%.
@@ -37,9 +37,11 @@ from logitstore.data import SAMPLE_CORPUS
 from logitstore.pipelines import build as build_module
 from logitstore.pipelines import teacher as teacher_module
 from logitstore.pipelines.build import BuildConfig, BuildSummary, plan_units, run_build
-from logitstore.pipelines.sparsify import Sparsity
+from logitstore.sparsity import Sparsity
 from logitstore.pipelines.teacher import SparseBatch, describe_teacher
-from logitstore.pipelines.workers import _load_teacher_once, _unit_seed, token_budget_batches
+from logitstore.pipelines.engines import token_budget_batches
+from logitstore.pipelines.engines.torch_engine import load_teacher_once
+from logitstore.pipelines.workers import unit_seed
 
 
 def corpus(path: Path, *, tokens: int, tokenizer) -> int:
@@ -66,7 +68,7 @@ def config(args, *, store: str, data: Path) -> BuildConfig:
 
 
 def forward(model, ids: torch.Tensor, mask: torch.Tensor, sparsity: Sparsity, generator) -> SparseBatch:
-    """The teacher's forward pass as `TeacherWorker._forward` runs it (looked up at call time, so a
+    """The teacher's forward pass as the torch engine runs it (`engines/torch_engine.py`) (looked up at call time, so a
     stand-in patched into the module runs here too)."""
     if sparsity.mode == "sampled":
         return teacher_module.sampled_forward(model, ids, mask, n=sparsity.n, generator=generator,
@@ -88,7 +90,7 @@ def batches(cfg: BuildConfig, tokenizer) -> list[tuple[int, list]]:
                 ids[r, : lengths[i]] = torch.as_tensor(unit.tokens[i])
                 mask[r, : lengths[i]] = 1
             unit_batches.append((ids, mask))
-        out.append((_unit_seed(cfg.seed, unit), unit_batches))
+        out.append((unit_seed(cfg.seed, unit), unit_batches))
     return out
 
 
@@ -243,7 +245,7 @@ def main() -> None:
     from logitstore.store import TeacherMeta
 
     info = describe_teacher(None)
-    model = _load_teacher_once(info.spec, args.device, "auto").model
+    model = load_teacher_once(info.spec, args.device, "auto").model
     results = []  # (label, tokens, forward s, build s, bytes/token, steady forward s, steady build s)
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)

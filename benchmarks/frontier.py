@@ -49,10 +49,11 @@ import torch
 from logitstore import codec
 from logitstore.codec import CodecParams
 from logitstore.data import SAMPLE_CORPUS
-from logitstore.pipelines.sparsify import Sparsity, to_samples
+from logitstore.pipelines.sparsify import to_samples
+from logitstore.sparsity import Sparsity
 from logitstore.pipelines.teacher import (SparseBatch, _empty_sparse, _head_chunk, _last_hidden_state, _reshape,
                                           _sample_chunk, describe_teacher, resolve_teacher)
-from logitstore.pipelines.workers import _load_teacher_once
+from logitstore.pipelines.engines.torch_engine import load_teacher_once
 from logitstore.samples import concat
 from logitstore.store import Store, TeacherMeta
 from logitstore.trainer.config import TrainConfig
@@ -362,7 +363,7 @@ def parse_args(argv=None):
 
 def main(argv=None) -> list[dict]:
     args = parse_args(argv)
-    teacher = _load_teacher_once(resolve_teacher(None), "cpu", "auto")
+    teacher = load_teacher_once(resolve_teacher(None), "cpu", "auto")
     info, vocab = describe_teacher(None), teacher.vocab_size
     rows = []
     with tempfile.TemporaryDirectory() as tmp:

@@ -35,7 +35,7 @@ from torch.distributed.device_mesh import init_device_mesh
 import train_scaling as scaling  # benchmarks/train_scaling.py, beside this file
 from logitstore.data import SAMPLE_CORPUS
 from logitstore.pipelines.build import BuildConfig, run_build
-from logitstore.pipelines.workers import _load_teacher_once
+from logitstore.pipelines.engines.torch_engine import load_teacher_once
 from logitstore.store import Store
 from logitstore.trainer.losses import LossConfig
 from logitstore.trainer.model import build_student, shard
@@ -120,7 +120,7 @@ def main() -> None:
         memory_s = run_steps(model, optimizer, in_memory)
         from logitstore.pipelines.teacher import resolve_teacher
 
-        teacher_model = _load_teacher_once(resolve_teacher(None), "cpu", "auto").model
+        teacher_model = load_teacher_once(resolve_teacher(None), "cpu", "auto").model
         online_s = run_steps(model, optimizer, in_memory, teacher_model=teacher_model)
     dist.destroy_process_group()
     tokens = args.seq_len * args.micro_batch

@@ -267,7 +267,9 @@ def build(
     limit: Annotated[Optional[int], typer.Option(rich_help_panel="Data", help="Read only the input's first N documents: a quick trial.")] = None,
     teacher: Annotated[Optional[list[str]], typer.Option(rich_help_panel="Teacher", help="Hugging Face model directory, .gguf file, Hub id (org/name[@rev], local cache first), or built-in name (default: smollm2-135m-instruct). Repeat for several teachers.")] = None,
     student_tokenizer: Annotated[Optional[list[str]], typer.Option(rich_help_panel="Teacher", help="\\[NAME=]TOK: also align every sample to this student tokenizer (a tokenizer or model folder, or a tokenizer.json). Repeatable.")] = None,
-    engine: Annotated[Engine, typer.Option(rich_help_panel="Teacher", help="torch, or vllm (GPU, pip install 'logitstore\\[vllm]'; top-k only).")] = "torch",
+    engine: Annotated[Engine, typer.Option(rich_help_panel="Teacher", help="torch, or vllm (GPU, pip install 'logitstore\\[vllm]'; top-k and top-p at temperature 1).")] = "torch",
+    tensor_parallel: Annotated[int, typer.Option(rich_help_panel="Teacher", help="GPUs per teacher engine (--engine vllm): tensor parallelism, for teachers that do not fit one GPU.")] = 1,
+    teacher_name: Annotated[Optional[str], typer.Option(rich_help_panel="Teacher", help="Store the teacher under this name (default: its folder's or file's name), e.g. to keep another engine's or dtype's entries apart.")] = None,
     device: Annotated[str, typer.Option(rich_help_panel="Teacher", help="auto, cpu or cuda\\[:N].")] = "auto",
     dtype: Annotated[Dtype, typer.Option(rich_help_panel="Teacher", help="auto: bf16 on GPU, fp32 on CPU.")] = "auto",
     batch_tokens: Annotated[int, typer.Option(rich_help_panel="Teacher", help="Padded tokens per teacher batch.")] = 8192,
@@ -275,7 +277,7 @@ def build(
     ray_address: Annotated[Optional[str], typer.Option(rich_help_panel="Teacher", help="Ray cluster address, 'auto', or 'local' to start one here.")] = None,
     top_k: Annotated[Optional[int], typer.Option(rich_help_panel="Sparsity", help="Store the top K entries per position (the cap, with --top-p: default 64).")] = None,
     top_p: Annotated[Optional[float], typer.Option(rich_help_panel="Sparsity", help="Keep the smallest set of top entries reaching this probability, capped at --top-k.")] = None,
-    sample: Annotated[Optional[int], typer.Option(rich_help_panel="Sparsity", help="Store N draws per position as distinct ids with counts (unbiased). Default without any of --top-k/--top-p/--sample: --sample 16, or --top-k 64 with --student-tokenizer or --engine vllm.")] = None,
+    sample: Annotated[Optional[int], typer.Option(rich_help_panel="Sparsity", help="Store N draws per position as distinct ids with counts (unbiased). Default without any of --top-k/--top-p/--sample: --sample 16, or --top-k 64 with --student-tokenizer or an engine that cannot draw (vllm).")] = None,
     temperature: Annotated[float, typer.Option(rich_help_panel="Sparsity", help="Temperature for selecting/sampling entries; stored log-probabilities stay at 1.")] = 1.0,
     value_grid: Annotated[ValueGrid, typer.Option(rich_help_panel="Sparsity", help="Log-probability grid: default (0.025-nat bound above -5 nats), fine (0.001, finer than fp16) or coarse (0.05); see 'Choosing a budget'.")] = "default",
     seed: Annotated[int, typer.Option(rich_help_panel="Sparsity", help="Seed for --sample draws.")] = 0,
@@ -293,16 +295,18 @@ def build(
     # The input before anything heavy (torch, a teacher, a store): a wrong path or column shows in ~1 s.
     data = dataset_source(data, split=split, config=data_config)
     check_input(data, text_column=text_column, id_column=id_column, ids_column=ids_column, chat_column=chat_column)
-    from logitstore.codec import GRIDS
     from logitstore.pipelines.build import BuildConfig, run_builds, summary_json
-    from logitstore.pipelines.sparsify import default_sparsity, sparsity_from_flags
+    from logitstore.pipelines.engines import engine_class
+    from logitstore.sparsity import default_sparsity, sparsity_from_flags
 
-    sparsity = sparsity_from_flags(top_k=top_k, top_p=top_p, sample=sample, temperature=temperature,
-                                   default=default_sparsity(student_tokenizers=bool(student_tokenizer), engine=engine))
-    cfg = BuildConfig(store=store, codec=GRIDS[value_grid], data=data, student_tokenizers=tuple(student_tokenizer or ()), text_column=text_column, id_column=id_column,
-                      ids_column=ids_column, max_length=max_length, sparsity=sparsity, batch_tokens=batch_tokens,
-                      device=device, dtype=dtype, workers=workers, ray_address=ray_address, message=message,
-                      branch=branch, commit_every=commit_every, unit_tokens=unit_tokens, seed=seed, engine=engine,
+    default = default_sparsity(student_tokenizers=bool(student_tokenizer), engine_samples=engine_class(engine).samples)
+    sparsity = sparsity_from_flags(top_k=top_k, top_p=top_p, sample=sample, temperature=temperature, default=default,
+                                   grid=value_grid)
+    cfg = BuildConfig(store=store, data=data, student_tokenizers=tuple(student_tokenizer or ()), text_column=text_column,
+                      id_column=id_column, ids_column=ids_column, max_length=max_length, sparsity=sparsity,
+                      batch_tokens=batch_tokens, device=device, dtype=dtype, workers=workers, ray_address=ray_address,
+                      message=message, branch=branch, commit_every=commit_every, unit_tokens=unit_tokens, seed=seed,
+                      engine=engine, tensor_parallel=tensor_parallel, teacher_name=teacher_name,
                       on_duplicate=on_duplicate, limit=limit, chat_column=chat_column, train_on=train_on)
     summary = run_builds(cfg, list(teacher or [None]))
     if json_out:

@@ -63,13 +63,13 @@ from logitstore.errors import (
 )
 from logitstore.location import Location, commit_lock
 from logitstore.samples import SparseSamples, StudentTokens
+from logitstore.sparsity import MODES
 from logitstore.zarr_codec import GRID_ARRAYS, LogprobGrid, as_codes
 
 # 2: teachers registered since hold their log-probability arrays as float32 through the grid codec
 # (`zarr_codec.py`; `TeacherMeta.values`); format-1 teachers keep plain uint16 codes and read as before.
 FORMAT_VERSION = 2
 WRITER = "logitstore 0.1.0"
-SPARSITY_MODES = ("topk", "topp", "sampled")
 DEFAULT_BRANCH = "main"
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # teachers, student tokenizers, tags and branches
 SNAPSHOT_ID = re.compile(r"[0-9A-Z]{20}")  # Icechunk's snapshot ids: 20 Crockford base32 characters
@@ -107,14 +107,20 @@ class TeacherMeta:
     # readable by plain zarr; store format 2) or "codes" (uint16, teachers written before format 2).
     # The bytes stored are the same uint16 codes either way.
     values: str = "logprobs"
+    # What computed the entries (`pipelines/engines/`): the engine's name, the teacher's dtype there and
+    # the engine's package version. None for teachers written before they were recorded. Parts from
+    # another engine or dtype are refused (their values differ by more than the grid's bound).
+    engine: str | None = None
+    dtype: str | None = None
+    engine_version: str | None = None
 
     def __post_init__(self) -> None:
         if not NAME.fullmatch(self.name):
             raise InvalidSampleError(f"teacher name {self.name!r}: use letters, digits, '.', '_' and '-'")
         if self.vocab_size < 1:
             raise InvalidSampleError(f"teacher {self.name}: vocab_size must be positive, got {self.vocab_size}")
-        if self.sparsity.get("mode") not in SPARSITY_MODES:
-            raise InvalidSampleError(f"teacher {self.name}: sparsity mode must be one of {SPARSITY_MODES}")
+        if self.sparsity.get("mode") not in MODES:
+            raise InvalidSampleError(f"teacher {self.name}: sparsity mode must be one of {', '.join(MODES)}")
 
     def to_json(self) -> dict:
         return {
@@ -129,6 +135,9 @@ class TeacherMeta:
             "students": [dict(s) for s in self.students],
             "loss_mask": self.loss_mask,
             "values": self.values,
+            "engine": self.engine,
+            "dtype": self.dtype,
+            "engine_version": self.engine_version,
         }
 
     @classmethod
@@ -145,9 +154,20 @@ class TeacherMeta:
     def student_names(self) -> list[str]:
         return [s["name"] for s in self.students]
 
+    @property
+    def sampled(self) -> bool:
+        """Entries are draws with counts (read from the mode alone, so hand-written metadata reads too)."""
+        return self.sparsity["mode"] == "sampled"
+
     def same_teacher(self, other: TeacherMeta) -> bool:
         keys = ("vocab_size", "content_hash", "tokenizer_hash", "sparsity", "students", "loss_mask")
-        return all(getattr(self, k) == getattr(other, k) for k in keys) and self.codec == other.codec
+        return (all(getattr(self, k) == getattr(other, k) for k in keys) and self.codec == other.codec
+                and self.same_computation(other))
+
+    def same_computation(self, other: TeacherMeta) -> bool:
+        """Same engine and dtype, where both say (teachers from before these were recorded say neither)."""
+        return all(getattr(self, k) is None or getattr(other, k) is None or getattr(self, k) == getattr(other, k)
+                   for k in ("engine", "dtype"))
 
 
 @dataclass(frozen=True)
@@ -502,6 +522,9 @@ class StoreVersion:
                 "tokenizer_hash": meta.tokenizer_hash,
                 "codec": meta.codec.to_json(),
                 "student_tokenizers": [self.student_info(name, s) for s in meta.student_names],
+                "engine": meta.engine,
+                "dtype": meta.dtype,
+                "engine_version": meta.engine_version,
             })
         return {
             "samples": idx.num_rows,
@@ -910,9 +933,9 @@ class PartWriter:
         if (meta.loss_mask is not None) != (samples.loss_mask is not None):
             raise InvalidSampleError(f"teacher {teacher!r} holds {'chat' if meta.loss_mask else 'plain text'} samples: "
                                      f"loss_mask must be {'given' if meta.loss_mask else 'absent'}")
-        if (meta.sparsity["mode"] == "sampled") != (samples.entry_counts is not None):
+        if meta.sampled != (samples.entry_counts is not None):
             raise InvalidSampleError(f"teacher {teacher!r} is {meta.sparsity['mode']}: entry_counts must be "
-                                     f"{'given' if meta.sparsity['mode'] == 'sampled' else 'absent'}")
+                                     f"{'given' if meta.sampled else 'absent'}")
         store = bounded_store(self.session.store, where=self.where)  # a fork's store is bare
         code_of_id = self.code_of_id(teacher)
         enc = codec.encode(samples, params=meta.codec, code_of_id=code_of_id, vocab_size=meta.vocab_size)
@@ -1018,4 +1041,8 @@ def _mismatch_message(old: TeacherMeta, new: TeacherMeta) -> str:
             return "plain text" if m is None else f"chat data with teacher entries for {m} tokens"
         return (f"the store's teacher {old.name!r} holds {kind(old.loss_mask)}, this build brings {kind(new.loss_mask)} "
                 "(--chat-column and --train-on must match); use another teacher name, branch or store")
+    if not old.same_computation(new):
+        return (f"the store's teacher {old.name!r} was computed by the {old.engine} engine in {old.dtype}, this build "
+                f"runs the {new.engine} engine in {new.dtype}; their values would mix in one teacher. Use the same "
+                "--engine and --dtype, or store this one as another teacher (--teacher-name)")
     return f"the store's teacher {old.name!r} uses codec {old.codec}, this write {new.codec}"

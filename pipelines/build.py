@@ -32,12 +32,12 @@ import pyarrow.compute as pc
 
 from logitstore import chat, codec
 from logitstore.ahead import read_ahead
-from logitstore.codec import CodecParams
 from logitstore.errors import ConflictError, LogitstoreError
 from logitstore.pipelines import data as data_io
-from logitstore.pipelines.sparsify import Sparsity, default_sparsity
-from logitstore.pipelines.workers import Unit, make_executor, write_unit
-from logitstore.store import DEFAULT_BRANCH, Store, StudentTokenizer, TeacherMeta
+from logitstore.pipelines.engines import engine_class
+from logitstore.pipelines.workers import Unit, make_executor, worker_settings, write_unit
+from logitstore.sparsity import Sparsity, default_sparsity
+from logitstore.store import DEFAULT_BRANCH, NAME, Store, StudentTokenizer, TeacherMeta
 
 DEFAULT_STORE = "logitstore-store"
 DTYPES = ("auto", "float32", "bfloat16", "float16")  # the teacher's weights; auto: bf16 on GPU, fp32 on CPU
@@ -70,10 +70,11 @@ class BuildConfig:
     commit_every: float = 300.0
     unit_tokens: int = 16384  # tokens per unit: the grain of work, of parts and of resuming
     seed: int = 0
-    engine: str = "torch"
+    engine: str = "torch"  # a teacher engine (`pipelines/engines/`)
+    tensor_parallel: int = 1  # GPUs per engine (the vLLM engine)
+    teacher_name: str | None = None  # the name the teacher is stored under; default: its folder's or file's
     progress: bool = True
     student_tokenizers: tuple[str, ...] = ()  # "[NAME=]TOK" each: align every sample to these too
-    codec: CodecParams = field(default_factory=CodecParams)  # the value grid; benchmarks/frontier.py varies it
     on_duplicate: str = "error"  # a document stored with other text: error, replace (recompute) or skip (keep)
     limit: int | None = None  # read only the input's first N documents: a quick trial of a large input
     chat_column: str | None = None  # conversations ({"role", "content"} lists), rendered by the chat template
@@ -84,8 +85,9 @@ class BuildConfig:
             from logitstore.data import SAMPLE_CHAT
 
             self.data = str(SAMPLE_CHAT)
+        engine = engine_class(self.engine)  # an unknown --engine is refused here, naming the engines
         if self.sparsity is None:  # the library and the CLI share one default
-            self.sparsity = default_sparsity(student_tokenizers=bool(self.student_tokenizers), engine=self.engine)
+            self.sparsity = default_sparsity(student_tokenizers=bool(self.student_tokenizers), engine_samples=engine.samples)
         checks = [
             (not (self.student_tokenizers and self.ids_column),
              "--student-tokenizer needs text to align; it cannot be used with --ids-column (pre-tokenized input)"),
@@ -97,7 +99,9 @@ class BuildConfig:
             (self.limit is None or self.limit >= 1, f"--limit must be at least 1, got {self.limit}"),
             (self.device == "auto" or self.device.split(":")[0] in ("cpu", "cuda"),
              f"--device must be auto, cpu or cuda[:N], got {self.device!r}"),
-            (self.engine in ("torch", "vllm"), f"--engine must be torch or vllm, got {self.engine!r}"),
+            (self.tensor_parallel >= 1, f"--tensor-parallel must be at least 1, got {self.tensor_parallel}"),
+            (self.teacher_name is None or NAME.fullmatch(self.teacher_name) is not None,
+             f"--teacher-name {self.teacher_name!r}: use letters, digits, '.', '_' and '-' (at most 128)"),
             (self.dtype in DTYPES, f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}"),
             (self.on_duplicate in ON_DUPLICATE,
              f"--on-duplicate must be one of {', '.join(ON_DUPLICATE)}, got {self.on_duplicate!r}"),
@@ -147,14 +151,19 @@ def run_build(cfg: BuildConfig, *, log: Callable[[str], None] | None = None) -> 
     ids_from = data_io.check_input(cfg.data, text_column=cfg.text_column, id_column=cfg.id_column,
                                    ids_column=cfg.ids_column, chat_column=cfg.chat_column)
     info = describe_teacher(cfg.teacher)
+    if cfg.teacher_name is not None:
+        info = dataclasses.replace(info, spec=dataclasses.replace(info.spec, name=cfg.teacher_name))
     check_teacher_fits(cfg, info)
+    engine, settings = engine_class(cfg.engine), worker_settings(cfg, teacher_spec=info.spec)
+    engine.check(settings, info.spec)  # e.g. vLLM missing, or no GPU: one line, before anything is written
     students = load_student_tokenizers(cfg.student_tokenizers, teacher=info)
     # The store (and a new branch) is made only with the first commit: a build that fails before leaves
     # no empty store or branch behind.
     store = Store.open_if_exists(cfg.store)
     meta = TeacherMeta(name=info.spec.name, vocab_size=info.vocab_size, content_hash=info.content_hash,
-                       tokenizer_hash=info.tokenizer_hash, sparsity=cfg.sparsity.to_json(), codec=cfg.codec,
-                       loss_mask=cfg.train_on if cfg.chat_column else None)
+                       tokenizer_hash=info.tokenizer_hash, sparsity=cfg.sparsity.to_json(), codec=cfg.sparsity.grid,
+                       loss_mask=cfg.train_on if cfg.chat_column else None, engine=engine.name,
+                       dtype=engine.resolved_dtype(settings), engine_version=engine.version())
     summary = BuildSummary(teacher=meta.name)
     stored = _stored_documents(store, cfg, meta, students)
     units = plan_units(cfg, info.tokenizer, stored=stored, summary=summary, students=students,
@@ -194,6 +203,8 @@ def run_builds(cfg: BuildConfig, teachers: list[str | None], *, log: Callable[[s
 
     if len(teachers) <= 1:
         return run_build(dataclasses.replace(cfg, teacher=teachers[0] if teachers else cfg.teacher), log=log)
+    if cfg.teacher_name is not None:
+        raise BuildError("--teacher-name names one teacher; with several --teacher, each is named by its folder or file")
     names = [describe_teacher(t).spec.name for t in teachers]  # every teacher loads before any work starts
     clash = sorted({n for n in names if names.count(n) > 1})
     if clash:
@@ -217,7 +228,7 @@ def run_builds(cfg: BuildConfig, teachers: list[str | None], *, log: Callable[[s
 
 def check_teacher_fits(cfg: BuildConfig, info) -> None:
     """Options that the teacher's config alone can refuse, before anything is read or loaded."""
-    if cfg.sparsity.mode != "sampled" and cfg.sparsity.k > info.vocab_size:
+    if not cfg.sparsity.sampled and cfg.sparsity.k > info.vocab_size:
         raise BuildError(f"--top-k {cfg.sparsity.k} is larger than the teacher's vocabulary ({info.vocab_size})")
     if info.max_positions is not None and cfg.max_length > info.max_positions:
         raise BuildError(f"--max-length {cfg.max_length} exceeds the teacher's context of {info.max_positions} "

@@ -1,98 +1,16 @@
-"""From a teacher forward pass to `SparseSamples`: which entries each position keeps.
-
-    topk     the k most probable tokens
-    topp     the smallest set of top tokens whose probability (at the selection temperature) reaches p,
-             capped at k; the rest of the top-k joins the tail
-    sampled  n draws from the teacher distribution at the temperature, stored as distinct ids with
-             counts (unbiased: Anshumann et al. 2025, "Sparse Logit Sampling")
-
-Stored log-probabilities are always at temperature 1. Everything here is vectorised over positions.
+"""From a teacher forward pass to `SparseSamples`: which entries each position keeps, as a
+`logitstore.sparsity.Sparsity` says (top-k, top-p or sampled; stored log-probabilities are always at
+temperature 1). Everything here is vectorised over positions.
 """
 
 from __future__ import annotations
-
-from dataclasses import asdict, dataclass, replace
 
 import numba
 import numpy as np
 
 from logitstore.pipelines.teacher import SparseBatch
-from logitstore.errors import LogitstoreError
 from logitstore.samples import SparseSamples
-
-MODES = ("topk", "topp", "sampled")
-
-
-@dataclass(frozen=True)
-class Sparsity:
-    mode: str = "topk"
-    k: int = 64
-    p: float | None = None
-    n: int | None = None
-    temperature: float = 1.0
-
-    def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise ValueError(f"sparsity mode must be one of {MODES}, got {self.mode!r}")
-        if self.k < 1:
-            raise ValueError(f"--top-k must be at least 1, got {self.k}")
-        if self.mode == "topp" and not (self.p is not None and 0 < self.p <= 1):
-            raise ValueError(f"--top-p must be in (0, 1], got {self.p}")
-        if self.mode == "sampled" and not (self.n is not None and 1 <= self.n <= 65535):
-            raise ValueError(f"--sample must be between 1 and 65535 draws, got {self.n}")
-        if not self.temperature > 0:
-            raise ValueError(f"--temperature must be positive, got {self.temperature}")
-
-    @property
-    def width(self) -> int:
-        """Entries the forward pass produces per position before selection."""
-        return self.n if self.mode == "sampled" else self.k
-
-    def to_json(self) -> dict:
-        out = asdict(self)
-        if self.mode != "topp":
-            out.pop("p")
-        if self.mode != "sampled":
-            out.pop("n")
-        else:
-            out.pop("k")
-        return out
-
-
-# What `logitstore build` and `train --live-teacher` store when no sparsity flag is given: 16 draws per
-# position, the smallest variant of benchmarks/frontier.py whose student matched (in fact beat) top-64
-# fp16 entries, at ~21 bytes/token (README "Choosing a budget"). Top-64 stays the default where the
-# teacher's probabilities of the entries are needed: cross-tokenizer alignment and the vLLM engine.
-# The dataclass default `Sparsity()` stays top-64, the library's stable meaning.
-DEFAULT_SAMPLED = Sparsity(mode="sampled", n=16)
-DEFAULT_TOPK = Sparsity(k=64)
-
-
-class SparsityError(LogitstoreError, ValueError):
-    """Sparsity flags that contradict each other or are out of range; the message names the flag."""
-
-
-def sparsity_from_flags(*, top_k: int | None, top_p: float | None, sample: int | None, temperature: float,
-                        default: Sparsity) -> Sparsity:
-    """The sparsity of build's and live train's flags; `default` when none of --top-k/--top-p/--sample
-    is given (at `temperature`)."""
-    if top_p is not None and sample is not None:
-        raise SparsityError("choose one of --top-p and --sample")
-    if sample is not None and top_k is not None:
-        raise SparsityError("choose one of --top-k and --sample (--top-k caps --top-p only)")
-    try:
-        if top_k is None and top_p is None and sample is None:
-            return replace(default, temperature=temperature)
-        mode = "sampled" if sample is not None else "topp" if top_p is not None else "topk"
-        return Sparsity(mode=mode, k=64 if top_k is None else top_k, p=top_p, n=sample, temperature=temperature)
-    except ValueError as e:
-        raise SparsityError(str(e)) from None
-
-
-def default_sparsity(*, student_tokenizers: bool = False, engine: str = "torch") -> Sparsity:
-    """The default of the CLI and of `BuildConfig`: sampled, unless the build aligns student tokenizers or
-    runs on vLLM (top-k only)."""
-    return DEFAULT_TOPK if student_tokenizers or engine == "vllm" else DEFAULT_SAMPLED
+from logitstore.sparsity import Sparsity
 
 
 def to_samples(batch: SparseBatch, *, sample_ids: list[str], lengths: np.ndarray, input_ids: list[np.ndarray],
@@ -106,7 +24,7 @@ def to_samples(batch: SparseBatch, *, sample_ids: list[str], lengths: np.ndarray
     tail = batch.tail.cpu().numpy()[valid].astype(np.float64)
     target = batch.target_logprob.cpu().numpy()[valid]
     counts = None
-    if sparsity.mode == "sampled":
+    if sparsity.sampled:
         n_entries, entry_ids, entry_logprobs, counts = _distinct_draws(ids, logprobs)
     else:
         if sparsity.mode == "topk":

@@ -12,8 +12,8 @@ are in a worker at once, each written into its own Icechunk fork that the driver
 
 from __future__ import annotations
 
-import functools
 import hashlib
+import os
 import threading
 from collections import deque
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, ThreadPoolExecutor, wait
@@ -24,7 +24,9 @@ import numpy as np
 
 from logitstore.chat import supervised_positions
 from logitstore.errors import LogitstoreError
-from logitstore.samples import SparseSamples, StudentTokens, concat
+from logitstore.pipelines.engines import engine_class
+from logitstore.samples import SparseSamples, StudentTokens
+from logitstore.sparsity import Sparsity
 from logitstore.store import PartWriter, WrittenPart
 
 
@@ -71,155 +73,50 @@ class WorkerSettings:
     teacher_spec: object
     device: str
     dtype: str
-    sparsity: object
+    sparsity: Sparsity
     batch_tokens: int
     seed: int
-    engine: str = "torch"  # "torch" or "vllm"
+    engine: str = "torch"  # a name of `engines.engine_names()`
     # chat data: teacher entries for "completion" positions only, or for every one ("prompt+completion")
     entries_for: str = "prompt+completion"
+    tensor_parallel: int = 1  # GPUs per engine (the vLLM engine)
+    max_length: int = 1024  # the longest sample, tokens
 
 
 class TeacherWorker:
-    """Holds one loaded teacher; turns units into written parts."""
+    """Holds one teacher engine (`pipelines/engines/`); turns units into written parts."""
 
     def __init__(self, settings: WorkerSettings):
-        import torch
-
         self.settings = settings
         self.on_batch: Callable[[int], None] | None = None  # told the tokens of each batch computed
         # One forward pass at a time (one teacher, one device): held for the forward pass alone, so
         # selection and writes (CPU) run while another thread's forward pass keeps the teacher busy.
         self._compute_lock = threading.Lock()
-        if settings.engine == "vllm":
-            self.teacher = _VllmTeacherHandle(settings)
-            return
-        device = settings.device if settings.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-        self.teacher = _load_teacher_once(settings.teacher_spec, device, settings.dtype)
+        self.engine = engine_class(settings.engine)(settings, lock=self._compute_lock)
 
     def process(self, unit: Unit, writer: PartWriter) -> tuple[WrittenPart, Unit]:
         """Compute and write one unit. Safe to call from several threads: the forward passes take turns
         on the teacher, and selection and the write run beside the other thread's forward passes. A
         unit's result does not depend on how the threads interleave (sampling is seeded per unit and
         each unit's batches run in order in its own thread)."""
-        written = write_unit(writer, unit, self.compute(unit), teacher=self.teacher.spec.name)
+        written = write_unit(writer, unit, self.compute(unit), teacher=self.engine.spec.name)
         unit.tokens = []  # the driver needs the counts back, not the tokens
         return written, unit
 
     def compute(self, unit: Unit) -> SparseSamples:
-        """The unit's sparse distributions, longest samples first (the part's row order). Chat samples
-        carry their loss mask; with entries for the completion only, prompt positions hold none."""
-        samples = self._compute(unit)
+        """The unit's sparse distributions, in the engine's row order. Chat samples carry their loss
+        mask; with entries for the completion only, prompt positions hold none (and the engine is told
+        which positions it may skip)."""
+        completion_only = bool(unit.loss_masks) and self.settings.entries_for == "completion"
+        keep = [unit.loss_masks[sid][1:] for sid in unit.sample_ids] if completion_only else None
+        samples = self.engine.compute(unit.sample_ids, unit.tokens, seed=unit_seed(self.settings.seed, unit),
+                                      keep=keep, on_batch=self.on_batch)
         if not unit.loss_masks:
             return samples
         samples.loss_mask = np.concatenate([unit.loss_masks[sid] for sid in samples.sample_ids])
-        if self.settings.entries_for == "completion":
+        if completion_only:
             samples = samples.keep_positions(supervised_positions(samples.loss_mask, samples.n_tokens))
         return samples
-
-    def _compute(self, unit: Unit) -> SparseSamples:
-        import torch
-
-        s = self.settings
-        if s.engine == "vllm":
-            with self._compute_lock:
-                samples = self.teacher.compute(unit)
-            if self.on_batch is not None:
-                self.on_batch(unit.n_tokens)
-            return samples
-        lengths = np.array([len(t) for t in unit.tokens])
-        order = np.argsort(-lengths, kind="stable")
-        generator = None
-        if s.sparsity.mode == "sampled":
-            generator = torch.Generator(device=self.teacher.model.device).manual_seed(_unit_seed(s.seed, unit))
-        parts = []
-        masks = [unit.loss_masks.get(sid) for sid in unit.sample_ids] if s.entries_for == "completion" else None
-        for rows in token_budget_batches(lengths[order], order, budget=s.batch_tokens):
-            keep = None if not unit.loss_masks or masks is None else [masks[i][1:] for i in rows]
-            parts.append(self._forward_with_retry([unit.sample_ids[i] for i in rows], [unit.tokens[i] for i in rows],
-                                                  generator, keep=keep))
-            if self.on_batch is not None:
-                self.on_batch(int(lengths[rows].sum()))
-        return concat(parts)
-
-    def _forward_with_retry(self, sample_ids: list[str], tokens: list[np.ndarray], generator,
-                            *, keep: list[np.ndarray] | None = None) -> SparseSamples:
-        """Out of memory: halve the batch and retry; a single sample that does not fit is an error."""
-        import torch
-
-        try:
-            return self._forward(sample_ids, tokens, generator, keep=keep)
-        except (torch.OutOfMemoryError, RuntimeError) as e:
-            if "out of memory" not in str(e).lower() and not isinstance(e, torch.OutOfMemoryError):
-                raise
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
-            if len(sample_ids) == 1:
-                raise LogitstoreError(f"sample {sample_ids[0]!r} ({len(tokens[0])} tokens) does not fit in memory "
-                                      "even alone; lower --max-length or --batch-tokens") from None
-            half = len(sample_ids) // 2
-            halves = (None, None) if keep is None else (keep[:half], keep[half:])
-            return concat([self._forward_with_retry(sample_ids[:half], tokens[:half], generator, keep=halves[0]),
-                           self._forward_with_retry(sample_ids[half:], tokens[half:], generator, keep=halves[1])])
-
-    def _forward(self, sample_ids: list[str], tokens: list[np.ndarray], generator,
-                 *, keep: list[np.ndarray] | None = None) -> SparseSamples:
-        import torch
-
-        from logitstore.pipelines.sparsify import to_samples
-        from logitstore.pipelines.teacher import sampled_forward, sparse_topk_forward
-
-        s, model = self.settings, self.teacher.model
-        lengths = np.array([len(t) for t in tokens])
-        ids = torch.zeros((len(tokens), lengths.max()), dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for row, t in enumerate(tokens):  # one copy per sample, right-padded
-            ids[row, : len(t)] = torch.as_tensor(t)
-            mask[row, : len(t)] = 1
-        head_on = None
-        if keep is not None:  # chat data: the head runs on completion positions only
-            head_on = torch.zeros((len(tokens), lengths.max() - 1), dtype=torch.bool)
-            for row, k in enumerate(keep):
-                head_on[row, : len(k)] = torch.from_numpy(k.astype(bool))
-        with self._compute_lock:  # the teacher's share; selection below runs beside the next forward pass
-            if s.sparsity.mode == "sampled":
-                batch = sampled_forward(model, ids, mask, n=s.sparsity.n, generator=generator,
-                                        temperature=s.sparsity.temperature, keep=head_on)
-            else:
-                batch = sparse_topk_forward(model, ids, mask, k=s.sparsity.k, temperature=s.sparsity.temperature,
-                                            keep=head_on)
-        return to_samples(batch, sample_ids=sample_ids, lengths=lengths, input_ids=tokens, sparsity=s.sparsity)
-
-
-@functools.lru_cache(maxsize=1)
-def _load_teacher_once(spec, device: str, dtype: str):
-    """Teachers are read-only: repeated builds in one process (tests, notebooks) share one load."""
-    import torch
-
-    from logitstore.pipelines.teacher import load_teacher
-
-    return load_teacher(spec, device=device, dtype=None if dtype == "auto" else getattr(torch, dtype))
-
-
-class _VllmTeacherHandle:
-    """The vLLM engine behind the worker interface (top-k only). Not exercised by the test suite:
-    it needs a GPU with vLLM installed; its output conversion is unit-tested in test_vllm_engine.py."""
-
-    def __init__(self, settings: WorkerSettings):
-        from logitstore.pipelines.vllm_engine import VllmTeacher
-
-        if settings.sparsity.mode != "topk" or settings.sparsity.temperature != 1.0:
-            raise LogitstoreError("the vLLM engine supports --top-k at temperature 1 only")
-        spec = settings.teacher_spec
-        model = str(spec.path / spec.gguf_file) if spec.gguf_file else str(spec.path)
-        self.spec = spec
-        self.engine = VllmTeacher(model, k=settings.sparsity.k, max_num_batched_tokens=settings.batch_tokens)
-
-    def compute(self, unit: Unit) -> SparseSamples:
-        out = self.engine.forward(unit.tokens)  # vLLM schedules and batches the unit itself
-        return SparseSamples.from_dense_topk(
-            unit.sample_ids, input_ids=unit.tokens, topk_ids=[o["ids"] for o in out],
-            topk_logprobs=[o["logprobs"] for o in out], tail=[o["tail"] for o in out],
-            target_logprobs=[o["target_logprob"] for o in out])
 
 
 def write_unit(writer: PartWriter, unit: Unit, samples: SparseSamples, *, teacher: str) -> WrittenPart:
@@ -234,17 +131,7 @@ def write_unit(writer: PartWriter, unit: Unit, samples: SparseSamples, *, teache
                         students=students)
 
 
-def token_budget_batches(sorted_lengths: np.ndarray, order: np.ndarray, *, budget: int) -> Iterator[np.ndarray]:
-    """Consecutive rows of `order` (sorted longest first) whose padded size rows x longest <= budget."""
-    start = 0
-    while start < len(order):
-        longest = sorted_lengths[start]
-        rows = max(1, budget // max(int(longest), 1))
-        yield order[start : start + rows]
-        start += rows
-
-
-def _unit_seed(seed: int, unit: Unit) -> int:
+def unit_seed(seed: int, unit: Unit) -> int:
     """Sampling seed of a unit: a function of the build seed and the unit's first sample only."""
     digest = hashlib.sha256(f"{seed}:{unit.sample_ids[0]}".encode()).digest()
     return int.from_bytes(digest[:8], "little") >> 1
@@ -288,8 +175,10 @@ class InProcessExecutor:
 _WORKER: TeacherWorker | None = None  # one per worker process
 
 
-def _init_worker(settings: WorkerSettings) -> None:
+def _init_worker(settings: WorkerSettings, devices) -> None:
     global _WORKER
+    if devices is not None:  # this process's GPUs, before anything initialises CUDA
+        os.environ["CUDA_VISIBLE_DEVICES"] = devices.get()
     import torch
 
     torch.set_num_threads(1)  # N processes on N cores; more threads each would oversubscribe
@@ -312,8 +201,15 @@ class ProcessExecutor:
     def __init__(self, settings: WorkerSettings, *, workers: int):
         import multiprocessing
 
-        self.pool = ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"),
-                                        initializer=_init_worker, initargs=(settings,))
+        context = multiprocessing.get_context("spawn")
+        devices = None
+        gpus = engine_class(settings.engine).gpus_per_worker(settings)
+        if gpus:  # each process its own GPUs: N engines on one GPU would each claim its memory
+            devices = context.Queue()
+            for group in worker_devices(workers=workers, gpus_per_worker=gpus, visible=visible_gpus()):
+                devices.put(group)
+        self.pool = ProcessPoolExecutor(max_workers=workers, mp_context=context, initializer=_init_worker,
+                                        initargs=(settings, devices))
 
     def compute(self, unit: Unit) -> SparseSamples:
         return self.pool.submit(_compute_in_worker, unit).result()
@@ -359,7 +255,7 @@ class RayExecutor:
         if not ray.is_initialized():
             ray.init(address=None if address == "local" else address, ignore_reinit_error=True,
                      log_to_driver=False, include_dashboard=False)
-        gpus = 1 if settings.device.startswith("cuda") else 0
+        gpus = engine_class(settings.engine).gpus_per_worker(settings)  # Ray sets each actor's visible GPUs
         # Threaded actors: `OVERLAP` calls of `process` at once per actor, so an actor's write overlaps
         # its next forward pass (the worker's compute lock keeps the forward passes one at a time).
         actor = ray.remote(num_gpus=gpus, num_cpus=1, max_concurrency=OVERLAP)(TeacherWorker)
@@ -384,11 +280,35 @@ class RayExecutor:
             self.ray.kill(actor)
 
 
+def worker_settings(cfg, *, teacher_spec) -> WorkerSettings:
+    """A build's worker settings (`cfg` is a `BuildConfig`)."""
+    return WorkerSettings(teacher_spec=teacher_spec, device=cfg.device, dtype=cfg.dtype, sparsity=cfg.sparsity,
+                          batch_tokens=cfg.batch_tokens, seed=cfg.seed, engine=cfg.engine, entries_for=cfg.train_on,
+                          tensor_parallel=cfg.tensor_parallel, max_length=cfg.max_length)
+
+
+def visible_gpus() -> list[str]:
+    """The GPUs this process may use: `CUDA_VISIBLE_DEVICES`, else every device torch counts."""
+    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if listed is not None:
+        return [d.strip() for d in listed.split(",") if d.strip()]
+    import torch
+
+    return [str(i) for i in range(torch.cuda.device_count())]
+
+
+def worker_devices(*, workers: int, gpus_per_worker: int, visible: list[str]) -> list[str]:
+    """`CUDA_VISIBLE_DEVICES` of each local worker: disjoint groups of `gpus_per_worker` GPUs."""
+    if workers * gpus_per_worker > len(visible):
+        raise LogitstoreError(f"--workers {workers} x {gpus_per_worker} GPU(s) each (--tensor-parallel) needs "
+                              f"{workers * gpus_per_worker} GPUs, {len(visible)} are visible")
+    return [",".join(visible[w * gpus_per_worker:(w + 1) * gpus_per_worker]) for w in range(workers)]
+
+
 def make_executor(cfg, *, teacher_spec, on_batch: Callable[[int], None] | None = None):
     """The executor `cfg` asks for. `on_batch(tokens)` hears of every teacher batch computed in this
     process (the in-process executor); the others report units as they come back."""
-    settings = WorkerSettings(teacher_spec=teacher_spec, device=cfg.device, dtype=cfg.dtype, sparsity=cfg.sparsity,
-                              batch_tokens=cfg.batch_tokens, seed=cfg.seed, engine=cfg.engine, entries_for=cfg.train_on)
+    settings = worker_settings(cfg, teacher_spec=teacher_spec)
     if cfg.ray_address:
         return RayExecutor(settings, workers=cfg.workers, address=cfg.ray_address)
     if cfg.workers == 1:

@@ -19,10 +19,11 @@ from logitstore import codec
 from logitstore.cli.app import app
 from logitstore.data import SAMPLE_CORPUS
 from logitstore.pipelines.build import BuildConfig, run_build
-from logitstore.pipelines.sparsify import Sparsity
+from logitstore.sparsity import Sparsity
 from logitstore.pipelines.teacher import resolve_teacher
-from logitstore.pipelines.workers import _load_teacher_once
+from logitstore.pipelines.engines.torch_engine import load_teacher_once
 from logitstore.store import Store
+from tests.conftest import without_progress
 
 MAX_LENGTH = 64
 UNIT_TOKENS = 128
@@ -60,7 +61,7 @@ def test_stored_entries_equal_a_dense_reference(built):
     assert summary.samples == view.index.num_rows > 3 and summary.version == view.snapshot_id
     assert "#w1" in " ".join(view.index["sample_id"].to_pylist())  # long documents were windowed
     params = view.teachers[summary.teacher].codec
-    model = _load_teacher_once(resolve_teacher(None), "cpu", "auto").model  # the build's own load
+    model = load_teacher_once(resolve_teacher(None), "cpu", "auto").model  # the build's own load
     for sample_id in view.index["sample_id"].to_pylist():
         s = view.sample(sample_id)
         with torch.inference_mode():
@@ -194,6 +195,40 @@ def test_a_store_of_another_teacher_is_refused(built, small_data):
     result = CliRunner().invoke(app, ["build", "--data", str(small_data), "--store", str(store), "--top-k", "8"])
     assert result.exit_code == 2 and "sparsity" in result.stderr
     assert Store.open(str(store)).resolve() == before
+
+
+@pytest.mark.parametrize("teacher, message", [
+    ("tiny", "needs vLLM: pip install 'logitstore[vllm]'"),  # a Hugging Face folder, on a machine without vLLM
+    ("default", "needs the vllm-gguf-plugin package"),  # the default teacher is a GGUF file
+])
+def test_the_vllm_engine_here_is_one_line_and_writes_nothing(small_data, tiny_teacher, tmp_path, teacher, message):
+    result = CliRunner().invoke(app, ["build", "--data", str(small_data), "--store", str(tmp_path / "s"), "--engine",
+                                      "vllm", "--teacher", tiny_teacher if teacher == "tiny" else teacher,
+                                      "--max-length", "128"])
+    assert result.exit_code == 2 and message in result.stderr and "Traceback" not in result.stderr
+    assert len(without_progress(result.stderr).splitlines()) == 1 and not (tmp_path / "s").exists()
+    result = CliRunner().invoke(app, ["build", "--data", str(small_data), "--store", str(tmp_path / "s"), "--engine",
+                                      "vllm", "--teacher", tiny_teacher, "--sample", "16", "--max-length", "128"])
+    assert result.exit_code == 2 and "cannot store --sample" in result.stderr and not (tmp_path / "s").exists()
+
+
+def test_a_teacher_keeps_one_engine_and_dtype(small_data, tiny_teacher, tmp_path):
+    # The teacher's metadata records engine, dtype and engine version; a build of the same teacher in
+    # another dtype is refused (store unchanged) unless it is stored under another name.
+    store = str(tmp_path / "s")
+    first = ["build", "--data", str(small_data), "--store", store, "--teacher", tiny_teacher, "--top-k", "8",
+             "--max-length", "128"]
+    assert CliRunner().invoke(app, first).exit_code == 0
+    before = Store.open(store).resolve()
+    result = CliRunner().invoke(app, [*first, "--dtype", "bfloat16"])
+    assert result.exit_code == 2 and "computed by the torch engine in float32" in result.stderr
+    assert "--teacher-name" in result.stderr and Store.open(store).resolve() == before
+    result = CliRunner().invoke(app, [*first, "--dtype", "bfloat16", "--teacher-name", "tiny-bf16"])
+    assert result.exit_code == 0, result.stderr
+    teachers = {t["name"]: t for t in json.loads(CliRunner().invoke(app, ["info", store, "--json"]).stdout)["teachers"]}
+    assert {name: (t["engine"], t["dtype"]) for name, t in teachers.items()} == {
+        "tiny-teacher": ("torch", "float32"), "tiny-bf16": ("torch", "bfloat16")}
+    assert teachers["tiny-bf16"]["engine_version"].startswith(f"torch {torch.__version__}")
 
 
 def test_show_decodes_tokens_with_the_stored_tokenizer(built):

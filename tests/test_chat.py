@@ -185,7 +185,7 @@ def test_the_mask_travels_through_the_cross_tokenizer_alignment(gpt2_tokenizer_d
     from transformers import AutoTokenizer
 
     from logitstore.pipelines.build import BuildConfig, run_build
-    from logitstore.pipelines.sparsify import Sparsity
+    from logitstore.sparsity import Sparsity
     from logitstore.trainer.config import TrainConfig
     from logitstore.trainer.stream import store_stream
     from logitstore.trainer.train import plan_sources

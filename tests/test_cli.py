@@ -164,6 +164,9 @@ def test_help_groups_options_shows_choices_and_lists_commands_in_order_of_use():
     from logitstore.pipelines.build import DTYPES, ON_DUPLICATE
 
     assert typing.get_args(cli.Dtype) == DTYPES and typing.get_args(cli.OnDuplicate) == ON_DUPLICATE
+    from logitstore.pipelines.engines import engine_names
+
+    assert list(typing.get_args(cli.Engine)) == engine_names()
     wide = {"COLUMNS": "200"}  # so no choice list is wrapped
     train_help = runner.invoke(app, ["train", "--help"], env=wide).stdout
     panels = ["Output", "Data", "Student", "Optimisation", "Loss", "Checkpoints and evaluation", "Live mode"]

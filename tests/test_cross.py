@@ -16,7 +16,7 @@ from tests.conftest import without_progress
 from logitstore.cli.app import app
 from logitstore.data import SAMPLE_CORPUS
 from logitstore.pipelines.build import BuildConfig, BuildError, run_build, run_builds
-from logitstore.pipelines.sparsify import Sparsity
+from logitstore.sparsity import Sparsity
 from logitstore.store import Store
 from logitstore.trainer.config import TrainConfig
 from logitstore.trainer.train import launch

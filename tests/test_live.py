@@ -17,7 +17,7 @@ import torch
 
 from logitstore.data import SAMPLE_CORPUS
 from logitstore.pipelines.build import BuildConfig, run_build
-from logitstore.pipelines.sparsify import Sparsity
+from logitstore.sparsity import Sparsity
 from logitstore.samples import SparseSamples
 from logitstore.trainer.config import TrainConfig
 from logitstore.trainer.live import LiveConfig, LiveTeacher, _allocate_ring, _write_slot

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from logitstore.pipelines.sparsify import DEFAULT_SAMPLED, DEFAULT_TOPK, Sparsity, default_sparsity, to_samples
+from logitstore.pipelines.sparsify import to_samples
+from logitstore.sparsity import DEFAULT_SAMPLED, DEFAULT_TOPK, Sparsity, default_sparsity
 from logitstore.pipelines.teacher import SparseBatch
 
 V, K = 50, 10
@@ -68,11 +69,11 @@ def test_bad_sparsity_names_the_flag(bad):
 
 
 def test_the_cli_default_is_sampled_except_where_probabilities_are_needed():
-    from logitstore.pipelines.sparsify import SparsityError, sparsity_from_flags as _sparsity
+    from logitstore.sparsity import SparsityError, sparsity_from_flags as _sparsity
 
     assert DEFAULT_SAMPLED == Sparsity(mode="sampled", n=16) and DEFAULT_TOPK == Sparsity(k=64)
     assert default_sparsity() == DEFAULT_SAMPLED
-    assert default_sparsity(student_tokenizers=True) == default_sparsity(engine="vllm") == DEFAULT_TOPK
+    assert default_sparsity(student_tokenizers=True) == default_sparsity(engine_samples=False) == DEFAULT_TOPK
     flags = dict(top_k=None, top_p=None, sample=None, temperature=1.0, default=DEFAULT_SAMPLED)
     assert _sparsity(**flags) == DEFAULT_SAMPLED
     assert _sparsity(**{**flags, "temperature": 2.0}) == Sparsity(mode="sampled", n=16, temperature=2.0)
@@ -81,3 +82,31 @@ def test_the_cli_default_is_sampled_except_where_probabilities_are_needed():
     assert _sparsity(**{**flags, "sample": 4}) == Sparsity(mode="sampled", n=4)
     with pytest.raises(SparsityError, match="choose one of --top-k and --sample"):
         _sparsity(**{**flags, "top_k": 8, "sample": 4})
+
+
+def test_one_default_for_the_cli_the_build_and_live_mode():
+    from logitstore.pipelines.build import BuildConfig
+    from logitstore.pipelines.engines import engine_class
+    from logitstore.trainer.live import LiveConfig
+
+    assert LiveConfig().sparsity == BuildConfig().sparsity == DEFAULT_SAMPLED
+    assert LiveConfig.from_flags("default").sparsity == DEFAULT_SAMPLED  # train --live-teacher default
+    assert BuildConfig(engine="vllm").sparsity == DEFAULT_TOPK == BuildConfig(student_tokenizers=("gpt2",)).sparsity
+    assert engine_class("torch").samples and not engine_class("vllm").samples
+
+
+def test_sparsity_round_trips_through_teacher_metadata_with_its_grid():
+    from logitstore.codec import GRIDS
+    from logitstore.sparsity import SparsityError, sparsity_from_flags
+
+    for setting in (Sparsity(k=8), Sparsity(mode="topp", p=0.9, k=32, temperature=2.0),
+                    Sparsity(mode="sampled", n=16, grid=GRIDS["coarse"])):
+        assert Sparsity.from_meta(setting.to_json(), setting.grid) == setting
+    assert Sparsity(mode="sampled", n=16).to_json() == {"mode": "sampled", "n": 16, "temperature": 1.0}
+    assert Sparsity(mode="topp", p=0.9, k=32).describe() == "top-p 0.9 (cap 32)"
+    fine = sparsity_from_flags(top_k=8, top_p=None, sample=None, temperature=1.0, default=DEFAULT_SAMPLED, grid="fine")
+    assert fine.grid == GRIDS["fine"] and fine.k == 8
+    with pytest.raises(SparsityError, match="--value-grid must be one of default, fine, coarse"):
+        sparsity_from_flags(top_k=8, top_p=None, sample=None, temperature=1.0, default=DEFAULT_SAMPLED, grid="odd")
+    with pytest.raises(SparsityError, match="sparsity mode must be one of topk, topp, sampled"):
+        Sparsity.from_meta({"mode": "dense"})

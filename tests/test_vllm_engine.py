@@ -17,7 +17,17 @@ import torch
 
 from logitstore.errors import LogitstoreError
 from logitstore.pipelines.teacher import SparseBatch, sparse_topk_forward
-from logitstore.pipelines.vllm_engine import VllmTeacher, prompt_logprobs_to_sparse
+from logitstore.pipelines.engines.vllm_engine import (
+    Engine,
+    VllmFeatures,
+    VllmTeacher,
+    flat_prompt_logprobs_to_sparse,
+    gguf_problem,
+    plan_vllm,
+    prompt_logprobs_to_sparse,
+)
+from logitstore.pipelines.workers import WorkerSettings, worker_devices
+from logitstore.sparsity import Sparsity
 
 VOCAB = 100
 T = 12
@@ -49,6 +59,25 @@ def vllm_entry(row: np.ndarray, target: int, *, n: int) -> dict[int, FakeLogprob
 def vllm_prompt_logprobs(dense32: np.ndarray, tokens: np.ndarray, *, n: int) -> list:
     """`RequestOutput.prompt_logprobs`: None, then entry i predicts token i from row i-1."""
     return [None] + [vllm_entry(dense32[i - 1], int(tokens[i]), n=n) for i in range(1, len(tokens))]
+
+
+class FakeFlatLogprobs:
+    """vllm.logprobs.FlatLogprobs' documented columns: per position a span [start, end) of the prompt
+    token (first, with its vocabulary rank) and then the top-n (ranks 1..n), not deduplicated."""
+
+    def __init__(self, dense32: np.ndarray, tokens: np.ndarray, *, n: int):
+        self.start_indices, self.end_indices, self.token_ids, self.logprobs, self.ranks = [0], [0], [], [], []
+        for i in range(1, len(tokens)):
+            row, target = dense32[i - 1], int(tokens[i])
+            top = np.argsort(-row, kind="stable")[:n]
+            self.start_indices.append(len(self.token_ids))
+            self.token_ids += [target, *top.tolist()]
+            self.logprobs += [float(row[target]), *row[top].tolist()]
+            self.ranks += [int((row >= row[target]).sum()), *range(1, n + 1)]
+            self.end_indices.append(len(self.token_ids))
+
+    def __len__(self) -> int:
+        return len(self.start_indices)
 
 
 def dense_reference(dense64: np.ndarray, tokens: np.ndarray, *, k: int) -> dict:
@@ -238,17 +267,112 @@ def test_output_matches_the_torch_engine_contract(tiny_model):
         np.testing.assert_allclose(array, row.numpy(), atol=1e-5, rtol=0, err_msg=name)
 
 
+# --------------------------------------------------------------------------- flat output
+
+
+def test_the_flat_form_converts_like_the_dict_form(dense):
+    dense64, dense32, tokens = dense
+    flat = FakeFlatLogprobs(dense32, tokens, n=K)
+    out = flat_prompt_logprobs_to_sparse(tokens, flat, k=K, vocab_size=VOCAB)
+    assert_matches_reference(out, dense_reference(dense64, tokens, k=K), dense32, tokens)
+    as_dicts = prompt_logprobs_to_sparse(tokens, vllm_prompt_logprobs(dense32, tokens, n=K), k=K, vocab_size=VOCAB)
+    for name in out:
+        np.testing.assert_array_equal(out[name], as_dicts[name], err_msg=name)
+    more = flat_prompt_logprobs_to_sparse(tokens, FakeFlatLogprobs(dense32, tokens, n=K + 20), k=K, vocab_size=VOCAB)
+    np.testing.assert_array_equal(more["ids"], out["ids"])
+
+
+def test_the_flat_form_refuses_short_or_misaligned_spans(dense):
+    _, dense32, tokens = dense
+    with pytest.raises(LogitstoreError, match="max_logprobs"):
+        flat_prompt_logprobs_to_sparse(tokens, FakeFlatLogprobs(dense32, tokens, n=K - 1), k=K, vocab_size=VOCAB)
+    flat = FakeFlatLogprobs(dense32, tokens, n=K)
+    flat.token_ids[flat.start_indices[3]] = (int(tokens[3]) + 1) % VOCAB
+    with pytest.raises(LogitstoreError, match="entry 3 does not start with the prompt token"):
+        flat_prompt_logprobs_to_sparse(tokens, flat, k=K, vocab_size=VOCAB)
+
+
+# --------------------------------------------------------------------------- plan
+
+GIB = 1024**3
+
+
+def plan(**changes):
+    arguments = dict(model="/m", tokenizer="/t", k=64, vocab_size=151_936, batch_tokens=8192, max_length=4096,
+                     dtype="bfloat16", tensor_parallel=1, gpu_bytes=80 * GIB)
+    return plan_vllm(**{**arguments, **changes})
+
+
+def test_the_plan_keeps_prompt_logprob_memory_inside_the_gpu():
+    big = plan()  # a 152k vocabulary on an 80 GB GPU: 8,192 tokens per step fit in a quarter
+    assert big.llm["max_num_batched_tokens"] == 8192 and big.llm["max_num_seqs"] == 256
+    held = 8192 * 151_936 * 8
+    assert big.llm["gpu_memory_utilization"] == round(0.9 - held / (80 * GIB), 3) < 0.8
+    small = plan(gpu_bytes=16 * GIB, vocab_size=256_000)  # 16 GB, 256k vocabulary: fewer tokens per step
+    assert small.llm["max_num_batched_tokens"] == int(0.25 * 16 * GIB) // (256_000 * 8) < 8192
+    assert small.llm["max_num_batched_tokens"] * 256_000 * 8 <= 0.25 * 16 * GIB
+    tiny = plan(batch_tokens=512)  # below vLLM's default max_num_seqs (1,024 on H100): seqs follow the tokens
+    assert tiny.llm["max_num_seqs"] <= tiny.llm["max_num_batched_tokens"] == 512
+    with pytest.raises(LogitstoreError, match="cannot hold one step"):
+        plan(gpu_bytes=1024)
+
+
+def test_the_plan_pins_raw_logprobs_and_flat_output_where_vllm_has_them():
+    p = plan(tensor_parallel=4)
+    assert p.llm["logprobs_mode"] == "raw_logprobs" and p.sampling["flat_logprobs"] is True
+    assert p.llm["tensor_parallel_size"] == 4 and p.llm["enable_prefix_caching"] is False
+    assert p.llm["max_logprobs"] == p.sampling["prompt_logprobs"] == 64 and p.llm["max_model_len"] == 4097
+    assert p.llm["tokenizer"] == "/t" and p.sampling["max_tokens"] == 1 and p.sampling["detokenize"] is False
+    old = plan(features=VllmFeatures(logprobs_mode=False, flat_logprobs=False))
+    assert "logprobs_mode" not in old.llm and "flat_logprobs" not in old.sampling
+
+
+def test_gguf_needs_the_plugin_from_vllm_0_24():
+    assert "vllm-gguf-plugin" in gguf_problem(vllm_version="0.33.0", plugin_installed=False)
+    assert "vllm-gguf-plugin" in gguf_problem(vllm_version=None, plugin_installed=False)
+    assert gguf_problem(vllm_version="0.8.5", plugin_installed=False) is None
+    assert gguf_problem(vllm_version="0.33.0", plugin_installed=True) is None
+
+
+def test_each_local_worker_gets_its_own_gpus():
+    assert worker_devices(workers=2, gpus_per_worker=2, visible=["0", "1", "2", "3"]) == ["0,1", "2,3"]
+    assert worker_devices(workers=3, gpus_per_worker=1, visible=["4", "5", "6"]) == ["4", "5", "6"]
+    with pytest.raises(LogitstoreError, match="needs 6 GPUs, 4 are visible"):
+        worker_devices(workers=3, gpus_per_worker=2, visible=["0", "1", "2", "3"])
+
+
+def settings(**changes) -> WorkerSettings:
+    from logitstore.pipelines.teacher import resolve_teacher
+
+    base = dict(teacher_spec=resolve_teacher(None), device="auto", dtype="auto", sparsity=Sparsity(k=8),
+                batch_tokens=8192, seed=0, engine="vllm")
+    return WorkerSettings(**{**base, **changes})
+
+
+@pytest.mark.parametrize("sparsity, match", [(Sparsity(mode="sampled", n=16), "cannot store --sample"),
+                                             (Sparsity(k=8, temperature=2.0), "--temperature 1 only")])
+def test_the_engine_refuses_what_prompt_logprobs_cannot_give(sparsity, match):
+    s = settings(sparsity=sparsity)
+    with pytest.raises(LogitstoreError, match=match):
+        Engine.check(s, s.teacher_spec)
+
+
+def test_the_engine_records_bfloat16_for_auto_and_asks_a_gpu_group_per_worker():
+    assert Engine.resolved_dtype(settings()) == "bfloat16" and Engine.resolved_dtype(settings(dtype="float16")) == "float16"
+    assert Engine.gpus_per_worker(settings(tensor_parallel=2)) == 2
+
+
 # --------------------------------------------------------------------------- engine
 
 
 def test_teacher_without_vllm_says_how_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm", None)  # import vllm -> ImportError
-    with pytest.raises(LogitstoreError, match=r"pip install logitstore\[vllm\]` and a GPU"):
-        VllmTeacher("some/model", k=K)
+    with pytest.raises(LogitstoreError, match=r"pip install 'logitstore\[vllm\]'"):
+        VllmTeacher(plan(), k=K)
 
 
 class _FakeLLM:
-    """Records how vllm.LLM is built and called; answers from dense distributions."""
+    """Records how vllm.LLM is built and called; answers from dense distributions, as dicts or flat."""
 
     def __init__(self, dense32_by_prompt, **kwargs):
         self.kwargs = kwargs
@@ -266,7 +390,10 @@ class _FakeLLM:
         for prompt in prompts:
             tokens = np.asarray(prompt["prompt_token_ids"])
             dense32 = self._dense[len(tokens)]
-            plp = vllm_prompt_logprobs(dense32, tokens, n=params["prompt_logprobs"])
+            if params.get("flat_logprobs"):
+                plp = FakeFlatLogprobs(dense32, tokens, n=params["prompt_logprobs"])
+            else:
+                plp = vllm_prompt_logprobs(dense32, tokens, n=params["prompt_logprobs"])
             outputs.append(types.SimpleNamespace(prompt_logprobs=plp))
         return outputs
 
@@ -293,25 +420,19 @@ def fake_vllm(monkeypatch, dense):
     return built
 
 
-def test_teacher_builds_and_calls_vllm_as_documented(fake_vllm, dense):
+@pytest.mark.parametrize("flat", [True, False])
+def test_teacher_builds_and_calls_vllm_as_planned(fake_vllm, dense, flat):
     dense64, dense32, tokens = dense
-    teacher = VllmTeacher("org/model", k=K, gpu_memory_utilization=0.5)
+    planned = plan(k=K, vocab_size=VOCAB, features=VllmFeatures(flat_logprobs=flat))
+    teacher = VllmTeacher(planned, k=K)
     llm = fake_vllm["llm"]
-    assert llm.kwargs == {
-        "model": "org/model",
-        "max_logprobs": K + 1,
-        "enable_prefix_caching": False,
-        "max_num_batched_tokens": 8192,
-        "dtype": "bfloat16",
-        "gpu_memory_utilization": 0.5,
-    }
+    assert llm.kwargs == planned.llm
     assert teacher.vocab_size == VOCAB and teacher.tokenizer == "the-tokenizer"
 
     out = teacher.forward([tokens.astype(np.int32), tokens[:5]])
 
     (prompts, params, use_tqdm), = llm.calls
-    assert params == {"max_tokens": 1, "prompt_logprobs": K, "detokenize": False}
-    assert use_tqdm is False
+    assert params == planned.sampling and use_tqdm is False
     assert prompts[1] == {"prompt_token_ids": tokens[:5].tolist()}
     assert [row["ids"].shape for row in out] == [(T - 1, K), (4, K)]
     ref = dense_reference(dense64, tokens, k=K)
@@ -319,16 +440,19 @@ def test_teacher_builds_and_calls_vllm_as_documented(fake_vllm, dense):
     np.testing.assert_array_equal(out[1]["ids"], ref["ids"][:4])
 
 
-@pytest.mark.parametrize("kwargs", [{"enable_prefix_caching": True}, {"max_logprobs": 20}])
-def test_teacher_refuses_settings_that_break_prompt_logprobs(fake_vllm, kwargs):
-    with pytest.raises(LogitstoreError, match="sets"):
-        VllmTeacher("org/model", k=K, **kwargs)
-
-
 @pytest.mark.parametrize(
     "row", [np.array([], dtype=np.int64), np.array([[1, 2]]), np.array([1.0, 2.0])]
 )
 def test_teacher_rejects_rows_that_are_not_token_ids(fake_vllm, row):
-    teacher = VllmTeacher("org/model", k=K)
+    teacher = VllmTeacher(plan(k=K, vocab_size=VOCAB), k=K)
     with pytest.raises(LogitstoreError, match="1-D array of token ids"):
         teacher.forward([row])
+
+
+def test_the_engine_registry_finds_one_module_per_engine():
+    from logitstore.pipelines.engines import engine_class, engine_names
+
+    assert engine_names() == ["torch", "vllm"]
+    assert engine_class("vllm") is Engine and engine_class("torch").name == "torch"
+    with pytest.raises(LogitstoreError, match="--engine must be one of torch, vllm, got 'tpu'"):
+        engine_class("tpu")

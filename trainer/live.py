@@ -50,6 +50,7 @@ import torch
 
 from logitstore.errors import LogitstoreError
 from logitstore.samples import SparseSamples
+from logitstore.sparsity import Sparsity, default_sparsity, sparsity_from_flags
 
 RING_SLOTS = 2
 POLL_SECONDS = 0.2
@@ -68,7 +69,7 @@ class LiveConfig:
     text_column: str = "text"
     id_column: str | None = None
     max_length: int = 1024
-    sparsity: object = None  # pipelines.sparsify.Sparsity; None: build's default (top-64)
+    sparsity: Sparsity | None = None  # None: `sparsity.default_sparsity()`, as build and the CLI
     batch_tokens: int = 8192
     device: str = "auto"
     dtype: str = "auto"
@@ -86,20 +87,16 @@ class LiveConfig:
             if given:
                 raise LiveTeacherError(f"{', '.join(given)} only apply with --live-teacher (a store's build fixed them)")
             return None
-        from logitstore.pipelines.sparsify import default_sparsity, sparsity_from_flags
-
         sparsity = sparsity_from_flags(top_k=top_k, top_p=top_p, sample=sample,
                                        temperature=1.0 if temperature is None else temperature, default=default_sparsity())
         return cls(teacher=live_teacher, data=data, text_column=text_column or "text", id_column=id_column,
                    max_length=1024 if max_length is None else max_length, sparsity=sparsity)
 
     def __post_init__(self) -> None:
-        from logitstore.pipelines.sparsify import Sparsity
-
         if self.teacher == "default":
             self.teacher = None
-        if self.sparsity is None:
-            self.sparsity = Sparsity()
+        if self.sparsity is None:  # the one default, as `train --live-teacher` without sparsity flags
+            self.sparsity = default_sparsity()
         if self.max_length < 2:
             raise LiveTeacherError(f"--max-length must be at least 2, got {self.max_length}")
 
@@ -196,12 +193,12 @@ def _serve(cfg: LiveConfig, capacity: tuple[int, int], requests, ready, acks, pa
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
     worker = TeacherWorker(WorkerSettings(teacher_spec=resolve_teacher(cfg.teacher), device=cfg.device, dtype=cfg.dtype,
                                           sparsity=cfg.sparsity, batch_tokens=cfg.batch_tokens, seed=0))
-    device = worker.teacher.model.device
-    ring = _allocate_ring(*capacity, device=device, sampled=cfg.sparsity.mode == "sampled")
+    device = worker.engine.device
+    ring = _allocate_ring(*capacity, device=device, sampled=cfg.sparsity.sampled)
     ready.put(("ring", ring))  # exported once; the producer keeps these tensors alive until it exits
     free = list(range(RING_SLOTS))
-    vocab = int(worker.teacher.model.get_output_embeddings().weight.shape[0])
-    params = codec.CodecParams()
+    vocab = worker.engine.vocab_size
+    params = cfg.sparsity.grid
     order = codec.identity_order(vocab).astype(np.int64)
     while True:
         try:

@@ -365,7 +365,7 @@ class PartReader:
         meta = view.teachers[teacher]
         self.view, self.teacher, self.rows = view, teacher, rows
         self.vocab_size, self.params = meta.vocab_size, meta.codec
-        self.sampled = meta.sparsity["mode"] == "sampled"
+        self.sampled = meta.sampled
         self.masked = meta.loss_mask is not None  # chat data: a per-token loss_mask in every part
         self.names = tuple(n for n in ENCODED_ARRAYS
                            if (n != "entry_counts" or self.sampled) and (n != "loss_mask" or self.masked))

@@ -142,7 +142,7 @@ def resolve_sources(view: StoreVersion, *, weights: dict[str, float], vocab: Stu
             raise TeacherSourceError(
                 f"teacher {name!r} has another tokenizer than the student and no alignment to it (its student "
                 f"tokenizers: {', '.join(meta.student_names) or 'none'}); build with --student-tokenizer")
-        if meta.sparsity["mode"] == "sampled":
+        if meta.sampled:
             raise TeacherSourceError(f"teacher {name!r} is a sampled store: cross-tokenizer distillation needs "
                                      "top-k or top-p entries (their probabilities, not draw counts)")
         sources.append(Source(name, weight, match[0], vocab_map=view.vocab_map(name, match[0]).astype(np.int64)))

@@ -1,0 +1,115 @@
+"""Which entries of the teacher's next-token distribution a store keeps: one type, `Sparsity`.
+
+    topk     the k most probable tokens
+    topp     the smallest set of top tokens whose probability (at the selection temperature) reaches p,
+             capped at k; the rest of the top-k joins the tail
+    sampled  n draws from the teacher distribution at the temperature, stored as distinct ids with
+             counts (unbiased: Anshumann et al. 2025, "Sparse Logit Sampling")
+
+plus the selection temperature (stored log-probabilities are always at temperature 1) and the value
+grid the log-probabilities are quantised to (`codec.CodecParams`; `GRIDS` names three).
+
+A `Sparsity` comes from build's (and live train's) flags (`sparsity_from_flags`), from a store's teacher
+metadata (`Sparsity.from_meta`), or is `default_sparsity()`: the one default. How the entries are
+selected from a forward pass lives in `pipelines/sparsify.py`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from logitstore.codec import GRIDS, CodecParams
+from logitstore.errors import LogitstoreError
+
+MODES = ("topk", "topp", "sampled")
+
+
+class SparsityError(LogitstoreError, ValueError):
+    """Sparsity flags or metadata that contradict each other or are out of range; the message names the flag."""
+
+
+@dataclass(frozen=True)
+class Sparsity:
+    mode: str = "topk"
+    k: int = 64
+    p: float | None = None
+    n: int | None = None
+    temperature: float = 1.0
+    grid: CodecParams = field(default_factory=CodecParams)  # the value grid (stored as the teacher's codec)
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise SparsityError(f"sparsity mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        if self.k < 1:
+            raise SparsityError(f"--top-k must be at least 1, got {self.k}")
+        if self.mode == "topp" and not (self.p is not None and 0 < self.p <= 1):
+            raise SparsityError(f"--top-p must be in (0, 1], got {self.p}")
+        if self.mode == "sampled" and not (self.n is not None and 1 <= self.n <= 65535):
+            raise SparsityError(f"--sample must be between 1 and 65535 draws, got {self.n}")
+        if not self.temperature > 0:
+            raise SparsityError(f"--temperature must be positive, got {self.temperature}")
+
+    @property
+    def sampled(self) -> bool:
+        """Entries are distinct draws with counts (the loss uses the sampled estimator)."""
+        return self.mode == "sampled"
+
+    @property
+    def width(self) -> int:
+        """Entries the forward pass produces per position before selection."""
+        return self.n if self.sampled else self.k
+
+    def describe(self) -> str:
+        """As a user would write it: "top-64", "top-p 0.95 (cap 64)", "sampled 16", with the temperature."""
+        text = {"topk": f"top-{self.k}", "topp": f"top-p {self.p} (cap {self.k})", "sampled": f"sampled {self.n}"}[self.mode]
+        return text if self.temperature == 1 else f"{text} at temperature {self.temperature}"
+
+    def to_json(self) -> dict:
+        """The teacher metadata's `sparsity` field (the grid is stored apart, as the teacher's codec)."""
+        out = {"mode": self.mode, "k": self.k, "p": self.p, "n": self.n, "temperature": self.temperature}
+        if self.mode != "topp":
+            out.pop("p")
+        if self.mode != "sampled":
+            out.pop("n")
+        else:
+            out.pop("k")
+        return out
+
+    @classmethod
+    def from_meta(cls, sparsity: dict, codec: CodecParams | None = None) -> Sparsity:
+        """A stored teacher's sparsity (`TeacherMeta.sparsity`, `.codec`)."""
+        known = {key: sparsity[key] for key in ("mode", "k", "p", "n", "temperature") if key in sparsity}
+        return cls(**known, grid=codec if codec is not None else CodecParams())
+
+
+# The one default, for `logitstore build`, `train --live-teacher`, `BuildConfig` and `LiveConfig`: 16
+# draws per position, the smallest variant of benchmarks/frontier.py whose student matched (in fact beat)
+# top-64 fp16 entries, at ~21 bytes/token (docs: "Choosing a budget"). Top-64 where the teacher's
+# probabilities of the entries themselves are needed: cross-tokenizer alignment, and engines that
+# cannot draw exactly (the vLLM engine).
+DEFAULT_SAMPLED = Sparsity(mode="sampled", n=16)
+DEFAULT_TOPK = Sparsity(k=64)
+
+
+def default_sparsity(*, student_tokenizers: bool = False, engine_samples: bool = True) -> Sparsity:
+    """The default when no --top-k/--top-p/--sample is given: sampled 16, or top-64 when the build aligns
+    student tokenizers or its engine cannot draw samples (`engine_samples=False`)."""
+    return DEFAULT_SAMPLED if engine_samples and not student_tokenizers else DEFAULT_TOPK
+
+
+def sparsity_from_flags(*, top_k: int | None, top_p: float | None, sample: int | None, temperature: float,
+                        default: Sparsity, grid: str | CodecParams = "default") -> Sparsity:
+    """The sparsity of build's and live train's flags; `default` when none of --top-k/--top-p/--sample
+    is given (at `temperature`). `grid` is a name of `GRIDS` (--value-grid) or a `CodecParams`."""
+    if top_p is not None and sample is not None:
+        raise SparsityError("choose one of --top-p and --sample")
+    if sample is not None and top_k is not None:
+        raise SparsityError("choose one of --top-k and --sample (--top-k caps --top-p only)")
+    if isinstance(grid, str):
+        if grid not in GRIDS:
+            raise SparsityError(f"--value-grid must be one of {', '.join(GRIDS)}, got {grid!r}")
+        grid = GRIDS[grid]
+    if top_k is None and top_p is None and sample is None:
+        return replace(default, temperature=temperature, grid=grid)
+    mode = "sampled" if sample is not None else "topp" if top_p is not None else "topk"
+    return Sparsity(mode=mode, k=64 if top_k is None else top_k, p=top_p, n=sample, temperature=temperature, grid=grid)

@@ -1,0 +1,86 @@
+"""Teacher engines: what runs the teacher's forward passes in a build (and in live mode).
+
+An engine is one module in this folder, `<name>_engine.py`, defining `Engine`, a class with:
+
+    name: str               what `--engine` calls it (the module's name without `_engine`)
+    samples: bool           whether it can store sampled entries (`--sample N`) exactly
+    check(settings, spec)   classmethod; refuses, in one line, what cannot run here (missing package,
+                            no GPU, an unsupported sparsity or model format) before anything is written
+    resolved_dtype(settings) -> str     classmethod; the dtype `--dtype auto` means for this engine
+    version() -> str        classmethod; the engine's package version, recorded in the teacher's metadata
+    Engine(settings, lock=) loads the teacher; `lock` is held around forward passes only
+    .spec, .vocab_size      the teacher's `TeacherSpec` and output width
+    .compute(sample_ids, tokens, *, seed, keep, on_batch) -> SparseSamples
+                            sparse distributions of whole samples (`keep`: per sample, the positions
+                            whose entries are kept, or None for all; an engine may compute more)
+
+So adding an engine is one new file: the registry finds modules by name (`engine_names`) and imports
+one only when asked for it (`engine_class`), which keeps `logitstore --help` from importing vLLM.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from typing import Callable, Sequence
+
+import numpy as np
+
+from logitstore.errors import LogitstoreError
+from logitstore.samples import SparseSamples, concat
+
+SUFFIX = "_engine"
+
+
+class EngineError(LogitstoreError):
+    """An engine that does not exist, or cannot run this build here."""
+
+
+def engine_names() -> list[str]:
+    """The engines `--engine` accepts: one per `<name>_engine.py` module in this folder."""
+    return sorted(m.name.removesuffix(SUFFIX) for m in pkgutil.iter_modules(__path__) if m.name.endswith(SUFFIX))
+
+
+def engine_class(name: str):
+    """The `Engine` class of engine `name`."""
+    if name not in engine_names():
+        raise EngineError(f"--engine must be one of {', '.join(engine_names())}, got {name!r}")
+    return importlib.import_module(f"{__name__}.{name}{SUFFIX}").Engine
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """A device allocation failure (torch's own type, or a RuntimeError saying so, as CUDA kernels and
+    vLLM raise it)."""
+    import torch
+
+    return isinstance(error, torch.OutOfMemoryError) or (
+        isinstance(error, RuntimeError) and "out of memory" in str(error).lower())
+
+
+def halving_on_oom(run: Callable[..., SparseSamples], sample_ids: list[str], tokens: Sequence[np.ndarray],
+                   keep: list | None, *, on_oom: Callable[[], None] = lambda: None) -> SparseSamples:
+    """`run(sample_ids, tokens, keep)`; when it runs out of memory, `on_oom()` (free the cache) and the
+    two halves of the batch are run apart, recursively. One sample that does not fit is an error."""
+    try:
+        return run(sample_ids, tokens, keep)
+    except (RuntimeError, MemoryError) as error:
+        if not is_out_of_memory(error):
+            raise
+    on_oom()
+    if len(sample_ids) == 1:
+        raise EngineError(f"sample {sample_ids[0]!r} ({len(tokens[0])} tokens) does not fit in memory even alone; "
+                          "lower --max-length or --batch-tokens")
+    half = len(sample_ids) // 2
+    halves = (None, None) if keep is None else (keep[:half], keep[half:])
+    return concat([halving_on_oom(run, sample_ids[:half], tokens[:half], halves[0], on_oom=on_oom),
+                   halving_on_oom(run, sample_ids[half:], tokens[half:], halves[1], on_oom=on_oom)])
+
+
+def token_budget_batches(sorted_lengths: np.ndarray, order: np.ndarray, *, budget: int):
+    """Consecutive rows of `order` (sorted longest first) whose padded size rows x longest <= budget."""
+    start = 0
+    while start < len(order):
+        longest = sorted_lengths[start]
+        rows = max(1, budget // max(int(longest), 1))
+        yield order[start : start + rows]
+        start += rows

@@ -1,0 +1,110 @@
+"""The torch engine: the teacher as a Hugging Face model in this process (CPU or one GPU), the default.
+
+Samples are batched by token budget, longest first (padding stays small); the model body runs once
+per batch and the output head in chunks of positions (`teacher.sparse_topk_forward`/`sampled_forward`),
+so no [tokens x vocab] matrix of the whole batch is ever held. A batch that runs out of memory is
+halved and run again (`halving_on_oom`). Every sparsity is exact here, sampled draws included.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+
+import numpy as np
+import torch
+
+from logitstore.pipelines.engines import halving_on_oom, token_budget_batches
+from logitstore.pipelines.sparsify import to_samples
+from logitstore.pipelines.teacher import load_teacher, sampled_forward, sparse_topk_forward
+from logitstore.samples import SparseSamples, concat
+
+
+def resolved_device(device: str) -> str:
+    return device if device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+class Engine:
+    name = "torch"
+    samples = True
+
+    @classmethod
+    def check(cls, settings, spec) -> None:
+        if resolved_device(settings.device).startswith("cuda") and not torch.cuda.is_available():
+            from logitstore.pipelines.engines import EngineError
+
+            raise EngineError(f"--device {settings.device}: this torch build sees no CUDA device")
+
+    @classmethod
+    def resolved_dtype(cls, settings) -> str:
+        """`auto`: bfloat16 on a GPU, float32 on CPU (`teacher.load_teacher`'s rule)."""
+        if settings.dtype != "auto":
+            return settings.dtype
+        return "bfloat16" if resolved_device(settings.device).startswith("cuda") else "float32"
+
+    @classmethod
+    def gpus_per_worker(cls, settings) -> int:
+        return 1 if resolved_device(settings.device).startswith("cuda") else 0
+
+    @classmethod
+    def version(cls) -> str:
+        import transformers
+
+        return f"torch {torch.__version__}, transformers {transformers.__version__}"
+
+    def __init__(self, settings, *, lock: threading.Lock):
+        self.settings, self.lock = settings, lock
+        self.teacher = load_teacher_once(settings.teacher_spec, resolved_device(settings.device),
+                                         self.resolved_dtype(settings))
+        self.spec, self.vocab_size, self.device = self.teacher.spec, self.teacher.vocab_size, self.teacher.model.device
+
+    def compute(self, sample_ids: list[str], tokens: list[np.ndarray], *, seed: int, keep: list | None = None,
+                on_batch=None) -> SparseSamples:
+        """Longest samples first (the part's row order); `on_batch(tokens)` after every batch."""
+        lengths = np.array([len(t) for t in tokens])
+        order = np.argsort(-lengths, kind="stable")
+        generator = None
+        if self.settings.sparsity.sampled:  # one generator per call: draws depend on the seed and the batches only
+            generator = torch.Generator(device=self.teacher.model.device).manual_seed(seed)
+        run = functools.partial(self._forward, generator=generator)
+        parts = []
+        for rows in token_budget_batches(lengths[order], order, budget=self.settings.batch_tokens):
+            parts.append(halving_on_oom(run, [sample_ids[i] for i in rows], [tokens[i] for i in rows],
+                                        None if keep is None else [keep[i] for i in rows], on_oom=_free_cache))
+            if on_batch is not None:
+                on_batch(int(lengths[rows].sum()))
+        return concat(parts)
+
+    def _forward(self, sample_ids: list[str], tokens: list[np.ndarray], keep: list | None, *, generator) -> SparseSamples:
+        sparsity, model = self.settings.sparsity, self.teacher.model
+        lengths = np.array([len(t) for t in tokens])
+        ids = torch.zeros((len(tokens), lengths.max()), dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, t in enumerate(tokens):  # one copy per sample, right-padded
+            ids[row, : len(t)] = torch.as_tensor(t)
+            mask[row, : len(t)] = 1
+        head_on = None
+        if keep is not None:  # chat data: the head runs on the kept positions only
+            head_on = torch.zeros((len(tokens), lengths.max() - 1), dtype=torch.bool)
+            for row, k in enumerate(keep):
+                head_on[row, : len(k)] = torch.from_numpy(k.astype(bool))
+        with self.lock:  # the teacher's share; selection below runs beside the next forward pass
+            if sparsity.sampled:
+                batch = sampled_forward(model, ids, mask, n=sparsity.n, generator=generator,
+                                        temperature=sparsity.temperature, keep=head_on)
+            else:
+                batch = sparse_topk_forward(model, ids, mask, k=sparsity.k, temperature=sparsity.temperature,
+                                            keep=head_on)
+        return to_samples(batch, sample_ids=sample_ids, lengths=lengths, input_ids=tokens, sparsity=sparsity)
+
+
+def _free_cache() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+@functools.lru_cache(maxsize=1)
+def load_teacher_once(spec, device: str, dtype: str):
+    """Teachers are read-only: repeated builds in one process (tests, notebooks) share one load.
+    `dtype` "auto": `load_teacher`'s rule (bfloat16 on GPU, float32 on CPU)."""
+    return load_teacher(spec, device=device, dtype=None if dtype == "auto" else getattr(torch, dtype))
