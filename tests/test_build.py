@@ -107,6 +107,7 @@ def test_cli_build_json_summary_and_sparsity_modes(small_data, tmp_path):
         assert np.allclose(mass + s.tail, 1, atol=0.05)
 
 
+@pytest.mark.slow
 def test_two_worker_processes_write_the_same_bytes(built, small_data, tmp_path):
     store, _ = built
     summary = build(tmp_path / "two", small_data, workers=2)
@@ -122,6 +123,7 @@ def test_ray_local_cluster_with_two_actors(built, small_data, tmp_path):
     assert hashes(tmp_path / "ray") == hashes(store)
 
 
+@pytest.mark.slow
 def test_killed_build_resumes_without_recomputing_or_duplicating(built, small_data, tmp_path):
     reference, _ = built
     store = tmp_path / "store"

@@ -9,6 +9,8 @@ import math
 import sys
 from pathlib import Path
 
+import pytest
+
 BENCHMARK = Path(__file__).parents[1] / "benchmarks" / "frontier.py"
 
 
@@ -20,6 +22,7 @@ def load_benchmark():
     return module
 
 
+@pytest.mark.slow
 def test_quick_frontier_writes_table_plot_and_sane_numbers(tmp_path):
     rows = load_benchmark().main(["--quick", "--out", str(tmp_path)])
     by_name = {r["variant"]: r for r in rows}

@@ -67,6 +67,7 @@ def leaked_shm(before: set[str], *, grace: float = 10.0) -> set[str]:
     return new
 
 
+@pytest.mark.slow
 def test_live_and_store_runs_see_the_same_batches_and_losses(corpus, tmp_path):
     """Same teacher, data, seed and sparsity: the live run's first losses equal the store run's. Both
     quantize with the store's codec; the teacher's batches differ (floating-point rounding), so values
@@ -132,6 +133,7 @@ def _alive(pid: int) -> bool:
         return f.read().split()[2] != "Z"
 
 
+@pytest.mark.slow
 def test_a_killed_teacher_stops_the_trainer_with_a_message(corpus, tmp_path):
     before = shm_entries()
     child = _start(corpus, tmp_path / "run")
@@ -150,6 +152,7 @@ def test_a_killed_teacher_stops_the_trainer_with_a_message(corpus, tmp_path):
     assert not leaked_shm(before)
 
 
+@pytest.mark.slow
 def test_the_teacher_exits_when_the_trainer_dies(corpus, tmp_path):
     before = shm_entries()
     child = _start(corpus, tmp_path / "run")

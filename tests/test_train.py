@@ -146,6 +146,7 @@ def test_eval_on_a_store_of_three_samples_and_an_empty_split(tmp_path):
     assert len(result.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.slow
 def test_gpu_levers_leave_the_losses_unchanged(store, tmp_path):
     # Activation checkpointing recomputes the same activations; the compiled feed-forward computes the
     # same function; deferring the gradient reduction to the last micro-batch sums the same gradients in
@@ -229,14 +230,14 @@ def test_distillation_trainer_resumes_a_checkpoint_at_its_data_position(store, t
         trainer(tmp_path / "whole").train(resume_from_checkpoint=True)
 
 
-def run_readme_snippet(after: str, store, tmp_path, capsys) -> str:
-    """Run the first Python snippet after `after` in the README, in a folder where ./quick is `store`;
-    returns its last printed line."""
+def run_readme_snippet(after: str, store, tmp_path, capsys, *, doc: str = "README.md") -> str:
+    """Run the first Python snippet after `after` in `doc` (the README, or a file under docs/), in a
+    folder where ./quick is `store`; returns its last printed line."""
     import os
     import re
     import runpy
 
-    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    readme = (Path(__file__).parents[1] / doc).read_text()
     section = readme.split(after, 1)[1]
     (tmp_path / "snippet.py").write_text(re.search(r"```python\n(.*?)```", section, re.S).group(1))
     os.symlink(store, tmp_path / "quick")  # the quick path's store, as the snippet names it
@@ -250,17 +251,17 @@ def run_readme_snippet(after: str, store, tmp_path, capsys) -> str:
 
 
 def test_the_readme_trainer_snippet_runs_as_written(store, tmp_path, capsys):
-    printed = run_readme_snippet("**`transformers.Trainer`.**", store, tmp_path, capsys)
+    printed = run_readme_snippet("**From Python, under `transformers.Trainer`.**", store, tmp_path, capsys)
     assert printed.startswith("[(5, ") and "(10, " in printed
 
 
 def test_the_readme_trl_snippet_runs_as_written(store, tmp_path, capsys):
     pytest.importorskip("trl")
-    printed = run_readme_snippet("**TRL.**", store, tmp_path, capsys)
+    printed = run_readme_snippet("**TRL.**", store, tmp_path, capsys, doc="docs/train.md")
     assert printed.startswith("[(5, ") and "(10, " in printed
 
 
 def test_the_readme_own_loop_snippet_runs_as_written_and_learns(store, tmp_path, capsys):
-    printed = run_readme_snippet("**Your own loop.**", store, tmp_path, capsys)
+    printed = run_readme_snippet("**Your own loop.**", store, tmp_path, capsys, doc="docs/train.md")
     first, last = (float(x) for x in re.fullmatch(r"KD (\S+) -> (\S+) in 10 steps", printed).groups())
     assert last < first - 0.5, printed

@@ -1,5 +1,5 @@
 """The log-probability grid as a Zarr v3 codec: plain `zarr` reads a store's values as log-probabilities
-(found through the entry point, in a fresh interpreter that never imports logitstore), the README's
+(found through the entry point, in a fresh interpreter that never imports logitstore), docs/store-format.md's
 plain reading snippet runs as written, and every code survives the float32 round trip."""
 
 from __future__ import annotations
@@ -79,12 +79,12 @@ def test_a_format_1_teacher_keeps_codes_and_reads_as_before(tmp_path):
                              bound_fine=params.error_bound_fine, coarse_below=params.coarse_below)
 
 
-def test_the_readme_plain_reading_snippet_runs_as_written(tmp_path):
+def test_the_plain_reading_snippet_of_the_store_format_docs_runs_as_written(tmp_path):
     from tests.test_safety import write_store
 
     view = write_store(str(tmp_path / "quick"), n=6).read()
-    readme = (Path(__file__).parents[1] / "README.md").read_text()
-    section = readme.split("### Reading a store without logitstore", 1)[1]
+    readme = (Path(__file__).parents[1] / "docs" / "store-format.md").read_text()
+    section = readme.split("## Reading a store without logitstore", 1)[1]
     snippet = re.search(r"```python\n(.*?)```", section, re.S).group(1)
     sid = view.index["sample_id"][0].as_py()
     printed = next(line for line in fresh_python(snippet, cwd=tmp_path).splitlines() if line.startswith(sid + " "))

@@ -29,7 +29,7 @@ trainer reads it. On CPU the buffers are torch tensors in shared memory (`share_
 file-descriptor sharing unlinks the segment at once, so nothing is left in /dev/shm even after a
 SIGKILL). On CUDA they are device tensors sent by CUDA IPC (torch's reductions): the teacher
 synchronises its stream before announcing a slot, the trainer copies the slot out before acking, and
-`torch.cuda.ipc_collect()` runs on teardown. The CUDA transport ran once on an H100 (README, live mode).
+`torch.cuda.ipc_collect()` runs on teardown. The CUDA transport ran once on an H100 (docs/train.md, live mode).
 
 Faults. The trainer waits on the ready queue in short polls and checks the teacher process between
 them: if it died, the run stops with `LiveTeacherError` naming its exit code (no hang). The teacher

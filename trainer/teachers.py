@@ -14,7 +14,7 @@ the way its signal reaches the student's tokens:
         teacher's being the sum of its target log-probabilities over the group's tokens;
     a group at the start of a sample (nothing before it to predict from) gets no signal.
 
-Rules (documented in the README):
+Rules (documented in docs/train.md):
 - **The sample set** is the first source's (the first `--teacher-weight`, or the only teacher).
 - **Missing samples.** A source that lacks a sample, or whose student-side tokens for it differ from
   the first source's (a long document windowed differently by teachers with other tokenizers), gives
