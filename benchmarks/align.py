@@ -27,11 +27,11 @@ from pathlib import Path
 os.environ["TOKENIZERS_PARALLELISM"] = "false"  # before tokenizers loads: one core, like numba here
 
 import numpy as np
+from _timing import timed  # benchmarks/ is on sys.path when a script here runs
 
 from logitstore.align import align_groups, encode_with_byte_ends
 from logitstore.data import SAMPLE_CORPUS
 from logitstore.tokenizer_io import gpt2_tokenizer
-from _timing import timed  # benchmarks/ is on sys.path when a script here runs
 
 
 def main() -> None:
@@ -72,8 +72,10 @@ def main() -> None:
         ("align_groups (teacher + student tokens)", nt + ns, t_align),
     ]
     lines = [
-        (f"SmolLM2 (teacher, {nt:,} tokens) vs GPT-2 (student, {ns:,} tokens): {len(texts)} texts, "
-         f"{n_bytes:,} bytes of the sample corpus; one core, best of {args.repeat}."),
+        (
+            f"SmolLM2 (teacher, {nt:,} tokens) vs GPT-2 (student, {ns:,} tokens): {len(texts)} texts, "
+            f"{n_bytes:,} bytes of the sample corpus; one core, best of {args.repeat}."
+        ),
         "",
         "| step | tokens | seconds | tokens/s |",
         "|---|---:|---:|---:|",
@@ -81,12 +83,16 @@ def main() -> None:
     lines += [f"| {name} | {n:,} | {sec:.4f} | {n / sec:,.0f} |" for name, n, sec in rows]
     lines += [
         "",
-        (f"align_groups is {(t_off + s_off) / t_align:,.0f}x faster than tokenizing both sides with offsets; "
-         f"offsets + byte ends cost {t_off / t_ids:.2f}x (teacher) and {s_off / s_ids:.2f}x (student) "
-         "a plain ids-only call."),
-        (f"{len(g):,} groups: {np.mean((t_len == 1) & (s_len == 1)):.1%} are one teacher token to one student "
-         f"token; {nt / len(g):.2f} teacher and {ns / len(g):.2f} student tokens per group on average; "
-         f"largest group {t_len.max()} teacher / {s_len.max()} student tokens."),
+        (
+            f"align_groups is {(t_off + s_off) / t_align:,.0f}x faster than tokenizing both sides with offsets; "
+            f"offsets + byte ends cost {t_off / t_ids:.2f}x (teacher) and {s_off / s_ids:.2f}x (student) "
+            "a plain ids-only call."
+        ),
+        (
+            f"{len(g):,} groups: {np.mean((t_len == 1) & (s_len == 1)):.1%} are one teacher token to one student "
+            f"token; {nt / len(g):.2f} teacher and {ns / len(g):.2f} student tokens per group on average; "
+            f"largest group {t_len.max()} teacher / {s_len.max()} student tokens."
+        ),
     ]
     report = "\n".join(lines)
     print(report)

@@ -37,11 +37,11 @@ from logitstore.data import SAMPLE_CORPUS
 from logitstore.pipelines import build as build_module
 from logitstore.pipelines import teacher as teacher_module
 from logitstore.pipelines.build import BuildConfig, BuildSummary, plan_units, run_build
-from logitstore.sparsity import Sparsity
-from logitstore.pipelines.teacher import SparseBatch, describe_teacher
 from logitstore.pipelines.engines import token_budget_batches
 from logitstore.pipelines.engines.torch_engine import load_teacher_once
+from logitstore.pipelines.teacher import SparseBatch, describe_teacher
 from logitstore.pipelines.workers import unit_seed
+from logitstore.sparsity import Sparsity
 
 
 def corpus(path: Path, *, tokens: int, tokenizer) -> int:
@@ -62,17 +62,27 @@ def corpus(path: Path, *, tokens: int, tokenizer) -> int:
 
 
 def config(args, *, store: str, data: Path) -> BuildConfig:
-    return BuildConfig(store=store, data=str(data), id_column="id", max_length=args.max_length,
-                       batch_tokens=args.batch_tokens, unit_tokens=args.unit_tokens, device=args.device,
-                       sparsity=args.sparsity, seed=0, progress=False)
+    return BuildConfig(
+        store=store,
+        data=str(data),
+        id_column="id",
+        max_length=args.max_length,
+        batch_tokens=args.batch_tokens,
+        unit_tokens=args.unit_tokens,
+        device=args.device,
+        sparsity=args.sparsity,
+        seed=0,
+        progress=False,
+    )
 
 
 def forward(model, ids: torch.Tensor, mask: torch.Tensor, sparsity: Sparsity, generator) -> SparseBatch:
     """The teacher's forward pass as the torch engine runs it (`engines/torch_engine.py`) (looked up at call time, so a
     stand-in patched into the module runs here too)."""
     if sparsity.mode == "sampled":
-        return teacher_module.sampled_forward(model, ids, mask, n=sparsity.n, generator=generator,
-                                              temperature=sparsity.temperature)
+        return teacher_module.sampled_forward(
+            model, ids, mask, n=sparsity.n, generator=generator, temperature=sparsity.temperature
+        )
     return teacher_module.sparse_topk_forward(model, ids, mask, k=sparsity.k, temperature=sparsity.temperature)
 
 
@@ -143,7 +153,8 @@ class StandIn:
             ids=torch.from_numpy(self.pool["ids"][take].reshape(b, t - 1, width)),
             logprobs=torch.from_numpy(self.pool["logprobs"][take].reshape(b, t - 1, width)),
             target_logprob=torch.from_numpy(self.pool["target"][take].reshape(b, t - 1)),
-            tail=torch.from_numpy(self.pool["tail"][take].reshape(b, t - 1)))
+            tail=torch.from_numpy(self.pool["tail"][take].reshape(b, t - 1)),
+        )
         tokens = int(attention_mask.sum()) if attention_mask is not None else b * t
         left = tokens / self.rate - (time.perf_counter() - start)
         if left > 0:
@@ -192,7 +203,9 @@ class UnitClock:
         return self.merged[-1][0] - self.merged[0][0], sum(t for _, t in self.merged[1:])
 
 
-def write_alone(args, pool: dict[str, np.ndarray], planned, *, tmp: Path, teacher_meta, repeats: int) -> tuple[float, int]:
+def write_alone(
+    args, pool: dict[str, np.ndarray], planned, *, tmp: Path, teacher_meta, repeats: int
+) -> tuple[float, int]:
     """(best seconds, tokens) of `PartWriter.write` of one unit of the stand-in's samples (selected by the
     build's `to_samples`) into a store: encode, compress, hash, store, in this process."""
     from logitstore import codec
@@ -206,12 +219,21 @@ def write_alone(args, pool: dict[str, np.ndarray], planned, *, tmp: Path, teache
     for i, (ids, mask) in enumerate(unit_batches):
         lengths = mask.sum(dim=1).numpy()
         tokens = [ids[r, :n].numpy() for r, n in enumerate(lengths)]
-        parts.append(to_samples(standin.forward(None, ids, mask), sample_ids=[f"b{i}-{r}" for r in range(len(tokens))],
-                                lengths=lengths, input_ids=tokens, sparsity=args.sparsity))
+        parts.append(
+            to_samples(
+                standin.forward(None, ids, mask),
+                sample_ids=[f"b{i}-{r}" for r in range(len(tokens))],
+                lengths=lengths,
+                input_ids=tokens,
+                sparsity=args.sparsity,
+            )
+        )
     samples = concat(parts)
     store = Store.open(str(tmp / "write-alone"), create=True)
     with store.writer() as writer:
-        writer.add_teacher(teacher_meta, code_of_id=codec.frequency_id_order(samples.entry_ids, vocab_size=teacher_meta.vocab_size))
+        writer.add_teacher(
+            teacher_meta, code_of_id=codec.frequency_id_order(samples.entry_ids, vocab_size=teacher_meta.vocab_size)
+        )
         writer.commit("teacher")
     best = float("inf")
     with store.writer() as writer:
@@ -227,9 +249,16 @@ def write_alone(args, pool: dict[str, np.ndarray], planned, *, tmp: Path, teache
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=8192, help="tokens for the real teacher (default 8192)")
-    parser.add_argument("--standin-tokens", type=int, default=1 << 20, help="tokens for the stand-ins (default 1048576)")
-    parser.add_argument("--standin-rate", type=float, nargs="*", default=[250_000, 1_000_000],
-                        help="stand-in teachers, in tokens/s (default 250000 1000000); none to skip them")
+    parser.add_argument(
+        "--standin-tokens", type=int, default=1 << 20, help="tokens for the stand-ins (default 1048576)"
+    )
+    parser.add_argument(
+        "--standin-rate",
+        type=float,
+        nargs="*",
+        default=[250_000, 1_000_000],
+        help="stand-in teachers, in tokens/s (default 250000 1000000); none to skip them",
+    )
     parser.add_argument("--max-length", type=int, default=512)
     parser.add_argument("--batch-tokens", type=int, default=4096)
     parser.add_argument("--unit-tokens", type=int, default=16384)
@@ -246,29 +275,48 @@ def main() -> None:
 
     info = describe_teacher(None)
     model = load_teacher_once(info.spec, args.device, "auto").model
-    results = []  # (label, tokens, forward s, build s, bytes/token, steady forward s, steady build s)
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         runs = []  # (label, tokens, data, planned batches, stand-in or None)
         real_data = tmp / "real.jsonl"
         real_tokens = corpus(real_data, tokens=args.tokens, tokenizer=info.tokenizer)
-        runs.append((f"{info.spec.name} ({args.device})", real_tokens, real_data,
-                     batches(config(args, store="", data=real_data), info.tokenizer), None))
+        runs.append(
+            (
+                f"{info.spec.name} ({args.device})",
+                real_tokens,
+                real_data,
+                batches(config(args, store="", data=real_data), info.tokenizer),
+                None,
+            )
+        )
         written = None
         if args.standin_rate:
             pool_data = tmp / "pool.jsonl"
             corpus(pool_data, tokens=args.unit_tokens, tokenizer=info.tokenizer)
             print(f"stand-in rows: the real teacher over {args.unit_tokens:,} tokens (once, not timed) ...", flush=True)
-            pool = StandIn.pool_from(model, batches(config(args, store="", data=pool_data), info.tokenizer),
-                                     args.sparsity)
+            pool = StandIn.pool_from(
+                model, batches(config(args, store="", data=pool_data), info.tokenizer), args.sparsity
+            )
             standin_data = tmp / "standin.jsonl"
             standin_tokens = corpus(standin_data, tokens=args.standin_tokens, tokenizer=info.tokenizer)
             planned = batches(config(args, store="", data=standin_data), info.tokenizer)
             for rate in args.standin_rate:
-                runs.append((f"stand-in at {rate:,.0f} tokens/s", standin_tokens, standin_data, planned,
-                             StandIn(pool, rate=rate)))
-            meta = TeacherMeta(name=info.spec.name, vocab_size=info.vocab_size, content_hash=info.content_hash,
-                               tokenizer_hash=info.tokenizer_hash, sparsity=args.sparsity.to_json())
+                runs.append(
+                    (
+                        f"stand-in at {rate:,.0f} tokens/s",
+                        standin_tokens,
+                        standin_data,
+                        planned,
+                        StandIn(pool, rate=rate),
+                    )
+                )
+            meta = TeacherMeta(
+                name=info.spec.name,
+                vocab_size=info.vocab_size,
+                content_hash=info.content_hash,
+                tokenizer_hash=info.tokenizer_hash,
+                sparsity=args.sparsity.to_json(),
+            )
             written = write_alone(args, pool, planned, tmp=tmp, teacher_meta=meta, repeats=5 * args.repeats)
         best = {label: [float("inf")] * 4 + [None] for label, *_ in runs}
         for r in range(args.repeats):
@@ -283,22 +331,32 @@ def main() -> None:
                 if steady_tokens:  # units 2.. of the build, against the same units' forward passes
                     b[2], b[3] = min(b[2], sum(per_unit[2:])), min(b[3], steady_s)
                 b[4] = summary.bytes_per_token
-    print(f"{sparsity_name} for the forward pass and the build alike; max length {args.max_length}, batches of "
-          f"{args.batch_tokens:,} tokens, units of {args.unit_tokens:,} tokens, vocab {info.vocab_size:,}; "
-          f"best of {args.repeats}, alternating")
-    print(f"{'teacher':32s} {'tokens':>9s} {'forward alone':>22s} {'full build':>22s} {'B/token':>7s} "
-          f"{'store side':>10s} {'steady state':>12s}")
+    print(
+        f"{sparsity_name} for the forward pass and the build alike; max length {args.max_length}, batches of "
+        f"{args.batch_tokens:,} tokens, units of {args.unit_tokens:,} tokens, vocab {info.vocab_size:,}; "
+        f"best of {args.repeats}, alternating"
+    )
+    print(
+        f"{'teacher':32s} {'tokens':>9s} {'forward alone':>22s} {'full build':>22s} {'B/token':>7s} "
+        f"{'store side':>10s} {'steady state':>12s}"
+    )
     for label, tokens, *_ in runs:
         f, b, steady_f, steady_b, bpt = best[label]
         steady = f"{steady_b / steady_f - 1:+12.1%}" if steady_f < float("inf") else f"{'-':>12s}"
-        print(f"{label:32s} {tokens:9,d} {f:7.2f} s {tokens / f:>8,.0f} t/s {b:7.2f} s {tokens / b:>8,.0f} t/s "
-              f"{bpt:7.1f} {b / f - 1:+10.1%} {steady}")
-    print("store side: what the build adds to the teacher's time (target < +5%); steady state: the same from the "
-          "third unit on (no store creation, teacher registration, first unit or pipeline fill)")
+        print(
+            f"{label:32s} {tokens:9,d} {f:7.2f} s {tokens / f:>8,.0f} t/s {b:7.2f} s {tokens / b:>8,.0f} t/s "
+            f"{bpt:7.1f} {b / f - 1:+10.1%} {steady}"
+        )
+    print(
+        "store side: what the build adds to the teacher's time (target < +5%); steady state: the same from the "
+        "third unit on (no store creation, teacher registration, first unit or pipeline fill)"
+    )
     if written:
         seconds, tokens = written
-        print(f"write side alone: PartWriter.write of one {tokens:,}-token unit of the stand-in's samples "
-              f"(encode, compress, hash, store): {seconds * 1e3:.1f} ms, {tokens / seconds:,.0f} tokens/s")
+        print(
+            f"write side alone: PartWriter.write of one {tokens:,}-token unit of the stand-in's samples "
+            f"(encode, compress, hash, store): {seconds * 1e3:.1f} ms, {tokens / seconds:,.0f} tokens/s"
+        )
 
 
 if __name__ == "__main__":

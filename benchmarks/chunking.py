@@ -43,10 +43,13 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=64)
     args = parser.parse_args()
     vocab = 49152
-    samples = random_samples([f"s{i}" for i in range(args.samples)], vocab=vocab, k=args.k,
-                             min_tokens=args.tokens, max_tokens=args.tokens)
+    samples = random_samples(
+        [f"s{i}" for i in range(args.samples)], vocab=vocab, k=args.k, min_tokens=args.tokens, max_tokens=args.tokens
+    )
     store = Store.open(f"memory://chunking-{time.time_ns()}", create=True)
-    meta = TeacherMeta(name="t", vocab_size=vocab, content_hash="-", tokenizer_hash="-", sparsity={"mode": "topk", "k": args.k})
+    meta = TeacherMeta(
+        name="t", vocab_size=vocab, content_hash="-", tokenizer_hash="-", sparsity={"mode": "topk", "k": args.k}
+    )
     with store.writer() as w:
         w.add_teacher(meta, code_of_id=codec.frequency_id_order(samples.entry_ids, vocab_size=vocab))
         w.write(samples, teacher="t")
@@ -62,10 +65,14 @@ def main() -> None:
     stored = view.info()["stored_bytes"]
     entries_array = view.array("t", view.index["part"][0].as_py(), "entry_codes")
     print(f"store: {args.samples} samples x {args.tokens} tokens, top-{args.k}: {stored:,} bytes stored")
-    print(f"inner chunk {CHUNK_BYTES // 1024} KiB uncompressed, up to {CHUNKS_PER_SHARD} per shard; "
-          f"entry arrays: {entries_array.chunks[0]:,} entries per chunk, {entries_array.shards[0]:,} per shard")
-    print(f"one sample read: {counter.requests} requests, {counter.bytes:,} bytes fetched "
-          f"({counter.bytes / stored:.1%} of the store), {elapsed * 1000:.1f} ms")
+    print(
+        f"inner chunk {CHUNK_BYTES // 1024} KiB uncompressed, up to {CHUNKS_PER_SHARD} per shard; "
+        f"entry arrays: {entries_array.chunks[0]:,} entries per chunk, {entries_array.shards[0]:,} per shard"
+    )
+    print(
+        f"one sample read: {counter.requests} requests, {counter.bytes:,} bytes fetched "
+        f"({counter.bytes / stored:.1%} of the store), {elapsed * 1000:.1f} ms"
+    )
 
 
 if __name__ == "__main__":

@@ -27,12 +27,12 @@ from pathlib import Path
 import numcodecs
 import numpy as np
 import torch
+from _timing import timed  # benchmarks/ is on sys.path when a script here runs
 
 from logitstore import codec
 from logitstore.codec import CodecParams
 from logitstore.samples import SparseSamples
 from logitstore.store import BLOSC_LEVEL, CHUNK_BYTES, Store, TeacherMeta
-from _timing import timed  # benchmarks/ is on sys.path when a script here runs
 
 numcodecs.blosc.set_nthreads(1)
 torch.set_num_threads(2)
@@ -59,19 +59,25 @@ def teacher_output(*, tokens: int, k: int, window: int) -> tuple[SparseSamples, 
     return samples, teacher
 
 
-
 def naive(samples: SparseSamples, *, value_dtype, id_dtype, compressor=None) -> dict:
     """Raw arrays as bytes (optionally zstd), and back."""
+
     def encode():
-        arrays = [samples.entry_logprobs.astype(value_dtype), samples.entry_ids.astype(id_dtype),
-                  samples.tail.astype(value_dtype), samples.target_logprobs.astype(value_dtype)]
+        arrays = [
+            samples.entry_logprobs.astype(value_dtype),
+            samples.entry_ids.astype(id_dtype),
+            samples.tail.astype(value_dtype),
+            samples.target_logprobs.astype(value_dtype),
+        ]
         blobs = [a.tobytes() for a in arrays]
         return [compressor.encode(b) for b in blobs] if compressor else blobs
 
     def decode(blobs):
         raw = [compressor.decode(b) for b in blobs] if compressor else blobs
         dtypes = (value_dtype, id_dtype, value_dtype, value_dtype)
-        return [np.frombuffer(b, dtype=d).astype(np.float32 if d == value_dtype else np.int64) for b, d in zip(raw, dtypes)]
+        return [
+            np.frombuffer(b, dtype=d).astype(np.float32 if d == value_dtype else np.int64) for b, d in zip(raw, dtypes)
+        ]
 
     t_enc, blobs = timed(encode)
     t_dec, _ = timed(lambda: decode(blobs))
@@ -94,9 +100,13 @@ def ours(samples: SparseSamples, *, vocab: int, params: CodecParams) -> dict:
 
     def decode(blobs):
         blosc = numcodecs.Blosc()
-        arrays = {name: np.concatenate([np.frombuffer(blosc.decode(c), dtype=dt) for c in chunks])
-                  for name, (dt, chunks) in blobs.items()}
-        return codec.decode(codec.EncodedSamples(**arrays), params=params, id_of_code=inverse, n_tokens=samples.n_tokens)
+        arrays = {
+            name: np.concatenate([np.frombuffer(blosc.decode(c), dtype=dt) for c in chunks])
+            for name, (dt, chunks) in blobs.items()
+        }
+        return codec.decode(
+            codec.EncodedSamples(**arrays), params=params, id_of_code=inverse, n_tokens=samples.n_tokens
+        )
 
     t_enc, blobs = timed(encode)
     t_dec, _ = timed(lambda: decode(blobs))
@@ -106,8 +116,14 @@ def ours(samples: SparseSamples, *, vocab: int, params: CodecParams) -> dict:
 
 def through_store(samples: SparseSamples, teacher, *, k: int, params: CodecParams) -> dict:
     store = Store.open(f"memory://codec-bench-{time.time_ns()}", create=True)
-    meta = TeacherMeta(name="default", vocab_size=teacher.vocab_size, content_hash=teacher.content_hash,
-                       tokenizer_hash=teacher.tokenizer_hash, sparsity={"mode": "topk", "k": k}, codec=params)
+    meta = TeacherMeta(
+        name="default",
+        vocab_size=teacher.vocab_size,
+        content_hash=teacher.content_hash,
+        tokenizer_hash=teacher.tokenizer_hash,
+        sparsity={"mode": "topk", "k": k},
+        codec=params,
+    )
     start = time.perf_counter()
     with store.writer() as w:
         w.add_teacher(meta, code_of_id=codec.frequency_id_order(samples.entry_ids, vocab_size=teacher.vocab_size))
@@ -135,8 +151,9 @@ def main() -> None:
         "fp16+int32": naive(samples, value_dtype=np.float16, id_dtype=np.int32),
         "fp16+int32+zstd3": naive(samples, value_dtype=np.float16, id_dtype=np.int32, compressor=numcodecs.Zstd(3)),
         "logitstore codec": ours(samples, vocab=teacher.vocab_size, params=params),
-        "logitstore codec, uniform 0.1-nat grid": ours(samples, vocab=teacher.vocab_size,
-                                                       params=CodecParams(fine_step=0.1, coarse_step=0.1, coarse_below=0.0)),
+        "logitstore codec, uniform 0.1-nat grid": ours(
+            samples, vocab=teacher.vocab_size, params=CodecParams(fine_step=0.1, coarse_step=0.1, coarse_below=0.0)
+        ),
         "logitstore store (write+commit / read)": through_store(samples, teacher, k=args.k, params=params),
     }
     base = rows["fp32+int64 (MaxText-style)"]["bytes"]
@@ -149,11 +166,15 @@ def main() -> None:
         "|---|---:|---:|---:|---:|",
     ]
     for name, r in rows.items():
-        lines.append(f"| {name} | {r['bytes'] / n:.1f} | {r['bytes'] / base:.3f} | {n / r['encode_s']:,.0f} | {n / r['decode_s']:,.0f} |")
+        lines.append(
+            f"| {name} | {r['bytes'] / n:.1f} | {r['bytes'] / base:.3f} | {n / r['encode_s']:,.0f} | {n / r['decode_s']:,.0f} |"
+        )
     report = "\n".join(lines)
     print(report)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(report + "\n\nCommand: `python benchmarks/codec.py " + f"--tokens {args.tokens} --k {args.k}`\n")
+    args.out.write_text(
+        report + "\n\nCommand: `python benchmarks/codec.py " + f"--tokens {args.tokens} --k {args.k}`\n"
+    )
 
 
 if __name__ == "__main__":

@@ -49,20 +49,28 @@ import torch
 from logitstore import codec
 from logitstore.codec import CodecParams
 from logitstore.data import SAMPLE_CORPUS
-from logitstore.pipelines.sparsify import to_samples
-from logitstore.sparsity import Sparsity
-from logitstore.pipelines.teacher import (SparseBatch, _empty_sparse, _head_chunk, _last_hidden_state, _reshape,
-                                          _sample_chunk, describe_teacher, resolve_teacher)
 from logitstore.pipelines.engines.torch_engine import load_teacher_once
+from logitstore.pipelines.sparsify import to_samples
+from logitstore.pipelines.teacher import (
+    SparseBatch,
+    describe_teacher,
+    empty_sparse,
+    head_chunk,
+    last_hidden_state,
+    reshape_positions,
+    resolve_teacher,
+    sample_chunk,
+)
 from logitstore.samples import concat
+from logitstore.sparsity import Sparsity
 from logitstore.store import Store, TeacherMeta
 from logitstore.trainer.config import TrainConfig
-from logitstore.trainer.stream import is_eval_sample, store_stream
 from logitstore.trainer.live import LiveConfig, plan_live_samples
 from logitstore.trainer.losses import LossConfig, distill_loss
 from logitstore.trainer.model import build_student
 from logitstore.trainer.objective import sparse_targets, student_outputs
-from logitstore.trainer.train import _lr_at
+from logitstore.trainer.stream import is_eval_sample, store_stream
+from logitstore.trainer.train import lr_at
 
 FP16_GRID = codec.GRIDS["fine"]  # finer than fp16 below -1 nat
 COARSE_GRID = codec.GRIDS["coarse"]
@@ -133,13 +141,15 @@ def teacher_pass(model, plan, *, width: int, seed: int = 0) -> TeacherPass:
     with torch.inference_mode():
         for tokens in plan.tokens:  # one sample per forward: no padding, as many calls as samples
             x = torch.as_tensor(tokens, dtype=torch.long)[None]
-            hidden = _last_hidden_state(model, x, None)[0, :-1]
+            hidden = last_hidden_state(model, x, None)[0, :-1]
             targets = x[0, 1:]
-            for out, head in ((top, functools.partial(_head_chunk, k=width, temperature=1.0)),
-                              (draws, functools.partial(_sample_chunk, n=width, temperature=1.0, generator=generator))):
-                batch = _empty_sparse(len(targets), width, device=hidden.device)
+            for out, head in (
+                (top, functools.partial(head_chunk, k=width, temperature=1.0)),
+                (draws, functools.partial(sample_chunk, n=width, temperature=1.0, generator=generator)),
+            ):
+                batch = empty_sparse(len(targets), width, device=hidden.device)
                 head(model, hidden, targets, out=batch, rows=slice(None))
-                out.append(_reshape(batch, 1, len(targets)))
+                out.append(reshape_positions(batch, 1, len(targets)))
     return TeacherPass(top=top, draws=draws)
 
 
@@ -163,8 +173,11 @@ def variant_samples(variant: Variant, teacher: TeacherPass, plan):
     parts = []
     for sid, tokens, top, draws in zip(plan.sample_ids, plan.tokens, teacher.top, teacher.draws):
         batch = first_entries(draws if sampled else top, n, distinct_draws=sampled)
-        parts.append(to_samples(batch, sample_ids=[sid], lengths=np.array([len(tokens)]), input_ids=[tokens],
-                                sparsity=variant.sparsity))
+        parts.append(
+            to_samples(
+                batch, sample_ids=[sid], lengths=np.array([len(tokens)]), input_ids=[tokens], sparsity=variant.sparsity
+            )
+        )
     return concat(parts)
 
 
@@ -174,8 +187,14 @@ def write_store(uri: str, samples, *, variant: Variant, info, part_tokens: int =
     bounds = np.searchsorted(np.cumsum(samples.n_tokens), np.arange(part_tokens, samples.n_tokens.sum(), part_tokens))
     groups = [g for g in np.split(np.arange(len(samples.n_tokens)), np.unique(bounds + 1)) if len(g)]
     parts = [concat([samples.select(int(i)) for i in g]) for g in groups]
-    meta = TeacherMeta(name=info.spec.name, vocab_size=info.vocab_size, content_hash=info.content_hash,
-                       tokenizer_hash=info.tokenizer_hash, sparsity=variant.sparsity.to_json(), codec=variant.grid)
+    meta = TeacherMeta(
+        name=info.spec.name,
+        vocab_size=info.vocab_size,
+        content_hash=info.content_hash,
+        tokenizer_hash=info.tokenizer_hash,
+        sparsity=variant.sparsity.to_json(),
+        codec=variant.grid,
+    )
     with Store.open(uri, create=True).writer(branch="main") as w:
         w.add_teacher(meta, code_of_id=codec.frequency_id_order(parts[0].entry_ids, vocab_size=info.vocab_size))
         for part in parts:
@@ -190,7 +209,9 @@ def dense_logprobs(teacher, batch) -> torch.Tensor:
     """The teacher's full log-distribution at a packed batch's supervised positions: [P, V]."""
     with torch.inference_mode():
         # The teacher as loaded for builds (eager/sdpa attention): packed rows need the block-causal mask.
-        out = teacher(input_ids=batch.input_ids, position_ids=batch.position_ids, attention_mask=batch.block_causal_mask())
+        out = teacher(
+            input_ids=batch.input_ids, position_ids=batch.position_ids, attention_mask=batch.block_causal_mask()
+        )
         logits = out.logits.reshape(-1, out.logits.shape[-1])[batch.positions].float()
     return torch.log_softmax(logits, dim=-1)
 
@@ -258,14 +279,16 @@ def train_student(stream_of, *, args, vocab: int, teacher=None) -> torch.nn.Modu
     is the dense online KL; otherwise the store's sparse `forward_kl` (tail as a bucket)."""
     student, _ = build_student(args.student, vocab_size=vocab, seed=args.seed)
     optimizer = torch.optim.AdamW(student.parameters(), lr=args.lr, weight_decay=0.0)
-    schedule = TrainConfig.from_flags(store="frontier", out="-", steps=args.steps, lr=args.lr, warmup_steps=max(1, args.steps // 10))
+    schedule = TrainConfig.from_flags(
+        store="frontier", out="-", steps=args.steps, lr=args.lr, warmup_steps=max(1, args.steps // 10)
+    )
     stream = stream_of()
     batches = iter(stream)
     try:
         for step in range(args.steps):
             batch = next(batches)
             for group in optimizer.param_groups:
-                group["lr"] = _lr_at(step, schedule)
+                group["lr"] = lr_at(step, schedule)
             outputs = student_outputs(student, batch, "cpu")
             if teacher is not None:
                 loss = dense_kl(outputs.logits(), dense_logprobs(teacher, batch))
@@ -281,8 +304,11 @@ def train_student(stream_of, *, args, vocab: int, teacher=None) -> torch.nn.Modu
 
 
 def report_progress(row: dict) -> None:
-    print(f"{row['variant']:<36} {row['bytes_per_token']:>10.1f} B/token  held-out KL {row['held_out_kl']:.4f}  "
-          f"({row['seconds']:.0f} s)", flush=True)
+    print(
+        f"{row['variant']:<36} {row['bytes_per_token']:>10.1f} B/token  held-out KL {row['held_out_kl']:.4f}  "
+        f"({row['seconds']:.0f} s)",
+        flush=True,
+    )
 
 
 # -- report ----------------------------------------------------------------------------------------------
@@ -293,19 +319,25 @@ def write_report(rows: list[dict], *, out: Path, args) -> None:
     (out / "frontier.json").write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1, default=str) + "\n")
     ref = next(r for r in rows if r["variant"] == "dense (online)")
     base = next(r for r in rows if r["variant"].startswith("top-64 fp16"))
-    lines = [f"Student `{args.student}` (seed {args.seed}), {args.steps} steps of {args.micro_batch} x {args.seq_len} tokens, "
-             f"{args.docs} documents of the sample corpus, default teacher. KL and CE on held-out documents, "
-             "KL against the teacher's full distribution.\n",
-             "| variant | entries/position | bytes/token | held-out KL | vs top-64 fp16 | held-out CE | decode tokens/s |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        f"Student `{args.student}` (seed {args.seed}), {args.steps} steps of {args.micro_batch} x {args.seq_len} tokens, "
+        f"{args.docs} documents of the sample corpus, default teacher. KL and CE on held-out documents, "
+        "KL against the teacher's full distribution.\n",
+        "| variant | entries/position | bytes/token | held-out KL | vs top-64 fp16 | held-out CE | decode tokens/s |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in rows:
         size = f"{r['bytes_per_token']:,.1f}" + (" (format)" if r["nominal"] else "")
         speed = f"{r['decode_tokens_per_s'] / 1e6:.2f}M" if r.get("decode_tokens_per_s") else "-"
         entries = f"{r['entries_per_position']:.1f}" if r.get("entries_per_position") else "all"
-        lines.append(f"| {r['variant']} | {entries} | {size} | {r['held_out_kl']:.4f} | "
-                     f"{r['held_out_kl'] - base['held_out_kl']:+.4f} | {r['held_out_ce']:.4f} | {speed} |")
-    lines.append(f"\nReference (dense, online): KL {ref['held_out_kl']:.4f}; the untrained student: "
-                 f"KL {rows[0]['untrained_kl']:.4f}.")
+        lines.append(
+            f"| {r['variant']} | {entries} | {size} | {r['held_out_kl']:.4f} | "
+            f"{r['held_out_kl'] - base['held_out_kl']:+.4f} | {r['held_out_ce']:.4f} | {speed} |"
+        )
+    lines.append(
+        f"\nReference (dense, online): KL {ref['held_out_kl']:.4f}; the untrained student: "
+        f"KL {rows[0]['untrained_kl']:.4f}."
+    )
     (out / "frontier.md").write_text("\n".join(lines) + "\n")
     plot(rows, path=out / "frontier.png", title=f"{args.student}, {args.steps} steps, held-out KL to the full teacher")
     print("\n".join(lines))
@@ -321,8 +353,13 @@ def plot(rows: list[dict], *, path: Path, title: str) -> None:
     for r in rows:
         marker = "s" if r["nominal"] else "o"
         ax.scatter(r["bytes_per_token"], r["held_out_kl"], marker=marker)
-        ax.annotate(r["variant"], (r["bytes_per_token"], r["held_out_kl"]), fontsize=7, xytext=(4, 2),
-                    textcoords="offset points")
+        ax.annotate(
+            r["variant"],
+            (r["bytes_per_token"], r["held_out_kl"]),
+            fontsize=7,
+            xytext=(4, 2),
+            textcoords="offset points",
+        )
     ref = next(r for r in rows if r["variant"] == "dense (online)")
     ax.axhline(ref["held_out_kl"], color="grey", linestyle="--", linewidth=0.8, label="dense online reference")
     ax.axvline(32, color="tab:red", linestyle=":", linewidth=0.8, label="32 bytes/token goal")
@@ -350,8 +387,12 @@ def parse_args(argv=None):
     parser.add_argument("--docs", type=int, default=20, help="documents of the sample corpus (72 in all)")
     parser.add_argument("--held-out", type=float, default=0.15, help="share of documents held out, by id hash")
     parser.add_argument("--seed", type=int, default=0, help="student init, batch order and the teacher's draws")
-    parser.add_argument("--variants", type=lambda text: text.split(";"), default=None,
-                        help="only these variants, ;-separated names as in the table (the dense reference and top-64 fp16 always run)")
+    parser.add_argument(
+        "--variants",
+        type=lambda text: text.split(";"),
+        default=None,
+        help="only these variants, ;-separated names as in the table (the dense reference and top-64 fp16 always run)",
+    )
     parser.add_argument("--held-out-windows", type=int, default=12, help="held-out windows scored (densely)")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args(argv)
@@ -371,16 +412,31 @@ def main(argv=None) -> list[dict]:
         train_data, held_data = split_corpus(tmp, docs=args.docs, chars=args.chars, held_out=args.held_out)
         plan = windows(train_data, seq_len=args.seq_len)
         held_windows = [torch.as_tensor(t) for t in windows(held_data, seq_len=args.seq_len).tokens if len(t) > 1]
-        held = HeldOut(teacher.model, held_windows[:args.held_out_windows])
+        held = HeldOut(teacher.model, held_windows[: args.held_out_windows])
         untrained = held.score(build_student(args.student, vocab_size=vocab, seed=args.seed)[0].eval())["held_out_kl"]
         started = time.perf_counter()
         passed = teacher_pass(teacher.model, plan, width=64, seed=args.seed)
         tokens = int(plan.n_tokens.sum())
-        print(f"teacher pass: {len(plan.sample_ids)} samples, {tokens:,} tokens, {time.perf_counter() - started:.0f} s; "
-              f"held out: {sum(map(len, held.windows)):,} tokens", flush=True)
-        stream_of = lambda view: lambda: store_stream(view, teacher=None, seq_len=args.seq_len, micro_batch=args.micro_batch,
-                                                      rank=0, world_size=1, seed=args.seed, eval_fraction=0.0)
-        chosen = [v for v in sparse_variants(args.quick) if not args.variants or v.name in args.variants or v.nominal_bytes]
+        print(
+            f"teacher pass: {len(plan.sample_ids)} samples, {tokens:,} tokens, {time.perf_counter() - started:.0f} s; "
+            f"held out: {sum(map(len, held.windows)):,} tokens",
+            flush=True,
+        )
+        stream_of = lambda view: (
+            lambda: store_stream(
+                view,
+                teacher=None,
+                seq_len=args.seq_len,
+                micro_batch=args.micro_batch,
+                rank=0,
+                world_size=1,
+                seed=args.seed,
+                eval_fraction=0.0,
+            )
+        )
+        chosen = [
+            v for v in sparse_variants(args.quick) if not args.variants or v.name in args.variants or v.nominal_bytes
+        ]
         for i, v in enumerate(chosen):
             started = time.perf_counter()
             uri = str(tmp / f"variant-{i}")
@@ -389,18 +445,36 @@ def main(argv=None) -> list[dict]:
             bytes_per_token = view.info()["bytes_per_token"]
             student = train_student(stream_of(view), args=args, vocab=vocab)
             samples = stored_samples(view)
-            rows.append({"variant": v.name, "bytes_per_token": v.nominal_bytes or bytes_per_token,
-                         "nominal": v.nominal_bytes is not None, "store_bytes_per_token": bytes_per_token,
-                         "entries_per_position": float(np.mean(samples.n_entries)),
-                         "decode_tokens_per_s": decode_speed(view, samples), "bytes_by_array": bytes_by_array(view),
-                         **held.score(student), "untrained_kl": untrained, "seconds": time.perf_counter() - started})
+            rows.append(
+                {
+                    "variant": v.name,
+                    "bytes_per_token": v.nominal_bytes or bytes_per_token,
+                    "nominal": v.nominal_bytes is not None,
+                    "store_bytes_per_token": bytes_per_token,
+                    "entries_per_position": float(np.mean(samples.n_entries)),
+                    "decode_tokens_per_s": decode_speed(view, samples),
+                    "bytes_by_array": bytes_by_array(view),
+                    **held.score(student),
+                    "untrained_kl": untrained,
+                    "seconds": time.perf_counter() - started,
+                }
+            )
             report_progress(rows[-1])
         # The reference: the teacher in the loop on the same batches (every store holds the same samples).
         started = time.perf_counter()
         student = train_student(stream_of(view), args=args, vocab=vocab, teacher=teacher.model)
-        rows.insert(0, {"variant": "dense (online)", "bytes_per_token": 4.0 * vocab, "nominal": True,
-                        "entries_per_position": None, **held.score(student), "untrained_kl": untrained,
-                        "seconds": time.perf_counter() - started})
+        rows.insert(
+            0,
+            {
+                "variant": "dense (online)",
+                "bytes_per_token": 4.0 * vocab,
+                "nominal": True,
+                "entries_per_position": None,
+                **held.score(student),
+                "untrained_kl": untrained,
+                "seconds": time.perf_counter() - started,
+            },
+        )
         report_progress(rows[0])
     write_report(rows, out=args.out, args=args)
     return rows

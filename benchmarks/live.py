@@ -28,7 +28,9 @@ from logitstore.trainer.train import launch
 def rates(out: Path) -> tuple[float, float]:
     """(median tokens/s after the first step, median data wait per step in seconds)."""
     rows = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "step" in r][1:]
-    return statistics.median(r["tokens_per_second"] for r in rows), statistics.median(r["data_wait_seconds"] for r in rows)
+    return statistics.median(r["tokens_per_second"] for r in rows), statistics.median(
+        r["data_wait_seconds"] for r in rows
+    )
 
 
 def main() -> None:
@@ -44,13 +46,22 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         data = tmp / "corpus.jsonl"
-        data.write_text("\n".join(SAMPLE_CORPUS.read_text().splitlines()[:args.docs]) + "\n")
+        data.write_text("\n".join(SAMPLE_CORPUS.read_text().splitlines()[: args.docs]) + "\n")
         sparsity = Sparsity(k=args.top_k)
         store = str(tmp / "store")
-        run_build(BuildConfig(store=store, data=str(data), max_length=512, sparsity=sparsity, progress=False),
-                  log=lambda _: None)
-        common = dict(student=args.student, steps=args.steps, seq_len=args.seq_len, micro_batch=args.micro_batch,
-                      warmup_steps=2, eval_fraction=0.05, log_every=10**9)
+        run_build(
+            BuildConfig(store=store, data=str(data), max_length=512, sparsity=sparsity, progress=False),
+            log=lambda _: None,
+        )
+        common = dict(
+            student=args.student,
+            steps=args.steps,
+            seq_len=args.seq_len,
+            micro_batch=args.micro_batch,
+            warmup_steps=2,
+            eval_fraction=0.05,
+            log_every=10**9,
+        )
         launch(TrainConfig.from_flags(store=store, out=str(tmp / "store-run"), **common))
         live = LiveConfig(data=str(data), max_length=512, sparsity=sparsity)
         launch(TrainConfig.from_flags(store=None, live=live, out=str(tmp / "live-run"), **common))
@@ -58,7 +69,9 @@ def main() -> None:
         header = json.loads((tmp / "live-run" / "metrics.jsonl").read_text().splitlines()[0])
         transport = header["live_transport"].replace("_", " ")
 
-    print(f"{args.student}, {args.steps} steps of {args.micro_batch} x {args.seq_len} tokens, default teacher top-{args.top_k}, 1 process\n")
+    print(
+        f"{args.student}, {args.steps} steps of {args.micro_batch} x {args.seq_len} tokens, default teacher top-{args.top_k}, 1 process\n"
+    )
     print("| signal | student tokens/s | data wait per step |")
     print("|---|---:|---:|")
     print(f"| store | {store_rate:,.0f} | {store_wait * 1000:,.0f} ms |")

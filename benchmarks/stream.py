@@ -57,13 +57,25 @@ from logitstore.store import Store, TeacherMeta
 
 TEACHER = "bench"
 # Targets of issue 14, on a 2-core machine with one reader process.
-TARGETS = {"read_local": 1_000_000, "read_s3": 500_000, "read_amplification": 1.3, "read_vs_decode": 0.30,
-           "write": 500_000}
+TARGETS = {
+    "read_local": 1_000_000,
+    "read_s3": 500_000,
+    "read_amplification": 1.3,
+    "read_vs_decode": 0.30,
+    "write": 500_000,
+}
 FLOOR_REPEATS = 3  # timed passes of the decode floor, best kept (a pass of 2M tokens takes ~1-3 s)
 STORE_TO_BUDGET = 10  # the read is measured on a store at least this many times the memory budget
 # A smoke run with the full run's proportions: ~64 small parts, so the budget (store / 10) still holds a
 # few of them, as at 2M tokens (a reader may need the part it reads and the next in its budget).
-QUICK = {"tokens": 65_536, "sample_len": 512, "part_tokens": 1024, "commit_every": 32, "seq_len": 1024, "micro_batch": 4}
+QUICK = {
+    "tokens": 65_536,
+    "sample_len": 512,
+    "part_tokens": 1024,
+    "commit_every": 32,
+    "seq_len": 1024,
+    "micro_batch": 4,
+}
 
 
 # -- synthetic teacher output ----------------------------------------------------------------------
@@ -125,12 +137,15 @@ class SyntheticTeacher:
             starts = np.flatnonzero(valid.reshape(-1))
             counts = np.diff(np.append(starts, P * m)).astype(np.int64)
         return SparseSamples(
-            sample_ids=list(sample_ids), n_tokens=lengths, input_ids=input_ids,
+            sample_ids=list(sample_ids),
+            n_tokens=lengths,
+            input_ids=input_ids,
             n_entries=valid.sum(axis=1).astype(np.int64),
             entry_ids=tokens[valid].astype(np.int64),  # row-major: rank order, most probable first
             entry_logprobs=logp[valid].astype(np.float32),
             tail=np.clip(tail[:, 0], 0.0, 1.0).astype(np.float32),
-            target_logprobs=target_logp.astype(np.float32), entry_counts=counts,
+            target_logprobs=target_logp.astype(np.float32),
+            entry_counts=counts,
         )
 
     def _draw_ranks(self, u: np.ndarray, s: np.ndarray, z: np.ndarray) -> np.ndarray:
@@ -224,13 +239,18 @@ def write_store(uri: str, args, log) -> dict:
     teacher = SyntheticTeacher(vocab=args.vocab, mode=args.mode, k=args.k, seed=args.seed)
     lengths = sample_lengths(tokens=args.tokens, sample_len=args.sample_len, seed=args.seed)
     parts = plan_parts(lengths, part_tokens=args.part_tokens)
-    meta = TeacherMeta(name=TEACHER, vocab_size=args.vocab, content_hash="synthetic", tokenizer_hash="synthetic",
-                       sparsity=sparsity(args))
+    meta = TeacherMeta(
+        name=TEACHER,
+        vocab_size=args.vocab,
+        content_hash="synthetic",
+        tokenizer_hash="synthetic",
+        sparsity=sparsity(args),
+    )
     _warm_up_writer(teacher, meta)  # numba's first compile and lazy imports are not write throughput
     store = Store.open(uri, create=True)
     seconds, generate_seconds, entries = 0.0, 0.0, 0
     for c in range(0, len(parts), args.commit_every):
-        group = parts[c:c + args.commit_every]
+        group = parts[c : c + args.commit_every]
         start = time.perf_counter()
         writer = store.writer()
         seconds += time.perf_counter() - start
@@ -253,9 +273,15 @@ def write_store(uri: str, args, log) -> dict:
             seconds += time.perf_counter() - start
         log(f"  wrote {min(c + args.commit_every, len(parts))}/{len(parts)} parts")
     tokens = int(lengths.sum())
-    return {"tokens": tokens, "samples": len(lengths), "parts": len(parts), "write_seconds": seconds,
-            "generate_seconds": generate_seconds, "entries_per_position": entries / (tokens - len(lengths)),
-            "write_tokens_per_second": tokens / seconds}
+    return {
+        "tokens": tokens,
+        "samples": len(lengths),
+        "parts": len(parts),
+        "write_seconds": seconds,
+        "generate_seconds": generate_seconds,
+        "entries_per_position": entries / (tokens - len(lengths)),
+        "write_tokens_per_second": tokens / seconds,
+    }
 
 
 def _warm_up_writer(teacher: SyntheticTeacher, meta: TeacherMeta) -> None:
@@ -330,8 +356,16 @@ class ReadJob:
     max_seconds: float
 
     def stream(self, view, budget: int):
-        return logitstore.stream(view, seq_len=self.seq_len, micro_batch=self.micro_batch, seed=0, rank=self.rank,
-                                 world_size=self.world_size, memory_budget=budget, eval_fraction=0.0)
+        return logitstore.stream(
+            view,
+            seq_len=self.seq_len,
+            micro_batch=self.micro_batch,
+            seed=0,
+            rank=self.rank,
+            world_size=self.world_size,
+            memory_budget=budget,
+            eval_fraction=0.0,
+        )
 
     @property
     def steps(self) -> int:
@@ -365,8 +399,16 @@ def read_epoch(job: ReadJob) -> dict:
                 break
         seconds = time.perf_counter() - start
         fetched, requests = counts.bytes, counts.requests  # before close: later prefetch is not this epoch's
-    return {"rank": job.rank, "tokens": tokens, "batches": batches, "steps_per_epoch": steps, "seconds": seconds,
-            "first_batch_seconds": first, "bytes_fetched": fetched, "requests": requests}
+    return {
+        "rank": job.rank,
+        "tokens": tokens,
+        "batches": batches,
+        "steps_per_epoch": steps,
+        "seconds": seconds,
+        "first_batch_seconds": first,
+        "bytes_fetched": fetched,
+        "requests": requests,
+    }
 
 
 def decode_floor(job: ReadJob, batches: int, barrier) -> dict:
@@ -388,8 +430,13 @@ def decode_floor(job: ReadJob, batches: int, barrier) -> dict:
             tokens = _take(stream, batches)
             seconds = min(seconds, time.perf_counter() - start)
         refetched = counts.bytes - before
-    return {"rank": job.rank, "tokens": tokens, "seconds": seconds, "warm_up_seconds": warm_up,
-            "bytes_fetched_when_cached": refetched}
+    return {
+        "rank": job.rank,
+        "tokens": tokens,
+        "seconds": seconds,
+        "warm_up_seconds": warm_up,
+        "bytes_fetched_when_cached": refetched,
+    }
 
 
 def _take(stream, n: int) -> int:
@@ -498,7 +545,7 @@ def store_location(store: str | None):
         with moto_server() as endpoint:
             import boto3
 
-            bucket = store[len("s3://"):].split("/", 1)[0]
+            bucket = store[len("s3://") :].split("/", 1)[0]
             from botocore.exceptions import ClientError
 
             try:
@@ -520,11 +567,16 @@ def moto_server():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     endpoint = f"http://127.0.0.1:{port}"
-    saved = {k: os.environ.get(k) for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_REGION",
-                                            "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3")}
+    saved = {
+        k: os.environ.get(k)
+        for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_REGION", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3")
+    }
     try:
         deadline = time.monotonic() + 60
         while True:
@@ -533,10 +585,14 @@ def moto_server():
                 break
             except OSError:
                 if proc.poll() is not None or time.monotonic() > deadline:
-                    raise SystemExit(f"moto's S3 server did not start on port {port}")
+                    raise SystemExit(f"moto's S3 server did not start on port {port}") from None
                 time.sleep(0.1)
-        os.environ.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_REGION="us-east-1",
-                          AWS_ENDPOINT_URL=endpoint)
+        os.environ.update(
+            AWS_ACCESS_KEY_ID="testing",
+            AWS_SECRET_ACCESS_KEY="testing",
+            AWS_REGION="us-east-1",
+            AWS_ENDPOINT_URL=endpoint,
+        )
         os.environ.pop("AWS_ENDPOINT_URL_S3", None)
         yield endpoint
     finally:
@@ -564,16 +620,25 @@ def parse_args(argv):
     p.add_argument("--k", type=int, default=16, help="entries per position (topk) or draws (sampled)")
     p.add_argument("--part-tokens", type=int, default=16_384, help="tokens per part (the build's unit_tokens)")
     p.add_argument("--commit-every", type=int, default=32, help="parts per commit")
-    p.add_argument("--store", help="a new local folder, or s3://bucket/prefix on a moto server started here "
-                                   "(default: a temporary folder)")
+    p.add_argument(
+        "--store",
+        help="a new local folder, or s3://bucket/prefix on a moto server started here (default: a temporary folder)",
+    )
     p.add_argument("--memory-budget", help=f"the reader's memory budget (default: the store / {STORE_TO_BUDGET})")
-    p.add_argument("--allow-small-store", action="store_true",
-                   help=f"measure even if the store is less than {STORE_TO_BUDGET}x the memory budget")
+    p.add_argument(
+        "--allow-small-store",
+        action="store_true",
+        help=f"measure even if the store is less than {STORE_TO_BUDGET}x the memory budget",
+    )
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--micro-batch", type=int, default=8)
     p.add_argument("--workers", type=int, default=1, help="reader processes, each a rank of world size N")
-    p.add_argument("--max-read-seconds", type=float, default=300.0,
-                   help="stop the epoch after this long and report the fraction read (epoch_fraction)")
+    p.add_argument(
+        "--max-read-seconds",
+        type=float,
+        default=300.0,
+        help="stop the epoch after this long and report the fraction read (epoch_fraction)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help=f"a smoke run: {QUICK}")
     p.add_argument("--json", action="store_true", help="print the results as JSON on stdout (summary on stderr)")
@@ -600,19 +665,35 @@ def main(argv=None) -> dict:
         view = logitstore.open(uri)
         info = view.info()
         stored = int(info["stored_bytes"])
-        budget = parse_bytes(args.memory_budget, name="--memory-budget") if args.memory_budget else stored // STORE_TO_BUDGET
+        budget = (
+            parse_bytes(args.memory_budget, name="--memory-budget") if args.memory_budget else stored // STORE_TO_BUDGET
+        )
         if stored < STORE_TO_BUDGET * budget and not args.allow_small_store:
-            raise SystemExit(f"the store ({format_bytes(stored)}) is less than {STORE_TO_BUDGET}x the memory budget "
-                             f"({format_bytes(budget)}): write more --tokens, lower --memory-budget, or pass "
-                             "--allow-small-store")
+            raise SystemExit(
+                f"the store ({format_bytes(stored)}) is less than {STORE_TO_BUDGET}x the memory budget "
+                f"({format_bytes(budget)}): write more --tokens, lower --memory-budget, or pass "
+                "--allow-small-store"
+            )
         entries = int(view.index["n_entries"].to_numpy().sum()) if "n_entries" in view.index.column_names else None
-        jobs = [ReadJob(uri=uri, version=view.snapshot_id, tokens=int(info["tokens"]), seq_len=args.seq_len,
-                        micro_batch=args.micro_batch, memory_budget=budget,
-                        floor_budget=_floor_budget(int(info["tokens"]), entries or info["tokens"] * args.k),
-                        rank=r, world_size=args.workers, max_seconds=args.max_read_seconds)
-                for r in range(args.workers)]
-        log(f"reading one epoch: seq_len {args.seq_len} x micro_batch {args.micro_batch}, {args.workers} reader "
-            f"process(es), memory budget {format_bytes(budget)} (the store is {stored / budget:.1f}x)")
+        jobs = [
+            ReadJob(
+                uri=uri,
+                version=view.snapshot_id,
+                tokens=int(info["tokens"]),
+                seq_len=args.seq_len,
+                micro_batch=args.micro_batch,
+                memory_budget=budget,
+                floor_budget=_floor_budget(int(info["tokens"]), entries or info["tokens"] * args.k),
+                rank=r,
+                world_size=args.workers,
+                max_seconds=args.max_read_seconds,
+            )
+            for r in range(args.workers)
+        ]
+        log(
+            f"reading one epoch: seq_len {args.seq_len} x micro_batch {args.micro_batch}, {args.workers} reader "
+            f"process(es), memory budget {format_bytes(budget)} (the store is {stored / budget:.1f}x)"
+        )
         reads, floors = run_readers(jobs, log)
     result = summarise(args, written, info, budget, jobs, reads, floors, backend, shape)
     log(summary_text(result))
@@ -644,34 +725,54 @@ def summarise(args, written, info, budget, jobs, reads, floors, backend, shape) 
     decode_tps = sum(f["tokens"] for f in floors) / floor_wall
     amplification = fetched / (stored * fraction)  # per epoch: scaled up when only a fraction was read
     s3 = backend.startswith("s3")
-    notes = [f"each of the {args.workers} reader processes reads its own rows (rank i of world size {args.workers}); "
-             "tokens/s are summed over ranks over the slowest rank's time" if args.workers > 1 else
-             "one reader process (rank 0 of world size 1)",
-             "counted bytes are Zarr reads under view.root (chunks, shard indexes, metadata); Icechunk's own "
-             "manifest and snapshot fetches are not counted",
-             "read time runs from creating the stream to the last batch of the epoch (first batch included); "
-             "no model in the loop"]
+    notes = [
+        f"each of the {args.workers} reader processes reads its own rows (rank i of world size {args.workers}); "
+        "tokens/s are summed over ranks over the slowest rank's time"
+        if args.workers > 1
+        else "one reader process (rank 0 of world size 1)",
+        "counted bytes are Zarr reads under view.root (chunks, shard indexes, metadata); Icechunk's own "
+        "manifest and snapshot fetches are not counted",
+        "read time runs from creating the stream to the last batch of the epoch (first batch included); "
+        "no model in the loop",
+    ]
     if fraction < 1:
-        notes.append(f"the epoch was cut at --max-read-seconds {args.max_read_seconds:g}: {fraction:.1%} of it was read; "
-                     "read_amplification is scaled to one epoch")
+        notes.append(
+            f"the epoch was cut at --max-read-seconds {args.max_read_seconds:g}: {fraction:.1%} of it was read; "
+            "read_amplification is scaled to one epoch"
+        )
     targets = {
         "read_tokens_per_second": TARGETS["read_s3" if s3 else "read_local"],
         "read_amplification": TARGETS["read_amplification"],
         "read_vs_decode": TARGETS["read_vs_decode"],
         "write_tokens_per_second": TARGETS["write"],
     }
-    values = {"read_tokens_per_second": read_tps, "read_amplification": amplification,
-              "read_vs_decode": read_tps / decode_tps, "write_tokens_per_second": written["write_tokens_per_second"]}
+    values = {
+        "read_tokens_per_second": read_tps,
+        "read_amplification": amplification,
+        "read_vs_decode": read_tps / decode_tps,
+        "write_tokens_per_second": written["write_tokens_per_second"],
+    }
     return {
         "benchmark": "benchmarks/stream.py",
         "label": args.label,
         "store": backend,
         "shapes": {
-            "tokens": written["tokens"], "samples": written["samples"], "parts": written["parts"],
-            "part_tokens": args.part_tokens, "sample_len": args.sample_len, "vocab": args.vocab,
-            "mode": args.mode, "k": args.k, "shape": shape, "entries_per_position": round(written["entries_per_position"], 3),
-            "commit_every_parts": args.commit_every, "seq_len": args.seq_len, "micro_batch": args.micro_batch,
-            "workers": args.workers, "memory_budget": budget, "store_to_budget": round(stored / budget, 2),
+            "tokens": written["tokens"],
+            "samples": written["samples"],
+            "parts": written["parts"],
+            "part_tokens": args.part_tokens,
+            "sample_len": args.sample_len,
+            "vocab": args.vocab,
+            "mode": args.mode,
+            "k": args.k,
+            "shape": shape,
+            "entries_per_position": round(written["entries_per_position"], 3),
+            "commit_every_parts": args.commit_every,
+            "seq_len": args.seq_len,
+            "micro_batch": args.micro_batch,
+            "workers": args.workers,
+            "memory_budget": budget,
+            "store_to_budget": round(stored / budget, 2),
             "floor_memory_budget": jobs[0].floor_budget,
         },
         "write_tokens_per_second": written["write_tokens_per_second"],
@@ -695,12 +796,18 @@ def summarise(args, written, info, budget, jobs, reads, floors, backend, shape) 
         "write_seconds": written["write_seconds"],
         "generate_seconds": written["generate_seconds"],
         "targets": targets,
-        "targets_met": {k: (values[k] <= t if k == "read_amplification" else values[k] >= t) for k, t in targets.items()},
+        "targets_met": {
+            k: (values[k] <= t if k == "read_amplification" else values[k] >= t) for k, t in targets.items()
+        },
         "ranks": [{**r, **{f"decode_{k}": v for k, v in f.items() if k != "rank"}} for r, f in zip(reads, floors)],
         "notes": notes,
-        "machine": {"cpus": os.cpu_count(), "load_average_1m_at_start": args.load_at_start,
-                    "load_average_1m_at_end": round(os.getloadavg()[0], 2),
-                    "python": sys.version.split()[0], "logitstore": str(Path(logitstore.__file__).parent)},
+        "machine": {
+            "cpus": os.cpu_count(),
+            "load_average_1m_at_start": args.load_at_start,
+            "load_average_1m_at_end": round(os.getloadavg()[0], 2),
+            "python": sys.version.split()[0],
+            "logitstore": str(Path(logitstore.__file__).parent),
+        },
     }
 
 

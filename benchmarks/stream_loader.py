@@ -22,12 +22,21 @@ import logitstore
 
 
 def epoch_tokens_per_second(view, *, workers: int, args) -> float:
-    stream = logitstore.stream(view, seq_len=args.seq_len, micro_batch=args.micro_batch, seed=0,
-                               memory_budget=args.memory_budget, eval_fraction=0.0)
+    stream = logitstore.stream(
+        view,
+        seq_len=args.seq_len,
+        micro_batch=args.micro_batch,
+        seed=0,
+        memory_budget=args.memory_budget,
+        eval_fraction=0.0,
+    )
     steps = stream.steps_per_epoch
     if workers:
-        batches = iter(torch.utils.data.DataLoader(stream, batch_size=None, num_workers=workers,
-                                                   multiprocessing_context="spawn", prefetch_factor=4))
+        batches = iter(
+            torch.utils.data.DataLoader(
+                stream, batch_size=None, num_workers=workers, multiprocessing_context="spawn", prefetch_factor=4
+            )
+        )
     else:
         batches = iter(stream)
     next(batches)  # worker start-up and the first reads are not the steady state
@@ -54,11 +63,15 @@ def main() -> None:
     for _ in range(args.repeats):
         for workers in best:
             best[workers] = max(best[workers], epoch_tokens_per_second(view, workers=workers, args=args))
-    print(f"store {args.store}: {view.info()['tokens']:,} tokens; seq_len {args.seq_len} x micro_batch "
-          f"{args.micro_batch}; best of {args.repeats}, alternating")
+    print(
+        f"store {args.store}: {view.info()['tokens']:,} tokens; seq_len {args.seq_len} x micro_batch "
+        f"{args.micro_batch}; best of {args.repeats}, alternating"
+    )
     print(f"in the consumer's process : {best[0]:>12,.0f} tokens/s")
-    print(f"DataLoader, {args.workers} workers   : {best[args.workers]:>12,.0f} tokens/s "
-          f"({best[args.workers] / best[0]:.2f}x)")
+    print(
+        f"DataLoader, {args.workers} workers   : {best[args.workers]:>12,.0f} tokens/s "
+        f"({best[args.workers] / best[0]:.2f}x)"
+    )
 
 
 if __name__ == "__main__":

@@ -30,9 +30,9 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import train_scaling as scaling  # benchmarks/train_scaling.py, beside this file
 from torch.distributed.device_mesh import init_device_mesh
 
-import train_scaling as scaling  # benchmarks/train_scaling.py, beside this file
 from logitstore.data import SAMPLE_CORPUS
 from logitstore.pipelines.build import BuildConfig, run_build
 from logitstore.pipelines.engines.torch_engine import load_teacher_once
@@ -52,8 +52,10 @@ def small_store(tmp: Path, *, tokens: int) -> str:
             break
     (tmp / "data.jsonl").write_text("\n".join(lines) + "\n")
     uri = str(tmp / "store")
-    run_build(BuildConfig(store=uri, data=str(tmp / "data.jsonl"), id_column="id", max_length=512, progress=False),
-              log=lambda _: None)
+    run_build(
+        BuildConfig(store=uri, data=str(tmp / "data.jsonl"), id_column="id", max_length=512, progress=False),
+        log=lambda _: None,
+    )
     return uri
 
 
@@ -64,8 +66,9 @@ def run_steps(model, optimizer, batches, *, teacher_model=None) -> float:
         start = time.perf_counter()
         if teacher_model is not None:
             with torch.inference_mode():  # the online baseline: the teacher runs every step
-                teacher_model(input_ids=batch.input_ids, position_ids=batch.position_ids,
-                              attention_mask=batch.block_causal_mask())
+                teacher_model(
+                    input_ids=batch.input_ids, position_ids=batch.position_ids, attention_mask=batch.block_causal_mask()
+                )
         optimizer.zero_grad(set_to_none=True)
         loss, _ = batch_loss(student_outputs(model, batch, "cpu"), batch, LossConfig(), device="cpu")
         loss.backward()
@@ -105,8 +108,16 @@ def main() -> None:
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
         def stream():
-            return store_stream(view, teacher=teacher, seq_len=args.seq_len, micro_batch=args.micro_batch, rank=0,
-                                world_size=1, seed=0, eval_fraction=0.05)
+            return store_stream(
+                view,
+                teacher=teacher,
+                seq_len=args.seq_len,
+                micro_batch=args.micro_batch,
+                rank=0,
+                world_size=1,
+                seed=0,
+                eval_fraction=0.05,
+            )
 
         s = stream()
         it = iter(s)
@@ -125,7 +136,9 @@ def main() -> None:
     dist.destroy_process_group()
     tokens = args.seq_len * args.micro_batch
     print(f"student {args.student}, {tokens} tokens per step, {args.steps} steps each, CPU")
-    print(f"store  (streamed)  : {store_s * 1000:8.1f} ms/step  {tokens / store_s:8,.0f} tokens/s  (waited {wait:.2f} s on data in all)")
+    print(
+        f"store  (streamed)  : {store_s * 1000:8.1f} ms/step  {tokens / store_s:8,.0f} tokens/s  (waited {wait:.2f} s on data in all)"
+    )
     print(f"memory (no I/O)    : {memory_s * 1000:8.1f} ms/step  {tokens / memory_s:8,.0f} tokens/s")
     print(f"online (teacher)   : {online_s * 1000:8.1f} ms/step  {tokens / online_s:8,.0f} tokens/s")
     print(f"data-wait overhead : {store_s / memory_s - 1:+.1%} (target < 2%)")

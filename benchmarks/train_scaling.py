@@ -49,15 +49,28 @@ def main() -> None:
 def _write_store(uri: str) -> None:
     import stream as stream_benchmark  # benchmarks/stream.py: its synthetic teacher and writer
 
-    args = SimpleNamespace(vocab=VOCAB, mode="sampled", k=16, seed=0, tokens=200_000, sample_len=1024,
-                           part_tokens=16_384, commit_every=8)
+    args = SimpleNamespace(
+        vocab=VOCAB, mode="sampled", k=16, seed=0, tokens=200_000, sample_len=1024, part_tokens=16_384, commit_every=8
+    )
     stream_benchmark.write_store(uri, args, log=lambda _: None)
 
 
 def _run(what: str, *, store: str, steps: int) -> dict:
     started = time.perf_counter()
-    out = subprocess.run([sys.executable, str(Path(__file__).parent / "train.py"), "--measure", what, "--store", store,
-                          "--steps", str(steps)], capture_output=True, text=True)
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(Path(__file__).parent / "train.py"),
+            "--measure",
+            what,
+            "--store",
+            store,
+            "--steps",
+            str(steps),
+        ],
+        capture_output=True,
+        text=True,
+    )
     if out.returncode != 0:  # the replaced path at 8192 may not fit in memory: that is a result too
         print(f"  {what}: failed (exit {out.returncode}): {out.stderr.strip().splitlines()[-1:]}", file=sys.stderr)
         path, seq = what.split(":")
@@ -96,8 +109,9 @@ def _measure_steps(path: str, *, seq_len: int, store: str, steps: int) -> dict:
     model = shard(model, mesh=init_device_mesh("cpu", (1,)), offload_optimizer=False, cuda=False)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     micro_batch = TOKENS_PER_STEP // seq_len
-    stream = store_stream(view, teacher=None, seq_len=seq_len, micro_batch=micro_batch, rank=0, world_size=1, seed=0,
-                          eval_fraction=0.0)
+    stream = store_stream(
+        view, teacher=None, seq_len=seq_len, micro_batch=micro_batch, rank=0, world_size=1, seed=0, eval_fraction=0.0
+    )
     batches = iter(stream)
     cfg = LossConfig()
     times = []
@@ -116,8 +130,15 @@ def _measure_steps(path: str, *, seq_len: int, store: str, steps: int) -> dict:
     stream.close()
     dist.destroy_process_group()
     seconds = sum(times) / len(times)
-    return {"path": path, "seq_len": seq_len, "micro_batch": micro_batch, "seconds_per_step": seconds,
-            "tokens_per_second": TOKENS_PER_STEP / seconds, "peak_rss_bytes": _peak_rss(), "loss": float(loss)}
+    return {
+        "path": path,
+        "seq_len": seq_len,
+        "micro_batch": micro_batch,
+        "seconds_per_step": seconds,
+        "tokens_per_second": TOKENS_PER_STEP / seconds,
+        "peak_rss_bytes": _peak_rss(),
+        "loss": float(loss),
+    }
 
 
 def _old_loss(model, batch, cfg):
@@ -140,10 +161,15 @@ def _measure_loss(path: str) -> dict:
     P, d, per = TOKENS_PER_STEP, 256, 12
     hidden = torch.randn(P, d, requires_grad=True)
     weight = (torch.randn(VOCAB, d) * 0.02).requires_grad_()
-    targets = SparseTargets(entry_ids=torch.randint(0, VOCAB, (P * per,)),
-                            entry_logprobs=torch.full((P * per,), -3.0), entry_pos=torch.arange(P).repeat_interleave(per),
-                            tail=torch.full((P,), 0.1), target_ids=torch.randint(0, VOCAB, (P,)),
-                            target_logprobs=torch.full((P,), -2.0), entry_counts=torch.ones(P * per))
+    targets = SparseTargets(
+        entry_ids=torch.randint(0, VOCAB, (P * per,)),
+        entry_logprobs=torch.full((P * per,), -3.0),
+        entry_pos=torch.arange(P).repeat_interleave(per),
+        tail=torch.full((P,), 0.1),
+        target_ids=torch.randint(0, VOCAB, (P,)),
+        target_logprobs=torch.full((P,), -2.0),
+        entry_counts=torch.ones(P * per),
+    )
     before = _current_rss()
     start = time.perf_counter()
     if path == "new":
@@ -151,8 +177,13 @@ def _measure_loss(path: str) -> dict:
     else:
         loss, _ = distill_loss((hidden @ weight.T).float(), targets, LossConfig())
     loss.backward()
-    return {"path": path, "positions": P, "vocab": VOCAB, "seconds": time.perf_counter() - start,
-            "loss_peak_bytes": _peak_rss() - before}
+    return {
+        "path": path,
+        "positions": P,
+        "vocab": VOCAB,
+        "seconds": time.perf_counter() - start,
+        "loss_peak_bytes": _peak_rss() - before,
+    }
 
 
 def _peak_rss() -> int:
@@ -167,17 +198,22 @@ def _current_rss() -> int:
 def _summarise(rows: list[dict], loss: list[dict]) -> dict:
     by = {(r["path"], r["seq_len"]): r for r in rows}
     gib = lambda b: f"{b / 2**30:.2f} GiB"
-    lines = [f"`{STUDENT}` (vocab {VOCAB:,}), {TOKENS_PER_STEP:,} tokens per step, CPU, "
-             f"{time.strftime('%Y-%m-%d')}", "",
-             "| seq_len | micro-batch | new tokens/s | new peak RSS | old tokens/s | old peak RSS |",
-             "|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        f"`{STUDENT}` (vocab {VOCAB:,}), {TOKENS_PER_STEP:,} tokens per step, CPU, {time.strftime('%Y-%m-%d')}",
+        "",
+        "| seq_len | micro-batch | new tokens/s | new peak RSS | old tokens/s | old peak RSS |",
+        "|---:|---:|---:|---:|---:|---:|",
+    ]
     cell = lambda r, key, fmt: "failed (" + r["failed"] + ")" if "failed" in r else fmt(r[key])
     for seq in SEQ_LENS:
         new, old = by[("new", seq)], by[("old", seq)]
-        lines.append(f"| {seq} | {TOKENS_PER_STEP // seq} | {cell(new, 'tokens_per_second', '{:,.0f}'.format)} "
-                     f"| {cell(new, 'peak_rss_bytes', gib)} | {cell(old, 'tokens_per_second', '{:,.0f}'.format)} "
-                     f"| {cell(old, 'peak_rss_bytes', gib)} |")
+        lines.append(
+            f"| {seq} | {TOKENS_PER_STEP // seq} | {cell(new, 'tokens_per_second', '{:,.0f}'.format)} "
+            f"| {cell(new, 'peak_rss_bytes', gib)} | {cell(old, 'tokens_per_second', '{:,.0f}'.format)} "
+            f"| {cell(old, 'peak_rss_bytes', gib)} |"
+        )
     new_loss, old_loss = (next(r for r in loss if r["path"] == p) for p in ("new", "old"))
+
     def ratio(a, b, key):
         return None if "failed" in a or "failed" in b else a[key] / max(b[key], 1)
 
@@ -188,15 +224,25 @@ def _summarise(rows: list[dict], loss: list[dict]) -> dict:
         "old_memory_8192_over_512": ratio(by[("old", 8192)], by[("old", 512)], "peak_rss_bytes"),
         "new_over_old_speed_8192": ratio(by[("new", 8192)], by[("old", 8192)], "tokens_per_second"),
     }
-    lines += ["", f"loss alone (P = {TOKENS_PER_STEP:,}, d = 256): chunked {cell(new_loss, 'loss_peak_bytes', gib)}, "
-              f"full logits {cell(old_loss, 'loss_peak_bytes', gib)} (peak RSS over the RSS before the call)", ""]
+    lines += [
+        "",
+        f"loss alone (P = {TOKENS_PER_STEP:,}, d = 256): chunked {cell(new_loss, 'loss_peak_bytes', gib)}, "
+        f"full logits {cell(old_loss, 'loss_peak_bytes', gib)} (peak RSS over the RSS before the call)",
+        "",
+    ]
     for key, value in ratios.items():
         if value is None:
             lines.append(f"- {key}: not measured (a run failed)")
             continue
         target = TARGETS.get(key)
-        verdict = "" if target is None else (" (target <= {:.3g}: {})".format(target, "met" if value <= target else "MISSED")
-                                             if key != "speed_8192_over_512" else
-                                             " (target >= {:.3g}: {})".format(target, "met" if value >= target else "MISSED"))
+        verdict = (
+            ""
+            if target is None
+            else (
+                " (target <= {:.3g}: {})".format(target, "met" if value <= target else "MISSED")
+                if key != "speed_8192_over_512"
+                else " (target >= {:.3g}: {})".format(target, "met" if value >= target else "MISSED")
+            )
+        )
         lines.append(f"- {key}: {value:.3f}{verdict}")
     return {"rows": rows, "loss": loss, "ratios": ratios, "targets": TARGETS, "table": "\n".join(lines)}

@@ -16,6 +16,7 @@ Heavy modules (torch, the trainer) load on first use, so `import logitstore` sta
 
 from __future__ import annotations
 
+
 def open(uri: str, version: str | None = None):  # noqa: A001 - the API reads as logitstore.open
     """A read-only view of one version (a tag, a branch, a snapshot id; default: the tip of main)."""
     from logitstore.store import Store
@@ -23,10 +24,22 @@ def open(uri: str, version: str | None = None):  # noqa: A001 - the API reads as
     return Store.open(uri).read(version)
 
 
-def stream(view, *, seq_len: int, micro_batch: int, seed: int = 0, rank: int | None = None,
-           world_size: int | None = None, teacher: str | None = None, split: str = "train",
-           memory_budget: int | str | None = None, eval_fraction: float = 0.05, on_error: str = "raise",
-           prefetch: int = 4, train_on: str = "completion"):
+def stream(
+    view,
+    *,
+    seq_len: int,
+    micro_batch: int,
+    seed: int = 0,
+    rank: int | None = None,
+    world_size: int | None = None,
+    teacher: str | None = None,
+    split: str = "train",
+    memory_budget: int | str | None = None,
+    eval_fraction: float = 0.05,
+    on_error: str = "raise",
+    prefetch: int = 4,
+    train_on: str = "completion",
+):
     """Packed micro-batches of `seq_len` tokens from a version: an iterable of `PackedBatch` with
     `state_dict()`, `load_state_dict()` and `close()` (also a context manager). `rank` and `world_size`
     default to `torch.distributed`'s when it is initialised, else 0 and 1. `memory_budget` (bytes, or
@@ -36,9 +49,21 @@ def stream(view, *, seq_len: int, micro_batch: int, seed: int = 0, rank: int | N
     from logitstore.trainer.stream import store_stream
 
     rank, world_size = _rank_and_world(rank, world_size)
-    return store_stream(view, teacher=teacher, seq_len=seq_len, micro_batch=micro_batch, rank=rank,
-                        world_size=world_size, seed=seed, split=split, eval_fraction=eval_fraction, prefetch=prefetch,
-                        on_error=on_error, memory_budget=memory_budget, train_on=train_on)
+    return store_stream(
+        view,
+        teacher=teacher,
+        seq_len=seq_len,
+        micro_batch=micro_batch,
+        rank=rank,
+        world_size=world_size,
+        seed=seed,
+        split=split,
+        eval_fraction=eval_fraction,
+        prefetch=prefetch,
+        on_error=on_error,
+        memory_budget=memory_budget,
+        train_on=train_on,
+    )
 
 
 def torch_dataset(view, **stream_options):

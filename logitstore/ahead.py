@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import queue
 import threading
-from typing import Iterable, Iterator, TypeVar
+from collections.abc import Iterable, Iterator
+from typing import TypeVar
 
 T = TypeVar("T")
 _POLL_SECONDS = 0.1  # how soon a blocked producer notices that the consumer left

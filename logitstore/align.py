@@ -83,7 +83,9 @@ __all__ = ["align_groups", "encode_with_byte_ends", "token_byte_strings", "vocab
 # Tokenization with byte ends
 
 
-def encode_with_byte_ends(tokenizer, texts: list[str], *, add_special_tokens: bool = True) -> list[tuple[np.ndarray, np.ndarray]]:
+def encode_with_byte_ends(
+    tokenizer, texts: list[str], *, add_special_tokens: bool = True
+) -> list[tuple[np.ndarray, np.ndarray]]:
     """Token ids and byte ends per text, from one batched tokenizer call.
 
     The ids are exactly what `tokenizer(texts)["input_ids"]` gives (special tokens included), so they
@@ -110,7 +112,7 @@ def encode_with_byte_ends(tokenizer, texts: list[str], *, add_special_tokens: bo
     np.cumsum(width, out=byte_at[1:])
     char_base = np.zeros(len(texts) + 1, dtype=np.int64)
     np.cumsum([len(t) for t in texts], out=char_base[1:])
-    byte_base = byte_at[char_base]                      # [texts + 1]
+    byte_base = byte_at[char_base]  # [texts + 1]
 
     text_of = np.repeat(np.arange(len(texts)), counts)
     start = byte_at[char_base[text_of] + offsets[:, 0]]
@@ -124,12 +126,12 @@ def encode_with_byte_ends(tokenizer, texts: list[str], *, add_special_tokens: bo
     ends = np.maximum.accumulate(end) if n else end
     ends[last] = byte_base[1:][has]
     # A token that starts before the previous one ends shares a character with it: no cut between them.
-    split = np.zeros(n, dtype=bool)                     # split[j]: boundary before token j is inside a character
+    split = np.zeros(n, dtype=bool)  # split[j]: boundary before token j is inside a character
     if n > 1:
         split[1:] = (start[1:] < end[1:]) & (start[1:] < ends[:-1])
         split[first[:-1][has]] = False
     if split.any():
-        clean = np.flatnonzero(~np.append(split[1:], False))   # tokens after which a cut is allowed
+        clean = np.flatnonzero(~np.append(split[1:], False))  # tokens after which a cut is allowed
         ends = ends[clean[np.searchsorted(clean, np.arange(n))]]
     ends -= byte_base[text_of]
     cut = first[1:-1]
@@ -222,8 +224,10 @@ def window_groups(groups: np.ndarray, *, t_start: int, t_stop: int) -> tuple[np.
         raise ValueError(f"window_groups: t_stop {t_stop} < t_start {t_start}")
     # t0 and t1 are non-decreasing, so the kept groups are one run found by two binary searches.
     lo = int(np.searchsorted(groups[:, 0], t_start, side="left"))
-    hi = min(int(np.searchsorted(groups[:, 1], t_stop, side="right")),
-             int(np.searchsorted(groups[:, 0], t_stop, side="left")))
+    hi = min(
+        int(np.searchsorted(groups[:, 1], t_stop, side="right")),
+        int(np.searchsorted(groups[:, 0], t_stop, side="left")),
+    )
     if hi <= lo:
         s = int(groups[lo, 2]) if lo < len(groups) else (int(groups[-1, 3]) if len(groups) else 0)
         return np.zeros((0, 4), dtype=np.int32), s, s
@@ -259,8 +263,9 @@ def _byte_level_bytes(piece: str) -> bytes:
     try:
         return piece.translate(_UNICODE_TO_BYTE).encode("latin-1")
     except UnicodeEncodeError:  # a character outside the byte alphabet: it stands for itself
-        return b"".join(bytes([_UNICODE_TO_BYTE[ord(ch)]]) if ord(ch) in _UNICODE_TO_BYTE else ch.encode("utf-8")
-                        for ch in piece)
+        return b"".join(
+            bytes([_UNICODE_TO_BYTE[ord(ch)]]) if ord(ch) in _UNICODE_TO_BYTE else ch.encode("utf-8") for ch in piece
+        )
 
 
 def _components(node):
@@ -280,8 +285,12 @@ def _family(spec: dict) -> dict:
     model = spec.get("model") or {}
     parts = [c for key in ("pre_tokenizer", "decoder", "normalizer") for c in _components(spec.get(key))]
     types = {c["type"] for c in parts}
-    fam = {"byte_level": "ByteLevel" in types, "space": None, "byte_fallback": bool(model.get("byte_fallback")),
-           "prefix": ""}
+    fam = {
+        "byte_level": "ByteLevel" in types,
+        "space": None,
+        "byte_fallback": bool(model.get("byte_fallback")),
+        "prefix": "",
+    }
     fam["byte_fallback"] |= "ByteFallback" in types
     for c in parts:
         if c["type"] == "Metaspace":
@@ -332,7 +341,7 @@ def token_byte_strings(tokenizer) -> list[bytes | None]:
             out.append(bytes([int(m.group(1), 16)]))
             continue
         if prefix and piece.startswith(prefix) and len(piece) > len(prefix):
-            piece = piece[len(prefix):]
+            piece = piece[len(prefix) :]
         if byte_level:
             out.append(_byte_level_bytes(piece))
             continue
@@ -352,7 +361,9 @@ def vocab_map(teacher_tokenizer, student_tokenizer, *, teacher_vocab_size: int) 
     teacher = token_byte_strings(teacher_tokenizer)
     student = token_byte_strings(student_tokenizer)
     if len(teacher) > teacher_vocab_size:
-        raise TokenizerError(f"teacher tokenizer has {len(teacher)} tokens, more than teacher_vocab_size={teacher_vocab_size}")
+        raise TokenizerError(
+            f"teacher tokenizer has {len(teacher)} tokens, more than teacher_vocab_size={teacher_vocab_size}"
+        )
     lowest: dict[bytes, int] = {}
     for sid, b in enumerate(student):
         if b:

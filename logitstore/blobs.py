@@ -16,8 +16,9 @@ import os
 import tempfile
 import threading
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING
 
 from logitstore.errors import StorageError
 
@@ -62,7 +63,9 @@ class LocalBlobs(BlobStore):
                     f.write(data)
                     f.flush()
                     os.fsync(f.fileno())
-                os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; other readers of a shared store need the usual mode
+                os.chmod(
+                    tmp, 0o666 & ~_umask()
+                )  # mkstemp makes 0600; other readers of a shared store need the usual mode
                 os.replace(tmp, target)
             except BaseException:
                 Path(tmp).unlink(missing_ok=True)
@@ -137,8 +140,15 @@ class MemoryBlobs(BlobStore):
 class S3Blobs(BlobStore):
     """S3 through boto3: a single PUT is atomic on S3, so no temp-and-rename is needed."""
 
-    def __init__(self, *, bucket: str, prefix: str, endpoint_url: str | None, region: str | None,
-                 limits: StorageLimits | None = None):
+    def __init__(
+        self,
+        *,
+        bucket: str,
+        prefix: str,
+        endpoint_url: str | None,
+        region: str | None,
+        limits: StorageLimits | None = None,
+    ):
         import boto3
 
         from logitstore.location import StorageLimits
@@ -153,16 +163,20 @@ class S3Blobs(BlobStore):
         return f"{self.prefix}/{key}" if self.prefix else key
 
     def put(self, key: str, data: bytes) -> None:
-        self._call(lambda: self._client.put_object(Bucket=self.bucket, Key=self._key(key), Body=data),
-                   what=f"writing s3://{self.bucket}/{self._key(key)}")
+        self._call(
+            lambda: self._client.put_object(Bucket=self.bucket, Key=self._key(key), Body=data),
+            what=f"writing s3://{self.bucket}/{self._key(key)}",
+        )
 
     def get(self, key: str) -> bytes:
         from botocore.exceptions import ClientError
 
         try:
             # the body is read inside the mapping too: a connection lost mid-body is an outage as well
-            return self._call(lambda: self._client.get_object(Bucket=self.bucket, Key=self._key(key))["Body"].read(),
-                              what=f"reading s3://{self.bucket}/{self._key(key)}")
+            return self._call(
+                lambda: self._client.get_object(Bucket=self.bucket, Key=self._key(key))["Body"].read(),
+                what=f"reading s3://{self.bucket}/{self._key(key)}",
+            )
         except ClientError:  # only a missing key gets past `_call`
             raise KeyError(key) from None
 
@@ -177,8 +191,10 @@ class S3Blobs(BlobStore):
         paginator = self._client.get_paginator("list_objects_v2")
         keys = []
         strip = len(self.prefix) + 1 if self.prefix else 0
-        pages = self._call(lambda: list(paginator.paginate(Bucket=self.bucket, Prefix=self._key(prefix))),
-                           what=f"listing s3://{self.bucket}/{self._key(prefix)}")
+        pages = self._call(
+            lambda: list(paginator.paginate(Bucket=self.bucket, Prefix=self._key(prefix))),
+            what=f"listing s3://{self.bucket}/{self._key(prefix)}",
+        )
         for page in pages:
             keys.extend(obj["Key"][strip:] for obj in page.get("Contents", []))
         return sorted(keys)

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import asyncio
 import re
-from typing import Any, AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from typing import Any
 
 import icechunk
 from zarr.abc.store import ByteRequest, Store
@@ -31,7 +32,6 @@ from zarr.storage import WrapperStore
 
 from logitstore.errors import DamagedDataError, LogitstoreError, StorageError
 from logitstore.location import StorageLimits
-
 
 # How a panic in Icechunk's Rust code reaches Python: PyO3's `PanicException` (a `BaseException`) from a
 # blocking call, `RustPanic` from an awaited one. Neither can be imported (each extension has its own).
@@ -65,16 +65,25 @@ def icechunk_failure(what: str, e: BaseException) -> LogitstoreError:
 # to reach it; collected by damaging snapshot files (flipped bytes, cut short, replaced). Icechunk
 # cannot open a repository whose main ref is damaged, whatever version is asked for, and its snapshot
 # files carry no checksum: about 1 flipped byte in 10 went unnoticed in that experiment.
-DAMAGE_SIGNS = ("Invalid Icechunk metadata file", "cannot serialize ref json", "error during metadata file deserialization",
-                "invalid magic numbers in file", "Data corruption detected", "incomplete frame", "early eof")
+DAMAGE_SIGNS = (
+    "Invalid Icechunk metadata file",
+    "cannot serialize ref json",
+    "error during metadata file deserialization",
+    "invalid magic numbers in file",
+    "Data corruption detected",
+    "incomplete frame",
+    "early eof",
+)
 
 
 async def _within(awaitable: Awaitable, *, where: str, what: str, limits: StorageLimits, map_icechunk: bool):
     try:
         return await asyncio.wait_for(awaitable, limits.deadline_s)
     except TimeoutError:
-        raise StorageError(f"{where}: no answer from storage within {limits.deadline_s:g} s ({what}); "
-                           f"the endpoint stalls or is unreachable ({limits.describe()})") from None
+        raise StorageError(
+            f"{where}: no answer from storage within {limits.deadline_s:g} s ({what}); "
+            f"the endpoint stalls or is unreachable ({limits.describe()})"
+        ) from None
     except icechunk.IcechunkError as e:
         if not map_icechunk:
             raise
@@ -140,8 +149,9 @@ class BoundedStore(WrapperStore):
     async def get(self, key: str, prototype: BufferPrototype, byte_range: ByteRequest | None = None) -> Buffer | None:
         return await self._call(f"reading {key}", self._store.get(key, prototype, byte_range))
 
-    async def get_partial_values(self, prototype: BufferPrototype,
-                                 key_ranges: Iterable[tuple[str, ByteRequest | None]]) -> list[Buffer | None]:
+    async def get_partial_values(
+        self, prototype: BufferPrototype, key_ranges: Iterable[tuple[str, ByteRequest | None]]
+    ) -> list[Buffer | None]:
         key_ranges = list(key_ranges)
         keys = sorted({key for key, _ in key_ranges})
         what = f"reading {', '.join(keys[:2])}{' and more' if len(keys) > 2 else ''}"
@@ -222,8 +232,9 @@ class _Bounded:
             return value
 
         def call(*args, **kwargs):
-            result = run(lambda: getattr(self._target, twin)(*args, **kwargs), where=self.where, what=name,
-                         limits=self.limits)
+            result = run(
+                lambda: getattr(self._target, twin)(*args, **kwargs), where=self.where, what=name, limits=self.limits
+            )
             return self._wrap(result)
 
         return call
@@ -264,11 +275,17 @@ def _rebuild(cls, target, where: str, limits: StorageLimits):
 
 
 def repository_exists(storage: icechunk.Storage, *, where: str, limits: StorageLimits | None = None) -> bool:
-    return run(lambda: icechunk.Repository.exists_async(storage), where=where, what="opening",
-               limits=limits or StorageLimits.from_env())
+    return run(
+        lambda: icechunk.Repository.exists_async(storage),
+        where=where,
+        what="opening",
+        limits=limits or StorageLimits.from_env(),
+    )
 
 
-def create_repository(storage: icechunk.Storage, *, where: str, limits: StorageLimits | None = None) -> BoundedRepository:
+def create_repository(
+    storage: icechunk.Storage, *, where: str, limits: StorageLimits | None = None
+) -> BoundedRepository:
     limits = limits or StorageLimits.from_env()
     repo = run(lambda: icechunk.Repository.create_async(storage), where=where, what="creating", limits=limits)
     # reopen (no request), not create(config=...): that would store these per-process settings in the repository
@@ -277,6 +294,10 @@ def create_repository(storage: icechunk.Storage, *, where: str, limits: StorageL
 
 def open_repository(storage: icechunk.Storage, *, where: str, limits: StorageLimits | None = None) -> BoundedRepository:
     limits = limits or StorageLimits.from_env()
-    repo = run(lambda: icechunk.Repository.open_async(storage, config=limits.icechunk_config()), where=where,
-               what="opening", limits=limits)
+    repo = run(
+        lambda: icechunk.Repository.open_async(storage, config=limits.icechunk_config()),
+        where=where,
+        what="opening",
+        limits=limits,
+    )
     return BoundedRepository(repo, where=where, limits=limits)

@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass
 import numba
 import numpy as np
 
-from logitstore.samples import SparseSamples, _offsets
+from logitstore.samples import SparseSamples, row_offsets
 
 CODEC_NAME = "logitstore.sparse"
 CODEC_VERSION = 1
@@ -199,9 +199,17 @@ def encode(samples: SparseSamples, *, params: CodecParams, code_of_id: np.ndarra
         keys = np.empty(n, dtype=np.uint64)
         no_counts = np.zeros(0, dtype=np.int64)
         duplicate = _encode_entries_kernel(
-            np.asarray(samples.entry_ids), np.asarray(code_of_id), samples.entry_offsets,
-            np.asarray(samples.entry_logprobs), no_counts if counts is None else np.asarray(samples.entry_counts),
-            keys, deltas, logprobs, no_counts.astype(np.uint16) if counts is None else counts, *_grid(params))
+            np.asarray(samples.entry_ids),
+            np.asarray(code_of_id),
+            samples.entry_offsets,
+            np.asarray(samples.entry_logprobs),
+            no_counts if counts is None else np.asarray(samples.entry_counts),
+            keys,
+            deltas,
+            logprobs,
+            no_counts.astype(np.uint16) if counts is None else counts,
+            *_grid(params),
+        )
         if duplicate >= 0:
             _duplicate_error(samples, duplicate)
     return EncodedSamples(
@@ -229,7 +237,7 @@ def _duplicate_error(samples: SparseSamples, entry: int) -> None:
 def decode(enc: EncodedSamples, *, params: CodecParams, id_of_code: np.ndarray, n_tokens: np.ndarray) -> SparseSamples:
     """Inverse of `encode` (up to the quantization bound). Sample ids are left empty for the caller."""
     n_entries = enc.n_entries.astype(np.int64)
-    entry_ids = undelta_codes_to_ids(enc.entry_codes, _offsets(n_entries), id_of_code)
+    entry_ids = undelta_codes_to_ids(enc.entry_codes, row_offsets(n_entries), id_of_code)
     with np.errstate(over="ignore"):
         tail = np.exp(dequantize(enc.tail, params=params))
     return SparseSamples(
@@ -253,8 +261,21 @@ _INSERTION_SORT_MAX = 64
 
 
 @numba.njit(cache=True, nogil=True)
-def _encode_entries_kernel(entry_ids, code_of_id, offsets, logprobs, counts, keys, deltas, q_out, counts_out,
-                           fine_step, coarse_step, split, fine_levels):
+def _encode_entries_kernel(
+    entry_ids,
+    code_of_id,
+    offsets,
+    logprobs,
+    counts,
+    keys,
+    deltas,
+    q_out,
+    counts_out,
+    fine_step,
+    coarse_step,
+    split,
+    fine_levels,
+):
     # Per position, one pass: codes, ordered by code, first code absolute and the rest as gaps, the
     # log-probabilities (quantized) and counts in that order. Sorting keys of (code << 32 | entry)
     # sorts by code, then by input order among equal codes, so the order is that of a stable sort.

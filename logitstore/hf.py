@@ -57,22 +57,45 @@ class StoreDistillation:
     """What `DistillationTrainer` and `DistillationSFTTrainer` add to their Trainer: the store's stream as
     the training data and logitstore's loss; mixed in before the Trainer class."""
 
-    def __init__(self, model, args, *, store: str | None = None, version: str | None = None, seq_len: int = 1024,
-                 loss: str | LossConfig = "forward_kl", teacher: str | None = None, eval_fraction: float = 0.05,
-                 memory_budget: int | str | None = None, train_on: str = "completion", live: LiveConfig | None = None,
-                 **trainer_kwargs):
+    def __init__(
+        self,
+        model,
+        args,
+        *,
+        store: str | None = None,
+        version: str | None = None,
+        seq_len: int = 1024,
+        loss: str | LossConfig = "forward_kl",
+        teacher: str | None = None,
+        eval_fraction: float = 0.05,
+        memory_budget: int | str | None = None,
+        train_on: str = "completion",
+        live: LiveConfig | None = None,
+        **trainer_kwargs,
+    ):
         if args.max_steps is None or args.max_steps <= 0:
             raise LogitstoreError("DistillationTrainer needs TrainingArguments(max_steps=N): the stream is endless")
         if (store is None) == (live is None):
-            raise LogitstoreError("DistillationTrainer needs a store (store=URI) or a live teacher (live=LiveConfig), "
-                                  "not both")
+            raise LogitstoreError(
+                "DistillationTrainer needs a store (store=URI) or a live teacher (live=LiveConfig), not both"
+            )
         self.loss_config = loss if isinstance(loss, LossConfig) else LossConfig(kind=loss)
         if live is not None:
-            self.signal = LiveData(live, seq_len=seq_len, eval_fraction=eval_fraction,
-                                   micro_batch=max(args.per_device_train_batch_size, args.per_device_eval_batch_size))
+            self.signal = LiveData(
+                live,
+                seq_len=seq_len,
+                eval_fraction=eval_fraction,
+                micro_batch=max(args.per_device_train_batch_size, args.per_device_eval_batch_size),
+            )
         else:
-            self.signal = StoreData(logitstore.open(store, version), seq_len=seq_len, teacher=teacher,
-                                    eval_fraction=eval_fraction, memory_budget=memory_budget, train_on=train_on)
+            self.signal = StoreData(
+                logitstore.open(store, version),
+                seq_len=seq_len,
+                teacher=teacher,
+                eval_fraction=eval_fraction,
+                memory_budget=memory_budget,
+                train_on=train_on,
+            )
         register_attention()
         model.config._attn_implementation = ATTENTION  # packed rows: segments attend within themselves
         self._parts: dict[str, list[float]] = {}
@@ -105,8 +128,9 @@ class StoreDistillation:
     def get_train_dataloader(self):
         """The store's stream, one packed micro-batch per item. Not passed through accelerate: the stream
         shards by rank itself, and its batches are whole (a `PackedBatch` is no dict of tensors)."""
-        self.stream = self.signal.stream(micro_batch=self.args.per_device_train_batch_size, seed=self.args.seed,
-                                         split="train", args=self.args)
+        self.stream = self.signal.stream(
+            micro_batch=self.args.per_device_train_batch_size, seed=self.args.seed, split="train", args=self.args
+        )
         if self._resume_state is not None:
             self.stream.load_state_dict(self._resume_state)
         self._batches = _Batches(self.stream, steps=self.args.max_steps * self.args.gradient_accumulation_steps)
@@ -116,15 +140,18 @@ class StoreDistillation:
         """Trainer's checkpoint plus the stream's position after the step's last batch. The position is
         global (the same on every rank), so the main process writes it."""
         if self.args.should_save and self._batches is not None and self._batches.data_state is not None:
-            folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+            folder = os.path.join(
+                self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+            )
             os.makedirs(folder, exist_ok=True)
             _write_atomically(os.path.join(folder, STREAM_STATE), json.dumps(self._batches.data_state))
         super()._save_checkpoint(model, trial)
 
     def compute_loss(self, model, inputs, return_outputs: bool = False, num_items_in_batch=None):
         batch = inputs["packed"]
-        loss, parts = batch_loss(student_outputs(model, batch, self.args.device), batch, self.loss_config,
-                                 device=self.args.device)
+        loss, parts = batch_loss(
+            student_outputs(model, batch, self.args.device), batch, self.loss_config, device=self.args.device
+        )
         for key in ("kd", "ce"):
             self._parts.setdefault(key, []).append(parts[key])
         return (loss, None) if return_outputs else loss
@@ -136,8 +163,9 @@ class StoreDistillation:
         model = self.model
         was_training = model.training
         model.eval()
-        with self.signal.stream(micro_batch=self.args.per_device_eval_batch_size, seed=self.args.seed, split="eval",
-                                args=self.args) as batches:
+        with self.signal.stream(
+            micro_batch=self.args.per_device_eval_batch_size, seed=self.args.seed, split="eval", args=self.args
+        ) as batches:
             measured = held_out_metrics(model, batches, self.loss_config, device=self.args.device)
         model.train(was_training)
         metrics = {f"{metric_key_prefix}_{key.removeprefix('eval_')}": value for key, value in measured.items()}
@@ -179,9 +207,17 @@ class LiveData:
     def stream(self, *, micro_batch: int, seed: int, split: str, args):
         if self.client is None:  # slots sized for the larger of the train and eval micro-batches
             self.client = LiveTeacher(self.live, micro_batch=self.micro_batch, seq_len=self.seq_len)
-        return live_stream(self.samples, self.client, seq_len=self.seq_len, micro_batch=micro_batch,
-                           rank=args.process_index, world_size=args.world_size, seed=seed, split=split,
-                           eval_fraction=self.eval_fraction)
+        return live_stream(
+            self.samples,
+            self.client,
+            seq_len=self.seq_len,
+            micro_batch=micro_batch,
+            rank=args.process_index,
+            world_size=args.world_size,
+            seed=seed,
+            split=split,
+            eval_fraction=self.eval_fraction,
+        )
 
     def close(self) -> None:
         if self.client is not None:
@@ -208,8 +244,10 @@ STREAM_STATE = "logitstore_stream.json"
 def _read_stream_state(checkpoint: str) -> dict:
     path = os.path.join(checkpoint, STREAM_STATE)
     if not os.path.isfile(path):
-        raise LogitstoreError(f"{checkpoint} has no {STREAM_STATE}: it was not written by a logitstore trainer, "
-                              "so the data position to resume from is unknown")
+        raise LogitstoreError(
+            f"{checkpoint} has no {STREAM_STATE}: it was not written by a logitstore trainer, "
+            "so the data position to resume from is unknown"
+        )
     with open(path) as file:
         return json.load(file)
 

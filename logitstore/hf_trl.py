@@ -29,21 +29,39 @@ from logitstore.hf import StoreDistillation
 class DistillationSFTTrainer(StoreDistillation, SFTTrainer):
     """TRL's `SFTTrainer` whose training data and loss come from a logitstore store version."""
 
-    def __init__(self, model, args, *, store: str | None = None, version: str | None = None, processing_class=None,
-                 train_dataset=None, **kwargs):
+    def __init__(
+        self,
+        model,
+        args,
+        *,
+        store: str | None = None,
+        version: str | None = None,
+        processing_class=None,
+        train_dataset=None,
+        **kwargs,
+    ):
         import logitstore
 
         if store is None:
-            raise LogitstoreError("DistillationSFTTrainer reads a store (store=URI); for a live teacher use "
-                                  "logitstore.hf.DistillationTrainer(live=...)")
+            raise LogitstoreError(
+                "DistillationSFTTrainer reads a store (store=URI); for a live teacher use "
+                "logitstore.hf.DistillationTrainer(live=...)"
+            )
         view = logitstore.open(store, version)
         teacher = view.teacher_name(kwargs.get("teacher"))
         if processing_class is None:
             processing_class = _store_tokenizer(view, teacher)
         if train_dataset is None:
             train_dataset = _samples_as_rows(store, view.snapshot_id, teacher)
-        super().__init__(model, args, store=store, version=version, processing_class=processing_class,
-                         train_dataset=train_dataset, **kwargs)
+        super().__init__(
+            model,
+            args,
+            store=store,
+            version=version,
+            processing_class=processing_class,
+            train_dataset=train_dataset,
+            **kwargs,
+        )
 
 
 def _store_tokenizer(view, teacher: str):

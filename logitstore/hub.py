@@ -47,8 +47,10 @@ def local_folder(spec: str, *, flag: str) -> Path:
     except Exception:  # not cached (huggingface_hub raises several types for that); try the network below
         pass
     if _offline():
-        raise HubError(f"{flag} {spec!r}: not in the local Hugging Face cache ({cache or _default_cache()}), "
-                       "and HF_HUB_OFFLINE is set; download it first or give a local folder") from None
+        raise HubError(
+            f"{flag} {spec!r}: not in the local Hugging Face cache ({cache or _default_cache()}), "
+            "and HF_HUB_OFFLINE is set; download it first or give a local folder"
+        ) from None
     try:
         return Path(snapshot_download(repo, revision=revision or None, cache_dir=cache, allow_patterns=_PATTERNS))
     except Exception as e:  # no network, no such repository or revision, no access

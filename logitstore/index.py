@@ -65,15 +65,23 @@ def empty_index() -> pa.Table:
 
 
 def part_rows(
-    *, sample_ids: list[str], teacher: str, part: str, enc: EncodedSamples, n_tokens: np.ndarray,
-    source_hashes: list[str | None] | None = None, students: list[StudentTokens] = (),
+    *,
+    sample_ids: list[str],
+    teacher: str,
+    part: str,
+    enc: EncodedSamples,
+    n_tokens: np.ndarray,
+    source_hashes: list[str | None] | None = None,
+    students: list[StudentTokens] = (),
 ) -> pa.Table:
     """Index rows for one freshly encoded part (its arrays start at row 0). `students` follow the
     order of the teacher's student tokenizers."""
     token_off, position_off, entry_off = encoded_offsets(enc, n_tokens)
     per_student = [(st.n_ids, _offsets(st.n_ids)[:-1], st.n_groups, _offsets(st.n_groups)[:-1]) for st in students]
-    columns = {name: [[int(cols[k][s]) for cols in per_student] for s in range(len(sample_ids))]
-               for k, name in enumerate(STUDENT_COLUMNS)}
+    columns = {
+        name: [[int(cols[k][s]) for cols in per_student] for s in range(len(sample_ids))]
+        for k, name in enumerate(STUDENT_COLUMNS)
+    }
     return pa.table(
         {
             "sample_id": sample_ids,
@@ -120,10 +128,10 @@ def sample_hashes(enc: EncodedSamples, n_tokens: np.ndarray, *, students: list[S
             for a in arrays:
                 h.update(np.ascontiguousarray(a[off[s] : off[s + 1]]))
         for ids, id_off, groups, group_off, mask in student_arrays:
-            h.update(np.ascontiguousarray(ids[id_off[s]:id_off[s + 1]], dtype=np.int32))
-            h.update(np.ascontiguousarray(groups[group_off[s]:group_off[s + 1]], dtype=np.int32))
+            h.update(np.ascontiguousarray(ids[id_off[s] : id_off[s + 1]], dtype=np.int32))
+            h.update(np.ascontiguousarray(groups[group_off[s] : group_off[s + 1]], dtype=np.int32))
             if mask is not None:
-                h.update(np.ascontiguousarray(mask[id_off[s]:id_off[s + 1]], dtype=np.uint8))
+                h.update(np.ascontiguousarray(mask[id_off[s] : id_off[s + 1]], dtype=np.uint8))
         out.append(h.hexdigest())
     return out
 
@@ -167,4 +175,6 @@ def diff_indexes(a: pa.Table, b: pa.Table) -> dict[str, list[dict]]:
     removed = left.join(right, on=key, how="anti").select(key)
     both = left.join(right, on=key, how="inner", suffix="_b")
     changed = both.filter(pl.col("content_hash") != pl.col("content_hash_b")).select(key)
-    return {name: df.sort(key).to_dicts() for name, df in (("added", added), ("removed", removed), ("changed", changed))}
+    return {
+        name: df.sort(key).to_dicts() for name, df in (("added", added), ("removed", removed), ("changed", changed))
+    }

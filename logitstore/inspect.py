@@ -9,8 +9,9 @@ import numpy as np
 from logitstore.store import StoreVersion
 
 
-def sample_as_json(view: StoreVersion, sample_id: str, *, teacher: str | None = None,
-                   student_tokenizer: str | None = None) -> dict:
+def sample_as_json(
+    view: StoreVersion, sample_id: str, *, teacher: str | None = None, student_tokenizer: str | None = None
+) -> dict:
     """`{"sample_id", "input_ids", "loss_mask", "positions": [{"ids", "logprobs", "tail", "target_logprob"}]}`.
 
     Entries of each position are sorted by probability, highest first. Sampled stores add `counts`;
@@ -40,8 +41,13 @@ def sample_as_json(view: StoreVersion, sample_id: str, *, teacher: str | None = 
         positions.append(entry)
     # Chat data: 1 for the completion's tokens (position t is supervised iff token t + 1 is); [] for plain text.
     loss_mask = [] if s.loss_mask is None else s.loss_mask.astype(int).tolist()
-    out = {"sample_id": sample_id, "teacher": teacher, "input_ids": s.input_ids.tolist(), "loss_mask": loss_mask,
-           "positions": positions}
+    out = {
+        "sample_id": sample_id,
+        "teacher": teacher,
+        "input_ids": s.input_ids.tolist(),
+        "loss_mask": loss_mask,
+        "positions": positions,
+    }
     tokenizer = view.tokenizer(teacher)
     if tokenizer is not None:
         # Decoded one by one, so byte-level markers become text (' module', not 'Ġmodule'); a token that is
@@ -63,8 +69,12 @@ def list_samples(view: StoreVersion, *, limit: int | None = None) -> list[dict]:
     """`[{"sample_id", "tokens", "teacher"}]`, one per stored sample and teacher, in index order (the
     order the samples were written); the first `limit` of them."""
     index = view.index if limit is None else view.index.slice(0, limit)
-    return [{"sample_id": sid, "tokens": n, "teacher": t} for sid, n, t in
-            zip(index["sample_id"].to_pylist(), index["n_tokens"].to_pylist(), index["teacher"].to_pylist())]
+    return [
+        {"sample_id": sid, "tokens": n, "teacher": t}
+        for sid, n, t in zip(
+            index["sample_id"].to_pylist(), index["n_tokens"].to_pylist(), index["teacher"].to_pylist()
+        )
+    ]
 
 
 def parse_positions(text: str) -> tuple[int | None, int | None]:

@@ -14,9 +14,9 @@ import math
 import os
 import socket
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 from urllib.parse import unquote, urlparse
 
 import icechunk
@@ -60,8 +60,10 @@ class StorageLimits:
         return self.attempts * self.timeout_s + self.retries * self.backoff_s
 
     def describe(self) -> str:
-        return (f"LOGITSTORE_STORAGE_TIMEOUT={self.timeout_s:g} s, LOGITSTORE_STORAGE_RETRIES={self.retries}, "
-                f"LOGITSTORE_STORAGE_BACKOFF={self.backoff_s:g} s")
+        return (
+            f"LOGITSTORE_STORAGE_TIMEOUT={self.timeout_s:g} s, LOGITSTORE_STORAGE_RETRIES={self.retries}, "
+            f"LOGITSTORE_STORAGE_BACKOFF={self.backoff_s:g} s"
+        )
 
     def icechunk_config(self) -> icechunk.RepositoryConfig:
         retries = icechunk.StorageRetriesSettings(
@@ -75,8 +77,11 @@ class StorageLimits:
         import botocore.config
 
         # botocore's standard mode waits up to 20 s between attempts; it has no setting for that
-        return botocore.config.Config(connect_timeout=self.timeout_s, read_timeout=self.timeout_s,
-                                      retries={"total_max_attempts": self.attempts, "mode": "standard"})
+        return botocore.config.Config(
+            connect_timeout=self.timeout_s,
+            read_timeout=self.timeout_s,
+            retries={"total_max_attempts": self.attempts, "mode": "standard"},
+        )
 
 
 def _env_number(name: str, default: float, *, minimum: float, integer: bool = False) -> float:
@@ -119,7 +124,9 @@ class Location:
         if parsed.scheme == "file":  # a URL: "file:///data/my%20store" is the folder "/data/my store"
             return cls(text, "file", str(Path(unquote(parsed.path)).resolve()))
         if parsed.scheme and len(parsed.scheme) > 1:  # one letter would be a Windows drive
-            raise StorageError(f"{text}: unsupported scheme {parsed.scheme!r} (use a path, file://, s3:// or memory://)")
+            raise StorageError(
+                f"{text}: unsupported scheme {parsed.scheme!r} (use a path, file://, s3:// or memory://)"
+            )
         return cls(text, "file", str(Path(text).expanduser().resolve()))
 
     @property

@@ -62,8 +62,9 @@ def _get_many(store, keys: list[str], *, what: str) -> list:
 class _Layout:
     """A 1-D array's shape, dtype, and how its objects hold its chunks."""
 
-    def __init__(self, *, length: int, dtype: np.dtype, object_shape: int, chunk_shape: int, sharded: bool,
-                 fill_value: int):
+    def __init__(
+        self, *, length: int, dtype: np.dtype, object_shape: int, chunk_shape: int, sharded: bool, fill_value: int
+    ):
         self.length, self.dtype, self.fill_value = length, dtype, fill_value
         self.object_shape, self.chunk_shape, self.sharded = object_shape, chunk_shape, sharded
         self.n_objects = -(-length // object_shape) if length else 0
@@ -78,19 +79,19 @@ class _Layout:
             else:
                 pieces.append(_chunk(data.to_bytes(), self.dtype))
         out = np.concatenate(pieces) if pieces else np.zeros(0, dtype=self.dtype)
-        return out[:self.length]
+        return out[: self.length]
 
     def _shard(self, data: bytes) -> np.ndarray:
         n = self.object_shape // self.chunk_shape
         index_bytes = 16 * n
-        index = _checked(data[len(data) - index_bytes - 4:])
+        index = _checked(data[len(data) - index_bytes - 4 :])
         offsets_lengths = index.view("<u8").reshape(n, 2)
         out = []
         for offset, size in offsets_lengths.tolist():  # one step per inner chunk, a few per shard
             if offset == _EMPTY:
                 out.append(np.full(self.chunk_shape, self.fill_value, dtype=self.dtype))
             else:
-                out.append(_chunk(data[offset:offset + size], self.dtype))
+                out.append(_chunk(data[offset : offset + size], self.dtype))
         return np.concatenate(out)
 
 
@@ -122,7 +123,7 @@ def _layout(meta: dict) -> _Layout | None:
             return None
         if len(codecs) == 1 and codecs[0]["name"] == "sharding_indexed":
             config = codecs[0]["configuration"]
-            index_ok = (config["index_location"] == "end" and config["index_codecs"] == [_PLAIN[0], _PLAIN[2]])
+            index_ok = config["index_location"] == "end" and config["index_codecs"] == [_PLAIN[0], _PLAIN[2]]
             inner = config["codecs"]
             if inner and inner[0]["name"] == GRID_CODEC:  # float32 log-probabilities stored as uint16 codes:
                 inner, dtype = inner[1:], np.dtype("<u2")  # read the codes, which is what logitstore decodes
@@ -131,11 +132,23 @@ def _layout(meta: dict) -> _Layout | None:
                 fill = 0
             if not (index_ok and _plain(inner) and isinstance(fill, int)):
                 return None
-            return _Layout(length=meta["shape"][0], dtype=dtype, object_shape=object_shape,
-                           chunk_shape=config["chunk_shape"][0], sharded=True, fill_value=fill)
+            return _Layout(
+                length=meta["shape"][0],
+                dtype=dtype,
+                object_shape=object_shape,
+                chunk_shape=config["chunk_shape"][0],
+                sharded=True,
+                fill_value=fill,
+            )
         if _plain(codecs) and isinstance(fill, int):
-            return _Layout(length=meta["shape"][0], dtype=dtype, object_shape=object_shape,
-                           chunk_shape=object_shape, sharded=False, fill_value=fill)
+            return _Layout(
+                length=meta["shape"][0],
+                dtype=dtype,
+                object_shape=object_shape,
+                chunk_shape=object_shape,
+                sharded=False,
+                fill_value=fill,
+            )
     except (KeyError, TypeError, IndexError, ValueError):
         pass
     return None
@@ -143,5 +156,9 @@ def _layout(meta: dict) -> _Layout | None:
 
 def _plain(codecs: list) -> bool:
     """bytes (little-endian; single-byte types name no endianness) -> blosc -> crc32c."""
-    return (len(codecs) == 3 and codecs[0] in (_PLAIN[0], {"name": "bytes"}) and codecs[1]["name"] == "blosc"
-            and codecs[2] == _PLAIN[2])
+    return (
+        len(codecs) == 3
+        and codecs[0] in (_PLAIN[0], {"name": "bytes"})
+        and codecs[1]["name"] == "blosc"
+        and codecs[2] == _PLAIN[2]
+    )

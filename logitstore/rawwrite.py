@@ -116,12 +116,15 @@ class _Layout:
 def _start(values: np.ndarray, create_kwargs: dict) -> tuple[bytes, _Layout, list[Future]]:
     values = np.ascontiguousarray(values, dtype=np.asarray(values).dtype.newbyteorder("<"))
     metadata, layout = _template(**_template_key(values, create_kwargs))
-    document = (dataclasses.replace(metadata, shape=(len(values),))
-                .to_buffer_dict(default_buffer_prototype())["zarr.json"].to_bytes())
+    document = (
+        dataclasses.replace(metadata, shape=(len(values),))
+        .to_buffer_dict(default_buffer_prototype())["zarr.json"]
+        .to_bytes()
+    )
     pool = _threads()
     chunks = []
     for start in range(0, len(values), layout.chunk):  # one step per 256 KiB inner chunk
-        chunks.append(pool.submit(_chunk, values[start:start + layout.chunk], layout))
+        chunks.append(pool.submit(_chunk, values[start : start + layout.chunk], layout))
     # Zarr writes whole shards: inner chunks past the array's end (in its last shard) hold only the
     # fill value and are left out like any such chunk.
     return document, layout, chunks
@@ -132,12 +135,20 @@ def _template_key(values: np.ndarray, kwargs: dict) -> dict:
     filters = kwargs.get("filters") or []
     stored = np.dtype(np.uint16) if filters else np.dtype(kwargs["dtype"]).newbyteorder("<")
     if tuple(kwargs["shape"]) != values.shape or stored != values.dtype:
-        raise ValueError(f"arguments for a {kwargs['dtype']} array of shape {kwargs['shape']}, "
-                         f"values {values.dtype} of shape {values.shape}")
+        raise ValueError(
+            f"arguments for a {kwargs['dtype']} array of shape {kwargs['shape']}, "
+            f"values {values.dtype} of shape {values.shape}"
+        )
     blosc, crc = kwargs["compressors"]
-    return {"dtype": np.dtype(kwargs["dtype"]).str, "chunk": kwargs["chunks"][0], "shard": kwargs["shards"][0],
-            "blosc": json.dumps(blosc.to_dict(), sort_keys=True), "crc": json.dumps(crc.to_dict(), sort_keys=True),
-            "fill_value": kwargs["fill_value"], "filters": json.dumps([f.to_dict() for f in filters], sort_keys=True)}
+    return {
+        "dtype": np.dtype(kwargs["dtype"]).str,
+        "chunk": kwargs["chunks"][0],
+        "shard": kwargs["shards"][0],
+        "blosc": json.dumps(blosc.to_dict(), sort_keys=True),
+        "crc": json.dumps(crc.to_dict(), sort_keys=True),
+        "fill_value": kwargs["fill_value"],
+        "filters": json.dumps([f.to_dict() for f in filters], sort_keys=True),
+    }
 
 
 @functools.lru_cache(maxsize=64)
@@ -149,23 +160,44 @@ def _template(*, dtype: str, chunk: int, shard: int, blosc: str, crc: str, fill_
 
     blosc_codec = BloscCodec.from_dict(json.loads(blosc))
     grid = [LogprobGrid.from_dict(f) for f in json.loads(filters)]
-    array = zarr.create_array(zarr.storage.MemoryStore(), shape=(shard,), dtype=np.dtype(dtype), chunks=(chunk,),
-                              shards=(shard,), compressors=[blosc_codec, Crc32cCodec.from_dict(json.loads(crc))],
-                              fill_value=fill_value, filters=grid or None)
+    array = zarr.create_array(
+        zarr.storage.MemoryStore(),
+        shape=(shard,),
+        dtype=np.dtype(dtype),
+        chunks=(chunk,),
+        shards=(shard,),
+        compressors=[blosc_codec, Crc32cCodec.from_dict(json.loads(crc))],
+        fill_value=fill_value,
+        filters=grid or None,
+    )
     metadata = array.metadata
     (sharding,) = metadata.codecs
-    inner = [c.to_dict() for c in sharding.codecs[len(grid):]]  # the grid codec, if any, comes first
+    inner = [c.to_dict() for c in sharding.codecs[len(grid) :]]  # the grid codec, if any, comes first
     expected = ["bytes", "blosc", "crc32c"]
-    if ([c["name"] for c in inner] != expected or sharding.index_location.value != "end"
-            or [c.to_dict()["name"] for c in sharding.index_codecs] != ["bytes", "crc32c"]):
+    if (
+        [c["name"] for c in inner] != expected
+        or sharding.index_location.value != "end"
+        or [c.to_dict()["name"] for c in sharding.index_codecs] != ["bytes", "crc32c"]
+    ):
         raise NotImplementedError(f"zarr laid the array out as {inner}; rawwrite writes {expected} only")
     config = inner[1]["configuration"]
-    shuffle = {"noshuffle": Blosc.NOSHUFFLE, "shuffle": Blosc.SHUFFLE, "bitshuffle": Blosc.BITSHUFFLE}[config["shuffle"]]
+    shuffle = {"noshuffle": Blosc.NOSHUFFLE, "shuffle": Blosc.SHUFFLE, "bitshuffle": Blosc.BITSHUFFLE}[
+        config["shuffle"]
+    ]
     # As zarr's BloscCodec builds its numcodecs codec (typesize passed: numcodecs >= 0.16).
-    codec = Blosc.from_config({"cname": config["cname"], "clevel": config["clevel"], "shuffle": shuffle,
-                               "blocksize": config["blocksize"], "typesize": config["typesize"]})
+    codec = Blosc.from_config(
+        {
+            "cname": config["cname"],
+            "clevel": config["clevel"],
+            "shuffle": shuffle,
+            "blocksize": config["blocksize"],
+            "typesize": config["typesize"],
+        }
+    )
     # Chunks are encoded from the stored values: for a grid-coded array, codes, whose fill (0.0) is code 0.
-    return metadata, _Layout(chunk=chunk, chunks_per_shard=shard // chunk, blosc=codec, fill_value=0 if grid else fill_value)
+    return metadata, _Layout(
+        chunk=chunk, chunks_per_shard=shard // chunk, blosc=codec, fill_value=0 if grid else fill_value
+    )
 
 
 def _chunk(values: np.ndarray, layout: _Layout) -> bytes | None:
@@ -190,12 +222,13 @@ def _shard(chunks: list[bytes | None], chunks_per_shard: int) -> bytes | None:
     if offset == 0:
         return None
     index_bytes = index.tobytes()
-    return b"".join([*(c for c in chunks if c is not None), index_bytes,
-                     google_crc32c.value(index_bytes).to_bytes(4, "little")])
+    return b"".join(
+        [*(c for c in chunks if c is not None), index_bytes, google_crc32c.value(index_bytes).to_bytes(4, "little")]
+    )
 
 
 def _batches(items: list, size: int) -> list[list]:
-    return [items[i:i + size] for i in range(0, len(items), size)]
+    return [items[i : i + size] for i in range(0, len(items), size)]
 
 
 def _threads() -> ThreadPoolExecutor:

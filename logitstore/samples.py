@@ -52,17 +52,17 @@ class SparseSamples:
     @property
     def token_offsets(self) -> np.ndarray:
         """[S + 1] start of each sample in `input_ids`."""
-        return _offsets(self.n_tokens)
+        return row_offsets(self.n_tokens)
 
     @property
     def position_offsets(self) -> np.ndarray:
         """[S + 1] start of each sample in the per-position arrays."""
-        return _offsets(self.n_positions)
+        return row_offsets(self.n_positions)
 
     @property
     def entry_offsets(self) -> np.ndarray:
         """[P + 1] start of each position in the per-entry arrays."""
-        return _offsets(self.n_entries)
+        return row_offsets(self.n_entries)
 
     def select(self, i: int) -> SparseSamples:
         """Sample i alone (views where possible)."""
@@ -91,10 +91,14 @@ class SparseSamples:
         entry_keep = np.repeat(keep, self.n_entries)
         counts = None if self.entry_counts is None else self.entry_counts[entry_keep]
         return dataclasses.replace(
-            self, n_entries=np.where(keep, self.n_entries, 0), entry_ids=self.entry_ids[entry_keep],
-            entry_logprobs=self.entry_logprobs[entry_keep], entry_counts=counts,
+            self,
+            n_entries=np.where(keep, self.n_entries, 0),
+            entry_ids=self.entry_ids[entry_keep],
+            entry_logprobs=self.entry_logprobs[entry_keep],
+            entry_counts=counts,
             tail=np.where(keep, self.tail, 1).astype(self.tail.dtype),
-            target_logprobs=np.where(keep, self.target_logprobs, 0).astype(self.target_logprobs.dtype))
+            target_logprobs=np.where(keep, self.target_logprobs, 0).astype(self.target_logprobs.dtype),
+        )
 
     @classmethod
     def from_dense_topk(
@@ -149,7 +153,7 @@ def concat(parts: list[SparseSamples]) -> SparseSamples:
     )
 
 
-def _offsets(counts: np.ndarray) -> np.ndarray:
+def row_offsets(counts: np.ndarray) -> np.ndarray:
     out = np.zeros(len(counts) + 1, dtype=np.int64)
     np.cumsum(counts, out=out[1:])
     return out
@@ -272,16 +276,19 @@ class StudentTokens:
         groups = [np.asarray(x[1], dtype=np.int32).reshape(-1, 4) for x in samples]
         masked = bool(samples) and len(samples[0]) == 3
         assert all((len(x) == 3) == masked for x in samples), "mixing chat and plain samples"
-        return cls(ids=_cat(ids, np.int32), n_ids=np.array([len(i) for i in ids], dtype=np.int32),
-                   groups=np.concatenate(groups) if groups else np.zeros((0, 4), np.int32),
-                   n_groups=np.array([len(g) for g in groups], dtype=np.int32),
-                   loss_mask=_cat([x[2] for x in samples], np.uint8) if masked else None)
+        return cls(
+            ids=_cat(ids, np.int32),
+            n_ids=np.array([len(i) for i in ids], dtype=np.int32),
+            groups=np.concatenate(groups) if groups else np.zeros((0, 4), np.int32),
+            n_groups=np.array([len(g) for g in groups], dtype=np.int32),
+            loss_mask=_cat([x[2] for x in samples], np.uint8) if masked else None,
+        )
 
     def sample(self, i: int) -> tuple:
         """(ids, groups) of sample i, and its loss mask for chat data."""
-        id_off, group_off = _offsets(self.n_ids), _offsets(self.n_groups)
-        out = (self.ids[id_off[i]:id_off[i + 1]], self.groups[group_off[i]:group_off[i + 1]])
-        return out if self.loss_mask is None else (*out, self.loss_mask[id_off[i]:id_off[i + 1]])
+        id_off, group_off = row_offsets(self.n_ids), row_offsets(self.n_groups)
+        out = (self.ids[id_off[i] : id_off[i + 1]], self.groups[group_off[i] : group_off[i + 1]])
+        return out if self.loss_mask is None else (*out, self.loss_mask[id_off[i] : id_off[i + 1]])
 
     def select(self, rows: list[int]) -> StudentTokens:
         return StudentTokens.from_samples([self.sample(i) for i in rows])
@@ -292,7 +299,9 @@ class StudentTokens:
         if len(self.ids) and (self.ids.min() < 0 or self.ids.max() >= vocab_size):
             _fail(f"student token ids must lie in [0, {vocab_size})")
         if self.loss_mask is not None and len(self.loss_mask) != len(self.ids):
-            _fail(f"student loss_mask has {len(self.loss_mask)} elements, expected {len(self.ids)} (one per student token)")
+            _fail(
+                f"student loss_mask has {len(self.loss_mask)} elements, expected {len(self.ids)} (one per student token)"
+            )
         g = self.groups
         sample_of = np.repeat(np.arange(len(n_tokens)), self.n_groups)
         if (g[:, 0] > g[:, 1]).any() or (g[:, 2] > g[:, 3]).any() or (g[:, 0] < 0).any() or (g[:, 2] < 0).any():

@@ -11,8 +11,18 @@ import re
 
 from logitstore.errors import LogitstoreError
 
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
 _SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*")
 
 
@@ -30,8 +40,10 @@ def parse_bytes(value: int | str, *, name: str = "size") -> int:
     else:
         match = _SIZE.fullmatch(value)
         if match is None or match.group(2).lower() not in _UNITS:
-            raise SizeError(f"{name} {value!r}: write a number and a unit, e.g. 512MB or 2GiB "
-                            "(units: kB, MB, GB, TB, KiB, MiB, GiB, TiB)")
+            raise SizeError(
+                f"{name} {value!r}: write a number and a unit, e.g. 512MB or 2GiB "
+                "(units: kB, MB, GB, TB, KiB, MiB, GiB, TiB)"
+            )
         number, unit = float(match.group(1)), match.group(2).lower()
     size = int(number * _UNITS[unit])
     if size < 1:

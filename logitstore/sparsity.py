@@ -61,7 +61,9 @@ class Sparsity:
 
     def describe(self) -> str:
         """As a user would write it: "top-64", "top-p 0.95 (cap 64)", "sampled 16", with the temperature."""
-        text = {"topk": f"top-{self.k}", "topp": f"top-p {self.p} (cap {self.k})", "sampled": f"sampled {self.n}"}[self.mode]
+        text = {"topk": f"top-{self.k}", "topp": f"top-p {self.p} (cap {self.k})", "sampled": f"sampled {self.n}"}[
+            self.mode
+        ]
         return text if self.temperature == 1 else f"{text} at temperature {self.temperature}"
 
     def to_json(self) -> dict:
@@ -97,8 +99,15 @@ def default_sparsity(*, student_tokenizers: bool = False, engine_samples: bool =
     return DEFAULT_SAMPLED if engine_samples and not student_tokenizers else DEFAULT_TOPK
 
 
-def sparsity_from_flags(*, top_k: int | None, top_p: float | None, sample: int | None, temperature: float,
-                        default: Sparsity, grid: str | CodecParams = "default") -> Sparsity:
+def sparsity_from_flags(
+    *,
+    top_k: int | None,
+    top_p: float | None,
+    sample: int | None,
+    temperature: float,
+    default: Sparsity,
+    grid: str | CodecParams = "default",
+) -> Sparsity:
     """The sparsity of build's and live train's flags; `default` when none of --top-k/--top-p/--sample
     is given (at `temperature`). `grid` is a name of `GRIDS` (--value-grid) or a `CodecParams`."""
     if top_p is not None and sample is not None:

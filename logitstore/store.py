@@ -27,9 +27,9 @@ import datetime as dt
 import re
 import secrets
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
 
 import icechunk
 import numpy as np
@@ -161,13 +161,18 @@ class TeacherMeta:
 
     def same_teacher(self, other: TeacherMeta) -> bool:
         keys = ("vocab_size", "content_hash", "tokenizer_hash", "sparsity", "students", "loss_mask")
-        return (all(getattr(self, k) == getattr(other, k) for k in keys) and self.codec == other.codec
-                and self.same_computation(other))
+        return (
+            all(getattr(self, k) == getattr(other, k) for k in keys)
+            and self.codec == other.codec
+            and self.same_computation(other)
+        )
 
     def same_computation(self, other: TeacherMeta) -> bool:
         """Same engine and dtype, where both say (teachers from before these were recorded say neither)."""
-        return all(getattr(self, k) is None or getattr(other, k) is None or getattr(self, k) == getattr(other, k)
-                   for k in ("engine", "dtype"))
+        return all(
+            getattr(self, k) is None or getattr(other, k) is None or getattr(self, k) == getattr(other, k)
+            for k in ("engine", "dtype")
+        )
 
 
 @dataclass(frozen=True)
@@ -272,7 +277,9 @@ class Store:
             exists = repository_exists(storage, where=location.uri)
         if not exists:
             if not _only_repository_files(location):
-                raise StoreNotFoundError(f"{location.uri} exists and is not a logitstore store; refusing to write there")
+                raise StoreNotFoundError(
+                    f"{location.uri} exists and is not a logitstore store; refusing to write there"
+                )
             return None
         return cls.open(uri, create=True)  # create=True also finishes a creation killed half-way
 
@@ -299,8 +306,10 @@ class Store:
         with storage_errors(f"store {self.location.uri}"):
             tags = self.repo.list_tags()
             if version in tags and version in self.repo.list_branches():  # made before names were checked
-                raise VersionNotFoundError(f"{version!r} is both a tag and a branch of {self.location.uri}; remove the "
-                                           f"tag with `logitstore tag {self.location.uri} {version} --delete`")
+                raise VersionNotFoundError(
+                    f"{version!r} is both a tag and a branch of {self.location.uri}; remove the "
+                    f"tag with `logitstore tag {self.location.uri} {version} --delete`"
+                )
             if version in tags:
                 return self.repo.lookup_tag(version)
             if version in self.repo.list_branches():
@@ -337,15 +346,19 @@ class Store:
                 if "already exists" not in str(e):
                     raise
                 # Icechunk keeps a deleted tag's name reserved, so a name never points at two versions.
-                raise LogitstoreError(f"tag {name!r} was deleted and its name cannot be reused; choose another") from None
+                raise LogitstoreError(
+                    f"tag {name!r} was deleted and its name cannot be reused; choose another"
+                ) from None
         return snapshot
 
     def delete_tag(self, name: str) -> str:
         """Remove a tag (the version it named stays, reachable by id or other names). Returns that id."""
         with storage_errors(f"cannot delete tag {name!r}"):
             if name not in self.repo.list_tags():
-                raise VersionNotFoundError(f"{self.location.uri} has no tag {name!r} "
-                                           f"(tags: {', '.join(sorted(self.repo.list_tags())) or 'none'})")
+                raise VersionNotFoundError(
+                    f"{self.location.uri} has no tag {name!r} "
+                    f"(tags: {', '.join(sorted(self.repo.list_tags())) or 'none'})"
+                )
             snapshot = self.repo.lookup_tag(name)
             with commit_lock(self.location):
                 self.repo.delete_tag(name)
@@ -371,11 +384,17 @@ class Store:
         if name in tags:
             with storage_errors(f"store {self.location.uri}"):
                 at = self.repo.lookup_tag(name)
-            raise LogitstoreError(f"tag {name!r} already exists (at {at}); tags never move" if kind == "tag" else
-                                  f"{name!r} is already a tag (at {at}); a branch cannot have a tag's name")
+            raise LogitstoreError(
+                f"tag {name!r} already exists (at {at}); tags never move"
+                if kind == "tag"
+                else f"{name!r} is already a tag (at {at}); a branch cannot have a tag's name"
+            )
         if name in branches:
-            raise LogitstoreError(f"branch {name!r} already exists" if kind == "branch" else
-                                  f"{name!r} is a branch; a tag cannot have a branch's name")
+            raise LogitstoreError(
+                f"branch {name!r} already exists"
+                if kind == "branch"
+                else f"{name!r} is a branch; a tag cannot have a branch's name"
+            )
 
     def branches(self) -> dict[str, str]:
         with storage_errors(f"store {self.location.uri}"):
@@ -428,8 +447,16 @@ def _open_or_create(storage: icechunk.Storage, location: Location) -> icechunk.R
 # How long a creation waits for a concurrent one before giving up; creating takes milliseconds.
 CREATE_WAIT_S = 10.0
 # What a local store folder may hold: Icechunk's folders and logitstore's files beside them.
-_REPOSITORY_FILES = {"chunks", "manifests", "refs", "snapshots", "transactions", "config.yaml", "logitstore-index",
-                     ".logitstore-commit.lock"}
+_REPOSITORY_FILES = {
+    "chunks",
+    "manifests",
+    "refs",
+    "snapshots",
+    "transactions",
+    "config.yaml",
+    "logitstore-index",
+    ".logitstore-commit.lock",
+}
 
 
 def _only_repository_files(location: Location) -> bool:
@@ -469,14 +496,19 @@ def _initialise(repo: icechunk.Repository, location: Location) -> None:
 
 
 def _now() -> str:
-    return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+    return dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
 
 
 def _version_info(snap: icechunk.SnapshotInfo, tags: list[str]) -> VersionInfo:
     meta = (snap.metadata or {}).get("logitstore", {})
     return VersionInfo(
-        id=snap.id, message=snap.message, written_at=snap.written_at, parent_id=snap.parent_id,
-        tags=tags, samples=meta.get("samples"), tokens=meta.get("tokens"),
+        id=snap.id,
+        message=snap.message,
+        written_at=snap.written_at,
+        parent_id=snap.parent_id,
+        tags=tags,
+        samples=meta.get("samples"),
+        tokens=meta.get("tokens"),
     )
 
 
@@ -511,21 +543,23 @@ class StoreVersion:
         teachers = []
         for name, meta in sorted(self.teachers.items()):
             rows = idx.filter(pc.equal(idx["teacher"], name))
-            teachers.append({
-                "name": name,
-                "vocab_size": meta.vocab_size,
-                "sparsity": meta.sparsity,
-                "sparsity_mode": meta.sparsity["mode"],
-                "samples": rows.num_rows,
-                "tokens": int(pc.sum(rows["n_tokens"]).as_py() or 0),
-                "content_hash": meta.content_hash,
-                "tokenizer_hash": meta.tokenizer_hash,
-                "codec": meta.codec.to_json(),
-                "student_tokenizers": [self.student_info(name, s) for s in meta.student_names],
-                "engine": meta.engine,
-                "dtype": meta.dtype,
-                "engine_version": meta.engine_version,
-            })
+            teachers.append(
+                {
+                    "name": name,
+                    "vocab_size": meta.vocab_size,
+                    "sparsity": meta.sparsity,
+                    "sparsity_mode": meta.sparsity["mode"],
+                    "samples": rows.num_rows,
+                    "tokens": int(pc.sum(rows["n_tokens"]).as_py() or 0),
+                    "content_hash": meta.content_hash,
+                    "tokenizer_hash": meta.tokenizer_hash,
+                    "codec": meta.codec.to_json(),
+                    "student_tokenizers": [self.student_info(name, s) for s in meta.student_names],
+                    "engine": meta.engine,
+                    "dtype": meta.dtype,
+                    "engine_version": meta.engine_version,
+                }
+            )
         return {
             "samples": idx.num_rows,
             "tokens": tokens,
@@ -544,13 +578,17 @@ class StoreVersion:
     def teacher_name(self, teacher: str | None) -> str:
         if teacher is not None:
             if teacher not in self.teachers:
-                raise LogitstoreError(f"this version has no teacher {teacher!r} (teachers: {', '.join(sorted(self.teachers)) or 'none'})")
+                raise LogitstoreError(
+                    f"this version has no teacher {teacher!r} (teachers: {', '.join(sorted(self.teachers)) or 'none'})"
+                )
             return teacher
         if len(self.teachers) == 1:
             return next(iter(self.teachers))
         if not self.teachers:
             raise SampleNotFoundError("this version holds no samples")
-        raise LogitstoreError(f"this version has several teachers ({', '.join(sorted(self.teachers))}); name one with --teacher")
+        raise LogitstoreError(
+            f"this version has several teachers ({', '.join(sorted(self.teachers))}); name one with --teacher"
+        )
 
     def row_of(self, sample_id: str, *, teacher: str | None = None) -> int:
         teacher = self.teacher_name(teacher)
@@ -569,7 +607,9 @@ class StoreVersion:
         r = self.index.slice(row, 1).to_pylist()[0]
         meta = self.teachers[r["teacher"]]
         enc = self.encoded_row(r)
-        out = codec.decode(enc, params=meta.codec, id_of_code=self.id_of_code(r["teacher"]), n_tokens=np.array([r["n_tokens"]]))
+        out = codec.decode(
+            enc, params=meta.codec, id_of_code=self.id_of_code(r["teacher"]), n_tokens=np.array([r["n_tokens"]])
+        )
         out.sample_ids = [r["sample_id"]]
         return out
 
@@ -607,8 +647,10 @@ class StoreVersion:
         teacher = self.teacher_name(teacher)
         names = self.teachers[teacher].student_names
         if student not in names:
-            raise LogitstoreError(f"teacher {teacher!r} has no student tokenizer {student!r} "
-                                  f"(it has: {', '.join(names) or 'none'}; see build --student-tokenizer)")
+            raise LogitstoreError(
+                f"teacher {teacher!r} has no student tokenizer {student!r} "
+                f"(it has: {', '.join(names) or 'none'}; see build --student-tokenizer)"
+            )
         return self.root[f"teachers/{teacher}/students/{student}"]
 
     def student_info(self, teacher: str, student: str) -> dict:
@@ -638,8 +680,8 @@ class StoreVersion:
         with read_errors(f"student tokens of sample {sample_id!r} ({base})"):
             s0, n = r["student_start"][k], r["n_student_tokens"][k]
             g0, g = r["group_start"][k], r["n_groups"][k]
-            ids = self.root[f"{base}/ids"][s0:s0 + n]
-            groups = self.root[f"{base}/groups"][4 * g0:4 * (g0 + g)].reshape(-1, 4)
+            ids = self.root[f"{base}/ids"][s0 : s0 + n]
+            groups = self.root[f"{base}/groups"][4 * g0 : 4 * (g0 + g)].reshape(-1, 4)
         return ids.astype(np.int64), groups.astype(np.int64)
 
     def tokenizer(self, teacher: str | None = None):
@@ -660,10 +702,26 @@ def _read_text(group: zarr.Group, name: str, *, what: str) -> str:
         return data.decode("utf-8")
 
 
-ENCODED_ARRAYS = ("input_ids", "n_entries", "entry_codes", "entry_logprobs", "tail", "target_logprobs", "entry_counts",
-                  "loss_mask")
-_ROW_AXIS = {"input_ids": "token", "loss_mask": "token", "n_entries": "position", "tail": "position", "target_logprobs": "position",
-             "entry_codes": "entry", "entry_logprobs": "entry", "entry_counts": "entry"}
+ENCODED_ARRAYS = (
+    "input_ids",
+    "n_entries",
+    "entry_codes",
+    "entry_logprobs",
+    "tail",
+    "target_logprobs",
+    "entry_counts",
+    "loss_mask",
+)
+_ROW_AXIS = {
+    "input_ids": "token",
+    "loss_mask": "token",
+    "n_entries": "position",
+    "tail": "position",
+    "target_logprobs": "position",
+    "entry_codes": "entry",
+    "entry_logprobs": "entry",
+    "entry_counts": "entry",
+}
 
 
 def slice_row(row: dict, read, *, names) -> EncodedSamples:
@@ -722,8 +780,14 @@ class StoreWriter:
 
     # -- teachers --------------------------------------------------------------------------------
 
-    def add_teacher(self, meta: TeacherMeta, *, tokenizer_json: str | None = None,
-                    code_of_id: np.ndarray | None = None, students: list[StudentTokenizer] = ()) -> TeacherMeta:
+    def add_teacher(
+        self,
+        meta: TeacherMeta,
+        *,
+        tokenizer_json: str | None = None,
+        code_of_id: np.ndarray | None = None,
+        students: list[StudentTokenizer] = (),
+    ) -> TeacherMeta:
         """Register a teacher (with its student tokenizers), or check that `meta` matches the one
         already in the store. `meta.students` is filled from `students`."""
         meta = TeacherMeta.from_json({**meta.to_json(), "students": [st.summary() for st in students]})
@@ -748,9 +812,12 @@ class StoreWriter:
             _write_array(group, "tokenizer", np.frombuffer(tokenizer_json.encode("utf-8"), dtype=np.uint8))
         for st in students:
             sub = group.require_group("students").create_group(st.name)
-            sub.attrs["logitstore_student"] = {**st.summary(), "mapped_mass": st.mapped_mass,
-                                               "mapped_mass_positions": st.mapped_mass_positions,
-                                               "mapped_ids": int((st.vocab_map >= 0).sum())}
+            sub.attrs["logitstore_student"] = {
+                **st.summary(),
+                "mapped_mass": st.mapped_mass,
+                "mapped_mass_positions": st.mapped_mass_positions,
+                "mapped_ids": int((st.vocab_map >= 0).sum()),
+            }
             _write_array(sub, "tokenizer", np.frombuffer(st.tokenizer_json.encode("utf-8"), dtype=np.uint8))
             _write_array(sub, "vocab_map", np.asarray(st.vocab_map, dtype=np.int32))
         self.teachers[meta.name] = meta
@@ -758,8 +825,14 @@ class StoreWriter:
 
     # -- samples -----------------------------------------------------------------------------------
 
-    def write(self, samples: SparseSamples, *, teacher: str, source_hashes: list[str | None] | None = None,
-              students: dict[str, StudentTokens] | None = None) -> int:
+    def write(
+        self,
+        samples: SparseSamples,
+        *,
+        teacher: str,
+        source_hashes: list[str | None] | None = None,
+        students: dict[str, StudentTokens] | None = None,
+    ) -> int:
         """Encode and stage `samples` as one new part. Returns how many samples were staged."""
         if teacher not in self.teachers:
             raise LogitstoreError(f"teacher {teacher!r} is not in the store; add_teacher first")
@@ -792,12 +865,15 @@ class StoreWriter:
             if self._fork_source is None:
                 self._fork_source = self.store.repo.writable_session(self.branch)
                 # Forks travel with the id orders (a few hundred KB each), so workers read none of them.
-                reader = PartWriter(self.session, teachers=self.teachers, where=self.store.location.uri, codes=self._codes)
+                reader = PartWriter(
+                    self.session, teachers=self.teachers, where=self.store.location.uri, codes=self._codes
+                )
                 for name in self.teachers:
                     with contextlib.suppress(LogitstoreError):  # unreadable: the worker that needs it says so
                         reader.code_of_id(name)
-            return PartWriter(self._fork_source.fork(), teachers=self.teachers, where=self.store.location.uri,
-                              codes=self._codes)
+            return PartWriter(
+                self._fork_source.fork(), teachers=self.teachers, where=self.store.location.uri, codes=self._codes
+            )
 
     def merge(self, written: WrittenPart) -> int:
         """Take a forked writer's part into this transaction. Returns the samples it adds."""
@@ -824,13 +900,19 @@ class StoreWriter:
         self._new_keys.update(zip(rows["teacher"].to_pylist(), rows["sample_id"].to_pylist()))
 
     def _apply_duplicate_rule(self, teacher: str, sample_ids: list[str]) -> list[int]:
-        dup = [i for i, sid in enumerate(sample_ids) if (teacher, sid) in self._base_keys or (teacher, sid) in self._new_keys]
+        dup = [
+            i
+            for i, sid in enumerate(sample_ids)
+            if (teacher, sid) in self._base_keys or (teacher, sid) in self._new_keys
+        ]
         if not dup:
             return list(range(len(sample_ids)))
         if self.on_duplicate == "error":
             first = [sample_ids[i] for i in dup[:3]]
-            raise DuplicateSampleError(f"{len(dup)} sample id(s) already stored for teacher {teacher!r}, e.g. {first}; "
-                                       "pass on_duplicate='replace' or 'skip'")
+            raise DuplicateSampleError(
+                f"{len(dup)} sample id(s) already stored for teacher {teacher!r}, e.g. {first}; "
+                "pass on_duplicate='replace' or 'skip'"
+            )
         if self.on_duplicate == "replace":
             in_txn = [sample_ids[i] for i in dup if (teacher, sample_ids[i]) in self._new_keys]
             if in_txn:
@@ -856,8 +938,13 @@ class StoreWriter:
             base = self.store.read_index(self.session.snapshot_id)
             merged = self._merge(base, new_rows)
             key = index.write_index(self.store.blobs, merged)
-            meta = {"index": key, "samples": merged.num_rows, "tokens": int(pc.sum(merged["n_tokens"]).as_py() or 0),
-                    "format": FORMAT_VERSION, "writer": WRITER}
+            meta = {
+                "index": key,
+                "samples": merged.num_rows,
+                "tokens": int(pc.sum(merged["n_tokens"]).as_py() or 0),
+                "format": FORMAT_VERSION,
+                "writer": WRITER,
+            }
             try:
                 with storage_errors(f"cannot commit to {self.store.location.uri}"), commit_lock(self.store.location):
                     self._committed = self.session.commit(message, metadata={"logitstore": meta})
@@ -880,8 +967,10 @@ class StoreWriter:
                 self.session.rebase(icechunk.ConflictDetector())
         except icechunk.RebaseFailedError as e:
             paths = sorted({c.path for c in e.conflicts})
-            raise ConflictError(f"another writer committed to branch {self.branch!r} first and changed the same "
-                                f"paths ({', '.join(paths[:5])}); nothing of this write was committed") from None
+            raise ConflictError(
+                f"another writer committed to branch {self.branch!r} first and changed the same "
+                f"paths ({', '.join(paths[:5])}); nothing of this write was committed"
+            ) from None
 
     def _merge(self, base: pa.Table, new_rows: pa.Table) -> pa.Table:
         present = _keys(base) - self._removed  # what the branch holds and this write does not remove
@@ -907,7 +996,9 @@ class PartWriter:
     """Encodes `SparseSamples` and writes each batch as a new part group into one Icechunk session or
     fork. Parts never touch existing paths, which is what lets forks merge without conflicts."""
 
-    def __init__(self, session, *, teachers: dict[str, TeacherMeta], where: str, codes: dict[str, np.ndarray] | None = None):
+    def __init__(
+        self, session, *, teachers: dict[str, TeacherMeta], where: str, codes: dict[str, np.ndarray] | None = None
+    ):
         self.session = session
         self.teachers = dict(teachers)
         self.where = where
@@ -919,23 +1010,34 @@ class PartWriter:
     def __setstate__(self, state: dict) -> None:
         self.__init__(state["session"], teachers=state["teachers"], where=state["where"], codes=state.get("codes"))
 
-    def write(self, samples: SparseSamples, *, teacher: str, source_hashes: list[str | None] | None = None,
-              students: dict[str, StudentTokens] | None = None) -> WrittenPart:
+    def write(
+        self,
+        samples: SparseSamples,
+        *,
+        teacher: str,
+        source_hashes: list[str | None] | None = None,
+        students: dict[str, StudentTokens] | None = None,
+    ) -> WrittenPart:
         meta = self.teachers[teacher]
         samples.validate(vocab_size=meta.vocab_size, duplicates=False)  # encode finds duplicate entries
         students = students or {}
         if sorted(students) != sorted(meta.student_names):
-            raise InvalidSampleError(f"teacher {teacher!r} has student tokenizers {meta.student_names}; "
-                                     f"this write brings {sorted(students)}")
+            raise InvalidSampleError(
+                f"teacher {teacher!r} has student tokenizers {meta.student_names}; this write brings {sorted(students)}"
+            )
         ordered = [students[s["name"]] for s in meta.students]
         for st, info in zip(ordered, meta.students):
             st.validate(n_tokens=samples.n_tokens, vocab_size=info["vocab_size"])
         if (meta.loss_mask is not None) != (samples.loss_mask is not None):
-            raise InvalidSampleError(f"teacher {teacher!r} holds {'chat' if meta.loss_mask else 'plain text'} samples: "
-                                     f"loss_mask must be {'given' if meta.loss_mask else 'absent'}")
+            raise InvalidSampleError(
+                f"teacher {teacher!r} holds {'chat' if meta.loss_mask else 'plain text'} samples: "
+                f"loss_mask must be {'given' if meta.loss_mask else 'absent'}"
+            )
         if meta.sampled != (samples.entry_counts is not None):
-            raise InvalidSampleError(f"teacher {teacher!r} is {meta.sparsity['mode']}: entry_counts must be "
-                                     f"{'given' if meta.sampled else 'absent'}")
+            raise InvalidSampleError(
+                f"teacher {teacher!r} is {meta.sparsity['mode']}: entry_counts must be "
+                f"{'given' if meta.sampled else 'absent'}"
+            )
         store = bounded_store(self.session.store, where=self.where)  # a fork's store is bare
         code_of_id = self.code_of_id(teacher)
         enc = codec.encode(samples, params=meta.codec, code_of_id=code_of_id, vocab_size=meta.vocab_size)
@@ -947,24 +1049,35 @@ class PartWriter:
             arrays[f"students/{info['name']}/ids"] = st.ids.astype(np.int32)
             arrays[f"students/{info['name']}/groups"] = st.groups.astype(np.int32).reshape(-1)
             if (st.loss_mask is not None) != (meta.loss_mask is not None):
-                raise InvalidSampleError(f"student tokens of {info['name']!r}: loss_mask must be "
-                                         f"{'given' if meta.loss_mask else 'absent'} for this teacher")
+                raise InvalidSampleError(
+                    f"student tokens of {info['name']!r}: loss_mask must be "
+                    f"{'given' if meta.loss_mask else 'absent'} for this teacher"
+                )
             if st.loss_mask is not None:
                 arrays[f"students/{info['name']}/loss_mask"] = st.loss_mask.astype(np.uint8)
         path = f"teachers/{teacher}/parts/{part}"
         grids = {name: meta.grid for name in GRID_ARRAYS}
-        pending = rawwrite.encode_arrays({f"{path}/{name}": (values, _array_kwargs(values, grid=grids.get(name)))
-                                          for name, values in arrays.items()})
-        rows = index.part_rows(sample_ids=samples.sample_ids, teacher=teacher, part=part, enc=enc,
-                               n_tokens=samples.n_tokens, source_hashes=source_hashes, students=ordered)
+        pending = rawwrite.encode_arrays(
+            {f"{path}/{name}": (values, _array_kwargs(values, grid=grids.get(name))) for name, values in arrays.items()}
+        )
+        rows = index.part_rows(
+            sample_ids=samples.sample_ids,
+            teacher=teacher,
+            part=part,
+            enc=enc,
+            n_tokens=samples.n_tokens,
+            source_hashes=source_hashes,
+            students=ordered,
+        )
         encoded = pending.result()
         stored = sum(a.nbytes for a in encoded.values())
         attrs = {"samples": len(samples), "tokens": int(samples.n_tokens.sum()), "stored_bytes": stored}
         documents = {f"{path}/zarr.json": rawwrite.group_document(attrs)}
         if ordered:
             documents[f"{path}/students/zarr.json"] = rawwrite.group_document({})
-            documents.update({f"{path}/students/{info['name']}/zarr.json": rawwrite.group_document({})
-                              for info in meta.students})
+            documents.update(
+                {f"{path}/students/{info['name']}/zarr.json": rawwrite.group_document({}) for info in meta.students}
+            )
         with storage_errors(f"cannot write to {self.where}"):
             rawwrite.write_objects(store, documents=documents, arrays=encoded)
         is_fork = isinstance(self.session, icechunk.ForkSession)
@@ -974,8 +1087,14 @@ class PartWriter:
         """The teacher's id order (token id -> stored code), read once per `StoreWriter`."""
         if teacher not in self._codes:
             with read_errors(f"the id order of teacher {teacher!r} (teachers/{teacher}/code_of_id)"):
-                group = zarr.open_group(bounded_store(self.session.store, where=self.where), mode="r")[f"teachers/{teacher}"]
-                codes = group["code_of_id"][:] if "code_of_id" in group else codec.identity_order(self.teachers[teacher].vocab_size)
+                group = zarr.open_group(bounded_store(self.session.store, where=self.where), mode="r")[
+                    f"teachers/{teacher}"
+                ]
+                codes = (
+                    group["code_of_id"][:]
+                    if "code_of_id" in group
+                    else codec.identity_order(self.teachers[teacher].vocab_size)
+                )
             self._codes[teacher] = codes  # uint32: the encoder takes any integer type
         return self._codes[teacher]
 
@@ -1018,31 +1137,56 @@ def _array_kwargs(values: np.ndarray, *, grid: CodecParams | None = None) -> dic
     chunk = max(1, CHUNK_BYTES // itemsize)
     n_chunks = max(1, -(-len(values) // chunk))
     shard = chunk * min(CHUNKS_PER_SHARD, n_chunks)
-    blosc = BloscCodec(typesize=itemsize, cname="zstd", clevel=BLOSC_LEVEL, shuffle="shuffle" if itemsize > 1 else "noshuffle")
+    blosc = BloscCodec(
+        typesize=itemsize, cname="zstd", clevel=BLOSC_LEVEL, shuffle="shuffle" if itemsize > 1 else "noshuffle"
+    )
     if grid is not None:
         assert values.dtype == np.uint16, "grid-coded arrays are written from their uint16 codes"
-        return dict(shape=values.shape, dtype=np.float32, chunks=(chunk,), shards=(shard,), filters=[LogprobGrid.of(grid)],
-                    compressors=[blosc, Crc32cCodec()], fill_value=0.0)
-    return dict(shape=values.shape, dtype=values.dtype, chunks=(chunk,), shards=(shard,),
-                compressors=[blosc, Crc32cCodec()], fill_value=0)
+        return dict(
+            shape=values.shape,
+            dtype=np.float32,
+            chunks=(chunk,),
+            shards=(shard,),
+            filters=[LogprobGrid.of(grid)],
+            compressors=[blosc, Crc32cCodec()],
+            fill_value=0.0,
+        )
+    return dict(
+        shape=values.shape,
+        dtype=values.dtype,
+        chunks=(chunk,),
+        shards=(shard,),
+        compressors=[blosc, Crc32cCodec()],
+        fill_value=0,
+    )
 
 
 def _mismatch_message(old: TeacherMeta, new: TeacherMeta) -> str:
     for key in ("content_hash", "tokenizer_hash", "vocab_size", "sparsity"):
         if getattr(old, key) != getattr(new, key):
-            return (f"the store's teacher {old.name!r} was written with {key}={getattr(old, key)!r}, "
-                    f"this write has {getattr(new, key)!r}; use another teacher name or another store")
+            return (
+                f"the store's teacher {old.name!r} was written with {key}={getattr(old, key)!r}, "
+                f"this write has {getattr(new, key)!r}; use another teacher name or another store"
+            )
     if old.student_names != new.student_names or old.students != new.students:
-        return (f"the store's teacher {old.name!r} was written with student tokenizers {old.student_names or 'none'}, "
-                f"this build has {new.student_names or 'none'} (--student-tokenizer must match, same files); "
-                "use another teacher name, branch or store")
+        return (
+            f"the store's teacher {old.name!r} was written with student tokenizers {old.student_names or 'none'}, "
+            f"this build has {new.student_names or 'none'} (--student-tokenizer must match, same files); "
+            "use another teacher name, branch or store"
+        )
     if old.loss_mask != new.loss_mask:
+
         def kind(m):
             return "plain text" if m is None else f"chat data with teacher entries for {m} tokens"
-        return (f"the store's teacher {old.name!r} holds {kind(old.loss_mask)}, this build brings {kind(new.loss_mask)} "
-                "(--chat-column and --train-on must match); use another teacher name, branch or store")
+
+        return (
+            f"the store's teacher {old.name!r} holds {kind(old.loss_mask)}, this build brings {kind(new.loss_mask)} "
+            "(--chat-column and --train-on must match); use another teacher name, branch or store"
+        )
     if not old.same_computation(new):
-        return (f"the store's teacher {old.name!r} was computed by the {old.engine} engine in {old.dtype}, this build "
-                f"runs the {new.engine} engine in {new.dtype}; their values would mix in one teacher. Use the same "
-                "--engine and --dtype, or store this one as another teacher (--teacher-name)")
+        return (
+            f"the store's teacher {old.name!r} was computed by the {old.engine} engine in {old.dtype}, this build "
+            f"runs the {new.engine} engine in {new.dtype}; their values would mix in one teacher. Use the same "
+            "--engine and --dtype, or store this one as another teacher (--teacher-name)"
+        )
     return f"the store's teacher {old.name!r} uses codec {old.codec}, this write {new.codec}"

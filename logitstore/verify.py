@@ -97,8 +97,11 @@ def _check_teacher_array(version: StoreVersion, path: str, values: np.ndarray) -
         return None
     if name == "vocab_map":
         student = next((st for st in meta.students if st["name"] == parts[-2]), None)
-        ok = (len(values) == meta.vocab_size and student is not None
-              and bool(((values >= -1) & (values < student["vocab_size"])).all()))
+        ok = (
+            len(values) == meta.vocab_size
+            and student is not None
+            and bool(((values >= -1) & (values < student["vocab_size"])).all())
+        )
         return None if ok else "student ids outside the student's vocabulary"
     return None
 
@@ -112,7 +115,9 @@ def _read_part(version: StoreVersion, teacher: str, part: str) -> dict[str, np.n
     try:
         group = version.part_group(teacher, part)
         params = version.teachers[teacher].codec
-        return {name: as_codes(version.array(teacher, part, name)[:], params) for name in ENCODED_ARRAYS if name in group}
+        return {
+            name: as_codes(version.array(teacher, part, name)[:], params) for name in ENCODED_ARRAYS if name in group
+        }
     except StorageError:  # an outage is not damage: stop, exit 2
         raise
     except Exception:
@@ -125,13 +130,16 @@ def _student_tokens(version: StoreVersion, row: dict) -> list[StudentTokens]:
     for k, name in enumerate(version.teachers[row["teacher"]].student_names):
         base = f"teachers/{row['teacher']}/parts/{row['part']}/students/{name}"
         s0, n, g0, g = (row[c][k] for c in ("student_start", "n_student_tokens", "group_start", "n_groups"))
-        ids = version.root[f"{base}/ids"][s0:s0 + n]
-        groups = version.root[f"{base}/groups"][4 * g0:4 * (g0 + g)]
-        mask = version.root[f"{base}/loss_mask"][s0:s0 + n] if "loss_mask" in version.root[base] else None
+        ids = version.root[f"{base}/ids"][s0 : s0 + n]
+        groups = version.root[f"{base}/groups"][4 * g0 : 4 * (g0 + g)]
+        mask = version.root[f"{base}/loss_mask"][s0 : s0 + n] if "loss_mask" in version.root[base] else None
         if len(ids) != n or len(groups) != 4 * g or (mask is not None and len(mask) != n):
             raise IndexError("index points outside the stored student arrays")
-        out.append(StudentTokens(ids=ids, n_ids=np.array([n]), groups=groups.reshape(-1, 4), n_groups=np.array([g]),
-                                 loss_mask=mask))
+        out.append(
+            StudentTokens(
+                ids=ids, n_ids=np.array([n]), groups=groups.reshape(-1, 4), n_groups=np.array([g]), loss_mask=mask
+            )
+        )
     return out
 
 

@@ -55,13 +55,19 @@ class LogprobGrid(ArrayArrayCodec):
         return cls(**{k: float(v) for k, v in (configuration or {}).items()})
 
     def to_dict(self) -> dict:
-        return {"name": NAME, "configuration": {"fine_step": self.fine_step, "coarse_step": self.coarse_step,
-                                                "coarse_below": self.coarse_below}}
+        return {
+            "name": NAME,
+            "configuration": {
+                "fine_step": self.fine_step,
+                "coarse_step": self.coarse_step,
+                "coarse_below": self.coarse_below,
+            },
+        }
 
     def validate(self, *, shape, dtype, chunk_grid) -> None:
         if dtype.to_native_dtype() != np.dtype("float32"):
             raise ValueError(f"{NAME} encodes float32 log-probabilities, not {dtype}")
-        self.params  # checks the grid
+        _ = self.params  # building the grid's parameters checks them
 
     def resolve_metadata(self, chunk_spec):
         return replace(chunk_spec, dtype=UInt16(), fill_value=0)  # 0.0 is code 0

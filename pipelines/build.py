@@ -23,8 +23,8 @@ import json
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
 
 import numpy as np
 import pyarrow as pa
@@ -33,7 +33,7 @@ import pyarrow.compute as pc
 from logitstore import chat, codec
 from logitstore.ahead import read_ahead
 from logitstore.errors import ConflictError, LogitstoreError
-from logitstore.pipelines import data as data_io
+from logitstore.pipelines import inputs
 from logitstore.pipelines.engines import engine_class
 from logitstore.pipelines.workers import Unit, make_executor, worker_settings, write_unit
 from logitstore.sparsity import Sparsity, default_sparsity
@@ -54,7 +54,7 @@ class BuildConfig:
 
     store: str = DEFAULT_STORE
     teacher: str | None = None
-    data: str | data_io.HubDataset | None = None  # a path, or a datasets name (`data_io.dataset_source`)
+    data: str | inputs.HubDataset | None = None  # a path, or a datasets name (`inputs.dataset_source`)
     text_column: str = "text"
     id_column: str | None = None
     ids_column: str | None = None
@@ -87,29 +87,46 @@ class BuildConfig:
             self.data = str(SAMPLE_CHAT)
         engine = engine_class(self.engine)  # an unknown --engine is refused here, naming the engines
         if self.sparsity is None:  # the library and the CLI share one default
-            self.sparsity = default_sparsity(student_tokenizers=bool(self.student_tokenizers), engine_samples=engine.samples)
+            self.sparsity = default_sparsity(
+                student_tokenizers=bool(self.student_tokenizers), engine_samples=engine.samples
+            )
         checks = [
-            (not (self.student_tokenizers and self.ids_column),
-             "--student-tokenizer needs text to align; it cannot be used with --ids-column (pre-tokenized input)"),
+            (
+                not (self.student_tokenizers and self.ids_column),
+                "--student-tokenizer needs text to align; it cannot be used with --ids-column (pre-tokenized input)",
+            ),
             (self.max_length >= 2, f"--max-length must be at least 2, got {self.max_length}"),
             (self.batch_tokens >= 2, f"--batch-tokens must be at least 2, got {self.batch_tokens}"),
             (self.workers >= 1, f"--workers must be at least 1, got {self.workers}"),
             (self.commit_every > 0, f"--commit-every must be positive, got {self.commit_every}"),
             (self.unit_tokens >= 1, f"--unit-tokens must be at least 1, got {self.unit_tokens}"),
             (self.limit is None or self.limit >= 1, f"--limit must be at least 1, got {self.limit}"),
-            (self.device == "auto" or self.device.split(":")[0] in ("cpu", "cuda"),
-             f"--device must be auto, cpu or cuda[:N], got {self.device!r}"),
+            (
+                self.device == "auto" or self.device.split(":")[0] in ("cpu", "cuda"),
+                f"--device must be auto, cpu or cuda[:N], got {self.device!r}",
+            ),
             (self.tensor_parallel >= 1, f"--tensor-parallel must be at least 1, got {self.tensor_parallel}"),
-            (self.teacher_name is None or NAME.fullmatch(self.teacher_name) is not None,
-             f"--teacher-name {self.teacher_name!r}: use letters, digits, '.', '_' and '-' (at most 128)"),
+            (
+                self.teacher_name is None or NAME.fullmatch(self.teacher_name) is not None,
+                f"--teacher-name {self.teacher_name!r}: use letters, digits, '.', '_' and '-' (at most 128)",
+            ),
             (self.dtype in DTYPES, f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}"),
-            (self.on_duplicate in ON_DUPLICATE,
-             f"--on-duplicate must be one of {', '.join(ON_DUPLICATE)}, got {self.on_duplicate!r}"),
-            (self.train_on in chat.TRAIN_ON, f"--train-on must be one of {', '.join(chat.TRAIN_ON)}, got {self.train_on!r}"),
-            (self.chat_column is not None or self.train_on == "completion",
-             "--train-on applies to chat data (--chat-column); a plain text store supervises every token"),
-            (not (self.chat_column and self.ids_column),
-             "--chat-column and --ids-column exclude each other: conversations are rendered by the chat template"),
+            (
+                self.on_duplicate in ON_DUPLICATE,
+                f"--on-duplicate must be one of {', '.join(ON_DUPLICATE)}, got {self.on_duplicate!r}",
+            ),
+            (
+                self.train_on in chat.TRAIN_ON,
+                f"--train-on must be one of {', '.join(chat.TRAIN_ON)}, got {self.train_on!r}",
+            ),
+            (
+                self.chat_column is not None or self.train_on == "completion",
+                "--train-on applies to chat data (--chat-column); a plain text store supervises every token",
+            ),
+            (
+                not (self.chat_column and self.ids_column),
+                "--chat-column and --ids-column exclude each other: conversations are rendered by the chat template",
+            ),
         ]
         for ok, message in checks:
             if not ok:
@@ -148,8 +165,13 @@ def run_build(cfg: BuildConfig, *, log: Callable[[str], None] | None = None) -> 
     start = time.perf_counter()
     # The input first (exists, columns, first rows): a mistake there shows in a second, before any model
     # loads and before a store is created.
-    ids_from = data_io.check_input(cfg.data, text_column=cfg.text_column, id_column=cfg.id_column,
-                                   ids_column=cfg.ids_column, chat_column=cfg.chat_column)
+    ids_from = inputs.check_input(
+        cfg.data,
+        text_column=cfg.text_column,
+        id_column=cfg.id_column,
+        ids_column=cfg.ids_column,
+        chat_column=cfg.chat_column,
+    )
     info = describe_teacher(cfg.teacher)
     if cfg.teacher_name is not None:
         info = dataclasses.replace(info, spec=dataclasses.replace(info.spec, name=cfg.teacher_name))
@@ -160,14 +182,23 @@ def run_build(cfg: BuildConfig, *, log: Callable[[str], None] | None = None) -> 
     # The store (and a new branch) is made only with the first commit: a build that fails before leaves
     # no empty store or branch behind.
     store = Store.open_if_exists(cfg.store)
-    meta = TeacherMeta(name=info.spec.name, vocab_size=info.vocab_size, content_hash=info.content_hash,
-                       tokenizer_hash=info.tokenizer_hash, sparsity=cfg.sparsity.to_json(), codec=cfg.sparsity.grid,
-                       loss_mask=cfg.train_on if cfg.chat_column else None, engine=engine.name,
-                       dtype=engine.resolved_dtype(settings), engine_version=engine.version())
+    meta = TeacherMeta(
+        name=info.spec.name,
+        vocab_size=info.vocab_size,
+        content_hash=info.content_hash,
+        tokenizer_hash=info.tokenizer_hash,
+        sparsity=cfg.sparsity.to_json(),
+        codec=cfg.sparsity.grid,
+        loss_mask=cfg.train_on if cfg.chat_column else None,
+        engine=engine.name,
+        dtype=engine.resolved_dtype(settings),
+        engine_version=engine.version(),
+    )
     summary = BuildSummary(teacher=meta.name)
     stored = _stored_documents(store, cfg, meta, students)
-    units = plan_units(cfg, info.tokenizer, stored=stored, summary=summary, students=students,
-                       vocab_size=info.vocab_size)
+    units = plan_units(
+        cfg, info.tokenizer, stored=stored, summary=summary, students=students, vocab_size=info.vocab_size
+    )
     first = next(units, None)  # reads and checks the input before any model is loaded
     if first is not None:
         log(f"build: sample ids are {ids_from}")
@@ -178,8 +209,9 @@ def run_build(cfg: BuildConfig, *, log: Callable[[str], None] | None = None) -> 
             new_teacher = store is None or meta.name not in store.read(_base_branch(store, cfg)).teachers
             samples = executor.compute(first) if new_teacher else None
             store = _store_and_branch(store, cfg)
-            if new_teacher and _add_teacher_with_first_unit(store, cfg, meta, info, first, samples, summary,
-                                                            students=students):
+            if new_teacher and _add_teacher_with_first_unit(
+                store, cfg, meta, info, first, samples, summary, students=students
+            ):
                 head = []
                 progress.update(tokens=first.n_tokens, samples=len(first.sample_ids), documents=first.documents_read)
             _process(store, cfg, head, units, executor, summary, progress)
@@ -195,7 +227,9 @@ def run_build(cfg: BuildConfig, *, log: Callable[[str], None] | None = None) -> 
     return summary
 
 
-def run_builds(cfg: BuildConfig, teachers: list[str | None], *, log: Callable[[str], None] | None = None) -> BuildSummary:
+def run_builds(
+    cfg: BuildConfig, teachers: list[str | None], *, log: Callable[[str], None] | None = None
+) -> BuildSummary:
     """`build --teacher A --teacher B ...`: one pass over the data per teacher, in order, each its own
     commits on the same branch (so a crash in B keeps A's work, and a re-run skips what is stored).
     The summary adds the teachers up; `teachers` holds each one's own summary."""
@@ -204,15 +238,24 @@ def run_builds(cfg: BuildConfig, teachers: list[str | None], *, log: Callable[[s
     if len(teachers) <= 1:
         return run_build(dataclasses.replace(cfg, teacher=teachers[0] if teachers else cfg.teacher), log=log)
     if cfg.teacher_name is not None:
-        raise BuildError("--teacher-name names one teacher; with several --teacher, each is named by its folder or file")
+        raise BuildError(
+            "--teacher-name names one teacher; with several --teacher, each is named by its folder or file"
+        )
     names = [describe_teacher(t).spec.name for t in teachers]  # every teacher loads before any work starts
     clash = sorted({n for n in names if names.count(n) > 1})
     if clash:
-        raise BuildError(f"--teacher: several teachers are named {clash[0]!r} (the name is the model folder's or "
-                         "file's name); put them in folders with distinct names")
+        raise BuildError(
+            f"--teacher: several teachers are named {clash[0]!r} (the name is the model folder's or "
+            "file's name); put them in folders with distinct names"
+        )
     parts = [run_build(dataclasses.replace(cfg, teacher=t), log=log) for t in teachers]
-    total = BuildSummary(teacher=",".join(names), skipped=parts[0].skipped, duplicates=parts[0].duplicates,
-                         version=parts[-1].version, teachers=[p.to_json() for p in parts])
+    total = BuildSummary(
+        teacher=",".join(names),
+        skipped=parts[0].skipped,
+        duplicates=parts[0].duplicates,
+        version=parts[-1].version,
+        teachers=[p.to_json() for p in parts],
+    )
     for p in parts:
         total.samples += p.samples
         total.tokens += p.tokens
@@ -231,8 +274,10 @@ def check_teacher_fits(cfg: BuildConfig, info) -> None:
     if not cfg.sparsity.sampled and cfg.sparsity.k > info.vocab_size:
         raise BuildError(f"--top-k {cfg.sparsity.k} is larger than the teacher's vocabulary ({info.vocab_size})")
     if info.max_positions is not None and cfg.max_length > info.max_positions:
-        raise BuildError(f"--max-length {cfg.max_length} exceeds the teacher's context of {info.max_positions} "
-                         f"tokens (its config's max_position_embeddings); use at most {info.max_positions}")
+        raise BuildError(
+            f"--max-length {cfg.max_length} exceeds the teacher's context of {info.max_positions} "
+            f"tokens (its config's max_position_embeddings); use at most {info.max_positions}"
+        )
 
 
 def _store_and_branch(store: Store | None, cfg: BuildConfig) -> Store:
@@ -248,8 +293,9 @@ def _base_branch(store: Store, cfg: BuildConfig) -> str:
     return cfg.branch if cfg.branch in store.branches() else DEFAULT_BRANCH
 
 
-def _stored_documents(store: Store | None, cfg: BuildConfig, meta: TeacherMeta,
-                      students: list[StudentSide]) -> StoredDocuments:
+def _stored_documents(
+    store: Store | None, cfg: BuildConfig, meta: TeacherMeta, students: list[StudentSide]
+) -> StoredDocuments:
     """What the branch holds of this teacher (a branch not made yet: what main holds, which it will
     start from), after checking that the stored teacher is this one."""
     if store is None:
@@ -261,8 +307,17 @@ def _stored_documents(store: Store | None, cfg: BuildConfig, meta: TeacherMeta,
         return StoredDocuments.from_index(store.read_index(writer.base_snapshot), teacher=meta.name)
 
 
-def _add_teacher_with_first_unit(store: Store, cfg: BuildConfig, meta: TeacherMeta, info, unit: Unit,
-                                 samples, summary: BuildSummary, *, students: list[StudentSide]) -> bool:
+def _add_teacher_with_first_unit(
+    store: Store,
+    cfg: BuildConfig,
+    meta: TeacherMeta,
+    info,
+    unit: Unit,
+    samples,
+    summary: BuildSummary,
+    *,
+    students: list[StudentSide],
+) -> bool:
     """Register the teacher and write the first unit in one commit. The codec's id order and the
     mapped share of each student tokenizer come from the teacher's entries on that unit, so they cost
     no extra forward pass; forks, which cannot create the shared teacher group, start after this commit.
@@ -272,14 +327,19 @@ def _add_teacher_with_first_unit(store: Store, cfg: BuildConfig, meta: TeacherMe
     stored is skipped)."""
     assert not unit.replaces, "a teacher new to the branch has no stored documents to replace"
     code_of_id = codec.frequency_id_order(samples.entry_ids, vocab_size=meta.vocab_size)
-    registrations = [dataclasses.replace(st.registration, **_mapped_mass(samples, st.registration.vocab_map))
-                     for st in students]
+    registrations = [
+        dataclasses.replace(st.registration, **_mapped_mass(samples, st.registration.vocab_map)) for st in students
+    ]
     with store.writer(branch=cfg.branch) as writer:
         if meta.name in writer.teachers:  # registered by a concurrent build since this one looked
             writer.add_teacher(meta, students=[st.registration for st in students])  # only checks it is this one
             return False
-        writer.add_teacher(meta, tokenizer_json=info.tokenizer.backend_tokenizer.to_str(), code_of_id=code_of_id,
-                           students=registrations)
+        writer.add_teacher(
+            meta,
+            tokenizer_json=info.tokenizer.backend_tokenizer.to_str(),
+            code_of_id=code_of_id,
+            students=registrations,
+        )
         written = write_unit(writer.part_writer(), unit, samples, teacher=meta.name)
         added = writer.merge(written)
         try:
@@ -301,7 +361,8 @@ def _process(store, cfg, head: list[Unit], rest: Iterator[Unit], executor, summa
     last_commit = time.monotonic()
     units = read_ahead(itertools.chain(head, rest), depth=PLAN_AHEAD, name="logitstore-plan")
     try:
-        for written, unit in executor.map(units, writer_for=lambda: writer, max_in_flight=2 * cfg.workers):
+        # writer_for reads `writer` when called: after a commit it is the new transaction's writer
+        for written, unit in executor.map(units, writer_for=lambda: writer, max_in_flight=2 * cfg.workers):  # noqa: B023
             writer.remove(summary.teacher, unit.replaces)  # the changed documents' old windows
             added = writer.merge(written)
             summary.samples += added
@@ -312,7 +373,7 @@ def _process(store, cfg, head: list[Unit], rest: Iterator[Unit], executor, summa
                 _commit(writer, cfg, summary, final=False)
                 writer = store.writer(branch=cfg.branch, on_duplicate="skip")
                 last_commit = time.monotonic()
-    except (data_io.DataError, BuildError):
+    except (inputs.DataError, BuildError):
         _commit(writer, cfg, summary, final=False)  # a bad row further on keeps the units computed before it
         raise
     finally:
@@ -353,7 +414,7 @@ class StoredDocuments:
     def from_index(cls, index: pa.Table, *, teacher: str) -> StoredDocuments:
         rows = index.filter(pc.equal(index["teacher"], teacher))
         sample_ids = rows["sample_id"].to_pylist()
-        documents = data_io.document_ids(rows["sample_id"]).to_pylist()
+        documents = inputs.document_ids(rows["sample_id"]).to_pylist()
         out = cls(sample_ids=set(sample_ids))
         for sid, doc, source in zip(sample_ids, documents, rows["source_hash"].to_pylist()):  # per sample, once
             out.ids_of.setdefault(doc, []).append(sid)
@@ -375,15 +436,27 @@ class StoredDocuments:
         return ids
 
 
-def plan_units(cfg: BuildConfig, tokenizer, *, stored: StoredDocuments | None = None, summary: BuildSummary,
-               students: list[StudentSide] = (), vocab_size: int | None = None) -> Iterator[Unit]:
+def plan_units(
+    cfg: BuildConfig,
+    tokenizer,
+    *,
+    stored: StoredDocuments | None = None,
+    summary: BuildSummary,
+    students: list[StudentSide] = (),
+    vocab_size: int | None = None,
+) -> Iterator[Unit]:
     """Units of about `unit_tokens` tokens in input order, skipping units already stored. A long
     document's windows fill as many units as they need, so commits keep coming."""
     stored = stored if stored is not None else StoredDocuments()
     pending = Unit(index=0)
     seen: set[str] = set()
-    documents = data_io.read_documents(cfg.data, text_column=cfg.text_column, id_column=cfg.id_column,
-                                       ids_column=cfg.ids_column, chat_column=cfg.chat_column)
+    documents = inputs.read_documents(
+        cfg.data,
+        text_column=cfg.text_column,
+        id_column=cfg.id_column,
+        ids_column=cfg.ids_column,
+        chat_column=cfg.chat_column,
+    )
     for doc_batch in _batched(itertools.islice(documents, cfg.limit), 256):
         if cfg.chat_column:
             tokenized = _tokenize_chat(tokenizer, doc_batch, students)
@@ -406,15 +479,19 @@ def plan_units(cfg: BuildConfig, tokenizer, *, stored: StoredDocuments | None = 
                 if cfg.on_duplicate == "skip":
                     continue
                 pending.replaces += _replace(doc, stored, cfg)
-            windows = data_io.window(token_ids, max_length=cfg.max_length) if len(token_ids) >= 2 else []
+            windows = inputs.window(token_ids, max_length=cfg.max_length) if len(token_ids) >= 2 else []
             if not windows:
                 summary.skipped += 1
                 continue
-            starts = np.arange(len(windows)) * (cfg.max_length - 1)  # data_io.window's stride
-            for sid, win, start in zip(data_io.window_ids(doc.id, len(windows)), windows, starts.tolist()):
-                pending.add(sid, win, doc.source_hash,
-                            students=_window_students(alignments, t_start=start, t_stop=start + len(win)),
-                            loss_mask=None if loss_mask is None else loss_mask[start:start + len(win)])
+            starts = np.arange(len(windows)) * (cfg.max_length - 1)  # inputs.window's stride
+            for sid, win, start in zip(inputs.window_ids(doc.id, len(windows)), windows, starts.tolist()):
+                pending.add(
+                    sid,
+                    win,
+                    doc.source_hash,
+                    students=_window_students(alignments, t_start=start, t_stop=start + len(win)),
+                    loss_mask=None if loss_mask is None else loss_mask[start : start + len(win)],
+                )
                 if pending.n_tokens >= cfg.unit_tokens:
                     yield from _unless_stored(pending, stored.sample_ids, summary)
                     pending = Unit(index=pending.index + 1)
@@ -427,15 +504,19 @@ def _replace(doc, stored: StoredDocuments, cfg: BuildConfig) -> list[str]:
     if cfg.on_duplicate == "replace":
         return stored.forget(doc.id)
     was = stored.source_of[doc.id] or "windows of mixed sources"
-    raise BuildError(f"document {doc.id!r} (input row {doc.row}) is stored with other text (source hash {was}, "
-                     f"now {doc.source_hash}); pass --on-duplicate replace to recompute it, or skip to keep the stored one")
+    raise BuildError(
+        f"document {doc.id!r} (input row {doc.row}) is stored with other text (source hash {was}, "
+        f"now {doc.source_hash}); pass --on-duplicate replace to recompute it, or skip to keep the stored one"
+    )
 
 
 def _check_token_ids(doc, token_ids: np.ndarray, *, vocab_size: int | None) -> None:
     """Pre-tokenized ids must be the teacher's: checked here, with the row, before any model loads."""
     if vocab_size is not None and doc.token_ids is not None and len(token_ids) and int(token_ids.max()) >= vocab_size:
-        raise BuildError(f"document {doc.id!r} (input row {doc.row}): token id {int(token_ids.max())} is beyond the "
-                         f"teacher's vocabulary ({vocab_size} ids)")
+        raise BuildError(
+            f"document {doc.id!r} (input row {doc.row}): token id {int(token_ids.max())} is beyond the "
+            f"teacher's vocabulary ({vocab_size} ids)"
+        )
 
 
 def _unless_stored(unit: Unit, known: set[str], summary: BuildSummary) -> Iterator[Unit]:
@@ -448,11 +529,14 @@ def _unless_stored(unit: Unit, known: set[str], summary: BuildSummary) -> Iterat
 def _tokenize(tokenizer, docs: list) -> list[tuple[np.ndarray, dict, None]]:
     texts = [d.text for d in docs if d.token_ids is None]
     encoded = iter(tokenizer(texts)["input_ids"]) if texts else iter(())
-    return [(np.asarray(d.token_ids if d.token_ids is not None else next(encoded), dtype=np.int64), {}, None)
-            for d in docs]
+    return [
+        (np.asarray(d.token_ids if d.token_ids is not None else next(encoded), dtype=np.int64), {}, None) for d in docs
+    ]
 
 
-def _tokenize_chat(tokenizer, docs: list, students: list[StudentSide] = ()) -> list[tuple[np.ndarray, dict, np.ndarray]]:
+def _tokenize_chat(
+    tokenizer, docs: list, students: list[StudentSide] = ()
+) -> list[tuple[np.ndarray, dict, np.ndarray]]:
     """Conversations rendered by the teacher's chat template: ids and the loss mask (`logitstore.chat`),
     and per student tokenizer its ids, the groups and its own mask of the same spans: a student token
     is supervised iff its bytes lie inside an assistant span."""
@@ -473,7 +557,11 @@ def _tokenize_chat(tokenizer, docs: list, students: list[StudentSide] = ()) -> l
         alignments = {}
         for st, student_encoded in zip(students, per_student):
             s_ids, s_ends = student_encoded[i]
-            alignments[st.registration.name] = (s_ids, align.align_groups(ends, s_ends), chat.token_mask(s_ends, byte_spans))
+            alignments[st.registration.name] = (
+                s_ids,
+                align.align_groups(ends, s_ends),
+                chat.token_mask(s_ends, byte_spans),
+            )
         out.append((ids, alignments, chat.token_mask(ends, byte_spans)))
     return out
 
@@ -492,8 +580,7 @@ class StudentSide:
 def load_student_tokenizers(specs: tuple[str, ...], *, teacher) -> list[StudentSide]:
     """Parse and load every `--student-tokenizer [NAME=]TOK`, and map the teacher's vocabulary onto each."""
     from logitstore import align
-    from logitstore.pipelines.teacher import tokenizer_hash
-    from logitstore.tokenizer_io import load_tokenizer, parse_tokenizer_spec
+    from logitstore.tokenizer_io import load_tokenizer, parse_tokenizer_spec, tokenizer_hash
 
     out: list[StudentSide] = []
     for spec in specs:
@@ -502,8 +589,13 @@ def load_student_tokenizers(specs: tuple[str, ...], *, teacher) -> list[StudentS
             raise BuildError(f"--student-tokenizer: two tokenizers are named {name!r}; name them with NAME=TOK")
         tokenizer = load_tokenizer(path)
         vmap = align.vocab_map(teacher.tokenizer, tokenizer, teacher_vocab_size=teacher.vocab_size)
-        registration = StudentTokenizer(name=name, tokenizer_hash=tokenizer_hash(tokenizer), vocab_size=len(tokenizer),
-                                        tokenizer_json=tokenizer.backend_tokenizer.to_str(), vocab_map=vmap)
+        registration = StudentTokenizer(
+            name=name,
+            tokenizer_hash=tokenizer_hash(tokenizer),
+            vocab_size=len(tokenizer),
+            tokenizer_json=tokenizer.backend_tokenizer.to_str(),
+            vocab_map=vmap,
+        )
         out.append(StudentSide(tokenizer=tokenizer, registration=registration))
     return out
 
@@ -571,7 +663,7 @@ class Progress:
     def __init__(self, cfg: BuildConfig, *, log: Callable[[str], None], every: float = 10.0):
         self.log, self.every = log, every
         self.enabled = cfg.progress
-        self.total_documents = data_io.count_documents(cfg.data) if cfg.progress else None
+        self.total_documents = inputs.count_documents(cfg.data) if cfg.progress else None
         if self.total_documents is not None and cfg.limit is not None:
             self.total_documents = min(self.total_documents, cfg.limit)
         self.start = time.monotonic()
@@ -623,8 +715,10 @@ class Progress:
             total = self._total()
             eta = "" if final or total is None or not rate else f", ETA {(total - self._done()) / rate / 60:.1f} min"
             of = f" of ~{total:,}" if total and not final else ""
-            self.log(f"build: {self._done():,}{of} tokens, {self.samples:,} samples, {self.documents:,} documents, "
-                     f"{rate:,.0f} tokens/s{eta}")
+            self.log(
+                f"build: {self._done():,}{of} tokens, {self.samples:,} samples, {self.documents:,} documents, "
+                f"{rate:,.0f} tokens/s{eta}"
+            )
 
     def finish(self) -> None:
         """The build is done: the bar to 100%, or a last line with the totals."""

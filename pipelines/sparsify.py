@@ -13,8 +13,9 @@ from logitstore.samples import SparseSamples
 from logitstore.sparsity import Sparsity
 
 
-def to_samples(batch: SparseBatch, *, sample_ids: list[str], lengths: np.ndarray, input_ids: list[np.ndarray],
-               sparsity: Sparsity) -> SparseSamples:
+def to_samples(
+    batch: SparseBatch, *, sample_ids: list[str], lengths: np.ndarray, input_ids: list[np.ndarray], sparsity: Sparsity
+) -> SparseSamples:
     """Rows of a right-padded batch -> `SparseSamples` (padding positions dropped)."""
     lengths = np.asarray(lengths, dtype=np.int64)
     positions = lengths - 1
@@ -64,7 +65,9 @@ def _distinct_draws(draws: np.ndarray, logprobs: np.ndarray) -> tuple[np.ndarray
     values = np.empty(positions * width, dtype=np.float32)
     counts = np.empty(positions * width, dtype=np.int64)
     if draws.size:
-        used = _distinct_draws_kernel(np.ascontiguousarray(draws), np.ascontiguousarray(logprobs), n_entries, ids, values, counts)
+        used = _distinct_draws_kernel(
+            np.ascontiguousarray(draws), np.ascontiguousarray(logprobs), n_entries, ids, values, counts
+        )
         ids, values, counts = ids[:used], values[:used], counts[:used]
     else:
         ids, values, counts = ids[:0], values[:0], counts[:0]

@@ -11,11 +11,11 @@ sizes (8 x 2048 tokens x 49k vocab x 4 bytes is already 3.2 GB; at a 152k vocab,
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import importlib.util
 import json
-import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,6 +24,7 @@ import torch
 
 from logitstore.errors import LogitstoreError
 from logitstore.hub import is_hub_id, local_folder, repo_name
+from logitstore.tokenizer_io import tokenizer_hash
 
 DEFAULT_TEACHER = "smollm2-135m-instruct"
 
@@ -104,9 +105,7 @@ def resolve_teacher(spec: str | None) -> TeacherSpec:
     path = Path(spec).expanduser()
     if not path.exists():
         known = ", ".join(sorted(BUILTIN_TEACHERS))
-        raise TeacherError(
-            f"teacher {spec!r}: no such file or directory, and not a builtin teacher ({known})"
-        )
+        raise TeacherError(f"teacher {spec!r}: no such file or directory, and not a builtin teacher ({known})")
     if path.is_dir():
         return _resolve_hf_dir(path)
     return _resolve_gguf(path)
@@ -137,8 +136,7 @@ def _resolve_hf_dir(path: Path) -> TeacherSpec:
         raise TeacherError(f"teacher {str(path)!r}: unreadable config.json ({exc})") from exc
     if not _is_causal_lm_config(config):
         raise TeacherError(
-            f"teacher {str(path)!r}: model_type {config.get('model_type')!r} "
-            "is not a causal language model"
+            f"teacher {str(path)!r}: model_type {config.get('model_type')!r} is not a causal language model"
         )
     return TeacherSpec(name=path.resolve().name, kind="hf_dir", path=path.resolve())
 
@@ -158,9 +156,7 @@ def _resolve_gguf(path: Path) -> TeacherSpec:
     with path.open("rb") as handle:
         magic = handle.read(4)
     if path.suffix.lower() != ".gguf" or magic != b"GGUF":
-        raise TeacherError(
-            f"teacher {str(path)!r}: not a .gguf file or a model directory with config.json"
-        )
+        raise TeacherError(f"teacher {str(path)!r}: not a .gguf file or a model directory with config.json")
     path = path.resolve()
     return TeacherSpec(name=path.stem, kind="gguf", path=path.parent, gguf_file=path.name)
 
@@ -168,9 +164,7 @@ def _resolve_gguf(path: Path) -> TeacherSpec:
 # --------------------------------------------------------------------------- load
 
 
-def load_teacher(
-    spec: TeacherSpec | str | None, *, device: str | torch.device = "cpu", dtype=None
-) -> Teacher:
+def load_teacher(spec: TeacherSpec | str | None, *, device: str | torch.device = "cpu", dtype=None) -> Teacher:
     """Load the teacher's model (eval mode, frozen) and tokenizer, and fingerprint both.
 
     dtype defaults to bfloat16 on GPU and float32 on CPU. Raises `TeacherError` (a
@@ -186,8 +180,7 @@ def load_teacher(
     vocab_size = _output_size(model)
     if len(tokenizer) > vocab_size:
         raise TeacherError(
-            f"teacher {spec.name!r}: tokenizer has {len(tokenizer)} tokens "
-            f"but the model only predicts {vocab_size}"
+            f"teacher {spec.name!r}: tokenizer has {len(tokenizer)} tokens but the model only predicts {vocab_size}"
         )
     return Teacher(
         spec=spec,
@@ -234,10 +227,18 @@ def _describe(spec: TeacherSpec) -> TeacherInfo:
     if vocab_size < 1:
         raise TeacherError(f"teacher {spec.name!r}: its config names no vocab_size")
     if len(tokenizer) > vocab_size:
-        raise TeacherError(f"teacher {spec.name!r}: tokenizer has {len(tokenizer)} tokens but the model only predicts {vocab_size}")
+        raise TeacherError(
+            f"teacher {spec.name!r}: tokenizer has {len(tokenizer)} tokens but the model only predicts {vocab_size}"
+        )
     max_positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
-    return TeacherInfo(spec=spec, tokenizer=tokenizer, vocab_size=vocab_size, content_hash=_content_hash(spec),
-                       tokenizer_hash=tokenizer_hash(tokenizer), max_positions=int(max_positions) if max_positions else None)
+    return TeacherInfo(
+        spec=spec,
+        tokenizer=tokenizer,
+        vocab_size=vocab_size,
+        content_hash=_content_hash(spec),
+        tokenizer_hash=tokenizer_hash(tokenizer),
+        max_positions=int(max_positions) if max_positions else None,
+    )
 
 
 def _load_model_and_tokenizer(spec: TeacherSpec, *, dtype: torch.dtype):
@@ -261,15 +262,6 @@ def _output_size(model) -> int:
     if head is None:
         raise TeacherError(f"{type(model).__name__} has no output embeddings (lm_head)")
     return int(head.weight.shape[0])
-
-
-def tokenizer_hash(tokenizer) -> str:
-    """sha256 of the tokenizer's canonical JSON (vocab, merges, normalizer, pre/post-processing)."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None:
-        name = type(tokenizer).__name__
-        raise TeacherError(f"{name} is not a fast tokenizer; cannot fingerprint it")
-    return hashlib.sha256(backend.to_str().encode("utf-8")).hexdigest()
 
 
 def _content_hash(spec: TeacherSpec) -> str:
@@ -331,9 +323,17 @@ def sparse_topk_forward(
     `keep` (bool [B, T-1]): run the head only on these positions (chat data's completion); the others
     hold placeholders (ids 0..k-1, log-probabilities -30, tail 1, target 0) for the caller to drop.
     """
-    head = functools.partial(_head_chunk, k=k, temperature=temperature)
-    return _chunked_forward(model, input_ids, attention_mask, width=k, head=head, keep=keep,
-                            chunk_positions=chunk_positions, with_selection=temperature != 1.0)
+    head = functools.partial(head_chunk, k=k, temperature=temperature)
+    return _chunked_forward(
+        model,
+        input_ids,
+        attention_mask,
+        width=k,
+        head=head,
+        keep=keep,
+        chunk_positions=chunk_positions,
+        with_selection=temperature != 1.0,
+    )
 
 
 def sampled_forward(
@@ -353,13 +353,22 @@ def sampled_forward(
     `tail` the exact mass outside the distinct drawn ids (Sparse Logit Sampling, Anshumann et
     al. 2025: the draws' counts give an unbiased estimate of the distribution).
     """
-    head = functools.partial(_sample_chunk, n=n, temperature=temperature, generator=generator)
-    return _chunked_forward(model, input_ids, attention_mask, width=n, head=head, keep=keep,
-                            chunk_positions=chunk_positions, with_selection=False)
+    head = functools.partial(sample_chunk, n=n, temperature=temperature, generator=generator)
+    return _chunked_forward(
+        model,
+        input_ids,
+        attention_mask,
+        width=n,
+        head=head,
+        keep=keep,
+        chunk_positions=chunk_positions,
+        with_selection=False,
+    )
 
 
-def _chunked_forward(model, input_ids, attention_mask, *, width, head, chunk_positions, with_selection,
-                     keep=None) -> SparseBatch:
+def _chunked_forward(
+    model, input_ids, attention_mask, *, width, head, chunk_positions, with_selection, keep=None
+) -> SparseBatch:
     batch, length = input_ids.shape
     vocab = _output_size(model)
     if not 1 <= width <= vocab:
@@ -370,23 +379,23 @@ def _chunked_forward(model, input_ids, attention_mask, *, width, head, chunk_pos
         # Catches -100 label padding and ids from another tokenizer before an opaque IndexError.
         raise LogitstoreError(f"input_ids must be token ids in [0, {vocab})")
     with torch.inference_mode():
-        hidden = _last_hidden_state(model, input_ids, attention_mask)
+        hidden = last_hidden_state(model, input_ids, attention_mask)
         # The last position predicts past the end of the text: nothing to store.
         hidden = hidden[:, :-1].reshape(-1, hidden.shape[-1])
         targets = input_ids[:, 1:].reshape(-1).to(hidden.device)
-        out = _empty_sparse(hidden.shape[0], width, device=hidden.device, with_selection=with_selection)
+        out = empty_sparse(hidden.shape[0], width, device=hidden.device, with_selection=with_selection)
         if keep is None:
             for start in range(0, hidden.shape[0], chunk_positions):
                 rows = slice(start, start + chunk_positions)
                 head(model, hidden[rows], targets[rows], out=out, rows=rows)
-            return _reshape(out, batch, length - 1)
+            return reshape_positions(out, batch, length - 1)
         # Only the kept positions pay for the head (the [positions x vocab] product and its softmax).
         _fill_placeholders(out)
         kept = torch.nonzero(keep.reshape(-1).to(hidden.device)).squeeze(1)
         for start in range(0, len(kept), chunk_positions):
-            rows = kept[start:start + chunk_positions]
+            rows = kept[start : start + chunk_positions]
             head(model, hidden[rows], targets[rows], out=out, rows=rows)
-    return _reshape(out, batch, length - 1)
+    return reshape_positions(out, batch, length - 1)
 
 
 def _fill_placeholders(out: SparseBatch) -> None:
@@ -398,7 +407,7 @@ def _fill_placeholders(out: SparseBatch) -> None:
         out.selection_logprobs.fill_(-30.0)
 
 
-def _last_hidden_state(model, input_ids, attention_mask) -> torch.Tensor:
+def last_hidden_state(model, input_ids, attention_mask) -> torch.Tensor:
     decoder = model.get_decoder()
     if decoder is model:
         name = type(model).__name__
@@ -414,7 +423,7 @@ def _last_hidden_state(model, input_ids, attention_mask) -> torch.Tensor:
     return output[0]
 
 
-def _empty_sparse(n: int, k: int, *, device, with_selection: bool = False) -> SparseBatch:
+def empty_sparse(n: int, k: int, *, device, with_selection: bool = False) -> SparseBatch:
     return SparseBatch(
         ids=torch.empty(n, k, dtype=torch.int32, device=device),
         logprobs=torch.empty(n, k, dtype=torch.float32, device=device),
@@ -424,7 +433,7 @@ def _empty_sparse(n: int, k: int, *, device, with_selection: bool = False) -> Sp
     )
 
 
-def _head_chunk(model, hidden, targets, *, k: int, temperature: float, out: SparseBatch, rows: slice) -> None:
+def head_chunk(model, hidden, targets, *, k: int, temperature: float, out: SparseBatch, rows: slice) -> None:
     """Fill `out[rows]` from one chunk of hidden states.
 
     The log-softmax is never materialised: log p = logit - logsumexp(logits), applied
@@ -445,7 +454,9 @@ def _head_chunk(model, hidden, targets, *, k: int, temperature: float, out: Spar
     _target_and_tail(logits, log_norm, targets, top_ids, out=out, rows=rows)
 
 
-def _sample_chunk(model, hidden, targets, *, n: int, temperature: float, generator, out: SparseBatch, rows: slice) -> None:
+def sample_chunk(
+    model, hidden, targets, *, n: int, temperature: float, generator, out: SparseBatch, rows: slice
+) -> None:
     logits = _logits(model, hidden)
     log_norm = torch.logsumexp(logits, dim=-1)
     probs = torch.softmax(logits / temperature, dim=-1)
@@ -457,7 +468,7 @@ def _sample_chunk(model, hidden, targets, *, n: int, temperature: float, generat
 
 
 def _target_and_tail(logits, log_norm, targets, kept_ids, *, out: SparseBatch, rows: slice) -> None:
-    """Target log-probability, then the mass outside `kept_ids` summed directly (see `_head_chunk`)."""
+    """Target log-probability, then the mass outside `kept_ids` summed directly (see `head_chunk`)."""
     out.target_logprob[rows] = logits.gather(1, targets[:, None]).squeeze(1) - log_norm
     logits.scatter_(1, kept_ids, float("-inf"))
     tail_log = torch.logsumexp(logits, dim=-1) - log_norm
@@ -474,7 +485,7 @@ def _logits(model, hidden: torch.Tensor) -> torch.Tensor:
     return logits
 
 
-def _reshape(flat: SparseBatch, batch: int, positions: int) -> SparseBatch:
+def reshape_positions(flat: SparseBatch, batch: int, positions: int) -> SparseBatch:
     k = flat.ids.shape[-1]
     selection = flat.selection_logprobs
     return SparseBatch(

@@ -16,9 +16,9 @@ import hashlib
 import os
 import threading
 from collections import deque
+from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
 
 import numpy as np
 
@@ -28,7 +28,6 @@ from logitstore.pipelines.engines import engine_class
 from logitstore.samples import SparseSamples, StudentTokens
 from logitstore.sparsity import Sparsity
 from logitstore.store import PartWriter, WrittenPart
-
 
 # Units a worker holds at once, each in its own thread: one in the teacher's forward passes while up to
 # two others are selected and written (a write queue of depth 2). With two, the teacher idled whenever
@@ -56,8 +55,15 @@ class Unit:
     # per sample id: uint8 [tokens], 1 for completion tokens (chat data only; `logitstore.chat`)
     loss_masks: dict[str, np.ndarray] = field(default_factory=dict)
 
-    def add(self, sample_id: str, tokens: np.ndarray, source_hash: str, *, students: dict | None = None,
-            loss_mask: np.ndarray | None = None) -> None:
+    def add(
+        self,
+        sample_id: str,
+        tokens: np.ndarray,
+        source_hash: str,
+        *,
+        students: dict | None = None,
+        loss_mask: np.ndarray | None = None,
+    ) -> None:
         self.sample_ids.append(sample_id)
         if loss_mask is not None:
             self.loss_masks[sample_id] = np.asarray(loss_mask, dtype=np.uint8)
@@ -109,8 +115,9 @@ class TeacherWorker:
         which positions it may skip)."""
         completion_only = bool(unit.loss_masks) and self.settings.entries_for == "completion"
         keep = [unit.loss_masks[sid][1:] for sid in unit.sample_ids] if completion_only else None
-        samples = self.engine.compute(unit.sample_ids, unit.tokens, seed=unit_seed(self.settings.seed, unit),
-                                      keep=keep, on_batch=self.on_batch)
+        samples = self.engine.compute(
+            unit.sample_ids, unit.tokens, seed=unit_seed(self.settings.seed, unit), keep=keep, on_batch=self.on_batch
+        )
         if not unit.loss_masks:
             return samples
         samples.loss_mask = np.concatenate([unit.loss_masks[sid] for sid in samples.sample_ids])
@@ -125,10 +132,12 @@ def write_unit(writer: PartWriter, unit: Unit, samples: SparseSamples, *, teache
     students = None
     if unit.students:
         names = next(iter(unit.students.values())).keys()
-        students = {name: StudentTokens.from_samples([unit.students[s][name] for s in samples.sample_ids])
-                    for name in names}
-    return writer.write(samples, teacher=teacher, source_hashes=[by_id[s] for s in samples.sample_ids],
-                        students=students)
+        students = {
+            name: StudentTokens.from_samples([unit.students[s][name] for s in samples.sample_ids]) for name in names
+        }
+    return writer.write(
+        samples, teacher=teacher, source_hashes=[by_id[s] for s in samples.sample_ids], students=students
+    )
 
 
 def unit_seed(seed: int, unit: Unit) -> int:
@@ -153,7 +162,9 @@ class InProcessExecutor:
     def compute(self, unit: Unit) -> SparseSamples:
         return self.worker.compute(unit)
 
-    def map(self, units: Iterator[Unit], *, writer_for: Callable, max_in_flight: int) -> Iterator[tuple[WrittenPart, Unit]]:
+    def map(
+        self, units: Iterator[Unit], *, writer_for: Callable, max_in_flight: int
+    ) -> Iterator[tuple[WrittenPart, Unit]]:
         units = iter(units)
         first = next(units, None)
         if first is not None:
@@ -163,8 +174,11 @@ class InProcessExecutor:
             # empty numba cache). It costs one unit's overlap.
             yield self.worker.process(first, writer_for().fork())
         # One unit more than threads: a thread that finishes finds the next unit waiting.
-        yield from _in_order(units, lambda unit: self.pool.submit(self.worker.process, unit, writer_for().fork()),
-                             max_in_flight=OVERLAP + 1)
+        yield from _in_order(
+            units,
+            lambda unit: self.pool.submit(self.worker.process, unit, writer_for().fork()),
+            max_in_flight=OVERLAP + 1,
+        )
 
     def close(self) -> None:
         # Units not started are dropped; a running one finishes (a forward pass cannot be interrupted)
@@ -208,15 +222,19 @@ class ProcessExecutor:
             devices = context.Queue()
             for group in worker_devices(workers=workers, gpus_per_worker=gpus, visible=visible_gpus()):
                 devices.put(group)
-        self.pool = ProcessPoolExecutor(max_workers=workers, mp_context=context, initializer=_init_worker,
-                                        initargs=(settings, devices))
+        self.pool = ProcessPoolExecutor(
+            max_workers=workers, mp_context=context, initializer=_init_worker, initargs=(settings, devices)
+        )
 
     def compute(self, unit: Unit) -> SparseSamples:
         return self.pool.submit(_compute_in_worker, unit).result()
 
     def map(self, units, *, writer_for, max_in_flight):
-        yield from _in_order(units, lambda unit: self.pool.submit(_process_in_worker, unit, writer_for().fork()),
-                             max_in_flight=max_in_flight)
+        yield from _in_order(
+            units,
+            lambda unit: self.pool.submit(_process_in_worker, unit, writer_for().fork()),
+            max_in_flight=max_in_flight,
+        )
 
     def close(self) -> None:
         self.pool.shutdown(cancel_futures=True)
@@ -253,8 +271,12 @@ class RayExecutor:
             raise LogitstoreError("--ray-address needs Ray: pip install 'logitstore[ray]'") from None
         self.ray = ray
         if not ray.is_initialized():
-            ray.init(address=None if address == "local" else address, ignore_reinit_error=True,
-                     log_to_driver=False, include_dashboard=False)
+            ray.init(
+                address=None if address == "local" else address,
+                ignore_reinit_error=True,
+                log_to_driver=False,
+                include_dashboard=False,
+            )
         gpus = engine_class(settings.engine).gpus_per_worker(settings)  # Ray sets each actor's visible GPUs
         # Threaded actors: `OVERLAP` calls of `process` at once per actor, so an actor's write overlaps
         # its next forward pass (the worker's compute lock keeps the forward passes one at a time).
@@ -282,9 +304,18 @@ class RayExecutor:
 
 def worker_settings(cfg, *, teacher_spec) -> WorkerSettings:
     """A build's worker settings (`cfg` is a `BuildConfig`)."""
-    return WorkerSettings(teacher_spec=teacher_spec, device=cfg.device, dtype=cfg.dtype, sparsity=cfg.sparsity,
-                          batch_tokens=cfg.batch_tokens, seed=cfg.seed, engine=cfg.engine, entries_for=cfg.train_on,
-                          tensor_parallel=cfg.tensor_parallel, max_length=cfg.max_length)
+    return WorkerSettings(
+        teacher_spec=teacher_spec,
+        device=cfg.device,
+        dtype=cfg.dtype,
+        sparsity=cfg.sparsity,
+        batch_tokens=cfg.batch_tokens,
+        seed=cfg.seed,
+        engine=cfg.engine,
+        entries_for=cfg.train_on,
+        tensor_parallel=cfg.tensor_parallel,
+        max_length=cfg.max_length,
+    )
 
 
 def visible_gpus() -> list[str]:
@@ -300,9 +331,11 @@ def visible_gpus() -> list[str]:
 def worker_devices(*, workers: int, gpus_per_worker: int, visible: list[str]) -> list[str]:
     """`CUDA_VISIBLE_DEVICES` of each local worker: disjoint groups of `gpus_per_worker` GPUs."""
     if workers * gpus_per_worker > len(visible):
-        raise LogitstoreError(f"--workers {workers} x {gpus_per_worker} GPU(s) each (--tensor-parallel) needs "
-                              f"{workers * gpus_per_worker} GPUs, {len(visible)} are visible")
-    return [",".join(visible[w * gpus_per_worker:(w + 1) * gpus_per_worker]) for w in range(workers)]
+        raise LogitstoreError(
+            f"--workers {workers} x {gpus_per_worker} GPU(s) each (--tensor-parallel) needs "
+            f"{workers * gpus_per_worker} GPUs, {len(visible)} are visible"
+        )
+    return [",".join(visible[w * gpus_per_worker : (w + 1) * gpus_per_worker]) for w in range(workers)]
 
 
 def make_executor(cfg, *, teacher_spec, on_batch: Callable[[int], None] | None = None):

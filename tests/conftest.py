@@ -11,7 +11,6 @@ import pytest
 
 from logitstore.samples import SparseSamples
 
-
 BACKENDS = ["local", "memory", "s3"]
 
 
@@ -24,9 +23,12 @@ def s3_endpoint():
     server.start()
     host, port = server.get_host_and_port()
     endpoint = f"http://{host}:{port}"
-    saved = {k: os.environ.get(k) for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_REGION", "AWS_ENDPOINT_URL")}
-    os.environ.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_REGION="us-east-1",
-                      AWS_ENDPOINT_URL=endpoint)
+    saved = {
+        k: os.environ.get(k) for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_REGION", "AWS_ENDPOINT_URL")
+    }
+    os.environ.update(
+        AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_REGION="us-east-1", AWS_ENDPOINT_URL=endpoint
+    )
     import boto3
 
     boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(Bucket="logitstore-test")
@@ -51,8 +53,9 @@ def store_uri(request, tmp_path):
     return f"s3://logitstore-test/{name}"
 
 
-def assert_samples_close(got: SparseSamples, expected: SparseSamples, *, bound: float, bound_fine: float,
-                         coarse_below: float) -> None:
+def assert_samples_close(
+    got: SparseSamples, expected: SparseSamples, *, bound: float, bound_fine: float, coarse_below: float
+) -> None:
     """Same ids per position (in any order), values within the codec's documented bounds."""
     assert got.n_tokens.tolist() == expected.n_tokens.tolist()
     np.testing.assert_array_equal(got.input_ids, expected.input_ids)
@@ -103,8 +106,15 @@ def tiny_teacher(tmp_path_factory) -> str:
     tokenizer = describe_teacher(None).tokenizer
     path = tmp_path_factory.mktemp("teachers") / "tiny-teacher"
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=256,
+    )
     LlamaForCausalLM(config).save_pretrained(path)
     tokenizer.save_pretrained(path)
     return str(path)

@@ -59,7 +59,7 @@ class FaultProxy:
         while not self._closed.is_set():
             try:
                 client, _ = self._listener.accept()
-            except (TimeoutError, socket.timeout):
+            except TimeoutError:
                 continue
             except OSError:
                 return

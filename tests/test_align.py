@@ -46,8 +46,8 @@ class Tok:
     """One tokenizer under test (a plain class: hypothesis would print a dataclass's 60 kB vocabulary)."""
 
     def __init__(self, name: str, tok, strings: list, exact: bool, prepends: str | None):
-        self.name, self.tok, self.strings = name, tok, strings     # strings: token_byte_strings(tok)
-        self.exact = exact        # token strings spell the text's bytes exactly
+        self.name, self.tok, self.strings = name, tok, strings  # strings: token_byte_strings(tok)
+        self.exact = exact  # token strings spell the text's bytes exactly
         self.prepends = prepends  # SentencePiece: a "▁" before the first word, not in the text
         # Special tokens have no byte string, but their text in a document still matches them.
         pieces = tok.convert_ids_to_tokens if hasattr(tok, "convert_ids_to_tokens") else None
@@ -112,8 +112,12 @@ def unigram_vocab(corpus_texts):
 
     trained = Tokenizer(models.Unigram())
     trained.pre_tokenizer = pre_tokenizers.Metaspace()
-    trained.train_from_iterator(corpus_texts, trainers.UnigramTrainer(
-        vocab_size=2000, special_tokens=["<unk>", "<s>", "</s>"], unk_token="<unk>", max_piece_length=16))
+    trained.train_from_iterator(
+        corpus_texts,
+        trainers.UnigramTrainer(
+            vocab_size=2000, special_tokens=["<unk>", "<s>", "</s>"], unk_token="<unk>", max_piece_length=16
+        ),
+    )
     # UnigramTrainer ignores byte_fallback in tokenizers 0.23, so add the byte pieces by hand.
     vocab = [tuple(v) for v in json.loads(trained.to_str())["model"]["vocab"]]
     low = min(score for _, score in vocab)
@@ -127,8 +131,9 @@ def _sentencepiece_like(vocab, *, llama_style: bool):
     raw = Tokenizer(models.Unigram(vocab, unk_id=0, byte_fallback=True))
     if llama_style:  # Llama 2's tokenizer.json: no pre-tokenizer, spaces become "▁" in the normalizer
         raw.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
-        raw.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
-                                         decoders.Strip(" ", 1, 0)])
+        raw.decoder = decoders.Sequence(
+            [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+        )
     else:
         raw.pre_tokenizer = pre_tokenizers.Metaspace()
         raw.decoder = decoders.Sequence([decoders.Metaspace(), decoders.ByteFallback(), decoders.Fuse()])
@@ -160,15 +165,22 @@ def wordpiece(corpus_texts):
     raw.normalizer = normalizers.BertNormalizer(lowercase=True)
     raw.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
     raw.decoder = decoders.WordPiece()
-    raw.train_from_iterator(corpus_texts, trainers.WordPieceTrainer(vocab_size=2000, special_tokens=["[UNK]", "[CLS]", "[SEP]"]))
+    raw.train_from_iterator(
+        corpus_texts, trainers.WordPieceTrainer(vocab_size=2000, special_tokens=["[UNK]", "[CLS]", "[SEP]"])
+    )
     return PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="[UNK]", cls_token="[CLS]", sep_token="[SEP]")
 
 
 @pytest.fixture(scope="session")
 def toks(smol, gpt2, gpt2_trim, unigram, llama_style, wordpiece) -> dict[str, Tok]:
-    spec = [("smollm2", smol, True, None), ("gpt2", gpt2, True, None), ("gpt2-trim", gpt2_trim, True, None),
-            ("unigram", unigram, True, "unless-space"), ("llama-style", llama_style, True, "always"),
-            ("wordpiece", wordpiece, False, None)]
+    spec = [
+        ("smollm2", smol, True, None),
+        ("gpt2", gpt2, True, None),
+        ("gpt2-trim", gpt2_trim, True, None),
+        ("unigram", unigram, True, "unless-space"),
+        ("llama-style", llama_style, True, "always"),
+        ("wordpiece", wordpiece, False, None),
+    ]
     return {name: Tok(name, tok, token_byte_strings(tok), exact, pre) for name, tok, exact, pre in spec}
 
 
@@ -180,8 +192,8 @@ def _group_his(groups, ends, col):
 
 def check_pair(a: Tok, b: Tok, text: str) -> np.ndarray:
     data = text.encode("utf-8")
-    (ia, ea), = encode_with_byte_ends(a.tok, [text])
-    (ib, eb), = encode_with_byte_ends(b.tok, [text])
+    ((ia, ea),) = encode_with_byte_ends(a.tok, [text])
+    ((ib, eb),) = encode_with_byte_ends(b.tok, [text])
     for t, ids, ends in ((a, ia, ea), (b, ib, eb)):
         assert ids.tolist() == _ids(t.tok, text), t.name
         assert ids.dtype == np.int64 and ends.dtype == np.int64 and len(ids) == len(ends)
@@ -215,8 +227,8 @@ def check_pair(a: Tok, b: Tok, text: str) -> np.ndarray:
             # A special token typed into the text holds its bytes in the alignment but spells nothing.
             continue
         for k, row in enumerate(groups):
-            got = b"".join(t.strings[i] or b"" for i in ids[row[c0]:row[c1]])
-            want = data[lo[k]:hi_a[k]]
+            got = b"".join(t.strings[i] or b"" for i in ids[row[c0] : row[c1]])
+            want = data[lo[k] : hi_a[k]]
             if k == 0 and t.prepends_space(text):
                 want = b" " + want
             assert got == want, (t.name, k, got, want)
@@ -234,10 +246,46 @@ def test_hard_texts_every_pair(toks, text):
 
 
 # Everything here but "▁": Metaspace reads a literal "▁" in text as a space marker.
-PIECES = (list("abcxyzAQ .,;:!?()'\"-_=+*/\\{}[]<>@#$%&|~`^0123456789") +
-          ["  ", "    ", "\t", "\n", "\n\n", "\r\n", "é", "ñ", "ü", "ß", "Æ", "ő", "ą", "€", "日", "本", "語", "中", "ア",
-           "한", "😀", "👍🏽", "👨‍👩‍👧", "🇫🇷", "\u200d", "\u00a0", "ﬁ",
-           " the", "The", "hello", " world", "def ", "    return ", "12345", "3.14159", "naïve", "東京都", "straße"])
+PIECES = list("abcxyzAQ .,;:!?()'\"-_=+*/\\{}[]<>@#$%&|~`^0123456789") + [
+    "  ",
+    "    ",
+    "\t",
+    "\n",
+    "\n\n",
+    "\r\n",
+    "é",
+    "ñ",
+    "ü",
+    "ß",
+    "Æ",
+    "ő",
+    "ą",
+    "€",
+    "日",
+    "本",
+    "語",
+    "中",
+    "ア",
+    "한",
+    "😀",
+    "👍🏽",
+    "👨‍👩‍👧",
+    "🇫🇷",
+    "\u200d",
+    "\u00a0",
+    "ﬁ",
+    " the",
+    "The",
+    "hello",
+    " world",
+    "def ",
+    "    return ",
+    "12345",
+    "3.14159",
+    "naïve",
+    "東京都",
+    "straße",
+]
 TEXTS = st.lists(st.sampled_from(PIECES), max_size=40).map("".join)
 
 
@@ -261,7 +309,7 @@ def test_batch_equals_one_by_one(toks):
         batch = encode_with_byte_ends(t.tok, HARD_TEXTS)
         assert len(batch) == len(HARD_TEXTS)
         for text, (ids, ends) in zip(HARD_TEXTS, batch):
-            (ids1, ends1), = encode_with_byte_ends(t.tok, [text])
+            ((ids1, ends1),) = encode_with_byte_ends(t.tok, [text])
             np.testing.assert_array_equal(ids, ids1)
             np.testing.assert_array_equal(ends, ends1)
     assert encode_with_byte_ends(toks["gpt2"].tok, []) == []
@@ -271,11 +319,11 @@ def test_split_characters_and_special_tokens(toks):
     # Byte-level BPE spells "日" (e6 97 a5) as " æ" + "Ĺ" + "¥", all with offsets (5, 7): one
     # token carries the character, the rest are zero-width and stay in its group.
     text = "héllo 日本語"
-    (ids, ends), = encode_with_byte_ends(toks["smollm2"].tok, [text])
+    ((ids, ends),) = encode_with_byte_ends(toks["smollm2"].tok, [text])
     pieces = toks["smollm2"].tok.convert_ids_to_tokens(ids.tolist())
     assert pieces[3:6] == ["Ġæ", "Ĺ", "¥"] and ends[3:6].tolist() == [10, 10, 10]
     # BOS (0, 0) joins the first group, EOS the last; the prepended "▁" shares the first character.
-    (uids, uends), = encode_with_byte_ends(toks["unigram"].tok, ["Hello world"])
+    ((uids, uends),) = encode_with_byte_ends(toks["unigram"].tok, ["Hello world"])
     assert uids[0] == 1 and uids[-1] == 2 and uends[0] == 0 and uends[-1] == 11
     groups = check_pair(toks["gpt2"], toks["unigram"], "Hello world")
     assert groups[0, 2] == 0 and groups[-1, 3] == len(uids)
@@ -286,7 +334,7 @@ def test_split_characters_and_special_tokens(toks):
     g = check_pair(toks["smollm2"], toks["wordpiece"], "  \n\t ")
     assert g[0, 2] == g[0, 3] == 0
     # WordPiece drops the whitespace; its bytes go to the next token, the tail to the last.
-    (_, wends), = encode_with_byte_ends(toks["wordpiece"].tok, ["  Hello   World  "])
+    ((_, wends),) = encode_with_byte_ends(toks["wordpiece"].tok, ["  Hello   World  "])
     assert wends.tolist()[-1] == len("  Hello   World  ")
 
 
@@ -295,8 +343,8 @@ def test_align_groups_by_hand():
         return align_groups(np.array(a, dtype=np.int64), np.array(b, dtype=np.int64)).tolist()
 
     assert g([3, 5], [5]) == [[0, 2, 0, 1]]
-    assert g([0, 3, 5], [3, 5]) == [[0, 2, 0, 1], [2, 3, 1, 2]]           # leading BOS
-    assert g([3, 3, 5], [3, 5, 5]) == [[0, 2, 0, 1], [2, 3, 1, 3]]        # zero-width tails, trailing EOS
+    assert g([0, 3, 5], [3, 5]) == [[0, 2, 0, 1], [2, 3, 1, 2]]  # leading BOS
+    assert g([3, 3, 5], [3, 5, 5]) == [[0, 2, 0, 1], [2, 3, 1, 3]]  # zero-width tails, trailing EOS
     assert g([2, 4, 6], [3, 6]) == [[0, 3, 0, 2]]
     assert g([1, 2, 3], [1, 2, 3]) == [[0, 1, 0, 1], [1, 2, 1, 2], [2, 3, 2, 3]]
     assert g([], []) == []
@@ -321,8 +369,8 @@ def test_window_groups():
 def test_window_groups_on_a_document(toks, corpus_texts):
     """Windows of L teacher tokens with stride L-1 (as the build cuts them), on real alignment."""
     text = corpus_texts[0][:6000]
-    (ti, te), = encode_with_byte_ends(toks["smollm2"].tok, [text])
-    (_, se), = encode_with_byte_ends(toks["gpt2"].tok, [text])
+    ((ti, te),) = encode_with_byte_ends(toks["smollm2"].tok, [text])
+    ((_, se),) = encode_with_byte_ends(toks["gpt2"].tok, [text])
     groups = align_groups(te, se)
     L = 97
     covered = np.zeros(len(groups), dtype=bool)
@@ -352,7 +400,7 @@ def test_token_byte_strings(toks):
     assert smol.unspellable == {4, 6, 19, 20, 22, 29, 192, 193, 241, 242, *range(245, 256)}
     assert smol.tok(chr(0x40000))["input_ids"] == [smol.tok.convert_tokens_to_ids("Ģ")] * 3
     assert uni.unspellable == frozenset()
-    assert smol.strings[0] is None and smol.strings[1] is None           # <|endoftext|>, <|im_start|>
+    assert smol.strings[0] is None and smol.strings[1] is None  # <|endoftext|>, <|im_start|>
     assert uni.strings[uni.tok.convert_tokens_to_ids("<0x0A>")] == b"\n"
     assert uni.strings[uni.tok.convert_tokens_to_ids("▁the")] == b" the"
     assert uni.strings[0] is None and uni.strings[1] is None and uni.strings[2] is None
@@ -360,8 +408,8 @@ def test_token_byte_strings(toks):
     cont = next(p for p in wid if p.startswith("##") and len(p) > 3)
     assert wp.strings[wid[cont]] == cont[2:].encode()
     assert wp.strings[wid["[UNK]"]] is None
-    assert toks["gpt2-trim"].strings == gpt2.strings          # a raw tokenizers.Tokenizer works too
-    assert toks["llama-style"].strings == uni.strings         # Prepend/Replace("▁") read as Metaspace
+    assert toks["gpt2-trim"].strings == gpt2.strings  # a raw tokenizers.Tokenizer works too
+    assert toks["llama-style"].strings == uni.strings  # Prepend/Replace("▁") read as Metaspace
 
 
 def test_vocab_map_smollm2_to_gpt2(toks):
@@ -440,7 +488,7 @@ def test_parse_tokenizer_spec(tmp_path, gpt2_tokenizer_dir):
     assert parse_tokenizer_spec(f"gpt-2.small_v1={d}") == ("gpt-2.small_v1", d)
     assert parse_tokenizer_spec("student=relative/dir") == ("student", "relative/dir")
     odd = tmp_path / "a=b" / "tok"
-    assert parse_tokenizer_spec(str(odd)) == ("tok", str(odd))       # "=" inside a path is no NAME
+    assert parse_tokenizer_spec(str(odd)) == ("tok", str(odd))  # "=" inside a path is no NAME
     for bad in ("", "bad name=/x", "-x=/p", "x" * 129 + "=/p", "name=", "=/p", str(tmp_path / "a b")):
         with pytest.raises(TokenizerError, match="--student-tokenizer") as info:
             parse_tokenizer_spec(bad)

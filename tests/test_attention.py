@@ -37,8 +37,15 @@ def llama(*, heads: int = 4, kv_heads: int = 2):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=256)
+    config = LlamaConfig(
+        vocab_size=97,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=256,
+    )
     config._attn_implementation = "eager"
     return LlamaForCausalLM(config).float()
 
@@ -55,9 +62,20 @@ def test_segment_attention_equals_the_eager_block_causal_mask(rows, heads, kv_he
     register()
     model = llama(heads=heads, kv_heads=kv_heads)
     ids, pos, doc = packed(rows, vocab=97)
-    mask_batch = PackedBatch(input_ids=ids, position_ids=pos, document_ids=doc, positions=None, entry_ids=None,
-                             entry_logprobs=None, entry_pos=None, tail=None, target_ids=None, target_logprobs=None,
-                             entry_counts=None, n_tokens=0)
+    mask_batch = PackedBatch(
+        input_ids=ids,
+        position_ids=pos,
+        document_ids=doc,
+        positions=None,
+        entry_ids=None,
+        entry_logprobs=None,
+        entry_pos=None,
+        tail=None,
+        target_ids=None,
+        target_logprobs=None,
+        entry_counts=None,
+        n_tokens=0,
+    )
     eager = model(input_ids=ids, position_ids=pos, attention_mask=mask_batch.block_causal_mask()).logits
     eager.square().mean().backward()
     eager_grads = [p.grad.clone() for p in model.parameters()]
@@ -88,8 +106,15 @@ def test_memory_of_a_long_row_grows_with_its_segments_not_its_length():
 def test_sliding_window_students_are_refused():
     q = torch.zeros(1, 2, 4, 8)
     with pytest.raises(AttentionError, match="sliding-window"):
-        segment_attention(torch.nn.Module(), q, q, q, None, segment_plan=plan_segments(torch.zeros(1, 4, dtype=torch.long)),
-                          sliding_window=2)
+        segment_attention(
+            torch.nn.Module(),
+            q,
+            q,
+            q,
+            None,
+            segment_plan=plan_segments(torch.zeros(1, 4, dtype=torch.long)),
+            sliding_window=2,
+        )
 
 
 def test_without_a_plan_each_row_is_one_causal_segment():

@@ -10,13 +10,23 @@ import sys
 from pathlib import Path
 
 BENCHMARK = Path(__file__).parents[1] / "benchmarks" / "stream.py"
-FIELDS = ("write_tokens_per_second", "read_tokens_per_second", "decode_tokens_per_second", "read_amplification",
-          "first_batch_seconds", "stored_bytes")
+FIELDS = (
+    "write_tokens_per_second",
+    "read_tokens_per_second",
+    "decode_tokens_per_second",
+    "read_amplification",
+    "first_batch_seconds",
+    "stored_bytes",
+)
 
 
 def test_quick_stream_benchmark_reports_every_field(tmp_path):
-    out = subprocess.run([sys.executable, str(BENCHMARK), "--quick", "--json", "--store", str(tmp_path / "store")],
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, str(BENCHMARK), "--quick", "--json", "--store", str(tmp_path / "store")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout)
     for field in FIELDS:

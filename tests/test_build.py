@@ -19,9 +19,9 @@ from logitstore import codec
 from logitstore.cli.app import app
 from logitstore.data import SAMPLE_CORPUS
 from logitstore.pipelines.build import BuildConfig, run_build
-from logitstore.sparsity import Sparsity
-from logitstore.pipelines.teacher import resolve_teacher
 from logitstore.pipelines.engines.torch_engine import load_teacher_once
+from logitstore.pipelines.teacher import resolve_teacher
+from logitstore.sparsity import Sparsity
 from logitstore.store import Store
 from tests.conftest import without_progress
 
@@ -39,8 +39,15 @@ def small_data(tmp_path_factory) -> Path:
 
 
 def build(store, data, **kwargs):
-    cfg = dict(store=str(store), data=str(data), id_column="id", max_length=MAX_LENGTH, unit_tokens=UNIT_TOKENS,
-               sparsity=Sparsity(k=64), progress=False)  # top-64: the dense-reference test checks exact entries
+    cfg = dict(
+        store=str(store),
+        data=str(data),
+        id_column="id",
+        max_length=MAX_LENGTH,
+        unit_tokens=UNIT_TOKENS,
+        sparsity=Sparsity(k=64),
+        progress=False,
+    )  # top-64: the dense-reference test checks exact entries
     return run_build(BuildConfig(**{**cfg, **kwargs}), log=lambda _: None)
 
 
@@ -82,15 +89,21 @@ def test_stored_entries_equal_a_dense_reference(built):
 
 def test_cli_build_json_summary_and_sparsity_modes(small_data, tmp_path):
     runner = CliRunner()
-    cases = ((["--top-p", "0.8", "--top-k", "16", "--value-grid", "coarse"], "topp"), (["--sample", "8"], "sampled"),
-             ([], "sampled"))  # no sparsity flag: the default, 16 draws (README "Choosing a budget")
+    cases = (
+        (["--top-p", "0.8", "--top-k", "16", "--value-grid", "coarse"], "topp"),
+        (["--sample", "8"], "sampled"),
+        ([], "sampled"),
+    )  # no sparsity flag: the default, 16 draws (README "Choosing a budget")
     for i, (extra, check) in enumerate(cases):
         store = tmp_path / f"{check}-{i}"
-        result = runner.invoke(app, ["build", "--data", str(small_data), "--store", str(store), "--max-length", "64",
-                                     "--json", *extra])
+        result = runner.invoke(
+            app, ["build", "--data", str(small_data), "--store", str(store), "--max-length", "64", "--json", *extra]
+        )
         assert result.exit_code == 0, result.stderr
         summary = json.loads(result.stdout)
-        assert {"samples", "tokens", "skipped", "seconds", "tokens_per_second", "bytes_per_token", "version"} <= set(summary)
+        assert {"samples", "tokens", "skipped", "seconds", "tokens_per_second", "bytes_per_token", "version"} <= set(
+            summary
+        )
         view = Store.open(str(store)).read()
         assert view.teachers["smollm2-135m-instruct"].sparsity["mode"] == check
         grid = "coarse" if "--value-grid" in extra else "default"
@@ -127,9 +140,26 @@ def test_ray_local_cluster_with_two_actors(built, small_data, tmp_path):
 def test_killed_build_resumes_without_recomputing_or_duplicating(built, small_data, tmp_path):
     reference, _ = built
     store = tmp_path / "store"
-    command = [sys.executable, "-m", "logitstore.cli.app", "build", "--data", str(small_data), "--store", str(store),
-               "--id-column", "id", "--max-length", str(MAX_LENGTH), "--unit-tokens", str(UNIT_TOKENS),
-               "--top-k", "64", "--commit-every", "0.001"]
+    command = [
+        sys.executable,
+        "-m",
+        "logitstore.cli.app",
+        "build",
+        "--data",
+        str(small_data),
+        "--store",
+        str(store),
+        "--id-column",
+        "id",
+        "--max-length",
+        str(MAX_LENGTH),
+        "--unit-tokens",
+        str(UNIT_TOKENS),
+        "--top-k",
+        "64",
+        "--commit-every",
+        "0.001",
+    ]
     child = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline and child.poll() is None:
@@ -186,8 +216,9 @@ def test_a_build_failing_after_the_teacher_loads_leaves_no_store_or_branch(built
     result = CliRunner().invoke(app, ["build", "--data", str(bad), "--store", str(tmp_path / "new")])
     assert result.exit_code == 2 and "empty" in result.stderr and not (tmp_path / "new").exists()
     store, _ = built
-    result = CliRunner().invoke(app, ["build", "--data", str(bad), "--store", str(store), "--top-k", "64",
-                                      "--branch", "trial"])
+    result = CliRunner().invoke(
+        app, ["build", "--data", str(bad), "--store", str(store), "--top-k", "64", "--branch", "trial"]
+    )
     assert result.exit_code == 2 and "trial" not in Store.open(str(store)).branches()
 
 
@@ -199,18 +230,50 @@ def test_a_store_of_another_teacher_is_refused(built, small_data):
     assert Store.open(str(store)).resolve() == before
 
 
-@pytest.mark.parametrize("teacher, message", [
-    ("tiny", "needs vLLM: pip install 'logitstore[vllm]'"),  # a Hugging Face folder, on a machine without vLLM
-    ("default", "needs the vllm-gguf-plugin package"),  # the default teacher is a GGUF file
-])
+@pytest.mark.parametrize(
+    "teacher, message",
+    [
+        ("tiny", "needs vLLM: pip install 'logitstore[vllm]'"),  # a Hugging Face folder, on a machine without vLLM
+        ("default", "needs the vllm-gguf-plugin package"),  # the default teacher is a GGUF file
+    ],
+)
 def test_the_vllm_engine_here_is_one_line_and_writes_nothing(small_data, tiny_teacher, tmp_path, teacher, message):
-    result = CliRunner().invoke(app, ["build", "--data", str(small_data), "--store", str(tmp_path / "s"), "--engine",
-                                      "vllm", "--teacher", tiny_teacher if teacher == "tiny" else teacher,
-                                      "--max-length", "128"])
+    result = CliRunner().invoke(
+        app,
+        [
+            "build",
+            "--data",
+            str(small_data),
+            "--store",
+            str(tmp_path / "s"),
+            "--engine",
+            "vllm",
+            "--teacher",
+            tiny_teacher if teacher == "tiny" else teacher,
+            "--max-length",
+            "128",
+        ],
+    )
     assert result.exit_code == 2 and message in result.stderr and "Traceback" not in result.stderr
     assert len(without_progress(result.stderr).splitlines()) == 1 and not (tmp_path / "s").exists()
-    result = CliRunner().invoke(app, ["build", "--data", str(small_data), "--store", str(tmp_path / "s"), "--engine",
-                                      "vllm", "--teacher", tiny_teacher, "--sample", "16", "--max-length", "128"])
+    result = CliRunner().invoke(
+        app,
+        [
+            "build",
+            "--data",
+            str(small_data),
+            "--store",
+            str(tmp_path / "s"),
+            "--engine",
+            "vllm",
+            "--teacher",
+            tiny_teacher,
+            "--sample",
+            "16",
+            "--max-length",
+            "128",
+        ],
+    )
     assert result.exit_code == 2 and "cannot store --sample" in result.stderr and not (tmp_path / "s").exists()
 
 
@@ -218,8 +281,19 @@ def test_a_teacher_keeps_one_engine_and_dtype(small_data, tiny_teacher, tmp_path
     # The teacher's metadata records engine, dtype and engine version; a build of the same teacher in
     # another dtype is refused (store unchanged) unless it is stored under another name.
     store = str(tmp_path / "s")
-    first = ["build", "--data", str(small_data), "--store", store, "--teacher", tiny_teacher, "--top-k", "8",
-             "--max-length", "128"]
+    first = [
+        "build",
+        "--data",
+        str(small_data),
+        "--store",
+        store,
+        "--teacher",
+        tiny_teacher,
+        "--top-k",
+        "8",
+        "--max-length",
+        "128",
+    ]
     assert CliRunner().invoke(app, first).exit_code == 0
     before = Store.open(store).resolve()
     result = CliRunner().invoke(app, [*first, "--dtype", "bfloat16"])
@@ -229,7 +303,9 @@ def test_a_teacher_keeps_one_engine_and_dtype(small_data, tiny_teacher, tmp_path
     assert result.exit_code == 0, result.stderr
     teachers = {t["name"]: t for t in json.loads(CliRunner().invoke(app, ["info", store, "--json"]).stdout)["teachers"]}
     assert {name: (t["engine"], t["dtype"]) for name, t in teachers.items()} == {
-        "tiny-teacher": ("torch", "float32"), "tiny-bf16": ("torch", "bfloat16")}
+        "tiny-teacher": ("torch", "float32"),
+        "tiny-bf16": ("torch", "bfloat16"),
+    }
     assert teachers["tiny-bf16"]["engine_version"].startswith(f"torch {torch.__version__}")
 
 
@@ -277,8 +353,9 @@ def test_the_in_process_executor_overlaps_units_keeps_their_order_and_raises_the
     executor = workers.InProcessExecutor(settings=None)
     got = []
     with pytest.raises(LogitstoreError, match="unit 5 failed"):
-        for written, unit in executor.map((workers.Unit(index=i) for i in range(8)), writer_for=Writer,
-                                          max_in_flight=2):
+        for _written, unit in executor.map(
+            (workers.Unit(index=i) for i in range(8)), writer_for=Writer, max_in_flight=2
+        ):
             got.append(unit.index)
     executor.close()
     assert got == [0, 1, 2, 3, 4] and 1 < most[0] <= workers.OVERLAP

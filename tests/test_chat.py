@@ -20,9 +20,13 @@ from logitstore.pipelines.teacher import describe_teacher
 from logitstore.store import Store, TeacherMeta
 
 runner = CliRunner()
-CONVERSATION = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 + 2?"},
-                {"role": "assistant", "content": "2 + 2 is 4."}, {"role": "user", "content": "Thanks!"},
-                {"role": "assistant", "content": "You are welcome."}]
+CONVERSATION = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "What is 2 + 2?"},
+    {"role": "assistant", "content": "2 + 2 is 4."},
+    {"role": "user", "content": "Thanks!"},
+    {"role": "assistant", "content": "You are welcome."},
+]
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +54,8 @@ def test_the_completion_is_each_reply_and_its_end_of_turn(tokenizer):
     assert ids.tolist() == tokenizer.apply_chat_template(CONVERSATION, tokenize=True, return_dict=False)
     assert marked(tokenizer, ids, mask).endswith(
         "assistant\n[2 + 2 is 4.<|im_end|>\n]<|im_start|>user\nThanks!<|im_end|>\n<|im_start|>assistant\n"
-        "[You are welcome.<|im_end|>\n]")
+        "[You are welcome.<|im_end|>\n]"
+    )
 
 
 def test_a_template_that_is_not_prefix_stable_falls_back_to_the_replies_content(tokenizer):
@@ -70,11 +75,18 @@ def test_token_mask_keeps_only_tokens_wholly_inside_a_span():
     assert chat.supervised_positions(mask, np.array([3, 3])).tolist() == [True, False, True, True]
 
 
-@pytest.mark.parametrize("value, problem", [
-    ("hello", "not a JSON list"), (42, "list of"), ([], "empty list"),
-    ([{"role": "robot", "content": "x"}], "role 'robot'"), ([{"role": "user"}], "content missing"),
-    ([{"role": "user", "content": ["a"]}], "content list"), (["hi"], "must be an object"),
-])
+@pytest.mark.parametrize(
+    "value, problem",
+    [
+        ("hello", "not a JSON list"),
+        (42, "list of"),
+        ([], "empty list"),
+        ([{"role": "robot", "content": "x"}], "role 'robot'"),
+        ([{"role": "user"}], "content missing"),
+        ([{"role": "user", "content": ["a"]}], "content list"),
+        (["hi"], "must be an object"),
+    ],
+)
 def test_bad_conversations_are_named(value, problem):
     assert problem in chat.message_problem(value)
 
@@ -97,8 +109,23 @@ def chat_stores(tmp_path_factory):
     out = {}
     for train_on in chat.TRAIN_ON:
         store = root / train_on.replace("+", "-")
-        result = runner.invoke(app, ["build", "--chat-column", "messages", "--limit", "6", "--store", str(store),
-                                     "--top-k", "8", "--train-on", train_on, "--json"])
+        result = runner.invoke(
+            app,
+            [
+                "build",
+                "--chat-column",
+                "messages",
+                "--limit",
+                "6",
+                "--store",
+                str(store),
+                "--top-k",
+                "8",
+                "--train-on",
+                train_on,
+                "--json",
+            ],
+        )
         assert result.exit_code == 0, result.stderr
         out[train_on] = (store, json.loads(result.stdout))
     return out
@@ -130,7 +157,7 @@ def test_the_stream_supervises_the_completion_only(chat_stores):
         flat = batch.input_ids.reshape(-1).numpy()
         expected = []
         for sample_id, a, start, length in batch.segments:
-            mask = view.sample(sample_id).loss_mask[a:a + length]
+            mask = view.sample(sample_id).loss_mask[a : a + length]
             for t in range(length - 1):
                 if train_on == "prompt+completion" or mask[t + 1]:
                     expected.append(start + t)
@@ -141,26 +168,56 @@ def test_the_stream_supervises_the_completion_only(chat_stores):
 
 def test_prompt_and_completion_need_a_store_with_prompt_entries(chat_stores, tmp_path):
     store = chat_stores["completion"][0]
-    result = runner.invoke(app, ["eval", "--store", str(store), "--student", "llama-tiny", "--train-on",
-                                 "prompt+completion", "--eval-fraction", "1"])
+    result = runner.invoke(
+        app,
+        [
+            "eval",
+            "--store",
+            str(store),
+            "--student",
+            "llama-tiny",
+            "--train-on",
+            "prompt+completion",
+            "--eval-fraction",
+            "1",
+        ],
+    )
     assert result.exit_code == 2 and "completion tokens only" in result.stderr and "Traceback" not in result.stderr
-    result = runner.invoke(app, ["build", "--chat-column", "messages", "--store", str(store), "--limit", "6",
-                                 "--top-k", "8", "--train-on", "prompt+completion"])
+    result = runner.invoke(
+        app,
+        [
+            "build",
+            "--chat-column",
+            "messages",
+            "--store",
+            str(store),
+            "--limit",
+            "6",
+            "--top-k",
+            "8",
+            "--train-on",
+            "prompt+completion",
+        ],
+    )
     assert result.exit_code == 2 and "--train-on must match" in result.stderr
 
 
-@pytest.mark.parametrize("row, message", [
-    ({"messages": [{"role": "robot", "content": "hi"}]}, "role 'robot'"),
-    ({"messages": "hello"}, "not a JSON list"),
-    ({"messages": [{"role": "user", "content": 3}]}, "content int"),
-])
+@pytest.mark.parametrize(
+    "row, message",
+    [
+        ({"messages": [{"role": "robot", "content": "hi"}]}, "role 'robot'"),
+        ({"messages": "hello"}, "not a JSON list"),
+        ({"messages": [{"role": "user", "content": 3}]}, "content int"),
+    ],
+)
 def test_bad_messages_are_one_line_and_the_store_is_unchanged(chat_stores, tmp_path, row, message):
     store = chat_stores["completion"][0]
     before = Store.open(str(store)).resolve()
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"id": "bad", **row}) + "\n")
-    result = runner.invoke(app, ["build", "--data", str(bad), "--chat-column", "messages", "--store", str(store),
-                                 "--top-k", "8"])
+    result = runner.invoke(
+        app, ["build", "--data", str(bad), "--chat-column", "messages", "--store", str(store), "--top-k", "8"]
+    )
     assert result.exit_code == 2 and message in result.stderr and "Traceback" not in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
     assert Store.open(str(store)).resolve() == before
@@ -168,11 +225,26 @@ def test_bad_messages_are_one_line_and_the_store_is_unchanged(chat_stores, tmp_p
 
 def test_conversations_without_assistant_tokens_are_skipped_and_counted(tmp_path):
     data = tmp_path / "chat.jsonl"
-    rows = [{"id": "q", "messages": [{"role": "user", "content": "Anyone there?"}]},
-            {"id": "qa", "messages": CONVERSATION[1:3]}]
+    rows = [
+        {"id": "q", "messages": [{"role": "user", "content": "Anyone there?"}]},
+        {"id": "qa", "messages": CONVERSATION[1:3]},
+    ]
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    result = runner.invoke(app, ["build", "--data", str(data), "--chat-column", "messages", "--store",
-                                 str(tmp_path / "s"), "--top-k", "8", "--json"])
+    result = runner.invoke(
+        app,
+        [
+            "build",
+            "--data",
+            str(data),
+            "--chat-column",
+            "messages",
+            "--store",
+            str(tmp_path / "s"),
+            "--top-k",
+            "8",
+            "--json",
+        ],
+    )
     assert result.exit_code == 0, result.stderr
     summary = json.loads(result.stdout)
     assert summary["no_completion"] == 1 and summary["samples"] == 1
@@ -191,15 +263,24 @@ def test_the_mask_travels_through_the_cross_tokenizer_alignment(gpt2_tokenizer_d
     from logitstore.trainer.train import plan_sources
 
     store = str(tmp_path / "s")
-    run_build(BuildConfig(store=store, chat_column="messages", limit=4, sparsity=Sparsity(k=8), progress=False,
-                          student_tokenizers=(f"gpt2={gpt2_tokenizer_dir}",)), log=lambda _: None)
+    run_build(
+        BuildConfig(
+            store=store,
+            chat_column="messages",
+            limit=4,
+            sparsity=Sparsity(k=8),
+            progress=False,
+            student_tokenizers=(f"gpt2={gpt2_tokenizer_dir}",),
+        ),
+        log=lambda _: None,
+    )
     view = logitstore.open(store)
     teacher, gpt2 = view.teacher_name(None), AutoTokenizer.from_pretrained(gpt2_tokenizer_dir)
     masks = {}
     for row in view.index.to_pylist():
         base = f"teachers/{teacher}/parts/{row['part']}/students/gpt2"
         s0, n = row["student_start"][0], row["n_student_tokens"][0]
-        ids, mask = view.root[f"{base}/ids"][s0:s0 + n], view.root[f"{base}/loss_mask"][s0:s0 + n]
+        ids, mask = view.root[f"{base}/ids"][s0 : s0 + n], view.root[f"{base}/loss_mask"][s0 : s0 + n]
         masks[row["sample_id"]] = mask
         sample = view.sample(row["sample_id"])
         runs = lambda tok, i, m: [tok.decode(i[a:b].tolist()) for a, b in _runs(m)]
@@ -208,9 +289,13 @@ def test_the_mask_travels_through_the_cross_tokenizer_alignment(gpt2_tokenizer_d
     sources, _ = plan_sources(view, cfg)
     with store_stream(view, sources=sources, seq_len=96, micro_batch=2, rank=0, world_size=1, seed=0, prefetch=0) as s:
         batch = next(iter(s))
-    expected = [start + t for sample_id, a, start, length in batch.segments
-                for t in range(length - 1) if masks[sample_id][a + t + 1]]
-    (_, targets), = batch.signals
+    expected = [
+        start + t
+        for sample_id, a, start, length in batch.segments
+        for t in range(length - 1)
+        if masks[sample_id][a + t + 1]
+    ]
+    ((_, targets),) = batch.signals
     assert batch.positions.tolist() == expected and targets.n_positions == len(expected) > 0
     assert int(targets.exact_pos.max()) < len(expected)
 
@@ -222,20 +307,33 @@ def test_targets_at_kept_positions_drop_partly_kept_groups():
     from logitstore.trainer.losses import SparseTargets
 
     t = lambda *x, dt=torch.long: torch.tensor(x, dtype=dt)
-    aligned = AlignedTargets(target_ids=t(10, 11, 12, 13, 14), exact_pos=t(0, 3), entry_ids=t(1, 2, 3),
-                             entry_logprobs=t(-1., -2., -3., dt=torch.float), entry_pos=t(0, 0, 1),
-                             tail=t(.1, .2, dt=torch.float), chain_teacher_logprob=t(-4., -5., dt=torch.float),
-                             chain_pos=t(1, 2, 4), chain_group=t(0, 0, 1), weight=t(1., 1., 1., 1., .5, dt=torch.float))
+    aligned = AlignedTargets(
+        target_ids=t(10, 11, 12, 13, 14),
+        exact_pos=t(0, 3),
+        entry_ids=t(1, 2, 3),
+        entry_logprobs=t(-1.0, -2.0, -3.0, dt=torch.float),
+        entry_pos=t(0, 0, 1),
+        tail=t(0.1, 0.2, dt=torch.float),
+        chain_teacher_logprob=t(-4.0, -5.0, dt=torch.float),
+        chain_pos=t(1, 2, 4),
+        chain_group=t(0, 0, 1),
+        weight=t(1.0, 1.0, 1.0, 1.0, 0.5, dt=torch.float),
+    )
     got = aligned.only(t(False, True, True, True, True, dt=torch.bool))  # position 0 goes; groups stay whole
     assert got.target_ids.tolist() == [11, 12, 13, 14] and got.exact_pos.tolist() == [2]
-    assert got.entry_ids.tolist() == [3] and got.entry_pos.tolist() == [0] and got.tail.tolist() == [pytest.approx(.2)]
+    assert got.entry_ids.tolist() == [3] and got.entry_pos.tolist() == [0] and got.tail.tolist() == [pytest.approx(0.2)]
     assert got.chain_pos.tolist() == [0, 1, 3] and got.chain_group.tolist() == [0, 0, 1]
     got = aligned.only(t(True, True, False, True, True, dt=torch.bool))  # group 0 loses a position: dropped
     assert got.chain_pos.tolist() == [3] and got.chain_group.tolist() == [0]
     assert got.chain_teacher_logprob.tolist() == [-5.0] and got.exact_pos.tolist() == [0, 2]
-    sparse = SparseTargets(entry_ids=t(1, 2, 3, 4), entry_logprobs=t(-1., -2., -3., -4., dt=torch.float),
-                           entry_pos=t(0, 0, 2, 2), tail=t(.1, .2, .3, dt=torch.float), target_ids=t(5, 6, 7),
-                           target_logprobs=t(-1., -2., -3., dt=torch.float))
+    sparse = SparseTargets(
+        entry_ids=t(1, 2, 3, 4),
+        entry_logprobs=t(-1.0, -2.0, -3.0, -4.0, dt=torch.float),
+        entry_pos=t(0, 0, 2, 2),
+        tail=t(0.1, 0.2, 0.3, dt=torch.float),
+        target_ids=t(5, 6, 7),
+        target_logprobs=t(-1.0, -2.0, -3.0, dt=torch.float),
+    )
     got = sparse.only(t(False, True, True, dt=torch.bool))
     assert got.entry_ids.tolist() == [3, 4] and got.entry_pos.tolist() == [1, 1] and got.target_ids.tolist() == [6, 7]
 

@@ -84,12 +84,17 @@ def test_verify_whole_store(store):
         (["tag", "{store}", "v1"], "already exists"),
         (["diff", "{store}", "v1", "nope"], "no version"),
         (["info", "ftp://host/x"], "unsupported scheme"),
-        (["train", "--store", "{store}", "--out", "/tmp/never", "--top-k", "8"], "--top-k only apply with --live-teacher"),
+        (
+            ["train", "--store", "{store}", "--out", "/tmp/never", "--top-k", "8"],
+            "--top-k only apply with --live-teacher",
+        ),
         (["train", "--out", "/tmp/never"], "exactly one of --store and --live-teacher"),
         (["train", "--store", "{store}", "--live-teacher", "default", "--out", "/tmp/never"], "exactly one of"),
         (["train", "--live-teacher", "default", "--version", "v1", "--out", "/tmp/never"], "no --teacher-weight"),
-        (["train", "--live-teacher", "default", "--top-p", "0.9", "--sample", "4", "--out", "/tmp/never"],
-         "choose one of --top-p and --sample"),
+        (
+            ["train", "--live-teacher", "default", "--top-p", "0.9", "--sample", "4", "--out", "/tmp/never"],
+            "choose one of --top-p and --sample",
+        ),
     ],
 )
 def test_user_errors_are_one_line(store, args, message):
@@ -119,7 +124,11 @@ def test_missing_s3_bucket_is_a_clear_error(s3_endpoint):
 
 def test_ls_lists_every_sample_and_show_takes_a_range_of_positions(store):
     listed = run_json("ls", store)
-    assert [(r["sample_id"], r["teacher"]) for r in listed] == [("a", "teacher-a"), ("b", "teacher-a"), ("c", "teacher-a")]
+    assert [(r["sample_id"], r["teacher"]) for r in listed] == [
+        ("a", "teacher-a"),
+        ("b", "teacher-a"),
+        ("c", "teacher-a"),
+    ]
     assert [r["tokens"] for r in listed] == [len(run_json("show", store, s)["input_ids"]) for s in "abc"]
     assert [r["sample_id"] for r in run_json("ls", store, "--version", "v1")] == ["a", "b"]
     assert [r["sample_id"] for r in run_json("ls", store, "--limit", "1")] == ["a"]
@@ -139,13 +148,30 @@ def test_a_missing_data_file_fails_fast_and_creates_no_store(tmp_path):
     import sys
 
     started = time.monotonic()
-    result = subprocess.run([sys.executable, "-m", "logitstore.cli.app", "build", "--store", str(tmp_path / "s"),
-                             "--data", str(tmp_path / "missing.jsonl")], capture_output=True, text=True, timeout=60)
-    assert result.returncode == 2 and result.stderr.strip() == f"error: {tmp_path / 'missing.jsonl'}: no such file or folder"
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "logitstore.cli.app",
+            "build",
+            "--store",
+            str(tmp_path / "s"),
+            "--data",
+            str(tmp_path / "missing.jsonl"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert (
+        result.returncode == 2
+        and result.stderr.strip() == f"error: {tmp_path / 'missing.jsonl'}: no such file or folder"
+    )
     assert time.monotonic() - started < 3 and not (tmp_path / "s").exists()
     csv = tmp_path / "no-header.csv"
-    csv.write_text("A whole first document, with commas, taken as the header row because it is the first row,2\n"
-                   "another row,3\n")
+    csv.write_text(
+        "A whole first document, with commas, taken as the header row because it is the first row,2\nanother row,3\n"
+    )
     result = runner.invoke(app, ["build", "--store", str(tmp_path / "s"), "--data", str(csv)])
     assert result.exit_code == 2 and "the first row is taken as the header" in result.stderr
     assert len(result.stderr) < 300 and not (tmp_path / "s").exists()
@@ -174,10 +200,15 @@ def test_help_groups_options_shows_choices_and_lists_commands_in_order_of_use():
     assert "forward_kl|topk_renorm|reverse_kl|jsd" in train_help and "raise|skip" in train_help
     build_help = runner.invoke(app, ["build", "--help"], env=wide).stdout
     assert all(f"─ {p}" in build_help for p in ("Data", "Teacher", "Sparsity", "Store"))
-    assert "logitstore[vllm]" in build_help and "default|fine|coarse" in build_help and "error|replace|skip" in build_help
+    assert (
+        "logitstore[vllm]" in build_help and "default|fine|coarse" in build_help and "error|replace|skip" in build_help
+    )
     assert "<bool>" not in build_help + train_help and "--no-" not in train_help  # flags: one name, no value
-    commands = [line.split()[1] for line in run("--help").stdout.splitlines() if line.startswith("│ ") and
-                line.split()[1] in cli.COMMAND_ORDER]
+    commands = [
+        line.split()[1]
+        for line in run("--help").stdout.splitlines()
+        if line.startswith("│ ") and line.split()[1] in cli.COMMAND_ORDER
+    ]
     assert commands == list(cli.COMMAND_ORDER)
     assert run("--version").stdout.startswith("logitstore ")
     result = run("train", "--store", "x", "--out", "y", "--loss", "kl", code=2)

@@ -16,14 +16,19 @@ PARAMS = CodecParams()
 
 
 def _round_trip(samples, params=PARAMS, vocab=1000):
-    order = codec.frequency_id_order(samples.entry_ids, vocab_size=vocab) if params.id_order == "frequency" else codec.identity_order(vocab)
+    order = (
+        codec.frequency_id_order(samples.entry_ids, vocab_size=vocab)
+        if params.id_order == "frequency"
+        else codec.identity_order(vocab)
+    )
     enc = codec.encode(samples, params=params, code_of_id=order.astype(np.int64), vocab_size=vocab)
     return codec.decode(enc, params=params, id_of_code=codec.invert_permutation(order), n_tokens=samples.n_tokens)
 
 
 def _assert_bound(got, expected, params=PARAMS):
-    assert_samples_close(got, expected, bound=params.error_bound, bound_fine=params.error_bound_fine,
-                         coarse_below=params.coarse_below)
+    assert_samples_close(
+        got, expected, bound=params.error_bound, bound_fine=params.error_bound_fine, coarse_below=params.coarse_below
+    )
 
 
 @pytest.mark.parametrize("mode", ["topk", "topp", "sampled"])
@@ -49,7 +54,9 @@ def test_every_named_grid_round_trips_within_its_bound(grid, mode):
 
 def test_values_below_the_floor_stay_finite():
     params = codec.GRIDS["fine"]
-    back = dequantize(quantize(np.array([params.floor - 50.0, -np.inf], dtype=np.float32), params=params), params=params)
+    back = dequantize(
+        quantize(np.array([params.floor - 50.0, -np.inf], dtype=np.float32), params=params), params=params
+    )
     assert back[0] == pytest.approx(params.floor, abs=1e-3) and np.isneginf(back[1])
 
 
@@ -98,8 +105,16 @@ def test_large_vocabulary_uses_uint32_ids():
     _assert_bound(_round_trip(samples, vocab=70_000), samples)
 
 
-@pytest.mark.parametrize("bad", [dict(fine_step=0), dict(fine_step=0.5, coarse_step=0.1), dict(coarse_below=1.0),
-                                 dict(coarse_below=-5.01), dict(id_order="random")])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        dict(fine_step=0),
+        dict(fine_step=0.5, coarse_step=0.1),
+        dict(coarse_below=1.0),
+        dict(coarse_below=-5.01),
+        dict(id_order="random"),
+    ],
+)
 def test_invalid_params_are_refused(bad):
     with pytest.raises(ValueError):
         CodecParams(**bad)
@@ -137,8 +152,9 @@ def _quantize_numpy(logprobs, *, params):
     x = np.maximum(-np.asarray(logprobs, dtype=np.float64), 0)
     split = -params.coarse_below
     with np.errstate(invalid="ignore", over="ignore"):
-        q = np.where(x <= split, np.rint(x / params.fine_step),
-                     params.fine_levels + np.rint((x - split) / params.coarse_step))
+        q = np.where(
+            x <= split, np.rint(x / params.fine_step), params.fine_levels + np.rint((x - split) / params.coarse_step)
+        )
     q_max = codec.Q_MAX
     return np.where(np.isinf(x), q_max, np.minimum(np.nan_to_num(q, posinf=q_max - 1), q_max - 1)).astype(np.uint16)
 
@@ -148,11 +164,32 @@ def test_quantize_equals_the_numpy_formulas_code_for_code(grid):
     params = codec.GRIDS[grid]
     rng = np.random.default_rng(0)
     steps = np.arange(70_000)
-    edges = [0.0, -0.0, 1e-5, 1e-4, -np.inf, np.inf, np.nan, -1e-20, -1e300, -1e308, params.coarse_below,
-             params.coarse_below - params.fine_step / 2, params.floor, params.floor - params.coarse_step / 2]
-    values = np.concatenate([rng.normal(0, 30, 100_000), -np.abs(rng.normal(0, 1e6, 1000)), edges,
-                             -steps * params.fine_step, -(steps + 0.5) * params.fine_step,
-                             params.coarse_below - steps * params.coarse_step / 2])
+    edges = [
+        0.0,
+        -0.0,
+        1e-5,
+        1e-4,
+        -np.inf,
+        np.inf,
+        np.nan,
+        -1e-20,
+        -1e300,
+        -1e308,
+        params.coarse_below,
+        params.coarse_below - params.fine_step / 2,
+        params.floor,
+        params.floor - params.coarse_step / 2,
+    ]
+    values = np.concatenate(
+        [
+            rng.normal(0, 30, 100_000),
+            -np.abs(rng.normal(0, 1e6, 1000)),
+            edges,
+            -steps * params.fine_step,
+            -(steps + 0.5) * params.fine_step,
+            params.coarse_below - steps * params.coarse_step / 2,
+        ]
+    )
     for dtype in (np.float64, np.float32):
         with np.errstate(over="ignore"):  # 1e300 as float32 is infinite
             typed = values.astype(dtype)
@@ -166,6 +203,9 @@ def test_encode_finds_a_duplicate_entry_and_names_it():
     position = 3
     start = samples.entry_offsets[position]
     samples.entry_ids[start + 5] = samples.entry_ids[start + 1]
-    with pytest.raises(InvalidSampleError, match=rf"token id {samples.entry_ids[start + 1]} appears twice among the "
-                                                  rf"entries of position {position}"):
+    with pytest.raises(
+        InvalidSampleError,
+        match=rf"token id {samples.entry_ids[start + 1]} appears twice among the "
+        rf"entries of position {position}",
+    ):
         codec.encode(samples, params=PARAMS, code_of_id=codec.identity_order(1000), vocab_size=1000)

@@ -15,9 +15,9 @@ from typer.testing import CliRunner
 
 from logitstore.cli.app import app
 from logitstore.store import Store
+from logitstore.synthetic import random_samples
 from logitstore.verify import verify
 from tests.test_store import write
-from logitstore.synthetic import random_samples
 
 WRITER = textwrap.dedent("""
     import sys

@@ -12,7 +12,6 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from tests.conftest import without_progress
 from logitstore.cli.app import app
 from logitstore.data import SAMPLE_CORPUS
 from logitstore.pipelines.build import BuildConfig, BuildError, run_build, run_builds
@@ -20,6 +19,7 @@ from logitstore.sparsity import Sparsity
 from logitstore.store import Store
 from logitstore.trainer.config import TrainConfig
 from logitstore.trainer.train import launch
+from tests.conftest import without_progress
 
 runner = CliRunner()
 COMMON = dict(seq_len=64, micro_batch=2, warmup_steps=2, lr=5e-3, eval_fraction=0.25)
@@ -44,9 +44,19 @@ def corpus(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def store(tmp_path_factory, corpus, gpt2_tokenizer_dir) -> str:
     uri = str(tmp_path_factory.mktemp("store") / "store")
-    run_build(BuildConfig(store=uri, data=str(corpus), id_column="id", max_length=256, sparsity=Sparsity(k=16),
-                          student_tokenizers=(f"gpt2={gpt2_tokenizer_dir}",), unit_tokens=1024, progress=False),
-              log=lambda _: None)
+    run_build(
+        BuildConfig(
+            store=uri,
+            data=str(corpus),
+            id_column="id",
+            max_length=256,
+            sparsity=Sparsity(k=16),
+            student_tokenizers=(f"gpt2={gpt2_tokenizer_dir}",),
+            unit_tokens=1024,
+            progress=False,
+        ),
+        log=lambda _: None,
+    )
     return uri
 
 
@@ -58,9 +68,16 @@ def gpt2_teacher(tmp_path_factory, gpt2_tokenizer_dir) -> Path:
 
     torch.manual_seed(0)
     folder = tmp_path_factory.mktemp("teachers") / "tiny-gpt2"
-    config = LlamaConfig(vocab_size=50257, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
-                         tie_word_embeddings=True)
+    config = LlamaConfig(
+        vocab_size=50257,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+    )
     LlamaForCausalLM(config).save_pretrained(folder)
     AutoTokenizer.from_pretrained(gpt2_tokenizer_dir).save_pretrained(folder)
     return folder
@@ -115,8 +132,9 @@ def test_show_gives_an_exact_alignment_of_every_sample(store, gpt2_tokenizer_dir
 
 def test_a_build_with_other_student_tokenizers_is_refused_and_changes_nothing(store, corpus):
     before = Store.open(store).resolve()
-    result = run("build", "--store", store, "--data", corpus, "--id-column", "id", "--max-length", 256,
-                 "--top-k", 16, code=2)
+    result = run(
+        "build", "--store", store, "--data", corpus, "--id-column", "id", "--max-length", 256, "--top-k", 16, code=2
+    )
     assert "student tokenizers" in result.stderr and "\n" not in without_progress(result.stderr)
     assert Store.open(store).resolve() == before
 
@@ -133,8 +151,18 @@ def test_student_tokenizer_needs_text(tmp_path, gpt2_tokenizer_dir):
 
 def test_cross_tokenizer_student_learns_from_the_aligned_teacher(store, tmp_path):
     out = tmp_path / "run"
-    launch(TrainConfig.from_flags(store=store, out=str(out), student="llama-tiny", student_tokenizer="gpt2", steps=24,
-                       eval_every=4, eval_batches=4, **COMMON))
+    launch(
+        TrainConfig.from_flags(
+            store=store,
+            out=str(out),
+            student="llama-tiny",
+            student_tokenizer="gpt2",
+            steps=24,
+            eval_every=4,
+            eval_batches=4,
+            **COMMON,
+        )
+    )
     rows = metrics(out)
     evals = [r["eval_kl"] for r in rows if "eval_kl" in r]
     assert evals[-1] < evals[0] - 0.3, evals  # held-out KL over the 1:1-aligned positions goes down
@@ -145,8 +173,9 @@ def test_cross_tokenizer_student_learns_from_the_aligned_teacher(store, tmp_path
     final = out / "final"
     assert AutoModelForCausalLM.from_pretrained(final).config.vocab_size == 50257
     assert AutoTokenizer.from_pretrained(final)("Hello world")["input_ids"] == [15496, 995]  # GPT-2's own ids
-    evaluated = json.loads(run("eval", "--store", store, "--student", final, "--seq-len", 64, "--eval-fraction", 0.25,
-                               "--json").stdout)
+    evaluated = json.loads(
+        run("eval", "--store", store, "--student", final, "--seq-len", 64, "--eval-fraction", 0.25, "--json").stdout
+    )
     assert 0 < evaluated["kl"] < evals[0]
 
 
@@ -158,9 +187,10 @@ def test_a_student_with_an_unknown_tokenizer_is_refused(store, tmp_path):
 def test_same_tokenizer_signal_through_the_mixed_path_equals_the_single_teacher_path(store):
     """The mixed source with one same-tokenizer teacher gives the batches and loss of the store source."""
     from logitstore.trainer.losses import LossConfig, distill_loss
+    from logitstore.trainer.mixing import MixedSource, Source
+    from logitstore.trainer.objective import StudentOutputs, mixed_loss
+    from logitstore.trainer.objective import sparse_targets as _targets
     from logitstore.trainer.stream import Stream, store_stream
-    from logitstore.trainer.teachers import MixedSource, Source
-    from logitstore.trainer.objective import StudentOutputs, mixed_loss, sparse_targets as _targets
 
     view = Store.open(store).read()
     teacher = view.teacher_name(None)
@@ -188,15 +218,15 @@ def test_cross_tokenizer_loss_in_chunks_equals_the_loss_in_one_piece(store):
     from logitstore.trainer.aligned_losses import aligned_kd
     from logitstore.trainer.losses import LossConfig
     from logitstore.trainer.objective import StudentOutputs, _whole_groups, mixed_loss
-    from logitstore.trainer.train import plan_sources
     from logitstore.trainer.stream import store_stream
+    from logitstore.trainer.train import plan_sources
 
     view = Store.open(store).read()
     cfg = TrainConfig.from_flags(store=store, out="-", student="llama-tiny", student_tokenizer="gpt2", eval_fraction=0)
     sources, vocab = plan_sources(view, cfg)
     with store_stream(view, sources=sources, seq_len=64, micro_batch=2, rank=0, world_size=1, seed=1, prefetch=0) as s:
         batch = next(iter(s))
-    (name, targets), = batch.signals
+    ((name, targets),) = batch.signals
     assert len(targets.chain_group) > 0  # the batch has many-token groups to keep whole
     P = len(batch.positions)
     allowed = _whole_groups(batch.signals, P)
@@ -206,8 +236,14 @@ def test_cross_tokenizer_loss_in_chunks_equals_the_loss_in_one_piece(store):
 
     def run(chunk, evaluation=False):
         h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-        loss, parts = mixed_loss(StudentOutputs(hidden=h, weight=w), batch, LossConfig(alpha=0.5), device="cpu",
-                                 chunk=chunk, indicator=evaluation)
+        loss, parts = mixed_loss(
+            StudentOutputs(hidden=h, weight=w),
+            batch,
+            LossConfig(alpha=0.5),
+            device="cpu",
+            chunk=chunk,
+            indicator=evaluation,
+        )
         loss.backward()
         return float(loss.detach()), parts, h.grad, w.grad
 
@@ -226,25 +262,61 @@ def test_cross_tokenizer_loss_in_chunks_equals_the_loss_in_one_piece(store):
 
 def test_several_teachers_in_one_store_and_one_run(store, corpus, gpt2_teacher, gpt2_tokenizer_dir, tmp_path):
     # A later build adds teacher B to the samples of the existing version, on a branch.
-    summary = run_builds(BuildConfig(store=store, data=str(corpus), id_column="id", max_length=256,
-                                     sparsity=Sparsity(k=16), branch="two-teachers", unit_tokens=1024, progress=False),
-                         [str(gpt2_teacher)], log=lambda _: None)
+    summary = run_builds(
+        BuildConfig(
+            store=store,
+            data=str(corpus),
+            id_column="id",
+            max_length=256,
+            sparsity=Sparsity(k=16),
+            branch="two-teachers",
+            unit_tokens=1024,
+            progress=False,
+        ),
+        [str(gpt2_teacher)],
+        log=lambda _: None,
+    )
     assert summary.samples > 0
     info = json.loads(run("info", store, "--version", "two-teachers", "--json").stdout)
     names = sorted(t["name"] for t in info["teachers"])
     assert names == sorted(["smollm2-135m-instruct", "tiny-gpt2"]), names
     shared = _sample_of_both(store, "two-teachers")
-    shown = json.loads(run("show", store, shared, "--version", "two-teachers", "--teacher", "tiny-gpt2", "--json").stdout)
-    aligned = json.loads(run("show", store, shared, "--version", "two-teachers", "--teacher", "smollm2-135m-instruct",
-                             "--student-tokenizer", "gpt2", "--json").stdout)
+    shown = json.loads(
+        run("show", store, shared, "--version", "two-teachers", "--teacher", "tiny-gpt2", "--json").stdout
+    )
+    aligned = json.loads(
+        run(
+            "show",
+            store,
+            shared,
+            "--version",
+            "two-teachers",
+            "--teacher",
+            "smollm2-135m-instruct",
+            "--student-tokenizer",
+            "gpt2",
+            "--json",
+        ).stdout
+    )
     assert shown["teacher"] == "tiny-gpt2" and shown["input_ids"] == aligned["student_ids"]
     # main is untouched: the branch holds the second teacher.
     assert [t["name"] for t in json.loads(run("info", store, "--json").stdout)["teachers"]] == ["smollm2-135m-instruct"]
 
     out = tmp_path / "mixed"
-    launch(TrainConfig.from_flags(store=store, version="two-teachers", out=str(out), student="llama-tiny",
-                       student_tokenizer="gpt2", teacher_weights={"smollm2-135m-instruct": 0.7, "tiny-gpt2": 0.3},
-                       steps=6, eval_every=6, eval_batches=2, **COMMON))
+    launch(
+        TrainConfig.from_flags(
+            store=store,
+            version="two-teachers",
+            out=str(out),
+            student="llama-tiny",
+            student_tokenizer="gpt2",
+            teacher_weights={"smollm2-135m-instruct": 0.7, "tiny-gpt2": 0.3},
+            steps=6,
+            eval_every=6,
+            eval_batches=2,
+            **COMMON,
+        )
+    )
     rows = metrics(out)
     last = rows[-1]
     assert {"kl/smollm2-135m-instruct", "kl/tiny-gpt2", "signal_share", "exact_share"} <= set(last)

@@ -19,7 +19,6 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from tests.conftest import without_progress
 from logitstore import codec
 from logitstore.bounded import run
 from logitstore.cli.app import app
@@ -27,9 +26,10 @@ from logitstore.errors import LogitstoreError, StorageError
 from logitstore.location import StorageLimits
 from logitstore.store import Store, TeacherMeta, storage_errors
 from logitstore.synthetic import random_samples
+from logitstore.trainer.mixing import Source
 from logitstore.trainer.stream import store_stream
-from logitstore.trainer.teachers import Source
 from logitstore.verify import verify
+from tests.conftest import without_progress
 from tests.faultproxy import FaultProxy
 from tests.test_store import VOCAB, assert_matches, teacher, write
 
@@ -81,8 +81,10 @@ def test_limits_come_from_the_environment(monkeypatch):
         StorageLimits.from_env()
 
 
-@pytest.mark.parametrize("module, name, base", [("pyo3_runtime", "PanicException", BaseException),
-                                               ("pyo3_async_runtimes", "RustPanic", Exception)])
+@pytest.mark.parametrize(
+    "module, name, base",
+    [("pyo3_runtime", "PanicException", BaseException), ("pyo3_async_runtimes", "RustPanic", Exception)],
+)
 def test_a_panic_in_icechunk_is_a_one_line_storage_error(module, name, base):
     # Icechunk cannot be made to panic on demand, and PyO3's panic classes cannot be imported: a class
     # with the same module and name stands in (that is all `is_panic` can look at, too).
@@ -162,9 +164,27 @@ def test_a_new_store_on_a_refusing_endpoint_is_one_line(proxy, uri):
 def test_endpoint_lost_mid_build_stops_it_and_a_rerun_resumes(proxy, uri, s3_endpoint, tiny_teacher, tmp_path):
     text = "The quick brown fox jumps over the lazy dog while the cat watches from the warm windowsill. "
     data = tmp_path / "docs.jsonl"
-    data.write_text("".join(json.dumps({"id": f"d{i}", "text": f"Document {i}. " + text * 2}) + "\n" for i in range(12)))
-    command = ["build", "--teacher", tiny_teacher, "--store", uri, "--data", str(data), "--id-column", "id",
-               "--max-length", "32", "--unit-tokens", "64", "--commit-every", "0.001", "--json"]
+    data.write_text(
+        "".join(json.dumps({"id": f"d{i}", "text": f"Document {i}. " + text * 2}) + "\n" for i in range(12))
+    )
+    command = [
+        "build",
+        "--teacher",
+        tiny_teacher,
+        "--store",
+        uri,
+        "--data",
+        str(data),
+        "--id-column",
+        "id",
+        "--max-length",
+        "32",
+        "--unit-tokens",
+        "64",
+        "--commit-every",
+        "0.001",
+        "--json",
+    ]
     # The fault comes from outside, as a real one does: once the build has committed twice (its first
     # unit with the teacher, then one more), the endpoint starts refusing.
     direct = boto3.client("s3", endpoint_url=s3_endpoint, region_name="us-east-1")
@@ -209,10 +229,13 @@ def trainer_view(uri: str, *, teachers=("teacher-a",)):
     ids = [f"doc-{i:03d}" for i in range(24)]
     with store.writer() as w:
         for t, name in enumerate(teachers):
-            batches = [random_samples(list(chunk), seed=10 * t + i, max_tokens=60, vocab=VOCAB)
-                       for i, chunk in enumerate(np.array_split(ids, 4))]
-            meta = TeacherMeta(name=name, vocab_size=VOCAB, content_hash="w", tokenizer_hash="t",
-                               sparsity={"mode": "topk", "k": 8})
+            batches = [
+                random_samples(list(chunk), seed=10 * t + i, max_tokens=60, vocab=VOCAB)
+                for i, chunk in enumerate(np.array_split(ids, 4))
+            ]
+            meta = TeacherMeta(
+                name=name, vocab_size=VOCAB, content_hash="w", tokenizer_hash="t", sparsity={"mode": "topk", "k": 8}
+            )
             w.add_teacher(meta, code_of_id=codec.frequency_id_order(batches[0].entry_ids, vocab_size=VOCAB))
             for samples in batches:
                 w.write(samples, teacher=name)
@@ -225,7 +248,7 @@ def test_outage_in_the_data_stream_stops_it_and_skips_nothing(proxy, uri, kind, 
     args = dict(seq_len=32, micro_batch=4, rank=0, world_size=1, seed=1, prefetch=1, on_error="skip")
     if kind == "packed":
         view, sources = trainer_view(uri), None
-    else:  # two teachers of one tokenizer: the reads of trainer/teachers.py
+    else:  # two teachers of one tokenizer: the reads of trainer/mixing.py
         view = trainer_view(uri, teachers=("teacher-a", "teacher-b"))
         sources = [Source("teacher-a", 0.5, None), Source("teacher-b", 0.5, None)]
     # A budget of two parts: windows of one part, so the stream keeps reading from storage, as on a
@@ -255,8 +278,11 @@ def test_outage_while_reading_the_stored_tokenizer_for_the_final_export(proxy, u
     samples = random_samples(["a"], seed=1)
     tokenizer_json = (gpt2_tokenizer_dir / "tokenizer.json").read_text()  # large: its chunk is not inlined
     with Store.open(uri, create=True).writer() as w:
-        w.add_teacher(teacher(), tokenizer_json=tokenizer_json,
-                      code_of_id=codec.frequency_id_order(samples.entry_ids, vocab_size=VOCAB))
+        w.add_teacher(
+            teacher(),
+            tokenizer_json=tokenizer_json,
+            code_of_id=codec.frequency_id_order(samples.entry_ids, vocab_size=VOCAB),
+        )
         w.write(samples, teacher="teacher-a")
         w.commit("first")
     view = Store.open(uri).read()
@@ -273,8 +299,9 @@ def test_outage_while_reading_the_stored_tokenizer_for_the_final_export(proxy, u
 # -- commands that read ---------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("command, fault", [(["info"], "refuse"), (["info"], "stall"), (["show", "a"], "stall"),
-                                            (["log"], "refuse")])
+@pytest.mark.parametrize(
+    "command, fault", [(["info"], "refuse"), (["info"], "stall"), (["show", "a"], "stall"), (["log"], "refuse")]
+)
 def test_reading_commands_during_an_outage_exit_2_with_one_line(proxy, uri, command, fault):
     write(Store.open(uri, create=True), random_samples(["a", "b"], seed=1))
     getattr(proxy, fault)()

@@ -31,8 +31,11 @@ def test_quick_frontier_writes_table_plot_and_sane_numbers(tmp_path):
     assert by_name["top-64 fp16+int32"]["bytes_per_token"] == 64 * 6 + 4
     assert by_name["top-16"]["entries_per_position"] == 16
     assert 0 < by_name["sampled 8"]["entries_per_position"] <= 8
-    assert by_name["sampled 8"]["bytes_per_token"] < by_name["top-16"]["bytes_per_token"] \
+    assert (
+        by_name["sampled 8"]["bytes_per_token"]
+        < by_name["top-16"]["bytes_per_token"]
         < by_name["top-64 fp16+int32"]["store_bytes_per_token"]
+    )
     for r in rows:  # every student learned something from its signal in three steps
         assert math.isfinite(r["held_out_kl"]) and r["held_out_kl"] < r["untrained_kl"], r
         assert math.isfinite(r["held_out_ce"])

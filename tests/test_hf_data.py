@@ -9,7 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 from logitstore.cli.app import app
-from logitstore.pipelines.data import DataError, HubDataset, dataset_source, read_documents
+from logitstore.pipelines.inputs import DataError, HubDataset, dataset_source, read_documents
 from logitstore.store import Store
 from tests.conftest import without_progress
 
@@ -23,8 +23,10 @@ def dataset_folder(tmp_path, monkeypatch):
     (folder / "data").mkdir(parents=True)
     for split, n in (("train", 3), ("test", 2)):
         (folder / "data" / f"{split}.jsonl").write_text(
-            "".join(json.dumps({"id": f"{split}-{i}", "text": f"The {split} split, document {i}."}) + "\n"
-                    for i in range(n)))
+            "".join(
+                json.dumps({"id": f"{split}-{i}", "text": f"The {split} split, document {i}."}) + "\n" for i in range(n)
+            )
+        )
     return folder
 
 
@@ -38,16 +40,33 @@ def test_a_split_of_a_dataset_folder_is_read_through_datasets(dataset_folder):
 
 def test_build_from_a_dataset_split(dataset_folder, tmp_path):
     store = str(tmp_path / "store")
-    result = CliRunner().invoke(app, ["build", "--data", str(dataset_folder), "--split", "train", "--store", store,
-                                      "--max-length", "64", "--top-k", "4"])
+    result = CliRunner().invoke(
+        app,
+        [
+            "build",
+            "--data",
+            str(dataset_folder),
+            "--split",
+            "train",
+            "--store",
+            store,
+            "--max-length",
+            "64",
+            "--top-k",
+            "4",
+        ],
+    )
     assert result.exit_code == 0, result.stderr
     assert sorted(Store.open(store).read().index["sample_id"].to_pylist()) == ["train-0", "train-1", "train-2"]
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--split", "nope"], "Bad split: nope"),
-    (["--split", "train", "--text-column", "body"], "no column 'body'"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--split", "nope"], "Bad split: nope"),
+        (["--split", "train", "--text-column", "body"], "no column 'body'"),
+    ],
+)
 def test_bad_dataset_input_is_one_line_and_creates_no_store(dataset_folder, tmp_path, args, message):
     result = CliRunner().invoke(app, ["build", "--data", str(dataset_folder), "--store", str(tmp_path / "s"), *args])
     error = without_progress(result.stderr)

@@ -38,8 +38,15 @@ def cache(tmp_path_factory):
 
     def save_model(folder):
         torch.manual_seed(0)
-        config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                             num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512)
+        config = LlamaConfig(
+            vocab_size=len(tokenizer),
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            max_position_embeddings=512,
+        )
         LlamaForCausalLM(config).save_pretrained(folder)
         tokenizer.save_pretrained(folder)
 
@@ -69,22 +76,56 @@ def test_hub_ids_resolve_from_the_cache_offline(offline):
 
 def test_build_and_eval_take_hub_ids(offline, tmp_path):
     data = tmp_path / "docs.jsonl"
-    data.write_text("".join(json.dumps({"id": f"d{i}", "text": f"Document {i} says hello to the Hub."}) + "\n"
-                            for i in range(4)))
+    data.write_text(
+        "".join(json.dumps({"id": f"d{i}", "text": f"Document {i} says hello to the Hub."}) + "\n" for i in range(4))
+    )
     store = str(tmp_path / "store")
     runner = CliRunner()
-    built = runner.invoke(app, ["build", "--teacher", "testorg/tiny-llama", "--data", str(data), "--store", store,
-                                "--top-k", "8", "--max-length", "64", "--json"])
+    built = runner.invoke(
+        app,
+        [
+            "build",
+            "--teacher",
+            "testorg/tiny-llama",
+            "--data",
+            str(data),
+            "--store",
+            store,
+            "--top-k",
+            "8",
+            "--max-length",
+            "64",
+            "--json",
+        ],
+    )
     assert built.exit_code == 0, built.stderr
     assert json.loads(built.stdout)["teacher"] == "tiny-llama"
-    evaluated = runner.invoke(app, ["eval", "--store", store, "--student", "testorg/tiny-llama", "--eval-fraction", "1",
-                                    "--seq-len", "16", "--json"])
+    evaluated = runner.invoke(
+        app,
+        [
+            "eval",
+            "--store",
+            store,
+            "--student",
+            "testorg/tiny-llama",
+            "--eval-fraction",
+            "1",
+            "--seq-len",
+            "16",
+            "--json",
+        ],
+    )
     assert evaluated.exit_code == 0, evaluated.stderr
     assert json.loads(evaluated.stdout)["kl"] >= 0
 
 
-@pytest.mark.parametrize("args", [["build", "--teacher", "nosuch/model"],
-                                  ["train", "--store", "{store}", "--out", "{store}-run", "--student", "nosuch/student"]])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["build", "--teacher", "nosuch/model"],
+        ["train", "--store", "{store}", "--out", "{store}-run", "--student", "nosuch/student"],
+    ],
+)
 def test_an_id_not_cached_offline_is_one_line(offline, tmp_path, args):
     from logitstore.store import Store
 

@@ -17,8 +17,8 @@ import torch
 
 from logitstore.data import SAMPLE_CORPUS
 from logitstore.pipelines.build import BuildConfig, run_build
-from logitstore.sparsity import Sparsity
 from logitstore.samples import SparseSamples
+from logitstore.sparsity import Sparsity
 from logitstore.trainer.config import TrainConfig
 from logitstore.trainer.live import LiveConfig, LiveTeacher, _allocate_ring, _write_slot
 from logitstore.trainer.train import launch
@@ -73,11 +73,17 @@ def test_live_and_store_runs_see_the_same_batches_and_losses(corpus, tmp_path):
     quantize with the store's codec; the teacher's batches differ (floating-point rounding), so values
     may differ by a grid step where one sits on a step boundary: compared to 1e-4 relative."""
     store = str(tmp_path / "store")
-    run_build(BuildConfig(store=store, data=str(corpus), id_column="id", max_length=128, sparsity=Sparsity(k=16),
-                          progress=False), log=lambda _: None)
+    run_build(
+        BuildConfig(
+            store=store, data=str(corpus), id_column="id", max_length=128, sparsity=Sparsity(k=16), progress=False
+        ),
+        log=lambda _: None,
+    )
     launch(TrainConfig.from_flags(store=store, out=str(tmp_path / "store-run"), steps=4, **COMMON))
     before = shm_entries()
-    launch(TrainConfig.from_flags(store=None, live=live_config(corpus), out=str(tmp_path / "live-run"), steps=4, **COMMON))
+    launch(
+        TrainConfig.from_flags(store=None, live=live_config(corpus), out=str(tmp_path / "live-run"), steps=4, **COMMON)
+    )
     np.testing.assert_allclose(losses(tmp_path / "live-run"), losses(tmp_path / "store-run"), rtol=1e-4)
     first = header(tmp_path / "live-run")
     assert first["signal"] == "live" and first["version"].startswith("live-")
@@ -91,25 +97,59 @@ def test_live_and_store_runs_see_the_same_batches_and_losses(corpus, tmp_path):
     from logitstore.trainer.model import build_student
 
     model, _ = build_student("llama-tiny", vocab_size=49152, seed=0)
-    args = TrainingArguments(output_dir=str(tmp_path / "hf-live"), max_steps=3, per_device_train_batch_size=2,
-                             learning_rate=COMMON["lr"], logging_steps=1, seed=0, report_to=[], save_strategy="no",
-                             use_cpu=True)
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "hf-live"),
+        max_steps=3,
+        per_device_train_batch_size=2,
+        learning_rate=COMMON["lr"],
+        logging_steps=1,
+        seed=0,
+        report_to=[],
+        save_strategy="no",
+        use_cpu=True,
+    )
     with DistillationTrainer(model, args, live=live_config(corpus), seq_len=64, eval_fraction=0.2) as trainer:
         trainer.train()
         held_out = trainer.evaluate()
         teacher_pid = trainer.signal.client.pid
     kd = [h["kd"] for h in trainer.state.log_history if "kd" in h]
-    store_kd = [r["kd"] for r in map(json.loads, (tmp_path / "store-run" / "metrics.jsonl").read_text().splitlines())
-                if "step" in r]
+    store_kd = [
+        r["kd"]
+        for r in map(json.loads, (tmp_path / "store-run" / "metrics.jsonl").read_text().splitlines())
+        if "step" in r
+    ]
     assert kd[0] == pytest.approx(store_kd[0], rel=1e-4) and len(kd) == 3
     assert held_out["eval_kl"] > 0 and not _alive(teacher_pid)
 
 
 def _start(corpus: Path, out: Path) -> subprocess.Popen:
-    args = ["train", "--live-teacher", "default", "--data", str(corpus), "--id-column", "id", "--max-length", "128",
-            "--top-k", "16", "--out", str(out), "--steps", "100000", "--seq-len", "64", "--micro-batch", "2"]
-    return subprocess.Popen([sys.executable, "-m", "logitstore.cli.app", *args], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
+    args = [
+        "train",
+        "--live-teacher",
+        "default",
+        "--data",
+        str(corpus),
+        "--id-column",
+        "id",
+        "--max-length",
+        "128",
+        "--top-k",
+        "16",
+        "--out",
+        str(out),
+        "--steps",
+        "100000",
+        "--seq-len",
+        "64",
+        "--micro-batch",
+        "2",
+    ]
+    return subprocess.Popen(
+        [sys.executable, "-m", "logitstore.cli.app", *args],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def _teacher_pid_once_training(child: subprocess.Popen, out: Path) -> int:
@@ -144,7 +184,7 @@ def test_a_killed_teacher_stops_the_trainer_with_a_message(corpus, tmp_path):
         child.wait(timeout=30)
     except subprocess.TimeoutExpired:
         child.kill()
-        raise AssertionError("the trainer hung after its teacher died")
+        raise AssertionError("the trainer hung after its teacher died") from None
     stderr = child.stderr.read()
     assert child.returncode != 0 and time.monotonic() - killed < 30
     assert "live teacher process" in stderr and "exited with code -9" in stderr, stderr
@@ -173,10 +213,15 @@ def test_slot_round_trip_and_capacity():
     rng = np.random.default_rng(0)
     counts = rng.integers(0, 5, size=7).astype(np.int32)
     samples = SparseSamples(
-        sample_ids=["0", "1"], n_tokens=np.array([3, 6]), input_ids=rng.integers(0, 50, 9),
-        n_entries=counts, entry_ids=rng.permutation(50)[:int(counts.sum())],
-        entry_logprobs=-rng.random(int(counts.sum())).astype(np.float32), tail=rng.random(7).astype(np.float32),
-        target_logprobs=-rng.random(7).astype(np.float32))
+        sample_ids=["0", "1"],
+        n_tokens=np.array([3, 6]),
+        input_ids=rng.integers(0, 50, 9),
+        n_entries=counts,
+        entry_ids=rng.permutation(50)[: int(counts.sum())],
+        entry_logprobs=-rng.random(int(counts.sum())).astype(np.float32),
+        tail=rng.random(7).astype(np.float32),
+        target_logprobs=-rng.random(7).astype(np.float32),
+    )
     ring = _allocate_ring(16, 64, device=torch.device("cpu"), sampled=False)
     assert all(t.is_shared() for slot in ring for t in slot.values())
     shapes = _write_slot(ring[1], samples)

@@ -3,8 +3,6 @@ arrays, chunks never written, a damaged chunk, and layouts it must leave to Zarr
 
 from __future__ import annotations
 
-import uuid
-
 import numpy as np
 import pytest
 import zarr
@@ -35,19 +33,29 @@ def test_every_array_of_a_store_reads_as_zarr_reads_it(tmp_path):
         assert values.dtype == as_codes(expected, params).dtype
 
 
-@pytest.mark.parametrize("length, chunk, shard", [
-    (1000, 128, 512),     # several shards of several inner chunks, the last shard partial
-    (1000, 128, None),    # no sharding: several plain chunks
-    (0, 64, 256),         # empty
-    (300, 1000, 1000),    # one inner chunk larger than the array
-])
+@pytest.mark.parametrize(
+    "length, chunk, shard",
+    [
+        (1000, 128, 512),  # several shards of several inner chunks, the last shard partial
+        (1000, 128, None),  # no sharding: several plain chunks
+        (0, 64, 256),  # empty
+        (300, 1000, 1000),  # one inner chunk larger than the array
+    ],
+)
 def test_layouts_logitstore_writes(length, chunk, shard):
     group = zarr.open_group(zarr.storage.MemoryStore(), mode="w")
     values = np.arange(length, dtype=np.uint32) * 7 % 65521
     blosc = BloscCodec(typesize=4, cname="zstd", clevel=5, shuffle="shuffle")
     kwargs = {"shards": (shard,)} if shard else {}
-    array = group.create_array("a", shape=(length,), dtype=np.uint32, chunks=(chunk,), compressors=[blosc, Crc32cCodec()],
-                               fill_value=3, **kwargs)
+    array = group.create_array(
+        "a",
+        shape=(length,),
+        dtype=np.uint32,
+        chunks=(chunk,),
+        compressors=[blosc, Crc32cCodec()],
+        fill_value=3,
+        **kwargs,
+    )
     array[:] = values
     [got] = rawread.read_arrays(group.store, ["a"])
     np.testing.assert_array_equal(got, values)
@@ -57,8 +65,15 @@ def test_chunks_never_written_read_as_the_fill_value():
     group = zarr.open_group(zarr.storage.MemoryStore(), mode="w")
     blosc = BloscCodec(typesize=2, cname="zstd", clevel=5, shuffle="shuffle")
     for name, kwargs in (("sharded", {"shards": (64,)}), ("plain", {})):
-        array = group.create_array(name, shape=(200,), dtype=np.uint16, chunks=(16,), compressors=[blosc, Crc32cCodec()],
-                                   fill_value=9, **kwargs)
+        array = group.create_array(
+            name,
+            shape=(200,),
+            dtype=np.uint16,
+            chunks=(16,),
+            compressors=[blosc, Crc32cCodec()],
+            fill_value=9,
+            **kwargs,
+        )
         array[20:30] = 1  # touches one inner chunk (or chunk): the rest stays unwritten
         [got] = rawread.read_arrays(group.store, [name])
         np.testing.assert_array_equal(got, array[:])

@@ -37,11 +37,15 @@ def store(tmp_path_factory) -> str:
     tokenizer = Tokenizer(models.WordLevel({f"w{i}": i for i in range(VOCAB)}, unk_token="w0"))
     tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
     samples = random_samples([f"doc-{i}" for i in range(12)], max_tokens=80, k=8)
-    meta = TeacherMeta(name="teacher-a", vocab_size=VOCAB, content_hash="w", tokenizer_hash="t",
-                       sparsity={"mode": "topk", "k": 8})
+    meta = TeacherMeta(
+        name="teacher-a", vocab_size=VOCAB, content_hash="w", tokenizer_hash="t", sparsity={"mode": "topk", "k": 8}
+    )
     with Store.open(uri, create=True).writer() as w:
-        w.add_teacher(meta, tokenizer_json=tokenizer.to_str(),
-                      code_of_id=codec.frequency_id_order(samples.entry_ids, vocab_size=VOCAB))
+        w.add_teacher(
+            meta,
+            tokenizer_json=tokenizer.to_str(),
+            code_of_id=codec.frequency_id_order(samples.entry_ids, vocab_size=VOCAB),
+        )
         w.write(samples, teacher="teacher-a")
         w.commit("write")
     return uri
@@ -147,8 +151,11 @@ def test_an_out_that_cannot_be_written_is_one_line(store, tmp_path):
     """As root chmod stops nothing: a path under a regular file, a file, and a path /proc refuses."""
     blocker = tmp_path / "a-file"
     blocker.write_text("")
-    for out, why in ((blocker / "run", "Not a directory"), (blocker, "is a file"),
-                     (Path("/proc/self/logitstore-run"), "cannot be written")):
+    for out, why in (
+        (blocker / "run", "Not a directory"),
+        (blocker, "is a file"),
+        (Path("/proc/self/logitstore-run"), "cannot be written"),
+    ):
         error = one_line_error(train("--store", store, "--out", out, "--steps", 1, *FLAGS))
         assert f"--out {out}" in error and why in error
 
@@ -160,10 +167,25 @@ def test_a_read_only_filesystem_out_is_one_line(store, tmp_path):
     probe = subprocess.run(["unshare", "-m", "sh", "-c", f"mount -t tmpfs -o ro tmpfs {mount}"], capture_output=True)
     if probe.returncode:
         pytest.skip(f"cannot mount a read-only tmpfs here: {probe.stderr.decode().strip()}")
-    command = [sys.executable, "-m", "logitstore.cli.app", "train", "--store", store, "--out", f"{mount}/run",
-               "--steps", "1", *FLAGS]
-    result = subprocess.run(["unshare", "-m", "sh", "-c", f'mount -t tmpfs -o ro tmpfs {mount} && exec "$@"', "sh",
-                             *command], capture_output=True, text=True, timeout=300)
+    command = [
+        sys.executable,
+        "-m",
+        "logitstore.cli.app",
+        "train",
+        "--store",
+        store,
+        "--out",
+        f"{mount}/run",
+        "--steps",
+        "1",
+        *FLAGS,
+    ]
+    result = subprocess.run(
+        ["unshare", "-m", "sh", "-c", f'mount -t tmpfs -o ro tmpfs {mount} && exec "$@"', "sh", *command],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 2, result.stderr
     assert result.stderr.strip() == f"error: --out {mount}/run cannot be written: Read-only file system"
 
@@ -190,9 +212,29 @@ def test_an_error_inside_two_ranks_is_one_line_with_its_exit_code(store, tmp_pat
     """--seq-len beyond the student's positions fails in every rank, after the parent's checks; the
     command prints one line and exits 2, and the failed start leaves --out unclaimed."""
     out = tmp_path / "run"
-    result = subprocess.run([sys.executable, "-m", "logitstore.cli.app", "train", "--store", store, "--out", str(out),
-                             "--nproc", "2", "--steps", "1", "--seq-len", "100000", "--micro-batch", "1"],
-                            capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "logitstore.cli.app",
+            "train",
+            "--store",
+            store,
+            "--out",
+            str(out),
+            "--nproc",
+            "2",
+            "--steps",
+            "1",
+            "--seq-len",
+            "100000",
+            "--micro-batch",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
     assert len(errors) == 1 and "exceeds the student" in errors[0], result.stderr

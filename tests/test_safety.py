@@ -10,17 +10,16 @@ import json
 import os
 from pathlib import Path
 
-import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from tests.conftest import without_progress
 from logitstore import codec
 from logitstore.cli.app import app
 from logitstore.errors import DamagedDataError
 from logitstore.store import Store, TeacherMeta
 from logitstore.synthetic import random_samples
 from logitstore.verify import verify
+from tests.conftest import without_progress
 
 VOCAB = 1000
 
@@ -47,11 +46,15 @@ def word_tokenizer_json(vocab: int = VOCAB) -> str:
 def write_store(uri: str, *, n: int = 12, seed: int = 0) -> Store:
     store = Store.open(uri, create=True)
     samples = random_samples([f"doc-{i}" for i in range(n)], seed=seed, max_tokens=80, k=8)
-    meta = TeacherMeta(name="teacher-a", vocab_size=VOCAB, content_hash="w", tokenizer_hash="t",
-                       sparsity={"mode": "topk", "k": 8})
+    meta = TeacherMeta(
+        name="teacher-a", vocab_size=VOCAB, content_hash="w", tokenizer_hash="t", sparsity={"mode": "topk", "k": 8}
+    )
     with store.writer() as w:
-        w.add_teacher(meta, tokenizer_json=word_tokenizer_json(),
-                      code_of_id=codec.frequency_id_order(samples.entry_ids, vocab_size=VOCAB))
+        w.add_teacher(
+            meta,
+            tokenizer_json=word_tokenizer_json(),
+            code_of_id=codec.frequency_id_order(samples.entry_ids, vocab_size=VOCAB),
+        )
         w.write(samples, teacher="teacher-a")
         w.commit("write")
     return store
@@ -99,8 +102,21 @@ def test_train_stops_with_one_line_on_a_damaged_id_order(tmp_path):
     flip_chunk_of(uri, "teachers/teacher-a/code_of_id")
     with pytest.raises(DamagedDataError, match="code_of_id"):
         Store.open(uri).read().sample("doc-1")
-    result = run("train", "--store", uri, "--out", tmp_path / "run", "--steps", "1", "--seq-len", "32",
-                 "--micro-batch", "1", "--eval-fraction", "0.1")
+    result = run(
+        "train",
+        "--store",
+        uri,
+        "--out",
+        tmp_path / "run",
+        "--steps",
+        "1",
+        "--seq-len",
+        "32",
+        "--micro-batch",
+        "1",
+        "--eval-fraction",
+        "0.1",
+    )
     error = one_line_error(result, 1)
     assert "teachers/teacher-a/code_of_id" in error and "damaged" in error
 
@@ -134,15 +150,34 @@ def jsonl(path: Path, rows: list[dict]) -> Path:
 
 
 def build(teacher: str, store, data, *extra):
-    return run("build", "--teacher", teacher, "--store", store, "--data", data, "--id-column", "id",
-               "--max-length", "32", "--unit-tokens", "64", "--json", *extra)
+    return run(
+        "build",
+        "--teacher",
+        teacher,
+        "--store",
+        store,
+        "--data",
+        data,
+        "--id-column",
+        "id",
+        "--max-length",
+        "32",
+        "--unit-tokens",
+        "64",
+        "--json",
+        *extra,
+    )
 
 
 def index_of(store) -> dict[str, tuple[str, str]]:
     """sample id -> (content hash, source hash)"""
     idx = Store.open(str(store)).read().index
-    return {s: (c, h) for s, c, h in zip(idx["sample_id"].to_pylist(), idx["content_hash"].to_pylist(),
-                                         idx["source_hash"].to_pylist())}
+    return {
+        s: (c, h)
+        for s, c, h in zip(
+            idx["sample_id"].to_pylist(), idx["content_hash"].to_pylist(), idx["source_hash"].to_pylist()
+        )
+    }
 
 
 LONG = "The quick brown fox jumps over the lazy dog while the cat watches from the warm windowsill. " * 4
@@ -155,25 +190,59 @@ def test_window_ids_cannot_collide_with_input_ids(tiny_teacher, tmp_path):
     assert {"a#w0", "a#w1"} <= set(index_of(store))
     before = Store.open(str(store)).resolve()
     # in this order the short document held `a#w1` and the long one's second window was lost
-    for rows in ([{"id": "b", "text": "short one"}, {"id": "a#w1", "text": "short two"}],
-                 [{"id": "a#w1", "text": "short two"}, {"id": "a", "text": LONG}]):
+    for rows in (
+        [{"id": "b", "text": "short one"}, {"id": "a#w1", "text": "short two"}],
+        [{"id": "a#w1", "text": "short two"}, {"id": "a", "text": LONG}],
+    ):
         error = one_line_error(build(tiny_teacher, store, jsonl(tmp_path / "b.jsonl", rows)), 2)
         assert "'a#w1'" in error and "window id" in error and "row" in error
         assert Store.open(str(store)).resolve() == before
 
 
 def test_an_empty_id_and_an_id_beyond_the_vocabulary_name_their_row(tiny_teacher, tmp_path):
-    error = one_line_error(build(tiny_teacher, tmp_path / "s1", jsonl(tmp_path / "e.jsonl", [
-        {"id": "x", "text": "fine"}, {"id": "", "text": "no id"}])), 2)
+    error = one_line_error(
+        build(
+            tiny_teacher,
+            tmp_path / "s1",
+            jsonl(tmp_path / "e.jsonl", [{"id": "x", "text": "fine"}, {"id": "", "text": "no id"}]),
+        ),
+        2,
+    )
     assert "row 1" in error and "empty string" in error
-    error = one_line_error(run("build", "--teacher", tiny_teacher, "--store", tmp_path / "s2", "--ids-column", "ids",
-                               "--max-length", "32", "--data", jsonl(tmp_path / "i.jsonl", [{"ids": [1, 2, 3]}, {"ids": [5, 10 ** 6]}])), 2)
+    error = one_line_error(
+        run(
+            "build",
+            "--teacher",
+            tiny_teacher,
+            "--store",
+            tmp_path / "s2",
+            "--ids-column",
+            "ids",
+            "--max-length",
+            "32",
+            "--data",
+            jsonl(tmp_path / "i.jsonl", [{"ids": [1, 2, 3]}, {"ids": [5, 10**6]}]),
+        ),
+        2,
+    )
     assert "input row 1" in error and "1000000" in error and "vocabulary" in error
 
 
 def test_max_length_beyond_the_teachers_context_is_refused_up_front(tiny_teacher, tmp_path):
-    error = one_line_error(run("build", "--teacher", tiny_teacher, "--store", tmp_path / "s", "--max-length", "1000",
-                               "--data", jsonl(tmp_path / "d.jsonl", [{"text": LONG}])), 2)
+    error = one_line_error(
+        run(
+            "build",
+            "--teacher",
+            tiny_teacher,
+            "--store",
+            tmp_path / "s",
+            "--max-length",
+            "1000",
+            "--data",
+            jsonl(tmp_path / "d.jsonl", [{"text": LONG}]),
+        ),
+        2,
+    )
     assert "--max-length 1000 exceeds the teacher's context of 256" in error
 
 
@@ -210,7 +279,7 @@ def test_changed_text_under_the_same_id_is_an_error_unless_replaced_or_skipped(t
     summary = json.loads(result.stdout)
     assert result.exit_code == 0 and summary["changed"] == 2
     replaced = index_of(store)
-    from logitstore.pipelines.data import text_hash
+    from logitstore.pipelines.inputs import text_hash
 
     windows = sorted(s for s in replaced if s.startswith("long"))
     assert windows == [f"long#w{i}" for i in range(len(windows))] and len(windows) == 2  # no stale window left
@@ -250,8 +319,12 @@ def test_creating_one_store_from_two_processes_at_once_is_idempotent(tmp_path):
 
     uris = [str(tmp_path / f"store{i}") for i in range(8)]
     start = str(time.time() + 4)  # after both interpreters have imported logitstore
-    children = [subprocess.Popen([sys.executable, "-c", CREATE_AT, start, *uris], stdout=subprocess.PIPE,
-                                 stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    children = [
+        subprocess.Popen(
+            [sys.executable, "-c", CREATE_AT, start, *uris], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for _ in range(2)
+    ]
     for child in children:
         out, err = child.communicate(timeout=120)
         assert child.returncode == 0 and out.strip() == "ok", err[-2000:]
@@ -268,9 +341,26 @@ def test_two_builds_of_the_same_data_at_once_store_it_once(tiny_teacher, tmp_pat
     reference = tmp_path / "reference"
     assert build(tiny_teacher, reference, data).exit_code == 0
     store = tmp_path / "store"
-    command = [sys.executable, "-m", "logitstore.cli.app", "build", "--teacher", tiny_teacher, "--store", str(store),
-               "--data", str(data), "--id-column", "id", "--max-length", "32", "--unit-tokens", "64",
-               "--commit-every", "0.001"]
+    command = [
+        sys.executable,
+        "-m",
+        "logitstore.cli.app",
+        "build",
+        "--teacher",
+        tiny_teacher,
+        "--store",
+        str(store),
+        "--data",
+        str(data),
+        "--id-column",
+        "id",
+        "--max-length",
+        "32",
+        "--unit-tokens",
+        "64",
+        "--commit-every",
+        "0.001",
+    ]
     children = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
     for child in children:
         _, err = child.communicate(timeout=240)
@@ -351,8 +441,12 @@ def test_writes_to_a_read_only_filesystem_are_one_line(tiny_teacher, tmp_path):
     if shutil.which("unshare") is None or subprocess.run(probe, capture_output=True).returncode:
         pytest.skip("cannot make a read-only bind mount in a private mount namespace here (needs CAP_SYS_ADMIN)")
     data = jsonl(tmp_path / "d.jsonl", [{"text": LONG}])
-    result = subprocess.run(["unshare", "-m", sys.executable, "-c", READ_ONLY, uri, str(data), tiny_teacher],
-                            capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        ["unshare", "-m", sys.executable, "-c", READ_ONLY, uri, str(data), tiny_teacher],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr
     lines = result.stdout.strip().splitlines()
     assert len(lines) == 2, result.stdout
@@ -368,9 +462,30 @@ def test_a_piped_build_reports_progress_in_tokens_from_the_first_batch(tiny_teac
 
     rows = [{"id": f"d{i}", "text": f"Document {i}: " + LONG} for i in range(8)]
     data = jsonl(tmp_path / "d.jsonl", rows)
-    result = subprocess.run([sys.executable, "-m", "logitstore.cli.app", "build", "--teacher", tiny_teacher, "--store",
-                             str(tmp_path / "store"), "--data", str(data), "--max-length", "32", "--unit-tokens", "64",
-                             "--batch-tokens", "64", "--json"], capture_output=True, text=True, timeout=240)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "logitstore.cli.app",
+            "build",
+            "--teacher",
+            tiny_teacher,
+            "--store",
+            str(tmp_path / "store"),
+            "--data",
+            str(data),
+            "--max-length",
+            "32",
+            "--unit-tokens",
+            "64",
+            "--batch-tokens",
+            "64",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     summary = json.loads(result.stdout)
     lines = [line for line in result.stderr.splitlines() if line.startswith("build: ")]
@@ -380,7 +495,9 @@ def test_a_piped_build_reports_progress_in_tokens_from_the_first_batch(tiny_teac
     first_tokens = int(progress[0].split()[1].replace(",", ""))
     assert 0 < first_tokens <= 64  # one batch of --batch-tokens, before any unit was merged
     assert progress[-1].startswith(f"build: {summary['tokens']:,} tokens, {summary['samples']:,} samples")
-    assert "stdlib" not in result.stderr and [r["sample_id"] for r in json.loads(run("ls", tmp_path / "store", "--json").stdout)][:1] == ["d0#w0"]
+    assert "stdlib" not in result.stderr and [
+        r["sample_id"] for r in json.loads(run("ls", tmp_path / "store", "--json").stdout)
+    ][:1] == ["d0#w0"]
 
 
 def test_progress_estimates_the_remaining_tokens_from_the_documents_read(tmp_path):

@@ -16,6 +16,7 @@ def _fresh():
 def _break(field, value):
     def apply(s):
         setattr(s, field, value(s) if callable(value) else value)
+
     return apply
 
 
@@ -23,12 +24,27 @@ CASES = {
     "wrong shape": (_break("tail", lambda s: s.tail[:-1]), "tail has"),
     "2-d": (_break("entry_ids", lambda s: s.entry_ids.reshape(1, -1)), "1-D"),
     "float ids": (_break("entry_ids", lambda s: s.entry_ids.astype(np.float32)), "integer dtype"),
-    "id outside vocabulary": (_break("entry_ids", lambda s: np.where(np.arange(len(s.entry_ids)) == 0, 1000, s.entry_ids)), "outside the vocabulary"),
-    "negative input id": (_break("input_ids", lambda s: np.where(np.arange(len(s.input_ids)) == 1, -1, s.input_ids)), "outside the vocabulary"),
-    "nan": (_break("entry_logprobs", lambda s: np.where(np.arange(len(s.entry_logprobs)) == 2, np.nan, s.entry_logprobs).astype(np.float32)), "NaN"),
+    "id outside vocabulary": (
+        _break("entry_ids", lambda s: np.where(np.arange(len(s.entry_ids)) == 0, 1000, s.entry_ids)),
+        "outside the vocabulary",
+    ),
+    "negative input id": (
+        _break("input_ids", lambda s: np.where(np.arange(len(s.input_ids)) == 1, -1, s.input_ids)),
+        "outside the vocabulary",
+    ),
+    "nan": (
+        _break(
+            "entry_logprobs",
+            lambda s: np.where(np.arange(len(s.entry_logprobs)) == 2, np.nan, s.entry_logprobs).astype(np.float32),
+        ),
+        "NaN",
+    ),
     "positive": (_break("target_logprobs", lambda s: np.abs(s.target_logprobs) + 0.5), "positive"),
     "tail above one": (_break("tail", lambda s: s.tail + 2), "tail"),
-    "duplicate entry": (_break("entry_ids", lambda s: np.where(np.arange(len(s.entry_ids)) == 1, s.entry_ids[0], s.entry_ids)), "appears twice"),
+    "duplicate entry": (
+        _break("entry_ids", lambda s: np.where(np.arange(len(s.entry_ids)) == 1, s.entry_ids[0], s.entry_ids)),
+        "appears twice",
+    ),
     "duplicate sample id": (_break("sample_ids", ["a", "a"]), "appears twice in one write"),
     "too short": (_break("n_tokens", lambda s: np.array([1, s.n_tokens.sum() - 1])), "at least 2"),
     "empty id": (_break("sample_ids", ["", "b"]), "non-empty"),

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from logitstore.pipelines.sparsify import to_samples
-from logitstore.sparsity import DEFAULT_SAMPLED, DEFAULT_TOPK, Sparsity, default_sparsity
 from logitstore.pipelines.teacher import SparseBatch
+from logitstore.sparsity import DEFAULT_SAMPLED, DEFAULT_TOPK, Sparsity, default_sparsity
 
 V, K = 50, 10
 
@@ -20,9 +20,12 @@ def dense_batch(*, rows=2, positions=6, seed=0):
     order = np.argsort(-logprobs, axis=-1)[..., :K]
     top = np.take_along_axis(logprobs, order, axis=-1)
     tail = -np.expm1(np.logaddexp.reduce(top, axis=-1))
-    batch = SparseBatch(ids=torch.as_tensor(order, dtype=torch.int32), logprobs=torch.as_tensor(top, dtype=torch.float32),
-                        target_logprob=torch.as_tensor(logprobs[..., 0], dtype=torch.float32),
-                        tail=torch.as_tensor(tail, dtype=torch.float32))
+    batch = SparseBatch(
+        ids=torch.as_tensor(order, dtype=torch.int32),
+        logprobs=torch.as_tensor(top, dtype=torch.float32),
+        target_logprob=torch.as_tensor(logprobs[..., 0], dtype=torch.float32),
+        tail=torch.as_tensor(tail, dtype=torch.float32),
+    )
     return batch, logprobs
 
 
@@ -54,22 +57,29 @@ def test_sampled_draws_become_distinct_ids_with_counts():
     draws = torch.tensor([[[3, 1, 3, 3], [2, 2, 2, 2]]], dtype=torch.int32)
     lp = torch.log(torch.tensor([[[0.5, 0.1, 0.5, 0.5], [0.9, 0.9, 0.9, 0.9]]]))
     batch = SparseBatch(ids=draws, logprobs=lp, target_logprob=torch.zeros(1, 2), tail=torch.tensor([[0.4, 0.1]]))
-    s = to_samples(batch, sample_ids=["a"], lengths=np.array([3]), input_ids=[np.zeros(3, dtype=np.int64)],
-                   sparsity=Sparsity(mode="sampled", n=4))
+    s = to_samples(
+        batch,
+        sample_ids=["a"],
+        lengths=np.array([3]),
+        input_ids=[np.zeros(3, dtype=np.int64)],
+        sparsity=Sparsity(mode="sampled", n=4),
+    )
     assert s.n_entries.tolist() == [2, 1]
     assert s.entry_ids.tolist() == [1, 3, 2] and s.entry_counts.tolist() == [1, 3, 4]
     np.testing.assert_allclose(np.exp(s.entry_logprobs), [0.1, 0.5, 0.9], rtol=1e-6)
 
 
-@pytest.mark.parametrize("bad", [dict(k=0), dict(mode="topp", p=0), dict(mode="sampled", n=0),
-                                 dict(temperature=0), dict(mode="nope")])
+@pytest.mark.parametrize(
+    "bad", [dict(k=0), dict(mode="topp", p=0), dict(mode="sampled", n=0), dict(temperature=0), dict(mode="nope")]
+)
 def test_bad_sparsity_names_the_flag(bad):
     with pytest.raises(ValueError):
         Sparsity(**bad)
 
 
 def test_the_cli_default_is_sampled_except_where_probabilities_are_needed():
-    from logitstore.sparsity import SparsityError, sparsity_from_flags as _sparsity
+    from logitstore.sparsity import SparsityError
+    from logitstore.sparsity import sparsity_from_flags as _sparsity
 
     assert DEFAULT_SAMPLED == Sparsity(mode="sampled", n=16) and DEFAULT_TOPK == Sparsity(k=64)
     assert default_sparsity() == DEFAULT_SAMPLED
@@ -99,8 +109,11 @@ def test_sparsity_round_trips_through_teacher_metadata_with_its_grid():
     from logitstore.codec import GRIDS
     from logitstore.sparsity import SparsityError, sparsity_from_flags
 
-    for setting in (Sparsity(k=8), Sparsity(mode="topp", p=0.9, k=32, temperature=2.0),
-                    Sparsity(mode="sampled", n=16, grid=GRIDS["coarse"])):
+    for setting in (
+        Sparsity(k=8),
+        Sparsity(mode="topp", p=0.9, k=32, temperature=2.0),
+        Sparsity(mode="sampled", n=16, grid=GRIDS["coarse"]),
+    ):
         assert Sparsity.from_meta(setting.to_json(), setting.grid) == setting
     assert Sparsity(mode="sampled", n=16).to_json() == {"mode": "sampled", "n": 16, "temperature": 1.0}
     assert Sparsity(mode="topp", p=0.9, k=32).describe() == "top-p 0.9 (cap 32)"

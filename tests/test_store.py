@@ -16,16 +16,17 @@ from logitstore.errors import (
 )
 from logitstore.index import diff_indexes
 from logitstore.store import Store, TeacherMeta
-from logitstore.verify import verify
 from logitstore.synthetic import random_samples
+from logitstore.verify import verify
 from tests.conftest import assert_samples_close
 
 VOCAB = 1000
 
 
 def teacher(name="teacher-a", mode="topk", content_hash="weights-1"):
-    return TeacherMeta(name=name, vocab_size=VOCAB, content_hash=content_hash, tokenizer_hash="tok-1",
-                       sparsity={"mode": mode, "k": 8})
+    return TeacherMeta(
+        name=name, vocab_size=VOCAB, content_hash=content_hash, tokenizer_hash="tok-1", sparsity={"mode": mode, "k": 8}
+    )
 
 
 def write(store, samples, *, meta=None, message="write", branch="main", on_duplicate="error"):
@@ -39,8 +40,13 @@ def write(store, samples, *, meta=None, message="write", branch="main", on_dupli
 def assert_matches(view, samples, teacher_name="teacher-a"):
     params = view.teachers[teacher_name].codec
     for i, sid in enumerate(samples.sample_ids):
-        assert_samples_close(view.sample(sid, teacher=teacher_name), samples.select(i), bound=params.error_bound,
-                             bound_fine=params.error_bound_fine, coarse_below=params.coarse_below)
+        assert_samples_close(
+            view.sample(sid, teacher=teacher_name),
+            samples.select(i),
+            bound=params.error_bound,
+            bound_fine=params.error_bound_fine,
+            coarse_below=params.coarse_below,
+        )
 
 
 @pytest.mark.parametrize("mode", ["topk", "topp", "sampled"])
@@ -236,12 +242,14 @@ def _objects(store, prefix: str) -> dict[str, bytes]:
 
     async def collect():
         keys = [k async for k in store.list_prefix(prefix)]
-        return {k[len(prefix):]: (await store.get(k, default_buffer_prototype())).to_bytes() for k in keys}
+        return {k[len(prefix) :]: (await store.get(k, default_buffer_prototype())).to_bytes() for k in keys}
 
     return sync(collect())
 
 
-@pytest.mark.parametrize("case", ["small", "several shards", "an all-zero chunk", "student tokens", "a format-1 teacher"])
+@pytest.mark.parametrize(
+    "case", ["small", "several shards", "an all-zero chunk", "student tokens", "a format-1 teacher"]
+)
 def test_a_part_is_written_as_zarr_writes_it_byte_for_byte(tmp_path, case):
     """`PartWriter` writes its arrays without zarr-python's machinery (rawwrite.py): every object, every
     byte and the stored size equal writing each array through Zarr (`_write_array`), the log-probability
@@ -257,32 +265,56 @@ def test_a_part_is_written_as_zarr_writes_it_byte_for_byte(tmp_path, case):
     samples = random_samples([f"d{i}" for i in range(12)], k=8)
     students, registered = None, []
     if case == "several shards":  # uint16 chunks of 128k values, 64 per shard: > 8M entries
-        samples = concat([dataclasses.replace(random_samples([f"b{r}"], seed=r, min_tokens=1024, max_tokens=1024, k=64),
-                                              sample_ids=[f"b{r}"]) for r in range(2)])
-        samples = concat([dataclasses.replace(samples, sample_ids=[f"{s}-{r}" for s in samples.sample_ids]) for r in range(66)])
+        samples = concat(
+            [
+                dataclasses.replace(
+                    random_samples([f"b{r}"], seed=r, min_tokens=1024, max_tokens=1024, k=64), sample_ids=[f"b{r}"]
+                )
+                for r in range(2)
+            ]
+        )
+        samples = concat(
+            [dataclasses.replace(samples, sample_ids=[f"{s}-{r}" for s in samples.sample_ids]) for r in range(66)]
+        )
     if case == "an all-zero chunk":
         samples.input_ids[:] = 0  # Zarr leaves an all-fill-value chunk out, and then its shard
     if case == "student tokens":
-        students = {"s": StudentTokens.from_samples([(np.arange(n // 2) % 7, np.array([[0, n, 0, n // 2]]))
-                                                     for n in samples.n_tokens])}
-        registered = [StudentTokenizer(name="s", tokenizer_hash="h", vocab_size=7, tokenizer_json="{}",
-                                       vocab_map=np.arange(VOCAB, dtype=np.int32) % 7)]
+        students = {
+            "s": StudentTokens.from_samples(
+                [(np.arange(n // 2) % 7, np.array([[0, n, 0, n // 2]])) for n in samples.n_tokens]
+            )
+        }
+        registered = [
+            StudentTokenizer(
+                name="s",
+                tokenizer_hash="h",
+                vocab_size=7,
+                tokenizer_json="{}",
+                vocab_map=np.arange(VOCAB, dtype=np.int32) % 7,
+            )
+        ]
     from logitstore.zarr_codec import GRID_ARRAYS
 
     meta = teacher() if case != "a format-1 teacher" else dataclasses.replace(teacher(), values="codes")
     store = Store.open(str(tmp_path / "store"), create=True)
     with store.writer() as w:
-        w.add_teacher(meta, code_of_id=codec.frequency_id_order(samples.entry_ids, vocab_size=VOCAB), students=registered)
+        w.add_teacher(
+            meta, code_of_id=codec.frequency_id_order(samples.entry_ids, vocab_size=VOCAB), students=registered
+        )
         w.commit("teacher")
     with store.writer() as w:
         part_writer = w.part_writer()
         written = part_writer.write(samples, teacher="teacher-a", students=students)
         w.merge(written)
         part = written.rows["part"][0].as_py()
-        enc = codec.encode(samples, params=codec.CodecParams(), code_of_id=part_writer.code_of_id("teacher-a"), vocab_size=VOCAB)
+        enc = codec.encode(
+            samples, params=codec.CodecParams(), code_of_id=part_writer.code_of_id("teacher-a"), vocab_size=VOCAB
+        )
         group = zarr.open_group(w.session.store, mode="r+")["teachers/teacher-a/parts"].create_group("by-zarr")
-        stored = sum(_write_array(group, name, values, grid=meta.grid if name in GRID_ARRAYS else None)
-                     for name, values in enc.arrays().items())
+        stored = sum(
+            _write_array(group, name, values, grid=meta.grid if name in GRID_ARRAYS else None)
+            for name, values in enc.arrays().items()
+        )
         for name, st in (students or {}).items():
             sub = group.require_group("students").create_group(name)
             stored += _write_array(sub, "ids", st.ids.astype(np.int32))

@@ -28,10 +28,13 @@ def build_store(uri: str, *, n: int = 60, parts: int = 3, mode: str = "topk", ma
     """A store with `n` samples of one teacher written as `parts` parts; returns the pinned view."""
     store = Store.open(uri, create=True)
     ids = [f"doc-{i:03d}" for i in range(n)]
-    batches = [random_samples(list(chunk), seed=i, mode=mode, max_tokens=max_tokens, k=k, vocab=VOCAB)
-               for i, chunk in enumerate(np.array_split(ids, parts))]
-    meta = TeacherMeta(name="teacher-a", vocab_size=VOCAB, content_hash="w", tokenizer_hash="t",
-                       sparsity={"mode": mode, "k": k})
+    batches = [
+        random_samples(list(chunk), seed=i, mode=mode, max_tokens=max_tokens, k=k, vocab=VOCAB)
+        for i, chunk in enumerate(np.array_split(ids, parts))
+    ]
+    meta = TeacherMeta(
+        name="teacher-a", vocab_size=VOCAB, content_hash="w", tokenizer_hash="t", sparsity={"mode": mode, "k": k}
+    )
     with store.writer() as w:
         w.add_teacher(meta, code_of_id=codec.frequency_id_order(batches[0].entry_ids, vocab_size=VOCAB))
         for samples in batches:
@@ -73,8 +76,18 @@ def take(s: Stream, n: int) -> list[PackedBatch]:
     return out
 
 
-TENSORS = ("input_ids", "position_ids", "document_ids", "positions", "entry_ids", "entry_logprobs", "entry_pos",
-           "tail", "target_ids", "target_logprobs")
+TENSORS = (
+    "input_ids",
+    "position_ids",
+    "document_ids",
+    "positions",
+    "entry_ids",
+    "entry_logprobs",
+    "entry_pos",
+    "tail",
+    "target_ids",
+    "target_logprobs",
+)
 
 
 def assert_same(x: PackedBatch, y: PackedBatch) -> None:
@@ -160,9 +173,9 @@ def check_batch(view, batch: PackedBatch, cache: dict) -> None:
         if sid not in cache:
             cache[sid] = view.sample(sid)
         sample = cache[sid]
-        assert torch.equal(flat_ids[f:f + n], torch.from_numpy(sample.input_ids[a:a + n]))
-        assert torch.equal(flat_pos[f:f + n], torch.arange(n))
-        assert (flat_doc[f:f + n] == flat_doc[f]).all()
+        assert torch.equal(flat_ids[f : f + n], torch.from_numpy(sample.input_ids[a : a + n]))
+        assert torch.equal(flat_pos[f : f + n], torch.arange(n))
+        assert (flat_doc[f : f + n] == flat_doc[f]).all()
         supervised.append(np.arange(f, f + n - 1))
     # Segments tile every row, and document ids differ between the segments of a row.
     starts = sorted((f, n) for _, _, f, n in batch.segments)
@@ -190,7 +203,7 @@ def check_entries(batch: PackedBatch, cache: dict) -> None:
         offsets = sample.entry_offsets
         got = slice(bounds[p], bounds[p + n - 1])
         want = slice(offsets[a], offsets[a + n - 1])
-        counts = np.diff(bounds[p:p + n])
+        counts = np.diff(bounds[p : p + n])
         np.testing.assert_array_equal(counts, sample.n_entries[q])
         g = by_position_and_id(batch.entry_ids[got].numpy(), counts)
         w = by_position_and_id(sample.entry_ids[want], counts)
@@ -198,9 +211,9 @@ def check_entries(batch: PackedBatch, cache: dict) -> None:
         np.testing.assert_array_equal(batch.entry_logprobs[got].numpy()[g], sample.entry_logprobs[want][w])
         if sample.entry_counts is not None:
             np.testing.assert_array_equal(batch.entry_counts[got].numpy()[g], sample.entry_counts[want][w])
-        np.testing.assert_array_equal(batch.tail[p:p + n - 1].numpy(), sample.tail[q])
-        np.testing.assert_array_equal(batch.target_logprobs[p:p + n - 1].numpy(), sample.target_logprobs[q])
-        np.testing.assert_array_equal(batch.target_ids[p:p + n - 1].numpy(), sample.input_ids[a + 1:a + n])
+        np.testing.assert_array_equal(batch.tail[p : p + n - 1].numpy(), sample.tail[q])
+        np.testing.assert_array_equal(batch.target_logprobs[p : p + n - 1].numpy(), sample.target_logprobs[q])
+        np.testing.assert_array_equal(batch.target_ids[p : p + n - 1].numpy(), sample.input_ids[a + 1 : a + n])
         p += n - 1
     assert p == len(batch.positions)
 
@@ -224,10 +237,12 @@ def test_packing_matches_the_store(which, windows, request):
 def test_epoch_order_and_fragments_follow_the_contract(view):
     s = stream(view, seed=5)
     segments = [seg for b in take(s, s.steps_per_epoch) for seg in b.segments]
-    train_ids = sorted(sid for sid in view.index["sample_id"].to_pylist() if not is_eval_sample(sid, eval_fraction=0.05))
+    train_ids = sorted(
+        sid for sid in view.index["sample_id"].to_pylist() if not is_eval_sample(sid, eval_fraction=0.05)
+    )
     order = [train_ids[i] for i in np.random.default_rng([5, 0]).permutation(len(train_ids))]
     walked, expected_a = [], 0
-    for sid, a, f, n in segments:
+    for sid, a, _f, n in segments:
         if not walked or walked[-1] != sid:
             walked.append(sid)
             expected_a = 0
@@ -241,11 +256,20 @@ def test_epoch_order_and_fragments_follow_the_contract(view):
 
 def test_block_causal_mask():
     doc = torch.tensor([[0, 0, 1, 1, -1]])
-    batch = PackedBatch(input_ids=torch.zeros(1, 5, dtype=torch.long), position_ids=torch.zeros(1, 5, dtype=torch.long),
-                        document_ids=doc, positions=torch.zeros(0, dtype=torch.long), entry_ids=torch.zeros(0, dtype=torch.long),
-                        entry_logprobs=torch.zeros(0), entry_pos=torch.zeros(0, dtype=torch.long), tail=torch.zeros(0),
-                        target_ids=torch.zeros(0, dtype=torch.long), target_logprobs=torch.zeros(0), entry_counts=None,
-                        n_tokens=4)
+    batch = PackedBatch(
+        input_ids=torch.zeros(1, 5, dtype=torch.long),
+        position_ids=torch.zeros(1, 5, dtype=torch.long),
+        document_ids=doc,
+        positions=torch.zeros(0, dtype=torch.long),
+        entry_ids=torch.zeros(0, dtype=torch.long),
+        entry_logprobs=torch.zeros(0),
+        entry_pos=torch.zeros(0, dtype=torch.long),
+        tail=torch.zeros(0),
+        target_ids=torch.zeros(0, dtype=torch.long),
+        target_logprobs=torch.zeros(0),
+        entry_counts=None,
+        n_tokens=4,
+    )
     mask = batch.block_causal_mask(torch.bfloat16)
     assert mask.shape == (1, 1, 5, 5) and mask.dtype == torch.bfloat16
     allowed = (mask[0, 0] == 0).int().tolist()
@@ -268,7 +292,9 @@ def test_mask_of_a_real_batch_blocks_other_documents(view):
 def test_is_eval_sample_is_the_documented_hash():
     for sid in ("doc-1", "ünïcode", "x" * 100):
         fraction = int.from_bytes(hashlib.blake2b(sid.encode(), digest_size=8).digest(), "big") / 2**64
-        assert is_eval_sample(sid, eval_fraction=fraction + 1e-9) and not is_eval_sample(sid, eval_fraction=fraction - 1e-9)
+        assert is_eval_sample(sid, eval_fraction=fraction + 1e-9) and not is_eval_sample(
+            sid, eval_fraction=fraction - 1e-9
+        )
     assert not is_eval_sample("anything", eval_fraction=0.0) and is_eval_sample("anything", eval_fraction=1.0)
 
 
@@ -290,8 +316,18 @@ def test_train_and_eval_are_disjoint_stable_and_eval_is_one_pass(view):
 @pytest.mark.parametrize("seq_len, micro_batch, world_size", [(SEQ, MB, 1), (4096, 4, 1), (50, 3, 2), (7, 64, 3)])
 def test_eval_split_evaluates_every_token_once_however_small(view, seq_len, micro_batch, world_size):
     # A split smaller than a row or a micro-batch still gives one (padded) step on every rank.
-    ranks = [stream(view, split="eval", eval_fraction=0.3, seq_len=seq_len, micro_batch=micro_batch,
-                    world_size=world_size, rank=r) for r in range(world_size)]
+    ranks = [
+        stream(
+            view,
+            split="eval",
+            eval_fraction=0.3,
+            seq_len=seq_len,
+            micro_batch=micro_batch,
+            world_size=world_size,
+            rank=r,
+        )
+        for r in range(world_size)
+    ]
     steps = ranks[0].steps_per_epoch
     assert steps >= 1 and all(len(list(s)) == steps for s in ranks)
     table = ranks[0].table
@@ -310,17 +346,20 @@ def test_eval_split_evaluates_every_token_once_however_small(view, seq_len, micr
 # -- errors, prefetch and damaged data ---------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kw, message", [
-    ({"seq_len": 1}, "seq_len"),
-    ({"micro_batch": 0}, "micro_batch"),
-    ({"rank": 2, "world_size": 2}, "rank"),
-    ({"rank": -1}, "rank"),
-    ({"split": "test"}, "split"),
-    ({"split": "eval", "eval_fraction": 0.0}, "no samples; raise --eval-fraction"),
-    ({"seq_len": 4096}, "fewer than one micro-batch"),
-    ({"world_size": 64, "micro_batch": 8, "rank": 3}, "fewer than one micro-batch"),
-    ({"on_error": "ignore"}, "on_error"),
-])
+@pytest.mark.parametrize(
+    "kw, message",
+    [
+        ({"seq_len": 1}, "seq_len"),
+        ({"micro_batch": 0}, "micro_batch"),
+        ({"rank": 2, "world_size": 2}, "rank"),
+        ({"rank": -1}, "rank"),
+        ({"split": "test"}, "split"),
+        ({"split": "eval", "eval_fraction": 0.0}, "no samples; raise --eval-fraction"),
+        ({"seq_len": 4096}, "fewer than one micro-batch"),
+        ({"world_size": 64, "micro_batch": 8, "rank": 3}, "fewer than one micro-batch"),
+        ({"on_error": "ignore"}, "on_error"),
+    ],
+)
 def test_bad_arguments_are_refused(view, kw, message):
     with pytest.raises(ValueError, match=message) as info:
         stream(view, **kw)
@@ -350,7 +389,7 @@ def damaged_view(tmp_path_factory):
     victim = max((root / "chunks").iterdir(), key=lambda p: p.stat().st_size)
     data = bytearray(victim.read_bytes())
     mid = len(data) // 3
-    data[mid:mid + 16] = bytes(b ^ 0xFF for b in data[mid:mid + 16])
+    data[mid : mid + 16] = bytes(b ^ 0xFF for b in data[mid : mid + 16])
     os.chmod(victim, 0o644)
     victim.write_bytes(bytes(data))
     return Store.open(str(root)).read(view.snapshot_id)

@@ -72,9 +72,7 @@ def test_sparse_forward_matches_dense(teacher, batch, dense_logits, chunking):
     positions = 2 * (input_ids.shape[1] - 1)  # chunks run over the flattened batch
     chunk_positions = _chunk_size(positions, chunking)
 
-    sparse = sparse_topk_forward(
-        teacher.model, input_ids, attention_mask, k=K, chunk_positions=chunk_positions
-    )
+    sparse = sparse_topk_forward(teacher.model, input_ids, attention_mask, k=K, chunk_positions=chunk_positions)
 
     assert sparse.ids.shape == sparse.logprobs.shape == (2, positions // 2, K)
     assert sparse.ids.dtype == torch.int32 and sparse.logprobs.dtype == torch.float32

@@ -31,8 +31,10 @@ def store(tmp_path_factory) -> str:
     data = tmp_path_factory.mktemp("data") / "corpus.jsonl"
     data.write_text("".join(json.dumps({"id": d["id"], "text": d["text"][:1200]}) + "\n" for d in docs))
     uri = str(tmp_path_factory.mktemp("store") / "store")
-    run_build(BuildConfig(store=uri, data=str(data), id_column="id", max_length=128, sparsity=Sparsity(k=16),
-                          progress=False), log=lambda _: None)
+    run_build(
+        BuildConfig(store=uri, data=str(data), id_column="id", max_length=128, sparsity=Sparsity(k=16), progress=False),
+        log=lambda _: None,
+    )
     return uri
 
 
@@ -53,8 +55,21 @@ def test_loss_goes_down_and_the_student_exports(store, tmp_path):
 
     assert AutoModelForCausalLM.from_pretrained(out / "final") is not None
     assert AutoTokenizer.from_pretrained(out / "final")("hello")["input_ids"]
-    result = CliRunner().invoke(app, ["eval", "--store", store, "--student", str(out / "final"), "--seq-len", "64",
-                                      "--eval-fraction", "0.2", "--json"])
+    result = CliRunner().invoke(
+        app,
+        [
+            "eval",
+            "--store",
+            store,
+            "--student",
+            str(out / "final"),
+            "--seq-len",
+            "64",
+            "--eval-fraction",
+            "0.2",
+            "--json",
+        ],
+    )
     assert result.exit_code == 0, result.stderr
     evaluated = json.loads(result.stdout)
     assert evaluated["kl"] > 0 and evaluated["ce"] > 0
@@ -73,10 +88,30 @@ def test_killed_run_resumes_with_bit_identical_losses(store, tmp_path):
     reference = tmp_path / "reference"
     launch(TrainConfig.from_flags(store=store, out=str(reference), steps=6, checkpoint_every=3, **COMMON))
     out = tmp_path / "killed"
-    args = ["train", "--store", store, "--out", str(out), "--steps", "6", "--checkpoint-every", "3",
-            "--seq-len", "64", "--micro-batch", "2", "--warmup-steps", "2", "--lr", "5e-3", "--eval-fraction", "0.2"]
-    child = subprocess.Popen([sys.executable, "-m", "logitstore.cli.app", *args],
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    args = [
+        "train",
+        "--store",
+        store,
+        "--out",
+        str(out),
+        "--steps",
+        "6",
+        "--checkpoint-every",
+        "3",
+        "--seq-len",
+        "64",
+        "--micro-batch",
+        "2",
+        "--warmup-steps",
+        "2",
+        "--lr",
+        "5e-3",
+        "--eval-fraction",
+        "0.2",
+    ]
+    child = subprocess.Popen(
+        [sys.executable, "-m", "logitstore.cli.app", *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     deadline = time.monotonic() + 240
     while not (out / "step-3").exists() and child.poll() is None and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -130,12 +165,23 @@ def test_eval_on_a_store_of_three_samples_and_an_empty_split(tmp_path):
     from logitstore.sparsity import Sparsity
 
     data = tmp_path / "three.jsonl"
-    data.write_text("".join(json.dumps({"id": f"s{i}", "text": text}) + "\n" for i, text in
-                            enumerate(["def add(a, b):\n    return a + b\n", "Knowledge distillation trains a student.",
-                                       "import os\nprint(os.getcwd())\n"])))
+    data.write_text(
+        "".join(
+            json.dumps({"id": f"s{i}", "text": text}) + "\n"
+            for i, text in enumerate(
+                [
+                    "def add(a, b):\n    return a + b\n",
+                    "Knowledge distillation trains a student.",
+                    "import os\nprint(os.getcwd())\n",
+                ]
+            )
+        )
+    )
     store = str(tmp_path / "store")
-    run_build(BuildConfig(store=store, data=str(data), max_length=64, sparsity=Sparsity(k=8), progress=False),
-              log=lambda _: None)
+    run_build(
+        BuildConfig(store=store, data=str(data), max_length=64, sparsity=Sparsity(k=8), progress=False),
+        log=lambda _: None,
+    )
     args = ["eval", "--store", store, "--student", "llama-tiny", "--json"]
     result = CliRunner().invoke(app, [*args, "--eval-fraction", "1"])
     assert result.exit_code == 0, result.stderr
@@ -154,28 +200,37 @@ def test_gpu_levers_leave_the_losses_unchanged(store, tmp_path):
     args = dict(COMMON, steps=2, nproc=2, grad_accum=2)
     launch(TrainConfig.from_flags(store=store, out=str(tmp_path / "plain"), **args))
     levers = tmp_path / "levers"
-    launch(TrainConfig.from_flags(store=store, out=str(levers), activation_checkpointing=True, compile=True, defer_grad_sync=True,
-                       report_to=("tensorboard",), **args))
+    launch(
+        TrainConfig.from_flags(
+            store=store,
+            out=str(levers),
+            activation_checkpointing=True,
+            compile=True,
+            defer_grad_sync=True,
+            report_to=("tensorboard",),
+            **args,
+        )
+    )
     plain, pulled = metrics(tmp_path / "plain"), metrics(levers)
     assert [r["loss"] for r in pulled] == pytest.approx([r["loss"] for r in plain], rel=1e-4)
     events = list((levers / "tensorboard").glob("events.out.tfevents.*"))
     assert events and events[0].stat().st_size > 100
 
 
-
 @pytest.mark.parametrize("kind", ["transformers", "trl"])
 def test_trainers_distil_from_a_store_like_logitstore_train(store, tmp_path, kind):
     # logitstore.hf.DistillationTrainer (transformers.Trainer) and DistillationSFTTrainer (TRL's
     # SFTTrainer): the same stream, student and loss code as logitstore train.
-    import logitstore
     from transformers import TrainingArguments
 
+    import logitstore
     from logitstore.hf import DistillationTrainer
     from logitstore.trainer.model import build_student
 
     if kind == "trl":
         trl = pytest.importorskip("trl")
         from logitstore.hf import DistillationSFTTrainer as trainer_class
+
         arguments = trl.SFTConfig
     else:
         trainer_class, arguments = DistillationTrainer, TrainingArguments
@@ -183,9 +238,18 @@ def test_trainers_distil_from_a_store_like_logitstore_train(store, tmp_path, kin
     launch(TrainConfig.from_flags(store=store, out=str(reference), steps=1, **COMMON))
     view = logitstore.open(store)
     model, _ = build_student("llama-tiny", vocab_size=view.teachers[view.teacher_name(None)].vocab_size, seed=0)
-    args = arguments(output_dir=str(tmp_path / kind), max_steps=24, per_device_train_batch_size=COMMON["micro_batch"],
-                     learning_rate=COMMON["lr"], warmup_steps=2, logging_steps=1, seed=0, report_to=[],
-                     save_strategy="no", use_cpu=True)
+    args = arguments(
+        output_dir=str(tmp_path / kind),
+        max_steps=24,
+        per_device_train_batch_size=COMMON["micro_batch"],
+        learning_rate=COMMON["lr"],
+        warmup_steps=2,
+        logging_steps=1,
+        seed=0,
+        report_to=[],
+        save_strategy="no",
+        use_cpu=True,
+    )
     trainer = trainer_class(model, args, store=store, seq_len=COMMON["seq_len"], eval_fraction=COMMON["eval_fraction"])
     before = trainer.evaluate()
     trainer.train()
@@ -200,18 +264,27 @@ def test_trainers_distil_from_a_store_like_logitstore_train(store, tmp_path, kin
 def test_distillation_trainer_resumes_a_checkpoint_at_its_data_position(store, tmp_path):
     # Six steps with a checkpoint at step 3, then a fresh trainer resumed from checkpoint-3: steps 4-6
     # see the same batches (the stream's position is in the checkpoint) and give the same losses.
-    import logitstore
     from transformers import TrainingArguments
 
+    import logitstore
     from logitstore.hf import DistillationTrainer
     from logitstore.trainer.model import build_student
 
     def trainer(out: Path) -> DistillationTrainer:
         view = logitstore.open(store)
         model, _ = build_student("llama-tiny", vocab_size=view.teachers[view.teacher_name(None)].vocab_size, seed=0)
-        args = TrainingArguments(output_dir=str(out), max_steps=6, per_device_train_batch_size=COMMON["micro_batch"],
-                                 learning_rate=COMMON["lr"], logging_steps=1, seed=0, report_to=[],
-                                 save_strategy="steps", save_steps=3, use_cpu=True)
+        args = TrainingArguments(
+            output_dir=str(out),
+            max_steps=6,
+            per_device_train_batch_size=COMMON["micro_batch"],
+            learning_rate=COMMON["lr"],
+            logging_steps=1,
+            seed=0,
+            report_to=[],
+            save_strategy="steps",
+            save_steps=3,
+            use_cpu=True,
+        )
         return DistillationTrainer(model, args, store=store, seq_len=COMMON["seq_len"])
 
     def kd_by_step(t: DistillationTrainer) -> dict[int, float]:

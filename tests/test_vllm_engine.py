@@ -16,7 +16,6 @@ import pytest
 import torch
 
 from logitstore.errors import LogitstoreError
-from logitstore.pipelines.teacher import SparseBatch, sparse_topk_forward
 from logitstore.pipelines.engines.vllm_engine import (
     Engine,
     VllmFeatures,
@@ -26,6 +25,7 @@ from logitstore.pipelines.engines.vllm_engine import (
     plan_vllm,
     prompt_logprobs_to_sparse,
 )
+from logitstore.pipelines.teacher import SparseBatch, sparse_topk_forward
 from logitstore.pipelines.workers import WorkerSettings, worker_devices
 from logitstore.sparsity import Sparsity
 
@@ -112,9 +112,7 @@ def assert_matches_reference(out: dict, ref: dict, dense32: np.ndarray, tokens: 
     np.testing.assert_array_equal(out["ids"], ref["ids"])
     np.testing.assert_allclose(out["logprobs"], ref["logprobs"], atol=1e-6, rtol=0)
     # The target logprob is copied, not recomputed: exactly vLLM's fp32 value.
-    np.testing.assert_array_equal(
-        out["target_logprob"], dense32[np.arange(len(dense32)), tokens[1:]]
-    )
+    np.testing.assert_array_equal(out["target_logprob"], dense32[np.arange(len(dense32)), tokens[1:]])
     np.testing.assert_allclose(out["tail"], ref["tail"], atol=1e-6, rtol=0)
 
 
@@ -250,9 +248,7 @@ def test_output_matches_the_torch_engine_contract(tiny_model):
         logits = tiny_model(input_ids).logits[0, :-1].double()
     dense32 = logits.log_softmax(-1).float().numpy()
 
-    out = prompt_logprobs_to_sparse(
-        tokens.tolist(), vllm_prompt_logprobs(dense32, tokens, n=K), k=K, vocab_size=VOCAB
-    )
+    out = prompt_logprobs_to_sparse(tokens.tolist(), vllm_prompt_logprobs(dense32, tokens, n=K), k=K, vocab_size=VOCAB)
 
     fields = dataclasses.fields(SparseBatch)
     required = tuple(f.name for f in fields if f.default is dataclasses.MISSING)
@@ -298,8 +294,17 @@ GIB = 1024**3
 
 
 def plan(**changes):
-    arguments = dict(model="/m", tokenizer="/t", k=64, vocab_size=151_936, batch_tokens=8192, max_length=4096,
-                     dtype="bfloat16", tensor_parallel=1, gpu_bytes=80 * GIB)
+    arguments = dict(
+        model="/m",
+        tokenizer="/t",
+        k=64,
+        vocab_size=151_936,
+        batch_tokens=8192,
+        max_length=4096,
+        dtype="bfloat16",
+        tensor_parallel=1,
+        gpu_bytes=80 * GIB,
+    )
     return plan_vllm(**{**arguments, **changes})
 
 
@@ -344,13 +349,25 @@ def test_each_local_worker_gets_its_own_gpus():
 def settings(**changes) -> WorkerSettings:
     from logitstore.pipelines.teacher import resolve_teacher
 
-    base = dict(teacher_spec=resolve_teacher(None), device="auto", dtype="auto", sparsity=Sparsity(k=8),
-                batch_tokens=8192, seed=0, engine="vllm")
+    base = dict(
+        teacher_spec=resolve_teacher(None),
+        device="auto",
+        dtype="auto",
+        sparsity=Sparsity(k=8),
+        batch_tokens=8192,
+        seed=0,
+        engine="vllm",
+    )
     return WorkerSettings(**{**base, **changes})
 
 
-@pytest.mark.parametrize("sparsity, match", [(Sparsity(mode="sampled", n=16), "cannot store --sample"),
-                                             (Sparsity(k=8, temperature=2.0), "--temperature 1 only")])
+@pytest.mark.parametrize(
+    "sparsity, match",
+    [
+        (Sparsity(mode="sampled", n=16), "cannot store --sample"),
+        (Sparsity(k=8, temperature=2.0), "--temperature 1 only"),
+    ],
+)
 def test_the_engine_refuses_what_prompt_logprobs_cannot_give(sparsity, match):
     s = settings(sparsity=sparsity)
     with pytest.raises(LogitstoreError, match=match):
@@ -358,7 +375,10 @@ def test_the_engine_refuses_what_prompt_logprobs_cannot_give(sparsity, match):
 
 
 def test_the_engine_records_bfloat16_for_auto_and_asks_a_gpu_group_per_worker():
-    assert Engine.resolved_dtype(settings()) == "bfloat16" and Engine.resolved_dtype(settings(dtype="float16")) == "float16"
+    assert (
+        Engine.resolved_dtype(settings()) == "bfloat16"
+        and Engine.resolved_dtype(settings(dtype="float16")) == "float16"
+    )
     assert Engine.gpus_per_worker(settings(tensor_parallel=2)) == 2
 
 
@@ -431,7 +451,7 @@ def test_teacher_builds_and_calls_vllm_as_planned(fake_vllm, dense, flat):
 
     out = teacher.forward([tokens.astype(np.int32), tokens[:5]])
 
-    (prompts, params, use_tqdm), = llm.calls
+    ((prompts, params, use_tqdm),) = llm.calls
     assert params == planned.sampling and use_tqdm is False
     assert prompts[1] == {"prompt_token_ids": tokens[:5].tolist()}
     assert [row["ids"].shape for row in out] == [(T - 1, K), (4, K)]
@@ -440,9 +460,7 @@ def test_teacher_builds_and_calls_vllm_as_planned(fake_vllm, dense, flat):
     np.testing.assert_array_equal(out[1]["ids"], ref["ids"][:4])
 
 
-@pytest.mark.parametrize(
-    "row", [np.array([], dtype=np.int64), np.array([[1, 2]]), np.array([1.0, 2.0])]
-)
+@pytest.mark.parametrize("row", [np.array([], dtype=np.int64), np.array([[1, 2]]), np.array([1.0, 2.0])])
 def test_teacher_rejects_rows_that_are_not_token_ids(fake_vllm, row):
     teacher = VllmTeacher(plan(k=K, vocab_size=VOCAB), k=K)
     with pytest.raises(LogitstoreError, match="1-D array of token ids"):

@@ -30,8 +30,14 @@ def test_every_code_comes_back_from_its_float32_value(grid):
 
 def fresh_python(code: str, *, cwd: Path) -> str:
     """Run `code` in a new interpreter (no logitstore imported unless the code does) and return stdout."""
-    result = subprocess.run([sys.executable, "-c", code], cwd=cwd, capture_output=True, text=True, timeout=120,
-                            env={**os.environ, "PYTHONPATH": ""})
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": ""},
+    )
     assert result.returncode == 0, result.stderr
     return result.stdout
 
@@ -46,16 +52,19 @@ def test_plain_zarr_reads_log_probabilities(tmp_path):
     code = f"""
 import json, sys, icechunk, zarr
 print("@@", "logitstore" in sys.modules)
-repo = icechunk.Repository.open(icechunk.local_filesystem_storage({str(tmp_path / 'store')!r}))
+repo = icechunk.Repository.open(icechunk.local_filesystem_storage({str(tmp_path / "store")!r}))
 part = zarr.open_group(repo.readonly_session(branch="main").store, mode="r")[{base!r}]
 print("@@", json.dumps({{name: [str(part[name].dtype), part[name][:].tolist()] for name in {list(GRID_ARRAYS)!r}}}))
 """
     out = [line[3:] for line in fresh_python(code, cwd=tmp_path).splitlines() if line.startswith("@@ ")]
     assert out[-2] == "False"  # nothing imported logitstore: zarr loads the codec through its entry point
     read = json.loads(out[-1])
-    stored = codec.encode(samples, params=view.teachers["teacher-a"].codec,
-                          code_of_id=Store.open(str(tmp_path / "store")).writer().part_writer().code_of_id("teacher-a"),
-                          vocab_size=1000)
+    stored = codec.encode(
+        samples,
+        params=view.teachers["teacher-a"].codec,
+        code_of_id=Store.open(str(tmp_path / "store")).writer().part_writer().code_of_id("teacher-a"),
+        vocab_size=1000,
+    )
     for name in GRID_ARRAYS:
         dtype, values = read[name]
         assert dtype == "float32"
@@ -75,8 +84,13 @@ def test_a_format_1_teacher_keeps_codes_and_reads_as_before(tmp_path):
     assert view.array("teacher-a", row["part"], "entry_logprobs").dtype == np.uint16
     params = view.teachers["teacher-a"].codec
     for i, sid in enumerate(samples.sample_ids):
-        assert_samples_close(view.sample(sid), samples.select(i), bound=params.error_bound,
-                             bound_fine=params.error_bound_fine, coarse_below=params.coarse_below)
+        assert_samples_close(
+            view.sample(sid),
+            samples.select(i),
+            bound=params.error_bound,
+            bound_fine=params.error_bound_fine,
+            coarse_below=params.coarse_below,
+        )
 
 
 def test_the_plain_reading_snippet_of_the_store_format_docs_runs_as_written(tmp_path):

@@ -83,13 +83,13 @@ import torch
 from torch import Tensor
 
 from logitstore.trainer.losses import (
-    _MASKED_LOGIT,
     LOG_TINY,
+    MASKED_LOGIT,
     TINY,
-    _is_real,
-    _normalise,
-    _segment_logsumexp,
-    _segment_sum,
+    is_real,
+    normalise,
+    segment_logsumexp,
+    segment_sum,
 )
 
 _LN2 = math.log(2.0)
@@ -123,16 +123,24 @@ class AlignedTargets:
         exact_index = torch.cumsum(exact.long(), 0) - 1
         entries = exact[self.entry_pos]
         n_groups = self.chain_teacher_logprob.shape[0]
-        dropped = torch.zeros(n_groups, dtype=torch.long).index_add_(0, self.chain_group, (~keep[self.chain_pos]).long())
+        dropped = torch.zeros(n_groups, dtype=torch.long).index_add_(
+            0, self.chain_group, (~keep[self.chain_pos]).long()
+        )
         groups = dropped == 0
         links = groups[self.chain_group]
         return dataclasses.replace(
-            self, target_ids=self.target_ids[keep], exact_pos=new_index[self.exact_pos[exact]],
-            entry_ids=self.entry_ids[entries], entry_logprobs=self.entry_logprobs[entries],
-            entry_pos=exact_index[self.entry_pos[entries]], tail=self.tail[exact],
-            chain_teacher_logprob=self.chain_teacher_logprob[groups], chain_pos=new_index[self.chain_pos[links]],
+            self,
+            target_ids=self.target_ids[keep],
+            exact_pos=new_index[self.exact_pos[exact]],
+            entry_ids=self.entry_ids[entries],
+            entry_logprobs=self.entry_logprobs[entries],
+            entry_pos=exact_index[self.entry_pos[entries]],
+            tail=self.tail[exact],
+            chain_teacher_logprob=self.chain_teacher_logprob[groups],
+            chain_pos=new_index[self.chain_pos[links]],
             chain_group=(torch.cumsum(groups.long(), 0) - 1)[self.chain_group[links]],
-            weight=None if self.weight is None else self.weight[keep])
+            weight=None if self.weight is None else self.weight[keep],
+        )
 
 
 def aligned_kd(
@@ -140,7 +148,7 @@ def aligned_kd(
 ) -> tuple[Tensor, dict[str, float]]:
     """The cross-tokenizer KD term, a scalar with grad, and parts {"kd", "exact", "uld", "chain"} as floats."""
     _check_shapes(student_logits, targets)
-    if not _is_real(uld_weight) or not 0 <= uld_weight < math.inf:
+    if not is_real(uld_weight) or not 0 <= uld_weight < math.inf:
         raise ValueError(f"uld_weight must be a finite number >= 0; got {uld_weight!r}")
     t = targets
     logits = student_logits.float()  # fp32 math even for bf16 logits
@@ -165,14 +173,14 @@ def _one_to_one_terms(logits: Tensor, lse: Tensor, t: AlignedTargets) -> tuple[T
     # Teacher: entries then tails renormalised to sum 1 per position, as in `losses`.
     pos = torch.cat([t.entry_pos, torch.arange(n1, device=logits.device)])
     raw_p = torch.cat([t.entry_logprobs.float().clamp_min(LOG_TINY), t.tail.float().clamp_min(TINY).log()])
-    log_p = _normalise(raw_p, pos, n=n1)
+    log_p = normalise(raw_p, pos, n=n1)
     log_p_entries, log_p_tail = log_p[: len(t.entry_pos)], log_p[len(t.entry_pos) :]
 
     # Student rows of the 1:1 positions with each position's mapped ids masked: their logsumexp gives r_S,
     # their topk the sorted unmapped probabilities. Only the rows needed are copied, and the unmasked copy
     # is dropped at once: the masked one is the single [P1, V_s] tensor kept for the backward.
     m_pos, m_ids = t.entry_pos[mapped], t.entry_ids[mapped]
-    masked_logit = torch.tensor(_MASKED_LOGIT, dtype=logits.dtype, device=logits.device)
+    masked_logit = torch.tensor(MASKED_LOGIT, dtype=logits.dtype, device=logits.device)
     masked = logits[t.exact_pos].index_put((m_pos, m_ids), masked_logit)
     lse_rows = lse[t.exact_pos]
     log_r_s = (torch.logsumexp(masked, dim=-1) - lse_rows).clamp_min(LOG_TINY)
@@ -180,10 +188,10 @@ def _one_to_one_terms(logits: Tensor, lse: Tensor, t: AlignedTargets) -> tuple[T
     # exact: the mapped buckets, then the rest bucket on both sides.
     log_q_mapped = logits[t.exact_pos[m_pos], m_ids] - lse_rows[m_pos]
     log_p_mapped = log_p_entries[mapped]
-    mapped_terms = _segment_sum(log_p_mapped.exp() * (log_p_mapped - log_q_mapped), m_pos, n=n1)
+    mapped_terms = segment_sum(log_p_mapped.exp() * (log_p_mapped - log_q_mapped), m_pos, n=n1)
     # r_T from the teacher's own rest (unmapped entries + tail), not 1 - sum p: accurate however small.
     unmapped = ~mapped
-    log_r_t = _segment_logsumexp(
+    log_r_t = segment_logsumexp(
         torch.cat([log_p_entries[unmapped], log_p_tail]),
         torch.cat([t.entry_pos[unmapped], torch.arange(n1, device=logits.device)]),
         n=n1,
@@ -218,7 +226,7 @@ def _chain_terms(logits: Tensor, lse: Tensor, t: AlignedTargets) -> Tensor:
     """[G] binary KL(Bern(P_T) || Bern(P_S)) per many-token group."""
     g = int(t.chain_teacher_logprob.shape[0])
     log_q = logits[t.chain_pos, t.target_ids[t.chain_pos]] - lse[t.chain_pos]
-    log_ps = _segment_sum(log_q, t.chain_group, n=g)
+    log_ps = segment_sum(log_q, t.chain_group, n=g)
     # A quantized teacher log-prob may land just above 0 or below log(1e-30); the clamp keeps P_T in [0, 1].
     log_pt = t.chain_teacher_logprob.float().clamp(LOG_TINY, 0.0)
     log_p = torch.stack([log_pt, _log1mexp(log_pt)])

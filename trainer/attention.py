@@ -55,7 +55,9 @@ class SegmentPlan:
 
     def to(self, device) -> SegmentPlan:
         move = lambda ts: [t.to(device, non_blocking=True) for t in ts]
-        return SegmentPlan(index=move(self.index), keep=move(self.keep), inverse=self.inverse.to(device, non_blocking=True))
+        return SegmentPlan(
+            index=move(self.index), keep=move(self.keep), inverse=self.inverse.to(device, non_blocking=True)
+        )
 
 
 def plan_segments(position_ids: torch.Tensor) -> SegmentPlan:
@@ -82,14 +84,25 @@ def plan_segments(position_ids: torch.Tensor) -> SegmentPlan:
     return SegmentPlan(index=index, keep=keep, inverse=torch.from_numpy(inverse))
 
 
-def segment_attention(module, query, key, value, attention_mask, *, scaling: float | None = None,
-                      dropout: float = 0.0, segment_plan: SegmentPlan | None = None, **kwargs):
+def segment_attention(
+    module,
+    query,
+    key,
+    value,
+    attention_mask,
+    *,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    segment_plan: SegmentPlan | None = None,
+    **kwargs,
+):
     """Hugging Face attention interface: query [B, H, L, D], key/value [B, Hkv, L, D] -> ([B, L, H, D],
     None). Causal within each segment of `segment_plan` (without one: within each row); `attention_mask`
     must be None."""
     if kwargs.get("sliding_window") is not None or kwargs.get("softcap") is not None:
-        raise AttentionError("this student uses sliding-window or soft-capped attention, which the segment "
-                             "attention does not compute")
+        raise AttentionError(
+            "this student uses sliding-window or soft-capped attention, which the segment attention does not compute"
+        )
     assert attention_mask is None, "the segment attention takes its boundaries from segment_plan, not a mask"
     B, H, L, D = query.shape
     groups = H // key.shape[1]
@@ -106,8 +119,9 @@ def segment_attention(module, query, key, value, attention_mask, *, scaling: flo
         qb, kb, vb = (x[index].transpose(1, 2) for x in (q, k, v))  # [n, heads, width, D]
         if groups > 1:  # grouped-query attention: each key/value head serves `groups` query heads
             kb, vb = kb.repeat_interleave(groups, dim=1), vb.repeat_interleave(groups, dim=1)
-        out = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=scaling,
-                                             dropout_p=dropout if module.training else 0.0)
+        out = F.scaled_dot_product_attention(
+            qb, kb, vb, is_causal=True, scale=scaling, dropout_p=dropout if module.training else 0.0
+        )
         pieces.append(out.transpose(1, 2)[keep])  # [kept slots, H, D]
     out = torch.cat(pieces)[segment_plan.inverse]
     return out.view(B, L, H, D), None

@@ -47,8 +47,11 @@ def step_of(path: Path) -> int:
 
 def latest(out: Path) -> Path | None:
     """The newest complete checkpoint: renamed from .partial and holding both metadata files."""
-    complete = [p for p in out.glob("step-*") if STEP_DIR.search(p.name) and (p / ".metadata").is_file()
-                and (p / "train_state.json").is_file()]
+    complete = [
+        p
+        for p in out.glob("step-*")
+        if STEP_DIR.search(p.name) and (p / ".metadata").is_file() and (p / "train_state.json").is_file()
+    ]
     return max(complete, key=step_of, default=None)
 
 

@@ -40,28 +40,32 @@ class DataConfig:
     store: str | None = None  # None in live mode
     version: str | None = None
     teacher: str | None = None
-    # Several teachers: {name: weight} in order (the first one's samples are the run's); see teachers.py
+    # Several teachers: {name: weight} in order (the first one's samples are the run's); see mixing.py
     teacher_weights: dict[str, float] | None = None
     student_tokenizer: str | None = None  # a built-in student uses this store student tokenizer
     seq_len: int = 256
     micro_batch: int = 4  # rows of seq_len tokens per rank per micro-step
     eval_fraction: float = 0.05
     on_error: str = "raise"  # a damaged sample: "raise" stops the run, "skip" skips and counts it
-    memory_budget: str = DEFAULT_MEMORY_BUDGET  # stored data a rank's stream holds (bytes or "512MB"); sets the shuffle window
+    memory_budget: str = (
+        DEFAULT_MEMORY_BUDGET  # stored data a rank's stream holds (bytes or "512MB"); sets the shuffle window
+    )
     train_on: str = "completion"  # chat data (logitstore.chat): supervise the completion, or prompt+completion
 
     def __post_init__(self) -> None:
         from logitstore.chat import TRAIN_ON
 
-        _check([
-            (self.train_on in TRAIN_ON, f"--train-on must be one of {', '.join(TRAIN_ON)}"),
-            (self.seq_len >= 2, "--seq-len must be at least 2"),
-            (self.micro_batch >= 1, "--micro-batch must be at least 1"),
-            (0 <= self.eval_fraction <= 1, "--eval-fraction must be in [0, 1] (0 holds nothing out)"),
-            (self.on_error in ("raise", "skip"), "--on-error must be raise or skip"),
-            (not (self.teacher_weights and self.teacher), "--teacher and --teacher-weight exclude each other"),
-            (all(w > 0 for w in (self.teacher_weights or {}).values()), "--teacher-weight weights must be > 0"),
-        ])
+        _check(
+            [
+                (self.train_on in TRAIN_ON, f"--train-on must be one of {', '.join(TRAIN_ON)}"),
+                (self.seq_len >= 2, "--seq-len must be at least 2"),
+                (self.micro_batch >= 1, "--micro-batch must be at least 1"),
+                (0 <= self.eval_fraction <= 1, "--eval-fraction must be in [0, 1] (0 holds nothing out)"),
+                (self.on_error in ("raise", "skip"), "--on-error must be raise or skip"),
+                (not (self.teacher_weights and self.teacher), "--teacher and --teacher-weight exclude each other"),
+                (all(w > 0 for w in (self.teacher_weights or {}).values()), "--teacher-weight weights must be > 0"),
+            ]
+        )
         from logitstore.sizes import parse_bytes
 
         parse_bytes(self.memory_budget, name="--memory-budget")  # a typo fails here, not in every rank
@@ -92,13 +96,15 @@ class OptimConfig:
     defer_grad_sync: bool = False  # with grad_accum > 1: reduce gradients once per step (holds them unsharded)
 
     def __post_init__(self) -> None:
-        _check([
-            (self.lr > 0, "--lr must be positive"),
-            (0 <= self.min_lr_ratio <= 1, "--min-lr-ratio must be in [0, 1]"),
-            (self.warmup_steps >= 0, "--warmup-steps must be >= 0"),
-            (self.grad_clip >= 0, "--grad-clip must be >= 0 (0 disables clipping)"),
-            (self.grad_accum >= 1, "--grad-accum must be at least 1"),
-        ])
+        _check(
+            [
+                (self.lr > 0, "--lr must be positive"),
+                (0 <= self.min_lr_ratio <= 1, "--min-lr-ratio must be in [0, 1]"),
+                (self.warmup_steps >= 0, "--warmup-steps must be >= 0"),
+                (self.grad_clip >= 0, "--grad-clip must be >= 0 (0 disables clipping)"),
+                (self.grad_accum >= 1, "--grad-accum must be at least 1"),
+            ]
+        )
 
 
 @dataclass
@@ -111,11 +117,16 @@ class ScheduleConfig:
     log_every: int = 1
 
     def __post_init__(self) -> None:
-        _check([
-            (self.steps >= 1, "--steps must be at least 1"),
-            (self.tokens is None or self.tokens >= 1, f"--tokens must be at least 1, got {self.tokens}"),
-            (self.eval_every >= 0 and self.checkpoint_every >= 0, "--eval-every and --checkpoint-every must be >= 0"),
-        ])
+        _check(
+            [
+                (self.steps >= 1, "--steps must be at least 1"),
+                (self.tokens is None or self.tokens >= 1, f"--tokens must be at least 1, got {self.tokens}"),
+                (
+                    self.eval_every >= 0 and self.checkpoint_every >= 0,
+                    "--eval-every and --checkpoint-every must be >= 0",
+                ),
+            ]
+        )
 
 
 @dataclass
@@ -134,8 +145,14 @@ class OutputConfig:
 
 # The flat flag names that are not their group's field names.
 _RENAMED = {"loss": ("loss", "kind"), "kd_temperature": ("loss", "temperature")}
-_GROUPS = {"data": DataConfig, "student": StudentConfig, "optim": OptimConfig, "loss": LossConfig,
-           "schedule": ScheduleConfig, "output": OutputConfig}
+_GROUPS = {
+    "data": DataConfig,
+    "student": StudentConfig,
+    "optim": OptimConfig,
+    "loss": LossConfig,
+    "schedule": ScheduleConfig,
+    "output": OutputConfig,
+}
 
 
 @dataclass
@@ -151,21 +168,31 @@ class TrainConfig:
     def __post_init__(self) -> None:
         """The checks and derivations across groups."""
         d = self.data
-        _check([
-            (d.eval_fraction < 1 or self.output.out == EVAL_ONLY,
-             "--eval-fraction 1 holds out every sample: nothing is left to train on"),
-            (not (self.schedule.eval_every and d.eval_fraction == 0),
-             "--eval-every needs a held-out split: --eval-fraction > 0"),
-            ((self.live is None) == bool(d.store), "give exactly one of --store and --live-teacher"),
-            (self.live is None or not (d.teacher_weights or d.student_tokenizer or d.version),
-             "--live-teacher takes one teacher with the student's tokenizer: no --teacher-weight, "
-             "--student-tokenizer or --version"),
-        ])
+        _check(
+            [
+                (
+                    d.eval_fraction < 1 or self.output.out == EVAL_ONLY,
+                    "--eval-fraction 1 holds out every sample: nothing is left to train on",
+                ),
+                (
+                    not (self.schedule.eval_every and d.eval_fraction == 0),
+                    "--eval-every needs a held-out split: --eval-fraction > 0",
+                ),
+                ((self.live is None) == bool(d.store), "give exactly one of --store and --live-teacher"),
+                (
+                    self.live is None or not (d.teacher_weights or d.student_tokenizer or d.version),
+                    "--live-teacher takes one teacher with the student's tokenizer: no --teacher-weight, "
+                    "--student-tokenizer or --version",
+                ),
+            ]
+        )
         if self.optim.global_batch_tokens is not None:  # sets grad_accum
             per_micro_step = d.seq_len * d.micro_batch * self.student.nproc
             if self.optim.global_batch_tokens <= 0 or self.optim.global_batch_tokens % per_micro_step:
-                raise TrainConfigError(f"--global-batch-tokens {self.optim.global_batch_tokens} is not a multiple of "
-                                       f"--seq-len x --micro-batch x --nproc = {per_micro_step}")
+                raise TrainConfigError(
+                    f"--global-batch-tokens {self.optim.global_batch_tokens} is not a multiple of "
+                    f"--seq-len x --micro-batch x --nproc = {per_micro_step}"
+                )
             self.optim.grad_accum = self.optim.global_batch_tokens // per_micro_step
         if self.schedule.tokens is not None:  # sets steps
             self.schedule.steps = max(1, -(-self.schedule.tokens // self.tokens_per_step))
@@ -196,9 +223,24 @@ class TrainConfig:
         flat by flag name. Not `version` either: a resumed run reads the snapshot its run pinned, and
         `--version`, when given, is checked against that snapshot (a branch name names another one once
         the branch moves)."""
-        skip = {"out", "steps", "resume", "force", "nproc", "log_every", "eval_every", "checkpoint_every", "on_error",
-                "version", "global_batch_tokens", "tokens", "activation_checkpointing", "compile", "defer_grad_sync",
-                "report_to"}
+        skip = {
+            "out",
+            "steps",
+            "resume",
+            "force",
+            "nproc",
+            "log_every",
+            "eval_every",
+            "checkpoint_every",
+            "on_error",
+            "version",
+            "global_batch_tokens",
+            "tokens",
+            "activation_checkpointing",
+            "compile",
+            "defer_grad_sync",
+            "report_to",
+        }
         flat = {}
         for name in _GROUPS:
             flat.update(dataclasses.asdict(getattr(self, name)))

@@ -76,21 +76,53 @@ class LiveConfig:
     quantize: bool = True
 
     @classmethod
-    def from_flags(cls, live_teacher: str | None, *, data=None, text_column=None, id_column=None, max_length=None,
-                   top_k=None, top_p=None, sample=None, temperature=None) -> LiveConfig | None:
+    def from_flags(
+        cls,
+        live_teacher: str | None,
+        *,
+        data=None,
+        text_column=None,
+        id_column=None,
+        max_length=None,
+        top_k=None,
+        top_p=None,
+        sample=None,
+        temperature=None,
+    ) -> LiveConfig | None:
         """`train --live-teacher` and its flags (None: not given); None without --live-teacher, where any
         of these flags is refused (with --store the build fixed them: they would be silently ignored)."""
-        flags = {"--data": data, "--text-column": text_column, "--id-column": id_column, "--max-length": max_length,
-                 "--top-k": top_k, "--top-p": top_p, "--sample": sample, "--temperature": temperature}
+        flags = {
+            "--data": data,
+            "--text-column": text_column,
+            "--id-column": id_column,
+            "--max-length": max_length,
+            "--top-k": top_k,
+            "--top-p": top_p,
+            "--sample": sample,
+            "--temperature": temperature,
+        }
         given = [flag for flag, value in flags.items() if value is not None]
         if live_teacher is None:
             if given:
-                raise LiveTeacherError(f"{', '.join(given)} only apply with --live-teacher (a store's build fixed them)")
+                raise LiveTeacherError(
+                    f"{', '.join(given)} only apply with --live-teacher (a store's build fixed them)"
+                )
             return None
-        sparsity = sparsity_from_flags(top_k=top_k, top_p=top_p, sample=sample,
-                                       temperature=1.0 if temperature is None else temperature, default=default_sparsity())
-        return cls(teacher=live_teacher, data=data, text_column=text_column or "text", id_column=id_column,
-                   max_length=1024 if max_length is None else max_length, sparsity=sparsity)
+        sparsity = sparsity_from_flags(
+            top_k=top_k,
+            top_p=top_p,
+            sample=sample,
+            temperature=1.0 if temperature is None else temperature,
+            default=default_sparsity(),
+        )
+        return cls(
+            teacher=live_teacher,
+            data=data,
+            text_column=text_column or "text",
+            id_column=id_column,
+            max_length=1024 if max_length is None else max_length,
+            sparsity=sparsity,
+        )
 
     def __post_init__(self) -> None:
         if self.teacher == "default":
@@ -134,17 +166,28 @@ def plan_live_samples(cfg: LiveConfig) -> LiveSamples:
     from logitstore.pipelines.teacher import describe_teacher
 
     info = describe_teacher(cfg.teacher)
-    build_cfg = BuildConfig(data=cfg.data, text_column=cfg.text_column, id_column=cfg.id_column,
-                            max_length=cfg.max_length, sparsity=cfg.sparsity, progress=False)
+    build_cfg = BuildConfig(
+        data=cfg.data,
+        text_column=cfg.text_column,
+        id_column=cfg.id_column,
+        max_length=cfg.max_length,
+        sparsity=cfg.sparsity,
+        progress=False,
+    )
     check_teacher_fits(build_cfg, info)
     ids, tokens = [], []
     for unit in plan_units(build_cfg, info.tokenizer, summary=BuildSummary(), vocab_size=info.vocab_size):
         ids.extend(unit.sample_ids)
         tokens.extend(unit.tokens)
     order = sorted(range(len(ids)), key=lambda i: ids[i].encode("utf-8"))  # Arrow's byte order
-    return LiveSamples(sample_ids=[ids[i] for i in order], tokens=[tokens[i] for i in order],
-                       n_tokens=np.array([len(tokens[i]) for i in order], dtype=np.int64),
-                       teacher_name=info.spec.name, vocab_size=info.vocab_size, tokenizer=info.tokenizer)
+    return LiveSamples(
+        sample_ids=[ids[i] for i in order],
+        tokens=[tokens[i] for i in order],
+        n_tokens=np.array([len(tokens[i]) for i in order], dtype=np.int64),
+        teacher_name=info.spec.name,
+        vocab_size=info.vocab_size,
+        tokenizer=info.tokenizer,
+    )
 
 
 # -- the teacher process -----------------------------------------------------------------------------
@@ -191,8 +234,16 @@ def _serve(cfg: LiveConfig, capacity: tuple[int, int], requests, ready, acks, pa
     from logitstore.pipelines.workers import TeacherWorker, Unit, WorkerSettings
 
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
-    worker = TeacherWorker(WorkerSettings(teacher_spec=resolve_teacher(cfg.teacher), device=cfg.device, dtype=cfg.dtype,
-                                          sparsity=cfg.sparsity, batch_tokens=cfg.batch_tokens, seed=0))
+    worker = TeacherWorker(
+        WorkerSettings(
+            teacher_spec=resolve_teacher(cfg.teacher),
+            device=cfg.device,
+            dtype=cfg.dtype,
+            sparsity=cfg.sparsity,
+            batch_tokens=cfg.batch_tokens,
+            seed=0,
+        )
+    )
     device = worker.engine.device
     ring = _allocate_ring(*capacity, device=device, sampled=cfg.sparsity.sampled)
     ready.put(("ring", ring))  # exported once; the producer keeps these tensors alive until it exits
@@ -240,10 +291,17 @@ def _in_request_order(samples: SparseSamples, ids: list[str]) -> SparseSamples:
 def _write_slot(slot: dict, samples: SparseSamples) -> dict:
     P, E = len(samples.tail), len(samples.entry_ids)
     if P > slot["tail"].shape[0] or E > slot["entry_ids"].shape[0]:
-        raise LiveTeacherError(f"a request of {P} positions / {E} entries exceeds the ring's slot "
-                               f"({slot['tail'].shape[0]} / {slot['entry_ids'].shape[0]})")
-    values = {"n_entries": samples.n_entries, "tail": samples.tail, "target_logprobs": samples.target_logprobs,
-              "entry_ids": samples.entry_ids, "entry_logprobs": samples.entry_logprobs}
+        raise LiveTeacherError(
+            f"a request of {P} positions / {E} entries exceeds the ring's slot "
+            f"({slot['tail'].shape[0]} / {slot['entry_ids'].shape[0]})"
+        )
+    values = {
+        "n_entries": samples.n_entries,
+        "tail": samples.tail,
+        "target_logprobs": samples.target_logprobs,
+        "entry_ids": samples.entry_ids,
+        "entry_logprobs": samples.entry_logprobs,
+    }
     if samples.entry_counts is not None:
         values["entry_counts"] = samples.entry_counts
     for name, array in values.items():
@@ -252,8 +310,14 @@ def _write_slot(slot: dict, samples: SparseSamples) -> dict:
     return {"positions": P, "entries": E}
 
 
-_NUMPY = {"n_entries": np.int32, "tail": np.float32, "target_logprobs": np.float32, "entry_ids": np.int64,
-          "entry_logprobs": np.float32, "entry_counts": np.int32}
+_NUMPY = {
+    "n_entries": np.int32,
+    "tail": np.float32,
+    "target_logprobs": np.float32,
+    "entry_ids": np.int64,
+    "entry_logprobs": np.float32,
+    "entry_counts": np.int32,
+}
 
 
 # -- the trainer's side ------------------------------------------------------------------------------
@@ -268,10 +332,15 @@ class LiveTeacher:
         self.cfg = cfg
         ctx = mp.get_context("spawn")  # CUDA and shared tensors need spawn, never fork
         self.requests, self.ready, self.acks = ctx.Queue(), ctx.Queue(), ctx.Queue()
-        capacity = _slot_capacity(micro_batch=micro_batch, seq_len=seq_len, max_length=cfg.max_length,
-                                  width=cfg.sparsity.width)
-        self.process = ctx.Process(target=teacher_main, name="logitstore-live-teacher", daemon=True,
-                                   args=(cfg, capacity, self.requests, self.ready, self.acks, os.getpid()))
+        capacity = _slot_capacity(
+            micro_batch=micro_batch, seq_len=seq_len, max_length=cfg.max_length, width=cfg.sparsity.width
+        )
+        self.process = ctx.Process(
+            target=teacher_main,
+            name="logitstore-live-teacher",
+            daemon=True,
+            args=(cfg, capacity, self.requests, self.ready, self.acks, os.getpid()),
+        )
         self.process.start()
         self._lock = threading.Lock()
         self._seq = 0
@@ -284,7 +353,7 @@ class LiveTeacher:
 
     @property
     def transport(self) -> str:
-        """"cuda_ipc" when the teacher's ring lives on a GPU, else "shared_memory"."""
+        """ "cuda_ipc" when the teacher's ring lives on a GPU, else "shared_memory"."""
         return "cuda_ipc" if self.ring[0]["tail"].is_cuda else "shared_memory"
 
     def compute(self, tokens: list[np.ndarray]) -> SparseSamples:
@@ -304,8 +373,10 @@ class LiveTeacher:
                 return self.ready.get(timeout=POLL_SECONDS)
             except queue.Empty:
                 if not self.process.is_alive():
-                    raise LiveTeacherError(f"the live teacher process (pid {self.process.pid}) exited with code "
-                                           f"{self.process.exitcode}; the run stops") from None
+                    raise LiveTeacherError(
+                        f"the live teacher process (pid {self.process.pid}) exited with code "
+                        f"{self.process.exitcode}; the run stops"
+                    ) from None
 
     @staticmethod
     def _copy_out(slot: dict, shapes: dict, tokens: list[np.ndarray]) -> SparseSamples:
@@ -313,10 +384,16 @@ class LiveTeacher:
         take = lambda name, n: slot[name][:n].cpu().numpy().copy() if name in slot else None
         n_tokens = np.array([len(t) for t in tokens], dtype=np.int64)
         return SparseSamples(
-            sample_ids=[str(i) for i in range(len(tokens))], n_tokens=n_tokens,
+            sample_ids=[str(i) for i in range(len(tokens))],
+            n_tokens=n_tokens,
             input_ids=np.concatenate(tokens).astype(np.int64) if tokens else np.zeros(0, np.int64),
-            n_entries=take("n_entries", P), entry_ids=take("entry_ids", E), entry_logprobs=take("entry_logprobs", E),
-            tail=take("tail", P), target_logprobs=take("target_logprobs", P), entry_counts=take("entry_counts", E))
+            n_entries=take("n_entries", P),
+            entry_ids=take("entry_ids", E),
+            entry_logprobs=take("entry_logprobs", E),
+            tail=take("tail", P),
+            target_logprobs=take("target_logprobs", P),
+            entry_counts=take("entry_counts", E),
+        )
 
     def close(self) -> None:
         """Stop the teacher and release everything: the ring's views, and the queues, whose named
@@ -363,11 +440,18 @@ class LiveSource:
     def __init__(self, samples: LiveSamples, teacher: LiveTeacher, *, split: str, eval_fraction: float):
         from logitstore.trainer.stream import SplitTable, is_eval_sample
 
-        keep = [i for i, sid in enumerate(samples.sample_ids)  # one step per sample, at start
-                if is_eval_sample(sid, eval_fraction=eval_fraction) == (split == "eval")]
+        keep = [
+            i
+            for i, sid in enumerate(samples.sample_ids)  # one step per sample, at start
+            if is_eval_sample(sid, eval_fraction=eval_fraction) == (split == "eval")
+        ]
         self.teacher, self.version = teacher, samples.fingerprint
-        self.table = SplitTable(sample_ids=[samples.sample_ids[i] for i in keep], n_tokens=samples.n_tokens[keep],
-                                part=np.zeros(len(keep), dtype=np.int64), parts=["live"])
+        self.table = SplitTable(
+            sample_ids=[samples.sample_ids[i] for i in keep],
+            n_tokens=samples.n_tokens[keep],
+            part=np.zeros(len(keep), dtype=np.int64),
+            parts=["live"],
+        )
         self._tokens = [samples.tokens[i] for i in keep]
         self.where = f"the {split} split of live teacher {samples.teacher_name!r}"
 
@@ -383,19 +467,45 @@ class LiveSource:
         rows, where = np.unique(pieces.row, return_inverse=True)
         whole = self.teacher.compute([self._tokens[r] for r in rows])
         decoded = _cut(whole, where.reshape(-1), pieces)
-        return assemble(pieces, np.ones(len(pieces.row), bool), decoded, sample_ids=self.table.sample_ids,
-                        micro_batch=stream.micro_batch, seq_len=stream.seq_len, sampled=decoded.entry_counts is not None)
+        return assemble(
+            pieces,
+            np.ones(len(pieces.row), bool),
+            decoded,
+            sample_ids=self.table.sample_ids,
+            micro_batch=stream.micro_batch,
+            seq_len=stream.seq_len,
+            sampled=decoded.entry_counts is not None,
+        )
 
 
-def live_stream(samples: LiveSamples, teacher: LiveTeacher, *, seq_len: int, micro_batch: int, rank: int,
-                world_size: int, seed: int, split: str = "train", eval_fraction: float = 0.05, prefetch: int = 4):
+def live_stream(
+    samples: LiveSamples,
+    teacher: LiveTeacher,
+    *,
+    seq_len: int,
+    micro_batch: int,
+    rank: int,
+    world_size: int,
+    seed: int,
+    split: str = "train",
+    eval_fraction: float = 0.05,
+    prefetch: int = 4,
+):
     """The stream engine over live mode: same order, packing, sharding and resume state as a store run
     on the same samples, batches from the live teacher."""
     from logitstore.trainer.stream import Stream, check_eval_fraction
 
     check_eval_fraction(eval_fraction)
-    return Stream(LiveSource(samples, teacher, split=split, eval_fraction=eval_fraction), seq_len=seq_len,
-                  micro_batch=micro_batch, rank=rank, world_size=world_size, seed=seed, split=split, prefetch=prefetch)
+    return Stream(
+        LiveSource(samples, teacher, split=split, eval_fraction=eval_fraction),
+        seq_len=seq_len,
+        micro_batch=micro_batch,
+        rank=rank,
+        world_size=world_size,
+        seed=seed,
+        split=split,
+        prefetch=prefetch,
+    )
 
 
 def _cut(whole: SparseSamples, which: np.ndarray, pieces) -> SparseSamples:
@@ -406,10 +516,17 @@ def _cut(whole: SparseSamples, which: np.ndarray, pieces) -> SparseSamples:
     for k, (a, b) in enumerate(zip(pieces.a.tolist(), pieces.b.tolist())):  # one iteration per piece
         s = whole.select(int(which[k]))
         e = s.entry_offsets
-        fragments.append(SparseSamples(
-            sample_ids=s.sample_ids, n_tokens=np.array([b - a]), input_ids=s.input_ids[a:b],
-            n_entries=s.n_entries[a:b - 1], entry_ids=s.entry_ids[e[a]:e[b - 1]],
-            entry_logprobs=s.entry_logprobs[e[a]:e[b - 1]], tail=s.tail[a:b - 1],
-            target_logprobs=s.target_logprobs[a:b - 1],
-            entry_counts=None if s.entry_counts is None else s.entry_counts[e[a]:e[b - 1]]))
+        fragments.append(
+            SparseSamples(
+                sample_ids=s.sample_ids,
+                n_tokens=np.array([b - a]),
+                input_ids=s.input_ids[a:b],
+                n_entries=s.n_entries[a : b - 1],
+                entry_ids=s.entry_ids[e[a] : e[b - 1]],
+                entry_logprobs=s.entry_logprobs[e[a] : e[b - 1]],
+                tail=s.tail[a : b - 1],
+                target_logprobs=s.target_logprobs[a : b - 1],
+                entry_counts=None if s.entry_counts is None else s.entry_counts[e[a] : e[b - 1]],
+            )
+        )
     return concat(fragments)

@@ -81,7 +81,7 @@ LOG_TINY = math.log(TINY)
 # Written over the student's stored ids before the tail's logsumexp: far below any real logit, yet
 # finite, so a position whose entries cover the whole vocabulary gives a finite logsumexp and a
 # finite (zero) gradient instead of exp(-inf - -inf) = NaN.
-_MASKED_LOGIT = -1e30
+MASKED_LOGIT = -1e30
 
 
 class LossConfigError(LogitstoreError, ValueError):
@@ -112,10 +112,16 @@ class SparseTargets:
         new_index = torch.cumsum(keep.long(), 0) - 1
         pick = lambda x: None if x is None else x[keep]
         return dataclasses.replace(
-            self, entry_ids=self.entry_ids[entries], entry_logprobs=self.entry_logprobs[entries],
-            entry_pos=new_index[self.entry_pos[entries]], tail=self.tail[keep], target_ids=self.target_ids[keep],
-            target_logprobs=self.target_logprobs[keep], weight=pick(self.weight),
-            entry_counts=None if self.entry_counts is None else self.entry_counts[entries])
+            self,
+            entry_ids=self.entry_ids[entries],
+            entry_logprobs=self.entry_logprobs[entries],
+            entry_pos=new_index[self.entry_pos[entries]],
+            tail=self.tail[keep],
+            target_ids=self.target_ids[keep],
+            target_logprobs=self.target_logprobs[keep],
+            weight=pick(self.weight),
+            entry_counts=None if self.entry_counts is None else self.entry_counts[entries],
+        )
 
 
 @dataclass(frozen=True)
@@ -129,14 +135,14 @@ class LossConfig:
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise LossConfigError(f"--loss must be one of {', '.join(KINDS)}; got {self.kind!r}")
-        if not _is_real(self.temperature) or not 0 < self.temperature < math.inf:
+        if not is_real(self.temperature) or not 0 < self.temperature < math.inf:
             raise LossConfigError(f"--kd-temperature must be a finite number > 0; got {self.temperature!r}")
-        if not _is_real(self.alpha) or not 0 <= self.alpha < math.inf:
+        if not is_real(self.alpha) or not 0 <= self.alpha < math.inf:
             raise LossConfigError(f"--alpha must be a finite number >= 0; got {self.alpha!r}")
         # At beta = 0 or 1 the mixture m equals q or p and the generalized JSD is identically 0.
-        if not _is_real(self.jsd_beta) or not 0 < self.jsd_beta < 1:
+        if not is_real(self.jsd_beta) or not 0 < self.jsd_beta < 1:
             raise LossConfigError(f"--jsd-beta must be strictly between 0 and 1; got {self.jsd_beta!r}")
-        if not _is_real(self.uld_weight) or not 0 <= self.uld_weight < math.inf:
+        if not is_real(self.uld_weight) or not 0 <= self.uld_weight < math.inf:
             raise LossConfigError(f"--uld-weight must be a finite number >= 0; got {self.uld_weight!r}")
 
 
@@ -155,8 +161,9 @@ def distill_loss(student_logits: Tensor, targets: SparseTargets, cfg: LossConfig
     return loss, {"kd": kd_f, "ce": ce_f, "loss": loss_f}
 
 
-def chunked_distill_loss(hidden: Tensor, weight: Tensor, targets: SparseTargets, cfg: LossConfig, *,
-                         chunk: int | None = None) -> tuple[Tensor, dict[str, float]]:
+def chunked_distill_loss(
+    hidden: Tensor, weight: Tensor, targets: SparseTargets, cfg: LossConfig, *, chunk: int | None = None
+) -> tuple[Tensor, dict[str, float]]:
     """`distill_loss(hidden @ weight.T, targets, cfg)`, the same value and gradients, without the [P, V]
     logits: the head is applied `chunk` positions at a time (default `CHUNK_ELEMENTS // V`), and each
     chunk's loss and gradients are computed at once and its logits let go (Liger-kernel's fused linear
@@ -165,12 +172,14 @@ def chunked_distill_loss(hidden: Tensor, weight: Tensor, targets: SparseTargets,
     loss's temporaries, about 64 MB each in fp32, instead of [P, V] several times over."""
     n = targets.n_positions
     if hidden.ndim != 2 or hidden.shape[0] != n or weight.ndim != 2 or weight.shape[1] != hidden.shape[1]:
-        raise ValueError(f"hidden must be [P, d] with P = {n} and weight [V, d]; got {tuple(hidden.shape)} and "
-                         f"{tuple(weight.shape)}")
+        raise ValueError(
+            f"hidden must be [P, d] with P = {n} and weight [V, d]; got {tuple(hidden.shape)} and {tuple(weight.shape)}"
+        )
     bounds = chunk_bounds(n, chunk=chunk or chunk_positions(weight))
     slice_at = position_slicer(targets, bounds)
-    loss, parts = chunked_head_loss(hidden, weight, lambda logits, a, b: distill_loss(logits, slice_at(a, b), cfg),
-                                    bounds=bounds, n=n)
+    loss, parts = chunked_head_loss(
+        hidden, weight, lambda logits, a, b: distill_loss(logits, slice_at(a, b), cfg), bounds=bounds, n=n
+    )
     return loss, {"kd": 0.0, "ce": 0.0, "loss": 0.0, **parts}  # an empty micro-batch: zeros
 
 
@@ -194,8 +203,9 @@ def chunk_bounds(n: int, *, chunk: int, allowed=None) -> list[tuple[int, int]]:
     return bounds
 
 
-def chunked_head_loss(hidden: Tensor, weight: Tensor, loss_of_chunk, *, bounds: list[tuple[int, int]],
-                      n: int) -> tuple[Tensor, dict[str, float]]:
+def chunked_head_loss(
+    hidden: Tensor, weight: Tensor, loss_of_chunk, *, bounds: list[tuple[int, int]], n: int
+) -> tuple[Tensor, dict[str, float]]:
     """The loss of the logits `hidden @ weight.T`, computed a chunk of positions at a time:
     `loss_of_chunk(logits [b - a, V] fp32, a, b)` gives the mean over the chunk's positions (and its parts
     as floats); the result is the mean over all n, with its parts likewise, and the gradients of hidden
@@ -237,8 +247,14 @@ class _ChunkedHead(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output):
         grad_hidden, grad_weight = ctx.saved_tensors
-        return grad_hidden * grad_output.to(grad_hidden.dtype), grad_weight * grad_output.to(grad_weight.dtype), \
-            None, None, None, None
+        return (
+            grad_hidden * grad_output.to(grad_hidden.dtype),
+            grad_weight * grad_output.to(grad_weight.dtype),
+            None,
+            None,
+            None,
+            None,
+        )
 
 
 def position_slicer(t: SparseTargets, bounds: list[tuple[int, int]]):
@@ -254,10 +270,16 @@ def position_slicer(t: SparseTargets, bounds: list[tuple[int, int]]):
 def _slice_targets(t: SparseTargets, a: int, b: int, e0: int, e1: int) -> SparseTargets:
     """Positions [a, b) and their entries [e0, e1), renumbered from 0."""
     return SparseTargets(
-        entry_ids=t.entry_ids[e0:e1], entry_logprobs=t.entry_logprobs[e0:e1], entry_pos=t.entry_pos[e0:e1] - a,
-        tail=t.tail[a:b], target_ids=t.target_ids[a:b], target_logprobs=t.target_logprobs[a:b],
-        entry_counts=None if t.entry_counts is None else t.entry_counts[e0:e1], n_draws=t.n_draws,
-        weight=None if t.weight is None else t.weight[a:b])
+        entry_ids=t.entry_ids[e0:e1],
+        entry_logprobs=t.entry_logprobs[e0:e1],
+        entry_pos=t.entry_pos[e0:e1] - a,
+        tail=t.tail[a:b],
+        target_ids=t.target_ids[a:b],
+        target_logprobs=t.target_logprobs[a:b],
+        entry_counts=None if t.entry_counts is None else t.entry_counts[e0:e1],
+        n_draws=t.n_draws,
+        weight=None if t.weight is None else t.weight[a:b],
+    )
 
 
 def kd_term(student_logits: Tensor, targets: SparseTargets, cfg: LossConfig) -> Tensor:
@@ -298,12 +320,12 @@ def _kd_per_position(logits: Tensor, t: SparseTargets, *, cfg: LossConfig) -> Te
                 f"--loss {cfg.kind} needs the teacher's distribution over the stored entries, which a sampled "
                 "store's draw counts do not give; use --loss forward_kl (the unbiased sampled estimator)"
             )
-        return _segment_sum(_sampled_forward_kl_terms(z, t), t.entry_pos, n=n)
+        return segment_sum(_sampled_forward_kl_terms(z, t), t.entry_pos, n=n)
     if cfg.kind == "topk_renorm":
         log_p, log_q, pos = _entry_buckets(z, t, temperature=cfg.temperature)
     else:
         log_p, log_q, pos = _tail_buckets(z, t, temperature=cfg.temperature)
-    return _segment_sum(_divergence_terms(log_p, log_q, kind=cfg.kind, beta=cfg.jsd_beta), pos, n=n)
+    return segment_sum(_divergence_terms(log_p, log_q, kind=cfg.kind, beta=cfg.jsd_beta), pos, n=n)
 
 
 def _tail_buckets(z: Tensor, t: SparseTargets, *, temperature: float) -> tuple[Tensor, Tensor, Tensor]:
@@ -313,11 +335,11 @@ def _tail_buckets(z: Tensor, t: SparseTargets, *, temperature: float) -> tuple[T
     pos = torch.cat([t.entry_pos, torch.arange(n, device=z.device)])
     lse = torch.logsumexp(z, dim=-1)
     log_q_entries = z[t.entry_pos, t.entry_ids] - lse[t.entry_pos]
-    masked = z.index_put((t.entry_pos, t.entry_ids), torch.tensor(_MASKED_LOGIT, dtype=z.dtype, device=z.device))
+    masked = z.index_put((t.entry_pos, t.entry_ids), torch.tensor(MASKED_LOGIT, dtype=z.dtype, device=z.device))
     log_q_tail = (torch.logsumexp(masked, dim=-1) - lse).clamp_min(LOG_TINY)
     log_q = torch.cat([log_q_entries, log_q_tail])
     raw_p = torch.cat([_teacher_logprobs(t), t.tail.float().clamp_min(TINY).log()])
-    log_p = _normalise(raw_p / temperature, pos, n=n)
+    log_p = normalise(raw_p / temperature, pos, n=n)
     return log_p, log_q, pos
 
 
@@ -325,8 +347,8 @@ def _entry_buckets(z: Tensor, t: SparseTargets, *, temperature: float) -> tuple[
     """Like `_tail_buckets`, both sides renormalised over the stored entries alone ([E] each)."""
     n = t.n_positions
     # softmax(z / T) restricted to the entries and renormalised is a softmax of the entries' logits.
-    log_q = _normalise(z[t.entry_pos, t.entry_ids], t.entry_pos, n=n)
-    log_p = _normalise(_teacher_logprobs(t) / temperature, t.entry_pos, n=n)
+    log_q = normalise(z[t.entry_pos, t.entry_ids], t.entry_pos, n=n)
+    log_p = normalise(_teacher_logprobs(t) / temperature, t.entry_pos, n=n)
     return log_p, log_q, t.entry_pos
 
 
@@ -347,7 +369,7 @@ def _sampled_forward_kl_terms(z: Tensor, t: SparseTargets) -> Tensor:
     if t.n_draws is not None:
         weights = counts / float(t.n_draws)
     else:
-        weights = counts / _segment_sum(counts, t.entry_pos, n=t.n_positions)[t.entry_pos]
+        weights = counts / segment_sum(counts, t.entry_pos, n=t.n_positions)[t.entry_pos]
     return weights * (_teacher_logprobs(t) - log_q)
 
 
@@ -361,27 +383,27 @@ def _teacher_logprobs(t: SparseTargets) -> Tensor:
     return t.entry_logprobs.float().clamp_min(LOG_TINY)
 
 
-def _normalise(x: Tensor, index: Tensor, *, n: int) -> Tensor:
+def normalise(x: Tensor, index: Tensor, *, n: int) -> Tensor:
     """x - logsumexp of x's segment: log-masses renormalised to sum 1 per position."""
-    return x - _segment_logsumexp(x, index, n=n)[index]
+    return x - segment_logsumexp(x, index, n=n)[index]
 
 
-def _segment_logsumexp(x: Tensor, index: Tensor, *, n: int) -> Tensor:
+def segment_logsumexp(x: Tensor, index: Tensor, *, n: int) -> Tensor:
     """[n] logsumexp of x over each segment of `index`; an empty segment gives LOG_TINY."""
     # The shift is a constant for the result's value, so it needs no gradient.
     shift = torch.full((n,), -math.inf, dtype=x.dtype, device=x.device)
     shift = shift.scatter_reduce(0, index, x.detach(), reduce="amax", include_self=True)
     shift = torch.where(torch.isfinite(shift), shift, torch.zeros_like(shift))
-    total = _segment_sum((x - shift[index]).exp(), index, n=n)
+    total = segment_sum((x - shift[index]).exp(), index, n=n)
     # A non-empty segment sums to >= 1 (its max term is exp(0)); only an empty one is clamped.
     return shift + total.clamp_min(TINY).log()
 
 
-def _segment_sum(x: Tensor, index: Tensor, *, n: int) -> Tensor:
+def segment_sum(x: Tensor, index: Tensor, *, n: int) -> Tensor:
     return torch.zeros(n, dtype=x.dtype, device=x.device).index_add(0, index, x)
 
 
-def _is_real(x) -> bool:
+def is_real(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and not math.isnan(x)
 
 

@@ -22,13 +22,32 @@ from logitstore.trainer.attention import register as register_attention
 # `smollm2-135m` is SmolLM2-135M's shape (30 layers, hidden 576, 9 heads, 3 key/value heads), freshly
 # initialised: the GPU benchmark's student. Rotary positions, so max_position_embeddings is only a limit.
 BUILTIN_STUDENTS = {
-    "llama-tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                       num_key_value_heads=2, max_position_embeddings=8192),
-    "llama-small": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=8,
-                        num_key_value_heads=4, max_position_embeddings=8192),
-    "smollm2-135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-                         num_key_value_heads=3, max_position_embeddings=8192, rope_theta=100000.0,
-                         rms_norm_eps=1e-5),
+    "llama-tiny": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=8192,
+    ),
+    "llama-small": dict(
+        hidden_size=256,
+        intermediate_size=768,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        max_position_embeddings=8192,
+    ),
+    "smollm2-135m": dict(
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        max_position_embeddings=8192,
+        rope_theta=100000.0,
+        rms_norm_eps=1e-5,
+    ),
 }
 
 
@@ -52,7 +71,9 @@ def build_student(spec: str, *, vocab_size: int, seed: int):
     model = AutoModelForCausalLM.from_pretrained(path, attn_implementation=ATTENTION)
     out = model.get_output_embeddings().weight.shape[0]
     if out < vocab_size:
-        raise StudentError(f"--student {spec}: predicts {out} tokens but its tokenizer's vocabulary in the store has {vocab_size}")
+        raise StudentError(
+            f"--student {spec}: predicts {out} tokens but its tokenizer's vocabulary in the store has {vocab_size}"
+        )
     return model, _tokenizer_of(path)
 
 
@@ -60,7 +81,7 @@ def student_tokenizer_hash(spec: str) -> str | None:
     """The tokenizer hash of a student directory; None for a built-in (it takes the store's tokenizer)."""
     if spec in BUILTIN_STUDENTS:
         return None
-    from logitstore.pipelines.teacher import tokenizer_hash
+    from logitstore.tokenizer_io import tokenizer_hash
 
     return tokenizer_hash(_tokenizer_of(_model_dir(spec)))
 
@@ -113,7 +134,9 @@ def apply_levers(model, *, activation_checkpointing: bool, compile: bool) -> Non
 
 def shard(model, *, mesh: DeviceMesh, offload_optimizer: bool, cuda: bool):
     """FSDP2: each decoder block, then the root. bf16 compute with fp32 reduction on GPU."""
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if cuda else MixedPrecisionPolicy()
+    mp = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if cuda else MixedPrecisionPolicy()
+    )
     # On a CPU-only run the state already lives in host memory; pinning needs an accelerator.
     offload = CPUOffloadPolicy(pin_memory=cuda) if offload_optimizer else None
     kwargs = dict(mesh=mesh, mp_policy=mp, **({"offload_policy": offload} if offload else {}))

@@ -25,8 +25,17 @@ import torch
 from torch import Tensor
 
 from logitstore.trainer.attention import plan_segments
-from logitstore.trainer.losses import (LossConfig, SparseTargets, ce_term, chunk_bounds, chunk_positions,
-                                       chunked_distill_loss, chunked_head_loss, kd_term, position_slicer)
+from logitstore.trainer.losses import (
+    LossConfig,
+    SparseTargets,
+    ce_term,
+    chunk_bounds,
+    chunk_positions,
+    chunked_distill_loss,
+    chunked_head_loss,
+    kd_term,
+    position_slicer,
+)
 
 
 def evaluation_loss(cfg: LossConfig) -> LossConfig:
@@ -53,10 +62,13 @@ def student_outputs(model, batch, device) -> StudentOutputs:
     decoder = inner.get_decoder()
     hook = decoder.register_forward_hook(lambda _m, _args, out: captured.__setitem__("hidden", out.last_hidden_state))
     try:
-        model(input_ids=batch.input_ids.to(device, non_blocking=True),
-              position_ids=batch.position_ids.to(device, non_blocking=True),
-              segment_plan=plan_segments(batch.position_ids).to(device), use_cache=False,
-              logits_to_keep=torch.zeros(0, dtype=torch.long, device=device))  # no logits: the loss applies the head
+        model(
+            input_ids=batch.input_ids.to(device, non_blocking=True),
+            position_ids=batch.position_ids.to(device, non_blocking=True),
+            segment_plan=plan_segments(batch.position_ids).to(device),
+            use_cache=False,
+            logits_to_keep=torch.zeros(0, dtype=torch.long, device=device),
+        )  # no logits: the loss applies the head
     finally:
         hook.remove()
     hidden = captured["hidden"]
@@ -64,8 +76,9 @@ def student_outputs(model, batch, device) -> StudentOutputs:
     return StudentOutputs(hidden=hidden, weight=inner.get_output_embeddings().weight)
 
 
-def batch_loss(outputs: StudentOutputs, batch, cfg: LossConfig, *, device,
-               evaluation: bool = False) -> tuple[Tensor, dict[str, float]]:
+def batch_loss(
+    outputs: StudentOutputs, batch, cfg: LossConfig, *, device, evaluation: bool = False
+) -> tuple[Tensor, dict[str, float]]:
     """(loss, parts) of one micro-batch: `kd`, `ce`, `loss` and, with several teachers, `kl/<name>` and the
     signal shares. `evaluation` reports each teacher's mean KL over the positions it teaches."""
     if batch.signals is None:
@@ -74,8 +87,9 @@ def batch_loss(outputs: StudentOutputs, batch, cfg: LossConfig, *, device,
 
 
 @torch.no_grad()
-def held_out_metrics(model, batches, cfg: LossConfig, *, device, weights: dict[str, float] | None = None,
-                     limit: int | None = None) -> dict[str, float]:
+def held_out_metrics(
+    model, batches, cfg: LossConfig, *, device, weights: dict[str, float] | None = None, limit: int | None = None
+) -> dict[str, float]:
     """Held-out means over `batches` (at most `limit`) and over every rank, per supervised position:
     `eval_kl`, the forward KL to the teacher (tail as a bucket), and `eval_ce`. With several or
     cross-tokenizer teachers, each one's mean KL over the positions it teaches (`eval_kl/<name>`; for a
@@ -84,14 +98,18 @@ def held_out_metrics(model, batches, cfg: LossConfig, *, device, weights: dict[s
     for i, batch in enumerate(batches):
         if limit is not None and i >= limit:
             break
-        _, parts = batch_loss(student_outputs(model, batch, device), batch, evaluation_loss(cfg), device=device,
-                              evaluation=True)
+        _, parts = batch_loss(
+            student_outputs(model, batch, device), batch, evaluation_loss(cfg), device=device, evaluation=True
+        )
         if batch.signals is None:
             parts = {"kd": parts["kd"], "ce": parts["ce"]}
         else:
             total_weight = sum(weights.values())
-            parts = {"kd": sum(w * parts[f"kl/{name}"] for name, w in weights.items()) / total_weight, "ce": parts["ce"],
-                     **{k: v for k, v in parts.items() if k.startswith("kl/") or k.endswith("_share")}}
+            parts = {
+                "kd": sum(w * parts[f"kl/{name}"] for name, w in weights.items()) / total_weight,
+                "ce": parts["ce"],
+                **{k: v for k, v in parts.items() if k.startswith("kl/") or k.endswith("_share")},
+            }
         weight = len(batch.positions)  # per-position means: a short (padded) last batch counts less
         for k, v in parts.items():
             totals[k] = totals.get(k, 0.0) + v * weight
@@ -122,15 +140,20 @@ def sparse_targets(batch, device) -> SparseTargets:
     counts = batch.entry_counts
     move = lambda t: t.to(device, non_blocking=True)
     return SparseTargets(
-        entry_ids=move(batch.entry_ids), entry_logprobs=move(batch.entry_logprobs), entry_pos=move(batch.entry_pos),
-        tail=move(batch.tail), target_ids=move(batch.target_ids), target_logprobs=move(batch.target_logprobs),
+        entry_ids=move(batch.entry_ids),
+        entry_logprobs=move(batch.entry_logprobs),
+        entry_pos=move(batch.entry_pos),
+        tail=move(batch.tail),
+        target_ids=move(batch.target_ids),
+        target_logprobs=move(batch.target_logprobs),
         entry_counts=None if counts is None else move(counts),
         n_draws=None,  # sampled stores: the loss takes each position's draw count from its counts
     )
 
 
-def mixed_loss(outputs: StudentOutputs, batch, cfg: LossConfig, *, device, indicator: bool = False,
-               chunk: int | None = None) -> tuple[Tensor, dict[str, float]]:
+def mixed_loss(
+    outputs: StudentOutputs, batch, cfg: LossConfig, *, device, indicator: bool = False, chunk: int | None = None
+) -> tuple[Tensor, dict[str, float]]:
     """Sum of every teacher's weighted KD term, plus alpha * CE once, the head applied in chunks of
     positions (`losses.chunked_head_loss`; a cross-tokenizer teacher's many-token group never straddles
     two chunks). `indicator` (evaluation) replaces the weights by 1 wherever a teacher has signal and
@@ -144,8 +167,9 @@ def mixed_loss(outputs: StudentOutputs, batch, cfg: LossConfig, *, device, indic
     P = len(batch.positions)
     target_ids = batch.target_ids.to(device)
     bounds = chunk_bounds(P, chunk=chunk or chunk_positions(outputs.weight), allowed=_whole_groups(signals, P))
-    slicers = {name: position_slicer(targets, bounds) for name, targets in signals
-               if not isinstance(targets, AlignedTargets)}
+    slicers = {
+        name: position_slicer(targets, bounds) for name, targets in signals if not isinstance(targets, AlignedTargets)
+    }
 
     def loss_of_chunk(logits: Tensor, a: int, b: int) -> tuple[Tensor, dict[str, float]]:
         kd = torch.zeros((), device=logits.device)
@@ -175,8 +199,12 @@ def mixed_loss(outputs: StudentOutputs, batch, cfg: LossConfig, *, device, indic
             taught = targets.weight[targets.exact_pos] if isinstance(targets, AlignedTargets) else targets.weight
             parts[f"kl/{name}"] *= P / max(int((taught > 0).sum()), 1)
     counts = batch.signal_counts
-    parts.update({"signal_share": counts["signal_positions"] / max(counts["positions"], 1),
-                  "exact_share": counts["exact_positions"] / max(counts["positions"], 1)})
+    parts.update(
+        {
+            "signal_share": counts["signal_positions"] / max(counts["positions"], 1),
+            "exact_share": counts["exact_positions"] / max(counts["positions"], 1),
+        }
+    )
     return loss, parts
 
 
@@ -189,10 +217,18 @@ def slice_aligned(t, a: int, b: int):
     chain = (t.chain_pos >= a) & (t.chain_pos < b)
     groups, chain_group = torch.unique(t.chain_group[chain], return_inverse=True)
     return dataclasses.replace(
-        t, target_ids=t.target_ids[a:b], exact_pos=t.exact_pos[keep] - a, tail=t.tail[keep],
-        entry_ids=t.entry_ids[entries], entry_logprobs=t.entry_logprobs[entries], entry_pos=new_index[t.entry_pos[entries]],
-        chain_teacher_logprob=t.chain_teacher_logprob[groups], chain_pos=t.chain_pos[chain] - a,
-        chain_group=chain_group.reshape(-1), weight=None if t.weight is None else t.weight[a:b])
+        t,
+        target_ids=t.target_ids[a:b],
+        exact_pos=t.exact_pos[keep] - a,
+        tail=t.tail[keep],
+        entry_ids=t.entry_ids[entries],
+        entry_logprobs=t.entry_logprobs[entries],
+        entry_pos=new_index[t.entry_pos[entries]],
+        chain_teacher_logprob=t.chain_teacher_logprob[groups],
+        chain_pos=t.chain_pos[chain] - a,
+        chain_group=chain_group.reshape(-1),
+        weight=None if t.weight is None else t.weight[a:b],
+    )
 
 
 def _whole_groups(signals, P: int):
@@ -206,15 +242,22 @@ def _whole_groups(signals, P: int):
         if isinstance(t, AlignedTargets) and len(t.chain_group):
             g = int(t.chain_teacher_logprob.shape[0])
             first = torch.full((g,), P, dtype=torch.long, device=t.chain_pos.device).scatter_reduce(
-                0, t.chain_group, t.chain_pos, reduce="amin")
+                0, t.chain_group, t.chain_pos, reduce="amin"
+            )
             last = torch.zeros(g, dtype=torch.long, device=t.chain_pos.device).scatter_reduce(
-                0, t.chain_group, t.chain_pos, reduce="amax")
+                0, t.chain_group, t.chain_pos, reduce="amax"
+            )
             np.add.at(inside, first.cpu().numpy() + 1, 1)
             np.add.at(inside, last.cpu().numpy() + 1, -1)
     return np.cumsum(inside)[: P + 1] <= 0
 
 
 def _to_device(targets, device):
-    return dataclasses.replace(targets, **{f.name: getattr(targets, f.name).to(device)
-                                           for f in dataclasses.fields(targets)
-                                           if isinstance(getattr(targets, f.name), torch.Tensor)})
+    return dataclasses.replace(
+        targets,
+        **{
+            f.name: getattr(targets, f.name).to(device)
+            for f in dataclasses.fields(targets)
+            if isinstance(getattr(targets, f.name), torch.Tensor)
+        },
+    )

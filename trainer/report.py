@@ -44,8 +44,9 @@ def check_sinks(names) -> None:
         if name not in SINKS:
             raise ReportError(f"--report-to {name!r}: one of {', '.join(SINKS)}")
         if importlib.util.find_spec(SINKS[name].package) is None:
-            raise ReportError(f"--report-to {name} needs the {SINKS[name].package} package: "
-                              f"pip install 'logitstore[{name}]'")
+            raise ReportError(
+                f"--report-to {name} needs the {SINKS[name].package} package: pip install 'logitstore[{name}]'"
+            )
 
 
 def open_sinks(names, *, out: Path) -> list:

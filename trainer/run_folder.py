@@ -26,8 +26,10 @@ from logitstore.trainer.config import TrainConfig, TrainConfigError
 MARKER = "logitstore-run.json"
 _FORMAT = {"format": "logitstore-run", "format_version": 1}
 # Everything a run writes into --out, and so everything --force may remove.
-_RUN_ENTRIES = re.compile(r"step-\d+(\.partial)?|final(\.partial)?|final_metrics\.json|training\.png"
-                          r"|metrics\.jsonl(\.partial)?|logitstore-run\.json(\.partial)?")
+_RUN_ENTRIES = re.compile(
+    r"step-\d+(\.partial)?|final(\.partial)?|final_metrics\.json|training\.png"
+    r"|metrics\.jsonl(\.partial)?|logitstore-run\.json(\.partial)?"
+)
 # The previous export: a run that trains or exports again replaces it, so final/ exists only while it
 # belongs to the newest checkpoint (that is what makes a resumed finished run a no-op).
 _EXPORT_ENTRIES = ("final", "final.partial", "final_metrics.json")
@@ -55,14 +57,17 @@ def plan(cfg: TrainConfig) -> RunPlan:
     marker = read_marker(out)
     if marker is None:
         if any(out.iterdir()):
-            raise TrainConfigError(f"--out {out} holds files but no logitstore run (no {MARKER}); use a new or "
-                                   "empty folder (--force replaces only a folder a run marked)")
+            raise TrainConfigError(
+                f"--out {out} holds files but no logitstore run (no {MARKER}); use a new or "
+                "empty folder (--force replaces only a folder a run marked)"
+            )
         return RunPlan(out)
     if cfg.output.force:
         return RunPlan(out, replace=True)
     if not cfg.output.resume:
-        raise TrainConfigError(f"--out {out} already holds a run; pass --resume to continue it or --force to "
-                               "replace it")
+        raise TrainConfigError(
+            f"--out {out} already holds a run; pass --resume to continue it or --force to replace it"
+        )
     return _resume_plan(out, marker, cfg)
 
 
@@ -110,8 +115,9 @@ def _check_identity(out: Path, previous: dict, cfg: TrainConfig) -> None:
     current = json.loads(json.dumps(cfg.run_identity()))  # as the marker holds it: tuples are lists there
     changed = sorted(k for k in set(previous) | set(current) if previous.get(k) != current.get(k))
     if changed:
-        raise TrainConfigError(f"--out {out} holds a run with another configuration ({', '.join(changed)}); "
-                               "use a new --out or --force")
+        raise TrainConfigError(
+            f"--out {out} holds a run with another configuration ({', '.join(changed)}); use a new --out or --force"
+        )
 
 
 def _check_version(out: Path, cfg: TrainConfig, snapshot: str) -> None:
@@ -120,8 +126,10 @@ def _check_version(out: Path, cfg: TrainConfig, snapshot: str) -> None:
 
     requested = Store.open(cfg.data.store).resolve(cfg.data.version)
     if requested != snapshot:
-        raise TrainConfigError(f"--out {out} trains on version {snapshot}, but --version {cfg.data.version} is {requested}; "
-                               "leave out --version to resume, or use a new --out")
+        raise TrainConfigError(
+            f"--out {out} trains on version {snapshot}, but --version {cfg.data.version} is {requested}; "
+            "leave out --version to resume, or use a new --out"
+        )
 
 
 def claim(plan: RunPlan, cfg: TrainConfig, *, snapshot: str | None) -> None:
@@ -134,8 +142,9 @@ def claim(plan: RunPlan, cfg: TrainConfig, *, snapshot: str | None) -> None:
             _remove(path)
         if cfg.output.resume:
             truncate_metrics(out / "metrics.jsonl", step=plan.resume_step)
-        _write_atomic(out / MARKER, json.dumps({**_FORMAT, "identity": cfg.run_identity(), "snapshot": snapshot},
-                                               indent=2))
+        _write_atomic(
+            out / MARKER, json.dumps({**_FORMAT, "identity": cfg.run_identity(), "snapshot": snapshot}, indent=2)
+        )
     except OSError as e:
         raise TrainConfigError(f"--out {out} cannot be written: {e.strerror or e}") from None
 

@@ -77,9 +77,10 @@ import asyncio
 import dataclasses
 import hashlib
 import time
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, fields
-from typing import Iterator, Protocol
+from typing import Protocol
 
 import numba
 import numpy as np
@@ -144,7 +145,7 @@ class PackedBatch:
     # (sample id, first token of the fragment in the sample, flat start b*L + t, length) per segment,
     # in row-major order: for logging and tests; skipped fragments are absent.
     segments: list[tuple[str, int, int, int]] = field(default_factory=list)
-    # Runs with several teachers or a cross-tokenizer teacher (`trainer/teachers.py`): per teacher,
+    # Runs with several teachers or a cross-tokenizer teacher (`trainer/mixing.py`): per teacher,
     # (name, SparseTargets | AlignedTargets) over the same P positions, and counts for the metrics.
     # The single-teacher fields above then hold no entries.
     signals: list | None = None
@@ -258,18 +259,24 @@ class EpochPlan:
         first = np.searchsorted(self.ends, start, side="right")
         last = np.searchsorted(self.begins, stop, side="left")
         # Every sample boundary and every row boundary inside the span starts a new piece.
-        cuts = np.concatenate([self.begins[first:last], self.ends[first:last],
-                               np.arange(start, stop, self.seq_len), [stop]])
+        cuts = np.concatenate(
+            [self.begins[first:last], self.ends[first:last], np.arange(start, stop, self.seq_len), [stop]]
+        )
         cuts = np.unique(cuts[(cuts >= start) & (cuts <= stop)])
         k = np.searchsorted(self.ends, cuts[:-1], side="right")  # position in the epoch order
-        return Pieces(row=self.order[k], a=cuts[:-1] - self.begins[k], b=cuts[1:] - self.begins[k],
-                      flat=cuts[:-1] - start, window=np.searchsorted(self.window_start, k, side="right") - 1)
+        return Pieces(
+            row=self.order[k],
+            a=cuts[:-1] - self.begins[k],
+            b=cuts[1:] - self.begins[k],
+            flat=cuts[:-1] - start,
+            window=np.searchsorted(self.window_start, k, side="right") - 1,
+        )
 
     def parts_of_window(self, window: int) -> np.ndarray:
         """The window's parts in the order the epoch first needs them (the order to read them in)."""
         if window not in self._parts_of_window:
             stop = self.window_start[window + 1] if window + 1 < self.n_windows else len(self.order)
-            sequence = self.part_sequence[self.window_start[window]:stop]
+            sequence = self.part_sequence[self.window_start[window] : stop]
             _, first = np.unique(sequence, return_index=True)
             self._parts_of_window[window] = sequence[np.sort(first)]
         return self._parts_of_window[window]
@@ -288,7 +295,7 @@ def _windowed_order(table: SplitTable, *, seed: int, epoch: int, window_parts: i
     starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
     order = np.empty_like(by_window)
     for k, (s, c) in enumerate(zip(starts.tolist(), counts.tolist())):  # one step per window
-        order[s:s + c] = by_window[s:s + c][np.random.default_rng([seed, epoch, k]).permutation(c)]
+        order[s : s + c] = by_window[s : s + c][np.random.default_rng([seed, epoch, k]).permutation(c)]
     return order, starts[counts > 0]
 
 
@@ -331,10 +338,16 @@ class TeacherRows:
         idx = split_index(view, teacher=teacher, split=split, eval_fraction=eval_fraction)
         parts, codes = np.unique(np.asarray(idx["part"].to_pylist(), dtype=str), return_inverse=True)
         column = lambda name: idx[name].to_numpy().astype(np.int64)
-        return cls(sample_ids=idx["sample_id"].to_pylist(), part=np.asarray(codes, dtype=np.int64).reshape(-1),
-                   parts=[str(p) for p in parts], n_tokens=column("n_tokens"), token_start=column("token_start"),
-                   position_start=column("position_start"), entry_start=column("entry_start"),
-                   n_entries=column("n_entries"))
+        return cls(
+            sample_ids=idx["sample_id"].to_pylist(),
+            part=np.asarray(codes, dtype=np.int64).reshape(-1),
+            parts=[str(p) for p in parts],
+            n_tokens=column("n_tokens"),
+            token_start=column("token_start"),
+            position_start=column("position_start"),
+            entry_start=column("entry_start"),
+            n_entries=column("n_entries"),
+        )
 
     def __post_init__(self) -> None:
         # Rows sorted by (part, place in it), and where each part's run starts: `in_part` in O(1).
@@ -343,7 +356,7 @@ class TeacherRows:
 
     def in_part(self, code: int) -> np.ndarray:
         """The rows held by part `code`, sorted by their place in the part."""
-        return self._by_part[self._part_start[code]:self._part_start[code + 1]]
+        return self._by_part[self._part_start[code] : self._part_start[code + 1]]
 
 
 @dataclass
@@ -367,24 +380,31 @@ class PartReader:
         self.vocab_size, self.params = meta.vocab_size, meta.codec
         self.sampled = meta.sampled
         self.masked = meta.loss_mask is not None  # chat data: a per-token loss_mask in every part
-        self.names = tuple(n for n in ENCODED_ARRAYS
-                           if (n != "entry_counts" or self.sampled) and (n != "loss_mask" or self.masked))
+        self.names = tuple(
+            n for n in ENCODED_ARRAYS if (n != "entry_counts" or self.sampled) and (n != "loss_mask" or self.masked)
+        )
         self.id_bytes = codec.id_dtype(meta.vocab_size).itemsize
         split_bytes = self._bytes(rows.n_tokens, rows.n_entries, rows.part, len(rows.parts))
         all_rows = view.index.filter(pc.equal(view.index["teacher"], teacher))
         codes = pc.index_in(all_rows["part"], value_set=pa.array(rows.parts, type=pa.string()))
         all_codes = codes.fill_null(-1).to_numpy().astype(np.int64)
         held = all_codes >= 0
-        whole_bytes = self._bytes(all_rows["n_tokens"].to_numpy().astype(np.int64)[held],
-                                  all_rows["n_entries"].to_numpy().astype(np.int64)[held], all_codes[held],
-                                  len(rows.parts))
+        whole_bytes = self._bytes(
+            all_rows["n_tokens"].to_numpy().astype(np.int64)[held],
+            all_rows["n_entries"].to_numpy().astype(np.int64)[held],
+            all_codes[held],
+            len(rows.parts),
+        )
         self.whole = split_bytes * 2 >= whole_bytes  # read the part whole, else the split's ranges only
         self.bytes = np.where(self.whole, whole_bytes, split_bytes)
 
     def _bytes(self, n_tokens, n_entries, part, n_parts) -> np.ndarray:
         """Bytes in memory per part of the given samples: the encoded arrays plus `entry_cum`."""
-        per_sample = (n_tokens * (self.id_bytes + self.masked) + (n_tokens - 1) * (6 + 8)
-                      + n_entries * (self.id_bytes + 2 + (2 if self.sampled else 0)))
+        per_sample = (
+            n_tokens * (self.id_bytes + self.masked)
+            + (n_tokens - 1) * (6 + 8)
+            + n_entries * (self.id_bytes + 2 + (2 if self.sampled else 0))
+        )
         return np.bincount(part, weights=per_sample, minlength=n_parts).astype(np.int64)
 
     def read(self, code: int) -> PartData:
@@ -425,9 +445,16 @@ class PartReader:
         r = self.rows
         ts, ps, es = r.token_start[rows], r.position_start[rows], r.entry_start[rows]
         n, ne = r.n_tokens[rows], r.n_entries[rows]
-        spans = {"input_ids": (ts, ts + n), "loss_mask": (ts, ts + n), "n_entries": (ps, ps + n - 1), "tail": (ps, ps + n - 1),
-                 "target_logprobs": (ps, ps + n - 1), "entry_codes": (es, es + ne), "entry_logprobs": (es, es + ne),
-                 "entry_counts": (es, es + ne)}
+        spans = {
+            "input_ids": (ts, ts + n),
+            "loss_mask": (ts, ts + n),
+            "n_entries": (ps, ps + n - 1),
+            "tail": (ps, ps + n - 1),
+            "target_logprobs": (ps, ps + n - 1),
+            "entry_codes": (es, es + ne),
+            "entry_logprobs": (es, es + ne),
+            "entry_counts": (es, es + ne),
+        }
         return {name: spans[name] for name in self.names}
 
     def _ranges(self, part: str, rows: np.ndarray) -> dict[str, np.ndarray]:
@@ -446,8 +473,13 @@ class PartReader:
         return out
 
     def _by_sample(self, part: str, rows: np.ndarray) -> tuple[dict[str, np.ndarray], dict[int, Exception]]:
-        arrays = {name: np.zeros(self.view.array(self.teacher, part, name).shape[0],
-                                 dtype=_stored_dtype(self.view.array(self.teacher, part, name))) for name in self.names}
+        arrays = {
+            name: np.zeros(
+                self.view.array(self.teacher, part, name).shape[0],
+                dtype=_stored_dtype(self.view.array(self.teacher, part, name)),
+            )
+            for name in self.names
+        }
         damaged: dict[int, Exception] = {}
         for row in rows.tolist():  # one step per sample, only for a part with a damaged chunk
             try:
@@ -460,8 +492,9 @@ class PartReader:
                 damaged[row] = e
         return arrays, damaged
 
-    def _check(self, arrays: dict[str, np.ndarray], entry_cum: np.ndarray, rows: np.ndarray,
-               *, skip: dict) -> dict[int, Exception]:
+    def _check(
+        self, arrays: dict[str, np.ndarray], entry_cum: np.ndarray, rows: np.ndarray, *, skip: dict
+    ) -> dict[int, Exception]:
         """Rows whose stored arrays contradict the index or the vocabulary (the decode kernel indexes
         without bounds checks). Vectorised over the part."""
         r = self.rows
@@ -473,8 +506,11 @@ class PartReader:
                 if row not in skip and row not in bad:
                     bad[row] = _Damaged(why)
 
-        inside = ((ts + n <= len(arrays["input_ids"])) & (ps + n - 1 <= len(arrays["n_entries"]))
-                  & (es + ne <= len(arrays["entry_codes"])))
+        inside = (
+            (ts + n <= len(arrays["input_ids"]))
+            & (ps + n - 1 <= len(arrays["n_entries"]))
+            & (es + ne <= len(arrays["entry_codes"]))
+        )
         flag(~inside, "index range lies outside the stored arrays")
         ps_in, end_in = np.where(inside, ps, 0), np.where(inside, ps + n - 1, 0)
         counts_ok = entry_cum[end_in] - entry_cum[ps_in] == ne
@@ -482,8 +518,10 @@ class PartReader:
         token_bad = np.flatnonzero(arrays["input_ids"] >= self.vocab_size)
         flag(_rows_touching(token_bad, ts, n), "a stored token id lies outside the vocabulary")
         good = inside & counts_ok
-        flag(self._bad_codes(arrays["entry_codes"], entry_cum, ps=ps[good], n=n[good], es=es[good], where=good),
-             "a stored entry code lies outside the vocabulary")
+        flag(
+            self._bad_codes(arrays["entry_codes"], entry_cum, ps=ps[good], n=n[good], es=es[good], where=good),
+            "a stored entry code lies outside the vocabulary",
+        )
         return bad
 
     def _bad_codes(self, codes: np.ndarray, entry_cum: np.ndarray, *, ps, n, es, where: np.ndarray) -> np.ndarray:
@@ -508,8 +546,16 @@ class PartReader:
             e0[sel] = es[sel] + cum[p + a[sel]] - cum[p]
             e1[sel] = es[sel] + cum[p + b[sel] - 1] - cum[p]
         spans = {"input_ids": (ts + a, ts + b), "position": (ps + a, ps + b - 1), "entry": (e0, e1)}
-        axis = {"input_ids": "input_ids", "loss_mask": "input_ids", "n_entries": "position", "tail": "position", "target_logprobs": "position",
-                "entry_codes": "entry", "entry_logprobs": "entry", "entry_counts": "entry"}
+        axis = {
+            "input_ids": "input_ids",
+            "loss_mask": "input_ids",
+            "n_entries": "position",
+            "tail": "position",
+            "target_logprobs": "position",
+            "entry_codes": "entry",
+            "entry_logprobs": "entry",
+            "entry_counts": "entry",
+        }
         held = [parts[c].arrays for c in code.tolist()]
         bounds = {k: (lo.tolist(), hi.tolist()) for k, (lo, hi) in spans.items()}
         out = {}
@@ -570,15 +616,17 @@ def _rows_touching(elements: np.ndarray, starts: np.ndarray, lengths: np.ndarray
 class StoreSource:
     """One teacher of a store version: pieces become `PackedBatch`es of that teacher's targets."""
 
-    def __init__(self, view: StoreVersion, *, teacher: str | None, split: str, eval_fraction: float,
-                 train_on: str = "completion"):
+    def __init__(
+        self, view: StoreVersion, *, teacher: str | None, split: str, eval_fraction: float, train_on: str = "completion"
+    ):
         self.view, self.teacher = view, view.teacher_name(teacher)
         self.version = view.snapshot_id
         self.completion_only = train_on == "completion"
         check_train_on(view, teacher=self.teacher, train_on=train_on)
         self.rows = TeacherRows.of(view, teacher=self.teacher, split=split, eval_fraction=eval_fraction)
-        self.table = SplitTable(sample_ids=self.rows.sample_ids, n_tokens=self.rows.n_tokens, part=self.rows.part,
-                                parts=self.rows.parts)
+        self.table = SplitTable(
+            sample_ids=self.rows.sample_ids, n_tokens=self.rows.n_tokens, part=self.rows.part, parts=self.rows.parts
+        )
         self.reader = PartReader(view, teacher=self.teacher, rows=self.rows)
         meta = view.teachers[self.teacher]
         # Here, not lazily in threads; int32 as the decode kernel takes it (no copy per batch).
@@ -600,9 +648,19 @@ class StoreSource:
         decoded = None
         if ok.any():
             enc = self.reader.gather(parts, pieces.row[ok], pieces.a[ok], pieces.b[ok])
-            decoded = codec.decode(enc, params=self.params, id_of_code=self.id_of_code, n_tokens=(pieces.b - pieces.a)[ok])
-        return assemble(pieces, ok, decoded, sample_ids=self.table.sample_ids, micro_batch=stream.micro_batch,
-                        seq_len=stream.seq_len, sampled=self.reader.sampled, completion_only=self.completion_only)
+            decoded = codec.decode(
+                enc, params=self.params, id_of_code=self.id_of_code, n_tokens=(pieces.b - pieces.a)[ok]
+            )
+        return assemble(
+            pieces,
+            ok,
+            decoded,
+            sample_ids=self.table.sample_ids,
+            micro_batch=stream.micro_batch,
+            seq_len=stream.seq_len,
+            sampled=self.reader.sampled,
+            completion_only=self.completion_only,
+        )
 
 
 def check_train_on(view: StoreVersion, *, teacher: str, train_on: str) -> None:
@@ -612,9 +670,11 @@ def check_train_on(view: StoreVersion, *, teacher: str, train_on: str) -> None:
     if train_on not in TRAIN_ON:
         raise StreamConfigError(f"--train-on must be one of {', '.join(TRAIN_ON)}, got {train_on!r}")
     if train_on == "prompt+completion" and view.teachers[teacher].loss_mask == "completion":
-        raise StreamConfigError(f"--train-on prompt+completion: teacher {teacher!r} in version {view.snapshot_id} holds "
-                                "entries for completion tokens only (built with --train-on completion); rebuild with "
-                                "build --train-on prompt+completion, or train on the completion")
+        raise StreamConfigError(
+            f"--train-on prompt+completion: teacher {teacher!r} in version {view.snapshot_id} holds "
+            "entries for completion tokens only (built with --train-on completion); rebuild with "
+            "build --train-on prompt+completion, or train on the completion"
+        )
 
 
 # -- assembling a batch -----------------------------------------------------------------------------------
@@ -644,33 +704,56 @@ def layout(pieces: Pieces, ok: np.ndarray, *, micro_batch: int, seq_len: int) ->
     position_ids[tokens] = tokens - np.repeat(flat, n)
     document_ids[tokens] = np.repeat(document[ok], n)
     positions = ranges(flat, n - 1)  # all but each piece's last token: the decoded positions' order
-    return Layout(flat=flat, n=n, tokens=tokens, positions=positions, position_ids=position_ids,
-                  document_ids=document_ids)
+    return Layout(
+        flat=flat, n=n, tokens=tokens, positions=positions, position_ids=position_ids, document_ids=document_ids
+    )
 
 
-def assemble(pieces: Pieces, ok: np.ndarray, decoded, *, sample_ids: list[str], micro_batch: int, seq_len: int,
-             sampled: bool, completion_only: bool = True) -> PackedBatch:
+def assemble(
+    pieces: Pieces,
+    ok: np.ndarray,
+    decoded,
+    *,
+    sample_ids: list[str],
+    micro_batch: int,
+    seq_len: int,
+    sampled: bool,
+    completion_only: bool = True,
+) -> PackedBatch:
     """The batch of the readable pieces (`ok`), whose decoded samples are `decoded` in piece order. Chat
     data (`decoded.loss_mask`) with `completion_only` keeps the positions whose next token is completion."""
     B, L = micro_batch, seq_len
     lay = layout(pieces, ok, micro_batch=B, seq_len=L)
     input_ids = np.zeros(B * L, dtype=np.int64)
     empty_long, empty_float = torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.float32)
-    common = dict(input_ids=torch.from_numpy(input_ids.reshape(B, L)),
-                  position_ids=torch.from_numpy(lay.position_ids.reshape(B, L)),
-                  document_ids=torch.from_numpy(lay.document_ids.reshape(B, L)))
+    common = dict(
+        input_ids=torch.from_numpy(input_ids.reshape(B, L)),
+        position_ids=torch.from_numpy(lay.position_ids.reshape(B, L)),
+        document_ids=torch.from_numpy(lay.document_ids.reshape(B, L)),
+    )
     if decoded is None:  # every fragment was skipped: all padding, no targets
-        return PackedBatch(**common, positions=empty_long, entry_ids=empty_long, entry_logprobs=empty_float,
-                           entry_pos=empty_long, tail=empty_float, target_ids=empty_long, target_logprobs=empty_float,
-                           entry_counts=empty_float if sampled else None, n_tokens=0)
+        return PackedBatch(
+            **common,
+            positions=empty_long,
+            entry_ids=empty_long,
+            entry_logprobs=empty_float,
+            entry_pos=empty_long,
+            tail=empty_float,
+            target_ids=empty_long,
+            target_logprobs=empty_float,
+            entry_counts=empty_float if sampled else None,
+            n_tokens=0,
+        )
     input_ids[lay.tokens] = decoded.input_ids
     positions = lay.positions
     if completion_only and decoded.loss_mask is not None:
         keep = supervised_positions(decoded.loss_mask, lay.n)
         positions, decoded = positions[keep], _positions_only(decoded, keep)
     entry_pos = np.repeat(np.arange(len(positions), dtype=np.int64), decoded.n_entries)
-    segments = [(sample_ids[r], int(a), int(f), int(m))
-                for r, a, f, m in zip(pieces.row[ok].tolist(), pieces.a[ok].tolist(), lay.flat.tolist(), lay.n.tolist())]
+    segments = [
+        (sample_ids[r], int(a), int(f), int(m))
+        for r, a, f, m in zip(pieces.row[ok].tolist(), pieces.a[ok].tolist(), lay.flat.tolist(), lay.n.tolist())
+    ]
     counts = None if decoded.entry_counts is None else torch.from_numpy(decoded.entry_counts.astype(np.float32))
     return PackedBatch(
         **common,
@@ -691,9 +774,15 @@ def _positions_only(decoded, keep: np.ndarray):
     """The decoded pieces' per-position and per-entry arrays at the kept positions only."""
     entries = np.repeat(keep, decoded.n_entries)
     counts = None if decoded.entry_counts is None else decoded.entry_counts[entries]
-    return dataclasses.replace(decoded, n_entries=decoded.n_entries[keep], tail=decoded.tail[keep],
-                               target_logprobs=decoded.target_logprobs[keep], entry_ids=decoded.entry_ids[entries],
-                               entry_logprobs=decoded.entry_logprobs[entries], entry_counts=counts)
+    return dataclasses.replace(
+        decoded,
+        n_entries=decoded.n_entries[keep],
+        tail=decoded.tail[keep],
+        target_logprobs=decoded.target_logprobs[keep],
+        entry_ids=decoded.entry_ids[entries],
+        entry_logprobs=decoded.entry_logprobs[entries],
+        entry_counts=counts,
+    )
 
 
 # -- the parts in memory ----------------------------------------------------------------------------------
@@ -752,11 +841,30 @@ class Stream(torch.utils.data.IterableDataset):
     `IterableDataset`, so `DataLoader(stream, batch_size=None, num_workers=W, multiprocessing_context=
     "spawn")` decodes in W processes and yields the same batches in the same order."""
 
-    def __init__(self, source: Source, *, seq_len: int, micro_batch: int, rank: int, world_size: int, seed: int,
-                 split: str = "train", prefetch: int = 4, on_error: str = "raise",
-                 memory_budget: int | str | None = None, read_threads: int = READ_THREADS):
-        _check_arguments(seq_len=seq_len, micro_batch=micro_batch, rank=rank, world_size=world_size, split=split,
-                         prefetch=prefetch, on_error=on_error)
+    def __init__(
+        self,
+        source: Source,
+        *,
+        seq_len: int,
+        micro_batch: int,
+        rank: int,
+        world_size: int,
+        seed: int,
+        split: str = "train",
+        prefetch: int = 4,
+        on_error: str = "raise",
+        memory_budget: int | str | None = None,
+        read_threads: int = READ_THREADS,
+    ):
+        _check_arguments(
+            seq_len=seq_len,
+            micro_batch=micro_batch,
+            rank=rank,
+            world_size=world_size,
+            split=split,
+            prefetch=prefetch,
+            on_error=on_error,
+        )
         self.source, self.table = source, source.table
         self.seq_len, self.micro_batch, self.rank, self.world_size = seq_len, micro_batch, rank, world_size
         self.seed, self.split, self.prefetch, self.on_error = seed, split, prefetch, on_error
@@ -769,10 +877,14 @@ class Stream(torch.utils.data.IterableDataset):
             self.rows_per_epoch = tokens // seq_len
             self.steps_per_epoch = self.rows_per_epoch // block
         self._check_size()
-        self.memory_budget = parse_bytes(memory_budget if memory_budget is not None else DEFAULT_MEMORY_BUDGET,
-                                         name="memory budget (--memory-budget)")
+        self.memory_budget = parse_bytes(
+            memory_budget if memory_budget is not None else DEFAULT_MEMORY_BUDGET,
+            name="memory budget (--memory-budget)",
+        )
         part_bytes = source.part_bytes()
-        self.window_parts = None if part_bytes is None else _window_parts(part_bytes, self.memory_budget, where=self._where)
+        self.window_parts = (
+            None if part_bytes is None else _window_parts(part_bytes, self.memory_budget, where=self._where)
+        )
         self._parts = None if part_bytes is None else _Parts(source.read_part, threads=read_threads)
         self._plans: dict[int, EpochPlan] = {}
         self._held: tuple | None = None  # (epoch, window) whose parts the stream holds now
@@ -809,14 +921,20 @@ class Stream(torch.utils.data.IterableDataset):
         if self.steps_per_epoch == 0:
             raise StreamConfigError(
                 f"{self._where} packs into {self.rows_per_epoch} rows of {self.seq_len} tokens, fewer than one "
-                f"micro-batch of {self.micro_batch} rows for each of {self.world_size} ranks; lower seq_len or micro_batch")
+                f"micro-batch of {self.micro_batch} rows for each of {self.world_size} ranks; lower seq_len or micro_batch"
+            )
 
     # -- state ---------------------------------------------------------------------------------------
 
     def state_dict(self) -> dict:
         """Where the consumer is: global rows consumed in the epoch by all ranks together."""
-        return {"epoch": self._epoch, "rows_consumed": self._rows, "seed": self.seed, "version": self.source.version,
-                "window_parts": self._effective_window()}
+        return {
+            "epoch": self._epoch,
+            "rows_consumed": self._rows,
+            "seed": self.seed,
+            "version": self.source.version,
+            "window_parts": self._effective_window(),
+        }
 
     def _effective_window(self) -> int | None:
         """`window_parts`, or None for the global shuffle (one window): what the order depends on."""
@@ -827,19 +945,27 @@ class Stream(torch.utils.data.IterableDataset):
     def load_state_dict(self, state: dict) -> None:
         """Continue from `state` (any world size). Stops a running prefetch; the next `iter()` resumes."""
         if state.get("version") != self.source.version:
-            raise StreamConfigError(f"the data state is from store version {state.get('version')}, "
-                                    f"this stream reads {self.source.version}; resume on the same version")
+            raise StreamConfigError(
+                f"the data state is from store version {state.get('version')}, "
+                f"this stream reads {self.source.version}; resume on the same version"
+            )
         if state.get("seed") != self.seed:
-            raise StreamConfigError(f"the data state is from seed {state.get('seed')}, this stream has seed {self.seed}")
+            raise StreamConfigError(
+                f"the data state is from seed {state.get('seed')}, this stream has seed {self.seed}"
+            )
         if state.get("window_parts") != self._effective_window():
             show = lambda w: "one window (the global shuffle)" if w is None else f"windows of {w} parts"
-            raise StreamConfigError(f"the data state was taken with {show(state.get('window_parts'))}, this stream "
-                                    f"shuffles in {show(self._effective_window())} (its memory budget, "
-                                    f"{format_bytes(self.memory_budget)}); resume with the same --memory-budget")
+            raise StreamConfigError(
+                f"the data state was taken with {show(state.get('window_parts'))}, this stream "
+                f"shuffles in {show(self._effective_window())} (its memory budget, "
+                f"{format_bytes(self.memory_budget)}); resume with the same --memory-budget"
+            )
         epoch, rows = int(state["epoch"]), int(state["rows_consumed"])
         if epoch < 0 or not 0 <= rows <= self.rows_per_epoch:
-            raise StreamConfigError(f"the data state (epoch {epoch}, row {rows}) is outside this stream's "
-                                    f"{self.rows_per_epoch} rows per epoch")
+            raise StreamConfigError(
+                f"the data state (epoch {epoch}, row {rows}) is outside this stream's "
+                f"{self.rows_per_epoch} rows per epoch"
+            )
         self._stop_worker()
         self._generation += 1  # an iterator from before the load must not move the restored position
         self._epoch, self._rows = epoch, rows
@@ -887,8 +1013,8 @@ class Stream(torch.utils.data.IterableDataset):
         return self._batches(self._epoch, self._rows)
 
     def _batches(self, epoch: int, rows: int) -> Iterator[tuple[PackedBatch, int, int]]:
-        for epoch, row0, after in self._schedule(epoch, rows):
-            yield self._build(epoch, row0), epoch, after
+        for step_epoch, row0, after in self._schedule(epoch, rows):
+            yield self._build(step_epoch, row0), step_epoch, after
 
     def _prefetched(self) -> Iterator[tuple[PackedBatch, int, int]]:
         ahead = read_ahead(self._batches(self._epoch, self._rows), depth=self.prefetch, name="logitstore-prefetch")
@@ -923,8 +1049,10 @@ class Stream(torch.utils.data.IterableDataset):
         # A stream crosses into a DataLoader worker (spawned: Icechunk must never be forked) as the recipe
         # it was made from, at its current position; the worker opens the version itself.
         if self._recipe is None:
-            raise StreamConfigError(f"a stream of {self._where} cannot be sent to another process; only a "
-                                    "store stream (logitstore.stream) can, for DataLoader workers")
+            raise StreamConfigError(
+                f"a stream of {self._where} cannot be sent to another process; only a "
+                "store stream (logitstore.stream) can, for DataLoader workers"
+            )
         return _stream_from_recipe, (self._recipe, self.state_dict())
 
     def _worker_slice(self) -> tuple[int, int]:
@@ -942,8 +1070,9 @@ class Stream(torch.utils.data.IterableDataset):
         if epoch not in self._plans:
             if len(self._plans) >= 2:  # the current epoch and the next are all a stream needs
                 self._plans.pop(min(self._plans))
-            self._plans[epoch] = EpochPlan(self.table, seed=self.seed, epoch=epoch, seq_len=self.seq_len,
-                                           window_parts=self.window_parts)
+            self._plans[epoch] = EpochPlan(
+                self.table, seed=self.seed, epoch=epoch, seq_len=self.seq_len, window_parts=self.window_parts
+            )
         return self._plans[epoch]
 
     def _build(self, epoch: int, row0: int) -> PackedBatch:
@@ -1001,8 +1130,9 @@ class Stream(torch.utils.data.IterableDataset):
             return
         cause = str(error).splitlines()[0] if str(error) else type(error).__name__
         where = f" (part {part})" if part else ""
-        raise DamagedDataError(f"cannot read sample {sample_id!r}{where} of {self._where}: {cause} "
-                               "(--on-error skip trains without it)") from error
+        raise DamagedDataError(
+            f"cannot read sample {sample_id!r}{where} of {self._where}: {cause} (--on-error skip trains without it)"
+        ) from error
 
 
 def _window_parts(part_bytes: np.ndarray, budget: int, *, where: str) -> int:
@@ -1012,14 +1142,17 @@ def _window_parts(part_bytes: np.ndarray, budget: int, *, where: str) -> int:
         return len(part_bytes)
     largest = int(part_bytes.max())
     if 2 * largest > budget:
-        raise StreamConfigError(f"memory budget {format_bytes(budget)} is smaller than two parts of {where} "
-                                f"({format_bytes(2 * largest)}: the part being read and the next); raise "
-                                f"--memory-budget to at least {format_bytes(2 * largest)}")
+        raise StreamConfigError(
+            f"memory budget {format_bytes(budget)} is smaller than two parts of {where} "
+            f"({format_bytes(2 * largest)}: the part being read and the next); raise "
+            f"--memory-budget to at least {format_bytes(2 * largest)}"
+        )
     return budget // (2 * largest)
 
 
-def _check_arguments(*, seq_len: int, micro_batch: int, rank: int, world_size: int, split: str, prefetch: int,
-                     on_error: str) -> None:
+def _check_arguments(
+    *, seq_len: int, micro_batch: int, rank: int, world_size: int, split: str, prefetch: int, on_error: str
+) -> None:
     if seq_len < 2:
         raise StreamConfigError(f"seq_len must be at least 2 (a token and the one it predicts), got {seq_len}")
     if micro_batch < 1:
@@ -1042,33 +1175,70 @@ def check_eval_fraction(eval_fraction: float) -> None:
 # -- building streams ---------------------------------------------------------------------------------------
 
 
-def store_stream(view: StoreVersion, *, teacher: str | None = None, sources: list | None = None, seq_len: int,
-                 micro_batch: int, rank: int, world_size: int, seed: int, split: str = "train",
-                 eval_fraction: float = 0.05, prefetch: int = 4, on_error: str = "raise",
-                 memory_budget: int | str | None = None, read_threads: int = READ_THREADS,
-                 train_on: str = "completion") -> Stream:
+def store_stream(
+    view: StoreVersion,
+    *,
+    teacher: str | None = None,
+    sources: list | None = None,
+    seq_len: int,
+    micro_batch: int,
+    rank: int,
+    world_size: int,
+    seed: int,
+    split: str = "train",
+    eval_fraction: float = 0.05,
+    prefetch: int = 4,
+    on_error: str = "raise",
+    memory_budget: int | str | None = None,
+    read_threads: int = READ_THREADS,
+    train_on: str = "completion",
+) -> Stream:
     """The stream of a store version: one teacher (`teacher`, or the version's only one), or several or
-    cross-tokenizer teachers (`sources`, `trainer/teachers.py`). `train_on` (chat data, `logitstore.chat`):
+    cross-tokenizer teachers (`sources`, `trainer/mixing.py`). `train_on` (chat data, `logitstore.chat`):
     supervise the completion only, or prompt+completion."""
     check_eval_fraction(eval_fraction)
     if split not in SPLITS:
         raise StreamConfigError(f"split must be one of {SPLITS}, got {split!r}")
     if sources is not None and (len(sources) > 1 or sources[0].cross):
-        from logitstore.trainer.teachers import MixedSource
+        from logitstore.trainer.mixing import MixedSource
 
         source = MixedSource(view, sources=sources, split=split, eval_fraction=eval_fraction, train_on=train_on)
     else:
         name = sources[0].name if sources else teacher
         source = StoreSource(view, teacher=name, split=split, eval_fraction=eval_fraction, train_on=train_on)
-    stream = Stream(source, seq_len=seq_len, micro_batch=micro_batch, rank=rank, world_size=world_size, seed=seed,
-                    split=split, prefetch=prefetch, on_error=on_error, memory_budget=memory_budget,
-                    read_threads=read_threads)
+    stream = Stream(
+        source,
+        seq_len=seq_len,
+        micro_batch=micro_batch,
+        rank=rank,
+        world_size=world_size,
+        seed=seed,
+        split=split,
+        prefetch=prefetch,
+        on_error=on_error,
+        memory_budget=memory_budget,
+        read_threads=read_threads,
+    )
     if sources is None and view.store.location.uri.split("://")[0] != "memory":
-        stream._recipe = {"uri": view.store.location.uri, "snapshot": view.snapshot_id,
-                          "kwargs": dict(teacher=teacher, seq_len=seq_len, micro_batch=micro_batch, rank=rank,
-                                         world_size=world_size, seed=seed, split=split, eval_fraction=eval_fraction,
-                                         prefetch=prefetch, on_error=on_error, memory_budget=memory_budget,
-                                         read_threads=read_threads, train_on=train_on)}
+        stream._recipe = {
+            "uri": view.store.location.uri,
+            "snapshot": view.snapshot_id,
+            "kwargs": dict(
+                teacher=teacher,
+                seq_len=seq_len,
+                micro_batch=micro_batch,
+                rank=rank,
+                world_size=world_size,
+                seed=seed,
+                split=split,
+                eval_fraction=eval_fraction,
+                prefetch=prefetch,
+                on_error=on_error,
+                memory_budget=memory_budget,
+                read_threads=read_threads,
+                train_on=train_on,
+            ),
+        }
     return stream
 
 

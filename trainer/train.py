@@ -33,7 +33,6 @@ from logitstore.trainer import checkpoint, run_folder
 from logitstore.trainer.config import EVAL_ONLY, TrainConfig, TrainConfigError
 from logitstore.trainer.objective import all_reduce_mean, batch_loss, held_out_metrics, student_outputs
 
-
 # -- launching -----------------------------------------------------------------------------------
 
 
@@ -80,7 +79,9 @@ def _spawn(cfg: TrainConfig, plan: run_folder.RunPlan) -> None:
 
 
 def _spawned(rank: int, cfg: TrainConfig, plan: run_folder.RunPlan, errors) -> None:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(cfg.student.nproc), LOCAL_WORLD_SIZE=str(cfg.student.nproc))
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(cfg.student.nproc), LOCAL_WORLD_SIZE=str(cfg.student.nproc)
+    )
     try:
         _run(cfg, plan)
     except LogitstoreError as e:  # to the parent, which prints it once, not once per rank
@@ -92,8 +93,14 @@ def _spawned(rank: int, cfg: TrainConfig, plan: run_folder.RunPlan, errors) -> N
 def _single_process_env():
     """A one-process group's environment, removed afterwards so a later launch in this process (a test,
     a notebook) is not mistaken for a torchrun worker."""
-    values = dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                  MASTER_PORT=str(_free_port()))
+    values = dict(
+        RANK="0",
+        LOCAL_RANK="0",
+        WORLD_SIZE="1",
+        LOCAL_WORLD_SIZE="1",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(_free_port()),
+    )
     saved = {k: os.environ.get(k) for k in values}
     os.environ.update(values)
     try:
@@ -164,17 +171,25 @@ def _train(cfg: TrainConfig, plan: run_folder.RunPlan, *, cuda: bool) -> dict:
 
     metrics_file = (out / "metrics.jsonl").open("a") if rank == 0 else None
     sinks = open_sinks(cfg.output.report_to, out=out) if rank == 0 else []  # --report-to, beside metrics.jsonl
-    header = {"event": "start", "store": cfg.data.store, "version": signal.version, "teacher": teacher,
-              "teachers": [{"name": s.name, "weight": s.weight, "student_tokenizer": s.student} for s in signal.sources],
-              "student": cfg.student.student, "nproc": world, "resumed_from": str(resumed_from) if resumed_from else None,
-              "signal": signal.kind, **signal.header()}
+    header = {
+        "event": "start",
+        "store": cfg.data.store,
+        "version": signal.version,
+        "teacher": teacher,
+        "teachers": [{"name": s.name, "weight": s.weight, "student_tokenizer": s.student} for s in signal.sources],
+        "student": cfg.student.student,
+        "nproc": world,
+        "resumed_from": str(resumed_from) if resumed_from else None,
+        "signal": signal.kind,
+        **signal.header(),
+    }
     _log(metrics_file, header)
     batches = iter(stream)
     record = run_folder.last_record(out, step=step) if resumed_from is not None else {}
     run_started = time.perf_counter()
     try:
         while step < cfg.schedule.steps:
-            lr = _lr_at(step, cfg)
+            lr = lr_at(step, cfg)
             for group in optimizer.param_groups:
                 group["lr"] = lr
             started = time.perf_counter()
@@ -182,24 +197,39 @@ def _train(cfg: TrainConfig, plan: run_folder.RunPlan, *, cuda: bool) -> dict:
             parts, tokens = _train_step(model, optimizer, batches, cfg, device)
             step += 1
             elapsed = time.perf_counter() - started
-            record = {"step": step, **parts, "lr": lr, "tokens": tokens,
-                      "tokens_per_second": tokens / elapsed, "data_wait_seconds": stream.wait_seconds - wait_before,
-                      "skipped_samples": getattr(stream, "skipped_samples", 0), "version": signal.version,
-                      "signal": signal.kind}
+            record = {
+                "step": step,
+                **parts,
+                "lr": lr,
+                "tokens": tokens,
+                "tokens_per_second": tokens / elapsed,
+                "data_wait_seconds": stream.wait_seconds - wait_before,
+                "skipped_samples": getattr(stream, "skipped_samples", 0),
+                "version": signal.version,
+                "signal": signal.kind,
+            }
             if cfg.schedule.eval_every and step % cfg.schedule.eval_every == 0:
                 record.update(evaluate(model, signal, cfg=cfg, device=device))
             elif step == cfg.schedule.steps:  # every run ends with a held-out KL, if its split can give one
                 record.update(_final_evaluation(model, signal, cfg=cfg, device=device, rank=rank))
-            record["eta_seconds"] = (time.perf_counter() - run_started) / (step - resumed_step) * (cfg.schedule.steps - step)
+            record["eta_seconds"] = (
+                (time.perf_counter() - run_started) / (step - resumed_step) * (cfg.schedule.steps - step)
+            )
             _log(metrics_file, record, echo=step % cfg.schedule.log_every == 0 or step == cfg.schedule.steps)
             for sink in sinks:
                 sink.write(record)
-            if cfg.schedule.checkpoint_every and step % cfg.schedule.checkpoint_every == 0 and step < cfg.schedule.steps:
-                checkpoint.save(out, step=step, model=model, optimizer=optimizer,
-                                train_state=_train_state(step, stream, signal))
+            if (
+                cfg.schedule.checkpoint_every
+                and step % cfg.schedule.checkpoint_every == 0
+                and step < cfg.schedule.steps
+            ):
+                checkpoint.save(
+                    out, step=step, model=model, optimizer=optimizer, train_state=_train_state(step, stream, signal)
+                )
         if step > resumed_step:  # a resumed run at or past --steps holds its last checkpoint already
-            checkpoint.save(out, step=step, model=model, optimizer=optimizer,
-                            train_state=_train_state(step, stream, signal))
+            checkpoint.save(
+                out, step=step, model=model, optimizer=optimizer, train_state=_train_state(step, stream, signal)
+            )
         if rank == 0:
             (out / "final_metrics.json").write_text(json.dumps(record))
             from logitstore.trainer.plots import plot_metrics
@@ -230,7 +260,9 @@ def _train_step(model, optimizer, batches, cfg: TrainConfig, device) -> tuple[di
         for k, v in parts.items():
             sums[k] = sums.get(k, 0.0) + v / cfg.optim.grad_accum
         tokens += batch.n_tokens
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf"))
+    grad_norm = torch.nn.utils.clip_grad_norm_(
+        model.parameters(), cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
+    )
     grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
     optimizer.step()
     reduced = all_reduce_mean({**sums, "tokens": float(tokens)})
@@ -242,13 +274,17 @@ def _train_step(model, optimizer, batches, cfg: TrainConfig, device) -> tuple[di
 
 
 def plan_sources(view, cfg: TrainConfig):
-    """The run's teacher sources and the student's vocabulary (see `trainer/teachers.py`)."""
+    """The run's teacher sources and the student's vocabulary (see `trainer/mixing.py`)."""
+    from logitstore.trainer.mixing import resolve_sources, student_vocabulary
     from logitstore.trainer.model import student_tokenizer_hash
-    from logitstore.trainer.teachers import resolve_sources, student_vocabulary
 
     weights = cfg.data.teacher_weights or {view.teacher_name(cfg.data.teacher): 1.0}
-    vocab = student_vocabulary(view, teachers=list(weights), student_tokenizer=cfg.data.student_tokenizer,
-                               student_hash=student_tokenizer_hash(cfg.student.student))
+    vocab = student_vocabulary(
+        view,
+        teachers=list(weights),
+        student_tokenizer=cfg.data.student_tokenizer,
+        student_hash=student_tokenizer_hash(cfg.student.student),
+    )
     sources = resolve_sources(view, weights=weights, vocab=vocab)
     if any(s.cross for s in sources) and (cfg.loss.kind != "forward_kl" or cfg.loss.temperature != 1):
         raise TrainConfigError("a cross-tokenizer teacher supports --loss forward_kl at --kd-temperature 1 only")
@@ -299,15 +335,21 @@ class LiveSignal:
     def __init__(self, cfg: TrainConfig):
         from logitstore.pipelines.teacher import describe_teacher
         from logitstore.trainer.live import plan_live_samples
+        from logitstore.trainer.mixing import Source
         from logitstore.trainer.model import student_tokenizer_hash
-        from logitstore.trainer.teachers import Source
 
         self.samples = plan_live_samples(cfg.live)
         student_hash = student_tokenizer_hash(cfg.student.student)
         if student_hash is not None and student_hash != describe_teacher(cfg.live.teacher).tokenizer_hash:
-            raise TrainConfigError("--live-teacher: the student's tokenizer differs from the teacher's; live mode "
-                                   "needs the same tokenizer (cross-tokenizer students train from a store)")
-        self.teacher, self.version, self.vocab_size = self.samples.teacher_name, self.samples.fingerprint, self.samples.vocab_size
+            raise TrainConfigError(
+                "--live-teacher: the student's tokenizer differs from the teacher's; live mode "
+                "needs the same tokenizer (cross-tokenizer students train from a store)"
+            )
+        self.teacher, self.version, self.vocab_size = (
+            self.samples.teacher_name,
+            self.samples.fingerprint,
+            self.samples.vocab_size,
+        )
         self.snapshot = None  # no store: nothing to pin
         self.sources = [Source(self.teacher, 1.0, None)]
         self.client = None
@@ -325,8 +367,17 @@ class LiveSignal:
     def stream(self, cfg: TrainConfig, *, rank: int, world_size: int, split: str):
         from logitstore.trainer.live import live_stream
 
-        return live_stream(self.samples, self.client, seq_len=cfg.data.seq_len, micro_batch=cfg.data.micro_batch, rank=rank,
-                           world_size=world_size, seed=cfg.student.seed, split=split, eval_fraction=cfg.data.eval_fraction)
+        return live_stream(
+            self.samples,
+            self.client,
+            seq_len=cfg.data.seq_len,
+            micro_batch=cfg.data.micro_batch,
+            rank=rank,
+            world_size=world_size,
+            seed=cfg.student.seed,
+            split=split,
+            eval_fraction=cfg.data.eval_fraction,
+        )
 
     def tokenizer(self):
         return self.samples.tokenizer.backend_tokenizer
@@ -340,12 +391,23 @@ def make_stream(view, sources, *, cfg: TrainConfig, rank: int, world_size: int, 
     """The stream engine over the store: one teacher, or several or cross-tokenizer teachers."""
     from logitstore.trainer.stream import store_stream
 
-    return store_stream(view, sources=sources, seq_len=cfg.data.seq_len, micro_batch=cfg.data.micro_batch, rank=rank,
-                        world_size=world_size, seed=cfg.student.seed, split=split, eval_fraction=cfg.data.eval_fraction,
-                        on_error=cfg.data.on_error, memory_budget=cfg.data.memory_budget, train_on=cfg.data.train_on)
+    return store_stream(
+        view,
+        sources=sources,
+        seq_len=cfg.data.seq_len,
+        micro_batch=cfg.data.micro_batch,
+        rank=rank,
+        world_size=world_size,
+        seed=cfg.student.seed,
+        split=split,
+        eval_fraction=cfg.data.eval_fraction,
+        on_error=cfg.data.on_error,
+        memory_budget=cfg.data.memory_budget,
+        train_on=cfg.data.train_on,
+    )
 
 
-def _lr_at(step: int, cfg: TrainConfig) -> float:
+def lr_at(step: int, cfg: TrainConfig) -> float:
     """Linear warmup, then cosine to lr * min_lr_ratio at `cfg.schedule.steps`: a function of the step alone, so
     a resumed run follows the schedule of an uninterrupted run of the same --steps."""
     if step < cfg.optim.warmup_steps:
@@ -356,7 +418,12 @@ def _lr_at(step: int, cfg: TrainConfig) -> float:
 
 
 def _train_state(step: int, stream, signal) -> dict:
-    return {"step": step, "data": stream.state_dict(), "rng": torch.get_rng_state().tolist(), "snapshot": signal.snapshot}
+    return {
+        "step": step,
+        "data": stream.state_dict(),
+        "rng": torch.get_rng_state().tolist(),
+        "snapshot": signal.snapshot,
+    }
 
 
 def _log(metrics_file, record: dict, *, echo: bool = False) -> None:
@@ -367,9 +434,13 @@ def _log(metrics_file, record: dict, *, echo: bool = False) -> None:
     if echo and "step" in record:
         extra = f"  held-out KL {record['eval_kl']:.4f}" if "eval_kl" in record else ""
         eta = f"  ETA {record['eta_seconds'] / 60:.1f} min" if "eta_seconds" in record else ""
-        print(f"step {record['step']:>6}  loss {record['loss']:.4f}  kd {record['kd']:.4f}  lr {record['lr']:.2e}  "
-              f"grad {record['grad_norm']:.3f}  {record['tokens_per_second']:,.0f} tok/s  "
-              f"data wait {record['data_wait_seconds'] * 1000:.0f} ms{extra}{eta}", file=sys.stderr, flush=True)
+        print(
+            f"step {record['step']:>6}  loss {record['loss']:.4f}  kd {record['kd']:.4f}  lr {record['lr']:.2e}  "
+            f"grad {record['grad_norm']:.3f}  {record['tokens_per_second']:,.0f} tok/s  "
+            f"data wait {record['data_wait_seconds'] * 1000:.0f} ms{extra}{eta}",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def _final_evaluation(model, signal, *, cfg: TrainConfig, device, rank: int) -> dict:
@@ -394,8 +465,14 @@ def evaluate(model, signal, *, cfg: TrainConfig, device) -> dict:
     """The held-out split's metrics (`objective.held_out_metrics`) over at most `--eval-batches` batches."""
     stream = signal.stream(cfg, rank=dist.get_rank(), world_size=dist.get_world_size(), split="eval")
     try:
-        return held_out_metrics(model, stream, cfg.loss, device=device, limit=cfg.schedule.eval_batches,
-                                weights={s.name: s.weight for s in signal.sources})
+        return held_out_metrics(
+            model,
+            stream,
+            cfg.loss,
+            device=device,
+            limit=cfg.schedule.eval_batches,
+            weights={s.name: s.weight for s in signal.sources},
+        )
     finally:
         stream.close()
 
@@ -422,16 +499,35 @@ def _export_final(model, tokenizer, *, out: Path) -> None:
     dist.barrier()
 
 
-def run_eval(*, store: str, student: str, version: str | None = None, teacher: str | None = None,
-             seq_len: int = 256, micro_batch: int = 4, eval_fraction: float = 0.05, seed: int = 0,
-             train_on: str = "completion") -> dict:
+def run_eval(
+    *,
+    store: str,
+    student: str,
+    version: str | None = None,
+    teacher: str | None = None,
+    seq_len: int = 256,
+    micro_batch: int = 4,
+    eval_fraction: float = 0.05,
+    seed: int = 0,
+    train_on: str = "completion",
+) -> dict:
     """`logitstore eval`: a trained student's mean KL to the stored teacher and CE, on the held-out split
     (for a cross-tokenizer teacher: the KL over 1:1-aligned positions)."""
     from logitstore.trainer.model import build_student
 
-    cfg = TrainConfig.from_flags(store=store, out=EVAL_ONLY, student=student, teacher=teacher, seq_len=seq_len, micro_batch=micro_batch,
-                      eval_fraction=eval_fraction, eval_batches=1 << 30, seed=seed, version=version,
-                      train_on=train_on)
+    cfg = TrainConfig.from_flags(
+        store=store,
+        out=EVAL_ONLY,
+        student=student,
+        teacher=teacher,
+        seq_len=seq_len,
+        micro_batch=micro_batch,
+        eval_fraction=eval_fraction,
+        eval_batches=1 << 30,
+        seed=seed,
+        version=version,
+        train_on=train_on,
+    )
     signal = StoreSignal(cfg)
     model, _ = build_student(student, vocab_size=signal.vocab_size, seed=seed)
     with _single_process_env():

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -54,11 +54,18 @@ def is_out_of_memory(error: BaseException) -> bool:
     import torch
 
     return isinstance(error, torch.OutOfMemoryError) or (
-        isinstance(error, RuntimeError) and "out of memory" in str(error).lower())
+        isinstance(error, RuntimeError) and "out of memory" in str(error).lower()
+    )
 
 
-def halving_on_oom(run: Callable[..., SparseSamples], sample_ids: list[str], tokens: Sequence[np.ndarray],
-                   keep: list | None, *, on_oom: Callable[[], None] = lambda: None) -> SparseSamples:
+def halving_on_oom(
+    run: Callable[..., SparseSamples],
+    sample_ids: list[str],
+    tokens: Sequence[np.ndarray],
+    keep: list | None,
+    *,
+    on_oom: Callable[[], None] = lambda: None,
+) -> SparseSamples:
     """`run(sample_ids, tokens, keep)`; when it runs out of memory, `on_oom()` (free the cache) and the
     two halves of the batch are run apart, recursively. One sample that does not fit is an error."""
     try:
@@ -68,12 +75,18 @@ def halving_on_oom(run: Callable[..., SparseSamples], sample_ids: list[str], tok
             raise
     on_oom()
     if len(sample_ids) == 1:
-        raise EngineError(f"sample {sample_ids[0]!r} ({len(tokens[0])} tokens) does not fit in memory even alone; "
-                          "lower --max-length or --batch-tokens")
+        raise EngineError(
+            f"sample {sample_ids[0]!r} ({len(tokens[0])} tokens) does not fit in memory even alone; "
+            "lower --max-length or --batch-tokens"
+        )
     half = len(sample_ids) // 2
     halves = (None, None) if keep is None else (keep[:half], keep[half:])
-    return concat([halving_on_oom(run, sample_ids[:half], tokens[:half], halves[0], on_oom=on_oom),
-                   halving_on_oom(run, sample_ids[half:], tokens[half:], halves[1], on_oom=on_oom)])
+    return concat(
+        [
+            halving_on_oom(run, sample_ids[:half], tokens[:half], halves[0], on_oom=on_oom),
+            halving_on_oom(run, sample_ids[half:], tokens[half:], halves[1], on_oom=on_oom),
+        ]
+    )
 
 
 def token_budget_batches(sorted_lengths: np.ndarray, order: np.ndarray, *, budget: int):

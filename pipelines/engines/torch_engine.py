@@ -54,12 +54,14 @@ class Engine:
 
     def __init__(self, settings, *, lock: threading.Lock):
         self.settings, self.lock = settings, lock
-        self.teacher = load_teacher_once(settings.teacher_spec, resolved_device(settings.device),
-                                         self.resolved_dtype(settings))
+        self.teacher = load_teacher_once(
+            settings.teacher_spec, resolved_device(settings.device), self.resolved_dtype(settings)
+        )
         self.spec, self.vocab_size, self.device = self.teacher.spec, self.teacher.vocab_size, self.teacher.model.device
 
-    def compute(self, sample_ids: list[str], tokens: list[np.ndarray], *, seed: int, keep: list | None = None,
-                on_batch=None) -> SparseSamples:
+    def compute(
+        self, sample_ids: list[str], tokens: list[np.ndarray], *, seed: int, keep: list | None = None, on_batch=None
+    ) -> SparseSamples:
         """Longest samples first (the part's row order); `on_batch(tokens)` after every batch."""
         lengths = np.array([len(t) for t in tokens])
         order = np.argsort(-lengths, kind="stable")
@@ -69,13 +71,22 @@ class Engine:
         run = functools.partial(self._forward, generator=generator)
         parts = []
         for rows in token_budget_batches(lengths[order], order, budget=self.settings.batch_tokens):
-            parts.append(halving_on_oom(run, [sample_ids[i] for i in rows], [tokens[i] for i in rows],
-                                        None if keep is None else [keep[i] for i in rows], on_oom=_free_cache))
+            parts.append(
+                halving_on_oom(
+                    run,
+                    [sample_ids[i] for i in rows],
+                    [tokens[i] for i in rows],
+                    None if keep is None else [keep[i] for i in rows],
+                    on_oom=_free_cache,
+                )
+            )
             if on_batch is not None:
                 on_batch(int(lengths[rows].sum()))
         return concat(parts)
 
-    def _forward(self, sample_ids: list[str], tokens: list[np.ndarray], keep: list | None, *, generator) -> SparseSamples:
+    def _forward(
+        self, sample_ids: list[str], tokens: list[np.ndarray], keep: list | None, *, generator
+    ) -> SparseSamples:
         sparsity, model = self.settings.sparsity, self.teacher.model
         lengths = np.array([len(t) for t in tokens])
         ids = torch.zeros((len(tokens), lengths.max()), dtype=torch.long)
@@ -90,11 +101,13 @@ class Engine:
                 head_on[row, : len(k)] = torch.from_numpy(k.astype(bool))
         with self.lock:  # the teacher's share; selection below runs beside the next forward pass
             if sparsity.sampled:
-                batch = sampled_forward(model, ids, mask, n=sparsity.n, generator=generator,
-                                        temperature=sparsity.temperature, keep=head_on)
+                batch = sampled_forward(
+                    model, ids, mask, n=sparsity.n, generator=generator, temperature=sparsity.temperature, keep=head_on
+                )
             else:
-                batch = sparse_topk_forward(model, ids, mask, k=sparsity.k, temperature=sparsity.temperature,
-                                            keep=head_on)
+                batch = sparse_topk_forward(
+                    model, ids, mask, k=sparsity.k, temperature=sparsity.temperature, keep=head_on
+                )
         return to_samples(batch, sample_ids=sample_ids, lengths=lengths, input_ids=tokens, sparsity=sparsity)
 
 

@@ -64,9 +64,10 @@ import inspect
 import itertools
 import tempfile
 import threading
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from itertools import islice
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -74,8 +75,10 @@ from logitstore.errors import LogitstoreError
 from logitstore.pipelines.engines import halving_on_oom
 from logitstore.samples import SparseSamples, concat
 
-_INSTALL_HINT = ("--engine vllm needs vLLM: pip install 'logitstore[vllm]' (vLLM 0.11 to 0.33, a Linux machine "
-                 "with an NVIDIA GPU), or use --engine torch")
+_INSTALL_HINT = (
+    "--engine vllm needs vLLM: pip install 'logitstore[vllm]' (vLLM 0.11 to 0.33, a Linux machine "
+    "with an NVIDIA GPU), or use --engine torch"
+)
 
 
 class VllmEngineError(LogitstoreError):
@@ -127,8 +130,9 @@ def prompt_logprobs_to_sparse(
     }
 
 
-def flat_prompt_logprobs_to_sparse(prompt_token_ids: Sequence[int], flat, *, k: int,
-                                   vocab_size: int) -> dict[str, np.ndarray]:
+def flat_prompt_logprobs_to_sparse(
+    prompt_token_ids: Sequence[int], flat, *, k: int, vocab_size: int
+) -> dict[str, np.ndarray]:
     """`prompt_logprobs_to_sparse` for a `FlatLogprobs` (`flat_logprobs=True`), without a Python loop.
 
     Position t's span (entry t+1) is the prompt token t+1 with its vocabulary rank, then the top-K in
@@ -144,8 +148,10 @@ def flat_prompt_logprobs_to_sparse(prompt_token_ids: Sequence[int], flat, *, k: 
     _check_candidates(ends - starts - 1, k=k)
     if len(targets) and not np.array_equal(ids[starts], targets):
         t = int(np.flatnonzero(ids[starts] != targets)[0])
-        raise VllmEngineError(f"vLLM prompt logprobs entry {t + 1} does not start with the prompt token "
-                              f"{int(targets[t])}; prefix caching must be off and prompt_logprobs set")
+        raise VllmEngineError(
+            f"vLLM prompt logprobs entry {t + 1} does not start with the prompt token "
+            f"{int(targets[t])}; prefix caching must be off and prompt_logprobs set"
+        )
     take = starts[:, None] + 1 + np.arange(k)
     top_ids, top_lps = ids[take].reshape(-1, k), lps[take].reshape(-1, k)
     _check_ids(top_ids, vocab_size=vocab_size)
@@ -240,9 +246,7 @@ def _check_candidates(kept: np.ndarray, *, k: int) -> None:
 
 def _check_ids(flat_ids: np.ndarray, *, vocab_size: int) -> None:
     if flat_ids.size and not 0 <= flat_ids.min() <= flat_ids.max() < vocab_size:
-        raise VllmEngineError(
-            f"vLLM returned token ids outside [0, {vocab_size}); wrong vocab_size for this model?"
-        )
+        raise VllmEngineError(f"vLLM returned token ids outside [0, {vocab_size}); wrong vocab_size for this model?")
 
 
 def _top_k_per_row(flat_ids, flat_lps, rows, kept, *, k: int):
@@ -284,14 +288,27 @@ class VllmPlan:
     sampling: dict  # `vllm.SamplingParams(**sampling)`
 
 
-def plan_vllm(*, model: str, tokenizer: str | None, k: int, vocab_size: int, batch_tokens: int, max_length: int,
-              dtype: str, tensor_parallel: int, gpu_bytes: int, features: VllmFeatures = VllmFeatures()) -> VllmPlan:
+def plan_vllm(
+    *,
+    model: str,
+    tokenizer: str | None,
+    k: int,
+    vocab_size: int,
+    batch_tokens: int,
+    max_length: int,
+    dtype: str,
+    tensor_parallel: int,
+    gpu_bytes: int,
+    features: VllmFeatures = VllmFeatures(),
+) -> VllmPlan:
     """vLLM's engine and request arguments for a prompt-logprob build (module docstring: "Memory")."""
     per_token = vocab_size * PROMPT_LOGPROB_BYTES
     tokens = min(batch_tokens, int(LOGPROB_SHARE * gpu_bytes) // per_token)
     if tokens < 1:
-        raise VllmEngineError(f"a {vocab_size:,}-token vocabulary needs {per_token:,} bytes per token for prompt "
-                              f"log-probabilities; a GPU of {gpu_bytes:,} bytes cannot hold one step")
+        raise VllmEngineError(
+            f"a {vocab_size:,}-token vocabulary needs {per_token:,} bytes per token for prompt "
+            f"log-probabilities; a GPU of {gpu_bytes:,} bytes cannot hold one step"
+        )
     llm = {
         "model": model,
         "tokenizer": tokenizer,
@@ -321,8 +338,10 @@ def gguf_problem(*, vllm_version: str | None, plugin_installed: bool) -> str | N
         return None
     if vllm_version is not None and _version_tuple(vllm_version) < GGUF_PLUGIN_SINCE:
         return None  # GGUF still built in
-    return (f"a GGUF teacher on the vLLM engine needs the {GGUF_PLUGIN} package (pip install {GGUF_PLUGIN}; vLLM "
-            f"loads GGUF only through it from 0.24), or a Hugging Face folder teacher, or --engine torch")
+    return (
+        f"a GGUF teacher on the vLLM engine needs the {GGUF_PLUGIN} package (pip install {GGUF_PLUGIN}; vLLM "
+        f"loads GGUF only through it from 0.24), or a Hugging Face folder teacher, or --engine torch"
+    )
 
 
 def _version_tuple(version: str) -> tuple[int, ...]:
@@ -338,8 +357,9 @@ def vllm_features() -> VllmFeatures:
     from vllm import SamplingParams
     from vllm.engine.arg_utils import EngineArgs
 
-    return VllmFeatures(logprobs_mode=_accepts(EngineArgs, "logprobs_mode"),
-                        flat_logprobs=_accepts(SamplingParams, "flat_logprobs"))
+    return VllmFeatures(
+        logprobs_mode=_accepts(EngineArgs, "logprobs_mode"), flat_logprobs=_accepts(SamplingParams, "flat_logprobs")
+    )
 
 
 def _accepts(cls, name: str) -> bool:
@@ -364,15 +384,20 @@ class Engine:
     def check(cls, settings, spec) -> None:
         sparsity = settings.sparsity
         if sparsity.sampled:
-            raise VllmEngineError("--engine vllm cannot store --sample entries: vLLM returns the top-K prompt "
-                                  "log-probabilities only, not the whole distribution to draw from; use --top-k or "
-                                  "--top-p, or --engine torch")
+            raise VllmEngineError(
+                "--engine vllm cannot store --sample entries: vLLM returns the top-K prompt "
+                "log-probabilities only, not the whole distribution to draw from; use --top-k or "
+                "--top-p, or --engine torch"
+            )
         if sparsity.temperature != 1:
-            raise VllmEngineError("--engine vllm selects entries at --temperature 1 only (vLLM's prompt "
-                                  "log-probabilities have no temperature); use --engine torch")
+            raise VllmEngineError(
+                "--engine vllm selects entries at --temperature 1 only (vLLM's prompt "
+                "log-probabilities have no temperature); use --engine torch"
+            )
         if spec.gguf_file:
-            problem = gguf_problem(vllm_version=_installed_version("vllm"),
-                                   plugin_installed=_installed_version(GGUF_PLUGIN) is not None)
+            problem = gguf_problem(
+                vllm_version=_installed_version("vllm"), plugin_installed=_installed_version(GGUF_PLUGIN) is not None
+            )
             if problem:
                 raise VllmEngineError(problem)
         if _installed_version("vllm") is None:
@@ -380,10 +405,14 @@ class Engine:
         import torch
 
         if not torch.cuda.is_available():
-            raise VllmEngineError("--engine vllm needs an NVIDIA GPU; torch sees no CUDA device here (use --engine torch)")
+            raise VllmEngineError(
+                "--engine vllm needs an NVIDIA GPU; torch sees no CUDA device here (use --engine torch)"
+            )
         if settings.tensor_parallel > torch.cuda.device_count():
-            raise VllmEngineError(f"--tensor-parallel {settings.tensor_parallel} needs that many GPUs; "
-                                  f"{torch.cuda.device_count()} are visible")
+            raise VllmEngineError(
+                f"--tensor-parallel {settings.tensor_parallel} needs that many GPUs; "
+                f"{torch.cuda.device_count()} are visible"
+            )
 
     @classmethod
     def resolved_dtype(cls, settings) -> str:
@@ -411,18 +440,27 @@ class Engine:
         self._tokenizer_dir = tempfile.TemporaryDirectory(prefix="logitstore-tokenizer-")
         info.tokenizer.save_pretrained(self._tokenizer_dir.name)
         spec = settings.teacher_spec
-        plan = plan_vllm(model=str(spec.path / spec.gguf_file) if spec.gguf_file else str(spec.path),
-                         tokenizer=self._tokenizer_dir.name, k=settings.sparsity.k, vocab_size=info.vocab_size,
-                         batch_tokens=settings.batch_tokens, max_length=settings.max_length,
-                         dtype=self.resolved_dtype(settings), tensor_parallel=settings.tensor_parallel,
-                         gpu_bytes=torch.cuda.get_device_properties(0).total_memory, features=vllm_features())
+        plan = plan_vllm(
+            model=str(spec.path / spec.gguf_file) if spec.gguf_file else str(spec.path),
+            tokenizer=self._tokenizer_dir.name,
+            k=settings.sparsity.k,
+            vocab_size=info.vocab_size,
+            batch_tokens=settings.batch_tokens,
+            max_length=settings.max_length,
+            dtype=self.resolved_dtype(settings),
+            tensor_parallel=settings.tensor_parallel,
+            gpu_bytes=torch.cuda.get_device_properties(0).total_memory,
+            features=vllm_features(),
+        )
         self.teacher = VllmTeacher(plan, k=settings.sparsity.k)
         if self.teacher.vocab_size != self.vocab_size:
-            raise VllmEngineError(f"vLLM's model predicts {self.teacher.vocab_size} tokens, the teacher's config "
-                                  f"{self.vocab_size}")
+            raise VllmEngineError(
+                f"vLLM's model predicts {self.teacher.vocab_size} tokens, the teacher's config {self.vocab_size}"
+            )
 
-    def compute(self, sample_ids: list[str], tokens: list[np.ndarray], *, seed: int, keep: list | None = None,
-                on_batch=None) -> SparseSamples:
+    def compute(
+        self, sample_ids: list[str], tokens: list[np.ndarray], *, seed: int, keep: list | None = None, on_batch=None
+    ) -> SparseSamples:
         """Every position of every sample (vLLM schedules the batch itself; `keep` is applied by the worker)."""
         samples = halving_on_oom(self._run, list(sample_ids), list(tokens), None)
         if on_batch is not None:
@@ -432,7 +470,9 @@ class Engine:
     def _run(self, sample_ids: list[str], tokens: list[np.ndarray], keep) -> SparseSamples:
         with self.lock:
             rows = self.teacher.forward(tokens)
-        return concat([_row_samples(sid, t, row, self.settings.sparsity) for sid, t, row in zip(sample_ids, tokens, rows)])
+        return concat(
+            [_row_samples(sid, t, row, self.settings.sparsity) for sid, t, row in zip(sample_ids, tokens, rows)]
+        )
 
 
 def _row_samples(sample_id: str, tokens: np.ndarray, row: dict, sparsity) -> SparseSamples:
@@ -443,8 +483,9 @@ def _row_samples(sample_id: str, tokens: np.ndarray, row: dict, sparsity) -> Spa
     from logitstore.pipelines.teacher import SparseBatch
 
     batch = SparseBatch(**{name: torch.from_numpy(array[None]) for name, array in row.items()})
-    return to_samples(batch, sample_ids=[sample_id], lengths=np.array([len(tokens)]), input_ids=[tokens],
-                      sparsity=sparsity)
+    return to_samples(
+        batch, sample_ids=[sample_id], lengths=np.array([len(tokens)]), input_ids=[tokens], sparsity=sparsity
+    )
 
 
 def _installed_version(distribution: str) -> str | None:
@@ -482,8 +523,10 @@ class VllmTeacher:
         prompts = [self._tokens_prompt(prompt_token_ids=_row_ids(row)) for row in batch]
         # LLM.generate returns outputs in the order of the prompts.
         outputs = self._llm.generate(prompts, self._params, use_tqdm=False)
-        return [to_sparse(prompt["prompt_token_ids"], output.prompt_logprobs, k=self.k, vocab_size=self._vocab_size)
-                for prompt, output in zip(prompts, outputs, strict=True)]
+        return [
+            to_sparse(prompt["prompt_token_ids"], output.prompt_logprobs, k=self.k, vocab_size=self._vocab_size)
+            for prompt, output in zip(prompts, outputs, strict=True)
+        ]
 
 
 def _import_vllm():

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import csv
 import json
-import os
 import resource
 from pathlib import Path
 
@@ -17,8 +16,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from logitstore.errors import LogitstoreError
-from logitstore.pipelines import data as data_mod
-from logitstore.pipelines.data import (
+from logitstore.pipelines import inputs
+from logitstore.pipelines.inputs import (
     DataError,
     Document,
     read_documents,
@@ -97,9 +96,15 @@ def write_hf(path: Path, rows: list[dict]) -> Path:
     path.mkdir()
     write_arrow_stream(path / "data-00001-of-00002.arrow", rows[:3])
     write_arrow_stream(path / "data-00000-of-00002.arrow", rows[3:])
-    state = {"_data_files": [{"filename": "data-00001-of-00002.arrow"}, {"filename": "data-00000-of-00002.arrow"}],
-             "_fingerprint": "0", "_format_columns": None, "_format_kwargs": {}, "_format_type": None,
-             "_output_all_columns": False, "_split": None}
+    state = {
+        "_data_files": [{"filename": "data-00001-of-00002.arrow"}, {"filename": "data-00000-of-00002.arrow"}],
+        "_fingerprint": "0",
+        "_format_columns": None,
+        "_format_kwargs": {},
+        "_format_type": None,
+        "_output_all_columns": False,
+        "_split": None,
+    }
     (path / "state.json").write_text(json.dumps(state))
     (path / "dataset_info.json").write_text(json.dumps({"features": {}}))
     return path
@@ -168,7 +173,7 @@ def test_sample_corpus_is_the_default():
 
 def test_json_lines_across_chunks(tmp_path, monkeypatch):
     """Chunks of whole lines: the first fixes the types, later ones follow them."""
-    monkeypatch.setattr(data_mod, "_JSON_CHUNK_BYTES", 64)
+    monkeypatch.setattr(inputs, "_JSON_CHUNK_BYTES", 64)
     rows = [{"id": i, "text": f"document number {i} " * (i % 7 + 1)} for i in range(200)]
     path = write_jsonl(tmp_path / "d.jsonl", rows)
     docs = list(read_documents(path, id_column="id", batch_rows=3))
@@ -177,7 +182,7 @@ def test_json_lines_across_chunks(tmp_path, monkeypatch):
 
 def test_csv_row_longer_than_a_block(tmp_path, monkeypatch):
     """A row that does not fit pyarrow's block: the reader restarts with larger blocks, no row twice."""
-    monkeypatch.setattr(data_mod, "_CSV_BLOCK_BYTES", 256)
+    monkeypatch.setattr(inputs, "_CSV_BLOCK_BYTES", 256)
     rows = [{"id": str(i), "text": ("long\nrow " * 300 if i == 40 else f"row {i}")} for i in range(60)]
     path = write_csv(tmp_path / "d.csv", rows)
     docs = list(read_documents(path, id_column="id"))
@@ -201,7 +206,7 @@ def test_ids_column(tmp_path, name):
     docs = list(read_documents(path, ids_column="tok", batch_rows=2, id_column=""))
     assert [d.token_ids.tolist() for d in docs] == TOKENS
     assert all(d.token_ids.dtype == np.int64 and d.text is None for d in docs)
-    hashes = [data_mod.ids_hash(np.array(t)) for t in TOKENS]
+    hashes = [inputs.ids_hash(np.array(t)) for t in TOKENS]
     assert [d.source_hash for d in docs] == hashes
     assert [d.id for d in docs] == hashes  # no id column: the content hash
     # ids win over an explicitly given text column, which is then not read at all
@@ -284,8 +289,9 @@ def test_hf_state_naming_a_missing_file(tmp_path):
         read_documents(path)
 
 
-@pytest.mark.parametrize("bad, what", [(None, "null"), ("", "empty or whitespace-only"),
-                                        (" \n\t ", "empty or whitespace-only")])
+@pytest.mark.parametrize(
+    "bad, what", [(None, "null"), ("", "empty or whitespace-only"), (" \n\t ", "empty or whitespace-only")]
+)
 def test_bad_text_names_row_and_id(tmp_path, bad, what):
     rows = [{"id": "a", "text": "fine"}, {"id": "b", "text": "fine"}, {"id": "c", "text": bad}]
     path = write_jsonl(tmp_path / "d.jsonl", rows)
@@ -342,7 +348,7 @@ def test_invalid_utf8_parquet_binary(tmp_path):
     with raises(r"d\.parquet: row 1: column 'text' is not valid UTF-8"):
         list(read_documents(tmp_path / "d.parquet"))
     # valid UTF-8 in a binary column reads as text
-    pq.write_table(pa.table({"text": pa.array(["ok".encode()], pa.binary())}), tmp_path / "e.parquet")
+    pq.write_table(pa.table({"text": pa.array([b"ok"], pa.binary())}), tmp_path / "e.parquet")
     assert [d.text for d in read_documents(tmp_path / "e.parquet")] == ["ok"]
 
 
@@ -356,24 +362,30 @@ def test_invalid_utf8_arrow_string(tmp_path):
         list(read_documents(tmp_path / "d.arrow"))
 
 
-@pytest.mark.parametrize("tok, message", [
-    ([1, -2], r"row 1: ids column 'tok' holds a negative token id -2"),
-    ([1, 2.5], r"row 1: ids column 'tok' holds a non-integer token id 2\.5"),
-    ([1, None], r"row 1: ids column 'tok' holds a null token id"),
-    (None, r"row 1: ids column 'tok' is null"),
-    ([], r"row 1: ids column 'tok' is empty"),
-])
+@pytest.mark.parametrize(
+    "tok, message",
+    [
+        ([1, -2], r"row 1: ids column 'tok' holds a negative token id -2"),
+        ([1, 2.5], r"row 1: ids column 'tok' holds a non-integer token id 2\.5"),
+        ([1, None], r"row 1: ids column 'tok' holds a null token id"),
+        (None, r"row 1: ids column 'tok' is null"),
+        ([], r"row 1: ids column 'tok' is empty"),
+    ],
+)
 def test_bad_ids_jsonl(tmp_path, tok, message):
     path = write_jsonl(tmp_path / "d.jsonl", [{"tok": [3, 4]}, {"tok": tok}])
     with raises(rf"d\.jsonl: {message}"):
         list(read_documents(path, ids_column="tok"))
 
 
-@pytest.mark.parametrize("tok, message", [
-    ("1 x 3", r"row 1, document 'b': ids column 'tok' holds a non-integer token id in '1 x 3'"),
-    ("[1, -3]", r"row 1, document 'b': ids column 'tok' holds a negative token id -3"),
-    ("[]", r"row 1, document 'b': ids column 'tok' is empty"),
-])
+@pytest.mark.parametrize(
+    "tok, message",
+    [
+        ("1 x 3", r"row 1, document 'b': ids column 'tok' holds a non-integer token id in '1 x 3'"),
+        ("[1, -3]", r"row 1, document 'b': ids column 'tok' holds a negative token id -3"),
+        ("[]", r"row 1, document 'b': ids column 'tok' is empty"),
+    ],
+)
 def test_bad_ids_csv(tmp_path, tok, message):
     path = write_csv(tmp_path / "d.csv", [{"id": "a", "tok": "1 2"}, {"id": "b", "tok": tok}])
     with raises(rf"d\.csv: {message}"):
@@ -459,12 +471,16 @@ def test_jsonl_is_streamed(tmp_path):
     filler = "lorem ipsum dolor sit amet " * 36
     with open(path, "w") as f:
         for start in range(0, 50_000, 1_000):
-            f.write("".join(json.dumps({"id": f"d{i}", "text": f"{filler}{i}", "extra": i}) + "\n"
-                            for i in range(start, start + 1_000)))
+            f.write(
+                "".join(
+                    json.dumps({"id": f"d{i}", "text": f"{filler}{i}", "extra": i}) + "\n"
+                    for i in range(start, start + 1_000)
+                )
+            )
     size = path.stat().st_size
     assert size > 48_000_000
     base_rss, peak_rss, peak_arrow, count = _rss_bytes(), 0, 0, 0
-    for doc in read_documents(path, id_column="id"):
+    for doc in read_documents(path, id_column="id"):  # noqa: B007 (the last one is checked below)
         count += 1
         if count % 500 == 0:
             peak_arrow = max(peak_arrow, pa.total_allocated_bytes())
@@ -475,14 +491,16 @@ def test_jsonl_is_streamed(tmp_path):
 
 
 def test_an_id_column_is_used_automatically_and_check_input_says_so(tmp_path):
-    from logitstore.pipelines.data import check_input
+    from logitstore.pipelines.inputs import check_input
 
     path = tmp_path / "d.jsonl"
     path.write_text('{"id": "x-1", "text": "one"}\n{"id": "y-2", "text": "two"}\n')
     assert [d.id for d in read_documents(path)] == ["x-1", "y-2"]
     assert check_input(path) == "the input's 'id' column (found automatically)"
     hashed = [d.id for d in read_documents(path, id_column="")]  # "" asks for content hashes
-    assert hashed == [d.source_hash for d in read_documents(path)] and check_input(path, id_column="") == "content hashes"
+    assert (
+        hashed == [d.source_hash for d in read_documents(path)] and check_input(path, id_column="") == "content hashes"
+    )
     plain = tmp_path / "p.jsonl"
     plain.write_text('{"text": "one"}\n')
     assert check_input(plain) == "content hashes"

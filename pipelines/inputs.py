@@ -58,9 +58,14 @@ from logitstore.data import SAMPLE_CORPUS, default_input
 from logitstore.errors import LogitstoreError
 
 FORMATS: dict[str, str] = {
-    ".jsonl": "jsonl", ".json": "jsonl", ".ndjson": "jsonl",
-    ".parquet": "parquet", ".pq": "parquet",
-    ".arrow": "arrow", ".feather": "arrow", ".ipc": "arrow",
+    ".jsonl": "jsonl",
+    ".json": "jsonl",
+    ".ndjson": "jsonl",
+    ".parquet": "parquet",
+    ".pq": "parquet",
+    ".arrow": "arrow",
+    ".feather": "arrow",
+    ".ipc": "arrow",
     ".csv": "csv",
 }
 
@@ -115,8 +120,12 @@ class _Columns:
         """Column name -> the option that named it, for the columns to read. The automatic id column is
         read where a file has it (`_check_columns` drops it where not)."""
         id_option = _AUTOMATIC if self.id_automatic else "--id-column"
-        named = [(self.id, id_option), (self.text, "--text-column"), (self.ids, "--ids-column"),
-                 (self.chat, "--chat-column")]
+        named = [
+            (self.id, id_option),
+            (self.text, "--text-column"),
+            (self.ids, "--ids-column"),
+            (self.chat, "--chat-column"),
+        ]
         out: dict[str, str] = {}
         for column, option in named:
             if column is not None:
@@ -175,8 +184,11 @@ def dataset_source(data: str | None, *, split: str | None = None, config: str | 
         if split is not None or config is not None:
             raise DataError("--split and --data-config apply to a datasets name or folder given with --data")
         return None
-    named = (_DATASET_ID.fullmatch(data) and Path(data).suffix.lower() not in FORMATS
-             and not Path(data).expanduser().exists())
+    named = (
+        _DATASET_ID.fullmatch(data)
+        and Path(data).suffix.lower() not in FORMATS
+        and not Path(data).expanduser().exists()
+    )
     if split is None and config is None and not named:
         return data
     return HubDataset(name=data, config=config, split=split or "train")
@@ -193,8 +205,9 @@ def check_input(
     """Read the first rows of the first file, as `read_documents` will, and return where document ids
     come from ("the input's 'id' column", or "content hashes"). Raises `DataError` for a missing path,
     a missing column or bad first rows: what a build checks before it loads a model."""
-    columns = _effective_columns(data, text_column=text_column, id_column=id_column, ids_column=ids_column,
-                                 chat_column=chat_column)
+    columns = _effective_columns(
+        data, text_column=text_column, id_column=id_column, ids_column=ids_column, chat_column=chat_column
+    )
     _root, files = _resolve(data if data is not None else default_input(chat=bool(chat_column)))
     if not files:
         return "content hashes"
@@ -224,8 +237,9 @@ def read_documents(
     and for missing columns or bad rows while iterating."""
     if batch_rows < 1:
         raise ValueError(f"batch_rows must be >= 1, got {batch_rows}")
-    columns = _effective_columns(data, text_column=text_column, id_column=id_column, ids_column=ids_column,
-                                 chat_column=chat_column)
+    columns = _effective_columns(
+        data, text_column=text_column, id_column=id_column, ids_column=ids_column, chat_column=chat_column
+    )
     _root, files = _resolve(data if data is not None else default_input(chat=bool(chat_column)))
     return _iter_documents(files, columns, batch_rows)
 
@@ -321,8 +335,10 @@ def _effective_columns(data, *, text_column, id_column, ids_column, chat_column=
     """Resolve the column options: ids win over text; the sample corpus has an `id` column."""
     if chat_column:
         if ids_column:
-            raise DataError("--chat-column and --ids-column exclude each other: conversations are rendered "
-                            "with the teacher's chat template, so they cannot be pre-tokenized")
+            raise DataError(
+                "--chat-column and --ids-column exclude each other: conversations are rendered "
+                "with the teacher's chat template, so they cannot be pre-tokenized"
+            )
         return _Columns(text=None, ids=None, chat=chat_column, **_id_column(id_column))
     if ids_column:
         return _Columns(text=None, ids=ids_column, **_id_column(id_column))
@@ -382,8 +398,10 @@ def _is_hf_dataset(root: Path) -> bool:
             splits = [str(s) for s in json.loads((root / "dataset_dict.json").read_text())["splits"]]
         except (ValueError, KeyError, TypeError):
             splits = []
-        raise DataError(f"{root}: a Hugging Face DatasetDict (splits: {', '.join(splits)}); "
-                        f"give one split's folder, e.g. {root / (splits[0] if splits else 'train')}")
+        raise DataError(
+            f"{root}: a Hugging Face DatasetDict (splits: {', '.join(splits)}); "
+            f"give one split's folder, e.g. {root / (splits[0] if splits else 'train')}"
+        )
     return (root / "state.json").is_file() and (root / "dataset_info.json").is_file()
 
 
@@ -444,7 +462,7 @@ def _check_columns(path: Path, names: list[str], roles: dict[str, str], *, heade
 
 def _names(names: list[str], *, most: int = 8, width: int = 30) -> str:
     """Column names for a one-line message: a header row of text must not fill the screen."""
-    cut = [n if len(n) <= width else n[:width - 3] + "..." for n in names[:most]]
+    cut = [n if len(n) <= width else n[: width - 3] + "..." for n in names[:most]]
     more = f" and {len(names) - most} more" if len(names) > most else ""
     return ", ".join(repr(n) for n in cut) + more
 
@@ -492,13 +510,20 @@ def _csv_batches(path: Path, roles: dict[str, str]) -> Iterator[pa.RecordBatch]:
         return  # an empty file holds no documents
     _check_columns(path, header, roles, header_row=True)
     # Everything as strings: ids like "007" stay as written, and the ids column is parsed later.
-    convert = pa_csv.ConvertOptions(include_columns=list(roles), column_types={c: pa.string() for c in roles},
-                                    strings_can_be_null=False, quoted_strings_can_be_null=False)
+    convert = pa_csv.ConvertOptions(
+        include_columns=list(roles),
+        column_types={c: pa.string() for c in roles},
+        strings_can_be_null=False,
+        quoted_strings_can_be_null=False,
+    )
 
     def open_at(block_size: int) -> Iterator[pa.RecordBatch]:
-        reader = pa_csv.open_csv(path, read_options=pa_csv.ReadOptions(block_size=block_size),
-                                 parse_options=pa_csv.ParseOptions(newlines_in_values=True),
-                                 convert_options=convert)
+        reader = pa_csv.open_csv(
+            path,
+            read_options=pa_csv.ReadOptions(block_size=block_size),
+            parse_options=pa_csv.ParseOptions(newlines_in_values=True),
+            convert_options=convert,
+        )
         try:
             yield from reader
         finally:
@@ -562,8 +587,9 @@ def _datasets_batches(source: HubDataset, roles: dict[str, str]) -> Iterator[pa.
     try:
         import datasets
     except ImportError:
-        raise DataError(f"--data {source.name!r}: reading a datasets name needs the datasets package "
-                        "(pip install 'logitstore[hf]')") from None
+        raise DataError(
+            f"--data {source.name!r}: reading a datasets name needs the datasets package (pip install 'logitstore[hf]')"
+        ) from None
     try:
         stream = datasets.load_dataset(source.name, source.config, split=source.split, streaming=True)
         names = list(stream.features) if stream.features is not None else None
@@ -579,8 +605,13 @@ def _datasets_batches(source: HubDataset, roles: dict[str, str]) -> Iterator[pa.
         raise DataError(f"--data {source}: {detail}") from None
 
 
-_READERS = {"jsonl": _jsonl_batches, "csv": _csv_batches, "parquet": _parquet_batches, "arrow": _arrow_batches,
-            "datasets": _datasets_batches}
+_READERS = {
+    "jsonl": _jsonl_batches,
+    "csv": _csv_batches,
+    "parquet": _parquet_batches,
+    "arrow": _arrow_batches,
+    "datasets": _datasets_batches,
+}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -652,8 +683,12 @@ def _is_text_type(t: pa.DataType) -> bool:
 
 
 def _is_binary_type(t: pa.DataType) -> bool:
-    return (pa.types.is_binary(t) or pa.types.is_large_binary(t) or pa.types.is_binary_view(t)
-            or pa.types.is_fixed_size_binary(t))
+    return (
+        pa.types.is_binary(t)
+        or pa.types.is_large_binary(t)
+        or pa.types.is_binary_view(t)
+        or pa.types.is_fixed_size_binary(t)
+    )
 
 
 def _as_utf8(column: pa.Array, name: str) -> pa.Array:
@@ -695,8 +730,11 @@ def _id_values(column: pa.Array, name: str) -> list[str]:
     windowy = pc.match_substring_regex(values, pattern=WINDOW_SUFFIX)
     if pc.any(windowy).as_py():
         i = _first_true(windowy)
-        raise _BadRow(i, f"id column {name!r} holds {values[i].as_py()[:80]!r}, which ends like a window id "
-                         "('#w' and digits, reserved for the windows of long documents); rename it")
+        raise _BadRow(
+            i,
+            f"id column {name!r} holds {values[i].as_py()[:80]!r}, which ends like a window id "
+            "('#w' and digits, reserved for the windows of long documents); rename it",
+        )
     return values.to_pylist()
 
 

@@ -97,8 +97,9 @@ def parse_teacher_weights(values: list[str]) -> dict[str, float]:
     return out
 
 
-def student_vocabulary(view: StoreVersion, *, teachers: list[str], student_tokenizer: str | None,
-                       student_hash: str | None) -> StudentVocabulary:
+def student_vocabulary(
+    view: StoreVersion, *, teachers: list[str], student_tokenizer: str | None, student_hash: str | None
+) -> StudentVocabulary:
     """The student's tokenizer: its own (a model directory, `student_hash`), or for a fresh built-in
     student the store's `--student-tokenizer NAME`, or else the first teacher's."""
     if student_hash is not None:
@@ -109,8 +110,10 @@ def student_vocabulary(view: StoreVersion, *, teachers: list[str], student_token
             for st in meta.students:
                 if st["tokenizer_hash"] == student_hash:
                     return _registered(view, name, st)
-        raise TeacherSourceError("--student: its tokenizer is neither a teacher's nor one of the store's student "
-                                 f"tokenizers (teachers {', '.join(teachers)}); build with --student-tokenizer for it")
+        raise TeacherSourceError(
+            "--student: its tokenizer is neither a teacher's nor one of the store's student "
+            f"tokenizers (teachers {', '.join(teachers)}); build with --student-tokenizer for it"
+        )
     if student_tokenizer is None:
         meta = view.teachers[teachers[0]]
         return StudentVocabulary(meta.tokenizer_hash, meta.vocab_size, None)
@@ -119,8 +122,10 @@ def student_vocabulary(view: StoreVersion, *, teachers: list[str], student_token
             if st["name"] == student_tokenizer:
                 return _registered(view, name, st)
     known = sorted({st["name"] for n in teachers for st in view.teachers[n].students})
-    raise TeacherSourceError(f"--student-tokenizer {student_tokenizer!r}: no such student tokenizer in the store "
-                             f"(it has: {', '.join(known) or 'none'})")
+    raise TeacherSourceError(
+        f"--student-tokenizer {student_tokenizer!r}: no such student tokenizer in the store "
+        f"(it has: {', '.join(known) or 'none'})"
+    )
 
 
 def _registered(view: StoreVersion, teacher: str, st: dict) -> StudentVocabulary:
@@ -141,10 +146,13 @@ def resolve_sources(view: StoreVersion, *, weights: dict[str, float], vocab: Stu
         if not match:
             raise TeacherSourceError(
                 f"teacher {name!r} has another tokenizer than the student and no alignment to it (its student "
-                f"tokenizers: {', '.join(meta.student_names) or 'none'}); build with --student-tokenizer")
+                f"tokenizers: {', '.join(meta.student_names) or 'none'}); build with --student-tokenizer"
+            )
         if meta.sampled:
-            raise TeacherSourceError(f"teacher {name!r} is a sampled store: cross-tokenizer distillation needs "
-                                     "top-k or top-p entries (their probabilities, not draw counts)")
+            raise TeacherSourceError(
+                f"teacher {name!r} is a sampled store: cross-tokenizer distillation needs "
+                "top-k or top-p entries (their probabilities, not draw counts)"
+            )
         sources.append(Source(name, weight, match[0], vocab_map=view.vocab_map(name, match[0]).astype(np.int64)))
     return sources
 
@@ -168,8 +176,15 @@ class MixedSource:
     source, the parts of its own that hold those samples (one each when the teachers were built from
     the same data, as `build --teacher A --teacher B` does), and a cross source's student arrays."""
 
-    def __init__(self, view: StoreVersion, *, sources: list[Source], split: str, eval_fraction: float,
-                 train_on: str = "completion"):
+    def __init__(
+        self,
+        view: StoreVersion,
+        *,
+        sources: list[Source],
+        split: str,
+        eval_fraction: float,
+        train_on: str = "completion",
+    ):
         assert sources, "at least one source"
         self.view, self.sources, self.version = view, sources, view.snapshot_id
         for source in sources:
@@ -177,8 +192,10 @@ class MixedSource:
         # Chat data: the first source's loss mask (on the student's side) picks the supervised positions.
         self.completion_only = train_on == "completion" and view.teachers[sources[0].name].loss_mask is not None
         primary = TeacherRows.of(view, teacher=sources[0].name, split=split, eval_fraction=eval_fraction)
-        self._tables = [_source_table(view, s, split=split, eval_fraction=eval_fraction, primary_ids=primary.sample_ids)
-                        for s in sources]
+        self._tables = [
+            _source_table(view, s, split=split, eval_fraction=eval_fraction, primary_ids=primary.sample_ids)
+            for s in sources
+        ]
         # Pack by the student-side lengths of the first source's samples.
         lengths = self._tables[0].students["n_student_tokens"] if sources[0].cross else primary.n_tokens
         self.table = SplitTable(sample_ids=primary.sample_ids, n_tokens=lengths, part=primary.part, parts=primary.parts)
@@ -267,15 +284,19 @@ class MixedSource:
         for k in range(len(own_rows)):  # one step per sample: slicing only
             p0, p1 = pos_off[k], pos_off[k + 1]
             signal = _SampleSignal(
-                tokens=decoded.input_ids[tok_off[k]:tok_off[k + 1]],
+                tokens=decoded.input_ids[tok_off[k] : tok_off[k + 1]],
                 n_entries=decoded.n_entries[p0:p1].astype(np.int64),
-                entry_ids=decoded.entry_ids[ent_off[p0]:ent_off[p1]].astype(np.int64),
-                entry_logprobs=decoded.entry_logprobs[ent_off[p0]:ent_off[p1]],
-                tail=decoded.tail[p0:p1], target_logprobs=decoded.target_logprobs[p0:p1],
-                loss_mask=None if decoded.loss_mask is None else decoded.loss_mask[tok_off[k]:tok_off[k + 1]])
+                entry_ids=decoded.entry_ids[ent_off[p0] : ent_off[p1]].astype(np.int64),
+                entry_logprobs=decoded.entry_logprobs[ent_off[p0] : ent_off[p1]],
+                tail=decoded.tail[p0:p1],
+                target_logprobs=decoded.target_logprobs[p0:p1],
+                loss_mask=None if decoded.loss_mask is None else decoded.loss_mask[tok_off[k] : tok_off[k + 1]],
+            )
             if aligned is not None:
                 ids, groups, *mask = aligned[k]
-                signal = signal.through(groups, student_ids=ids, vocab_map=source.vocab_map, loss_mask=mask[0] if mask else None)
+                signal = signal.through(
+                    groups, student_ids=ids, vocab_map=source.vocab_map, loss_mask=mask[0] if mask else None
+                )
             out[int(primary_rows[k])] = signal
         return out, errors
 
@@ -289,14 +310,21 @@ class MixedSource:
             s0, n = cols["student_start"][row], cols["n_student_tokens"][row]
             g0, g = cols["group_start"][row], cols["n_groups"][row]
             if s0 + n > len(ids) or 4 * (g0 + g) > len(groups) or any(len(m) != len(ids) for m in mask):
-                raise DamagedDataError(f"the student tokens of sample {st.rows.sample_ids[row]!r} lie outside the "
-                                       "stored arrays")
-            out.append((ids[s0:s0 + n].astype(np.int64), groups[4 * g0:4 * (g0 + g)].astype(np.int64).reshape(-1, 4),
-                        *(m[s0:s0 + n] for m in mask)))
+                raise DamagedDataError(
+                    f"the student tokens of sample {st.rows.sample_ids[row]!r} lie outside the stored arrays"
+                )
+            out.append(
+                (
+                    ids[s0 : s0 + n].astype(np.int64),
+                    groups[4 * g0 : 4 * (g0 + g)].astype(np.int64).reshape(-1, 4),
+                    *(m[s0 : s0 + n] for m in mask),
+                )
+            )
         return out
 
-    def _assemble(self, pieces: Pieces, ok: np.ndarray, per_source: list[dict], *, micro_batch: int,
-                  seq_len: int) -> PackedBatch:
+    def _assemble(
+        self, pieces: Pieces, ok: np.ndarray, per_source: list[dict], *, micro_batch: int, seq_len: int
+    ) -> PackedBatch:
         B, L = micro_batch, seq_len
         lay = layout(pieces, ok, micro_batch=B, seq_len=L)
         flat, n, tokens, positions = lay.flat, lay.n, lay.tokens, lay.positions
@@ -304,10 +332,12 @@ class MixedSource:
         rows, starts = pieces.row[ok], pieces.a[ok]
         primary = per_source[0]
         if len(rows):
-            input_ids[tokens] = np.concatenate([primary[int(r)].tokens[a:a + m] for r, a, m in zip(rows, starts, n)])
+            input_ids[tokens] = np.concatenate([primary[int(r)].tokens[a : a + m] for r, a, m in zip(rows, starts, n)])
         first_position = np.concatenate([[0], np.cumsum(n - 1)])[:-1]
         # Weights renormalised per sample over the sources that have it.
-        present = np.array([[int(r) in src for r in rows] for src in per_source], dtype=bool).reshape(len(per_source), -1)
+        present = np.array([[int(r) in src for r in rows] for src in per_source], dtype=bool).reshape(
+            len(per_source), -1
+        )
         w = np.array([s.weight for s in self.sources])[:, None] * present
         w = w / np.maximum(w.sum(axis=0, keepdims=True), 1e-30)
         signals, coverage, chains_cut = [], [], 0
@@ -315,19 +345,32 @@ class MixedSource:
             pieces_i = [(k, src[int(r)]) for k, r in enumerate(rows) if present[i, k]]
             weight = np.zeros(len(positions), np.float32)
             for k, _ in pieces_i:
-                weight[first_position[k]:first_position[k] + n[k] - 1] = w[i, k]
+                weight[first_position[k] : first_position[k] + n[k] - 1] = w[i, k]
             if source.cross:
-                targets, cov, exact, cut = _aligned_targets(pieces_i, starts=starts, n=n, first_position=first_position,
-                                                            weight=weight, target_ids=input_ids[positions + 1])
+                targets, cov, exact, cut = _aligned_targets(
+                    pieces_i,
+                    starts=starts,
+                    n=n,
+                    first_position=first_position,
+                    weight=weight,
+                    target_ids=input_ids[positions + 1],
+                )
                 chains_cut += cut
             else:
-                targets, cov = _same_targets(pieces_i, starts=starts, n=n, first_position=first_position,
-                                             weight=weight, target_ids=input_ids[positions + 1], P=len(positions))
+                targets, cov = _same_targets(
+                    pieces_i,
+                    starts=starts,
+                    n=n,
+                    first_position=first_position,
+                    weight=weight,
+                    target_ids=input_ids[positions + 1],
+                    P=len(positions),
+                )
                 exact = cov
             signals.append((source.name, targets))
             coverage.append((cov, exact))
         if self.completion_only and len(rows):  # chat data: the positions whose next token is completion
-            mask = np.concatenate([primary[int(r)].loss_mask[a:a + m] for r, a, m in zip(rows, starts, n)])
+            mask = np.concatenate([primary[int(r)].loss_mask[a : a + m] for r, a, m in zip(rows, starts, n)])
             keep = supervised_positions(mask, n)
             signals = [(name, targets.only(torch.from_numpy(keep))) for name, targets in signals]
             positions, coverage = positions[keep], [(cov[keep], exact[keep]) for cov, exact in coverage]
@@ -343,12 +386,19 @@ class MixedSource:
         return PackedBatch(
             input_ids=torch.from_numpy(input_ids.reshape(B, L)),
             position_ids=torch.from_numpy(lay.position_ids.reshape(B, L)),
-            document_ids=torch.from_numpy(lay.document_ids.reshape(B, L)), positions=torch.from_numpy(positions),
-            entry_ids=empty_long, entry_logprobs=empty_float, entry_pos=empty_long, tail=empty_float,
-            target_ids=torch.from_numpy(input_ids[positions + 1]), target_logprobs=empty_float, entry_counts=None,
+            document_ids=torch.from_numpy(lay.document_ids.reshape(B, L)),
+            positions=torch.from_numpy(positions),
+            entry_ids=empty_long,
+            entry_logprobs=empty_float,
+            entry_pos=empty_long,
+            tail=empty_float,
+            target_ids=torch.from_numpy(input_ids[positions + 1]),
+            target_logprobs=empty_float,
+            entry_counts=None,
             n_tokens=int(n.sum()),
             segments=[(self.table.sample_ids[r], int(a), int(f), int(m)) for r, a, f, m in zip(rows, starts, flat, n)],
-            signals=signals, signal_counts=counts,
+            signals=signals,
+            signal_counts=counts,
         )
 
 
@@ -371,21 +421,31 @@ class _SampleSignal:
     chain_logprob: np.ndarray | None = None
     loss_mask: np.ndarray | None = None  # chat data: per student-side token, 1 in the completion
 
-    def through(self, groups: np.ndarray, *, student_ids: np.ndarray, vocab_map: np.ndarray,
-                loss_mask: np.ndarray | None = None) -> _SampleSignal:
+    def through(
+        self, groups: np.ndarray, *, student_ids: np.ndarray, vocab_map: np.ndarray, loss_mask: np.ndarray | None = None
+    ) -> _SampleSignal:
         t0, t1, s0, s1 = (groups[:, k] for k in range(4))
         usable = (t0 >= 1) & (s0 >= 1) & (t1 > t0) & (s1 > s0)  # a group with text before it on both sides
         one = usable & (t1 - t0 == 1) & (s1 - s0 == 1)
         chain = usable & ~one
         # Teacher log-probability of a chain: targets of positions t0-1 .. t1-2, by a prefix sum.
         prefix = np.concatenate([[0.0], np.cumsum(self.target_logprobs.astype(np.float64))])
-        mapped = np.where(self.entry_ids < len(vocab_map), vocab_map[np.minimum(self.entry_ids, len(vocab_map) - 1)], -1)
+        mapped = np.where(
+            self.entry_ids < len(vocab_map), vocab_map[np.minimum(self.entry_ids, len(vocab_map) - 1)], -1
+        )
         return _SampleSignal(
-            tokens=student_ids, n_entries=self.n_entries, entry_ids=mapped, entry_logprobs=self.entry_logprobs,
-            tail=self.tail, target_logprobs=self.target_logprobs,
-            exact_s=s0[one] - 1, exact_t=t0[one] - 1,
-            chain_s0=s0[chain] - 1, chain_s1=s1[chain] - 1,
-            chain_logprob=(prefix[t1[chain] - 1] - prefix[t0[chain] - 1]).astype(np.float32), loss_mask=loss_mask,
+            tokens=student_ids,
+            n_entries=self.n_entries,
+            entry_ids=mapped,
+            entry_logprobs=self.entry_logprobs,
+            tail=self.tail,
+            target_logprobs=self.target_logprobs,
+            exact_s=s0[one] - 1,
+            exact_t=t0[one] - 1,
+            chain_s0=s0[chain] - 1,
+            chain_s1=s1[chain] - 1,
+            chain_logprob=(prefix[t1[chain] - 1] - prefix[t0[chain] - 1]).astype(np.float32),
+            loss_mask=loss_mask,
         )
 
 
@@ -409,13 +469,19 @@ def _same_targets(pieces, *, starts, n, first_position, weight, target_ids, P):
         ids.append(e_ids)
         lps.append(e_lps)
         pos.append(np.repeat(np.arange(p0, p0 + m - 1), counts))
-        tail[p0:p0 + m - 1] = sig.tail[teacher_positions]
-        target_lp[p0:p0 + m - 1] = sig.target_logprobs[teacher_positions]
-        covered[p0:p0 + m - 1] = True
+        tail[p0 : p0 + m - 1] = sig.tail[teacher_positions]
+        target_lp[p0 : p0 + m - 1] = sig.target_logprobs[teacher_positions]
+        covered[p0 : p0 + m - 1] = True
     cat = lambda xs, dt: torch.from_numpy(np.concatenate(xs).astype(dt) if xs else np.zeros(0, dt))
-    targets = SparseTargets(entry_ids=cat(ids, np.int64), entry_logprobs=cat(lps, np.float32), entry_pos=cat(pos, np.int64),
-                            tail=torch.from_numpy(tail), target_ids=torch.from_numpy(target_ids),
-                            target_logprobs=torch.from_numpy(target_lp), weight=torch.from_numpy(weight))
+    targets = SparseTargets(
+        entry_ids=cat(ids, np.int64),
+        entry_logprobs=cat(lps, np.float32),
+        entry_pos=cat(pos, np.int64),
+        tail=torch.from_numpy(tail),
+        target_ids=torch.from_numpy(target_ids),
+        target_logprobs=torch.from_numpy(target_lp),
+        weight=torch.from_numpy(weight),
+    )
     return targets, covered & (weight > 0)
 
 
@@ -454,23 +520,33 @@ def _aligned_targets(pieces, *, starts, n, first_position, weight, target_ids):
     covered[chain_pos_a] = True
     t = lambda x: torch.from_numpy(x)
     targets = AlignedTargets(
-        target_ids=t(target_ids), exact_pos=t(exact_pos_a), entry_ids=t(cat(ids, np.int64)),
-        entry_logprobs=t(cat(lps, np.float32)), entry_pos=t(cat(entry_pos, np.int64)), tail=t(cat(tails, np.float32)),
-        chain_teacher_logprob=t(cat(chain_lp, np.float32)), chain_pos=t(chain_pos_a),
-        chain_group=t(cat(chain_group, np.int64)), weight=t(weight))
+        target_ids=t(target_ids),
+        exact_pos=t(exact_pos_a),
+        entry_ids=t(cat(ids, np.int64)),
+        entry_logprobs=t(cat(lps, np.float32)),
+        entry_pos=t(cat(entry_pos, np.int64)),
+        tail=t(cat(tails, np.float32)),
+        chain_teacher_logprob=t(cat(chain_lp, np.float32)),
+        chain_pos=t(chain_pos_a),
+        chain_group=t(cat(chain_group, np.int64)),
+        weight=t(weight),
+    )
     has_weight = weight > 0
     return targets, covered & has_weight, exact_cov & has_weight, cut
 
 
-def _source_table(view: StoreVersion, source: Source, *, split: str, eval_fraction: float,
-                  primary_ids: list[str]) -> _SourceTable:
+def _source_table(
+    view: StoreVersion, source: Source, *, split: str, eval_fraction: float, primary_ids: list[str]
+) -> _SourceTable:
     idx = split_index(view, teacher=source.name, split=split, eval_fraction=eval_fraction)
     table = TeacherRows.of(view, teacher=source.name, split=split, eval_fraction=eval_fraction)
     students = None
     if source.cross:
         k = view.teachers[source.name].student_names.index(source.student)
-        students = {c: pc.list_element(idx[c], k).to_numpy().astype(np.int64)
-                    for c in ("student_start", "n_student_tokens", "group_start", "n_groups")}
+        students = {
+            c: pc.list_element(idx[c], k).to_numpy().astype(np.int64)
+            for c in ("student_start", "n_student_tokens", "group_start", "n_groups")
+        }
     return _SourceTable(rows=table, row_of=match_rows(primary_ids, table.sample_ids), students=students)
 
 
