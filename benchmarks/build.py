@@ -38,7 +38,7 @@ from logitstore.pipelines import build as build_module
 from logitstore.pipelines import teacher as teacher_module
 from logitstore.pipelines.build import BuildConfig, BuildSummary, plan_units, run_build
 from logitstore.pipelines.engines import token_budget_batches
-from logitstore.pipelines.engines.torch_engine import load_teacher_once
+from logitstore.pipelines.engines.torch_engine import load_teacher_once, shared_teachers
 from logitstore.pipelines.teacher import SparseBatch, describe_teacher
 from logitstore.pipelines.workers import unit_seed
 from logitstore.sparsity import Sparsity
@@ -360,4 +360,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with shared_teachers():  # the benchmark's own forward passes and its builds use one load
+        main()

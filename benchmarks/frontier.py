@@ -49,7 +49,7 @@ import torch
 from logitstore import codec
 from logitstore.codec import CodecParams
 from logitstore.data import SAMPLE_CORPUS
-from logitstore.pipelines.engines.torch_engine import load_teacher_once
+from logitstore.pipelines.engines.torch_engine import load_teacher_once, shared_teachers
 from logitstore.pipelines.sparsify import to_samples
 from logitstore.pipelines.teacher import (
     SparseBatch,
@@ -403,6 +403,11 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> list[dict]:
+    with shared_teachers():  # the dense reference and every variant's build use one load
+        return _main(argv)
+
+
+def _main(argv=None) -> list[dict]:
     args = parse_args(argv)
     teacher = load_teacher_once(resolve_teacher(None), "cpu", "auto")
     info, vocab = describe_teacher(None), teacher.vocab_size

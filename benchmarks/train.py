@@ -35,7 +35,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from logitstore.data import SAMPLE_CORPUS
 from logitstore.pipelines.build import BuildConfig, run_build
-from logitstore.pipelines.engines.torch_engine import load_teacher_once
+from logitstore.pipelines.engines.torch_engine import load_teacher_once, shared_teachers
 from logitstore.store import Store
 from logitstore.trainer.losses import LossConfig
 from logitstore.trainer.model import build_student, shard
@@ -146,4 +146,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with shared_teachers():  # the benchmark's own forward passes and its builds use one load
+        main()

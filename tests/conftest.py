@@ -3,15 +3,25 @@ synthetic teacher outputs that are real log-softmax distributions."""
 
 from __future__ import annotations
 
-import os
 import uuid
 
 import numpy as np
 import pytest
 
+from logitstore.environment import environment
 from logitstore.samples import SparseSamples
 
 BACKENDS = ["local", "memory", "s3"]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def one_teacher_load():
+    """The tests' builds share the teacher they load (`torch_engine.shared_teachers`): the default teacher
+    takes ~20 s to load on 2 cores."""
+    from logitstore.pipelines.engines.torch_engine import shared_teachers
+
+    with shared_teachers():
+        yield
 
 
 @pytest.fixture(scope="session")
@@ -23,22 +33,13 @@ def s3_endpoint():
     server.start()
     host, port = server.get_host_and_port()
     endpoint = f"http://{host}:{port}"
-    saved = {
-        k: os.environ.get(k) for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_REGION", "AWS_ENDPOINT_URL")
-    }
-    os.environ.update(
-        AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_REGION="us-east-1", AWS_ENDPOINT_URL=endpoint
-    )
-    import boto3
+    credentials = dict(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_REGION="us-east-1")
+    with environment(**credentials, AWS_ENDPOINT_URL=endpoint):
+        import boto3
 
-    boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(Bucket="logitstore-test")
-    yield endpoint
+        boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(Bucket="logitstore-test")
+        yield endpoint
     server.stop()
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
 
 
 @pytest.fixture(params=BACKENDS)

@@ -14,7 +14,6 @@ already names rank and world size and the same code runs. CPU uses gloo, CUDA us
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
@@ -28,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
+from logitstore.environment import environment
 from logitstore.errors import LogitstoreError
 from logitstore.trainer import checkpoint, run_folder
 from logitstore.trainer.config import EVAL_ONLY, TrainConfig, TrainConfigError
@@ -48,7 +48,7 @@ def launch(cfg: TrainConfig) -> dict:
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # started by torchrun
         return _run(cfg, plan)
     if cfg.student.nproc == 1:
-        with _single_process_env():
+        with _one_process_group():
             return _run(cfg, plan)
     _spawn(cfg, plan)
     return json.loads((plan.out / "final_metrics.json").read_text())
@@ -68,10 +68,10 @@ def _spawn(cfg: TrainConfig, plan: run_folder.RunPlan) -> None:
     the command prints one line and exits with its code (the parent sees only an exit status)."""
     import torch.multiprocessing as mp
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
     errors = mp.get_context("spawn").SimpleQueue()
     try:
-        mp.start_processes(_spawned, args=(cfg, plan, errors), nprocs=cfg.student.nproc, start_method="spawn")
+        with environment(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port())):  # what the ranks inherit
+            mp.start_processes(_spawned, args=(cfg, plan, errors), nprocs=cfg.student.nproc, start_method="spawn")
     except mp.ProcessExitedException:
         if errors.empty():  # killed, or a bug whose traceback the rank printed
             raise
@@ -79,38 +79,20 @@ def _spawn(cfg: TrainConfig, plan: run_folder.RunPlan) -> None:
 
 
 def _spawned(rank: int, cfg: TrainConfig, plan: run_folder.RunPlan, errors) -> None:
-    os.environ.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(cfg.student.nproc), LOCAL_WORLD_SIZE=str(cfg.student.nproc)
-    )
+    world = str(cfg.student.nproc)
     try:
-        _run(cfg, plan)
+        with environment(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=world, LOCAL_WORLD_SIZE=world):
+            _run(cfg, plan)
     except LogitstoreError as e:  # to the parent, which prints it once, not once per rank
         errors.put(e)
         raise SystemExit(e.exit_code) from None
 
 
-@contextlib.contextmanager
-def _single_process_env():
-    """A one-process group's environment, removed afterwards so a later launch in this process (a test,
-    a notebook) is not mistaken for a torchrun worker."""
-    values = dict(
-        RANK="0",
-        LOCAL_RANK="0",
-        WORLD_SIZE="1",
-        LOCAL_WORLD_SIZE="1",
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(_free_port()),
-    )
-    saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+def _one_process_group():
+    """A one-process group's variables, removed afterwards so a later launch in this process (a test, a
+    notebook) is not mistaken for a torchrun worker."""
+    one = dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
+    return environment(**one, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
 
 
 def _free_port() -> int:
@@ -530,7 +512,7 @@ def run_eval(
     )
     signal = StoreSignal(cfg)
     model, _ = build_student(student, vocab_size=signal.vocab_size, seed=seed)
-    with _single_process_env():
+    with _one_process_group():
         dist.init_process_group("gloo")
         try:
             result = evaluate(model.eval(), signal, cfg=cfg, device=torch.device("cpu"))

@@ -8,6 +8,7 @@ halved and run again (`halving_on_oom`). Every sparsity is exact here, sampled d
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 
@@ -116,8 +117,35 @@ def _free_cache() -> None:
         torch.cuda.empty_cache()
 
 
-@functools.lru_cache(maxsize=1)
+# Inside `shared_teachers()`: the last teacher loaded, by (spec, device, dtype); None outside.
+_shared: dict | None = None
+
+
+@contextlib.contextmanager
+def shared_teachers():
+    """Builds and benchmarks inside this block share the teacher they load (teachers are read-only), so
+    repeated builds in one process (the tests, a notebook, a benchmark's variants) load it once. One
+    teacher at a time: it holds hundreds of MB to GBs. Outside the block every engine loads its own and
+    drops it with the engine; the tests run inside one (`tests/conftest.py`)."""
+    global _shared
+    outer = _shared
+    _shared = {} if outer is None else outer
+    try:
+        yield
+    finally:
+        _shared = outer
+
+
 def load_teacher_once(spec, device: str, dtype: str):
-    """Teachers are read-only: repeated builds in one process (tests, notebooks) share one load.
-    `dtype` "auto": `load_teacher`'s rule (bfloat16 on GPU, float32 on CPU)."""
-    return load_teacher(spec, device=device, dtype=None if dtype == "auto" else getattr(torch, dtype))
+    """The teacher, from `shared_teachers()`'s when it holds this one. `dtype` "auto": `load_teacher`'s
+    rule (bfloat16 on GPU, float32 on CPU)."""
+    if dtype == "auto":
+        dtype = "bfloat16" if device.startswith("cuda") else "float32"
+    key = (spec, device, dtype)
+    if _shared is not None and key in _shared:
+        return _shared[key]
+    teacher = load_teacher(spec, device=device, dtype=getattr(torch, dtype))
+    if _shared is not None:
+        _shared.clear()
+        _shared[key] = teacher
+    return teacher
