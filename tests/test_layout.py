@@ -4,7 +4,13 @@ resolve as `logitstore.*` subpackages."""
 from __future__ import annotations
 
 import ast
+import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).parents[1]
 PACKAGES = ("logitstore", "pipelines", "trainer", "cli", "benchmarks")
@@ -37,3 +43,41 @@ def test_the_top_level_folders_import_as_logitstore_subpackages():
         (logitstore.pipelines.engines, "pipelines/engines"),
     ]:
         assert Path(module.__file__).parent == ROOT / folder
+
+
+@pytest.mark.slow
+def test_a_non_editable_install_imports_every_subpackage(tmp_path):
+    # The editable install maps the folders by a path finder; a wheel must carry them as logitstore.*.
+    source = tmp_path / "source"
+    for name in ("logitstore", "pipelines", "trainer", "cli"):
+        shutil.copytree(ROOT / name, source / name, ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, source / name)
+    target = tmp_path / "site"
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--no-deps",
+            "--no-build-isolation",
+            "--target",
+            str(target),
+            str(source),
+        ],
+        check=True,
+    )
+    code = (
+        "import logitstore.trainer.train, logitstore.pipelines.engines.vllm_engine, logitstore.cli.app, "
+        "logitstore.data, pathlib\n"
+        "for m in (logitstore.trainer.train, logitstore.pipelines.engines.vllm_engine, logitstore.cli.app):\n"
+        "    print(pathlib.Path(m.__file__).parent)"
+    )
+    env = {**os.environ, "PYTHONPATH": str(target)}
+    printed = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, check=True
+    ).stdout.split()
+    assert printed == [str(target / "logitstore" / p) for p in ("trainer", "pipelines/engines", "cli")]
+    assert (target / "logitstore" / "data" / "sample_corpus.jsonl").is_file()
