@@ -6,7 +6,7 @@ at ~0.6M tokens/s whatever the storage. Here one part costs two concurrent round
 Zarr's event loop (the arrays' `zarr.json`, then every chunk or shard object whole) and a decode in the
 calling thread (Blosc and CRC32C release the GIL, so reader threads decode in parallel): ~4x less.
 
-What it reads: exactly the arrays logitstore writes (`store._write_array`): 1-D, little-endian, codecs
+What it reads: exactly the arrays logitstore writes (`writer.write_array`): 1-D, little-endian, codecs
 `bytes -> blosc -> crc32c`, sharded (`sharding_indexed`, index at the end, `bytes -> crc32c`) or not;
 for the log-probability arrays of format-2 teachers, the grid codec first (`zarr_codec.py`), whose
 uint16 codes it returns undecoded (logitstore's decoder takes codes).

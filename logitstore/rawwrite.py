@@ -7,7 +7,7 @@ which capped one process at ~190k tokens/s at sampled-16. Here a part costs its 
 chunks spread over a few threads: Blosc and CRC32C release the GIL) and two concurrent rounds of
 requests on Zarr's event loop: every metadata document, then every shard.
 
-What it writes: exactly what `store._write_array` writes through Zarr, object for object and byte for
+What it writes: exactly what `writer.write_array` writes through Zarr, object for object and byte for
 byte (`tests/test_store.py` compares the two): each array's zarr.json is made by Zarr itself (from a
 template array per layout, with the shape set), its shards are `sharding_indexed` with the index at
 the end (`bytes -> crc32c`) over inner chunks `bytes -> blosc -> crc32c`, the last chunk padded with
@@ -75,7 +75,7 @@ class PendingArrays:
 
 def encode_arrays(arrays: dict[str, tuple[np.ndarray, dict]]) -> PendingArrays:
     """Start compressing 1-D arrays, each given with the keyword arguments `zarr.create_array` would get
-    for it (shape, dtype, chunks, shards, compressors, fill_value: see `store._array_kwargs`)."""
+    for it (shape, dtype, chunks, shards, compressors, fill_value: see `writer.array_kwargs`)."""
     return PendingArrays(arrays)
 
 

@@ -252,7 +252,7 @@ def _objects(store, prefix: str) -> dict[str, bytes]:
 )
 def test_a_part_is_written_as_zarr_writes_it_byte_for_byte(tmp_path, case):
     """`PartWriter` writes its arrays without zarr-python's machinery (rawwrite.py): every object, every
-    byte and the stored size equal writing each array through Zarr (`_write_array`), the log-probability
+    byte and the stored size equal writing each array through Zarr (`write_array`), the log-probability
     arrays as float32 through the grid codec (or, for a teacher from before store format 2, as codes)."""
     import dataclasses
 
@@ -260,7 +260,7 @@ def test_a_part_is_written_as_zarr_writes_it_byte_for_byte(tmp_path, case):
     import zarr
 
     from logitstore.samples import StudentTokens, concat
-    from logitstore.store import StudentTokenizer, _write_array
+    from logitstore.store import StudentTokenizer, write_array
 
     samples = random_samples([f"d{i}" for i in range(12)], k=8)
     students, registered = None, []
@@ -312,13 +312,13 @@ def test_a_part_is_written_as_zarr_writes_it_byte_for_byte(tmp_path, case):
         )
         group = zarr.open_group(w.session.store, mode="r+")["teachers/teacher-a/parts"].create_group("by-zarr")
         stored = sum(
-            _write_array(group, name, values, grid=meta.grid if name in GRID_ARRAYS else None)
+            write_array(group, name, values, grid=meta.grid if name in GRID_ARRAYS else None)
             for name, values in enc.arrays().items()
         )
         for name, st in (students or {}).items():
             sub = group.require_group("students").create_group(name)
-            stored += _write_array(sub, "ids", st.ids.astype(np.int32))
-            stored += _write_array(sub, "groups", st.groups.astype(np.int32).reshape(-1))
+            stored += write_array(sub, "ids", st.ids.astype(np.int32))
+            stored += write_array(sub, "groups", st.groups.astype(np.int32).reshape(-1))
         group.attrs.update({"samples": len(samples), "tokens": int(samples.n_tokens.sum()), "stored_bytes": stored})
         ours = _objects(w.session.store, f"teachers/teacher-a/parts/{part}/")
         theirs = _objects(w.session.store, "teachers/teacher-a/parts/by-zarr/")

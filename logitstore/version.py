@@ -1,0 +1,256 @@
+"""Reading one version of a store: `StoreVersion` (index, teachers, samples, stored bytes), opened
+read-only from a snapshot by `Store.read`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+import pyarrow.compute as pc
+import zarr
+
+from logitstore import codec
+from logitstore.codec import EncodedSamples
+from logitstore.errors import (
+    LogitstoreError,
+    SampleNotFoundError,
+    VersionNotFoundError,
+)
+
+# 2: teachers registered since hold their log-probability arrays as float32 through the grid codec
+# (`zarr_codec.py`; `TeacherMeta.values`); format-1 teachers keep plain uint16 codes and read as before.
+from logitstore.meta import TeacherMeta, read_errors, root_attrs, storage_errors
+from logitstore.samples import SparseSamples
+from logitstore.zarr_codec import as_codes
+
+if TYPE_CHECKING:
+    from logitstore.store import Store
+
+
+class StoreVersion:
+    """A read-only view of one version: its index, its teachers, and decoded samples."""
+
+    def __init__(self, store: Store, snapshot_id: str):
+        self.store = store
+        self.snapshot_id = snapshot_id
+        with storage_errors(f"cannot read version {snapshot_id} of {store.location.uri}"):
+            store.repo.lookup_snapshot(snapshot_id)  # a damaged snapshot raises here; through zarr it would look empty
+            session = store.repo.readonly_session(snapshot_id=snapshot_id)
+            if "logitstore" not in root_attrs(session):
+                raise VersionNotFoundError(f"version {snapshot_id} predates the creation of store {store.location.uri}")
+            self.root = zarr.open_group(session.store, mode="r")
+            self.teachers = read_teachers(self.root)
+        self.index = store.read_index(snapshot_id)
+        self._rows: dict[tuple[str, str], int] | None = None
+        self._arrays: dict[tuple[str, str, str], zarr.Array] = {}
+        self._id_of_code: dict[str, np.ndarray] = {}
+
+    @property
+    def index_path(self) -> str | None:
+        key = self.store.index_key(self.snapshot_id)
+        return None if key is None else self.store.blobs.url(key)
+
+    def info(self) -> dict:
+        """Summary: the fields of `logitstore info --json`."""
+        idx = self.index
+        tokens = int(pc.sum(idx["n_tokens"]).as_py() or 0)
+        stored = self.stored_bytes()
+        teachers = []
+        for name, meta in sorted(self.teachers.items()):
+            rows = idx.filter(pc.equal(idx["teacher"], name))
+            teachers.append(
+                {
+                    "name": name,
+                    "vocab_size": meta.vocab_size,
+                    "sparsity": meta.sparsity,
+                    "sparsity_mode": meta.sparsity["mode"],
+                    "samples": rows.num_rows,
+                    "tokens": int(pc.sum(rows["n_tokens"]).as_py() or 0),
+                    "content_hash": meta.content_hash,
+                    "tokenizer_hash": meta.tokenizer_hash,
+                    "codec": meta.codec.to_json(),
+                    "student_tokenizers": [self.student_info(name, s) for s in meta.student_names],
+                    "engine": meta.engine,
+                    "dtype": meta.dtype,
+                    "engine_version": meta.engine_version,
+                }
+            )
+        return {
+            "samples": idx.num_rows,
+            "tokens": tokens,
+            "stored_bytes": stored,
+            "bytes_per_token": stored / tokens if tokens else None,
+            "teachers": teachers,
+            "version": self.snapshot_id,
+            "index_path": self.index_path,
+        }
+
+    def stored_bytes(self) -> int:
+        """Compressed bytes of the parts this version's index references (per-store metadata excluded)."""
+        parts = set(zip(self.index["teacher"].to_pylist(), self.index["part"].to_pylist()))
+        return sum(int(self.part_group(t, p).attrs["stored_bytes"]) for t, p in parts)
+
+    def teacher_name(self, teacher: str | None) -> str:
+        if teacher is not None:
+            if teacher not in self.teachers:
+                raise LogitstoreError(
+                    f"this version has no teacher {teacher!r} (teachers: {', '.join(sorted(self.teachers)) or 'none'})"
+                )
+            return teacher
+        if len(self.teachers) == 1:
+            return next(iter(self.teachers))
+        if not self.teachers:
+            raise SampleNotFoundError("this version holds no samples")
+        raise LogitstoreError(
+            f"this version has several teachers ({', '.join(sorted(self.teachers))}); name one with --teacher"
+        )
+
+    def row_of(self, sample_id: str, *, teacher: str | None = None) -> int:
+        teacher = self.teacher_name(teacher)
+        if self._rows is None:
+            keys = zip(self.index["teacher"].to_pylist(), self.index["sample_id"].to_pylist())
+            self._rows = {k: i for i, k in enumerate(keys)}
+        row = self._rows.get((teacher, sample_id))
+        if row is None:
+            raise SampleNotFoundError(f"no sample {sample_id!r} for teacher {teacher!r} in version {self.snapshot_id}")
+        return row
+
+    def sample(self, sample_id: str, *, teacher: str | None = None) -> SparseSamples:
+        return self.decode_row(self.row_of(sample_id, teacher=teacher))
+
+    def decode_row(self, row: int) -> SparseSamples:
+        r = self.index.slice(row, 1).to_pylist()[0]
+        meta = self.teachers[r["teacher"]]
+        enc = self.encoded_row(r)
+        out = codec.decode(
+            enc, params=meta.codec, id_of_code=self.id_of_code(r["teacher"]), n_tokens=np.array([r["n_tokens"]])
+        )
+        out.sample_ids = [r["sample_id"]]
+        return out
+
+    def encoded_row(self, r: dict) -> EncodedSamples:
+        """The stored integer arrays of one index row (a dict from `index.to_pylist()`)."""
+        t, p = r["teacher"], r["part"]
+        params = self.teachers[t].codec
+        with read_errors(f"sample {r['sample_id']!r} of teacher {t!r} (part {p})"):
+            names = [n for n in ENCODED_ARRAYS if n in self.part_group(t, p)]
+            return slice_row(r, lambda name, rows: as_codes(self.array(t, p, name)[rows], params), names=names)
+
+    def part_group(self, teacher: str, part: str) -> zarr.Group:
+        return self.root[f"teachers/{teacher}/parts/{part}"]
+
+    def array(self, teacher: str, part: str, name: str) -> zarr.Array:
+        key = (teacher, part, name)
+        if key not in self._arrays:
+            self._arrays[key] = self.root[f"teachers/{teacher}/parts/{part}/{name}"]
+        return self._arrays[key]
+
+    def id_of_code(self, teacher: str) -> np.ndarray:
+        if teacher not in self._id_of_code:
+            with read_errors(f"the id order of teacher {teacher!r} (teachers/{teacher}/code_of_id)"):
+                group = self.root[f"teachers/{teacher}"]
+                codes = group["code_of_id"][:] if "code_of_id" in group else None
+            if codes is not None:
+                self._id_of_code[teacher] = codec.invert_permutation(codes)
+            else:
+                self._id_of_code[teacher] = codec.identity_order(self.teachers[teacher].vocab_size)
+        return self._id_of_code[teacher]
+
+    # -- student tokenizers (cross-tokenizer distillation) -------------------------------------------
+
+    def student_group(self, teacher: str, student: str) -> zarr.Group:
+        teacher = self.teacher_name(teacher)
+        names = self.teachers[teacher].student_names
+        if student not in names:
+            raise LogitstoreError(
+                f"teacher {teacher!r} has no student tokenizer {student!r} "
+                f"(it has: {', '.join(names) or 'none'}; see build --student-tokenizer)"
+            )
+        return self.root[f"teachers/{teacher}/students/{student}"]
+
+    def student_info(self, teacher: str, student: str) -> dict:
+        """name, tokenizer_hash, vocab_size, mapped_ids, and `mapped_mass`: the mean share of the
+        teacher's probability per position on tokens with an exact student counterpart (its stored
+        entries only: the tail counts as unmapped), estimated on `mapped_mass_positions` positions."""
+        return dict(self.student_group(teacher, student).attrs["logitstore_student"])
+
+    def vocab_map(self, teacher: str, student: str) -> np.ndarray:
+        group = self.student_group(teacher, student)
+        with read_errors(f"the vocabulary map of student tokenizer {student!r} ({group.path}/vocab_map)"):
+            return group["vocab_map"][:]
+
+    def student_tokenizer(self, teacher: str, student: str):
+        from tokenizers import Tokenizer
+
+        group = self.student_group(teacher, student)
+        return Tokenizer.from_str(_read_text(group, "tokenizer", what=f"student tokenizer {student!r}"))
+
+    def student_tokens(self, sample_id: str, *, teacher: str | None, student: str) -> tuple[np.ndarray, np.ndarray]:
+        """(student ids [n], alignment groups [g, 4]) of one sample."""
+        teacher = self.teacher_name(teacher)
+        self.student_group(teacher, student)  # refuses an unknown name with a clear message
+        k = self.teachers[teacher].student_names.index(student)
+        r = self.index.slice(self.row_of(sample_id, teacher=teacher), 1).to_pylist()[0]
+        base = f"teachers/{teacher}/parts/{r['part']}/students/{student}"
+        with read_errors(f"student tokens of sample {sample_id!r} ({base})"):
+            s0, n = r["student_start"][k], r["n_student_tokens"][k]
+            g0, g = r["group_start"][k], r["n_groups"][k]
+            ids = self.root[f"{base}/ids"][s0 : s0 + n]
+            groups = self.root[f"{base}/groups"][4 * g0 : 4 * (g0 + g)].reshape(-1, 4)
+        return ids.astype(np.int64), groups.astype(np.int64)
+
+    def tokenizer(self, teacher: str | None = None):
+        """The teacher's `tokenizers.Tokenizer` if the store keeps one, else None."""
+        name = self.teacher_name(teacher)
+        group = self.root[f"teachers/{name}"]
+        if "tokenizer" not in group:
+            return None
+        from tokenizers import Tokenizer
+
+        return Tokenizer.from_str(_read_text(group, "tokenizer", what=f"the tokenizer of teacher {name!r}"))
+
+
+def _read_text(group: zarr.Group, name: str, *, what: str) -> str:
+    """A stored UTF-8 document (a tokenizer.json), as text."""
+    with read_errors(f"{what} ({group.path}/{name})"):
+        data = bytes(group[name][:])
+        return data.decode("utf-8")
+
+
+ENCODED_ARRAYS = (
+    "input_ids",
+    "n_entries",
+    "entry_codes",
+    "entry_logprobs",
+    "tail",
+    "target_logprobs",
+    "entry_counts",
+    "loss_mask",
+)
+_ROW_AXIS = {
+    "input_ids": "token",
+    "loss_mask": "token",
+    "n_entries": "position",
+    "tail": "position",
+    "target_logprobs": "position",
+    "entry_codes": "entry",
+    "entry_logprobs": "entry",
+    "entry_counts": "entry",
+}
+
+
+def slice_row(row: dict, read, *, names) -> EncodedSamples:
+    """One sample's `EncodedSamples`, with `read(name, slice)` fetching rows of a part's array."""
+    rows = {
+        "token": slice(row["token_start"], row["token_start"] + row["n_tokens"]),
+        "position": slice(row["position_start"], row["position_start"] + row["n_tokens"] - 1),
+        "entry": slice(row["entry_start"], row["entry_start"] + row["n_entries"]),
+    }
+    return EncodedSamples(**{name: read(name, rows[_ROW_AXIS[name]]) for name in names})
+
+
+def read_teachers(root: zarr.Group) -> dict[str, TeacherMeta]:
+    if "teachers" not in root:
+        return {}
+    return {name: TeacherMeta.from_json(g.attrs["logitstore_teacher"]) for name, g in root["teachers"].groups()}

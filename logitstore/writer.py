@@ -1,0 +1,475 @@
+"""Writing a store: `StoreWriter` (one transaction on a branch: teachers, parts, merges, the commit
+with its index) and `PartWriter` (one part's arrays, written as Zarr writes them; `rawwrite.py`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import secrets
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import icechunk
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import zarr
+from zarr.codecs import BloscCodec, Crc32cCodec
+
+from logitstore import codec, index, rawwrite
+from logitstore.bounded import (
+    bounded_store,
+)
+from logitstore.codec import CodecParams
+from logitstore.errors import (
+    ConflictError,
+    DuplicateSampleError,
+    IncompatibleStoreError,
+    InvalidSampleError,
+    LogitstoreError,
+)
+from logitstore.location import commit_lock
+
+# 2: teachers registered since hold their log-probability arrays as float32 through the grid codec
+# (`zarr_codec.py`; `TeacherMeta.values`); format-1 teachers keep plain uint16 codes and read as before.
+from logitstore.meta import (
+    BLOSC_LEVEL,
+    CHUNK_BYTES,
+    CHUNKS_PER_SHARD,
+    FORMAT_VERSION,
+    WRITER,
+    StudentTokenizer,
+    TeacherMeta,
+    mismatch_message,
+    now,
+    read_errors,
+    storage_errors,
+)
+from logitstore.samples import SparseSamples, StudentTokens
+from logitstore.version import read_teachers
+from logitstore.zarr_codec import GRID_ARRAYS, LogprobGrid
+
+if TYPE_CHECKING:
+    from logitstore.store import Store
+
+
+class StoreWriter:
+    """One transaction on a branch. Nothing is visible until `commit`; leaving the `with` block
+    without committing (or crashing) discards everything written.
+
+    `on_duplicate` decides what happens to a sample id the branch already holds for that teacher:
+    "error" (default) refuses the write, "replace" makes the new sample win, "skip" keeps the old one
+    and drops the new (what a resumed build wants).
+    """
+
+    def __init__(self, store: Store, *, branch: str, on_duplicate: str):
+        if on_duplicate not in ("error", "replace", "skip"):
+            raise ValueError(f"on_duplicate must be 'error', 'replace' or 'skip', got {on_duplicate!r}")
+        self.store = store
+        self.branch = branch
+        self.on_duplicate = on_duplicate
+        with storage_errors(f"cannot write to {store.location.uri}"):
+            self.session = store.repo.writable_session(branch)
+            self.root = zarr.open_group(self.session.store, mode="r+")
+        self.base_snapshot = self.session.snapshot_id
+        self.teachers = read_teachers(self.root)
+        self._base_keys = _keys(store.read_index(self.base_snapshot))
+        self._new_rows: list[pa.Table] = []
+        self._new_keys: set[tuple[str, str]] = set()
+        self._committed: str | None = None
+        self._fork_source: icechunk.Session | None = None
+        self._added_teachers: list[str] = []
+        self._removed: set[tuple[str, str]] = set()
+        # Each teacher's id order (`code_of_id`), shared by every part writer and fork of this writer:
+        # read once, not once per part (reading it cost ~14 ms per 16k-token part, a third of a write).
+        self._codes: dict[str, np.ndarray] = {}
+
+    def __enter__(self) -> StoreWriter:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._committed is None and self.session.has_uncommitted_changes:
+            self.session.discard_changes()
+
+    # -- teachers --------------------------------------------------------------------------------
+
+    def add_teacher(
+        self,
+        meta: TeacherMeta,
+        *,
+        tokenizer_json: str | None = None,
+        code_of_id: np.ndarray | None = None,
+        students: list[StudentTokenizer] = (),
+    ) -> TeacherMeta:
+        """Register a teacher (with its student tokenizers), or check that `meta` matches the one
+        already in the store. `meta.students` is filled from `students`."""
+        meta = TeacherMeta.from_json({**meta.to_json(), "students": [st.summary() for st in students]})
+        existing = self.teachers.get(meta.name)
+        if existing is not None:
+            if not existing.same_teacher(meta):
+                raise IncompatibleStoreError(mismatch_message(existing, meta))
+            return existing
+        meta = TeacherMeta.from_json({**meta.to_json(), "created": now(), "writer": WRITER})
+        group = self.root.require_group("teachers").create_group(meta.name)
+        group.attrs["logitstore_teacher"] = meta.to_json()
+        group.create_group("parts")  # here, not in forks: two forks creating it would conflict
+        self._added_teachers.append(meta.name)
+        if meta.values == "logprobs" and self.root.attrs["logitstore"].get("format", 1) < 2:
+            # an older store gains a format-2 teacher: older logitstores now refuse it in one line
+            self.root.attrs["logitstore"] = {**self.root.attrs["logitstore"], "format": FORMAT_VERSION}
+        if meta.codec.id_order == "frequency":
+            assert code_of_id is not None and len(code_of_id) == meta.vocab_size, "frequency order needs code_of_id"
+            write_array(group, "code_of_id", np.asarray(code_of_id, dtype=np.uint32))
+            self._codes[meta.name] = np.asarray(code_of_id, dtype=np.uint32)
+        if tokenizer_json is not None:
+            write_array(group, "tokenizer", np.frombuffer(tokenizer_json.encode("utf-8"), dtype=np.uint8))
+        for st in students:
+            sub = group.require_group("students").create_group(st.name)
+            sub.attrs["logitstore_student"] = {
+                **st.summary(),
+                "mapped_mass": st.mapped_mass,
+                "mapped_mass_positions": st.mapped_mass_positions,
+                "mapped_ids": int((st.vocab_map >= 0).sum()),
+            }
+            write_array(sub, "tokenizer", np.frombuffer(st.tokenizer_json.encode("utf-8"), dtype=np.uint8))
+            write_array(sub, "vocab_map", np.asarray(st.vocab_map, dtype=np.int32))
+        self.teachers[meta.name] = meta
+        return meta
+
+    # -- samples -----------------------------------------------------------------------------------
+
+    def write(
+        self,
+        samples: SparseSamples,
+        *,
+        teacher: str,
+        source_hashes: list[str | None] | None = None,
+        students: dict[str, StudentTokens] | None = None,
+    ) -> int:
+        """Encode and stage `samples` as one new part. Returns how many samples were staged."""
+        if teacher not in self.teachers:
+            raise LogitstoreError(f"teacher {teacher!r} is not in the store; add_teacher first")
+        keep = self._apply_duplicate_rule(teacher, samples.sample_ids)
+        if not keep:
+            return 0
+        if len(keep) < len(samples):
+            samples, source_hashes = _subset(samples, keep, source_hashes)
+            students = None if students is None else {n: st.select(keep) for n, st in students.items()}
+        written = self.part_writer().write(samples, teacher=teacher, source_hashes=source_hashes, students=students)
+        self._add_rows(written.rows)
+        return len(samples)
+
+    def part_writer(self) -> PartWriter:
+        """A writer of parts into this transaction, in this process."""
+        return PartWriter(self.session, teachers=self.teachers, where=self.store.location.uri, codes=self._codes)
+
+    def fork(self) -> PartWriter:
+        """A picklable writer of parts for another process, Ray worker or thread; hand its
+        `WrittenPart`s back to `merge`, in any order.
+
+        Icechunk forks only a session without uncommitted changes, so forks come from a second,
+        untouched session on the branch while merges land in this one. That session may sit on a newer
+        version than this one's base when another writer committed meanwhile: a fork adds only a new
+        part group under its teacher's `parts`, which both versions hold (teachers must be committed
+        before forking: a fork cannot create the shared teacher groups), and the commit rebases as
+        for any concurrent writer."""
+        assert not self._added_teachers, "commit newly added teachers before forking"
+        with storage_errors(f"cannot fork a writer on {self.store.location.uri}"):
+            if self._fork_source is None:
+                self._fork_source = self.store.repo.writable_session(self.branch)
+                # Forks travel with the id orders (a few hundred KB each), so workers read none of them.
+                reader = PartWriter(
+                    self.session, teachers=self.teachers, where=self.store.location.uri, codes=self._codes
+                )
+                for name in self.teachers:
+                    with contextlib.suppress(LogitstoreError):  # unreadable: the worker that needs it says so
+                        reader.code_of_id(name)
+            return PartWriter(
+                self._fork_source.fork(), teachers=self.teachers, where=self.store.location.uri, codes=self._codes
+            )
+
+    def merge(self, written: WrittenPart) -> int:
+        """Take a forked writer's part into this transaction. Returns the samples it adds."""
+        if written.fork is not None:
+            with storage_errors(f"cannot merge a forked writer into {self.store.location.uri}"):
+                self.session.merge(written.fork)
+        rows = written.rows
+        if rows.num_rows:
+            teacher = rows["teacher"][0].as_py()
+            keep = self._apply_duplicate_rule(teacher, rows["sample_id"].to_pylist())
+            rows = rows.take(pa.array(keep, type=pa.int64()))  # typed: an empty list would be null-typed
+        self._add_rows(rows)
+        return rows.num_rows
+
+    def remove(self, teacher: str, sample_ids: list[str]) -> None:
+        """Drop these samples of the base version from the index at commit (their parts stay, unreferenced:
+        older versions still read them). A removed id may then be written again in this transaction."""
+        removed = {(teacher, sid) for sid in sample_ids} & self._base_keys
+        self._base_keys -= removed
+        self._removed |= removed
+
+    def _add_rows(self, rows: pa.Table) -> None:
+        self._new_rows.append(rows)
+        self._new_keys.update(zip(rows["teacher"].to_pylist(), rows["sample_id"].to_pylist()))
+
+    def _apply_duplicate_rule(self, teacher: str, sample_ids: list[str]) -> list[int]:
+        dup = [
+            i
+            for i, sid in enumerate(sample_ids)
+            if (teacher, sid) in self._base_keys or (teacher, sid) in self._new_keys
+        ]
+        if not dup:
+            return list(range(len(sample_ids)))
+        if self.on_duplicate == "error":
+            first = [sample_ids[i] for i in dup[:3]]
+            raise DuplicateSampleError(
+                f"{len(dup)} sample id(s) already stored for teacher {teacher!r}, e.g. {first}; "
+                "pass on_duplicate='replace' or 'skip'"
+            )
+        if self.on_duplicate == "replace":
+            in_txn = [sample_ids[i] for i in dup if (teacher, sample_ids[i]) in self._new_keys]
+            if in_txn:
+                raise DuplicateSampleError(f"sample id {in_txn[0]!r} written twice in one transaction")
+            return list(range(len(sample_ids)))
+        dup_set = set(dup)
+        return [i for i in range(len(sample_ids)) if i not in dup_set]
+
+    # -- commit ----------------------------------------------------------------------------------
+
+    def commit(self, message: str, *, max_attempts: int = 20) -> str:
+        """Make everything staged visible as one new version. If another writer committed to the
+        branch meanwhile, rebase onto it and merge the indexes; fail with `ConflictError` only when
+        both wrote the same Zarr paths or the same sample ids. Returns the new version id."""
+        assert self._committed is None, "a StoreWriter commits once"
+        if not self.session.has_uncommitted_changes:
+            if not self._removed:  # e.g. every sample skipped as already stored
+                self._committed = self.session.snapshot_id
+                return self._committed
+            self._record_removal()  # Icechunk commits only a changed tree
+        new_rows = pa.concat_tables(self._new_rows) if self._new_rows else index.empty_index()
+        for _ in range(max_attempts):
+            base = self.store.read_index(self.session.snapshot_id)
+            merged = self._merge(base, new_rows)
+            key = index.write_index(self.store.blobs, merged)
+            meta = {
+                "index": key,
+                "samples": merged.num_rows,
+                "tokens": int(pc.sum(merged["n_tokens"]).as_py() or 0),
+                "format": FORMAT_VERSION,
+                "writer": WRITER,
+            }
+            try:
+                with storage_errors(f"cannot commit to {self.store.location.uri}"), commit_lock(self.store.location):
+                    self._committed = self.session.commit(message, metadata={"logitstore": meta})
+                return self._committed
+            except icechunk.ConflictError:
+                self._rebase()
+        raise ConflictError(f"branch {self.branch!r} kept moving; gave up after {max_attempts} attempts")
+
+    def _record_removal(self) -> None:
+        """A removal alone changes only the index: record it as an empty part of its own, a new path
+        that no concurrent writer touches."""
+        teacher = sorted(self._removed)[0][0]
+        with storage_errors(f"cannot write to {self.store.location.uri}"):
+            group = self.root[f"teachers/{teacher}/parts"].create_group(_new_part_name())
+            group.attrs.update({"samples": 0, "tokens": 0, "stored_bytes": 0, "removed": len(self._removed)})
+
+    def _rebase(self) -> None:
+        try:
+            with storage_errors(f"cannot commit to {self.store.location.uri}"):
+                self.session.rebase(icechunk.ConflictDetector())
+        except icechunk.RebaseFailedError as e:
+            paths = sorted({c.path for c in e.conflicts})
+            raise ConflictError(
+                f"another writer committed to branch {self.branch!r} first and changed the same "
+                f"paths ({', '.join(paths[:5])}); nothing of this write was committed"
+            ) from None
+
+    def _merge(self, base: pa.Table, new_rows: pa.Table) -> pa.Table:
+        present = _keys(base) - self._removed  # what the branch holds and this write does not remove
+        clash = present & _keys(new_rows) - self._base_keys  # ids a concurrent writer added meanwhile
+        if clash and self.on_duplicate == "error":
+            raise ConflictError(f"a concurrent write added sample(s) {sorted(clash)[:3]} that this write also holds")
+        new_keys = _keys(new_rows)
+        if self.on_duplicate == "skip":
+            new_rows = new_rows.filter(pc.invert(_key_mask(new_rows, present)))
+            new_keys = _keys(new_rows)
+        kept = base.filter(pc.invert(_key_mask(base, new_keys | self._removed)))
+        return pa.concat_tables([kept, new_rows])
+
+
+@dataclass
+class WrittenPart:
+    rows: pa.Table  # index rows of the new part
+    stored_bytes: int = 0  # compressed size of the part's arrays
+    fork: icechunk.ForkSession | None = None  # the fork that holds its arrays, when written in one
+
+
+class PartWriter:
+    """Encodes `SparseSamples` and writes each batch as a new part group into one Icechunk session or
+    fork. Parts never touch existing paths, which is what lets forks merge without conflicts."""
+
+    def __init__(
+        self, session, *, teachers: dict[str, TeacherMeta], where: str, codes: dict[str, np.ndarray] | None = None
+    ):
+        self.session = session
+        self.teachers = dict(teachers)
+        self.where = where
+        self._codes = codes if codes is not None else {}  # teacher -> code_of_id, shared with its StoreWriter
+
+    def __getstate__(self) -> dict:
+        return {"session": self.session, "teachers": self.teachers, "where": self.where, "codes": self._codes}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["session"], teachers=state["teachers"], where=state["where"], codes=state.get("codes"))
+
+    def write(
+        self,
+        samples: SparseSamples,
+        *,
+        teacher: str,
+        source_hashes: list[str | None] | None = None,
+        students: dict[str, StudentTokens] | None = None,
+    ) -> WrittenPart:
+        meta = self.teachers[teacher]
+        samples.validate(vocab_size=meta.vocab_size, duplicates=False)  # encode finds duplicate entries
+        students = students or {}
+        if sorted(students) != sorted(meta.student_names):
+            raise InvalidSampleError(
+                f"teacher {teacher!r} has student tokenizers {meta.student_names}; this write brings {sorted(students)}"
+            )
+        ordered = [students[s["name"]] for s in meta.students]
+        for st, info in zip(ordered, meta.students):
+            st.validate(n_tokens=samples.n_tokens, vocab_size=info["vocab_size"])
+        if (meta.loss_mask is not None) != (samples.loss_mask is not None):
+            raise InvalidSampleError(
+                f"teacher {teacher!r} holds {'chat' if meta.loss_mask else 'plain text'} samples: "
+                f"loss_mask must be {'given' if meta.loss_mask else 'absent'}"
+            )
+        if meta.sampled != (samples.entry_counts is not None):
+            raise InvalidSampleError(
+                f"teacher {teacher!r} is {meta.sparsity['mode']}: entry_counts must be "
+                f"{'given' if meta.sampled else 'absent'}"
+            )
+        store = bounded_store(self.session.store, where=self.where)  # a fork's store is bare
+        code_of_id = self.code_of_id(teacher)
+        enc = codec.encode(samples, params=meta.codec, code_of_id=code_of_id, vocab_size=meta.vocab_size)
+        part = _new_part_name()
+        # The same groups, arrays and bytes as writing each array with `write_array`, in ~1/4 of the
+        # time (see rawwrite.py): compression runs in threads while this one hashes the index rows.
+        arrays = dict(enc.arrays())
+        for st, info in zip(ordered, meta.students):
+            arrays[f"students/{info['name']}/ids"] = st.ids.astype(np.int32)
+            arrays[f"students/{info['name']}/groups"] = st.groups.astype(np.int32).reshape(-1)
+            if (st.loss_mask is not None) != (meta.loss_mask is not None):
+                raise InvalidSampleError(
+                    f"student tokens of {info['name']!r}: loss_mask must be "
+                    f"{'given' if meta.loss_mask else 'absent'} for this teacher"
+                )
+            if st.loss_mask is not None:
+                arrays[f"students/{info['name']}/loss_mask"] = st.loss_mask.astype(np.uint8)
+        path = f"teachers/{teacher}/parts/{part}"
+        grids = {name: meta.grid for name in GRID_ARRAYS}
+        pending = rawwrite.encode_arrays(
+            {f"{path}/{name}": (values, array_kwargs(values, grid=grids.get(name))) for name, values in arrays.items()}
+        )
+        rows = index.part_rows(
+            sample_ids=samples.sample_ids,
+            teacher=teacher,
+            part=part,
+            enc=enc,
+            n_tokens=samples.n_tokens,
+            source_hashes=source_hashes,
+            students=ordered,
+        )
+        encoded = pending.result()
+        stored = sum(a.nbytes for a in encoded.values())
+        attrs = {"samples": len(samples), "tokens": int(samples.n_tokens.sum()), "stored_bytes": stored}
+        documents = {f"{path}/zarr.json": rawwrite.group_document(attrs)}
+        if ordered:
+            documents[f"{path}/students/zarr.json"] = rawwrite.group_document({})
+            documents.update(
+                {f"{path}/students/{info['name']}/zarr.json": rawwrite.group_document({}) for info in meta.students}
+            )
+        with storage_errors(f"cannot write to {self.where}"):
+            rawwrite.write_objects(store, documents=documents, arrays=encoded)
+        is_fork = isinstance(self.session, icechunk.ForkSession)
+        return WrittenPart(rows=rows, stored_bytes=stored, fork=self.session if is_fork else None)
+
+    def code_of_id(self, teacher: str) -> np.ndarray:
+        """The teacher's id order (token id -> stored code), read once per `StoreWriter`."""
+        if teacher not in self._codes:
+            with read_errors(f"the id order of teacher {teacher!r} (teachers/{teacher}/code_of_id)"):
+                group = zarr.open_group(bounded_store(self.session.store, where=self.where), mode="r")[
+                    f"teachers/{teacher}"
+                ]
+                codes = (
+                    group["code_of_id"][:]
+                    if "code_of_id" in group
+                    else codec.identity_order(self.teachers[teacher].vocab_size)
+                )
+            self._codes[teacher] = codes  # uint32: the encoder takes any integer type
+        return self._codes[teacher]
+
+
+def _new_part_name() -> str:
+    """Unique across processes and machines, and ordered by time for people reading the tree."""
+    return f"{time.time_ns():x}-{secrets.token_hex(4)}"
+
+
+def _keys(table: pa.Table) -> set[tuple[str, str]]:
+    return set(zip(table["teacher"].to_pylist(), table["sample_id"].to_pylist()))
+
+
+def _key_mask(table: pa.Table, keys: set[tuple[str, str]]) -> pa.Array:
+    joined = pc.binary_join_element_wise(table["teacher"], table["sample_id"], "\x00")
+    return pc.is_in(joined, value_set=pa.array([f"{t}\x00{s}" for t, s in keys], pa.string()))
+
+
+def _subset(samples: SparseSamples, keep: list[int], source_hashes):
+    from logitstore.samples import concat
+
+    picked = concat([samples.select(i) for i in keep])
+    return picked, None if source_hashes is None else [source_hashes[i] for i in keep]
+
+
+def write_array(group: zarr.Group, name: str, values: np.ndarray, *, grid: CodecParams | None = None) -> int:
+    """Write a 1-D array sharded for object storage; returns its compressed size in bytes. Through Zarr:
+    for the per-teacher arrays, written once; parts go through `rawwrite` in the same layout. With
+    `grid`, `values` are uint16 codes, written as the float32 log-probabilities they stand for."""
+    array = group.create_array(name, **array_kwargs(values, grid=grid))
+    if len(values):
+        array[:] = values if grid is None else codec.dequantize(values, params=grid)
+    return int(array.nbytes_stored())
+
+
+def array_kwargs(values: np.ndarray, *, grid: CodecParams | None = None) -> dict:
+    """How a 1-D array is laid out (`zarr.create_array`'s arguments): one definition for both write paths.
+    With `grid`, the array is float32 log-probabilities stored as these uint16 codes (`zarr_codec.py`)."""
+    itemsize = values.dtype.itemsize
+    chunk = max(1, CHUNK_BYTES // itemsize)
+    n_chunks = max(1, -(-len(values) // chunk))
+    shard = chunk * min(CHUNKS_PER_SHARD, n_chunks)
+    blosc = BloscCodec(
+        typesize=itemsize, cname="zstd", clevel=BLOSC_LEVEL, shuffle="shuffle" if itemsize > 1 else "noshuffle"
+    )
+    if grid is not None:
+        assert values.dtype == np.uint16, "grid-coded arrays are written from their uint16 codes"
+        return dict(
+            shape=values.shape,
+            dtype=np.float32,
+            chunks=(chunk,),
+            shards=(shard,),
+            filters=[LogprobGrid.of(grid)],
+            compressors=[blosc, Crc32cCodec()],
+            fill_value=0.0,
+        )
+    return dict(
+        shape=values.shape,
+        dtype=values.dtype,
+        chunks=(chunk,),
+        shards=(shard,),
+        compressors=[blosc, Crc32cCodec()],
+        fill_value=0,
+    )
