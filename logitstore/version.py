@@ -228,7 +228,7 @@ ENCODED_ARRAYS = (
     "entry_counts",
     "loss_mask",
 )
-_ROW_AXIS = {
+ROW_AXIS = {
     "input_ids": "token",
     "loss_mask": "token",
     "n_entries": "position",
@@ -247,7 +247,7 @@ def slice_row(row: dict, read, *, names) -> EncodedSamples:
         "position": slice(row["position_start"], row["position_start"] + row["n_tokens"] - 1),
         "entry": slice(row["entry_start"], row["entry_start"] + row["n_entries"]),
     }
-    return EncodedSamples(**{name: read(name, rows[_ROW_AXIS[name]]) for name in names})
+    return EncodedSamples(**{name: read(name, rows[ROW_AXIS[name]]) for name in names})
 
 
 def read_teachers(root: zarr.Group) -> dict[str, TeacherMeta]:

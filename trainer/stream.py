@@ -97,6 +97,7 @@ from logitstore.errors import DamagedDataError, LogitstoreError, StorageError
 from logitstore.rawread import read_arrays
 from logitstore.sizes import format_bytes, parse_bytes
 from logitstore.store import ENCODED_ARRAYS, StoreVersion, read_errors
+from logitstore.version import ROW_AXIS
 from logitstore.zarr_codec import as_codes
 
 SPLITS = ("train", "eval")
@@ -546,16 +547,7 @@ class PartReader:
             e0[sel] = es[sel] + cum[p + a[sel]] - cum[p]
             e1[sel] = es[sel] + cum[p + b[sel] - 1] - cum[p]
         spans = {"input_ids": (ts + a, ts + b), "position": (ps + a, ps + b - 1), "entry": (e0, e1)}
-        axis = {
-            "input_ids": "input_ids",
-            "loss_mask": "input_ids",
-            "n_entries": "position",
-            "tail": "position",
-            "target_logprobs": "position",
-            "entry_codes": "entry",
-            "entry_logprobs": "entry",
-            "entry_counts": "entry",
-        }
+        axis = {name: "input_ids" if along == "token" else along for name, along in ROW_AXIS.items()}
         held = [parts[c].arrays for c in code.tolist()]
         bounds = {k: (lo.tolist(), hi.tolist()) for k, (lo, hi) in spans.items()}
         out = {}
