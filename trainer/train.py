@@ -25,13 +25,25 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
+from tokenizers import Tokenizer
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from logitstore.environment import environment
 from logitstore.errors import LogitstoreError
+from logitstore.pipelines.teacher import describe_teacher
+from logitstore.store import Store
 from logitstore.trainer import checkpoint, run_folder
 from logitstore.trainer.config import EVAL_ONLY, TrainConfig, TrainConfigError
+from logitstore.trainer.live import LiveTeacher, live_stream, plan_live_samples
+from logitstore.trainer.mixing import Source, resolve_sources, student_vocabulary
+from logitstore.trainer.model import apply_levers, build_student, shard, student_max_positions, student_tokenizer_hash
 from logitstore.trainer.objective import all_reduce_mean, batch_loss, held_out_metrics, student_outputs
+from logitstore.trainer.plots import plot_metrics
+from logitstore.trainer.report import open_sinks
+from logitstore.trainer.stream import StreamConfigError, store_stream
 
 # -- launching -----------------------------------------------------------------------------------
 
@@ -56,7 +68,6 @@ def launch(cfg: TrainConfig) -> dict:
 
 def check_student_fits(cfg: TrainConfig) -> None:
     """--seq-len within the student's positions, read from its config alone (no weights loaded)."""
-    from logitstore.trainer.model import student_max_positions
 
     limit = student_max_positions(cfg.student.student)
     if cfg.data.seq_len > limit:
@@ -66,7 +77,6 @@ def check_student_fits(cfg: TrainConfig) -> None:
 def _spawn(cfg: TrainConfig, plan: run_folder.RunPlan) -> None:
     """`cfg.student.nproc` processes; a rank's LogitstoreError comes back through a queue and is raised here, so
     the command prints one line and exits with its code (the parent sees only an exit status)."""
-    import torch.multiprocessing as mp
 
     errors = mp.get_context("spawn").SimpleQueue()
     try:
@@ -118,8 +128,6 @@ def _run(cfg: TrainConfig, plan: run_folder.RunPlan) -> dict:
 
 
 def _train(cfg: TrainConfig, plan: run_folder.RunPlan, *, cuda: bool) -> dict:
-    from logitstore.trainer.model import apply_levers, build_student, shard
-    from logitstore.trainer.report import open_sinks
 
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
@@ -214,7 +222,6 @@ def _train(cfg: TrainConfig, plan: run_folder.RunPlan, *, cuda: bool) -> dict:
             )
         if rank == 0:
             (out / "final_metrics.json").write_text(json.dumps(record))
-            from logitstore.trainer.plots import plot_metrics
 
             plot_metrics(out)
         _export_final(model, signal.tokenizer(), out=out)  # last: final/ exists only once the run is done
@@ -257,8 +264,6 @@ def _train_step(model, optimizer, batches, cfg: TrainConfig, device) -> tuple[di
 
 def plan_sources(view, cfg: TrainConfig):
     """The run's teacher sources and the student's vocabulary (see `trainer/mixing.py`)."""
-    from logitstore.trainer.mixing import resolve_sources, student_vocabulary
-    from logitstore.trainer.model import student_tokenizer_hash
 
     weights = cfg.data.teacher_weights or {view.teacher_name(cfg.data.teacher): 1.0}
     vocab = student_vocabulary(
@@ -279,7 +284,6 @@ class StoreSignal:
     kind = "store"
 
     def __init__(self, cfg: TrainConfig):
-        from logitstore.store import Store
 
         self.view = Store.open(cfg.data.store).read(cfg.data.version)
         if self.view.index.num_rows == 0:
@@ -300,8 +304,6 @@ class StoreSignal:
     def tokenizer(self):
         """The student's tokenizer to save with the final model (a `tokenizers.Tokenizer`), or None."""
         if self.vocab.tokenizer_json is not None:  # a cross-tokenizer student: the store's copy of its tokenizer
-            from tokenizers import Tokenizer
-
             return Tokenizer.from_str(self.vocab.tokenizer_json)
         return self.view.tokenizer(self.teacher)
 
@@ -315,10 +317,6 @@ class LiveSignal:
     kind = "live"
 
     def __init__(self, cfg: TrainConfig):
-        from logitstore.pipelines.teacher import describe_teacher
-        from logitstore.trainer.live import plan_live_samples
-        from logitstore.trainer.mixing import Source
-        from logitstore.trainer.model import student_tokenizer_hash
 
         self.samples = plan_live_samples(cfg.live)
         student_hash = student_tokenizer_hash(cfg.student.student)
@@ -337,7 +335,6 @@ class LiveSignal:
         self.client = None
 
     def start(self, cfg: TrainConfig) -> None:
-        from logitstore.trainer.live import LiveTeacher
 
         self.client = LiveTeacher(cfg.live, micro_batch=cfg.data.micro_batch, seq_len=cfg.data.seq_len)
 
@@ -347,7 +344,6 @@ class LiveSignal:
         return {"live_teacher_pid": self.client.pid, "live_transport": self.client.transport}
 
     def stream(self, cfg: TrainConfig, *, rank: int, world_size: int, split: str):
-        from logitstore.trainer.live import live_stream
 
         return live_stream(
             self.samples,
@@ -371,7 +367,6 @@ class LiveSignal:
 
 def make_stream(view, sources, *, cfg: TrainConfig, rank: int, world_size: int, split: str):
     """The stream engine over the store: one teacher, or several or cross-tokenizer teachers."""
-    from logitstore.trainer.stream import store_stream
 
     return store_stream(
         view,
@@ -428,7 +423,6 @@ def _log(metrics_file, record: dict, *, echo: bool = False) -> None:
 def _final_evaluation(model, signal, *, cfg: TrainConfig, device, rank: int) -> dict:
     """The held-out KL at the last step; an empty held-out split is said once and skipped (every rank
     meets the same split, so all skip alike)."""
-    from logitstore.trainer.stream import StreamConfigError
 
     if cfg.data.eval_fraction == 0:
         return {}
@@ -463,12 +457,9 @@ def _export_final(model, tokenizer, *, out: Path) -> None:
     """Gather the full weights and save a plain Hugging Face model (with tokenizer) in OUT/final/, written
     as final.partial/ and renamed, so final/ exists only complete (the run claimed --out, removing any
     previous export)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if dist.get_rank() == 0:
-        from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
-
         partial = out / "final.partial"
         if partial.exists():
             shutil.rmtree(partial)
@@ -495,7 +486,6 @@ def run_eval(
 ) -> dict:
     """`logitstore eval`: a trained student's mean KL to the stored teacher and CE, on the held-out split
     (for a cross-tokenizer teacher: the KL over 1:1-aligned positions)."""
-    from logitstore.trainer.model import build_student
 
     cfg = TrainConfig.from_flags(
         store=store,
