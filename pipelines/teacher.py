@@ -16,7 +16,7 @@ import functools
 import hashlib
 import importlib.util
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -53,18 +53,6 @@ class TeacherSpec:
     kind: str
     path: Path
     gguf_file: str | None = None
-
-
-@dataclass
-class Teacher:
-    """A loaded teacher, ready for `sparse_topk_forward`."""
-
-    spec: TeacherSpec
-    model: Any
-    tokenizer: Any
-    vocab_size: int
-    content_hash: str
-    tokenizer_hash: str
 
 
 @dataclass
@@ -202,6 +190,13 @@ class TeacherInfo:
     content_hash: str
     tokenizer_hash: str
     max_positions: int | None = None  # the model's context (config `max_position_embeddings`), if it says
+
+
+@dataclass
+class Teacher(TeacherInfo):
+    """A loaded teacher: what `describe_teacher` knows, and the model, ready for `sparse_topk_forward`."""
+
+    model: Any = field(kw_only=True)
 
 
 def describe_teacher(spec: TeacherSpec | str | None) -> TeacherInfo:
