@@ -122,6 +122,7 @@ def info(store: StoreArg, version: VersionOpt = None, json_out: JsonOpt = False)
         typer.echo(
             f"teacher      {t['name']}: vocab {t['vocab_size']:,}, {t['sparsity_mode']} ({params}), "
             f"{t['samples']:,} samples, codec error bound {t['codec']['error_bound_fine']} / {t['codec']['error_bound']} nats"
+            + (f", {t['engine']} engine in {t['dtype']}" if t["engine"] else "")
         )
         for st in t["student_tokenizers"]:
             mass = "-" if st["mapped_mass"] is None else f"{st['mapped_mass']:.1%}"

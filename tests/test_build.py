@@ -307,6 +307,8 @@ def test_a_teacher_keeps_one_engine_and_dtype(small_data, tiny_teacher, tmp_path
         "tiny-bf16": ("torch", "bfloat16"),
     }
     assert teachers["tiny-bf16"]["engine_version"].startswith(f"torch {torch.__version__}")
+    text = CliRunner().invoke(app, ["info", store]).stdout
+    assert "torch engine in float32" in text and "torch engine in bfloat16" in text
 
 
 def test_show_decodes_tokens_with_the_stored_tokenizer(built):
