@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 from transformers import Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
@@ -51,6 +52,7 @@ from logitstore.trainer.attention import register as register_attention
 from logitstore.trainer.live import LiveConfig, LiveTeacher, live_stream, plan_live_samples
 from logitstore.trainer.losses import LossConfig
 from logitstore.trainer.objective import batch_loss, held_out_metrics, student_outputs
+from logitstore.trainer.run_folder import write_atomic
 
 
 class StoreDistillation:
@@ -77,7 +79,7 @@ class StoreDistillation:
             raise LogitstoreError("DistillationTrainer needs TrainingArguments(max_steps=N): the stream is endless")
         if (store is None) == (live is None):
             raise LogitstoreError(
-                "DistillationTrainer needs a store (store=URI) or a live teacher (live=LiveConfig), not both"
+                "DistillationTrainer needs exactly one of a store (store=URI) and a live teacher (live=LiveConfig)"
             )
         self.loss_config = loss if isinstance(loss, LossConfig) else LossConfig(kind=loss)
         if live is not None:
@@ -140,11 +142,9 @@ class StoreDistillation:
         """Trainer's checkpoint plus the stream's position after the step's last batch. The position is
         global (the same on every rank), so the main process writes it."""
         if self.args.should_save and self._batches is not None and self._batches.data_state is not None:
-            folder = os.path.join(
-                self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
-            )
-            os.makedirs(folder, exist_ok=True)
-            _write_atomically(os.path.join(folder, STREAM_STATE), json.dumps(self._batches.data_state))
+            folder = Path(self._get_output_dir(trial=trial)) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+            folder.mkdir(parents=True, exist_ok=True)
+            write_atomic(folder / STREAM_STATE, json.dumps(self._batches.data_state))
         super()._save_checkpoint(model, trial)
 
     def compute_loss(self, model, inputs, return_outputs: bool = False, num_items_in_batch=None):
@@ -250,12 +250,6 @@ def _read_stream_state(checkpoint: str) -> dict:
         )
     with open(path) as file:
         return json.load(file)
-
-
-def _write_atomically(path: str, text: str) -> None:
-    with open(path + ".tmp", "w") as file:
-        file.write(text)
-    os.replace(path + ".tmp", path)
 
 
 class _Batches:

@@ -99,26 +99,25 @@ def gpt2_tokenizer_dir(tmp_path_factory):
 def tiny_teacher(tmp_path_factory) -> str:
     """A 1-layer random Llama with SmolLM2's tokenizer and a 256-token context, saved as a Hugging Face
     folder: real tokenizing, planning and writing where a real forward pass is not the point."""
+    from logitstore.pipelines.teacher import describe_teacher
+
+    path = tmp_path_factory.mktemp("teachers") / "tiny-teacher"
+    save_tiny_llama(path, describe_teacher(None).tokenizer, max_position_embeddings=256)
+    return str(path)
+
+
+def save_tiny_llama(folder, tokenizer, **config) -> None:
+    """A 1-layer random Llama (hidden 16, seed 0) with `tokenizer`, saved as a Hugging Face folder;
+    `config` overrides `LlamaConfig` (vocab_size: the tokenizer's length unless given)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from logitstore.pipelines.teacher import describe_teacher
-
-    tokenizer = describe_teacher(None).tokenizer
-    path = tmp_path_factory.mktemp("teachers") / "tiny-teacher"
     torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=256,
+    shape = dict(
+        hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1
     )
-    LlamaForCausalLM(config).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return str(path)
+    LlamaForCausalLM(LlamaConfig(**{"vocab_size": len(tokenizer), **shape, **config})).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
 
 
 def without_progress(stderr: str) -> str:

@@ -9,7 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 from logitstore.cli.app import app
-from tests.conftest import without_progress
+from tests.conftest import save_tiny_llama, without_progress
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
@@ -27,30 +27,15 @@ def put_in_cache(cache, repo: str, save) -> None:
 def cache(tmp_path_factory):
     """A tiny Llama with the default teacher's tokenizer as `testorg/tiny-llama`, GPT-2's tokenizer as
     `openai-community/gpt2`."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     from logitstore.pipelines.teacher import describe_teacher
     from logitstore.tokenizer_io import gpt2_tokenizer
 
     cache = tmp_path_factory.mktemp("hf") / "hub"
     tokenizer = describe_teacher(None).tokenizer
 
-    def save_model(folder):
-        torch.manual_seed(0)
-        config = LlamaConfig(
-            vocab_size=len(tokenizer),
-            hidden_size=16,
-            intermediate_size=32,
-            num_hidden_layers=1,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            max_position_embeddings=512,
-        )
-        LlamaForCausalLM(config).save_pretrained(folder)
-        tokenizer.save_pretrained(folder)
-
-    put_in_cache(cache, "testorg/tiny-llama", save_model)
+    put_in_cache(
+        cache, "testorg/tiny-llama", lambda folder: save_tiny_llama(folder, tokenizer, max_position_embeddings=512)
+    )
     put_in_cache(cache, "openai-community/gpt2", lambda folder: gpt2_tokenizer().save_pretrained(str(folder)))
     return cache
 

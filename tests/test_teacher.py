@@ -13,6 +13,7 @@ from logitstore.pipelines.teacher import (
     resolve_teacher,
     sparse_topk_forward,
 )
+from tests.conftest import save_tiny_llama
 
 TEXTS = [
     "The json module can serialize Python dictionaries, lists, strings and numbers, "
@@ -179,24 +180,8 @@ def test_file_that_is_not_gguf_is_a_user_error(tmp_path):
         resolve_teacher(str(path))
 
 
-def _save_tiny_llama(directory, tokenizer, *, vocab_size):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=vocab_size,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-    )
-    LlamaForCausalLM(config).save_pretrained(directory)
-    tokenizer.save_pretrained(directory)
-
-
 def test_hf_dir_teacher_loads_and_hashes(teacher, tmp_path):
-    _save_tiny_llama(tmp_path, teacher.tokenizer, vocab_size=teacher.vocab_size)
+    save_tiny_llama(tmp_path, teacher.tokenizer, vocab_size=teacher.vocab_size)
 
     tiny = load_teacher(str(tmp_path))
 
@@ -210,6 +195,6 @@ def test_hf_dir_teacher_loads_and_hashes(teacher, tmp_path):
 
 
 def test_tokenizer_larger_than_model_vocab_is_a_user_error(teacher, tmp_path):
-    _save_tiny_llama(tmp_path, teacher.tokenizer, vocab_size=1000)
+    save_tiny_llama(tmp_path, teacher.tokenizer, vocab_size=1000)
     with pytest.raises(LogitstoreError, match="tokenizer has 49152 tokens"):
         load_teacher(str(tmp_path))

@@ -142,7 +142,7 @@ def claim(plan: RunPlan, cfg: TrainConfig, *, snapshot: str | None) -> None:
             _remove(path)
         if cfg.output.resume:
             truncate_metrics(out / "metrics.jsonl", step=plan.resume_step)
-        _write_atomic(
+        write_atomic(
             out / MARKER, json.dumps({**_FORMAT, "identity": cfg.run_identity(), "snapshot": snapshot}, indent=2)
         )
     except OSError as e:
@@ -169,7 +169,7 @@ def truncate_metrics(path: Path, *, step: int) -> None:
     if not path.exists():
         return
     kept = [line for line in path.read_text().splitlines() if _record_upto(line, step)]
-    _write_atomic(path, "".join(f"{line}\n" for line in kept))
+    write_atomic(path, "".join(f"{line}\n" for line in kept))
 
 
 def _record_upto(line: str, step: int) -> bool:
@@ -187,7 +187,8 @@ def last_record(out: Path, *, step: int) -> dict:
     return next((r for r in reversed(records) if r.get("step") == step), {})
 
 
-def _write_atomic(path: Path, text: str) -> None:
+def write_atomic(path: Path, text: str) -> None:
+    """`text` into `path` through a `.partial` file renamed over it: readers see the old file or the new."""
     partial = path.with_name(f"{path.name}.partial")
     partial.write_text(text)
     os.replace(partial, path)

@@ -15,7 +15,7 @@ import threading
 import numpy as np
 import torch
 
-from logitstore.pipelines.engines import halving_on_oom, token_budget_batches
+from logitstore.pipelines.engines import EngineError, halving_on_oom, token_budget_batches
 from logitstore.pipelines.sparsify import to_samples
 from logitstore.pipelines.teacher import load_teacher, sampled_forward, sparse_topk_forward
 from logitstore.samples import SparseSamples, concat
@@ -25,6 +25,13 @@ def resolved_device(device: str) -> str:
     return device if device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
 
 
+def dtype_for(dtype: str, device: str) -> str:
+    """`auto`: bfloat16 on a GPU, float32 on CPU (`teacher.load_teacher`'s rule)."""
+    if dtype != "auto":
+        return dtype
+    return "bfloat16" if resolved_device(device).startswith("cuda") else "float32"
+
+
 class Engine:
     name = "torch"
     samples = True
@@ -32,16 +39,11 @@ class Engine:
     @classmethod
     def check(cls, settings, spec) -> None:
         if resolved_device(settings.device).startswith("cuda") and not torch.cuda.is_available():
-            from logitstore.pipelines.engines import EngineError
-
             raise EngineError(f"--device {settings.device}: this torch build sees no CUDA device")
 
     @classmethod
     def resolved_dtype(cls, settings) -> str:
-        """`auto`: bfloat16 on a GPU, float32 on CPU (`teacher.load_teacher`'s rule)."""
-        if settings.dtype != "auto":
-            return settings.dtype
-        return "bfloat16" if resolved_device(settings.device).startswith("cuda") else "float32"
+        return dtype_for(settings.dtype, settings.device)
 
     @classmethod
     def gpus_per_worker(cls, settings) -> int:
@@ -139,8 +141,7 @@ def shared_teachers():
 def load_teacher_once(spec, device: str, dtype: str):
     """The teacher, from `shared_teachers()`'s when it holds this one. `dtype` "auto": `load_teacher`'s
     rule (bfloat16 on GPU, float32 on CPU)."""
-    if dtype == "auto":
-        dtype = "bfloat16" if device.startswith("cuda") else "float32"
+    dtype = dtype_for(dtype, device)
     key = (spec, device, dtype)
     if _shared is not None and key in _shared:
         return _shared[key]

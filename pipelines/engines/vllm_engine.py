@@ -66,13 +66,15 @@ import tempfile
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from itertools import islice
 from typing import Any
 
 import numpy as np
+import torch
 
 from logitstore.errors import LogitstoreError
 from logitstore.pipelines.engines import halving_on_oom
+from logitstore.pipelines.sparsify import to_samples
+from logitstore.pipelines.teacher import SparseBatch, describe_teacher
 from logitstore.samples import SparseSamples, concat
 
 _INSTALL_HINT = (
@@ -204,7 +206,7 @@ def _flatten(prompt_logprobs, targets: np.ndarray, *, k: int):
     target_lp = np.empty(n, dtype=np.float64)
     extra = np.empty(n, dtype=bool)
     # Entry 0 is None by vLLM's contract (nothing predicts the first token): skip it.
-    for t, (entry, target) in enumerate(zip(islice(prompt_logprobs, 1, None), targets.tolist())):
+    for t, (entry, target) in enumerate(zip(itertools.islice(prompt_logprobs, 1, None), targets.tolist())):
         found = entry.get(target) if entry is not None else None
         if found is None:
             raise VllmEngineError(
@@ -394,16 +396,15 @@ class Engine:
                 "--engine vllm selects entries at --temperature 1 only (vLLM's prompt "
                 "log-probabilities have no temperature); use --engine torch"
             )
+        vllm_version = _installed_version("vllm")
         if spec.gguf_file:
             problem = gguf_problem(
-                vllm_version=_installed_version("vllm"), plugin_installed=_installed_version(GGUF_PLUGIN) is not None
+                vllm_version=vllm_version, plugin_installed=_installed_version(GGUF_PLUGIN) is not None
             )
             if problem:
                 raise VllmEngineError(problem)
-        if _installed_version("vllm") is None:
+        if vllm_version is None:
             raise VllmEngineError(_INSTALL_HINT)
-        import torch
-
         if not torch.cuda.is_available():
             raise VllmEngineError(
                 "--engine vllm needs an NVIDIA GPU; torch sees no CUDA device here (use --engine torch)"
@@ -428,10 +429,6 @@ class Engine:
         return f"vllm {_installed_version('vllm')}"
 
     def __init__(self, settings, *, lock: threading.Lock):
-        import torch
-
-        from logitstore.pipelines.teacher import describe_teacher
-
         self.settings, self.lock = settings, lock
         info = describe_teacher(settings.teacher_spec)
         self.spec, self.vocab_size, self.device = settings.teacher_spec, info.vocab_size, torch.device("cuda")
@@ -477,11 +474,6 @@ class Engine:
 
 def _row_samples(sample_id: str, tokens: np.ndarray, row: dict, sparsity) -> SparseSamples:
     """One request's arrays through the torch engine's selection (`to_samples`): top-k or top-p."""
-    import torch
-
-    from logitstore.pipelines.sparsify import to_samples
-    from logitstore.pipelines.teacher import SparseBatch
-
     batch = SparseBatch(**{name: torch.from_numpy(array[None]) for name, array in row.items()})
     return to_samples(
         batch, sample_ids=[sample_id], lengths=np.array([len(tokens)]), input_ids=[tokens], sparsity=sparsity
