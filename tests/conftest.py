@@ -3,11 +3,14 @@ synthetic teacher outputs that are real log-softmax distributions."""
 
 from __future__ import annotations
 
+import json
+import sys
 import uuid
 
 import numpy as np
 import pytest
 
+from logitstore.data import SAMPLE_CORPUS
 from logitstore.environment import environment
 from logitstore.samples import SparseSamples
 
@@ -118,6 +121,25 @@ def save_tiny_llama(folder, tokenizer, **config) -> None:
     )
     LlamaForCausalLM(LlamaConfig(**{"vocab_size": len(tokenizer), **shape, **config})).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
+
+
+CLI = [sys.executable, "-m", "logitstore.cli.app"]  # the command in a child process, as a user runs it
+
+
+def small_build(teacher, store, data, *extra, id_column: str | None = "id") -> list[str]:
+    """`build` arguments for a small store the tests read: 32-token windows, 64-token units."""
+    ids = ["--id-column", id_column] if id_column else []
+    common = ["--teacher", teacher, "--store", store, "--data", data, *ids, "--max-length", 32, "--unit-tokens", 64]
+    return ["build", *(str(a) for a in [*common, *extra])]
+
+
+def sample_corpus_head(path, *, docs: int, chars: int, first_chars: int | None = None):
+    """The first `docs` documents of the shipped sample corpus cut to `chars` characters (the first one to
+    `first_chars` when given), written as JSONL with their ids: real prose, small enough for a test."""
+    rows = [json.loads(line) for line in SAMPLE_CORPUS.read_text().splitlines()[:docs]]
+    cuts = [first_chars or chars] + [chars] * (len(rows) - 1)
+    path.write_text("".join(json.dumps({"id": r["id"], "text": r["text"][:cut]}) + "\n" for r, cut in zip(rows, cuts)))
+    return path
 
 
 def without_progress(stderr: str) -> str:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -17,13 +16,12 @@ from typer.testing import CliRunner
 
 from logitstore import codec
 from logitstore.cli.app import app
-from logitstore.data import SAMPLE_CORPUS
 from logitstore.pipelines.build import BuildConfig, run_build
 from logitstore.pipelines.engines.torch_engine import load_teacher_once
 from logitstore.pipelines.teacher import resolve_teacher
 from logitstore.sparsity import Sparsity
 from logitstore.store import Store
-from tests.conftest import without_progress
+from tests.conftest import CLI, sample_corpus_head, without_progress
 
 MAX_LENGTH = 64
 UNIT_TOKENS = 128
@@ -32,10 +30,7 @@ UNIT_TOKENS = 128
 @pytest.fixture(scope="module")
 def small_data(tmp_path_factory) -> Path:
     """~450 teacher tokens of real prose: three documents of the sample corpus, cut short."""
-    docs = [json.loads(line) for line in SAMPLE_CORPUS.read_text().splitlines()[:3]]
-    path = tmp_path_factory.mktemp("data") / "small.jsonl"
-    path.write_text("".join(json.dumps({"id": d["id"], "text": d["text"][:600]}) + "\n" for d in docs))
-    return path
+    return sample_corpus_head(tmp_path_factory.mktemp("data") / "small.jsonl", docs=3, chars=600)
 
 
 def build(store, data, **kwargs):
@@ -140,17 +135,8 @@ def test_ray_local_cluster_with_two_actors(built, small_data, tmp_path):
 def test_killed_build_resumes_without_recomputing_or_duplicating(built, small_data, tmp_path):
     reference, _ = built
     store = tmp_path / "store"
-    command = [
-        sys.executable,
-        "-m",
-        "logitstore.cli.app",
-        "build",
-        "--data",
-        str(small_data),
-        "--store",
-        str(store),
-        "--id-column",
-        "id",
+    command = [*CLI, "build", "--data", str(small_data), "--store", str(store), "--id-column", "id"]
+    command += [
         "--max-length",
         str(MAX_LENGTH),
         "--unit-tokens",
@@ -238,42 +224,18 @@ def test_a_store_of_another_teacher_is_refused(built, small_data):
     ],
 )
 def test_the_vllm_engine_here_is_one_line_and_writes_nothing(small_data, tiny_teacher, tmp_path, teacher, message):
-    result = CliRunner().invoke(
-        app,
-        [
-            "build",
-            "--data",
-            str(small_data),
-            "--store",
-            str(tmp_path / "s"),
-            "--engine",
-            "vllm",
-            "--teacher",
-            tiny_teacher if teacher == "tiny" else teacher,
-            "--max-length",
-            "128",
-        ],
-    )
+    vllm = [
+        "build",
+        "--data",
+        str(small_data),
+        "--store",
+        str(tmp_path / "s"),
+        *"--engine vllm --max-length 128".split(),
+    ]
+    result = CliRunner().invoke(app, [*vllm, "--teacher", tiny_teacher if teacher == "tiny" else teacher])
     assert result.exit_code == 2 and message in result.stderr and "Traceback" not in result.stderr
     assert len(without_progress(result.stderr).splitlines()) == 1 and not (tmp_path / "s").exists()
-    result = CliRunner().invoke(
-        app,
-        [
-            "build",
-            "--data",
-            str(small_data),
-            "--store",
-            str(tmp_path / "s"),
-            "--engine",
-            "vllm",
-            "--teacher",
-            tiny_teacher,
-            "--sample",
-            "16",
-            "--max-length",
-            "128",
-        ],
-    )
+    result = CliRunner().invoke(app, [*vllm, "--teacher", tiny_teacher, "--sample", "16"])
     assert result.exit_code == 2 and "cannot store --sample" in result.stderr and not (tmp_path / "s").exists()
 
 
@@ -289,10 +251,7 @@ def test_a_teacher_keeps_one_engine_and_dtype(small_data, tiny_teacher, tmp_path
         store,
         "--teacher",
         tiny_teacher,
-        "--top-k",
-        "8",
-        "--max-length",
-        "128",
+        *"--top-k 8 --max-length 128".split(),
     ]
     assert CliRunner().invoke(app, first).exit_code == 0
     before = Store.open(store).resolve()

@@ -13,6 +13,7 @@ from typer.testing import CliRunner
 from logitstore.cli.app import app
 from logitstore.store import Store
 from logitstore.synthetic import random_samples
+from tests.conftest import CLI
 from tests.test_store import write
 
 runner = CliRunner()
@@ -145,14 +146,11 @@ def test_ls_lists_every_sample_and_show_takes_a_range_of_positions(store):
 
 def test_a_missing_data_file_fails_fast_and_creates_no_store(tmp_path):
     import subprocess
-    import sys
 
     started = time.monotonic()
     result = subprocess.run(
         [
-            sys.executable,
-            "-m",
-            "logitstore.cli.app",
+            *CLI,
             "build",
             "--store",
             str(tmp_path / "s"),

@@ -13,13 +13,12 @@ import torch
 from typer.testing import CliRunner
 
 from logitstore.cli.app import app
-from logitstore.data import SAMPLE_CORPUS
 from logitstore.pipelines.build import BuildConfig, BuildError, run_build, run_builds
 from logitstore.sparsity import Sparsity
 from logitstore.store import Store
 from logitstore.trainer.config import TrainConfig
 from logitstore.trainer.train import launch
-from tests.conftest import without_progress
+from tests.conftest import sample_corpus_head, without_progress
 
 runner = CliRunner()
 COMMON = dict(seq_len=64, micro_batch=2, warmup_steps=2, lr=5e-3, eval_fraction=0.25)
@@ -34,11 +33,7 @@ def run(*args, code=0):
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> Path:
     """12 documents of the sample corpus, cut to ~1,000 characters; one longer one to exercise windows."""
-    docs = [json.loads(line) for line in SAMPLE_CORPUS.read_text().splitlines()[:12]]
-    path = tmp_path_factory.mktemp("data") / "corpus.jsonl"
-    texts = [d["text"][:2400] if i == 0 else d["text"][:1000] for i, d in enumerate(docs)]
-    path.write_text("".join(json.dumps({"id": d["id"], "text": t}) + "\n" for d, t in zip(docs, texts)))
-    return path
+    return sample_corpus_head(tmp_path_factory.mktemp("data") / "corpus.jsonl", docs=12, chars=1000, first_chars=2400)
 
 
 @pytest.fixture(scope="module")

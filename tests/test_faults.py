@@ -29,7 +29,7 @@ from logitstore.synthetic import random_samples
 from logitstore.trainer.mixing import Source
 from logitstore.trainer.stream import store_stream
 from logitstore.verify import verify
-from tests.conftest import without_progress
+from tests.conftest import small_build, without_progress
 from tests.faultproxy import FaultProxy
 from tests.test_store import VOCAB, assert_matches, teacher, write
 
@@ -167,24 +167,7 @@ def test_endpoint_lost_mid_build_stops_it_and_a_rerun_resumes(proxy, uri, s3_end
     data.write_text(
         "".join(json.dumps({"id": f"d{i}", "text": f"Document {i}. " + text * 2}) + "\n" for i in range(12))
     )
-    command = [
-        "build",
-        "--teacher",
-        tiny_teacher,
-        "--store",
-        uri,
-        "--data",
-        str(data),
-        "--id-column",
-        "id",
-        "--max-length",
-        "32",
-        "--unit-tokens",
-        "64",
-        "--commit-every",
-        "0.001",
-        "--json",
-    ]
+    command = small_build(tiny_teacher, uri, data, "--commit-every", "0.001", "--json")
     # The fault comes from outside, as a real one does: once the build has committed twice (its first
     # unit with the teacher, then one more), the endpoint starts refusing.
     direct = boto3.client("s3", endpoint_url=s3_endpoint, region_name="us-east-1")

@@ -55,17 +55,17 @@ def write_parquet(path: Path, rows: list[dict]) -> Path:
 
 
 def write_arrow_file(path: Path, rows: list[dict]) -> Path:
-    table = _table(rows)
-    with pa.ipc.new_file(path, table.schema) as writer:
-        for batch in table.to_batches(max_chunksize=2):
-            writer.write_batch(batch)
-    return path
+    return _write_ipc(path, rows, pa.ipc.new_file)
 
 
 def write_arrow_stream(path: Path, rows: list[dict]) -> Path:
+    return _write_ipc(path, rows, pa.ipc.new_stream)
+
+
+def _write_ipc(path: Path, rows: list[dict], open_writer) -> Path:
     table = _table(rows)
-    with pa.ipc.new_stream(path, table.schema) as writer:
-        for batch in table.to_batches(max_chunksize=2):
+    with open_writer(path, table.schema) as writer:
+        for batch in table.to_batches(max_chunksize=2):  # several batches
             writer.write_batch(batch)
     return path
 

@@ -7,7 +7,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -15,23 +14,20 @@ import numpy as np
 import pytest
 import torch
 
-from logitstore.data import SAMPLE_CORPUS
 from logitstore.pipelines.build import BuildConfig, run_build
 from logitstore.samples import SparseSamples
 from logitstore.sparsity import Sparsity
 from logitstore.trainer.config import TrainConfig
 from logitstore.trainer.live import LiveConfig, LiveTeacher, _allocate_ring, _write_slot
 from logitstore.trainer.train import launch
+from tests.conftest import CLI, sample_corpus_head
 
 COMMON = dict(seq_len=64, micro_batch=2, warmup_steps=2, lr=5e-3, eval_fraction=0.2)
 
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> Path:
-    docs = [json.loads(line) for line in SAMPLE_CORPUS.read_text().splitlines()[:8]]
-    path = tmp_path_factory.mktemp("data") / "corpus.jsonl"
-    path.write_text("".join(json.dumps({"id": d["id"], "text": d["text"][:900]}) + "\n" for d in docs))
-    return path
+    return sample_corpus_head(tmp_path_factory.mktemp("data") / "corpus.jsonl", docs=8, chars=900)
 
 
 def live_config(corpus: Path) -> LiveConfig:
@@ -145,7 +141,7 @@ def _start(corpus: Path, out: Path) -> subprocess.Popen:
         "2",
     ]
     return subprocess.Popen(
-        [sys.executable, "-m", "logitstore.cli.app", *args],
+        [*CLI, *args],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,

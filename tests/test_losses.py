@@ -169,13 +169,17 @@ def test_forward_kl_with_everything_stored_is_the_full_kl(temperature):
     teacher = _teacher_logits(3)
     t = _sparsify(teacher, [V] * P)
     assert float(t.tail.abs().max()) == 0.0
+    # exact tempered teacher: no tail to approximate
+    _assert_equals_full_kl(t, torch.log_softmax(teacher / temperature, dim=-1), temperature, _student_logits(3))
+
+
+def _assert_equals_full_kl(t, p_log, temperature, z):
+    """distill_loss on `t` equals T^2 KL(p || softmax(z / T)) against the dense `p_log`, value and gradient."""
     T = temperature
-    p_log = torch.log_softmax(teacher / T, dim=-1)  # exact tempered teacher: no tail to approximate
 
     def full_kl(z):
         return T**2 * (p_log.exp() * (p_log - torch.log_softmax(z.double() / T, dim=-1))).sum(-1).mean()
 
-    z = _student_logits(3)
     got, got_grad = _loss_and_grad(lambda x: distill_loss(x, t, LossConfig(temperature=T)), z)
     want, want_grad = _loss_and_grad(full_kl, z.double())
     assert got == pytest.approx(want, abs=1e-5)
@@ -232,17 +236,7 @@ def test_sampled_estimator_expectation_is_exact(temperature):
     t = _sparsify(teacher, [V] * P)
     t.n_draws = 8
     t.entry_counts = (8 * t.entry_logprobs.double().exp()).float()
-    T = temperature
-    p_log = torch.log_softmax(teacher, dim=-1)
-
-    def kl(z):
-        return T**2 * (p_log.exp() * (p_log - torch.log_softmax(z.double() / T, dim=-1))).sum(-1).mean()
-
-    z = _student_logits(8)
-    got, got_grad = _loss_and_grad(lambda x: distill_loss(x, t, LossConfig(temperature=T)), z)
-    want, want_grad = _loss_and_grad(kl, z.double())
-    assert got == pytest.approx(want, abs=1e-5)
-    assert (got_grad - want_grad).abs().max() < 1e-5
+    _assert_equals_full_kl(t, torch.log_softmax(teacher, dim=-1), temperature, _student_logits(8))
 
 
 def test_sampled_estimator_is_unbiased_over_draws():

@@ -10,7 +10,6 @@ import dataclasses
 import json
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -23,6 +22,7 @@ from logitstore.synthetic import random_samples
 from logitstore.trainer.config import TrainConfig
 from logitstore.trainer.run_folder import MARKER
 from logitstore.trainer.train import launch
+from tests.conftest import CLI
 
 VOCAB = 1000
 COMMON = dict(seq_len=32, micro_batch=2, warmup_steps=2, lr=5e-3, eval_fraction=0.2)
@@ -167,19 +167,7 @@ def test_a_read_only_filesystem_out_is_one_line(store, tmp_path):
     probe = subprocess.run(["unshare", "-m", "sh", "-c", f"mount -t tmpfs -o ro tmpfs {mount}"], capture_output=True)
     if probe.returncode:
         pytest.skip(f"cannot mount a read-only tmpfs here: {probe.stderr.decode().strip()}")
-    command = [
-        sys.executable,
-        "-m",
-        "logitstore.cli.app",
-        "train",
-        "--store",
-        store,
-        "--out",
-        f"{mount}/run",
-        "--steps",
-        "1",
-        *FLAGS,
-    ]
+    command = [*CLI, "train", "--store", store, "--out", f"{mount}/run", "--steps", "1", *FLAGS]
     result = subprocess.run(
         ["unshare", "-m", "sh", "-c", f'mount -t tmpfs -o ro tmpfs {mount} && exec "$@"', "sh", *command],
         capture_output=True,
@@ -213,24 +201,8 @@ def test_an_error_inside_two_ranks_is_one_line_with_its_exit_code(store, tmp_pat
     command prints one line and exits 2, and the failed start leaves --out unclaimed."""
     out = tmp_path / "run"
     result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "logitstore.cli.app",
-            "train",
-            "--store",
-            store,
-            "--out",
-            str(out),
-            "--nproc",
-            "2",
-            "--steps",
-            "1",
-            "--seq-len",
-            "100000",
-            "--micro-batch",
-            "1",
-        ],
+        [*CLI, "train", "--store", store, "--out", str(out), "--nproc", "2", "--steps", "1"]
+        + ["--seq-len", "100000", "--micro-batch", "1"],
         capture_output=True,
         text=True,
         timeout=300,

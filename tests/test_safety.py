@@ -8,6 +8,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -19,7 +23,7 @@ from logitstore.errors import DamagedDataError
 from logitstore.store import Store, TeacherMeta
 from logitstore.synthetic import random_samples
 from logitstore.verify import verify
-from tests.conftest import without_progress
+from tests.conftest import CLI, small_build, without_progress
 
 VOCAB = 1000
 
@@ -150,23 +154,7 @@ def jsonl(path: Path, rows: list[dict]) -> Path:
 
 
 def build(teacher: str, store, data, *extra):
-    return run(
-        "build",
-        "--teacher",
-        teacher,
-        "--store",
-        store,
-        "--data",
-        data,
-        "--id-column",
-        "id",
-        "--max-length",
-        "32",
-        "--unit-tokens",
-        "64",
-        "--json",
-        *extra,
-    )
+    return run(*small_build(teacher, store, data, "--json", *extra))
 
 
 def index_of(store) -> dict[str, tuple[str, str]]:
@@ -313,10 +301,6 @@ print("ok")
 
 
 def test_creating_one_store_from_two_processes_at_once_is_idempotent(tmp_path):
-    import subprocess
-    import sys
-    import time
-
     uris = [str(tmp_path / f"store{i}") for i in range(8)]
     start = str(time.time() + 4)  # after both interpreters have imported logitstore
     children = [
@@ -333,34 +317,12 @@ def test_creating_one_store_from_two_processes_at_once_is_idempotent(tmp_path):
 
 
 def test_two_builds_of_the_same_data_at_once_store_it_once(tiny_teacher, tmp_path):
-    import subprocess
-    import sys
-
     rows = [{"id": f"d{i}", "text": f"Document {i}: " + LONG[: 60 + 20 * i]} for i in range(6)]
     data = jsonl(tmp_path / "d.jsonl", rows)
     reference = tmp_path / "reference"
     assert build(tiny_teacher, reference, data).exit_code == 0
     store = tmp_path / "store"
-    command = [
-        sys.executable,
-        "-m",
-        "logitstore.cli.app",
-        "build",
-        "--teacher",
-        tiny_teacher,
-        "--store",
-        str(store),
-        "--data",
-        str(data),
-        "--id-column",
-        "id",
-        "--max-length",
-        "32",
-        "--unit-tokens",
-        "64",
-        "--commit-every",
-        "0.001",
-    ]
+    command = [*CLI, *small_build(tiny_teacher, store, data, "--commit-every", "0.001")]
     children = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
     for child in children:
         _, err = child.communicate(timeout=240)
@@ -431,10 +393,6 @@ for args in (["tag", store, "v2"], ["build", "--store", store, "--data", cli[0],
 
 def test_writes_to_a_read_only_filesystem_are_one_line(tiny_teacher, tmp_path):
     """A real read-only mount, in a private mount namespace (`unshare -m`): nothing outside sees it."""
-    import shutil
-    import subprocess
-    import sys
-
     uri = str(tmp_path / "store")
     write_store(uri)
     probe = ["unshare", "-m", "sh", "-c", f"mount --bind {uri} {uri} && mount -o remount,bind,ro {uri} {uri}"]
@@ -457,31 +415,10 @@ def test_writes_to_a_read_only_filesystem_are_one_line(tiny_teacher, tmp_path):
 
 
 def test_a_piped_build_reports_progress_in_tokens_from_the_first_batch(tiny_teacher, tmp_path):
-    import subprocess
-    import sys
-
     rows = [{"id": f"d{i}", "text": f"Document {i}: " + LONG} for i in range(8)]
     data = jsonl(tmp_path / "d.jsonl", rows)
     result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "logitstore.cli.app",
-            "build",
-            "--teacher",
-            tiny_teacher,
-            "--store",
-            str(tmp_path / "store"),
-            "--data",
-            str(data),
-            "--max-length",
-            "32",
-            "--unit-tokens",
-            "64",
-            "--batch-tokens",
-            "64",
-            "--json",
-        ],
+        [*CLI, *small_build(tiny_teacher, tmp_path / "store", data, "--batch-tokens", "64", "--json", id_column=None)],
         capture_output=True,
         text=True,
         timeout=240,

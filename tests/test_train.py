@@ -6,7 +6,6 @@ import json
 import re
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -14,10 +13,10 @@ import pytest
 from typer.testing import CliRunner
 
 from logitstore.cli.app import app
-from logitstore.data import SAMPLE_CORPUS
 from logitstore.pipelines.build import BuildConfig, run_build
 from logitstore.trainer.config import TrainConfig
 from logitstore.trainer.train import launch
+from tests.conftest import CLI, sample_corpus_head
 
 COMMON = dict(seq_len=64, micro_batch=2, warmup_steps=2, lr=5e-3, eval_fraction=0.2)
 
@@ -27,9 +26,7 @@ def store(tmp_path_factory) -> str:
     """~3k teacher tokens of the sample corpus, distilled by the default teacher (top-16)."""
     from logitstore.sparsity import Sparsity
 
-    docs = [json.loads(line) for line in SAMPLE_CORPUS.read_text().splitlines()[:12]]
-    data = tmp_path_factory.mktemp("data") / "corpus.jsonl"
-    data.write_text("".join(json.dumps({"id": d["id"], "text": d["text"][:1200]}) + "\n" for d in docs))
+    data = sample_corpus_head(tmp_path_factory.mktemp("data") / "corpus.jsonl", docs=12, chars=1200)
     uri = str(tmp_path_factory.mktemp("store") / "store")
     run_build(
         BuildConfig(store=uri, data=str(data), id_column="id", max_length=128, sparsity=Sparsity(k=16), progress=False),
@@ -109,9 +106,7 @@ def test_killed_run_resumes_with_bit_identical_losses(store, tmp_path):
         "--eval-fraction",
         "0.2",
     ]
-    child = subprocess.Popen(
-        [sys.executable, "-m", "logitstore.cli.app", *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
+    child = subprocess.Popen([*CLI, *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 240
     while not (out / "step-3").exists() and child.poll() is None and time.monotonic() < deadline:
         time.sleep(0.1)
