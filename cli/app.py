@@ -11,10 +11,10 @@ from __future__ import annotations
 import functools
 import json
 import math
-import sys
-from typing import Annotated, Literal, Optional
+from typing import Annotated, Any, Literal, Optional
 
 import typer
+from typer.models import CommandInfo
 
 from logitstore.errors import LogitstoreError
 
@@ -45,20 +45,21 @@ TrainOn = Literal["completion", "prompt+completion"]  # logitstore.chat.TRAIN_ON
 LIVE_PANEL = "Live mode (instead of --store)"
 
 
-def _live_flag(kind: type, help_text: str):
-    """A flag of `train --live-teacher` that means what build's flag of the same name means; None when not
-    given (`LiveConfig.from_flags` knows what was given)."""
-    return Annotated[Optional[kind], typer.Option(rich_help_panel=LIVE_PANEL, help=f"Live mode: {help_text}")]
+def _live_flag(help_text: str) -> Any:
+    """The option of a `train --live-teacher` flag that means what build's flag of the same name means;
+    None when not given (`LiveConfig.from_flags` knows what was given). `Any` as typer types it: it stands in
+    for the parameter's default."""
+    return typer.Option(rich_help_panel=LIVE_PANEL, help=f"Live mode: {help_text}")
 
 
-LiveData = _live_flag(str, "the data, as build --data (default: the shipped corpus).")
-LiveTextColumn = _live_flag(str, "as build --text-column (default text).")
-LiveIdColumn = _live_flag(str, "as build --id-column.")
-LiveMaxLength = _live_flag(int, "as build --max-length (default 1024).")
-LiveTopK = _live_flag(int, "as build --top-k.")
-LiveTopP = _live_flag(float, "as build --top-p.")
-LiveSample = _live_flag(int, "as build --sample.")
-LiveTemperature = _live_flag(float, "as build --temperature (default 1.0).")
+LiveData = Annotated[Optional[str], _live_flag("the data, as build --data (default: the shipped corpus).")]
+LiveTextColumn = Annotated[Optional[str], _live_flag("as build --text-column (default text).")]
+LiveIdColumn = Annotated[Optional[str], _live_flag("as build --id-column.")]
+LiveMaxLength = Annotated[Optional[int], _live_flag("as build --max-length (default 1024).")]
+LiveTopK = Annotated[Optional[int], _live_flag("as build --top-k.")]
+LiveTopP = Annotated[Optional[float], _live_flag("as build --top-p.")]
+LiveSample = Annotated[Optional[int], _live_flag("as build --sample.")]
+LiveTemperature = Annotated[Optional[float], _live_flag("as build --temperature (default 1.0).")]
 
 
 def _no_placeholder_for_flags(display_type_rich):
@@ -72,7 +73,10 @@ def _no_placeholder_for_flags(display_type_rich):
     return display
 
 
-typer.core.TyperOption.display_type_rich = _no_placeholder_for_flags(typer.core.TyperOption.display_type_rich)
+# A monkeypatch of typer's method, on purpose (mypy's method-assign flags exactly that).
+typer.core.TyperOption.display_type_rich = _no_placeholder_for_flags(  # type: ignore[method-assign]
+    typer.core.TyperOption.display_type_rich
+)
 
 # The order commands are listed in --help: the order of use.
 COMMAND_ORDER = ("build", "train", "eval", "info", "ls", "show", "diff", "log", "tag", "verify")
@@ -466,8 +470,8 @@ def build(
     from logitstore.pipelines.inputs import check_input, dataset_source
 
     # The input before anything heavy (torch, a teacher, a store): a wrong path or column shows in ~1 s.
-    data = dataset_source(data, split=split, config=data_config)
-    check_input(data, text_column=text_column, id_column=id_column, ids_column=ids_column, chat_column=chat_column)
+    source = dataset_source(data, split=split, config=data_config)
+    check_input(source, text_column=text_column, id_column=id_column, ids_column=ids_column, chat_column=chat_column)
     from logitstore.pipelines.build import BuildConfig, run_builds, summary_json
     from logitstore.pipelines.engines import engine_class
     from logitstore.sparsity import default_sparsity, sparsity_from_flags
@@ -478,7 +482,7 @@ def build(
     )
     cfg = BuildConfig(
         store=store,
-        data=data,
+        data=source,
         student_tokenizers=tuple(student_tokenizer or ()),
         text_column=text_column,
         id_column=id_column,
@@ -503,7 +507,7 @@ def build(
         chat_column=chat_column,
         train_on=train_on,
     )
-    summary = run_builds(cfg, list(teacher or [None]))
+    summary = run_builds(cfg, list(teacher) if teacher else [None])
     if json_out:
         typer.echo(summary_json(summary))
     else:
@@ -838,7 +842,13 @@ def _program(
         raise typer.Exit(0)
 
 
-app.registered_commands.sort(key=lambda c: COMMAND_ORDER.index(c.name or c.callback.__name__))
+def _listed_at(command: CommandInfo) -> int:
+    """Where `command` is listed in --help: its name's place (or its function's) in `COMMAND_ORDER`."""
+    assert command.callback is not None, "every command here is a decorated function"
+    return COMMAND_ORDER.index(command.name or command.callback.__name__)
+
+
+app.registered_commands.sort(key=_listed_at)
 
 
 def main() -> None:
@@ -846,4 +856,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Generator, Iterable
 from typing import TypeVar
 
 T = TypeVar("T")
@@ -16,7 +16,7 @@ _POLL_SECONDS = 0.1  # how soon a blocked producer notices that the consumer lef
 _ITEM, _END, _ERROR = range(3)
 
 
-def read_ahead(items: Iterable[T], *, depth: int, name: str) -> Iterator[T]:
+def read_ahead(items: Iterable[T], *, depth: int, name: str) -> Generator[T, None, None]:
     """The items of `items`, produced by a daemon thread named `name` up to `depth` items ahead. The
     thread starts at the first `next()`. An exception in the producer is raised here, after the items
     before it, with its traceback. Closing the iterator (or leaving a loop over it) stops the thread

@@ -288,10 +288,9 @@ def _family(spec: dict) -> dict:
     fam = {
         "byte_level": "ByteLevel" in types,
         "space": None,
-        "byte_fallback": bool(model.get("byte_fallback")),
+        "byte_fallback": bool(model.get("byte_fallback")) or "ByteFallback" in types,
         "prefix": "",
     }
-    fam["byte_fallback"] |= "ByteFallback" in types
     for c in parts:
         if c["type"] == "Metaspace":
             fam["space"] = c.get("replacement") or "▁"

@@ -189,7 +189,7 @@ class S3Blobs(BlobStore):
 
     def list(self, prefix: str = "") -> list[str]:
         paginator = self._client.get_paginator("list_objects_v2")
-        keys = []
+        keys: list[str] = []
         strip = len(self.prefix) + 1 if self.prefix else 0
         pages = self._call(
             lambda: list(paginator.paginate(Bucket=self.bucket, Prefix=self._key(prefix))),

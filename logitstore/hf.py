@@ -41,9 +41,10 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from transformers import Trainer
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, TrainOutput, get_last_checkpoint
 
 import logitstore
 from logitstore.errors import LogitstoreError
@@ -54,8 +55,15 @@ from logitstore.trainer.losses import LossConfig
 from logitstore.trainer.objective import batch_loss, held_out_metrics, student_outputs
 from logitstore.trainer.run_folder import write_atomic
 
+# The mixin's methods call Trainer's (`self.args`, `super().train`): the type checker sees it as a Trainer,
+# while at run time it stays a plain class placed before the Trainer class it is mixed into.
+if TYPE_CHECKING:
+    _TrainerBase = Trainer
+else:
+    _TrainerBase = object
 
-class StoreDistillation:
+
+class StoreDistillation(_TrainerBase):
     """What `DistillationTrainer` and `DistillationSFTTrainer` add to their Trainer: the store's stream as
     the training data and logitstore's loss; mixed in before the Trainer class."""
 
@@ -82,6 +90,7 @@ class StoreDistillation:
                 "DistillationTrainer needs exactly one of a store (store=URI) and a live teacher (live=LiveConfig)"
             )
         self.loss_config = loss if isinstance(loss, LossConfig) else LossConfig(kind=loss)
+        self.signal: LiveData | StoreData
         if live is not None:
             self.signal = LiveData(
                 live,
@@ -90,6 +99,7 @@ class StoreDistillation:
                 micro_batch=max(args.per_device_train_batch_size, args.per_device_eval_batch_size),
             )
         else:
+            assert store is not None  # exactly one of store and live, checked above
             self.signal = StoreData(
                 logitstore.open(store, version),
                 seq_len=seq_len,
@@ -115,17 +125,18 @@ class StoreDistillation:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs):
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> TrainOutput:
         """Trainer's `train`; resuming a checkpoint continues the stream from its `logitstore_stream.json`."""
         if resume_from_checkpoint is True:
-            resume_from_checkpoint = get_last_checkpoint(self.args.output_dir)
-            if resume_from_checkpoint is None:
+            last: str | None = get_last_checkpoint(self.args.output_dir)  # unannotated in transformers
+            if last is None:
                 raise LogitstoreError(f"no checkpoint to resume in {self.args.output_dir}")
+            resume_from_checkpoint = last
         self._resume_state = None
         if resume_from_checkpoint:
             self._resume_state = _read_stream_state(resume_from_checkpoint)
             self.args.ignore_data_skip = True  # the stream resumes itself: Trainer must not skip batches too
-        return super().train(resume_from_checkpoint=resume_from_checkpoint or None, **kwargs)
+        return super().train(resume_from_checkpoint or None, *args, **kwargs)
 
     def get_train_dataloader(self):
         """The store's stream, one packed micro-batch per item. Not passed through accelerate: the stream
@@ -161,6 +172,7 @@ class StoreDistillation:
         forward KL to the teacher (`eval_kl`) and CE (`eval_ce`) over its supervised positions, the same
         numbers as `logitstore eval`. Trainer's own evaluation loop and `eval_dataset` are not used."""
         model = self.model
+        assert model is not None  # given at construction (no model_init)
         was_training = model.training
         model.eval()
         with self.signal.stream(

@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import hashlib
 import io
+from collections.abc import Sequence
+from typing import cast
 
 import numpy as np
 import pyarrow as pa
@@ -72,7 +74,7 @@ def part_rows(
     enc: EncodedSamples,
     n_tokens: np.ndarray,
     source_hashes: list[str | None] | None = None,
-    students: list[StudentTokens] = (),
+    students: Sequence[StudentTokens] = (),
 ) -> pa.Table:
     """Index rows for one freshly encoded part (its arrays start at row 0). `students` follow the
     order of the teacher's student tokenizers."""
@@ -112,7 +114,7 @@ def _offsets(counts) -> np.ndarray:
     return np.concatenate([[0], np.cumsum(np.asarray(counts, dtype=np.int64))])
 
 
-def sample_hashes(enc: EncodedSamples, n_tokens: np.ndarray, *, students: list[StudentTokens] = ()) -> list[str]:
+def sample_hashes(enc: EncodedSamples, n_tokens: np.ndarray, *, students: Sequence[StudentTokens] = ()) -> list[str]:
     """blake2b-128 of each sample's encoded arrays (and its student tokens and alignment, if any).
     One Python iteration per sample, not per token."""
     token_off, position_off, entry_off = encoded_offsets(enc, n_tokens)
@@ -121,17 +123,17 @@ def sample_hashes(enc: EncodedSamples, n_tokens: np.ndarray, *, students: list[S
     per_position = [enc.n_entries, enc.tail, enc.target_logprobs]
     per_entry = [a for a in (enc.entry_codes, enc.entry_logprobs, enc.entry_counts) if a is not None]
     out = []
-    # Slices go to blake2b as buffers, not copies (`tobytes`); the bytes hashed are the same.
+    # Slices go to blake2b as buffers (`.data`, a memoryview), not copies (`tobytes`); the bytes hashed are the same.
     for s in range(len(n_tokens)):
         h = hashlib.blake2b(digest_size=16)
         for arrays, off in ((per_token, token_off), (per_position, position_off), (per_entry, entry_off)):
             for a in arrays:
-                h.update(np.ascontiguousarray(a[off[s] : off[s + 1]]))
+                h.update(np.ascontiguousarray(a[off[s] : off[s + 1]]).data)
         for ids, id_off, groups, group_off, mask in student_arrays:
-            h.update(np.ascontiguousarray(ids[id_off[s] : id_off[s + 1]], dtype=np.int32))
-            h.update(np.ascontiguousarray(groups[group_off[s] : group_off[s + 1]], dtype=np.int32))
+            h.update(np.ascontiguousarray(ids[id_off[s] : id_off[s + 1]], dtype=np.int32).data)
+            h.update(np.ascontiguousarray(groups[group_off[s] : group_off[s + 1]], dtype=np.int32).data)
             if mask is not None:
-                h.update(np.ascontiguousarray(mask[id_off[s] : id_off[s + 1]], dtype=np.uint8))
+                h.update(np.ascontiguousarray(mask[id_off[s] : id_off[s + 1]], dtype=np.uint8).data)
         out.append(h.hexdigest())
     return out
 
@@ -169,8 +171,9 @@ def diff_indexes(a: pa.Table, b: pa.Table) -> dict[str, list[dict]]:
     import polars as pl  # here, not at the top: it costs ~0.2 s at every CLI start and only diff needs it
 
     key = ["teacher", "sample_id"]
-    left = pl.from_arrow(a).select(*key, "content_hash")
-    right = pl.from_arrow(b).select(*key, "content_hash")
+    # From a Table, always a DataFrame (polars types any Arrow input; pyarrow has no types here).
+    left = cast(pl.DataFrame, pl.from_arrow(a)).select(*key, "content_hash")
+    right = cast(pl.DataFrame, pl.from_arrow(b)).select(*key, "content_hash")
     added = right.join(left, on=key, how="anti").select(key)
     removed = left.join(right, on=key, how="anti").select(key)
     both = left.join(right, on=key, how="inner", suffix="_b")

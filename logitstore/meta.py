@@ -11,6 +11,7 @@ import datetime as dt
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import cast
 
 import icechunk
 import numpy as np
@@ -236,6 +237,30 @@ def mismatch_message(old: TeacherMeta, new: TeacherMeta) -> str:
             "--engine and --dtype, or store this one as another teacher (--teacher-name)"
         )
     return f"the store's teacher {old.name!r} uses codec {old.codec}, this write {new.codec}"
+
+
+# zarr types every member of a group as an array or a group, every read of an array as any array-like or
+# scalar, and every attribute as any JSON value; the store's layout fixes which one each is.
+
+
+def group_at(parent: zarr.Group, path: str) -> zarr.Group:
+    """`parent[path]`, where the store's layout puts a group."""
+    return cast(zarr.Group, parent[path])
+
+
+def array_at(parent: zarr.Group, path: str) -> zarr.Array:
+    """`parent[path]`, where the store's layout puts an array."""
+    return cast(zarr.Array, parent[path])
+
+
+def read_values(array: zarr.Array, rows: slice = slice(None)) -> np.ndarray:
+    """`array[rows]` of a 1-D array: a numpy array."""
+    return cast(np.ndarray, array[rows])
+
+
+def json_attr(node: zarr.Group | zarr.Array, key: str) -> dict:
+    """An attribute that logitstore writes as a JSON object (its "logitstore", "logitstore_teacher", ...)."""
+    return cast(dict, node.attrs[key])
 
 
 def root_attrs(session: icechunk.Session) -> dict:

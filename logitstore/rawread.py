@@ -38,8 +38,9 @@ def read_arrays(store, paths: list[str]) -> list[np.ndarray] | None:
     """The whole 1-D arrays at `paths` of a Zarr v3 store, or None if any of them is not laid out as
     logitstore writes it (then read them with Zarr). One hand-over to Zarr's event loop per round."""
     metadata = _get_many(store, [f"{p}/zarr.json" for p in paths], what=f"reading the metadata of {paths[0]} and more")
-    layouts = [_layout(json.loads(b.to_bytes())) if b is not None else None for b in metadata]
-    if any(layout is None for layout in layouts):
+    found = [_layout(json.loads(b.to_bytes())) if b is not None else None for b in metadata]
+    layouts = [layout for layout in found if layout is not None]
+    if len(layouts) < len(found):
         return None
     keys = [[f"{p}/c/{i}" for i in range(layout.n_objects)] for p, layout in zip(paths, layouts)]
     fetched = iter(_get_many(store, [k for ks in keys for k in ks], what=f"reading {paths[0]} and more"))

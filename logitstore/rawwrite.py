@@ -25,13 +25,16 @@ import json
 import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import cast
 
 import google_crc32c
 import numpy as np
 import zarr
 from numcodecs import Blosc
+from zarr.codecs import ShardingCodec
 from zarr.core.buffer import default_buffer_prototype
 from zarr.core.group import GroupMetadata
+from zarr.core.metadata import ArrayV3Metadata
 from zarr.core.sync import sync
 
 _EMPTY = np.uint64(2**64 - 1)  # the shard index's offset and length of an inner chunk not written
@@ -171,7 +174,9 @@ def _template(*, dtype: str, chunk: int, shard: int, blosc: str, crc: str, fill_
         filters=grid or None,
     )
     metadata = array.metadata
+    assert isinstance(metadata, ArrayV3Metadata)  # create_array's default format
     (sharding,) = metadata.codecs
+    assert isinstance(sharding, ShardingCodec)  # with `shards`, zarr puts every other codec inside this one
     inner = [c.to_dict() for c in sharding.codecs[len(grid) :]]  # the grid codec, if any, comes first
     expected = ["bytes", "blosc", "crc32c"]
     if (
@@ -180,7 +185,7 @@ def _template(*, dtype: str, chunk: int, shard: int, blosc: str, crc: str, fill_
         or [c.to_dict()["name"] for c in sharding.index_codecs] != ["bytes", "crc32c"]
     ):
         raise NotImplementedError(f"zarr laid the array out as {inner}; rawwrite writes {expected} only")
-    config = inner[1]["configuration"]
+    config = cast(dict, inner[1]["configuration"])  # BloscCodec.to_dict's, a JSON object
     shuffle = {"noshuffle": Blosc.NOSHUFFLE, "shuffle": Blosc.SHUFFLE, "bitshuffle": Blosc.BITSHUFFLE}[
         config["shuffle"]
     ]

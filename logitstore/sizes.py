@@ -35,6 +35,7 @@ def parse_bytes(value: int | str, *, name: str = "size") -> int:
     (e.g. "--memory-budget")."""
     if isinstance(value, bool) or not isinstance(value, (int, str)):
         raise SizeError(f"{name} must be a number of bytes or a string like '512MB' or '2GiB', got {value!r}")
+    number: float
     if isinstance(value, int):
         number, unit = value, ""
     else:

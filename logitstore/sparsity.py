@@ -57,7 +57,10 @@ class Sparsity:
     @property
     def width(self) -> int:
         """Entries the forward pass produces per position before selection."""
-        return self.n if self.sampled else self.k
+        if self.sampled:
+            assert self.n is not None  # __post_init__ requires n for sampled mode
+            return self.n
+        return self.k
 
     def describe(self) -> str:
         """As a user would write it: "top-64", "top-p 0.95 (cap 64)", "sampled 16", with the temperature."""

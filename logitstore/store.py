@@ -31,6 +31,7 @@ import zarr
 
 from logitstore import index
 from logitstore.bounded import (
+    BoundedRepository,
     create_repository,
     open_repository,
     repository_exists,
@@ -71,7 +72,7 @@ from logitstore.writer import PartWriter, StoreWriter, WrittenPart, array_kwargs
 class Store:
     """A versioned store at one location. Cheap to open; reads and writes go through versions."""
 
-    def __init__(self, location: Location, repo: icechunk.Repository, blobs):
+    def __init__(self, location: Location, repo: BoundedRepository, blobs):
         self.location = location
         self.repo = repo
         self.blobs = blobs
@@ -251,13 +252,13 @@ class Store:
         return index.read_index(self.blobs, self.index_key(snapshot_id))
 
 
-def _open_existing(storage: icechunk.Storage, location: Location) -> icechunk.Repository:
+def _open_existing(storage: icechunk.Storage, location: Location) -> BoundedRepository:
     if not repository_exists(storage, where=location.uri):
         raise StoreNotFoundError(f"{location.uri} is not a logitstore store (no store there)")
     return open_repository(storage, where=location.uri)
 
 
-def _open_or_create(storage: icechunk.Storage, location: Location) -> icechunk.Repository:
+def _open_or_create(storage: icechunk.Storage, location: Location) -> BoundedRepository:
     """Create the repository unless it exists. Two processes may race here: Icechunk lets one create
     win (its first ref write is conditional) and the loser then opens what the winner made."""
     deadline = time.monotonic() + CREATE_WAIT_S
@@ -297,12 +298,12 @@ def _only_repository_files(location: Location) -> bool:
     return path.is_dir() and all(entry.name in _REPOSITORY_FILES for entry in path.iterdir())
 
 
-def _is_bare(repo: icechunk.Repository) -> bool:
+def _is_bare(repo: BoundedRepository) -> bool:
     """Created by Icechunk but not yet initialised by logitstore: only Icechunk's first snapshot."""
     return len(list(repo.ancestry(branch=DEFAULT_BRANCH))) == 1
 
 
-def _initialise(repo: icechunk.Repository, location: Location) -> None:
+def _initialise(repo: BoundedRepository, location: Location) -> None:
     session = repo.writable_session(DEFAULT_BRANCH)
     root = zarr.open_group(session.store, mode="a")
     if "teachers" in root:  # a concurrent creation initialised it between our look and this session

@@ -24,7 +24,9 @@ def random_samples(
     """Real log-softmax distributions over `vocab` from random logits; top-k, top-p-capped or sampled."""
     rng = np.random.default_rng(seed)
     lengths = rng.integers(min_tokens, max_tokens + 1, len(sample_ids))
-    parts = {name: [] for name in ("input_ids", "n_entries", "entry_ids", "entry_logprobs", "tail", "target", "counts")}
+    parts: dict[str, list] = {
+        name: [] for name in ("input_ids", "n_entries", "entry_ids", "entry_logprobs", "tail", "target", "counts")
+    }
     for T in lengths:
         tokens = rng.integers(0, vocab, T)
         logits = rng.normal(size=(T - 1, vocab)) * rng.uniform(0.5, 6, size=(T - 1, 1))

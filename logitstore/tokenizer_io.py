@@ -43,6 +43,7 @@ def parse_tokenizer_spec(spec: str) -> tuple[str, str]:
     happens to contain `=` (in a directory's name, say) still parses as a bare path."""
     if not isinstance(spec, str) or not spec.strip():
         raise TokenizerError(f"{FLAG}: empty value; expected [NAME=]PATH")
+    name: str | None
     name, sep, path = spec.partition("=")
     if not sep or "/" in name or os.sep in name:
         name, path = None, spec
@@ -74,13 +75,14 @@ def load_tokenizer(path: str):
 
     Every failure (missing path, unreadable files, a slow-only tokenizer) is one `TokenizerError`
     line naming the path, since the path came from the user."""
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+    from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
     from logitstore.hub import is_hub_id, local_folder
 
     full = str(local_folder(path, flag="--student-tokenizer")) if is_hub_id(path) else os.path.expanduser(path)
     if not os.path.exists(full):
         raise TokenizerError(f"tokenizer {path!r}: no such file or directory")
+    tok: PreTrainedTokenizerBase
     try:
         if os.path.isfile(full):
             tok = PreTrainedTokenizerFast(tokenizer_file=full)

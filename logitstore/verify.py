@@ -21,6 +21,7 @@ import zarr
 
 from logitstore.errors import StorageError
 from logitstore.index import sample_hashes
+from logitstore.meta import array_at, group_at, read_values
 from logitstore.samples import StudentTokens
 from logitstore.store import ENCODED_ARRAYS, StoreVersion, slice_row
 from logitstore.zarr_codec import as_codes
@@ -70,7 +71,7 @@ def _check_metadata_and_teacher_arrays(version: StoreVersion, report: VerifyRepo
             continue
         report.arrays += 1
         try:
-            problem = _check_teacher_array(version, path, node[:])
+            problem = _check_teacher_array(version, path, read_values(node))
         except StorageError:  # an outage is not damage: stop, exit 2
             raise
         except Exception as e:  # a damaged chunk: decompression or checksum failure
@@ -116,7 +117,9 @@ def _read_part(version: StoreVersion, teacher: str, part: str) -> dict[str, np.n
         group = version.part_group(teacher, part)
         params = version.teachers[teacher].codec
         return {
-            name: as_codes(version.array(teacher, part, name)[:], params) for name in ENCODED_ARRAYS if name in group
+            name: as_codes(read_values(version.array(teacher, part, name)), params)
+            for name in ENCODED_ARRAYS
+            if name in group
         }
     except StorageError:  # an outage is not damage: stop, exit 2
         raise
@@ -130,9 +133,10 @@ def _student_tokens(version: StoreVersion, row: dict) -> list[StudentTokens]:
     for k, name in enumerate(version.teachers[row["teacher"]].student_names):
         base = f"teachers/{row['teacher']}/parts/{row['part']}/students/{name}"
         s0, n, g0, g = (row[c][k] for c in ("student_start", "n_student_tokens", "group_start", "n_groups"))
-        ids = version.root[f"{base}/ids"][s0 : s0 + n]
-        groups = version.root[f"{base}/groups"][4 * g0 : 4 * (g0 + g)]
-        mask = version.root[f"{base}/loss_mask"][s0 : s0 + n] if "loss_mask" in version.root[base] else None
+        ids = read_values(array_at(version.root, f"{base}/ids"), slice(s0, s0 + n))
+        groups = read_values(array_at(version.root, f"{base}/groups"), slice(4 * g0, 4 * (g0 + g)))
+        has_mask = "loss_mask" in group_at(version.root, base)
+        mask = read_values(array_at(version.root, f"{base}/loss_mask"), slice(s0, s0 + n)) if has_mask else None
         if len(ids) != n or len(groups) != 4 * g or (mask is not None and len(mask) != n):
             raise IndexError("index points outside the stored student arrays")
         out.append(

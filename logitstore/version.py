@@ -4,7 +4,7 @@ read-only from a snapshot by `Store.read`.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 import pyarrow.compute as pc
@@ -20,7 +20,16 @@ from logitstore.errors import (
 
 # 2: teachers registered since hold their log-probability arrays as float32 through the grid codec
 # (`zarr_codec.py`; `TeacherMeta.values`); format-1 teachers keep plain uint16 codes and read as before.
-from logitstore.meta import TeacherMeta, read_errors, root_attrs, storage_errors
+from logitstore.meta import (
+    TeacherMeta,
+    array_at,
+    group_at,
+    json_attr,
+    read_errors,
+    read_values,
+    root_attrs,
+    storage_errors,
+)
 from logitstore.samples import SparseSamples
 from logitstore.zarr_codec import as_codes
 
@@ -89,7 +98,7 @@ class StoreVersion:
     def stored_bytes(self) -> int:
         """Compressed bytes of the parts this version's index references (per-store metadata excluded)."""
         parts = set(zip(self.index["teacher"].to_pylist(), self.index["part"].to_pylist()))
-        return sum(int(self.part_group(t, p).attrs["stored_bytes"]) for t, p in parts)
+        return sum(int(cast(int, self.part_group(t, p).attrs["stored_bytes"])) for t, p in parts)
 
     def teacher_name(self, teacher: str | None) -> str:
         if teacher is not None:
@@ -135,22 +144,24 @@ class StoreVersion:
         params = self.teachers[t].codec
         with read_errors(f"sample {r['sample_id']!r} of teacher {t!r} (part {p})"):
             names = [n for n in ENCODED_ARRAYS if n in self.part_group(t, p)]
-            return slice_row(r, lambda name, rows: as_codes(self.array(t, p, name)[rows], params), names=names)
+            return slice_row(
+                r, lambda name, rows: as_codes(read_values(self.array(t, p, name), rows), params), names=names
+            )
 
     def part_group(self, teacher: str, part: str) -> zarr.Group:
-        return self.root[f"teachers/{teacher}/parts/{part}"]
+        return group_at(self.root, f"teachers/{teacher}/parts/{part}")
 
     def array(self, teacher: str, part: str, name: str) -> zarr.Array:
         key = (teacher, part, name)
         if key not in self._arrays:
-            self._arrays[key] = self.root[f"teachers/{teacher}/parts/{part}/{name}"]
+            self._arrays[key] = array_at(self.root, f"teachers/{teacher}/parts/{part}/{name}")
         return self._arrays[key]
 
     def id_of_code(self, teacher: str) -> np.ndarray:
         if teacher not in self._id_of_code:
             with read_errors(f"the id order of teacher {teacher!r} (teachers/{teacher}/code_of_id)"):
-                group = self.root[f"teachers/{teacher}"]
-                codes = group["code_of_id"][:] if "code_of_id" in group else None
+                group = group_at(self.root, f"teachers/{teacher}")
+                codes = read_values(array_at(group, "code_of_id")) if "code_of_id" in group else None
             if codes is not None:
                 self._id_of_code[teacher] = codec.invert_permutation(codes)
             else:
@@ -167,18 +178,18 @@ class StoreVersion:
                 f"teacher {teacher!r} has no student tokenizer {student!r} "
                 f"(it has: {', '.join(names) or 'none'}; see build --student-tokenizer)"
             )
-        return self.root[f"teachers/{teacher}/students/{student}"]
+        return group_at(self.root, f"teachers/{teacher}/students/{student}")
 
     def student_info(self, teacher: str, student: str) -> dict:
         """name, tokenizer_hash, vocab_size, mapped_ids, and `mapped_mass`: the mean share of the
         teacher's probability per position on tokens with an exact student counterpart (its stored
         entries only: the tail counts as unmapped), estimated on `mapped_mass_positions` positions."""
-        return dict(self.student_group(teacher, student).attrs["logitstore_student"])
+        return dict(json_attr(self.student_group(teacher, student), "logitstore_student"))
 
     def vocab_map(self, teacher: str, student: str) -> np.ndarray:
         group = self.student_group(teacher, student)
         with read_errors(f"the vocabulary map of student tokenizer {student!r} ({group.path}/vocab_map)"):
-            return group["vocab_map"][:]
+            return read_values(array_at(group, "vocab_map"))
 
     def student_tokenizer(self, teacher: str, student: str):
         from tokenizers import Tokenizer
@@ -196,14 +207,14 @@ class StoreVersion:
         with read_errors(f"student tokens of sample {sample_id!r} ({base})"):
             s0, n = r["student_start"][k], r["n_student_tokens"][k]
             g0, g = r["group_start"][k], r["n_groups"][k]
-            ids = self.root[f"{base}/ids"][s0 : s0 + n]
-            groups = self.root[f"{base}/groups"][4 * g0 : 4 * (g0 + g)].reshape(-1, 4)
+            ids = read_values(array_at(self.root, f"{base}/ids"), slice(s0, s0 + n))
+            groups = read_values(array_at(self.root, f"{base}/groups"), slice(4 * g0, 4 * (g0 + g))).reshape(-1, 4)
         return ids.astype(np.int64), groups.astype(np.int64)
 
     def tokenizer(self, teacher: str | None = None):
         """The teacher's `tokenizers.Tokenizer` if the store keeps one, else None."""
         name = self.teacher_name(teacher)
-        group = self.root[f"teachers/{name}"]
+        group = group_at(self.root, f"teachers/{name}")
         if "tokenizer" not in group:
             return None
         from tokenizers import Tokenizer
@@ -214,7 +225,7 @@ class StoreVersion:
 def _read_text(group: zarr.Group, name: str, *, what: str) -> str:
     """A stored UTF-8 document (a tokenizer.json), as text."""
     with read_errors(f"{what} ({group.path}/{name})"):
-        data = bytes(group[name][:])
+        data = bytes(read_values(array_at(group, name)))
         return data.decode("utf-8")
 
 
@@ -253,4 +264,7 @@ def slice_row(row: dict, read, *, names) -> EncodedSamples:
 def read_teachers(root: zarr.Group) -> dict[str, TeacherMeta]:
     if "teachers" not in root:
         return {}
-    return {name: TeacherMeta.from_json(g.attrs["logitstore_teacher"]) for name, g in root["teachers"].groups()}
+    return {
+        name: TeacherMeta.from_json(json_attr(g, "logitstore_teacher"))
+        for name, g in group_at(root, "teachers").groups()
+    }

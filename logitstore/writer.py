@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import secrets
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -41,9 +42,13 @@ from logitstore.meta import (
     WRITER,
     StudentTokenizer,
     TeacherMeta,
+    array_at,
+    group_at,
+    json_attr,
     mismatch_message,
     now,
     read_errors,
+    read_values,
     storage_errors,
 )
 from logitstore.samples import SparseSamples, StudentTokens
@@ -100,7 +105,7 @@ class StoreWriter:
         *,
         tokenizer_json: str | None = None,
         code_of_id: np.ndarray | None = None,
-        students: list[StudentTokenizer] = (),
+        students: Sequence[StudentTokenizer] = (),
     ) -> TeacherMeta:
         """Register a teacher (with its student tokenizers), or check that `meta` matches the one
         already in the store. `meta.students` is filled from `students`."""
@@ -115,9 +120,9 @@ class StoreWriter:
         group.attrs["logitstore_teacher"] = meta.to_json()
         group.create_group("parts")  # here, not in forks: two forks creating it would conflict
         self._added_teachers.append(meta.name)
-        if meta.values == "logprobs" and self.root.attrs["logitstore"].get("format", 1) < 2:
+        if meta.values == "logprobs" and json_attr(self.root, "logitstore").get("format", 1) < 2:
             # an older store gains a format-2 teacher: older logitstores now refuse it in one line
-            self.root.attrs["logitstore"] = {**self.root.attrs["logitstore"], "format": FORMAT_VERSION}
+            self.root.attrs["logitstore"] = {**json_attr(self.root, "logitstore"), "format": FORMAT_VERSION}
         if meta.codec.id_order == "frequency":
             assert code_of_id is not None and len(code_of_id) == meta.vocab_size, "frequency order needs code_of_id"
             write_array(group, "code_of_id", np.asarray(code_of_id, dtype=np.uint32))
@@ -272,7 +277,7 @@ class StoreWriter:
         that no concurrent writer touches."""
         teacher = sorted(self._removed)[0][0]
         with storage_errors(f"cannot write to {self.store.location.uri}"):
-            group = self.root[f"teachers/{teacher}/parts"].create_group(_new_part_name())
+            group = group_at(self.root, f"teachers/{teacher}/parts").create_group(_new_part_name())
             group.attrs.update({"samples": 0, "tokens": 0, "stored_bytes": 0, "removed": len(self._removed)})
 
     def _rebase(self) -> None:
@@ -322,7 +327,9 @@ class PartWriter:
         return {"session": self.session, "teachers": self.teachers, "where": self.where, "codes": self._codes}
 
     def __setstate__(self, state: dict) -> None:
-        self.__init__(state["session"], teachers=state["teachers"], where=state["where"], codes=state.get("codes"))
+        type(self).__init__(
+            self, state["session"], teachers=state["teachers"], where=state["where"], codes=state.get("codes")
+        )
 
     def write(
         self,
@@ -401,11 +408,10 @@ class PartWriter:
         """The teacher's id order (token id -> stored code), read once per `StoreWriter`."""
         if teacher not in self._codes:
             with read_errors(f"the id order of teacher {teacher!r} (teachers/{teacher}/code_of_id)"):
-                group = zarr.open_group(bounded_store(self.session.store, where=self.where), mode="r")[
-                    f"teachers/{teacher}"
-                ]
+                root = zarr.open_group(bounded_store(self.session.store, where=self.where), mode="r")
+                group = group_at(root, f"teachers/{teacher}")
                 codes = (
-                    group["code_of_id"][:]
+                    read_values(array_at(group, "code_of_id"))
                     if "code_of_id" in group
                     else codec.identity_order(self.teachers[teacher].vocab_size)
                 )

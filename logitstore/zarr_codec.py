@@ -19,6 +19,7 @@ Zarr finds the codec through the `zarr.codecs` entry point that installing logit
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import cast
 
 import numpy as np
 from zarr.abc.codec import ArrayArrayCodec
@@ -52,7 +53,8 @@ class LogprobGrid(ArrayArrayCodec):
     @classmethod
     def from_dict(cls, data: dict) -> LogprobGrid:
         _, configuration = parse_named_configuration(data, NAME)
-        return cls(**{k: float(v) for k, v in (configuration or {}).items()})
+        grid = cast(dict[str, float], configuration or {})  # JSON numbers, as `to_dict` writes them
+        return cls(**{k: float(v) for k, v in grid.items()})
 
     def to_dict(self) -> dict:
         return {

@@ -23,7 +23,7 @@ import json
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -182,13 +182,14 @@ def run_build(cfg: BuildConfig, *, log: Callable[[str], None] | None = None) -> 
     # The store (and a new branch) is made only with the first commit: a build that fails before leaves
     # no empty store or branch behind.
     store = Store.open_if_exists(cfg.store)
+    sparsity = _sparsity(cfg)
     meta = TeacherMeta(
         name=info.spec.name,
         vocab_size=info.vocab_size,
         content_hash=info.content_hash,
         tokenizer_hash=info.tokenizer_hash,
-        sparsity=cfg.sparsity.to_json(),
-        codec=cfg.sparsity.grid,
+        sparsity=sparsity.to_json(),
+        codec=sparsity.grid,
         loss_mask=cfg.train_on if cfg.chat_column else None,
         engine=engine.name,
         dtype=engine.resolved_dtype(settings),
@@ -271,13 +272,20 @@ def run_builds(
 
 def check_teacher_fits(cfg: BuildConfig, info) -> None:
     """Options that the teacher's config alone can refuse, before anything is read or loaded."""
-    if not cfg.sparsity.sampled and cfg.sparsity.k > info.vocab_size:
-        raise BuildError(f"--top-k {cfg.sparsity.k} is larger than the teacher's vocabulary ({info.vocab_size})")
+    sparsity = _sparsity(cfg)
+    if not sparsity.sampled and sparsity.k > info.vocab_size:
+        raise BuildError(f"--top-k {sparsity.k} is larger than the teacher's vocabulary ({info.vocab_size})")
     if info.max_positions is not None and cfg.max_length > info.max_positions:
         raise BuildError(
             f"--max-length {cfg.max_length} exceeds the teacher's context of {info.max_positions} "
             f"tokens (its config's max_position_embeddings); use at most {info.max_positions}"
         )
+
+
+def _sparsity(cfg: BuildConfig) -> Sparsity:
+    """The build's sparsity: None in a `BuildConfig` only asks for the default, which construction fills in."""
+    assert cfg.sparsity is not None, "BuildConfig.__post_init__ sets the default sparsity"
+    return cfg.sparsity
 
 
 def _store_and_branch(store: Store | None, cfg: BuildConfig) -> Store:
@@ -359,7 +367,9 @@ def _add_teacher_with_first_unit(
 def _process(store, cfg, head: list[Unit], rest: Iterator[Unit], executor, summary, progress: Progress) -> None:
     writer = store.writer(branch=cfg.branch, on_duplicate="skip")
     last_commit = time.monotonic()
-    units = read_ahead(itertools.chain(head, rest), depth=PLAN_AHEAD, name="logitstore-plan")
+    units = read_ahead(
+        itertools.chain(head, rest), depth=PLAN_AHEAD, name="logitstore-plan"
+    )  # closing it stops its thread
     try:
         # writer_for reads `writer` when called: after a commit it is the new transaction's writer
         for written, unit in executor.map(units, writer_for=lambda: writer, max_in_flight=2 * cfg.workers):  # noqa: B023
@@ -442,7 +452,7 @@ def plan_units(
     *,
     stored: StoredDocuments | None = None,
     summary: BuildSummary,
-    students: list[StudentSide] = (),
+    students: Sequence[StudentSide] = (),
     vocab_size: int | None = None,
 ) -> Iterator[Unit]:
     """Units of about `unit_tokens` tokens in input order, skipping units already stored. A long
@@ -526,7 +536,11 @@ def _unless_stored(unit: Unit, known: set[str], summary: BuildSummary) -> Iterat
         yield unit
 
 
-def _tokenize(tokenizer, docs: list) -> list[tuple[np.ndarray, dict, None]]:
+# A document tokenized: the teacher's ids, per student tokenizer its alignment, and (chat data) the loss mask.
+_Tokenized = tuple[np.ndarray, dict, np.ndarray | None]
+
+
+def _tokenize(tokenizer, docs: list) -> list[_Tokenized]:
     texts = [d.text for d in docs if d.token_ids is None]
     encoded = iter(tokenizer(texts)["input_ids"]) if texts else iter(())
     return [
@@ -534,9 +548,7 @@ def _tokenize(tokenizer, docs: list) -> list[tuple[np.ndarray, dict, None]]:
     ]
 
 
-def _tokenize_chat(
-    tokenizer, docs: list, students: list[StudentSide] = ()
-) -> list[tuple[np.ndarray, dict, np.ndarray]]:
+def _tokenize_chat(tokenizer, docs: list, students: Sequence[StudentSide] = ()) -> list[_Tokenized]:
     """Conversations rendered by the teacher's chat template: ids and the loss mask (`logitstore.chat`),
     and per student tokenizer its ids, the groups and its own mask of the same spans: a student token
     is supervised iff its bytes lie inside an assistant span."""
@@ -551,7 +563,7 @@ def _tokenize_chat(
     texts = [text for text, _ in rendered]
     encoded = align.encode_with_byte_ends(tokenizer, texts, add_special_tokens=False)
     per_student = [align.encode_with_byte_ends(st.tokenizer, texts, add_special_tokens=False) for st in students]
-    out = []
+    out: list[_Tokenized] = []
     for i, ((ids, ends), (text, spans)) in enumerate(zip(encoded, rendered)):
         byte_spans = chat.byte_spans(text, spans)
         alignments = {}
@@ -600,14 +612,14 @@ def load_student_tokenizers(specs: tuple[str, ...], *, teacher) -> list[StudentS
     return out
 
 
-def _tokenize_aligned(tokenizer, docs: list, students: list[StudentSide]) -> list[tuple[np.ndarray, dict, None]]:
+def _tokenize_aligned(tokenizer, docs: list, students: Sequence[StudentSide]) -> list[_Tokenized]:
     """Teacher ids of each document, and per student tokenizer its ids and the whole document's groups."""
     from logitstore import align
 
     texts = [d.text for d in docs]
     teacher = align.encode_with_byte_ends(tokenizer, texts)
     per_student = [align.encode_with_byte_ends(st.tokenizer, texts) for st in students]
-    out = []
+    out: list[_Tokenized] = []
     for i, (t_ids, t_ends) in enumerate(teacher):
         alignments = {}
         for st, encoded in zip(students, per_student):

@@ -43,9 +43,10 @@ import io
 import json
 import os
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -177,7 +178,7 @@ class HubDataset:
 _DATASET_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
 
 
-def dataset_source(data: str | None, *, split: str | None = None, config: str | None = None):
+def dataset_source(data: str | None, *, split: str | None = None, config: str | None = None) -> str | HubDataset | None:
     """What `--data` (with `--split`/`--data-config`) reads: the path as given, or a `HubDataset` for an
     `org/name` that is no local path, or wherever a split or configuration was asked for."""
     if data is None:
@@ -195,7 +196,7 @@ def dataset_source(data: str | None, *, split: str | None = None, config: str | 
 
 
 def check_input(
-    data: str | os.PathLike | None,
+    data: str | os.PathLike | HubDataset | None,
     *,
     text_column: str | None = "text",
     id_column: str | None = None,
@@ -223,7 +224,7 @@ def check_input(
 
 
 def read_documents(
-    data: str | os.PathLike | None,
+    data: str | os.PathLike | HubDataset | None,
     *,
     text_column: str | None = "text",
     id_column: str | None = None,
@@ -290,7 +291,7 @@ def document_ids(sample_ids: pa.Array) -> pa.Array:
     return pc.replace_substring_regex(sample_ids, pattern=WINDOW_SUFFIX, replacement="")
 
 
-def count_documents(data: str | os.PathLike | None) -> int | None:
+def count_documents(data: str | os.PathLike | HubDataset | None) -> int | None:
     """Rows in the input when cheap to know (for the progress bar's ETA), else None.
 
     Parquet and Arrow IPC files say it in their metadata; JSONL is counted by newlines at disk
@@ -299,6 +300,8 @@ def count_documents(data: str | os.PathLike | None) -> int | None:
         _root, files = _resolve(data)
         total = 0
         for path, kind in files:
+            if isinstance(path, HubDataset):
+                return None  # streamed: its rows are known only once read
             if kind == "parquet":
                 total += pq.ParquetFile(path).metadata.num_rows
             elif kind == "jsonl":
@@ -354,7 +357,7 @@ def _id_column(id_column: str | None) -> dict:
     return {"id": id_column or None}
 
 
-def _resolve(data) -> tuple[Path, list[tuple[Path, str]]]:
+def _resolve(data) -> tuple[Path, Sequence[tuple[Path | HubDataset, str]]]:
     """The input's root path and its files with their formats, in read order."""
     if data is None:
         return SAMPLE_CORPUS, [(SAMPLE_CORPUS, "jsonl")]
@@ -437,7 +440,7 @@ def _iter_documents(files, columns: _Columns, batch_rows: int) -> Iterator[Docum
                 row += part.num_rows
 
 
-def _guarded(path: Path, kind: str, batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+def _guarded(path: Path | HubDataset, kind: str, batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
     """Turn pyarrow's and the OS's read errors into one-line `DataError`s naming the file."""
     try:
         yield from batches
@@ -448,7 +451,9 @@ def _guarded(path: Path, kind: str, batches: Iterator[pa.RecordBatch]) -> Iterat
         raise DataError(f"{path}: cannot read as {kind}: {detail}") from exc
 
 
-def _check_columns(path: Path, names: list[str], roles: dict[str, str], *, header_row: bool = False) -> None:
+def _check_columns(
+    path: Path | HubDataset, names: list[str], roles: dict[str, str], *, header_row: bool = False
+) -> None:
     """Refuse a file without a named column; drop the automatic id column from `roles` where absent."""
     for column, option in list(roles.items()):
         if column in names:
@@ -605,7 +610,8 @@ def _datasets_batches(source: HubDataset, roles: dict[str, str]) -> Iterator[pa.
         raise DataError(f"--data {source}: {detail}") from None
 
 
-_READERS = {
+# A format's reader takes the source its files hold: a `Path`, or for "datasets" a `HubDataset`.
+_READERS: dict[str, Callable[[Any, dict[str, str]], Iterator[pa.RecordBatch]]] = {
     "jsonl": _jsonl_batches,
     "csv": _csv_batches,
     "parquet": _parquet_batches,
@@ -618,7 +624,9 @@ _READERS = {
 # Converting a batch into documents
 
 
-def _documents(batch: pa.RecordBatch, columns: _Columns, *, path: Path, file_row: int, row: int) -> Iterator[Document]:
+def _documents(
+    batch: pa.RecordBatch, columns: _Columns, *, path: Path | HubDataset, file_row: int, row: int
+) -> Iterator[Document]:
     n = batch.num_rows
 
     def fail(index: int, message: str, doc_ids: list[str] | None) -> DataError:
@@ -630,34 +638,39 @@ def _documents(batch: pa.RecordBatch, columns: _Columns, *, path: Path, file_row
         return DataError(f"{where}: {message}")
 
     doc_ids = None
+    tokens: list[np.ndarray] | list[None]
+    texts: list[str | None]
     try:
         if columns.id is not None and columns.id in batch.schema.names:  # the automatic one may be absent
             doc_ids = _id_values(_column(batch, columns.id), columns.id)
         if columns.chat is not None:
-            return (yield from _conversations(batch, columns, doc_ids, fail, row=row))
+            return (yield from _conversations(batch, columns.chat, doc_ids, fail, row=row))
         if columns.ids is not None:
             tokens, texts = _ids_values(_column(batch, columns.ids), columns.ids), [None] * n
         else:
+            assert columns.text is not None, "_effective_columns names a text column where no ids or chat one"
             tokens, texts = [None] * n, _text_values(_column(batch, columns.text), columns.text)
     except _BadRow as bad:
         raise fail(bad.index, bad.message, doc_ids) from None
     except _BadColumn as bad:
         raise DataError(f"{path}: {bad}") from None
     for i in range(n):
-        text = texts[i]
-        if tokens[i] is None and (text is None or not text.strip()):
+        text, token_ids = texts[i], tokens[i]
+        if token_ids is not None:
+            source = ids_hash(token_ids)
+        elif text is None or not text.strip():
             what = "null" if text is None else "empty or whitespace-only"
             raise fail(i, f"text column {columns.text!r} is {what}", doc_ids)
-        source = ids_hash(tokens[i]) if tokens[i] is not None else text_hash(text)
+        else:
+            source = text_hash(text)
         doc_id = doc_ids[i] if doc_ids is not None else source
-        yield Document(id=doc_id, text=text, token_ids=tokens[i], source_hash=source, row=row + i)
+        yield Document(id=doc_id, text=text, token_ids=token_ids, source_hash=source, row=row + i)
 
 
-def _conversations(batch: pa.RecordBatch, columns: _Columns, doc_ids, fail, *, row: int) -> Iterator[Document]:
-    """Chat rows: a list of {"role", "content"} per row (or its JSON text, as CSV holds it)."""
+def _conversations(batch: pa.RecordBatch, name: str, doc_ids, fail, *, row: int) -> Iterator[Document]:
+    """Chat rows of column `name`: a list of {"role", "content"} per row (or its JSON text, as CSV holds it)."""
     from logitstore.chat import as_messages, conversation_hash_text, message_problem
 
-    name = columns.chat
     column = _column(batch, name)
     t = column.type
     if not (pa.types.is_list(t) or pa.types.is_large_list(t) or _is_text_type(t) or pa.types.is_null(t)):

@@ -32,6 +32,7 @@ def to_samples(
             keep = np.ones(ids.shape, dtype=bool)
         else:
             selection = logprobs if batch.selection_logprobs is None else batch.selection_logprobs.cpu().numpy()[valid]
+            assert sparsity.p is not None, "Sparsity refuses top-p without p"
             keep, tail = _top_p(logprobs, selection, tail, p=sparsity.p)
         n_entries, entry_ids, entry_logprobs = keep.sum(axis=1), ids[keep], logprobs[keep]
     return SparseSamples(

@@ -388,8 +388,8 @@ def _chunked_forward(
         _fill_placeholders(out)
         kept = torch.nonzero(keep.reshape(-1).to(hidden.device)).squeeze(1)
         for start in range(0, len(kept), chunk_positions):
-            rows = kept[start : start + chunk_positions]
-            head(model, hidden[rows], targets[rows], out=out, rows=rows)
+            kept_rows = kept[start : start + chunk_positions]
+            head(model, hidden[kept_rows], targets[kept_rows], out=out, rows=kept_rows)
     return reshape_positions(out, batch, length - 1)
 
 

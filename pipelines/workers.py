@@ -19,6 +19,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
+from typing import Any, cast
 
 import numpy as np
 
@@ -199,12 +200,18 @@ def _init_worker(settings: WorkerSettings, devices) -> None:
     _WORKER = TeacherWorker(settings)
 
 
+def _worker() -> TeacherWorker:
+    """This worker process's teacher, which the pool's initializer (`_init_worker`) made."""
+    assert _WORKER is not None, "_init_worker runs in every worker process before its tasks"
+    return _WORKER
+
+
 def _process_in_worker(unit: Unit, writer: PartWriter):
-    return _WORKER.process(unit, writer)
+    return _worker().process(unit, writer)
 
 
 def _compute_in_worker(unit: Unit):
-    return _WORKER.compute(unit)
+    return _worker().compute(unit)
 
 
 class ProcessExecutor:
@@ -280,7 +287,9 @@ class RayExecutor:
         gpus = engine_class(settings.engine).gpus_per_worker(settings)  # Ray sets each actor's visible GPUs
         # Threaded actors: `OVERLAP` calls of `process` at once per actor, so an actor's write overlaps
         # its next forward pass (the worker's compute lock keeps the forward passes one at a time).
-        actor = ray.remote(num_gpus=gpus, num_cpus=1, max_concurrency=OVERLAP)(TeacherWorker)
+        # ray.remote's overloads list task options only; it takes actor options (max_concurrency) as well
+        remote = cast("Callable[..., Any]", ray.remote)
+        actor = remote(num_gpus=gpus, num_cpus=1, max_concurrency=OVERLAP)(TeacherWorker)
         self.actors = [actor.remote(settings) for _ in range(workers)]
 
     def compute(self, unit: Unit) -> SparseSamples:

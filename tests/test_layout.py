@@ -81,3 +81,20 @@ def test_a_non_editable_install_imports_every_subpackage(tmp_path):
     ).stdout.split()
     assert printed == [str(target / "logitstore" / p) for p in ("trainer", "pipelines/engines", "cli")]
     assert (target / "logitstore" / "data" / "sample_corpus.jsonl").is_file()
+
+
+def test_the_type_check_sees_every_module_under_its_import_name():
+    """scripts/typecheck.py lays the package out as setuptools installs it: every module file of the
+    package folders is linked once, under the name Python imports it by."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import typecheck
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    folders = typecheck.package_folders()
+    assert folders["logitstore.pipelines.engines"] == ROOT / "pipelines" / "engines"
+    linked = {p.resolve() for p in typecheck.link_tree(folders).rglob("*.py")}
+    sources = {
+        p.resolve() for root in ("logitstore", "pipelines", "trainer", "cli") for p in (ROOT / root).rglob("*.py")
+    }
+    assert linked == sources and all((folder / "__init__.py").exists() for folder in folders.values())

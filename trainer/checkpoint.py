@@ -14,6 +14,7 @@ import json
 import re
 import shutil
 from pathlib import Path
+from typing import Any
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -42,7 +43,9 @@ def save(out: Path, *, step: int, model, optimizer, train_state: dict) -> Path:
 
 
 def step_of(path: Path) -> int:
-    return int(STEP_DIR.search(path.name).group(1))
+    match = STEP_DIR.search(path.name)
+    assert match is not None, path  # only called on checkpoint folders, which `latest` picks by this pattern
+    return int(match.group(1))
 
 
 def latest(out: Path) -> Path | None:
@@ -62,7 +65,7 @@ def train_state(path: Path) -> dict:
 
 def load(path: Path, *, model, optimizer) -> dict:
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    state = {"model": model_sd, "optim": optim_sd}
+    state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}  # dcp's state dict type, loaded in place
     dcp.load(state, checkpoint_id=str(path))
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     return train_state(path)

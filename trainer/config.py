@@ -17,10 +17,14 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from logitstore.errors import LogitstoreError
 from logitstore.trainer.losses import LossConfig
 from logitstore.trainer.stream import DEFAULT_MEMORY_BUDGET
+
+if TYPE_CHECKING:  # for the annotation only: a store run's configuration need not import live mode
+    from logitstore.trainer.live import LiveConfig
 
 EVAL_ONLY = "-"  # the `out` of a configuration that only evaluates (`logitstore eval`): it writes nothing
 
@@ -163,7 +167,7 @@ class TrainConfig:
     loss: LossConfig = field(default_factory=LossConfig)
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
-    live: object = None  # trainer.live.LiveConfig: `--live-teacher` instead of `--store`
+    live: LiveConfig | None = None  # `--live-teacher` instead of `--store`
 
     def __post_init__(self) -> None:
         """The checks and derivations across groups."""

@@ -44,6 +44,8 @@ import os
 import queue
 import threading
 from dataclasses import dataclass, field
+from multiprocessing.queues import Queue
+from typing import Any
 
 import numpy as np
 import torch
@@ -233,23 +235,25 @@ def _serve(cfg: LiveConfig, capacity: tuple[int, int], requests, ready, acks, pa
     from logitstore.pipelines.teacher import resolve_teacher
     from logitstore.pipelines.workers import TeacherWorker, Unit, WorkerSettings
 
+    sparsity = cfg.sparsity
+    assert sparsity is not None  # LiveConfig.__post_init__ sets the default
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
     worker = TeacherWorker(
         WorkerSettings(
             teacher_spec=resolve_teacher(cfg.teacher),
             device=cfg.device,
             dtype=cfg.dtype,
-            sparsity=cfg.sparsity,
+            sparsity=sparsity,
             batch_tokens=cfg.batch_tokens,
             seed=0,
         )
     )
     device = worker.engine.device
-    ring = _allocate_ring(*capacity, device=device, sampled=cfg.sparsity.sampled)
+    ring = _allocate_ring(*capacity, device=device, sampled=sparsity.sampled)
     ready.put(("ring", ring))  # exported once; the producer keeps these tensors alive until it exits
     free = list(range(RING_SLOTS))
     vocab = worker.engine.vocab_size
-    params = cfg.sparsity.grid
+    params = sparsity.grid
     order = codec.identity_order(vocab).astype(np.int64)
     while True:
         try:
@@ -329,9 +333,13 @@ class LiveTeacher:
     def __init__(self, cfg: LiveConfig, *, micro_batch: int, seq_len: int):
         import torch.multiprocessing as mp
 
+        assert cfg.sparsity is not None  # LiveConfig.__post_init__ sets the default
         self.cfg = cfg
         ctx = mp.get_context("spawn")  # CUDA and shared tensors need spawn, never fork
-        self.requests, self.ready, self.acks = ctx.Queue(), ctx.Queue(), ctx.Queue()
+        # None once closed: dropping them frees their named semaphores
+        self.requests: Queue[Any] | None = ctx.Queue()
+        self.ready: Queue[Any] | None = ctx.Queue()
+        self.acks: Queue[Any] | None = ctx.Queue()
         capacity = _slot_capacity(
             micro_batch=micro_batch, seq_len=seq_len, max_length=cfg.max_length, width=cfg.sparsity.width
         )
@@ -349,7 +357,9 @@ class LiveTeacher:
 
     @property
     def pid(self) -> int:
-        return self.process.pid
+        pid = self.process.pid
+        assert pid is not None  # started in __init__
+        return pid
 
     @property
     def transport(self) -> str:
@@ -358,6 +368,7 @@ class LiveTeacher:
 
     def compute(self, tokens: list[np.ndarray]) -> SparseSamples:
         """The teacher's sparse distributions of whole samples, in the order given."""
+        assert self.requests is not None and self.acks is not None, "the live teacher is closed"
         with self._lock:  # one request in flight per teacher; the train and eval streams share it
             self._seq += 1
             self.requests.put((self._seq, [np.asarray(t, dtype=np.int64) for t in tokens]))
@@ -368,6 +379,7 @@ class LiveTeacher:
             return out
 
     def _receive(self):
+        assert self.ready is not None, "the live teacher is closed"
         while True:
             try:
                 return self.ready.get(timeout=POLL_SECONDS)
@@ -381,7 +393,7 @@ class LiveTeacher:
     @staticmethod
     def _copy_out(slot: dict, shapes: dict, tokens: list[np.ndarray]) -> SparseSamples:
         P, E = shapes["positions"], shapes["entries"]
-        take = lambda name, n: slot[name][:n].cpu().numpy().copy() if name in slot else None
+        take = lambda name, n: slot[name][:n].cpu().numpy().copy()
         n_tokens = np.array([len(t) for t in tokens], dtype=np.int64)
         return SparseSamples(
             sample_ids=[str(i) for i in range(len(tokens))],
@@ -392,13 +404,13 @@ class LiveTeacher:
             entry_logprobs=take("entry_logprobs", E),
             tail=take("tail", P),
             target_logprobs=take("target_logprobs", P),
-            entry_counts=take("entry_counts", E),
+            entry_counts=take("entry_counts", E) if "entry_counts" in slot else None,
         )
 
     def close(self) -> None:
         """Stop the teacher and release everything: the ring's views, and the queues, whose named
         semaphores (/dev/shm/sem.mp-*) live until their last reference goes."""
-        if self.requests is None:
+        if self.requests is None or self.ready is None or self.acks is None:  # closed already (all three go at once)
             return
         if self.process.is_alive():
             self.requests.put(None)
@@ -411,7 +423,7 @@ class LiveTeacher:
             q.close()
             q.join_thread()
         self.requests = self.ready = self.acks = None
-        pid = self.process.pid
+        pid = self.pid
         self.process.close()
         if torch.cuda.is_available():
             torch.cuda.ipc_collect()

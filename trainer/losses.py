@@ -364,6 +364,7 @@ def _divergence_terms(log_p: Tensor, log_q: Tensor, *, kind: str, beta: float) -
 
 def _sampled_forward_kl_terms(z: Tensor, t: SparseTargets) -> Tensor:
     """[E] terms w_i (lp_i - log q_i) of the unbiased sampled estimator."""
+    assert t.entry_counts is not None  # sampled targets only (`_kd_per_position`)
     log_q = z[t.entry_pos, t.entry_ids] - torch.logsumexp(z, dim=-1)[t.entry_pos]
     counts = t.entry_counts.float()
     if t.n_draws is not None:

@@ -41,6 +41,7 @@ import torch
 from logitstore import codec
 from logitstore.chat import supervised_positions
 from logitstore.errors import DamagedDataError, LogitstoreError
+from logitstore.meta import array_at, read_values
 from logitstore.store import StoreVersion, read_errors
 from logitstore.trainer.stream import (
     PackedBatch,
@@ -129,7 +130,7 @@ def student_vocabulary(
 
 
 def _registered(view: StoreVersion, teacher: str, st: dict) -> StudentVocabulary:
-    data = view.student_group(teacher, st["name"])["tokenizer"][:]
+    data = read_values(array_at(view.student_group(teacher, st["name"]), "tokenizer"))
     return StudentVocabulary(st["tokenizer_hash"], int(st["vocab_size"]), bytes(data).decode("utf-8"))
 
 
@@ -168,6 +169,11 @@ class _SourceTable:
     row_of: np.ndarray  # [n primary rows] -> row in `rows`, or -1
     students: dict[str, np.ndarray] | None  # student_start / n_student_tokens / group_start / n_groups
 
+    def student_columns(self) -> dict[str, np.ndarray]:
+        """`students`, which a cross source's table has."""
+        assert self.students is not None, "a cross source's table"
+        return self.students
+
 
 class MixedSource:
     """Several sources for the stream engine (`trainer/stream.py`); same contract (order, packing,
@@ -197,7 +203,7 @@ class MixedSource:
             for s in sources
         ]
         # Pack by the student-side lengths of the first source's samples.
-        lengths = self._tables[0].students["n_student_tokens"] if sources[0].cross else primary.n_tokens
+        lengths = self._tables[0].student_columns()["n_student_tokens"] if sources[0].cross else primary.n_tokens
         self.table = SplitTable(sample_ids=primary.sample_ids, n_tokens=lengths, part=primary.part, parts=primary.parts)
         self._primary = primary
         self._readers = [PartReader(view, teacher=s.name, rows=t.rows) for s, t in zip(sources, self._tables)]
@@ -231,7 +237,7 @@ class MixedSource:
         base = f"teachers/{source.name}/parts/{self._tables[i].rows.parts[code]}/students/{source.student}"
         names = ("ids", "groups", "loss_mask") if self.view.teachers[source.name].loss_mask else ("ids", "groups")
         with read_errors(f"the student tokens in {base}"):  # damage stops the run too; no per-sample skip here
-            return tuple(self.view.root[f"{base}/{name}"][:] for name in names)
+            return tuple(read_values(array_at(self.view.root, f"{base}/{name}")) for name in names)
 
     # -- a batch -----------------------------------------------------------------------------------
 
@@ -293,6 +299,7 @@ class MixedSource:
                 loss_mask=None if decoded.loss_mask is None else decoded.loss_mask[tok_off[k] : tok_off[k + 1]],
             )
             if aligned is not None:
+                assert source.vocab_map is not None  # resolve_sources maps every cross source's vocabulary
                 ids, groups, *mask = aligned[k]
                 signal = signal.through(
                     groups, student_ids=ids, vocab_map=source.vocab_map, loss_mask=mask[0] if mask else None
@@ -303,7 +310,7 @@ class MixedSource:
     def _students(self, i: int, own_rows: np.ndarray, students: dict) -> list[tuple]:
         """Student ids and groups [g, 4] of each row (and its loss mask, chat data), from its part's arrays."""
         st = self._tables[i]
-        cols = st.students
+        cols = st.student_columns()
         out = []
         for row in own_rows.tolist():  # one step per sample: slicing only
             ids, groups, *mask = students[int(st.rows.part[row])]
@@ -541,7 +548,7 @@ def _source_table(
     idx = split_index(view, teacher=source.name, split=split, eval_fraction=eval_fraction)
     table = TeacherRows.of(view, teacher=source.name, split=split, eval_fraction=eval_fraction)
     students = None
-    if source.cross:
+    if source.student is not None:  # cross
         k = view.teachers[source.name].student_names.index(source.student)
         students = {
             c: pc.list_element(idx[c], k).to_numpy().astype(np.int64)

@@ -9,10 +9,11 @@ meta device and initialise after `to_empty` (torchtitan's recipe), which is not 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from logitstore.errors import LogitstoreError
 from logitstore.trainer.attention import ATTENTION
@@ -21,7 +22,7 @@ from logitstore.trainer.attention import register as register_attention
 # Fresh Llama-style students, sized for CPU tests and small runs. The vocabulary comes from the store.
 # `smollm2-135m` is SmolLM2-135M's shape (30 layers, hidden 576, 9 heads, 3 key/value heads), freshly
 # initialised: the GPU benchmark's student. Rotary positions, so max_position_embeddings is only a limit.
-BUILTIN_STUDENTS = {
+BUILTIN_STUDENTS: dict[str, dict[str, Any]] = {  # LlamaConfig's keyword arguments
     "llama-tiny": dict(
         hidden_size=64,
         intermediate_size=128,
@@ -138,9 +139,9 @@ def shard(model, *, mesh: DeviceMesh, offload_optimizer: bool, cuda: bool):
         MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if cuda else MixedPrecisionPolicy()
     )
     # On a CPU-only run the state already lives in host memory; pinning needs an accelerator.
-    offload = CPUOffloadPolicy(pin_memory=cuda) if offload_optimizer else None
-    kwargs = dict(mesh=mesh, mp_policy=mp, **({"offload_policy": offload} if offload else {}))
+    # OffloadPolicy(): fully_shard's default, no offloading
+    offload = CPUOffloadPolicy(pin_memory=cuda) if offload_optimizer else OffloadPolicy()
     for block in model.get_decoder().layers:
-        fully_shard(block, **kwargs)
-    fully_shard(model, **kwargs)
+        fully_shard(block, mesh=mesh, mp_policy=mp, offload_policy=offload)
+    fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=offload)
     return model

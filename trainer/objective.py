@@ -57,7 +57,7 @@ class StudentOutputs:
 
 def student_outputs(model, batch, device) -> StudentOutputs:
     """Run the student on a packed micro-batch: its hidden states at the supervised positions."""
-    captured = {}
+    captured: dict[str, Tensor] = {}
     inner = getattr(model, "module", model)  # the model inside a DDP wrapper (Trainer's); FSDP2 wraps none
     decoder = inner.get_decoder()
     hook = decoder.register_forward_hook(lambda _m, _args, out: captured.__setitem__("hidden", out.last_hidden_state))
@@ -104,6 +104,7 @@ def held_out_metrics(
         if batch.signals is None:
             parts = {"kd": parts["kd"], "ce": parts["ce"]}
         else:
+            assert weights is not None, "several teachers: their weights are needed for eval_kl"
             total_weight = sum(weights.values())
             parts = {
                 "kd": sum(w * parts[f"kl/{name}"] for name, w in weights.items()) / total_weight,
@@ -196,6 +197,7 @@ def mixed_loss(
     parts = {"kd": 0.0, "ce": 0.0, "loss": 0.0, **{f"kl/{name}": 0.0 for name, _ in signals}, **parts}
     if indicator:  # each teacher's mean over the positions it teaches, not over all P
         for name, targets in signals:
+            assert targets.weight is not None  # mixing.py weighs every teacher's targets
             taught = targets.weight[targets.exact_pos] if isinstance(targets, AlignedTargets) else targets.weight
             parts[f"kl/{name}"] *= P / max(int((taught > 0).sum()), 1)
     counts = batch.signal_counts

@@ -77,10 +77,10 @@ import asyncio
 import dataclasses
 import hashlib
 import time
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, fields
-from typing import Protocol
+from typing import Any, Protocol, TypedDict, cast
 
 import numba
 import numpy as np
@@ -88,12 +88,14 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 from zarr.core.sync import sync as zarr_sync
+from zarr.types import AnyAsyncArray
 
 from logitstore import codec
 from logitstore.ahead import read_ahead
 from logitstore.chat import supervised_positions
 from logitstore.codec import EncodedSamples
 from logitstore.errors import DamagedDataError, LogitstoreError, StorageError
+from logitstore.meta import read_values
 from logitstore.rawread import read_arrays
 from logitstore.sizes import format_bytes, parse_bytes
 from logitstore.store import ENCODED_ARRAYS, StoreVersion, read_errors
@@ -169,7 +171,7 @@ class PackedBatch:
 
     def to(self, device, *, non_blocking: bool = False) -> PackedBatch:
         """A copy with every tensor on `device`."""
-        moved = {}
+        moved: dict[str, Any] = {}  # field name -> value, of that field's type
         for f in fields(self):
             value = getattr(self, f.name)
             moved[f.name] = value.to(device, non_blocking=non_blocking) if isinstance(value, torch.Tensor) else value
@@ -213,8 +215,9 @@ class Source(Protocol):
     def read_part(self, part: int) -> object:
         """Read one part (in a reader thread); what `build` gets back in `parts`."""
 
-    def build(self, pieces: Pieces, parts: dict[int, object], *, stream: Stream) -> PackedBatch:
-        """The batch of these pieces; `stream.unreadable(row, error)` for a sample that cannot be used."""
+    def build(self, pieces: Pieces, parts: dict[int, Any], *, stream: Stream) -> PackedBatch:
+        """The batch of these pieces (`parts`: what its own `read_part` gave, by part);
+        `stream.unreadable(row, error)` for a sample that cannot be used."""
 
 
 def split_index(view: StoreVersion, *, teacher: str, split: str, eval_fraction: float) -> pa.Table:
@@ -433,8 +436,8 @@ class PartReader:
         root = self.view.root._async_group
 
         async def one(name: str) -> np.ndarray:
-            array = await root.getitem(f"{base}/{name}")
-            return as_codes(await array.getitem(slice(None)), self.params)
+            array = cast(AnyAsyncArray, await root.getitem(f"{base}/{name}"))  # the layout's arrays
+            return as_codes(cast(np.ndarray, await array.getitem(slice(None))), self.params)
 
         async def every() -> list:
             return await asyncio.gather(*(one(name) for name in self.names))
@@ -466,7 +469,7 @@ class PartReader:
             array = self.view.array(self.teacher, part, name)
             full = np.zeros(array.shape[0], dtype=_stored_dtype(array))
             for s, e in _merged(starts, stops):  # one request per run of nearby samples
-                values = as_codes(array[s:e], self.params)
+                values = as_codes(read_values(array, slice(s, e)), self.params)
                 if len(values) != e - s:  # Zarr clamps slices silently: an index beyond the stored array
                     raise _Damaged(f"index range [{s}, {e}) lies outside the stored array of {array.shape[0]}")
                 full[s:e] = values
@@ -636,7 +639,9 @@ class StoreSource:
         damage = [parts[c].damaged.get(r) for r, c in zip(pieces.row.tolist(), codes)]  # one step per piece
         ok = np.array([d is None for d in damage], dtype=bool)
         for i in np.flatnonzero(~ok).tolist():
-            stream.unreadable(int(pieces.row[i]), damage[i], part=self.table.parts[codes[i]])
+            error = damage[i]
+            assert error is not None  # not ok: damaged
+            stream.unreadable(int(pieces.row[i]), error, part=self.table.parts[codes[i]])
         decoded = None
         if ok.any():
             enc = self.reader.gather(parts, pieces.row[ok], pieces.a[ok], pieces.b[ok])
@@ -701,6 +706,14 @@ def layout(pieces: Pieces, ok: np.ndarray, *, micro_batch: int, seq_len: int) ->
     )
 
 
+class _RowTensors(TypedDict):
+    """The [B, L] tensors of a `PackedBatch`, shared by the two ways `assemble` ends."""
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    document_ids: torch.Tensor
+
+
 def assemble(
     pieces: Pieces,
     ok: np.ndarray,
@@ -718,7 +731,7 @@ def assemble(
     lay = layout(pieces, ok, micro_batch=B, seq_len=L)
     input_ids = np.zeros(B * L, dtype=np.int64)
     empty_long, empty_float = torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.float32)
-    common = dict(
+    common = _RowTensors(
         input_ids=torch.from_numpy(input_ids.reshape(B, L)),
         position_ids=torch.from_numpy(lay.position_ids.reshape(B, L)),
         document_ids=torch.from_numpy(lay.document_ids.reshape(B, L)),
@@ -824,8 +837,6 @@ class _Parts:
 
 # -- the engine ---------------------------------------------------------------------------------------------
 
-_END = object()
-
 
 class Stream(torch.utils.data.IterableDataset):
     """Packed micro-batches of one rank from a source. See the module docstring for the contract. Use as
@@ -882,7 +893,7 @@ class Stream(torch.utils.data.IterableDataset):
         self._held: tuple | None = None  # (epoch, window) whose parts the stream holds now
         self._epoch, self._rows = 0, 0  # the consumer's position: what has been yielded
         self._generation = 0
-        self._worker: Iterator | None = None  # the prefetch thread's iterator (`read_ahead`)
+        self._worker: Generator | None = None  # the prefetch thread's iterator (`read_ahead`)
         self.wait_seconds = 0.0
         self.skipped_ids: set[str] = set()
         self._recipe: dict | None = None  # how `store_stream` made it: what a worker process rebuilds it from
@@ -1013,9 +1024,9 @@ class Stream(torch.utils.data.IterableDataset):
         self._worker = ahead  # `_stop_worker` closes it; a closed one yields nothing more
         while True:
             started = time.perf_counter()
-            item = next(ahead, _END)
+            item = next(ahead, None)  # items are tuples: None is the end
             self.wait_seconds += time.perf_counter() - started
-            if item is _END:
+            if item is None:
                 return
             yield item
 
@@ -1109,6 +1120,7 @@ class Stream(torch.utils.data.IterableDataset):
         else:
             after = np.zeros(0, dtype=np.int64)
         wanted = np.concatenate([here, after]).tolist()
+        assert self._parts is not None  # windows are held only for a source with parts (`_build`)
         self._parts.keep_only(set(wanted))
         self._parts.want(wanted)
 
@@ -1191,6 +1203,7 @@ def store_stream(
     check_eval_fraction(eval_fraction)
     if split not in SPLITS:
         raise StreamConfigError(f"split must be one of {SPLITS}, got {split!r}")
+    source: Source
     if sources is not None and (len(sources) > 1 or sources[0].cross):
         from logitstore.trainer.mixing import MixedSource
 

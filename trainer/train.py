@@ -284,7 +284,7 @@ class StoreSignal:
     kind = "store"
 
     def __init__(self, cfg: TrainConfig):
-
+        assert cfg.data.store is not None  # TrainConfig: a store, or else live mode
         self.view = Store.open(cfg.data.store).read(cfg.data.version)
         if self.view.index.num_rows == 0:
             raise TrainConfigError(f"version {self.view.snapshot_id} of {cfg.data.store} holds no samples")
@@ -317,7 +317,7 @@ class LiveSignal:
     kind = "live"
 
     def __init__(self, cfg: TrainConfig):
-
+        assert cfg.live is not None  # chosen for live mode only
         self.samples = plan_live_samples(cfg.live)
         student_hash = student_tokenizer_hash(cfg.student.student)
         if student_hash is not None and student_hash != describe_teacher(cfg.live.teacher).tokenizer_hash:
@@ -332,10 +332,10 @@ class LiveSignal:
         )
         self.snapshot = None  # no store: nothing to pin
         self.sources = [Source(self.teacher, 1.0, None)]
-        self.client = None
+        self.client: LiveTeacher | None = None
 
     def start(self, cfg: TrainConfig) -> None:
-
+        assert cfg.live is not None  # chosen for live mode only
         self.client = LiveTeacher(cfg.live, micro_batch=cfg.data.micro_batch, seq_len=cfg.data.seq_len)
 
     def header(self) -> dict:
@@ -344,7 +344,7 @@ class LiveSignal:
         return {"live_teacher_pid": self.client.pid, "live_transport": self.client.transport}
 
     def stream(self, cfg: TrainConfig, *, rank: int, world_size: int, split: str):
-
+        assert self.client is not None, "start() first"
         return live_stream(
             self.samples,
             self.client,
