@@ -2,8 +2,9 @@
 
 Exit codes: 0 success, 1 damaged data (`verify` found damage, or a read hit it), 2 a user error or a
 storage outage (one line on stderr, no traceback).
-Heavy imports (torch, transformers) happen inside the commands that need them, so `info` and `show`
-start fast.
+Each command imports the machinery it needs inside its function: this module imports in 0.08 s, and
+would take 4.3 s more with the build's and the trainer's modules at the top (torch, transformers;
+2-core CPU, 2026-11-25), at every `--help`, `info` and `show`.
 """
 
 from __future__ import annotations

@@ -74,7 +74,7 @@ from itertools import chain
 import numba
 import numpy as np
 
-from logitstore.tokenizer_io import TokenizerError, require_fast
+from logitstore.tokenizer_io import TokenizerError, is_raw_tokenizer, require_fast
 
 __all__ = ["align_groups", "encode_with_byte_ends", "token_byte_strings", "vocab_map", "window_groups"]
 
@@ -139,7 +139,7 @@ def encode_with_byte_ends(
 
 
 def _encode(tokenizer, texts, *, add_special_tokens: bool = True):
-    if _is_raw(tokenizer):
+    if is_raw_tokenizer(tokenizer):
         encodings = tokenizer.encode_batch(texts, add_special_tokens=add_special_tokens)
         return [e.ids for e in encodings], [e.offsets for e in encodings]
     try:
@@ -147,12 +147,6 @@ def _encode(tokenizer, texts, *, add_special_tokens: bool = True):
     except NotImplementedError as exc:
         raise TokenizerError(f"{type(tokenizer).__name__} gives no offsets; logitstore needs a fast tokenizer") from exc
     return enc["input_ids"], enc["offset_mapping"]
-
-
-def _is_raw(tokenizer) -> bool:
-    from tokenizers import Tokenizer
-
-    return isinstance(tokenizer, Tokenizer)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -311,7 +305,7 @@ def token_byte_strings(tokenizer) -> list[bytes | None]:
     This is what two vocabularies can be compared on: the same text piece is `Ġthe` in byte-level
     BPE, `▁the` in SentencePiece and ` the` in the text."""
     require_fast(tokenizer)
-    raw = _is_raw(tokenizer)
+    raw = is_raw_tokenizer(tokenizer)
     backend = tokenizer if raw else tokenizer.backend_tokenizer
     spec = json.loads(backend.to_str())
     fam = _family(spec)

@@ -149,9 +149,9 @@ class S3Blobs(BlobStore):
         region: str | None,
         limits: StorageLimits | None = None,
     ):
-        import boto3
+        import boto3  # boto3 and botocore: 0.14 s more at every command's start, and only S3 stores need them
 
-        from logitstore.location import StorageLimits
+        from logitstore.location import StorageLimits  # here: logitstore.location imports this module
 
         self.bucket = bucket
         self.prefix = prefix.strip("/")
@@ -169,7 +169,7 @@ class S3Blobs(BlobStore):
         )
 
     def get(self, key: str) -> bytes:
-        from botocore.exceptions import ClientError
+        from botocore.exceptions import ClientError  # as boto3 above
 
         try:
             # the body is read inside the mapping too: a connection lost mid-body is an outage as well
@@ -205,7 +205,7 @@ class S3Blobs(BlobStore):
     def _call(self, fn, *, what: str):
         """`fn()` with boto3's failures as one-line `StorageError`s; a `ClientError` that names a
         missing key passes through, for `get` to turn into `KeyError`."""
-        from botocore.exceptions import BotoCoreError, ClientError
+        from botocore.exceptions import BotoCoreError, ClientError  # as boto3 above
 
         try:
             return fn()

@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass
 import numba
 import numpy as np
 
+from logitstore.errors import IncompatibleStoreError, InvalidSampleError
 from logitstore.samples import SparseSamples, row_offsets
 
 CODEC_NAME = "logitstore.sparse"
@@ -76,8 +77,6 @@ class CodecParams:
     @classmethod
     def from_json(cls, meta: dict) -> CodecParams:
         if meta.get("name") != CODEC_NAME or meta.get("version", 0) > CODEC_VERSION:
-            from logitstore.errors import IncompatibleStoreError
-
             raise IncompatibleStoreError(
                 f"codec {meta.get('name')} v{meta.get('version')} is not readable by this logitstore "
                 f"({CODEC_NAME} v{CODEC_VERSION}); upgrade logitstore"
@@ -225,8 +224,6 @@ def encode(samples: SparseSamples, *, params: CodecParams, code_of_id: np.ndarra
 
 
 def _duplicate_error(samples: SparseSamples, entry: int) -> None:
-    from logitstore.errors import InvalidSampleError
-
     position = int(np.searchsorted(samples.entry_offsets, entry, side="right")) - 1
     start, stop = samples.entry_offsets[position], samples.entry_offsets[position + 1]
     ids = np.sort(np.asarray(samples.entry_ids[start:stop]))

@@ -244,7 +244,7 @@ class DistillationTrainer(StoreDistillation, Trainer):
 def __getattr__(name: str):
     """`DistillationSFTTrainer` is made on first use: it needs TRL, which plain Trainer users need not install."""
     if name == "DistillationSFTTrainer":
-        from logitstore.hf_trl import DistillationSFTTrainer
+        from logitstore.hf_trl import DistillationSFTTrainer  # TRL: the optional [hf] extra
 
         return DistillationSFTTrainer
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

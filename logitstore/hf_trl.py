@@ -20,8 +20,11 @@ own `DistillationTrainer` generate on-policy samples from a live teacher, which 
 
 from __future__ import annotations
 
+import datasets  # a dependency of TRL
+from transformers import PreTrainedTokenizerFast
 from trl import SFTTrainer
 
+import logitstore
 from logitstore.errors import LogitstoreError
 from logitstore.hf import StoreDistillation
 
@@ -40,8 +43,6 @@ class DistillationSFTTrainer(StoreDistillation, SFTTrainer):
         train_dataset=None,
         **kwargs,
     ):
-        import logitstore
-
         if store is None:
             raise LogitstoreError(
                 "DistillationSFTTrainer reads a store (store=URI); for a live teacher use "
@@ -65,8 +66,6 @@ class DistillationSFTTrainer(StoreDistillation, SFTTrainer):
 
 
 def _store_tokenizer(view, teacher: str):
-    from transformers import PreTrainedTokenizerFast
-
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=view.tokenizer(teacher))
     if tokenizer.eos_token is None:  # SFTTrainer pads with the eos token when there is no pad token
         tokenizer.eos_token = tokenizer.convert_ids_to_tokens(0)
@@ -75,9 +74,10 @@ def _store_tokenizer(view, teacher: str):
 
 def _samples_as_rows(store: str, snapshot: str, teacher: str):
     """The store's samples as a lazy `datasets.IterableDataset` of `{"input_ids"}` rows."""
-    import datasets
 
     def rows():
+        # Imported here: datasets pickles this function (dill) to fingerprint it, and with the module-level
+        # name it pickles the package's state too, which holds an Icechunk Storage (TypeError)
         import logitstore
 
         view = logitstore.open(store, snapshot)

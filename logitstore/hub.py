@@ -38,6 +38,8 @@ def repo_name(spec: str) -> str:
 
 def local_folder(spec: str, *, flag: str) -> Path:
     """The local folder of Hub id `spec`: from the cache, else downloaded (unless offline)."""
+    # Here, not at the top: huggingface_hub's download API costs 0.4 s to import (httpx, hf_api), and
+    # every `build` imports this module before its input checks; only Hub ids come this way.
     from huggingface_hub import snapshot_download
 
     repo, _, revision = spec.partition("@")
@@ -63,6 +65,6 @@ def _offline() -> bool:
 
 
 def _default_cache() -> str:
-    from huggingface_hub import constants
+    from huggingface_hub import constants  # as in local_folder
 
     return constants.HF_HUB_CACHE

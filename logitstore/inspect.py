@@ -6,6 +6,7 @@ import re
 
 import numpy as np
 
+from logitstore.errors import LogitstoreError
 from logitstore.store import StoreVersion
 
 
@@ -79,8 +80,6 @@ def list_samples(view: StoreVersion, *, limit: int | None = None) -> list[dict]:
 
 def parse_positions(text: str) -> tuple[int | None, int | None]:
     """`A:B` (either side may be left out, as in a Python slice; no negatives) -> (A, B)."""
-    from logitstore.errors import LogitstoreError
-
     match = re.fullmatch(r"\s*(\d*)\s*:\s*(\d*)\s*", text)
     if match is None:
         raise LogitstoreError(f"--positions {text!r}: expected A:B, e.g. 0:20, 100: or :50")

@@ -74,7 +74,7 @@ class StorageLimits:
         return icechunk.RepositoryConfig(storage=icechunk.StorageSettings(retries=retries))
 
     def botocore_config(self):
-        import botocore.config
+        import botocore.config  # only S3 stores need it (see S3Blobs)
 
         # botocore's standard mode waits up to 20 s between attempts; it has no setting for that
         return botocore.config.Config(
@@ -180,7 +180,7 @@ def commit_lock(location: Location) -> Iterator[None]:
     if location.scheme != "file":
         yield
         return
-    import fcntl
+    import fcntl  # POSIX only, and only local stores need it
 
     try:
         f = open(Path(location.path) / ".logitstore-commit.lock", "a+")

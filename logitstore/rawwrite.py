@@ -31,11 +31,13 @@ import google_crc32c
 import numpy as np
 import zarr
 from numcodecs import Blosc
-from zarr.codecs import ShardingCodec
+from zarr.codecs import BloscCodec, Crc32cCodec, ShardingCodec
 from zarr.core.buffer import default_buffer_prototype
 from zarr.core.group import GroupMetadata
 from zarr.core.metadata import ArrayV3Metadata
 from zarr.core.sync import sync
+
+from logitstore.zarr_codec import LogprobGrid
 
 _EMPTY = np.uint64(2**64 - 1)  # the shard index's offset and length of an inner chunk not written
 # Threads that compress a part's inner chunks: a 16k-token part at top-64 has ~25 of 256 KiB.
@@ -157,10 +159,6 @@ def _template_key(values: np.ndarray, kwargs: dict) -> dict:
 @functools.lru_cache(maxsize=64)
 def _template(*, dtype: str, chunk: int, shard: int, blosc: str, crc: str, fill_value, filters: str):
     """Zarr's own metadata for this layout (an array made once in memory), and how to encode chunks for it."""
-    from zarr.codecs import BloscCodec, Crc32cCodec
-
-    from logitstore.zarr_codec import LogprobGrid
-
     blosc_codec = BloscCodec.from_dict(json.loads(blosc))
     grid = [LogprobGrid.from_dict(f) for f in json.loads(filters)]
     array = zarr.create_array(

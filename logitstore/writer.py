@@ -51,7 +51,7 @@ from logitstore.meta import (
     read_values,
     storage_errors,
 )
-from logitstore.samples import SparseSamples, StudentTokens
+from logitstore.samples import SparseSamples, StudentTokens, concat
 from logitstore.version import read_teachers
 from logitstore.zarr_codec import GRID_ARRAYS, LogprobGrid
 
@@ -434,8 +434,6 @@ def _key_mask(table: pa.Table, keys: set[tuple[str, str]]) -> pa.Array:
 
 
 def _subset(samples: SparseSamples, keep: list[int], source_hashes):
-    from logitstore.samples import concat
-
     picked = concat([samples.select(i) for i in keep])
     return picked, None if source_hashes is None else [source_hashes[i] for i in keep]
 

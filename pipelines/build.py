@@ -29,15 +29,18 @@ from dataclasses import dataclass, field
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+from tqdm import tqdm
 
-from logitstore import chat, codec
+from logitstore import align, chat, codec
 from logitstore.ahead import read_ahead
+from logitstore.data import SAMPLE_CHAT
 from logitstore.errors import ConflictError, LogitstoreError
 from logitstore.pipelines import inputs
 from logitstore.pipelines.engines import engine_class
 from logitstore.pipelines.workers import Unit, make_executor, worker_settings, write_unit
 from logitstore.sparsity import Sparsity, default_sparsity
 from logitstore.store import DEFAULT_BRANCH, NAME, Store, StudentTokenizer, TeacherMeta
+from logitstore.tokenizer_io import load_tokenizer, parse_tokenizer_spec, tokenizer_hash
 
 DEFAULT_STORE = "logitstore-store"
 DTYPES = ("auto", "float32", "bfloat16", "float16")  # the teacher's weights; auto: bf16 on GPU, fp32 on CPU
@@ -82,8 +85,6 @@ class BuildConfig:
 
     def __post_init__(self) -> None:
         if self.data is None and self.chat_column:  # the shipped chat sample, as the text sample corpus for text
-            from logitstore.data import SAMPLE_CHAT
-
             self.data = str(SAMPLE_CHAT)
         engine = engine_class(self.engine)  # an unknown --engine is refused here, naming the engines
         if self.sparsity is None:  # the library and the CLI share one default
@@ -159,7 +160,7 @@ class BuildSummary:
 
 def run_build(cfg: BuildConfig, *, log: Callable[[str], None] | None = None) -> BuildSummary:
     """Run the whole build; returns the summary. Raises `LogitstoreError`s for user errors."""
-    from logitstore.pipelines.teacher import describe_teacher
+    from logitstore.pipelines.teacher import describe_teacher  # torch and transformers: 2.7 s, after the input checks
 
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     start = time.perf_counter()
@@ -234,7 +235,7 @@ def run_builds(
     """`build --teacher A --teacher B ...`: one pass over the data per teacher, in order, each its own
     commits on the same branch (so a crash in B keeps A's work, and a re-run skips what is stored).
     The summary adds the teachers up; `teachers` holds each one's own summary."""
-    from logitstore.pipelines.teacher import describe_teacher
+    from logitstore.pipelines.teacher import describe_teacher  # torch and transformers: 2.7 s, after the input checks
 
     if len(teachers) <= 1:
         return run_build(dataclasses.replace(cfg, teacher=teachers[0] if teachers else cfg.teacher), log=log)
@@ -552,8 +553,6 @@ def _tokenize_chat(tokenizer, docs: list, students: Sequence[StudentSide] = ()) 
     """Conversations rendered by the teacher's chat template: ids and the loss mask (`logitstore.chat`),
     and per student tokenizer its ids, the groups and its own mask of the same spans: a student token
     is supervised iff its bytes lie inside an assistant span."""
-    from logitstore import align
-
     rendered = []
     for doc in docs:  # one template render per turn of each conversation
         try:
@@ -591,9 +590,6 @@ class StudentSide:
 
 def load_student_tokenizers(specs: tuple[str, ...], *, teacher) -> list[StudentSide]:
     """Parse and load every `--student-tokenizer [NAME=]TOK`, and map the teacher's vocabulary onto each."""
-    from logitstore import align
-    from logitstore.tokenizer_io import load_tokenizer, parse_tokenizer_spec, tokenizer_hash
-
     out: list[StudentSide] = []
     for spec in specs:
         name, path = parse_tokenizer_spec(spec)
@@ -614,8 +610,6 @@ def load_student_tokenizers(specs: tuple[str, ...], *, teacher) -> list[StudentS
 
 def _tokenize_aligned(tokenizer, docs: list, students: Sequence[StudentSide]) -> list[_Tokenized]:
     """Teacher ids of each document, and per student tokenizer its ids and the whole document's groups."""
-    from logitstore import align
-
     texts = [d.text for d in docs]
     teacher = align.encode_with_byte_ends(tokenizer, texts)
     per_student = [align.encode_with_byte_ends(st.tokenizer, texts) for st in students]
@@ -631,8 +625,6 @@ def _tokenize_aligned(tokenizer, docs: list, students: Sequence[StudentSide]) ->
 
 def _window_students(alignments: dict, *, t_start: int, t_stop: int) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """Each student's ids and groups for the window of teacher tokens [t_start, t_stop)."""
-    from logitstore import align
-
     out = {}
     for name, (s_ids, groups, *mask) in alignments.items():  # chat data: a third element, the student's mask
         window, s_start, s_stop = align.window_groups(groups, t_start=t_start, t_stop=t_stop)
@@ -684,8 +676,6 @@ class Progress:
         self._lock = threading.Lock()  # the teacher's threads report batches
         self.bar = None
         if self.enabled and sys.stderr.isatty():
-            from tqdm import tqdm
-
             self.bar = tqdm(total=None, unit="tok", unit_scale=True, desc="build", dynamic_ncols=True)
 
     def batch(self, tokens: int) -> None:

@@ -55,6 +55,7 @@ import pyarrow.json as pa_json
 import pyarrow.parquet as pq
 from pyarrow import csv as pa_csv
 
+from logitstore.chat import as_messages, conversation_hash_text, message_problem
 from logitstore.data import SAMPLE_CORPUS, default_input
 from logitstore.errors import LogitstoreError
 
@@ -669,8 +670,6 @@ def _documents(
 
 def _conversations(batch: pa.RecordBatch, name: str, doc_ids, fail, *, row: int) -> Iterator[Document]:
     """Chat rows of column `name`: a list of {"role", "content"} per row (or its JSON text, as CSV holds it)."""
-    from logitstore.chat import as_messages, conversation_hash_text, message_problem
-
     column = _column(batch, name)
     t = column.type
     if not (pa.types.is_list(t) or pa.types.is_large_list(t) or _is_text_type(t) or pa.types.is_null(t)):

@@ -21,6 +21,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+from transformers.utils import logging as hf_logging
 
 from logitstore.errors import LogitstoreError
 from logitstore.hub import is_hub_id, local_folder, repo_name
@@ -130,8 +133,6 @@ def _resolve_hf_dir(path: Path) -> TeacherSpec:
 
 
 def _is_causal_lm_config(config: dict) -> bool:
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
     architectures = config.get("architectures") or []
     if any(arch.endswith(("ForCausalLM", "LMHeadModel")) for arch in architectures):
         return True
@@ -210,8 +211,6 @@ def describe_teacher(spec: TeacherSpec | str | None) -> TeacherInfo:
 
 @functools.lru_cache(maxsize=4)
 def _describe(spec: TeacherSpec) -> TeacherInfo:
-    from transformers import AutoConfig, AutoTokenizer
-
     kwargs = {"gguf_file": spec.gguf_file} if spec.gguf_file else {}
     try:
         tokenizer = AutoTokenizer.from_pretrained(spec.path, **kwargs)
@@ -237,9 +236,6 @@ def _describe(spec: TeacherSpec) -> TeacherInfo:
 
 
 def _load_model_and_tokenizer(spec: TeacherSpec, *, dtype: torch.dtype):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as hf_logging
-
     hf_logging.disable_progress_bar()  # per-tensor bars would drown the build's own progress
 
     kwargs = {"gguf_file": spec.gguf_file} if spec.gguf_file else {}

@@ -13,6 +13,7 @@ are in a worker at once, each written into its own Icechunk fork that the driver
 from __future__ import annotations
 
 import hashlib
+import multiprocessing
 import os
 import threading
 from collections import deque
@@ -194,7 +195,7 @@ def _init_worker(settings: WorkerSettings, devices) -> None:
     global _WORKER
     if devices is not None:  # this process's GPUs, before anything initialises CUDA
         os.environ["CUDA_VISIBLE_DEVICES"] = devices.get()
-    import torch
+    import torch  # 1.5 s: `build` imports this module before its input checks (the engine loads torch anyway)
 
     torch.set_num_threads(1)  # N processes on N cores; more threads each would oversubscribe
     _WORKER = TeacherWorker(settings)
@@ -220,8 +221,6 @@ class ProcessExecutor:
     overlap the other processes' forward passes, and threads in each would only compete for the cores."""
 
     def __init__(self, settings: WorkerSettings, *, workers: int):
-        import multiprocessing
-
         context = multiprocessing.get_context("spawn")
         devices = None
         gpus = engine_class(settings.engine).gpus_per_worker(settings)
@@ -296,7 +295,7 @@ class RayExecutor:
         return self.ray.get(self.actors[0].compute.remote(unit))
 
     def map(self, units, *, writer_for, max_in_flight):
-        from ray.util import ActorPool
+        from ray.util import ActorPool  # the optional [ray] extra, as in __init__
 
         pool = ActorPool([a for _ in range(OVERLAP) for a in self.actors])  # OVERLAP slots per actor
         for unit in units:
@@ -332,7 +331,7 @@ def visible_gpus() -> list[str]:
     listed = os.environ.get("CUDA_VISIBLE_DEVICES")
     if listed is not None:
         return [d.strip() for d in listed.split(",") if d.strip()]
-    import torch
+    import torch  # 1.5 s: `build` imports this module before its input checks (the engine loads torch anyway)
 
     return [str(i) for i in range(torch.cuda.device_count())]
 

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.nn.functional as F
+from transformers import AttentionInterface
 
 from logitstore.errors import LogitstoreError
 
@@ -130,6 +131,4 @@ def segment_attention(
 def register() -> None:
     """Make `ATTENTION` a Hugging Face attention implementation (idempotent). Without a mask function
     registered for it, Hugging Face builds no mask and passes None."""
-    from transformers import AttentionInterface
-
     AttentionInterface.register(ATTENTION, segment_attention)

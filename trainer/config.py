@@ -19,8 +19,11 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from logitstore.chat import TRAIN_ON
 from logitstore.errors import LogitstoreError
+from logitstore.sizes import parse_bytes
 from logitstore.trainer.losses import LossConfig
+from logitstore.trainer.report import check_sinks
 from logitstore.trainer.stream import DEFAULT_MEMORY_BUDGET
 
 if TYPE_CHECKING:  # for the annotation only: a store run's configuration need not import live mode
@@ -57,8 +60,6 @@ class DataConfig:
     train_on: str = "completion"  # chat data (logitstore.chat): supervise the completion, or prompt+completion
 
     def __post_init__(self) -> None:
-        from logitstore.chat import TRAIN_ON
-
         _check(
             [
                 (self.train_on in TRAIN_ON, f"--train-on must be one of {', '.join(TRAIN_ON)}"),
@@ -70,7 +71,6 @@ class DataConfig:
                 (all(w > 0 for w in (self.teacher_weights or {}).values()), "--teacher-weight weights must be > 0"),
             ]
         )
-        from logitstore.sizes import parse_bytes
 
         parse_bytes(self.memory_budget, name="--memory-budget")  # a typo fails here, not in every rank
 
@@ -142,7 +142,6 @@ class OutputConfig:
 
     def __post_init__(self) -> None:
         _check([(not (self.resume and self.force), "--resume and --force exclude each other")])
-        from logitstore.trainer.report import check_sinks
 
         check_sinks(self.report_to)
 

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import hashlib
 import os
 import queue
 import threading
@@ -49,10 +50,16 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.multiprocessing as mp
 
+from logitstore import codec
 from logitstore.errors import LogitstoreError
-from logitstore.samples import SparseSamples
+from logitstore.pipelines.build import BuildConfig, BuildSummary, check_teacher_fits, plan_units
+from logitstore.pipelines.teacher import describe_teacher, resolve_teacher
+from logitstore.pipelines.workers import TeacherWorker, Unit, WorkerSettings
+from logitstore.samples import SparseSamples, concat
 from logitstore.sparsity import Sparsity, default_sparsity, sparsity_from_flags
+from logitstore.trainer.stream import SplitTable, Stream, assemble, check_eval_fraction, is_eval_sample
 
 RING_SLOTS = 2
 POLL_SECONDS = 0.2
@@ -152,8 +159,6 @@ class LiveSamples:
     @property
     def fingerprint(self) -> str:
         """Stands in for the store version in checkpoints: the same data and teacher give the same value."""
-        import hashlib
-
         h = hashlib.blake2b(digest_size=10)
         h.update(self.teacher_name.encode())
         for sid, t in zip(self.sample_ids, self.tokens):
@@ -164,9 +169,6 @@ class LiveSamples:
 
 def plan_live_samples(cfg: LiveConfig) -> LiveSamples:
     """The build's planning (`build.plan_units`) with nothing stored yet, flattened and sorted by id."""
-    from logitstore.pipelines.build import BuildConfig, BuildSummary, check_teacher_fits, plan_units
-    from logitstore.pipelines.teacher import describe_teacher
-
     info = describe_teacher(cfg.teacher)
     build_cfg = BuildConfig(
         data=cfg.data,
@@ -231,10 +233,6 @@ def teacher_main(cfg: LiveConfig, capacity: tuple[int, int], requests, ready, ac
 
 
 def _serve(cfg: LiveConfig, capacity: tuple[int, int], requests, ready, acks, parent_pid: int) -> None:
-    from logitstore import codec
-    from logitstore.pipelines.teacher import resolve_teacher
-    from logitstore.pipelines.workers import TeacherWorker, Unit, WorkerSettings
-
     sparsity = cfg.sparsity
     assert sparsity is not None  # LiveConfig.__post_init__ sets the default
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
@@ -286,8 +284,6 @@ def _serve(cfg: LiveConfig, capacity: tuple[int, int], requests, ready, acks, pa
 
 
 def _in_request_order(samples: SparseSamples, ids: list[str]) -> SparseSamples:
-    from logitstore.samples import concat
-
     at = {sid: i for i, sid in enumerate(samples.sample_ids)}
     return concat([samples.select(at[sid]) for sid in ids])
 
@@ -331,8 +327,6 @@ class LiveTeacher:
     """The trainer's handle on its teacher process: `compute(tokens)` -> `SparseSamples`, thread-safe."""
 
     def __init__(self, cfg: LiveConfig, *, micro_batch: int, seq_len: int):
-        import torch.multiprocessing as mp
-
         assert cfg.sparsity is not None  # LiveConfig.__post_init__ sets the default
         self.cfg = cfg
         ctx = mp.get_context("spawn")  # CUDA and shared tensors need spawn, never fork
@@ -450,8 +444,6 @@ class LiveSource:
     whole by the teacher process for each micro-batch, then cut into its pieces."""
 
     def __init__(self, samples: LiveSamples, teacher: LiveTeacher, *, split: str, eval_fraction: float):
-        from logitstore.trainer.stream import SplitTable, is_eval_sample
-
         keep = [
             i
             for i, sid in enumerate(samples.sample_ids)  # one step per sample, at start
@@ -474,8 +466,6 @@ class LiveSource:
         raise AssertionError("a live source has no parts to read")
 
     def build(self, pieces, parts: dict, *, stream):
-        from logitstore.trainer.stream import assemble
-
         rows, where = np.unique(pieces.row, return_inverse=True)
         whole = self.teacher.compute([self._tokens[r] for r in rows])
         decoded = _cut(whole, where.reshape(-1), pieces)
@@ -505,8 +495,6 @@ def live_stream(
 ):
     """The stream engine over live mode: same order, packing, sharding and resume state as a store run
     on the same samples, batches from the live teacher."""
-    from logitstore.trainer.stream import Stream, check_eval_fraction
-
     check_eval_fraction(eval_fraction)
     return Stream(
         LiveSource(samples, teacher, split=split, eval_fraction=eval_fraction),
@@ -522,8 +510,6 @@ def live_stream(
 
 def _cut(whole: SparseSamples, which: np.ndarray, pieces) -> SparseSamples:
     """The pieces' fragments of whole samples: tokens [a, b) and positions [a, b - 1), in piece order."""
-    from logitstore.samples import concat
-
     fragments = []
     for k, (a, b) in enumerate(zip(pieces.a.tolist(), pieces.b.tolist())):  # one iteration per piece
         s = whole.select(int(which[k]))

@@ -70,6 +70,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -191,8 +192,6 @@ def chunk_positions(weight: Tensor) -> int:
 def chunk_bounds(n: int, *, chunk: int, allowed=None) -> list[tuple[int, int]]:
     """[a, b) spans of about `chunk` positions covering [0, n); with `allowed` (a bool array over the
     cut points 0..n), every cut is an allowed one (the nearest at or below the size, else the next)."""
-    import numpy as np
-
     ok = np.flatnonzero(np.ones(n + 1, dtype=bool) if allowed is None else allowed)
     bounds, a = [], 0
     while a < n:  # one step per chunk

@@ -43,6 +43,8 @@ from logitstore.chat import supervised_positions
 from logitstore.errors import DamagedDataError, LogitstoreError
 from logitstore.meta import array_at, read_values
 from logitstore.store import StoreVersion, read_errors
+from logitstore.trainer.aligned_losses import AlignedTargets
+from logitstore.trainer.losses import SparseTargets
 from logitstore.trainer.stream import (
     PackedBatch,
     PartReader,
@@ -465,8 +467,6 @@ def _entries_of(sig: _SampleSignal, teacher_positions: np.ndarray) -> tuple[np.n
 
 
 def _same_targets(pieces, *, starts, n, first_position, weight, target_ids, P):
-    from logitstore.trainer.losses import SparseTargets
-
     ids, lps, pos, tail, target_lp = [], [], [], np.ones(P, np.float32), np.zeros(P, np.float32)
     covered = np.zeros(P, bool)
     for k, sig in pieces:
@@ -493,8 +493,6 @@ def _same_targets(pieces, *, starts, n, first_position, weight, target_ids, P):
 
 
 def _aligned_targets(pieces, *, starts, n, first_position, weight, target_ids):
-    from logitstore.trainer.aligned_losses import AlignedTargets
-
     P = len(target_ids)
     exact_pos, ids, lps, entry_pos, tails = [], [], [], [], []
     chain_lp, chain_pos, chain_group = [], [], []

@@ -14,8 +14,11 @@ from typing import Any
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from logitstore.errors import LogitstoreError
+from logitstore.hub import is_hub_id, local_folder
+from logitstore.tokenizer_io import tokenizer_hash
 from logitstore.trainer.attention import ATTENTION
 from logitstore.trainer.attention import register as register_attention
 
@@ -60,8 +63,6 @@ def build_student(spec: str, *, vocab_size: int, seed: int):
     """(model, tokenizer or None). A built-in name is a fresh model over `vocab_size` tokens (its
     tokenizer is the store's: the teacher's, or `--student-tokenizer`); a directory brings its own
     tokenizer, which `student_tokenizer_hash` matches against the store's before this is called."""
-    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
-
     register_attention()  # packed rows attend within their segments, without an L x L mask
     torch.manual_seed(seed)
     if spec in BUILTIN_STUDENTS:
@@ -82,14 +83,11 @@ def student_tokenizer_hash(spec: str) -> str | None:
     """The tokenizer hash of a student directory; None for a built-in (it takes the store's tokenizer)."""
     if spec in BUILTIN_STUDENTS:
         return None
-    from logitstore.tokenizer_io import tokenizer_hash
 
     return tokenizer_hash(_tokenizer_of(_model_dir(spec)))
 
 
 def _model_dir(spec: str) -> Path:
-    from logitstore.hub import is_hub_id, local_folder
-
     path = local_folder(spec, flag="--student") if is_hub_id(spec) else Path(spec)
     if not (path / "config.json").is_file():
         names = ", ".join(BUILTIN_STUDENTS)
@@ -98,8 +96,6 @@ def _model_dir(spec: str) -> Path:
 
 
 def _tokenizer_of(path: Path):
-    from transformers import AutoTokenizer
-
     try:
         return AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as e:
@@ -111,7 +107,6 @@ def student_max_positions(spec: str) -> int:
     `max_position_embeddings`; none given: no limit)."""
     if spec in BUILTIN_STUDENTS:
         return BUILTIN_STUDENTS[spec]["max_position_embeddings"]
-    from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(_model_dir(spec))
     return int(getattr(config, "max_position_embeddings", None) or 1 << 30)

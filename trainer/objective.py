@@ -21,9 +21,12 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+import numpy as np
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
+from logitstore.trainer.aligned_losses import AlignedTargets, aligned_kd
 from logitstore.trainer.attention import plan_segments
 from logitstore.trainer.losses import (
     LossConfig,
@@ -124,8 +127,6 @@ def held_out_metrics(
 
 def all_reduce_mean(values: dict[str, float]) -> dict[str, float]:
     """The mean over the ranks of each value (the values themselves without a process group)."""
-    import torch.distributed as dist
-
     if not (dist.is_available() and dist.is_initialized()):
         return dict(values)
     keys = sorted(values)
@@ -159,8 +160,6 @@ def mixed_loss(
     positions (`losses.chunked_head_loss`; a cross-tokenizer teacher's many-token group never straddles
     two chunks). `indicator` (evaluation) replaces the weights by 1 wherever a teacher has signal and
     reports each teacher's mean KL over its positions."""
-    from logitstore.trainer.aligned_losses import AlignedTargets, aligned_kd
-
     signals = [(name, _to_device(targets, device)) for name, targets in batch.signals]
     if indicator:
         for _, targets in signals:
@@ -235,10 +234,6 @@ def slice_aligned(t, a: int, b: int):
 
 def _whole_groups(signals, P: int):
     """[P + 1] bool: the cuts between positions that split no cross-tokenizer many-token group."""
-    import numpy as np
-
-    from logitstore.trainer.aligned_losses import AlignedTargets
-
     inside = np.zeros(P + 2, dtype=np.int64)  # +1 at a group's second position, -1 past its last
     for _, t in signals:
         if isinstance(t, AlignedTargets) and len(t.chain_group):

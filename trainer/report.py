@@ -19,7 +19,7 @@ class TensorBoard:
     package = "tensorboard"
 
     def __init__(self, out: Path):
-        from torch.utils.tensorboard import SummaryWriter
+        from torch.utils.tensorboard import SummaryWriter  # the optional [tensorboard] extra (`check_sinks`)
 
         self.writer = SummaryWriter(log_dir=str(out / "tensorboard"))
 

@@ -20,6 +20,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from logitstore.store import Store
 from logitstore.trainer import checkpoint
 from logitstore.trainer.config import TrainConfig, TrainConfigError
 
@@ -122,8 +123,6 @@ def _check_identity(out: Path, previous: dict, cfg: TrainConfig) -> None:
 
 def _check_version(out: Path, cfg: TrainConfig, snapshot: str) -> None:
     """--version with --resume must name the snapshot the run reads (a tag, a branch still there, the id)."""
-    from logitstore.store import Store
-
     assert cfg.data.store is not None  # a pinned snapshot and --version: a store run (live mode has neither)
     requested = Store.open(cfg.data.store).resolve(cfg.data.version)
     if requested != snapshot:

@@ -92,13 +92,13 @@ from zarr.types import AnyAsyncArray
 
 from logitstore import codec
 from logitstore.ahead import read_ahead
-from logitstore.chat import supervised_positions
+from logitstore.chat import TRAIN_ON, supervised_positions
 from logitstore.codec import EncodedSamples
 from logitstore.errors import DamagedDataError, LogitstoreError, StorageError
 from logitstore.meta import read_values
 from logitstore.rawread import read_arrays
 from logitstore.sizes import format_bytes, parse_bytes
-from logitstore.store import ENCODED_ARRAYS, StoreVersion, read_errors
+from logitstore.store import ENCODED_ARRAYS, Store, StoreVersion, read_errors
 from logitstore.version import ROW_AXIS
 from logitstore.zarr_codec import as_codes
 
@@ -662,8 +662,6 @@ class StoreSource:
 
 def check_train_on(view: StoreVersion, *, teacher: str, train_on: str) -> None:
     """`--train-on`: a known value, and prompt+completion only where the store holds entries for prompts."""
-    from logitstore.chat import TRAIN_ON
-
     if train_on not in TRAIN_ON:
         raise StreamConfigError(f"--train-on must be one of {', '.join(TRAIN_ON)}, got {train_on!r}")
     if train_on == "prompt+completion" and view.teachers[teacher].loss_mask == "completion":
@@ -1205,7 +1203,7 @@ def store_stream(
         raise StreamConfigError(f"split must be one of {SPLITS}, got {split!r}")
     source: Source
     if sources is not None and (len(sources) > 1 or sources[0].cross):
-        from logitstore.trainer.mixing import MixedSource
+        from logitstore.trainer.mixing import MixedSource  # here: mixing imports this module
 
         source = MixedSource(view, sources=sources, split=split, eval_fraction=eval_fraction, train_on=train_on)
     else:
@@ -1249,8 +1247,6 @@ def store_stream(
 
 def _stream_from_recipe(recipe: dict, state: dict) -> Stream:
     """The stream `store_stream` made from `recipe`, at `state`: how a stream arrives in another process."""
-    from logitstore.store import Store
-
     view = Store.open(recipe["uri"]).read(recipe["snapshot"])
     stream = store_stream(view, **recipe["kwargs"])
     stream.load_state_dict(state)

@@ -14,6 +14,7 @@ import threading
 
 import numpy as np
 import torch
+import transformers
 
 from logitstore.pipelines.engines import EngineError, halving_on_oom, token_budget_batches
 from logitstore.pipelines.sparsify import to_samples
@@ -51,8 +52,6 @@ class Engine:
 
     @classmethod
     def version(cls) -> str:
-        import transformers
-
         return f"torch {torch.__version__}, transformers {transformers.__version__}"
 
     def __init__(self, settings, *, lock: threading.Lock):

@@ -356,7 +356,7 @@ def _version_tuple(version: str) -> tuple[int, ...]:
 
 def vllm_features() -> VllmFeatures:
     """Read from the installed vLLM's argument classes, so the plan never passes an unknown argument."""
-    from vllm import SamplingParams
+    from vllm import SamplingParams  # the optional [vllm] extra, imported only where it is used
     from vllm.engine.arg_utils import EngineArgs
 
     return VllmFeatures(
