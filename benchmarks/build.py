@@ -271,8 +271,6 @@ def main() -> None:
     args.sparsity = Sparsity(k=args.top_k) if args.top_k else Sparsity(mode="sampled", n=args.sample or 16)
     sparsity_name = f"top-{args.top_k}" if args.top_k else f"sampled-{args.sparsity.n}"
 
-    from logitstore.store import TeacherMeta
-
     info = describe_teacher(None)
     model = load_teacher_once(info.spec, args.device, "auto").model
     with tempfile.TemporaryDirectory() as tmp:
@@ -310,13 +308,7 @@ def main() -> None:
                         StandIn(pool, rate=rate),
                     )
                 )
-            meta = TeacherMeta(
-                name=info.spec.name,
-                vocab_size=info.vocab_size,
-                content_hash=info.content_hash,
-                tokenizer_hash=info.tokenizer_hash,
-                sparsity=args.sparsity.to_json(),
-            )
+            meta = info.store_meta(args.sparsity)
             written = write_alone(args, pool, planned, tmp=tmp, teacher_meta=meta, repeats=5 * args.repeats)
         best = {label: [float("inf")] * 4 + [None] for label, *_ in runs}
         for r in range(args.repeats):

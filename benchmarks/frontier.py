@@ -35,6 +35,7 @@ Everything runs on the CPU (teacher, students, dense evaluation); there is no --
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import math
@@ -63,7 +64,7 @@ from logitstore.pipelines.teacher import (
 )
 from logitstore.samples import concat
 from logitstore.sparsity import Sparsity
-from logitstore.store import Store, TeacherMeta
+from logitstore.store import Store
 from logitstore.trainer.config import TrainConfig
 from logitstore.trainer.live import LiveConfig, plan_live_samples
 from logitstore.trainer.losses import LossConfig, distill_loss
@@ -187,14 +188,7 @@ def write_store(uri: str, samples, *, variant: Variant, info, part_tokens: int =
     bounds = np.searchsorted(np.cumsum(samples.n_tokens), np.arange(part_tokens, samples.n_tokens.sum(), part_tokens))
     groups = [g for g in np.split(np.arange(len(samples.n_tokens)), np.unique(bounds + 1)) if len(g)]
     parts = [concat([samples.select(int(i)) for i in g]) for g in groups]
-    meta = TeacherMeta(
-        name=info.spec.name,
-        vocab_size=info.vocab_size,
-        content_hash=info.content_hash,
-        tokenizer_hash=info.tokenizer_hash,
-        sparsity=variant.sparsity.to_json(),
-        codec=variant.grid,
-    )
+    meta = info.store_meta(dataclasses.replace(variant.sparsity, grid=variant.grid))
     with Store.open(uri, create=True).writer(branch="main") as w:
         w.add_teacher(meta, code_of_id=codec.frequency_id_order(parts[0].entry_ids, vocab_size=info.vocab_size))
         for part in parts:

@@ -184,13 +184,8 @@ def run_build(cfg: BuildConfig, *, log: Callable[[str], None] | None = None) -> 
     # no empty store or branch behind.
     store = Store.open_if_exists(cfg.store)
     sparsity = _sparsity(cfg)
-    meta = TeacherMeta(
-        name=info.spec.name,
-        vocab_size=info.vocab_size,
-        content_hash=info.content_hash,
-        tokenizer_hash=info.tokenizer_hash,
-        sparsity=sparsity.to_json(),
-        codec=sparsity.grid,
+    meta = info.store_meta(
+        sparsity,
         loss_mask=cfg.train_on if cfg.chat_column else None,
         engine=engine.name,
         dtype=engine.resolved_dtype(settings),

@@ -27,6 +27,8 @@ from transformers.utils import logging as hf_logging
 
 from logitstore.errors import LogitstoreError
 from logitstore.hub import is_hub_id, local_folder, repo_name
+from logitstore.meta import TeacherMeta
+from logitstore.sparsity import Sparsity
 from logitstore.tokenizer_io import tokenizer_hash
 
 DEFAULT_TEACHER = "smollm2-135m-instruct"
@@ -191,6 +193,19 @@ class TeacherInfo:
     content_hash: str
     tokenizer_hash: str
     max_positions: int | None = None  # the model's context (config `max_position_embeddings`), if it says
+
+    def store_meta(self, sparsity: Sparsity, **recorded: Any) -> TeacherMeta:
+        """The metadata a store keeps for this teacher's entries at `sparsity` (its grid as the codec);
+        `recorded`: the rest of `TeacherMeta`'s fields (engine, dtype, loss_mask, ...)."""
+        return TeacherMeta(
+            name=self.spec.name,
+            vocab_size=self.vocab_size,
+            content_hash=self.content_hash,
+            tokenizer_hash=self.tokenizer_hash,
+            sparsity=sparsity.to_json(),
+            codec=sparsity.grid,
+            **recorded,
+        )
 
 
 @dataclass
