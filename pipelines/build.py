@@ -363,9 +363,7 @@ def _add_teacher_with_first_unit(
 def _process(store, cfg, head: list[Unit], rest: Iterator[Unit], executor, summary, progress: Progress) -> None:
     writer = store.writer(branch=cfg.branch, on_duplicate="skip")
     last_commit = time.monotonic()
-    units = read_ahead(
-        itertools.chain(head, rest), depth=PLAN_AHEAD, name="logitstore-plan"
-    )  # closing it stops its thread
+    units = read_ahead(itertools.chain(head, rest), depth=PLAN_AHEAD, name="logitstore-plan")
     try:
         # writer_for reads `writer` when called: after a commit it is the new transaction's writer
         for written, unit in executor.map(units, writer_for=lambda: writer, max_in_flight=2 * cfg.workers):  # noqa: B023

@@ -9,6 +9,7 @@ with the path of the file you edit. Extra arguments go to mypy.
 """
 
 import os
+import shutil
 import sys
 import tomllib
 from pathlib import Path
@@ -37,8 +38,7 @@ def package_folders() -> dict[str, Path]:
 
 def link_tree(folders: dict[str, Path]) -> Path:
     """build/typecheck/logitstore/... with one link per module file, laid out by import name."""
-    for path in sorted(LINKS.rglob("*"), reverse=True) if LINKS.exists() else ():
-        path.unlink() if path.is_symlink() or path.is_file() else path.rmdir()
+    shutil.rmtree(LINKS, ignore_errors=True)  # removes the links, not what they point to
     for name, folder in folders.items():
         target = LINKS.joinpath(*name.split("."))
         target.mkdir(parents=True, exist_ok=True)

@@ -51,7 +51,9 @@ def engine_class(name: str):
 def is_out_of_memory(error: BaseException) -> bool:
     """A device allocation failure (torch's own type, or a RuntimeError saying so, as CUDA kernels and
     vLLM raise it)."""
-    import torch  # loaded by the engine long before this runs; at the top it would cost `build` 1.5 s before its input checks
+    # torch is loaded by the engine long before this runs; at the top it would cost `build` 1.5 s before
+    # its input checks
+    import torch
 
     return isinstance(error, torch.OutOfMemoryError) or (
         isinstance(error, RuntimeError) and "out of memory" in str(error).lower()
