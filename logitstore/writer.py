@@ -214,6 +214,11 @@ class StoreWriter:
         self._base_keys -= removed
         self._removed |= removed
 
+    @property
+    def has_changes(self) -> bool:
+        """Anything to commit: written or merged parts, or removals."""
+        return self.session.has_uncommitted_changes or bool(self._removed)
+
     def _add_rows(self, rows: pa.Table) -> None:
         self._new_rows.append(rows)
         self._new_keys.update(zip(rows["teacher"].to_pylist(), rows["sample_id"].to_pylist()))

@@ -197,6 +197,10 @@ def run_build(cfg: BuildConfig, *, log: Callable[[str], None] | None = None) -> 
         cfg, info.tokenizer, stored=stored, summary=summary, students=students, vocab_size=info.vocab_size
     )
     first = next(units, None)  # reads and checks the input before any model is loaded
+    if first is None and stored.removals:  # only documents replaced by text too short for a window
+        with _store_and_branch(store, cfg).writer(branch=cfg.branch) as writer:
+            writer.remove(meta.name, stored.take_removals())
+            _commit(writer, cfg, summary, final=True)
     if first is not None:
         log(f"build: sample ids are {ids_from}")
         progress = Progress(cfg, log=log)  # from the first unit's first batch on
@@ -211,7 +215,7 @@ def run_build(cfg: BuildConfig, *, log: Callable[[str], None] | None = None) -> 
             ):
                 head = []
                 progress.update(tokens=first.n_tokens, samples=len(first.sample_ids), documents=first.documents_read)
-            _process(store, cfg, head, units, executor, summary, progress)
+            _process(store, cfg, head, units, executor, summary, progress, stored=stored)
             progress.finish()
         finally:
             executor.close()
@@ -360,7 +364,17 @@ def _add_teacher_with_first_unit(
     return True
 
 
-def _process(store, cfg, head: list[Unit], rest: Iterator[Unit], executor, summary, progress: Progress) -> None:
+def _process(
+    store,
+    cfg,
+    head: list[Unit],
+    rest: Iterator[Unit],
+    executor,
+    summary,
+    progress: Progress,
+    *,
+    stored: StoredDocuments,
+) -> None:
     writer = store.writer(branch=cfg.branch, on_duplicate="skip")
     last_commit = time.monotonic()
     units = read_ahead(itertools.chain(head, rest), depth=PLAN_AHEAD, name="logitstore-plan")
@@ -382,6 +396,7 @@ def _process(store, cfg, head: list[Unit], rest: Iterator[Unit], executor, summa
         raise
     finally:
         units.close()  # stops the planner thread
+    writer.remove(summary.teacher, stored.take_removals())  # replaced documents no later unit carried
     _commit(writer, cfg, summary, final=True)
 
 
@@ -393,7 +408,7 @@ PLAN_AHEAD = 32
 
 
 def _commit(writer, cfg: BuildConfig, summary: BuildSummary, *, final: bool) -> None:
-    if not writer.session.has_uncommitted_changes:
+    if not writer.has_changes:
         return
     message = cfg.message or f"build: teacher {summary.teacher}"
     writer.commit(message if final else f"{message} (checkpoint, {summary.samples} samples so far)")
@@ -411,6 +426,10 @@ class StoredDocuments:
     sample_ids: set[str] = field(default_factory=set)
     source_of: dict[str, str | None] = field(default_factory=dict)  # document id -> its windows' source hash
     ids_of: dict[str, list[str]] = field(default_factory=dict)  # document id -> its stored sample ids
+    # stored sample ids of replaced documents (`forget`) that no unit carries yet: the next unit planned
+    # takes them (`take_removals`), so they are removed with it; what is left at the input's end (a
+    # document whose new text yields no window) the driver removes in its last commit
+    removals: list[str] = field(default_factory=list)
 
     MIXED = ""  # a document whose stored windows disagree (left by builds before source hashes were compared)
 
@@ -432,12 +451,16 @@ class StoredDocuments:
         stored = self.source_of.get(doc.id)
         return stored is not None and stored != doc.source_hash
 
-    def forget(self, doc_id: str) -> list[str]:
-        """Treat the document as not stored; returns its stored sample ids, to remove."""
+    def forget(self, doc_id: str) -> None:
+        """Treat the document as not stored; its stored sample ids join the `removals`."""
         ids = self.ids_of.pop(doc_id, [])
         self.sample_ids.difference_update(ids)
         self.source_of.pop(doc_id, None)
-        return ids
+        self.removals += ids
+
+    def take_removals(self) -> list[str]:
+        taken, self.removals = self.removals, []
+        return taken
 
 
 def plan_units(
@@ -482,7 +505,7 @@ def plan_units(
                 summary.changed += 1
                 if cfg.on_duplicate == "skip":
                     continue
-                pending.replaces += _replace(doc, stored, cfg)
+                _replace(doc, stored, cfg)
             windows = inputs.window(token_ids, max_length=cfg.max_length) if len(token_ids) >= 2 else []
             if not windows:
                 summary.skipped += 1
@@ -497,16 +520,17 @@ def plan_units(
                     loss_mask=None if loss_mask is None else loss_mask[start : start + len(win)],
                 )
                 if pending.n_tokens >= cfg.unit_tokens:
-                    yield from _unless_stored(pending, stored.sample_ids, summary)
+                    yield from _unless_stored(pending, stored, summary)
                     pending = Unit(index=pending.index + 1)
     if pending.sample_ids:
-        yield from _unless_stored(pending, stored.sample_ids, summary)
+        yield from _unless_stored(pending, stored, summary)
 
 
-def _replace(doc, stored: StoredDocuments, cfg: BuildConfig) -> list[str]:
-    """A document stored with other text: its stored ids to remove (--on-duplicate replace), or the error."""
+def _replace(doc, stored: StoredDocuments, cfg: BuildConfig) -> None:
+    """A document stored with other text: its stored ids queued for removal (--on-duplicate replace), or the error."""
     if cfg.on_duplicate == "replace":
-        return stored.forget(doc.id)
+        stored.forget(doc.id)
+        return
     was = stored.source_of[doc.id] or "windows of mixed sources"
     raise BuildError(
         f"document {doc.id!r} (input row {doc.row}) is stored with other text (source hash {was}, "
@@ -523,10 +547,12 @@ def _check_token_ids(doc, token_ids: np.ndarray, *, vocab_size: int | None) -> N
         )
 
 
-def _unless_stored(unit: Unit, known: set[str], summary: BuildSummary) -> Iterator[Unit]:
-    stored = sum(sid in known for sid in unit.sample_ids)
-    summary.already_stored += stored
-    if stored < len(unit.sample_ids):
+def _unless_stored(unit: Unit, stored: StoredDocuments, summary: BuildSummary) -> Iterator[Unit]:
+    """The unit, unless the branch holds all of its samples; it carries the removals queued so far."""
+    known = sum(sid in stored.sample_ids for sid in unit.sample_ids)
+    summary.already_stored += known
+    if known < len(unit.sample_ids):
+        unit.replaces = stored.take_removals()
         yield unit
 
 
