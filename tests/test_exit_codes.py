@@ -4,7 +4,12 @@ adversarial pass, each named after what broke. The exit codes themselves are doc
 from __future__ import annotations
 
 import json
+import uuid
+from pathlib import Path
 
+import pytest
+
+from tests.test_faults import trainer_view
 from tests.test_safety import build, index_of, jsonl, one_line_error, run
 
 # -- 1. a replacement whose new text yields no window ------------------------------------------------
@@ -23,3 +28,46 @@ def test_replacing_a_document_with_text_too_short_for_a_window_removes_the_old_t
     assert "d1" not in index_of(store) and "d2" in index_of(store)
     error = one_line_error(run("show", store, "d1"), 2)
     assert "d1" in error
+
+
+# -- 2. an object the snapshot lists but storage lacks is damage, not an outage ------------------------
+
+
+def delete_largest_chunk(uri: str) -> None:
+    """Delete the largest chunk object (a part's entries) behind Icechunk's back: on disk or on S3."""
+    if uri.startswith("s3://"):
+        import boto3
+
+        bucket, prefix = uri[len("s3://") :].split("/", 1)
+        s3 = boto3.client("s3")
+        objects = s3.list_objects_v2(Bucket=bucket, Prefix=f"{prefix}/chunks/")["Contents"]
+        s3.delete_object(Bucket=bucket, Key=max(objects, key=lambda o: o["Size"])["Key"])
+    else:
+        max(Path(uri, "chunks").iterdir(), key=lambda p: p.stat().st_size).unlink()
+
+
+@pytest.mark.parametrize("backend", ["local", "s3"])
+def test_a_missing_chunk_is_damage_that_verify_names_and_train_can_skip(backend, tmp_path, request):
+    from logitstore.trainer.stream import store_stream
+
+    if backend == "s3":
+        request.getfixturevalue("s3_endpoint")
+        uri = f"s3://logitstore-test/{uuid.uuid4().hex[:12]}"
+    else:
+        uri = str(tmp_path / "store")
+    view = trainer_view(uri)
+    delete_largest_chunk(uri)
+
+    result = run("verify", uri)
+    assert result.exit_code == 1, (result.stdout, result.stderr)  # was: 2, "storage failed ... No such file"
+    damaged = [line for line in result.stderr.splitlines() if line.startswith("damaged: teacher-a/doc-")]
+    assert damaged and all("a stored object is missing" in line for line in damaged), result.stderr
+    error = one_line_error(run("show", uri, damaged[0].split("/")[1].split(":")[0]), 1)
+    assert "a stored object is missing" in error
+
+    stream = store_stream(view, seq_len=32, micro_batch=4, rank=0, world_size=1, seed=1, on_error="skip")
+    try:
+        batches = [next(iter_) for iter_ in [iter(stream)] for _ in range(stream.steps_per_epoch)]
+    finally:
+        stream.close()
+    assert batches and 0 < stream.skipped_samples < 24  # was: StorageError, whatever --on-error said
