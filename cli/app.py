@@ -703,7 +703,7 @@ def train(
         Optional[list[str]],
         typer.Option(
             rich_help_panel="Output",
-            help="Also send the metrics to: tensorboard (OUT/tensorboard; pip install 'logitstore\\[tensorboard]'). Repeatable.",
+            help="Also send the metrics to tensorboard (OUT/tensorboard), wandb (WANDB_MODE=offline: OUT/wandb only) or mlflow (MLFLOW_TRACKING_URI); each needs its extra, e.g. pip install 'logitstore\\[wandb]' (docs/train.md 'Trackers'). Repeatable.",
         ),
     ] = None,
     live_teacher: Annotated[
@@ -723,6 +723,9 @@ def train(
     temperature: LiveTemperature = None,
 ) -> None:
     """Train a student from a store version with FSDP2; no teacher runs."""
+    from logitstore.trainer.report import check_sinks
+
+    check_sinks(report_to or ())  # a flag-only error: before the training stack (torch) loads
     from logitstore.trainer.config import TrainConfig
     from logitstore.trainer.live import LiveConfig
     from logitstore.trainer.mixing import parse_teacher_weights

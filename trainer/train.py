@@ -160,7 +160,6 @@ def _train(cfg: TrainConfig, plan: run_folder.RunPlan, *, cuda: bool) -> dict:
     resumed_step = step
 
     metrics_file = (out / "metrics.jsonl").open("a") if rank == 0 else None
-    sinks = open_sinks(cfg.output.report_to, out=out) if rank == 0 else []  # --report-to, beside metrics.jsonl
     header = {
         "event": "start",
         "store": cfg.data.store,
@@ -177,7 +176,10 @@ def _train(cfg: TrainConfig, plan: run_folder.RunPlan, *, cuda: bool) -> dict:
     batches = iter(stream)
     record = run_folder.last_record(out, step=step) if resumed_from is not None else {}
     run_started = time.perf_counter()
+    sinks: list = []
     try:
+        if rank == 0:  # --report-to; in the try: a sink that cannot start still closes the stream
+            sinks = open_sinks(cfg.output.report_to, out=out, header=header)
         while step < cfg.schedule.steps:
             lr = lr_at(step, cfg)
             for group in optimizer.param_groups:
