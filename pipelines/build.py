@@ -37,7 +37,7 @@ from logitstore.data import SAMPLE_CHAT
 from logitstore.errors import ConflictError, LogitstoreError
 from logitstore.pipelines import inputs
 from logitstore.pipelines.engines import engine_class
-from logitstore.pipelines.workers import Unit, make_executor, worker_settings, write_unit
+from logitstore.pipelines.workers import Unit, interrupted_on_sigterm, make_executor, worker_settings, write_unit
 from logitstore.sparsity import Sparsity, default_sparsity
 from logitstore.store import DEFAULT_BRANCH, NAME, Store, StudentTokenizer, TeacherMeta
 from logitstore.tokenizer_io import load_tokenizer, parse_tokenizer_spec, tokenizer_hash
@@ -204,22 +204,25 @@ def run_build(cfg: BuildConfig, *, log: Callable[[str], None] | None = None) -> 
     if first is not None:
         log(f"build: sample ids are {ids_from}")
         progress = Progress(cfg, log=log)  # from the first unit's first batch on
-        executor = make_executor(cfg, teacher_spec=info.spec, on_batch=progress.batch)
-        try:
-            head = [first]
-            new_teacher = store is None or meta.name not in store.read(_base_branch(store, cfg)).teachers
-            samples = executor.compute(first) if new_teacher else None
-            store = _store_and_branch(store, cfg)
-            if new_teacher and _add_teacher_with_first_unit(
-                store, cfg, meta, info, first, samples, summary, students=students
-            ):
-                head = []
-                progress.update(tokens=first.n_tokens, samples=len(first.sample_ids), documents=first.documents_read)
-            _process(store, cfg, head, units, executor, summary, progress, stored=stored)
-            progress.finish()
-        finally:
-            executor.close()
-            progress.close()
+        with interrupted_on_sigterm():  # a SIGTERM'd build closes its engines too
+            executor = make_executor(cfg, teacher_spec=info.spec, on_batch=progress.batch)
+            try:
+                head = [first]
+                new_teacher = store is None or meta.name not in store.read(_base_branch(store, cfg)).teachers
+                samples = executor.compute(first) if new_teacher else None
+                store = _store_and_branch(store, cfg)
+                if new_teacher and _add_teacher_with_first_unit(
+                    store, cfg, meta, info, first, samples, summary, students=students
+                ):
+                    head = []
+                    progress.update(
+                        tokens=first.n_tokens, samples=len(first.sample_ids), documents=first.documents_read
+                    )
+                _process(store, cfg, head, units, executor, summary, progress, stored=stored)
+                progress.finish()
+            finally:
+                executor.close()  # the engines' close() (workers.py), on success, failure and interruption
+                progress.close()
     view = _store_and_branch(store, cfg).read(cfg.branch)  # nothing to write: an empty store, as asked
     summary.version = view.snapshot_id
     summary.seconds = time.perf_counter() - start

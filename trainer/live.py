@@ -246,6 +246,14 @@ def _serve(cfg: LiveConfig, capacity: tuple[int, int], requests, ready, acks, pa
             seed=0,
         )
     )
+    try:
+        _answer(worker, cfg, capacity, requests, ready, acks, parent_pid)
+    finally:
+        worker.close()
+
+
+def _answer(worker: TeacherWorker, cfg: LiveConfig, capacity: tuple[int, int], requests, ready, acks, parent_pid: int):
+    sparsity = worker.settings.sparsity
     device = worker.engine.device
     ring = _allocate_ring(*capacity, device=device, sampled=sparsity.sampled)
     ready.put(("ring", ring))  # exported once; the producer keeps these tensors alive until it exits
