@@ -80,7 +80,7 @@ typer.core.TyperOption.display_type_rich = _no_placeholder_for_flags(  # type: i
 )
 
 # The order commands are listed in --help: the order of use.
-COMMAND_ORDER = ("build", "train", "eval", "info", "ls", "show", "diff", "log", "tag", "verify")
+COMMAND_ORDER = ("build", "train", "eval", "info", "ls", "show", "report", "diff", "log", "tag", "verify")
 
 
 def user_errors(fn):
@@ -187,6 +187,31 @@ def show(
             f"{t:5d} {tokens[t]!r:>14} -> {tokens[t + 1]!r:<14} target p={math.exp(pos['target_logprob']):.3f} "
             f"tail={pos['tail']:.3f} | {entries}"
         )
+
+
+@app.command()
+@user_errors
+def report(
+    store: Annotated[str, typer.Argument(help="Store location (as for info), or a training run's --out folder.")],
+    version: VersionOpt = None,
+    out: Annotated[
+        str,
+        typer.Option(help="The report: .html (one file, pictures inline) or .md (pictures in NAME_files/)."),
+    ] = "report.html",
+) -> None:
+    """A one-page report with plots of a version (per teacher: entries, entropy, tail mass, values on the
+    grid, bytes per part, top-1 agreement, odd samples); of a run folder, its training.png."""
+    from pathlib import Path
+
+    if (Path(store) / "metrics.jsonl").is_file():  # a run folder: its curves, drawn now (also mid-run)
+        from logitstore.trainer.plots import plot_metrics
+
+        typer.echo(f"wrote {plot_metrics(Path(store))}")
+        return
+    from logitstore.report import check_format, write_report
+
+    path = check_format(Path(out))
+    typer.echo(f"wrote {write_report(_open(store).read(version), path, store=store)}")
 
 
 @app.command(name="ls")
