@@ -71,3 +71,34 @@ def test_a_missing_chunk_is_damage_that_verify_names_and_train_can_skip(backend,
     finally:
         stream.close()
     assert batches and 0 < stream.skipped_samples < 24  # was: StorageError, whatever --on-error said
+
+
+# -- 3. every check that the store and the flags allow, before --out is claimed ---------------------------
+
+
+@pytest.fixture(scope="module")
+def chat_store(tiny_teacher, tmp_path_factory) -> str:
+    """The shipped chat sample, distilled by the tiny teacher for the completion only (the default)."""
+    store = str(tmp_path_factory.mktemp("chat") / "store")
+    result = run(
+        "build", "--teacher", tiny_teacher, "--store", store, "--chat-column", "messages", "--max-length", "64"
+    )
+    assert result.exit_code == 0, result.stderr
+    return store
+
+
+def test_train_refusals_that_need_the_store_come_before_out_is_claimed(chat_store, tmp_path):
+    base = ["train", "--store", chat_store, "--steps", "1", "--seq-len", "32", "--micro-batch", "2"]
+    cases = [
+        (["--train-on", "prompt+completion"], "holds entries for completion tokens only"),
+        (["--memory-budget", "1KB"], "smaller than two parts"),
+        (["--micro-batch", "100000"], "fewer than one micro-batch"),
+    ]
+    for k, (args, message) in enumerate(cases):
+        out = tmp_path / f"run{k}"
+        error = one_line_error(run(*base, "--out", out, *args), 2)
+        assert message in error, error
+        assert not (out / "logitstore-run.json").exists()  # was: claimed, so the corrected command was refused
+        assert not any(out.iterdir()), sorted(p.name for p in out.iterdir())
+    result = run(*base, "--out", tmp_path / "run0", "--eval-fraction", "0")  # the corrected command
+    assert result.exit_code == 0, result.stderr

@@ -451,7 +451,7 @@ class LiveSource:
     split, ordered, packed and sharded as a store's (one window: the global shuffle), and computed
     whole by the teacher process for each micro-batch, then cut into its pieces."""
 
-    def __init__(self, samples: LiveSamples, teacher: LiveTeacher, *, split: str, eval_fraction: float):
+    def __init__(self, samples: LiveSamples, teacher: LiveTeacher | None, *, split: str, eval_fraction: float):
         keep = [
             i
             for i, sid in enumerate(samples.sample_ids)  # one step per sample, at start
@@ -474,6 +474,7 @@ class LiveSource:
         raise AssertionError("a live source has no parts to read")
 
     def build(self, pieces, parts: dict, *, stream):
+        assert self.teacher is not None, "a live stream without its teacher only checks sizes (`check_streams`)"
         rows, where = np.unique(pieces.row, return_inverse=True)
         whole = self.teacher.compute([self._tokens[r] for r in rows])
         decoded = _cut(whole, where.reshape(-1), pieces)
@@ -490,7 +491,7 @@ class LiveSource:
 
 def live_stream(
     samples: LiveSamples,
-    teacher: LiveTeacher,
+    teacher: LiveTeacher | None,
     *,
     seq_len: int,
     micro_batch: int,
