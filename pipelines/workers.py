@@ -92,6 +92,7 @@ class WorkerSettings:
     entries_for: str = "prompt+completion"
     tensor_parallel: int = 1  # GPUs per engine (the vLLM engine)
     max_length: int = 1024  # the longest sample, tokens
+    vllm_output: str = "hidden"  # the vLLM engine's output: final hidden states, or its prompt log-probabilities
 
 
 class TeacherWorker:
@@ -365,6 +366,7 @@ def worker_settings(cfg, *, teacher_spec) -> WorkerSettings:
         entries_for=cfg.train_on,
         tensor_parallel=cfg.tensor_parallel,
         max_length=cfg.max_length,
+        vllm_output=cfg.vllm_output,
     )
 
 

@@ -34,6 +34,10 @@ from logitstore.errors import LogitstoreError
 from logitstore.samples import SparseSamples, concat
 
 SUFFIX = "_engine"
+VLLM_OUTPUTS = (
+    "hidden",
+    "logprobs",
+)  # `--vllm-output`: the vLLM engine's final hidden states, or its prompt log-probabilities
 
 
 class EngineError(LogitstoreError):
