@@ -32,7 +32,16 @@ FIELDS = {
         for name in ("top1_agreement", "max_abs_dlogp_fine", "max_abs_dlogp_coarse", "mean_abs_dlogp_fine")
         + ("max_abs_dtarget", "max_abs_dtail", "mean_abs_dtail", "positions", "shared_entries")
     ],
-    "oom": ["batch_tokens_fits", "batch_tokens_asked", "ooms", "tokens", "limit", "vs_fitting_build.top1_agreement"],
+    "oom": [
+        "batch_tokens_fits",
+        "batch_tokens_asked",
+        "failed_forwards",
+        "allocator_ooms",
+        "largest_batch_done",
+        "tokens",
+        "limit",
+        "vs_fitting_build.top1_agreement",
+    ],
     "train": [
         "store.memory_budget",
         "store.store_to_budget",
@@ -159,7 +168,7 @@ def test_the_report_has_every_field(smoke):
         assert name in report
     smoke_run = report["sections"]
     assert smoke_run["live"]["transport"] == "shared_memory" and smoke_run["live"]["leaked_shm"] == []
-    assert smoke_run["oom"]["ooms"] >= 1 and "emulated" in smoke_run["oom"]["limit"]
+    assert smoke_run["oom"]["failed_forwards"] >= 1 and "emulated" in smoke_run["oom"]["limit"]
     assert smoke_run["train"]["headline"]["mfu"] is None  # no MFU claimed for a CPU
     assert smoke_run["vllm"]["installed"] in (True, False)
 
