@@ -44,10 +44,11 @@ from logitstore.pipelines.workers import unit_seed
 from logitstore.sparsity import Sparsity
 
 
-def corpus(path: Path, *, tokens: int, tokenizer) -> int:
+def corpus(path: Path, *, tokens: int, tokenizer, chars: int | None = None) -> int:
     """Documents of the sample corpus holding about `tokens` tokens, repeated under new ids when the
-    corpus is shorter; returns the token count."""
+    corpus is shorter (each cut to its first `chars` characters, if given); returns the token count."""
     docs = [json.loads(line) for line in SAMPLE_CORPUS.read_text().splitlines()]
+    docs = [{**d, "text": d["text"][:chars]} for d in docs]
     lengths = [len(ids) for ids in tokenizer([d["text"] for d in docs])["input_ids"]]
     total, lines, copy = 0, [], 0
     while total < tokens:
