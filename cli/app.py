@@ -499,6 +499,14 @@ def build(
     json_out: Annotated[
         bool, typer.Option("--json", help="Print machine-readable JSON.", rich_help_panel="Output")
     ] = False,
+    dry_run: Annotated[
+        bool,
+        typer.Option(
+            "--dry-run",
+            rich_help_panel="Output",
+            help="Write nothing: tokenize the input (a sample of a large one), run the teacher on a few batches, and print the expected tokens, samples, store size and time on this machine.",
+        ),
+    ] = False,
 ) -> None:
     """Run a teacher over a dataset and commit its sparse next-token distributions as a new version."""
     from logitstore.pipelines.inputs import check_input, dataset_source
@@ -542,6 +550,9 @@ def build(
         chat_column=chat_column,
         train_on=train_on,
     )
+    if dry_run:
+        _print_estimates(cfg, list(teacher) if teacher else [None], json_out=json_out)
+        return
     summary = run_builds(cfg, list(teacher) if teacher else [None])
     if json_out:
         typer.echo(summary_json(summary))
@@ -553,6 +564,36 @@ def build(
             f"duplicates {summary.duplicates}, already stored {summary.already_stored}"
             + (f", changed {summary.changed} ({on_duplicate})" if summary.changed else "")
             + (f", no assistant tokens {summary.no_completion}" if summary.no_completion else "")
+        )
+
+
+def _print_estimates(cfg, teachers: list, *, json_out: bool) -> None:
+    """`build --dry-run`: one estimate per teacher (`pipelines/estimate.py`)."""
+    from logitstore.pipelines.estimate import estimate_builds
+    from logitstore.sizes import format_bytes
+
+    estimates = estimate_builds(cfg, teachers, log=lambda line: typer.echo(line, err=True))
+    if json_out:
+        _print_json({"dry_run": True, "teachers": [e.to_json() for e in estimates]})
+        return
+    for e in estimates:
+        scaled = (
+            "all tokenized" if e.exact else f"the first {e.tokenized_documents:,} tokenized, the rest scaled by size"
+        )
+        bpt = "-" if e.bytes_per_token is None else f"{e.bytes_per_token:.1f}"
+        params = ", ".join(f"{k}={v}" for k, v in e.sparsity.items() if k != "mode" and v is not None)
+        typer.echo(f"dry run, teacher {e.teacher} (nothing written):")
+        typer.echo(f"  input    {e.documents:,} documents ({scaled})")
+        typer.echo(
+            f"  compute  ~{e.tokens:,} tokens in ~{e.samples:,} samples (already stored: {e.already_stored:,} samples)"
+        )
+        typer.echo(
+            f"  store    ~{format_bytes(e.stored_bytes)}: {bpt} bytes/token ({e.sparsity['mode']} {params}), "
+            f"measured on {e.measured_tokens:,} tokens"
+        )
+        typer.echo(
+            f"  time     ~{e.seconds / 60:.1f} min on this machine: teacher load {e.load_seconds:.1f} s, then "
+            f"{e.teacher_tokens_per_second:,.0f} tokens/s (one worker)"
         )
 
 

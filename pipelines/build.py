@@ -25,6 +25,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pyarrow as pa
@@ -41,6 +42,9 @@ from logitstore.pipelines.workers import Unit, interrupted_on_sigterm, make_exec
 from logitstore.sparsity import Sparsity, default_sparsity
 from logitstore.store import DEFAULT_BRANCH, NAME, Store, StudentTokenizer, TeacherMeta
 from logitstore.tokenizer_io import load_tokenizer, parse_tokenizer_spec, tokenizer_hash
+
+if TYPE_CHECKING:  # teacher.py imports torch (2.7 s): run_build imports it after the input checks
+    from logitstore.pipelines.teacher import TeacherInfo
 
 DEFAULT_STORE = "logitstore-store"
 DTYPES = ("auto", "float32", "bfloat16", "float16")  # the teacher's weights; auto: bf16 on GPU, fp32 on CPU
@@ -138,6 +142,20 @@ class BuildConfig:
             if not ok:
                 raise BuildError(message)
 
+    @property
+    def columns(self) -> dict:
+        """The column flags, as `inputs.check_input` and `inputs.read_documents` take them."""
+        return dict(
+            text_column=self.text_column,
+            id_column=self.id_column,
+            ids_column=self.ids_column,
+            chat_column=self.chat_column,
+        )
+
+    def documents(self) -> Iterator[inputs.Document]:
+        """The input's documents (the first `limit` with --limit), read lazily."""
+        return itertools.islice(inputs.read_documents(self.data, **self.columns), self.limit)
+
 
 @dataclass
 class BuildSummary:
@@ -163,21 +181,33 @@ class BuildSummary:
         return dataclasses.asdict(self)
 
 
-def run_build(cfg: BuildConfig, *, log: Callable[[str], None] | None = None) -> BuildSummary:
-    """Run the whole build; returns the summary. Raises `LogitstoreError`s for user errors."""
+@dataclass
+class BuildPlan:
+    """What a build knows before any teacher runs (`plan_build`): the teacher described (not loaded), its
+    store metadata, the store if it exists (read, never created), and the units to compute, planned
+    lazily, of which the first is read already (so bad input has failed by now). A dry run
+    (`pipelines/estimate.py`) stops here; `run_build` goes on."""
+
+    info: TeacherInfo
+    meta: TeacherMeta
+    store: Store | None
+    stored: StoredDocuments
+    students: list[StudentSide]
+    summary: BuildSummary
+    units: Iterator[Unit]
+    first: Unit | None
+    ids_from: str
+    started: float
+
+
+def plan_build(cfg: BuildConfig) -> BuildPlan:
+    """Check the input and the teacher and plan the units; loads no model and writes nothing."""
     from logitstore.pipelines.teacher import describe_teacher  # torch and transformers: 2.7 s, after the input checks
 
-    log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     start = time.perf_counter()
     # The input first (exists, columns, first rows): a mistake there shows in a second, before any model
     # loads and before a store is created.
-    ids_from = inputs.check_input(
-        cfg.data,
-        text_column=cfg.text_column,
-        id_column=cfg.id_column,
-        ids_column=cfg.ids_column,
-        chat_column=cfg.chat_column,
-    )
+    ids_from = inputs.check_input(cfg.data, **cfg.columns)
     info = describe_teacher(cfg.teacher)
     if cfg.teacher_name is not None:
         info = dataclasses.replace(info, spec=dataclasses.replace(info.spec, name=cfg.teacher_name))
@@ -202,6 +232,16 @@ def run_build(cfg: BuildConfig, *, log: Callable[[str], None] | None = None) -> 
         cfg, info.tokenizer, stored=stored, summary=summary, students=students, vocab_size=info.vocab_size
     )
     first = next(units, None)  # reads and checks the input before any model is loaded
+    return BuildPlan(info, meta, store, stored, students, summary, units, first, ids_from, start)
+
+
+def run_build(cfg: BuildConfig, *, log: Callable[[str], None] | None = None) -> BuildSummary:
+    """Run the whole build; returns the summary. Raises `LogitstoreError`s for user errors."""
+    log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+    plan = plan_build(cfg)
+    info, meta, store, stored = plan.info, plan.meta, plan.store, plan.stored
+    students, summary, units, first = plan.students, plan.summary, plan.units, plan.first
+    ids_from, start = plan.ids_from, plan.started
     if first is None and stored.removals:  # only documents replaced by text too short for a window
         with _store_and_branch(store, cfg).writer(branch=cfg.branch) as writer:
             writer.remove(meta.name, stored.take_removals())
@@ -485,14 +525,7 @@ def plan_units(
     stored = stored if stored is not None else StoredDocuments()
     pending = Unit(index=0)
     seen: set[str] = set()
-    documents = inputs.read_documents(
-        cfg.data,
-        text_column=cfg.text_column,
-        id_column=cfg.id_column,
-        ids_column=cfg.ids_column,
-        chat_column=cfg.chat_column,
-    )
-    for doc_batch in _batched(itertools.islice(documents, cfg.limit), 256):
+    for doc_batch in _batched(cfg.documents(), 256):
         if cfg.chat_column:
             tokenized = _tokenize_chat(tokenizer, doc_batch, students)
         elif students:
