@@ -2,8 +2,8 @@
 and tail mass, the stored log-probabilities against the value grid, bytes per token per part, top-1
 agreement with the next token, and the samples worth a look (highest tail mass, lowest agreement).
 
-Reads each part whole through `StoreVersion` (the index's rows of the teacher, the part's arrays through
-Zarr) and folds it into fixed-bin histograms and per-sample sums with numpy, so memory holds one part and
+Reads each part whole through the store's reader (`reader.PartReader`: the part's encoded arrays, its
+samples checked against the index) and folds it into fixed-bin histograms and per-sample sums with numpy, so memory holds one part and
 one number per sample, never a list per token. Writes HTML (one file, pictures inline) or Markdown (the
 pictures as PNG files in `<name>_files/` beside it). Draws with matplotlib's `Figure`, not pyplot: no
 global backend is chosen for a program that imports this module.
@@ -23,11 +23,12 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from logitstore import codec
+from logitstore.codec import EncodedSamples
 from logitstore.errors import LogitstoreError
-from logitstore.meta import TeacherMeta, read_errors, read_values
+from logitstore.meta import TeacherMeta, read_errors
+from logitstore.reader import PartReader, TeacherRows
 from logitstore.samples import row_offsets
 from logitstore.version import StoreVersion
-from logitstore.zarr_codec import as_codes
 
 FORMATS = (".html", ".md")
 FIGURE_SIZE = (8.0, 3.2)  # inches, at DPI: every picture is 800 x 320 pixels
@@ -54,6 +55,7 @@ class TeacherStats:
     tail: np.ndarray = field(default_factory=lambda: np.zeros(len(TAIL_BINS) - 1))
     codes: np.ndarray = field(default_factory=lambda: np.zeros(codec.Q_MAX + 1, np.int64))  # entries per grid code
     parts: list[tuple[str, int, int]] = field(default_factory=list)  # (part, tokens, stored bytes), write order
+    damaged: int = 0  # samples left out: they failed the reader's checks (`logitstore verify` names them)
     # per sample: positions with entries, and the sums of their tail, entropy, agreement, target log-prob
     positions: np.ndarray = field(default_factory=lambda: np.zeros(0))
     tail_sum: np.ndarray = field(default_factory=lambda: np.zeros(0))
@@ -78,87 +80,83 @@ class TeacherStats:
 
 
 def teacher_stats(view: StoreVersion, teacher: str) -> TeacherStats:
-    """Every part of `teacher` in this version, read whole and folded in."""
-    idx = view.index
-    mine = np.flatnonzero(np.asarray(idx["teacher"].to_pylist(), dtype=object) == teacher)
-    rows = {name: idx[name].to_numpy()[mine] for name in ("n_tokens", "token_start", "position_start")}
-    parts = np.asarray(idx["part"].to_pylist(), dtype=object)[mine]
+    """Every part of `teacher` in this version, read whole (`reader.PartReader`) and folded in; samples
+    that fail their checks are left out and counted."""
+    rows = TeacherRows.of(view, teacher=teacher)
+    reader = PartReader(view, teacher=teacher, rows=rows)
     meta = view.teachers[teacher]
     stats = TeacherStats(
         name=teacher,
         meta=meta,
-        sample_ids=[str(s) for s in np.asarray(idx["sample_id"].to_pylist(), dtype=object)[mine]],
-        sample_tokens=rows["n_tokens"].astype(np.int64),
+        sample_ids=rows.sample_ids,
+        sample_tokens=rows.n_tokens,
         entropy_bins=np.linspace(0.0, np.log(meta.vocab_size), 61),
     )
-    _, first = np.unique(parts, return_index=True)
-    for part in parts[np.sort(first)]:  # in write order: the index lists rows as they were merged
-        in_part = np.flatnonzero(parts == part)
-        _fold_part(stats, view, part=str(part), rows=in_part, starts={k: v[in_part] for k, v in rows.items()})
+    for code, part in enumerate(rows.parts):  # part names sort by the time they were written
+        data = reader.read(code)
+        in_part = rows.in_part(code)
+        usable = in_part[~np.isin(in_part, list(data.damaged))]
+        stats.damaged += len(in_part) - len(usable)
+        with read_errors(f"part {part} of teacher {teacher!r}"):
+            attrs = view.part_group(teacher, part).attrs
+            stats.parts.append((part, int(cast(int, attrs["tokens"])), int(cast(int, attrs["stored_bytes"]))))
+        _fold_part(stats, data.arrays, view.id_of_code(teacher), rows=usable, table=rows)
     return stats
 
 
-def _fold_part(stats: TeacherStats, view: StoreVersion, *, part: str, rows: np.ndarray, starts: dict) -> None:
-    """One part's positions (those of the version's rows) into the teacher's histograms and sums."""
-    meta, teacher = stats.meta, stats.name
-    names = ["input_ids", "n_entries", "entry_codes", "entry_logprobs", "tail", "target_logprobs"]
-    names += ["entry_counts"] if meta.sampled else []
-    with read_errors(f"part {part} of teacher {teacher!r}"):
-        arrays = {name: as_codes(read_values(view.array(teacher, part, name)), meta.codec) for name in names}
-        attrs = view.part_group(teacher, part).attrs
-        stats.parts.append((part, int(cast(int, attrs["tokens"])), int(cast(int, attrs["stored_bytes"]))))
-    n_entries = arrays["n_entries"].astype(np.int64)
-    position_of_entry = np.repeat(np.arange(len(n_entries)), n_entries)
-    ids = codec.undelta_codes_to_ids(arrays["entry_codes"], row_offsets(n_entries), view.id_of_code(teacher))
-    logprobs = codec.dequantize(arrays["entry_logprobs"], params=meta.codec).astype(np.float64)
-
-    # The version's positions in this part (a replaced sample's stay in its part, unreferenced), their
-    # next tokens, and the row each belongs to.
-    lengths = starts["n_tokens"].astype(np.int64) - 1
-    position = _ranges(starts["position_start"].astype(np.int64), lengths)
-    next_token = arrays["input_ids"][_ranges(starts["token_start"].astype(np.int64) + 1, lengths)]
+def _fold_part(
+    stats: TeacherStats, arrays: EncodedSamples, id_of_code, *, rows: np.ndarray, table: TeacherRows
+) -> None:
+    """The positions of `rows` in one part into the teacher's histograms and sums. Only their elements
+    are touched, found from the index (a replaced sample stays in its part, unreferenced; a damaged
+    one's elements are zeros)."""
+    meta = stats.meta
+    lengths = table.n_tokens[rows] - 1
+    position = _ranges(table.position_start[rows], lengths)  # in the part
     row = np.repeat(rows, lengths)
-    has = n_entries[position] > 0  # completion-only chat stores keep no entries for prompt tokens
-    position, next_token, row = position[has], next_token[has], row[has]
+    next_token = arrays.input_ids[_ranges(table.token_start[rows] + 1, lengths)]
+    n_entries = arrays.n_entries[position].astype(np.int64)
+    entry = _ranges(table.entry_start[rows], table.n_entries[rows])  # in the part, in position order
+    local = np.repeat(np.arange(len(position)), n_entries)  # each entry's place in `position`
+    assert len(local) == len(entry), "the reader checked n_entries against the index"
+    ids = codec.undelta_codes_to_ids(arrays.entry_codes[entry], row_offsets(n_entries), id_of_code)
+    codes = arrays.entry_logprobs[entry]
+    logprobs = codec.dequantize(codes, params=meta.codec).astype(np.float64)
+    counts = None if arrays.entry_counts is None else arrays.entry_counts[entry]
 
-    entropy = _entropy(logprobs, position_of_entry, n_entries, counts=arrays.get("entry_counts"))
-    tail = np.exp(codec.dequantize(arrays["tail"], params=meta.codec).astype(np.float64))
+    entropy = _entropy(logprobs, local, len(position), counts=counts)
+    tail = np.exp(codec.dequantize(arrays.tail[position], params=meta.codec).astype(np.float64))
     if not meta.sampled:  # the tail as one more outcome: a lower bound on the teacher's entropy
         with np.errstate(divide="ignore", invalid="ignore"):
             entropy -= np.where(tail > 0, tail * np.log(tail), 0.0)
     # Top-1 agreement, ties on the grid included: the next token's entry holds its position's highest value.
-    best = np.full(len(n_entries), -np.inf)
-    np.maximum.at(best, position_of_entry, logprobs)
-    wanted = np.zeros(len(n_entries), dtype=np.int64) - 1
-    wanted[position] = next_token
-    hit = (ids == wanted[position_of_entry]) & (logprobs == best[position_of_entry])
-    agree = np.bincount(position_of_entry[hit], minlength=len(n_entries)) > 0
-    target = codec.dequantize(arrays["target_logprobs"], params=meta.codec).astype(np.float64)
+    best = np.full(len(position), -np.inf)
+    np.maximum.at(best, local, logprobs)
+    hit = (ids == next_token[local]) & (logprobs == best[local])
+    agree = np.bincount(local[hit], minlength=len(position)) > 0
+    target = codec.dequantize(arrays.target_logprobs[position], params=meta.codec).astype(np.float64)
 
-    n = len(stats.sample_ids)
+    has = n_entries > 0  # completion-only chat stores keep no entries for prompt tokens
+    n, row = len(stats.sample_ids), row[has]
     stats.positions += np.bincount(row, minlength=n)
     for name, values in (("tail", tail), ("entropy", entropy), ("agree", agree), ("target", target)):
-        setattr(stats, f"{name}_sum", getattr(stats, f"{name}_sum") + np.bincount(row, values[position], minlength=n))
-    counts = np.bincount(n_entries[position])
-    stats.entries = _add(stats.entries, counts)
+        setattr(stats, f"{name}_sum", getattr(stats, f"{name}_sum") + np.bincount(row, values[has], minlength=n))
+    stats.entries = _add(stats.entries, np.bincount(n_entries[has]))
     # a sampled estimate can pass log(vocab) (a rare draw's -log p): the last bin holds it
-    stats.entropy += np.histogram(np.minimum(entropy[position], stats.entropy_bins[-1]), bins=stats.entropy_bins)[0]
-    stats.tail += np.histogram(tail[position], bins=TAIL_BINS)[0]
-    kept = np.zeros(len(n_entries), dtype=bool)
-    kept[position] = True
-    stats.codes += np.bincount(arrays["entry_logprobs"][kept[position_of_entry]], minlength=codec.Q_MAX + 1)
+    stats.entropy += np.histogram(np.minimum(entropy[has], stats.entropy_bins[-1]), bins=stats.entropy_bins)[0]
+    stats.tail += np.histogram(tail[has], bins=TAIL_BINS)[0]
+    stats.codes += np.bincount(codes, minlength=codec.Q_MAX + 1)
 
 
-def _entropy(logprobs, position_of_entry, n_entries, *, counts) -> np.ndarray:
+def _entropy(logprobs, position_of_entry, positions: int, *, counts) -> np.ndarray:
     """Per position: over top-k/top-p entries, -sum p log p; over sampled draws, the draws' mean of
     -log p (an unbiased estimate of the full entropy)."""
-    p = np.exp(logprobs)
     if counts is None:
-        return np.bincount(position_of_entry, -p * logprobs, minlength=len(n_entries))
+        return np.bincount(position_of_entry, -np.exp(logprobs) * logprobs, minlength=positions)
     counts = counts.astype(np.float64)
-    drawn = np.bincount(position_of_entry, counts, minlength=len(n_entries))
+    drawn = np.bincount(position_of_entry, counts, minlength=positions)
     with np.errstate(invalid="ignore", divide="ignore"):
-        return np.bincount(position_of_entry, -counts * logprobs, minlength=len(n_entries)) / drawn
+        return np.bincount(position_of_entry, -counts * logprobs, minlength=positions) / drawn
 
 
 def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
@@ -274,6 +272,7 @@ def teacher_sections(stats: TeacherStats) -> list[Section]:
         ["", ""],
         ["sparsity", f"{meta.sparsity['mode']} ({sparsity})"],
         ["samples", f"{len(stats.sample_ids):,}"],
+        ["samples left out as damaged (see verify)", f"{stats.damaged:,}"],
         ["positions with entries", f"{int(stats.positions.sum()):,}"],
         ["mean entries per position", f"{mean_entries:.1f}"],
         [f"mean entropy ({_entropy_label(meta)})", f"{stats.mean(stats.entropy_sum):.3f} nats"],

@@ -150,3 +150,23 @@ def test_report_refuses_an_unknown_format_and_draws_a_run_folder(store, tmp_path
     result = CliRunner().invoke(app, ["report", str(run)])
     assert result.exit_code == 0, result.stderr
     assert png_size((run / "training.png").read_bytes()) == (1200, 700)
+
+
+def test_report_leaves_out_and_counts_damaged_samples(tmp_path):
+    # One chunk's bytes flipped (as in test_crash.py): the reader loses only that chunk's samples.
+    uri = str(tmp_path / "store")
+    write(Store.open(uri, create=True), random_samples([f"s{i}" for i in range(30)], max_tokens=400, k=32))
+    victim = max((tmp_path / "store" / "chunks").iterdir(), key=lambda p: p.stat().st_size)
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 3 : len(data) // 3 + 16] = bytes(b ^ 0xFF for b in data[len(data) // 3 : len(data) // 3 + 16])
+    victim.chmod(0o644)
+    victim.write_bytes(bytes(data))
+    damaged = json.loads(CliRunner().invoke(app, ["verify", uri, "--json"]).stdout)["damaged"]
+    stats = teacher_stats(Store.open(uri).read(), "teacher-a")
+    assert 0 < stats.damaged == len(damaged) < 30
+    assert all(stats.positions[stats.sample_ids.index(d.split("/")[1])] == 0 for d in damaged)
+    result = CliRunner().invoke(app, ["report", uri, "--out", str(tmp_path / "r.md")])
+    assert (
+        result.exit_code == 0
+        and f"| samples left out as damaged (see verify) | {len(damaged)} |" in (tmp_path / "r.md").read_text()
+    )
