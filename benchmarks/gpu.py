@@ -17,20 +17,23 @@ Sections and their checks (bounds are stated next to each value in the JSON):
   build    the torch engine on the device, bf16 and fp32, default sparsity, >= 200k tokens: tokens/s.
            Against a CPU fp32 build of ~2k tokens in the same run (top-64): top-1 agreement, max |d log p|
            on shared entries (two independent roundings to the value grid, one step, plus the dtype's
-           error: BUILD_ERROR), target and tail differences.
+           error: BUILD_ERROR), mean |d log p| (MEAN_ERROR), target and tail differences.
   oom      a build whose --batch-tokens does not fit: on CUDA under a memory limit set with
            torch.cuda.set_per_process_memory_fraction (1.5x what a batch that fits peaked at); on CPU
            (--smoke) the limit is emulated by a hook that raises torch.OutOfMemoryError for batches
-           above it. The batch halves (engines.halving_on_oom) and the build completes with the same
-           entries as a build that fits.
+           above it. Hooks on the teacher's decoder count forward passes begun and finished: some
+           ran out of memory, the largest that finished is at most half the batch asked for (the
+           batch halved: engines.halving_on_oom), and the build stores every token with the same
+           entries as a build whose batches fit.
   train    `logitstore train` (launch) with the student (smollm2-135m, seq 2048, bf16 under FSDP2, one
            rank) from the bf16 store at a --memory-budget of 1/10 of its stored bytes: tokens/s, MFU,
            data-wait share, peak memory; seq 512x16 vs 8192x1 (equal tokens per step); the first-step
            loss against `logitstore train` on the CPU (fp32, a child process with no GPU visible);
            segment attention vs the eager block-causal mask (values and gradients, on a real batch);
            the chunked head in bf16 vs the full fp32 logits; --compile and --activation-checkpointing.
-  live     live mode (CUDA IPC on a GPU, shared memory on CPU): the first 10 losses equal the store
-           run's on the same data; the teacher process is gone and nothing is left in /dev/shm.
+  live     live mode (CUDA IPC on a GPU, shared memory on CPU), the teacher in fp32: the first 10
+           losses equal the store run's on the same data; the teacher process is gone (and holds no
+           GPU memory, by NVML) and nothing new is left in /dev/shm.
   trainer  logitstore.hf.DistillationTrainer, 20 steps: its first loss equals `logitstore train`'s.
   vllm     only where `import vllm` works (it does not on the device image: its wheel is far over what
            a transfer carries); records whether it was.
