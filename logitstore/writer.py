@@ -18,7 +18,7 @@ import pyarrow.compute as pc
 import zarr
 from zarr.codecs import BloscCodec, Crc32cCodec
 
-from logitstore import codec, index, rawwrite
+from logitstore import codec, index, layout, rawwrite
 from logitstore.bounded import (
     bounded_store,
 )
@@ -53,7 +53,7 @@ from logitstore.meta import (
 )
 from logitstore.samples import SparseSamples, StudentTokens, concat
 from logitstore.version import read_teachers
-from logitstore.zarr_codec import GRID_ARRAYS, LogprobGrid
+from logitstore.zarr_codec import LogprobGrid
 
 if TYPE_CHECKING:
     from logitstore.store import Store
@@ -116,29 +116,29 @@ class StoreWriter:
                 raise IncompatibleStoreError(mismatch_message(existing, meta))
             return existing
         meta = TeacherMeta.from_json({**meta.to_json(), "created": now(), "writer": WRITER})
-        group = self.root.require_group("teachers").create_group(meta.name)
+        group = self.root.require_group(layout.TEACHERS).create_group(meta.name)
         group.attrs["logitstore_teacher"] = meta.to_json()
-        group.create_group("parts")  # here, not in forks: two forks creating it would conflict
+        group.create_group(layout.PARTS)  # here, not in forks: two forks creating it would conflict
         self._added_teachers.append(meta.name)
         if meta.values == "logprobs" and json_attr(self.root, "logitstore").get("format", 1) < 2:
             # an older store gains a format-2 teacher: older logitstores now refuse it in one line
             self.root.attrs["logitstore"] = {**json_attr(self.root, "logitstore"), "format": FORMAT_VERSION}
         if meta.codec.id_order == "frequency":
             assert code_of_id is not None and len(code_of_id) == meta.vocab_size, "frequency order needs code_of_id"
-            write_array(group, "code_of_id", np.asarray(code_of_id, dtype=np.uint32))
+            write_array(group, layout.CODE_OF_ID, np.asarray(code_of_id, dtype=np.uint32))
             self._codes[meta.name] = np.asarray(code_of_id, dtype=np.uint32)
         if tokenizer_json is not None:
-            write_array(group, "tokenizer", np.frombuffer(tokenizer_json.encode("utf-8"), dtype=np.uint8))
+            write_array(group, layout.TOKENIZER, np.frombuffer(tokenizer_json.encode("utf-8"), dtype=np.uint8))
         for st in students:
-            sub = group.require_group("students").create_group(st.name)
+            sub = group.require_group(layout.STUDENTS).create_group(st.name)
             sub.attrs["logitstore_student"] = {
                 **st.summary(),
                 "mapped_mass": st.mapped_mass,
                 "mapped_mass_positions": st.mapped_mass_positions,
                 "mapped_ids": int((st.vocab_map >= 0).sum()),
             }
-            write_array(sub, "tokenizer", np.frombuffer(st.tokenizer_json.encode("utf-8"), dtype=np.uint8))
-            write_array(sub, "vocab_map", np.asarray(st.vocab_map, dtype=np.int32))
+            write_array(sub, layout.TOKENIZER, np.frombuffer(st.tokenizer_json.encode("utf-8"), dtype=np.uint8))
+            write_array(sub, layout.VOCAB_MAP, np.asarray(st.vocab_map, dtype=np.int32))
         self.teachers[meta.name] = meta
         return meta
 
@@ -214,6 +214,11 @@ class StoreWriter:
         self._base_keys -= removed
         self._removed |= removed
 
+    @property
+    def has_changes(self) -> bool:
+        """Anything to commit: written or merged parts, or removals."""
+        return self.session.has_uncommitted_changes or bool(self._removed)
+
     def _add_rows(self, rows: pa.Table) -> None:
         self._new_rows.append(rows)
         self._new_keys.update(zip(rows["teacher"].to_pylist(), rows["sample_id"].to_pylist()))
@@ -277,7 +282,7 @@ class StoreWriter:
         that no concurrent writer touches."""
         teacher = sorted(self._removed)[0][0]
         with storage_errors(f"cannot write to {self.store.location.uri}"):
-            group = group_at(self.root, f"teachers/{teacher}/parts").create_group(_new_part_name())
+            group = group_at(self.root, layout.parts_path(teacher)).create_group(_new_part_name())
             group.attrs.update({"samples": 0, "tokens": 0, "stored_bytes": 0, "removed": len(self._removed)})
 
     def _rebase(self) -> None:
@@ -363,23 +368,24 @@ class PartWriter:
         code_of_id = self.code_of_id(teacher)
         enc = codec.encode(samples, params=meta.codec, code_of_id=code_of_id, vocab_size=meta.vocab_size)
         part = _new_part_name()
+        path = layout.part_path(teacher, part)
         # The same groups, arrays and bytes as writing each array with `write_array`, in ~1/4 of the
         # time (see rawwrite.py): compression runs in threads while this one hashes the index rows.
-        arrays = dict(enc.arrays())
+        arrays = {f"{path}/{name}": values for name, values in enc.arrays().items()}
         for st, info in zip(ordered, meta.students):
-            arrays[f"students/{info['name']}/ids"] = st.ids.astype(np.int32)
-            arrays[f"students/{info['name']}/groups"] = st.groups.astype(np.int32).reshape(-1)
+            base = layout.part_student_path(teacher, part, info["name"])
+            arrays[f"{base}/{layout.STUDENT_IDS}"] = st.ids.astype(np.int32)
+            arrays[f"{base}/{layout.STUDENT_GROUPS}"] = st.groups.astype(np.int32).reshape(-1)
             if (st.loss_mask is not None) != (meta.loss_mask is not None):
                 raise InvalidSampleError(
                     f"student tokens of {info['name']!r}: loss_mask must be "
                     f"{'given' if meta.loss_mask else 'absent'} for this teacher"
                 )
             if st.loss_mask is not None:
-                arrays[f"students/{info['name']}/loss_mask"] = st.loss_mask.astype(np.uint8)
-        path = f"teachers/{teacher}/parts/{part}"
-        grids = {name: meta.grid for name in GRID_ARRAYS}
+                arrays[f"{base}/{layout.STUDENT_LOSS_MASK}"] = st.loss_mask.astype(np.uint8)
+        grids = {f"{path}/{name}": meta.grid for name in layout.GRID_ARRAYS}
         pending = rawwrite.encode_arrays(
-            {f"{path}/{name}": (values, array_kwargs(values, grid=grids.get(name))) for name, values in arrays.items()}
+            {key: (values, array_kwargs(values, grid=grids.get(key))) for key, values in arrays.items()}
         )
         rows = index.part_rows(
             sample_ids=samples.sample_ids,
@@ -395,9 +401,12 @@ class PartWriter:
         attrs = {"samples": len(samples), "tokens": int(samples.n_tokens.sum()), "stored_bytes": stored}
         documents = {f"{path}/zarr.json": rawwrite.group_document(attrs)}
         if ordered:
-            documents[f"{path}/students/zarr.json"] = rawwrite.group_document({})
+            documents[f"{layout.part_students_path(teacher, part)}/zarr.json"] = rawwrite.group_document({})
             documents.update(
-                {f"{path}/students/{info['name']}/zarr.json": rawwrite.group_document({}) for info in meta.students}
+                {
+                    f"{layout.part_student_path(teacher, part, info['name'])}/zarr.json": rawwrite.group_document({})
+                    for info in meta.students
+                }
             )
         with storage_errors(f"cannot write to {self.where}"):
             rawwrite.write_objects(store, documents=documents, arrays=encoded)
@@ -407,12 +416,13 @@ class PartWriter:
     def code_of_id(self, teacher: str) -> np.ndarray:
         """The teacher's id order (token id -> stored code), read once per `StoreWriter`."""
         if teacher not in self._codes:
-            with read_errors(f"the id order of teacher {teacher!r} (teachers/{teacher}/code_of_id)"):
+            where = f"{layout.teacher_path(teacher)}/{layout.CODE_OF_ID}"
+            with read_errors(f"the id order of teacher {teacher!r} ({where})"):
                 root = zarr.open_group(bounded_store(self.session.store, where=self.where), mode="r")
-                group = group_at(root, f"teachers/{teacher}")
+                group = group_at(root, layout.teacher_path(teacher))
                 codes = (
-                    read_values(array_at(group, "code_of_id"))
-                    if "code_of_id" in group
+                    read_values(array_at(group, layout.CODE_OF_ID))
+                    if layout.CODE_OF_ID in group
                     else codec.identity_order(self.teachers[teacher].vocab_size)
                 )
             self._codes[teacher] = codes  # uint32: the encoder takes any integer type

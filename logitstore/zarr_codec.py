@@ -30,7 +30,6 @@ from zarr.registry import register_codec
 from logitstore.codec import CodecParams, dequantize, quantize
 
 NAME = "logitstore.logprob_grid"
-GRID_ARRAYS = ("entry_logprobs", "target_logprobs", "tail")  # the arrays this codec applies to
 
 
 @dataclass(frozen=True)

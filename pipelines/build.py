@@ -25,6 +25,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pyarrow as pa
@@ -36,11 +37,14 @@ from logitstore.ahead import read_ahead
 from logitstore.data import SAMPLE_CHAT
 from logitstore.errors import ConflictError, LogitstoreError
 from logitstore.pipelines import inputs
-from logitstore.pipelines.engines import engine_class
-from logitstore.pipelines.workers import Unit, make_executor, worker_settings, write_unit
+from logitstore.pipelines.engines import VLLM_OUTPUTS, engine_class
+from logitstore.pipelines.workers import Unit, interrupted_on_sigterm, make_executor, worker_settings, write_unit
 from logitstore.sparsity import Sparsity, default_sparsity
 from logitstore.store import DEFAULT_BRANCH, NAME, Store, StudentTokenizer, TeacherMeta
 from logitstore.tokenizer_io import load_tokenizer, parse_tokenizer_spec, tokenizer_hash
+
+if TYPE_CHECKING:  # teacher.py imports torch (2.7 s): run_build imports it after the input checks
+    from logitstore.pipelines.teacher import TeacherInfo
 
 DEFAULT_STORE = "logitstore-store"
 DTYPES = ("auto", "float32", "bfloat16", "float16")  # the teacher's weights; auto: bf16 on GPU, fp32 on CPU
@@ -75,6 +79,7 @@ class BuildConfig:
     seed: int = 0
     engine: str = "torch"  # a teacher engine (`pipelines/engines/`)
     tensor_parallel: int = 1  # GPUs per engine (the vLLM engine)
+    vllm_output: str = "hidden"  # the vLLM engine's output (`engines/vllm_engine.py`): hidden or logprobs
     teacher_name: str | None = None  # the name the teacher is stored under; default: its folder's or file's
     progress: bool = True
     student_tokenizers: tuple[str, ...] = ()  # "[NAME=]TOK" each: align every sample to these too
@@ -108,6 +113,10 @@ class BuildConfig:
             ),
             (self.tensor_parallel >= 1, f"--tensor-parallel must be at least 1, got {self.tensor_parallel}"),
             (
+                self.vllm_output in VLLM_OUTPUTS,
+                f"--vllm-output must be one of {', '.join(VLLM_OUTPUTS)}, got {self.vllm_output!r}",
+            ),
+            (
                 self.teacher_name is None or NAME.fullmatch(self.teacher_name) is not None,
                 f"--teacher-name {self.teacher_name!r}: use letters, digits, '.', '_' and '-' (at most 128)",
             ),
@@ -132,6 +141,20 @@ class BuildConfig:
         for ok, message in checks:
             if not ok:
                 raise BuildError(message)
+
+    @property
+    def columns(self) -> dict:
+        """The column flags, as `inputs.check_input` and `inputs.read_documents` take them."""
+        return dict(
+            text_column=self.text_column,
+            id_column=self.id_column,
+            ids_column=self.ids_column,
+            chat_column=self.chat_column,
+        )
+
+    def documents(self) -> Iterator[inputs.Document]:
+        """The input's documents (the first `limit` with --limit), read lazily."""
+        return itertools.islice(inputs.read_documents(self.data, **self.columns), self.limit)
 
 
 @dataclass
@@ -158,21 +181,33 @@ class BuildSummary:
         return dataclasses.asdict(self)
 
 
-def run_build(cfg: BuildConfig, *, log: Callable[[str], None] | None = None) -> BuildSummary:
-    """Run the whole build; returns the summary. Raises `LogitstoreError`s for user errors."""
+@dataclass
+class BuildPlan:
+    """What a build knows before any teacher runs (`plan_build`): the teacher described (not loaded), its
+    store metadata, the store if it exists (read, never created), and the units to compute, planned
+    lazily, of which the first is read already (so bad input has failed by now). A dry run
+    (`pipelines/estimate.py`) stops here; `run_build` goes on."""
+
+    info: TeacherInfo
+    meta: TeacherMeta
+    store: Store | None
+    stored: StoredDocuments
+    students: list[StudentSide]
+    summary: BuildSummary
+    units: Iterator[Unit]
+    first: Unit | None
+    ids_from: str
+    started: float
+
+
+def plan_build(cfg: BuildConfig) -> BuildPlan:
+    """Check the input and the teacher and plan the units; loads no model and writes nothing."""
     from logitstore.pipelines.teacher import describe_teacher  # torch and transformers: 2.7 s, after the input checks
 
-    log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     start = time.perf_counter()
     # The input first (exists, columns, first rows): a mistake there shows in a second, before any model
     # loads and before a store is created.
-    ids_from = inputs.check_input(
-        cfg.data,
-        text_column=cfg.text_column,
-        id_column=cfg.id_column,
-        ids_column=cfg.ids_column,
-        chat_column=cfg.chat_column,
-    )
+    ids_from = inputs.check_input(cfg.data, **cfg.columns)
     info = describe_teacher(cfg.teacher)
     if cfg.teacher_name is not None:
         info = dataclasses.replace(info, spec=dataclasses.replace(info.spec, name=cfg.teacher_name))
@@ -197,25 +232,42 @@ def run_build(cfg: BuildConfig, *, log: Callable[[str], None] | None = None) -> 
         cfg, info.tokenizer, stored=stored, summary=summary, students=students, vocab_size=info.vocab_size
     )
     first = next(units, None)  # reads and checks the input before any model is loaded
+    return BuildPlan(info, meta, store, stored, students, summary, units, first, ids_from, start)
+
+
+def run_build(cfg: BuildConfig, *, log: Callable[[str], None] | None = None) -> BuildSummary:
+    """Run the whole build; returns the summary. Raises `LogitstoreError`s for user errors."""
+    log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+    plan = plan_build(cfg)
+    info, meta, store, stored = plan.info, plan.meta, plan.store, plan.stored
+    students, summary, units, first = plan.students, plan.summary, plan.units, plan.first
+    ids_from, start = plan.ids_from, plan.started
+    if first is None and stored.removals:  # only documents replaced by text too short for a window
+        with _store_and_branch(store, cfg).writer(branch=cfg.branch) as writer:
+            writer.remove(meta.name, stored.take_removals())
+            _commit(writer, cfg, summary, final=True)
     if first is not None:
         log(f"build: sample ids are {ids_from}")
         progress = Progress(cfg, log=log)  # from the first unit's first batch on
-        executor = make_executor(cfg, teacher_spec=info.spec, on_batch=progress.batch)
-        try:
-            head = [first]
-            new_teacher = store is None or meta.name not in store.read(_base_branch(store, cfg)).teachers
-            samples = executor.compute(first) if new_teacher else None
-            store = _store_and_branch(store, cfg)
-            if new_teacher and _add_teacher_with_first_unit(
-                store, cfg, meta, info, first, samples, summary, students=students
-            ):
-                head = []
-                progress.update(tokens=first.n_tokens, samples=len(first.sample_ids), documents=first.documents_read)
-            _process(store, cfg, head, units, executor, summary, progress)
-            progress.finish()
-        finally:
-            executor.close()
-            progress.close()
+        with interrupted_on_sigterm():  # a SIGTERM'd build closes its engines too
+            executor = make_executor(cfg, teacher_spec=info.spec, on_batch=progress.batch)
+            try:
+                head = [first]
+                new_teacher = store is None or meta.name not in store.read(_base_branch(store, cfg)).teachers
+                samples = executor.compute(first) if new_teacher else None
+                store = _store_and_branch(store, cfg)
+                if new_teacher and _add_teacher_with_first_unit(
+                    store, cfg, meta, info, first, samples, summary, students=students
+                ):
+                    head = []
+                    progress.update(
+                        tokens=first.n_tokens, samples=len(first.sample_ids), documents=first.documents_read
+                    )
+                _process(store, cfg, head, units, executor, summary, progress, stored=stored)
+                progress.finish()
+            finally:
+                executor.close()  # the engines' close() (workers.py), on success, failure and interruption
+                progress.close()
     view = _store_and_branch(store, cfg).read(cfg.branch)  # nothing to write: an empty store, as asked
     summary.version = view.snapshot_id
     summary.seconds = time.perf_counter() - start
@@ -360,7 +412,17 @@ def _add_teacher_with_first_unit(
     return True
 
 
-def _process(store, cfg, head: list[Unit], rest: Iterator[Unit], executor, summary, progress: Progress) -> None:
+def _process(
+    store,
+    cfg,
+    head: list[Unit],
+    rest: Iterator[Unit],
+    executor,
+    summary,
+    progress: Progress,
+    *,
+    stored: StoredDocuments,
+) -> None:
     writer = store.writer(branch=cfg.branch, on_duplicate="skip")
     last_commit = time.monotonic()
     units = read_ahead(itertools.chain(head, rest), depth=PLAN_AHEAD, name="logitstore-plan")
@@ -382,6 +444,7 @@ def _process(store, cfg, head: list[Unit], rest: Iterator[Unit], executor, summa
         raise
     finally:
         units.close()  # stops the planner thread
+    writer.remove(summary.teacher, stored.take_removals())  # replaced documents no later unit carried
     _commit(writer, cfg, summary, final=True)
 
 
@@ -393,7 +456,7 @@ PLAN_AHEAD = 32
 
 
 def _commit(writer, cfg: BuildConfig, summary: BuildSummary, *, final: bool) -> None:
-    if not writer.session.has_uncommitted_changes:
+    if not writer.has_changes:
         return
     message = cfg.message or f"build: teacher {summary.teacher}"
     writer.commit(message if final else f"{message} (checkpoint, {summary.samples} samples so far)")
@@ -411,6 +474,10 @@ class StoredDocuments:
     sample_ids: set[str] = field(default_factory=set)
     source_of: dict[str, str | None] = field(default_factory=dict)  # document id -> its windows' source hash
     ids_of: dict[str, list[str]] = field(default_factory=dict)  # document id -> its stored sample ids
+    # stored sample ids of replaced documents (`forget`) that no unit carries yet: the next unit planned
+    # takes them (`take_removals`), so they are removed with it; what is left at the input's end (a
+    # document whose new text yields no window) the driver removes in its last commit
+    removals: list[str] = field(default_factory=list)
 
     MIXED = ""  # a document whose stored windows disagree (left by builds before source hashes were compared)
 
@@ -432,12 +499,16 @@ class StoredDocuments:
         stored = self.source_of.get(doc.id)
         return stored is not None and stored != doc.source_hash
 
-    def forget(self, doc_id: str) -> list[str]:
-        """Treat the document as not stored; returns its stored sample ids, to remove."""
+    def forget(self, doc_id: str) -> None:
+        """Treat the document as not stored; its stored sample ids join the `removals`."""
         ids = self.ids_of.pop(doc_id, [])
         self.sample_ids.difference_update(ids)
         self.source_of.pop(doc_id, None)
-        return ids
+        self.removals += ids
+
+    def take_removals(self) -> list[str]:
+        taken, self.removals = self.removals, []
+        return taken
 
 
 def plan_units(
@@ -454,14 +525,7 @@ def plan_units(
     stored = stored if stored is not None else StoredDocuments()
     pending = Unit(index=0)
     seen: set[str] = set()
-    documents = inputs.read_documents(
-        cfg.data,
-        text_column=cfg.text_column,
-        id_column=cfg.id_column,
-        ids_column=cfg.ids_column,
-        chat_column=cfg.chat_column,
-    )
-    for doc_batch in _batched(itertools.islice(documents, cfg.limit), 256):
+    for doc_batch in _batched(cfg.documents(), 256):
         if cfg.chat_column:
             tokenized = _tokenize_chat(tokenizer, doc_batch, students)
         elif students:
@@ -482,7 +546,7 @@ def plan_units(
                 summary.changed += 1
                 if cfg.on_duplicate == "skip":
                     continue
-                pending.replaces += _replace(doc, stored, cfg)
+                _replace(doc, stored, cfg)
             windows = inputs.window(token_ids, max_length=cfg.max_length) if len(token_ids) >= 2 else []
             if not windows:
                 summary.skipped += 1
@@ -497,16 +561,17 @@ def plan_units(
                     loss_mask=None if loss_mask is None else loss_mask[start : start + len(win)],
                 )
                 if pending.n_tokens >= cfg.unit_tokens:
-                    yield from _unless_stored(pending, stored.sample_ids, summary)
+                    yield from _unless_stored(pending, stored, summary)
                     pending = Unit(index=pending.index + 1)
     if pending.sample_ids:
-        yield from _unless_stored(pending, stored.sample_ids, summary)
+        yield from _unless_stored(pending, stored, summary)
 
 
-def _replace(doc, stored: StoredDocuments, cfg: BuildConfig) -> list[str]:
-    """A document stored with other text: its stored ids to remove (--on-duplicate replace), or the error."""
+def _replace(doc, stored: StoredDocuments, cfg: BuildConfig) -> None:
+    """A document stored with other text: its stored ids queued for removal (--on-duplicate replace), or the error."""
     if cfg.on_duplicate == "replace":
-        return stored.forget(doc.id)
+        stored.forget(doc.id)
+        return
     was = stored.source_of[doc.id] or "windows of mixed sources"
     raise BuildError(
         f"document {doc.id!r} (input row {doc.row}) is stored with other text (source hash {was}, "
@@ -523,10 +588,12 @@ def _check_token_ids(doc, token_ids: np.ndarray, *, vocab_size: int | None) -> N
         )
 
 
-def _unless_stored(unit: Unit, known: set[str], summary: BuildSummary) -> Iterator[Unit]:
-    stored = sum(sid in known for sid in unit.sample_ids)
-    summary.already_stored += stored
-    if stored < len(unit.sample_ids):
+def _unless_stored(unit: Unit, stored: StoredDocuments, summary: BuildSummary) -> Iterator[Unit]:
+    """The unit, unless the branch holds all of its samples; it carries the removals queued so far."""
+    known = sum(sid in stored.sample_ids for sid in unit.sample_ids)
+    summary.already_stored += known
+    if known < len(unit.sample_ids):
+        unit.replaces = stored.take_removals()
         yield unit
 
 

@@ -16,6 +16,7 @@ import functools
 import hashlib
 import importlib.util
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,7 @@ from transformers.utils import logging as hf_logging
 from logitstore.errors import LogitstoreError
 from logitstore.hub import is_hub_id, local_folder, repo_name
 from logitstore.meta import TeacherMeta
+from logitstore.pipelines.head import OutputHead
 from logitstore.sparsity import Sparsity
 from logitstore.tokenizer_io import tokenizer_hash
 
@@ -76,6 +78,20 @@ class SparseBatch:
     tail: torch.Tensor
     # Log-probabilities at the selection temperature, for top-p cut-offs; None at temperature 1.
     selection_logprobs: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class TeacherForward:
+    """What the selection needs of a teacher: its body, (right-padded ids [B, T], mask) -> final hidden
+    states [B, T, H] (after the final norm), and its output head. A transformers model gives both
+    (`of_model`); vLLM's hidden-state mode gives the body and loads the head alone (`engines/vllm_engine.py`)."""
+
+    body: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]
+    head: OutputHead
+
+    @classmethod
+    def of_model(cls, model) -> TeacherForward:
+        return cls(body=functools.partial(last_hidden_state, model), head=OutputHead.of_model(model))
 
 
 # --------------------------------------------------------------------------- resolve
@@ -309,7 +325,7 @@ def _file_sha256_cached(path: str, size: int, mtime_ns: int) -> str:
 
 
 def sparse_topk_forward(
-    model,
+    model: TeacherForward | Any,
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor | None = None,
     *,
@@ -320,8 +336,8 @@ def sparse_topk_forward(
 ) -> SparseBatch:
     """Top-k teacher distribution for every next-token prediction in the batch.
 
-    Runs the model body once, then the lm_head on at most `chunk_positions` positions
-    at a time, so the fp32 [positions x vocab] matrix exists for one chunk only.
+    `model`: a transformers causal LM or a `TeacherForward`. Runs the model body once, then the lm_head
+    on at most `chunk_positions` positions at a time, so the fp32 [positions x vocab] matrix exists for one chunk only.
     Results are on the model's device. Works for right or left padding: position ids
     follow the attention mask, so a padded row matches the same row unpadded.
     Stored log-probabilities are always at temperature 1; with another `temperature`,
@@ -343,7 +359,7 @@ def sparse_topk_forward(
 
 
 def sampled_forward(
-    model,
+    model: TeacherForward | Any,
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor | None = None,
     *,
@@ -375,8 +391,9 @@ def sampled_forward(
 def _chunked_forward(
     model, input_ids, attention_mask, *, width, head, chunk_positions, with_selection, keep=None
 ) -> SparseBatch:
+    forward = model if isinstance(model, TeacherForward) else TeacherForward.of_model(model)
     batch, length = input_ids.shape
-    vocab = _output_size(model)
+    vocab = forward.head.vocab_size
     if not 1 <= width <= vocab:
         raise LogitstoreError(f"k={width} must be between 1 and the vocabulary size {vocab}")
     if chunk_positions < 1:
@@ -385,7 +402,7 @@ def _chunked_forward(
         # Catches -100 label padding and ids from another tokenizer before an opaque IndexError.
         raise LogitstoreError(f"input_ids must be token ids in [0, {vocab})")
     with torch.inference_mode():
-        hidden = last_hidden_state(model, input_ids, attention_mask)
+        hidden = forward.body(input_ids, attention_mask)
         # The last position predicts past the end of the text: nothing to store.
         hidden = hidden[:, :-1].reshape(-1, hidden.shape[-1])
         targets = input_ids[:, 1:].reshape(-1).to(hidden.device)
@@ -393,14 +410,14 @@ def _chunked_forward(
         if keep is None:
             for start in range(0, hidden.shape[0], chunk_positions):
                 rows = slice(start, start + chunk_positions)
-                head(model, hidden[rows], targets[rows], out=out, rows=rows)
+                head(forward.head, hidden[rows], targets[rows], out=out, rows=rows)
             return reshape_positions(out, batch, length - 1)
         # Only the kept positions pay for the head (the [positions x vocab] product and its softmax).
         _fill_placeholders(out)
         kept = torch.nonzero(keep.reshape(-1).to(hidden.device)).squeeze(1)
         for start in range(0, len(kept), chunk_positions):
             kept_rows = kept[start : start + chunk_positions]
-            head(model, hidden[kept_rows], targets[kept_rows], out=out, rows=kept_rows)
+            head(forward.head, hidden[kept_rows], targets[kept_rows], out=out, rows=kept_rows)
     return reshape_positions(out, batch, length - 1)
 
 
@@ -439,8 +456,8 @@ def empty_sparse(n: int, k: int, *, device, with_selection: bool = False) -> Spa
     )
 
 
-def head_chunk(model, hidden, targets, *, k: int, temperature: float, out: SparseBatch, rows: slice) -> None:
-    """Fill `out[rows]` from one chunk of hidden states.
+def head_chunk(head: OutputHead, hidden, targets, *, k: int, temperature: float, out: SparseBatch, rows: slice) -> None:
+    """Fill `out[rows]` from one chunk of hidden states through the teacher's output `head`.
 
     The log-softmax is never materialised: log p = logit - logsumexp(logits), applied
     only to the k kept values and the target. The tail is summed directly over the
@@ -450,7 +467,7 @@ def head_chunk(model, hidden, targets, *, k: int, temperature: float, out: Spars
     normalised at a 49k vocabulary), while the direct sum keeps a relative error of
     about 1e-6 however small the tail is.
     """
-    logits = _logits(model, hidden)
+    logits = head(hidden)
     log_norm = torch.logsumexp(logits, dim=-1)
     top_logits, top_ids = torch.topk(logits, k, dim=-1, sorted=True)
     out.ids[rows] = top_ids.to(torch.int32)
@@ -461,9 +478,9 @@ def head_chunk(model, hidden, targets, *, k: int, temperature: float, out: Spars
 
 
 def sample_chunk(
-    model, hidden, targets, *, n: int, temperature: float, generator, out: SparseBatch, rows: slice
+    head: OutputHead, hidden, targets, *, n: int, temperature: float, generator, out: SparseBatch, rows: slice
 ) -> None:
-    logits = _logits(model, hidden)
+    logits = head(hidden)
     log_norm = torch.logsumexp(logits, dim=-1)
     probs = torch.softmax(logits / temperature, dim=-1)
     draws = torch.multinomial(probs, n, replacement=True, generator=generator)
@@ -479,16 +496,6 @@ def _target_and_tail(logits, log_norm, targets, kept_ids, *, out: SparseBatch, r
     logits.scatter_(1, kept_ids, float("-inf"))
     tail_log = torch.logsumexp(logits, dim=-1) - log_norm
     out.tail[rows] = tail_log.exp().clamp_(0.0, 1.0)
-
-
-def _logits(model, hidden: torch.Tensor) -> torch.Tensor:
-    # The head runs in the model's dtype, as in model(...).logits; the softmax is fp32.
-    logits = model.get_output_embeddings()(hidden).float()
-    softcap = getattr(model.config, "final_logit_softcapping", None)
-    if softcap:
-        # Gemma 2/3 squash logits in their forward, after the lm_head.
-        logits = torch.tanh(logits / softcap) * softcap
-    return logits
 
 
 def reshape_positions(flat: SparseBatch, batch: int, positions: int) -> SparseBatch:

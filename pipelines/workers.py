@@ -12,9 +12,12 @@ are in a worker at once, each written into its own Icechunk fork that the driver
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import multiprocessing
+import multiprocessing.util
 import os
+import signal
 import threading
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -89,6 +92,7 @@ class WorkerSettings:
     entries_for: str = "prompt+completion"
     tensor_parallel: int = 1  # GPUs per engine (the vLLM engine)
     max_length: int = 1024  # the longest sample, tokens
+    vllm_output: str = "hidden"  # the vLLM engine's output: final hidden states, or its prompt log-probabilities
 
 
 class TeacherWorker:
@@ -110,6 +114,10 @@ class TeacherWorker:
         written = write_unit(writer, unit, self.compute(unit), teacher=self.engine.spec.name)
         unit.tokens = []  # the driver needs the counts back, not the tokens
         return written, unit
+
+    def close(self) -> None:
+        """The engine's `close()`: its teacher, its processes (vLLM's engine core) go."""
+        self.engine.close()
 
     def compute(self, unit: Unit) -> SparseSamples:
         """The unit's sparse distributions, in the engine's row order. Chat samples carry their loss
@@ -184,8 +192,11 @@ class InProcessExecutor:
 
     def close(self) -> None:
         # Units not started are dropped; a running one finishes (a forward pass cannot be interrupted)
-        # and its fork, never merged, is discarded with the transaction.
-        self.pool.shutdown(wait=True, cancel_futures=True)
+        # and its fork, never merged, is discarded with the transaction. Then the engine goes.
+        try:
+            self.pool.shutdown(wait=True, cancel_futures=True)
+        finally:
+            self.worker.close()
 
 
 _WORKER: TeacherWorker | None = None  # one per worker process
@@ -199,6 +210,10 @@ def _init_worker(settings: WorkerSettings, devices) -> None:
 
     torch.set_num_threads(1)  # N processes on N cores; more threads each would oversubscribe
     _WORKER = TeacherWorker(settings)
+    # The pool ends its processes by a sentinel, after which multiprocessing's exit hook first runs the
+    # finalizers with an exit priority, then joins the process's children: the engine closes here, before
+    # that join would wait forever on vLLM's engine core. atexit hooks never run in these processes.
+    multiprocessing.util.Finalize(_WORKER, _WORKER.close, exitpriority=10)
 
 
 def _worker() -> TeacherWorker:
@@ -243,6 +258,7 @@ class ProcessExecutor:
         )
 
     def close(self) -> None:
+        # Each process closes its engine on its way out (`_init_worker`'s finalizer).
         self.pool.shutdown(cancel_futures=True)
 
 
@@ -306,8 +322,35 @@ class RayExecutor:
             yield pool.get_next()
 
     def close(self) -> None:
+        # An actor's engine first (ray.kill ends the actor's process at once, without its finalizers).
+        try:
+            self.ray.get([actor.close.remote() for actor in self.actors], timeout=CLOSE_SECONDS)
+        except Exception:  # an actor that died or hangs is killed below all the same
+            pass
         for actor in self.actors:
             self.ray.kill(actor)
+
+
+CLOSE_SECONDS = 60  # for a Ray actor to close its engine (vLLM's shutdown waits up to 15 s for its processes)
+
+
+@contextlib.contextmanager
+def interrupted_on_sigterm():
+    """SIGTERM raises KeyboardInterrupt in the main thread while the block runs, as Ctrl-C does, so the
+    executors' `close()` runs (by default SIGTERM ends Python at once, leaving vLLM's engine-core
+    processes orphaned). Outside the main thread signals cannot be caught: nothing changes there."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def worker_settings(cfg, *, teacher_spec) -> WorkerSettings:
@@ -323,6 +366,7 @@ def worker_settings(cfg, *, teacher_spec) -> WorkerSettings:
         entries_for=cfg.train_on,
         tensor_parallel=cfg.tensor_parallel,
         max_length=cfg.max_length,
+        vllm_output=cfg.vllm_output,
     )
 
 

@@ -288,12 +288,15 @@ def test_the_in_process_executor_overlaps_units_keeps_their_order_and_raises_the
     from logitstore.errors import LogitstoreError
     from logitstore.pipelines import workers
 
-    running, most = [0], [0]
+    running, most, closed = [0], [0], []
     lock = threading.Lock()
 
     class Worker:
         def __init__(self, settings):
             pass
+
+        def close(self):
+            closed.append(running[0])  # after the pool: no unit is running any more
 
         def process(self, unit, writer):
             with lock:
@@ -320,3 +323,4 @@ def test_the_in_process_executor_overlaps_units_keeps_their_order_and_raises_the
             got.append(unit.index)
     executor.close()
     assert got == [0, 1, 2, 3, 4] and 1 < most[0] <= workers.OVERLAP
+    assert closed == [0]  # the engine closed once, after its last unit

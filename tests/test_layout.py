@@ -123,3 +123,45 @@ def test_every_import_inside_a_function_says_why():
                                 f"{path.relative_to(ROOT)}:{statement.lineno} {lines[statement.lineno - 1].strip()}"
                             )
     assert not unexplained, "move these to the top, or say why not:\n" + "\n".join(unexplained)
+
+
+def _package_modules():
+    """(path, module name) of every module of the package, with pyproject's package-dir mapping."""
+    for folder, package in (
+        ("logitstore", "logitstore"),
+        ("pipelines", "logitstore.pipelines"),
+        ("trainer", "logitstore.trainer"),
+        ("cli", "logitstore.cli"),
+    ):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            parts = path.relative_to(ROOT / folder).with_suffix("").parts
+            name = ".".join((package, *parts)).removesuffix(".__init__")
+            yield path, name
+
+
+def test_the_store_layout_is_spelled_out_in_one_module():
+    """Part paths (`teachers/<t>/parts/<p>`, a part's `students/<s>`) and the stored arrays' names live in
+    logitstore/layout.py; every other module asks it. Docstrings and comments may describe the tree."""
+    from logitstore import layout
+
+    stored_only = {layout.PART_ARRAYS[2], layout.CODE_OF_ID}  # array names that name nothing in memory
+    found = []
+    for path, name in _package_modules():
+        if name == "logitstore.layout":
+            continue
+        tree = ast.parse(path.read_text())
+        docstrings = {
+            id(node.body[0].value)
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef)
+            and node.body
+            and isinstance(node.body[0], ast.Expr)
+            and isinstance(node.body[0].value, ast.Constant)
+        }
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.Constant) and isinstance(node.value, str)) or id(node) in docstrings:
+                continue
+            text = node.value
+            if "parts/" in text or "/parts" in text or "students/" in text or text in stored_only:
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno} {text!r}")
+    assert not found, "spell these through logitstore/layout.py:\n" + "\n".join(found)

@@ -9,8 +9,9 @@ import zarr
 from zarr.codecs import BloscCodec, Crc32cCodec
 
 from logitstore import rawread
+from logitstore.layout import GRID_ARRAYS
 from logitstore.store import Store
-from logitstore.zarr_codec import GRID_ARRAYS, as_codes
+from logitstore.zarr_codec import as_codes
 from tests.test_safety import flip_chunk_of, write_store
 
 

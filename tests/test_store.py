@@ -293,7 +293,7 @@ def test_a_part_is_written_as_zarr_writes_it_byte_for_byte(tmp_path, case):
                 vocab_map=np.arange(VOCAB, dtype=np.int32) % 7,
             )
         ]
-    from logitstore.zarr_codec import GRID_ARRAYS
+    from logitstore.layout import GRID_ARRAYS
 
     meta = teacher() if case != "a format-1 teacher" else dataclasses.replace(teacher(), values="codes")
     store = Store.open(str(tmp_path / "store"), create=True)

@@ -133,7 +133,7 @@ def test_bad_train_input_is_one_clear_line(store, tmp_path):
         ([*base, "--out", str(tmp_path / "g"), "--memory-budget", "12XB"], "--memory-budget"),
         ([*base, "--out", str(tmp_path / "h"), "--memory-budget", "1KB"], "smaller than two parts"),
         ([*base, "--out", str(tmp_path / "i"), "--kd-temperature", "-1", "--nproc", "2"], "--kd-temperature"),
-        ([*base, "--out", str(tmp_path / "j"), "--report-to", "wandb", "--nproc", "2"], "--report-to 'wandb'"),
+        ([*base, "--out", str(tmp_path / "j"), "--report-to", "nope", "--nproc", "2"], "--report-to 'nope'"),
         ([*base, "--out", str(tmp_path / "k"), "--seq-len", "9000", "--nproc", "2"], "exceeds the student's 8192"),
     ]
     for args, message in cases:

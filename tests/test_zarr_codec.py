@@ -16,8 +16,9 @@ import numpy as np
 import pytest
 
 from logitstore import codec
+from logitstore.layout import GRID_ARRAYS
 from logitstore.store import Store
-from logitstore.zarr_codec import GRID_ARRAYS, as_codes
+from logitstore.zarr_codec import as_codes
 from tests.test_store import random_samples, teacher, write
 
 

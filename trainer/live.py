@@ -246,6 +246,14 @@ def _serve(cfg: LiveConfig, capacity: tuple[int, int], requests, ready, acks, pa
             seed=0,
         )
     )
+    try:
+        _answer(worker, cfg, capacity, requests, ready, acks, parent_pid)
+    finally:
+        worker.close()
+
+
+def _answer(worker: TeacherWorker, cfg: LiveConfig, capacity: tuple[int, int], requests, ready, acks, parent_pid: int):
+    sparsity = worker.settings.sparsity
     device = worker.engine.device
     ring = _allocate_ring(*capacity, device=device, sampled=sparsity.sampled)
     ready.put(("ring", ring))  # exported once; the producer keeps these tensors alive until it exits
@@ -443,7 +451,7 @@ class LiveSource:
     split, ordered, packed and sharded as a store's (one window: the global shuffle), and computed
     whole by the teacher process for each micro-batch, then cut into its pieces."""
 
-    def __init__(self, samples: LiveSamples, teacher: LiveTeacher, *, split: str, eval_fraction: float):
+    def __init__(self, samples: LiveSamples, teacher: LiveTeacher | None, *, split: str, eval_fraction: float):
         keep = [
             i
             for i, sid in enumerate(samples.sample_ids)  # one step per sample, at start
@@ -466,6 +474,7 @@ class LiveSource:
         raise AssertionError("a live source has no parts to read")
 
     def build(self, pieces, parts: dict, *, stream):
+        assert self.teacher is not None, "a live stream without its teacher only checks sizes (`check_streams`)"
         rows, where = np.unique(pieces.row, return_inverse=True)
         whole = self.teacher.compute([self._tokens[r] for r in rows])
         decoded = _cut(whole, where.reshape(-1), pieces)
@@ -482,7 +491,7 @@ class LiveSource:
 
 def live_stream(
     samples: LiveSamples,
-    teacher: LiveTeacher,
+    teacher: LiveTeacher | None,
     *,
     seq_len: int,
     micro_batch: int,

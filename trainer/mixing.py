@@ -35,25 +35,21 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
-import pyarrow.compute as pc
 import torch
 
-from logitstore import codec
 from logitstore.chat import supervised_positions
-from logitstore.errors import DamagedDataError, LogitstoreError
-from logitstore.meta import array_at, read_values
-from logitstore.store import StoreVersion, read_errors
+from logitstore.errors import LogitstoreError
+from logitstore.reader import PartReader, TeacherRows
+from logitstore.store import StoreVersion
 from logitstore.trainer.aligned_losses import AlignedTargets
 from logitstore.trainer.losses import SparseTargets
 from logitstore.trainer.stream import (
     PackedBatch,
-    PartReader,
     Pieces,
     SplitTable,
-    TeacherRows,
     check_train_on,
     layout,
-    split_index,
+    split_rows,
 )
 from logitstore.trainer.stream import ranges as _ranges
 
@@ -132,8 +128,8 @@ def student_vocabulary(
 
 
 def _registered(view: StoreVersion, teacher: str, st: dict) -> StudentVocabulary:
-    data = read_values(array_at(view.student_group(teacher, st["name"]), "tokenizer"))
-    return StudentVocabulary(st["tokenizer_hash"], int(st["vocab_size"]), bytes(data).decode("utf-8"))
+    tokenizer_json = view.student_tokenizer_json(teacher, st["name"])
+    return StudentVocabulary(st["tokenizer_hash"], int(st["vocab_size"]), tokenizer_json)
 
 
 def resolve_sources(view: StoreVersion, *, weights: dict[str, float], vocab: StudentVocabulary) -> list[Source]:
@@ -167,14 +163,8 @@ def resolve_sources(view: StoreVersion, *, weights: dict[str, float], vocab: Stu
 class _SourceTable:
     """A source's split rows matched to the first source's rows (-1 where it lacks the sample)."""
 
-    rows: TeacherRows
+    rows: TeacherRows  # with the student's token columns for a cross source
     row_of: np.ndarray  # [n primary rows] -> row in `rows`, or -1
-    students: dict[str, np.ndarray] | None  # student_start / n_student_tokens / group_start / n_groups
-
-    def student_columns(self) -> dict[str, np.ndarray]:
-        """`students`, which a cross source's table has."""
-        assert self.students is not None, "a cross source's table"
-        return self.students
 
 
 class MixedSource:
@@ -199,17 +189,19 @@ class MixedSource:
             check_train_on(view, teacher=source.name, train_on=train_on)
         # Chat data: the first source's loss mask (on the student's side) picks the supervised positions.
         self.completion_only = train_on == "completion" and view.teachers[sources[0].name].loss_mask is not None
-        primary = TeacherRows.of(view, teacher=sources[0].name, split=split, eval_fraction=eval_fraction)
+        primary = split_rows(view, teacher=sources[0].name, split=split, eval_fraction=eval_fraction)
         self._tables = [
             _source_table(view, s, split=split, eval_fraction=eval_fraction, primary_ids=primary.sample_ids)
             for s in sources
         ]
         # Pack by the student-side lengths of the first source's samples.
-        lengths = self._tables[0].student_columns()["n_student_tokens"] if sources[0].cross else primary.n_tokens
+        first = self._tables[0].rows.students
+        lengths = first["n_student_tokens"] if first is not None else primary.n_tokens
         self.table = SplitTable(sample_ids=primary.sample_ids, n_tokens=lengths, part=primary.part, parts=primary.parts)
         self._primary = primary
-        self._readers = [PartReader(view, teacher=s.name, rows=t.rows) for s, t in zip(sources, self._tables)]
-        self._decoders = [(view.teachers[s.name].codec, view.id_of_code(s.name).astype(np.int32)) for s in sources]
+        self._readers = [
+            PartReader(view, teacher=s.name, rows=t.rows, student=s.student) for s, t in zip(sources, self._tables)
+        ]
         self.where = f"the {split} split of teachers {', '.join(s.name for s in sources)} in version {view.snapshot_id}"
 
     def _own_parts(self, i: int, code: int) -> list[int]:
@@ -224,22 +216,9 @@ class MixedSource:
                 out[code] += int(reader.bytes[self._own_parts(i, code)].sum()) * (2 if self.sources[i].cross else 1)
         return out  # a cross source's student ids and groups counted as much again: a generous bound
 
-    def read_part(self, code: int) -> list[tuple[dict, dict]]:
-        """Per source: ({own part: PartData}, {own part: (student ids, groups)} for a cross source)."""
-        out = []
-        for i, (source, reader) in enumerate(zip(self.sources, self._readers)):
-            own = self._own_parts(i, code)
-            students = {c: self._student_arrays(i, c) for c in own} if source.cross else {}
-            out.append(({c: reader.read(c) for c in own}, students))
-        return out
-
-    def _student_arrays(self, i: int, code: int) -> tuple:
-        """(ids, groups), and the loss mask for chat data, of a part's student tokens."""
-        source = self.sources[i]
-        base = f"teachers/{source.name}/parts/{self._tables[i].rows.parts[code]}/students/{source.student}"
-        names = ("ids", "groups", "loss_mask") if self.view.teachers[source.name].loss_mask else ("ids", "groups")
-        with read_errors(f"the student tokens in {base}"):  # damage stops the run too; no per-sample skip here
-            return tuple(read_values(array_at(self.view.root, f"{base}/{name}")) for name in names)
+    def read_part(self, code: int) -> list[dict]:
+        """Per source, {own part: PartData} (with a cross source's student tokens)."""
+        return [{c: reader.read(c) for c in self._own_parts(i, code)} for i, reader in enumerate(self._readers)]
 
     # -- a batch -----------------------------------------------------------------------------------
 
@@ -247,11 +226,10 @@ class MixedSource:
         rows = np.unique(pieces.row)
         per_source = []
         for i in range(len(self.sources)):
-            loaded, students = {}, {}
+            loaded = {}
             for by_source in parts.values():
-                loaded.update(by_source[i][0])
-                students.update(by_source[i][1])
-            signals, errors = self._read_source(i, rows, loaded, students)
+                loaded.update(by_source[i])
+            signals, errors = self._read_source(i, rows, loaded)
             for r, error in errors.items():
                 stream.unreadable(r, error)  # raises, or (on_error="skip") counts the sample as skipped
             per_source.append(signals)
@@ -263,7 +241,7 @@ class MixedSource:
                     del later[r]
         return self._assemble(pieces, ok, per_source, micro_batch=stream.micro_batch, seq_len=stream.seq_len)
 
-    def _read_source(self, i: int, rows: np.ndarray, loaded: dict, students: dict) -> tuple[dict, dict]:
+    def _read_source(self, i: int, rows: np.ndarray, loaded: dict) -> tuple[dict, dict]:
         """({primary row: _SampleSignal} for the rows this source has and could read,
         {primary row: exception} for those it has but could not read)."""
         source, st, reader = self.sources[i], self._tables[i], self._readers[i]
@@ -281,11 +259,8 @@ class MixedSource:
             return {}, errors
         primary_rows = np.array([p for p, _ in good], dtype=np.int64)
         own_rows = np.array([o for _, o in good], dtype=np.int64)
-        n_tokens = st.rows.n_tokens[own_rows]
-        params, id_of_code = self._decoders[i]
-        enc = reader.gather(loaded, own_rows, np.zeros(len(own_rows), np.int64), n_tokens)
-        decoded = codec.decode(enc, params=params, id_of_code=id_of_code, n_tokens=n_tokens)
-        aligned = self._students(i, own_rows, students) if source.cross else None
+        decoded = reader.samples(loaded, own_rows, np.zeros(len(own_rows), np.int64), st.rows.n_tokens[own_rows])
+        aligned = reader.student_tokens(loaded, own_rows) if source.cross else None
         tok_off, pos_off = decoded.token_offsets, decoded.position_offsets
         ent_off = np.concatenate([[0], np.cumsum(decoded.n_entries, dtype=np.int64)])
         out: dict = {}
@@ -308,28 +283,6 @@ class MixedSource:
                 )
             out[int(primary_rows[k])] = signal
         return out, errors
-
-    def _students(self, i: int, own_rows: np.ndarray, students: dict) -> list[tuple]:
-        """Student ids and groups [g, 4] of each row (and its loss mask, chat data), from its part's arrays."""
-        st = self._tables[i]
-        cols = st.student_columns()
-        out = []
-        for row in own_rows.tolist():  # one step per sample: slicing only
-            ids, groups, *mask = students[int(st.rows.part[row])]
-            s0, n = cols["student_start"][row], cols["n_student_tokens"][row]
-            g0, g = cols["group_start"][row], cols["n_groups"][row]
-            if s0 + n > len(ids) or 4 * (g0 + g) > len(groups) or any(len(m) != len(ids) for m in mask):
-                raise DamagedDataError(
-                    f"the student tokens of sample {st.rows.sample_ids[row]!r} lie outside the stored arrays"
-                )
-            out.append(
-                (
-                    ids[s0 : s0 + n].astype(np.int64),
-                    groups[4 * g0 : 4 * (g0 + g)].astype(np.int64).reshape(-1, 4),
-                    *(m[s0 : s0 + n] for m in mask),
-                )
-            )
-        return out
 
     def _assemble(
         self, pieces: Pieces, ok: np.ndarray, per_source: list[dict], *, micro_batch: int, seq_len: int
@@ -543,16 +496,8 @@ def _aligned_targets(pieces, *, starts, n, first_position, weight, target_ids):
 def _source_table(
     view: StoreVersion, source: Source, *, split: str, eval_fraction: float, primary_ids: list[str]
 ) -> _SourceTable:
-    idx = split_index(view, teacher=source.name, split=split, eval_fraction=eval_fraction)
-    table = TeacherRows.of(view, teacher=source.name, split=split, eval_fraction=eval_fraction)
-    students = None
-    if source.student is not None:  # cross
-        k = view.teachers[source.name].student_names.index(source.student)
-        students = {
-            c: pc.list_element(idx[c], k).to_numpy().astype(np.int64)
-            for c in ("student_start", "n_student_tokens", "group_start", "n_groups")
-        }
-    return _SourceTable(rows=table, row_of=match_rows(primary_ids, table.sample_ids), students=students)
+    rows = split_rows(view, teacher=source.name, split=split, eval_fraction=eval_fraction, student=source.student)
+    return _SourceTable(rows=rows, row_of=match_rows(primary_ids, rows.sample_ids))
 
 
 def match_rows(primary_ids: list[str], ids: list[str]) -> np.ndarray:

@@ -73,43 +73,29 @@ The contract (tests/test_stream.py holds the engine to it):
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import hashlib
 import time
 from collections.abc import Generator, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, fields
-from typing import Any, Protocol, TypedDict, cast
+from typing import Any, Protocol, TypedDict
 
-import numba
 import numpy as np
-import pyarrow as pa
-import pyarrow.compute as pc
 import torch
-from zarr.core.sync import sync as zarr_sync
-from zarr.types import AnyAsyncArray
 
-from logitstore import codec
 from logitstore.ahead import read_ahead
 from logitstore.chat import TRAIN_ON, supervised_positions
-from logitstore.codec import EncodedSamples
 from logitstore.errors import DamagedDataError, LogitstoreError, StorageError
-from logitstore.meta import read_values
-from logitstore.rawread import read_arrays
+from logitstore.reader import PartData, PartReader, TeacherRows
 from logitstore.sizes import format_bytes, parse_bytes
-from logitstore.store import ENCODED_ARRAYS, Store, StoreVersion, read_errors
-from logitstore.version import ROW_AXIS
-from logitstore.zarr_codec import as_codes
+from logitstore.store import Store, StoreVersion
 
 SPLITS = ("train", "eval")
 ON_ERROR = ("raise", "skip")
 DEFAULT_MEMORY_BUDGET = "4GiB"  # per reader process: a training node has ~1 TB for 8 ranks
 READ_THREADS = 8  # parts read at once: S3 answers in 10-50 ms, so one at a time would starve decoding
 LOOKAHEAD_BATCHES = 8  # micro-batches ahead whose parts are asked for: work for every reader thread
-# Read through a gap of at most this many elements rather than issue another request (sliced reads):
-# on object storage a request costs more than a few KB of extra bytes.
-MERGE_GAP = 4096
 _WINDOW_STREAM = 2**32  # the RNG stream of the part permutation, apart from the windows' 0, 1, ...
 
 
@@ -220,11 +206,16 @@ class Source(Protocol):
         `stream.unreadable(row, error)` for a sample that cannot be used."""
 
 
-def split_index(view: StoreVersion, *, teacher: str, split: str, eval_fraction: float) -> pa.Table:
-    """The index rows of one teacher in one split, sorted by sample id."""
-    idx = view.index.filter(pc.equal(view.index["teacher"], teacher)).sort_by("sample_id")
-    in_eval = [is_eval_sample(s, eval_fraction=eval_fraction) for s in idx["sample_id"].to_pylist()]  # per sample
-    return idx.filter(pa.array([e == (split == "eval") for e in in_eval], type=pa.bool_()))
+def in_split(sample_ids: list[str], *, split: str, eval_fraction: float) -> np.ndarray:
+    """bool [n]: which of these samples lie in `split`."""
+    in_eval = [is_eval_sample(s, eval_fraction=eval_fraction) for s in sample_ids]  # one step per sample
+    return np.array([e == (split == "eval") for e in in_eval], dtype=bool)
+
+
+def split_rows(view: StoreVersion, *, teacher: str, split: str, eval_fraction: float, student: str | None = None):
+    """One teacher's index rows of one split, sorted by sample id (with `student`'s token columns)."""
+    keep = lambda ids: in_split(ids, split=split, eval_fraction=eval_fraction)
+    return TeacherRows.of(view, teacher=teacher, keep=keep, student=student)
 
 
 # -- order and packing ---------------------------------------------------------------------------------
@@ -313,298 +304,6 @@ def ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     return np.repeat(np.asarray(starts, dtype=np.int64) - offsets, lengths) + np.arange(total, dtype=np.int64)
 
 
-# -- reading one teacher's parts ------------------------------------------------------------------------
-
-
-# Errors that mean a bug, never damaged data: they keep their traceback.
-_BUGS = (TypeError, AttributeError, NameError, AssertionError, ImportError)
-
-
-class _Damaged(DamagedDataError):
-    """Stored arrays that read without error but contradict the index or the vocabulary."""
-
-
-@dataclass
-class TeacherRows:
-    """One teacher's index rows of a split (sorted by sample id), as numpy columns."""
-
-    sample_ids: list[str]
-    part: np.ndarray  # int64 code into `parts`
-    parts: list[str]
-    n_tokens: np.ndarray
-    token_start: np.ndarray
-    position_start: np.ndarray
-    entry_start: np.ndarray
-    n_entries: np.ndarray
-
-    @classmethod
-    def of(cls, view: StoreVersion, *, teacher: str, split: str, eval_fraction: float) -> TeacherRows:
-        idx = split_index(view, teacher=teacher, split=split, eval_fraction=eval_fraction)
-        parts, codes = np.unique(np.asarray(idx["part"].to_pylist(), dtype=str), return_inverse=True)
-        column = lambda name: idx[name].to_numpy().astype(np.int64)
-        return cls(
-            sample_ids=idx["sample_id"].to_pylist(),
-            part=np.asarray(codes, dtype=np.int64).reshape(-1),
-            parts=[str(p) for p in parts],
-            n_tokens=column("n_tokens"),
-            token_start=column("token_start"),
-            position_start=column("position_start"),
-            entry_start=column("entry_start"),
-            n_entries=column("n_entries"),
-        )
-
-    def __post_init__(self) -> None:
-        # Rows sorted by (part, place in it), and where each part's run starts: `in_part` in O(1).
-        self._by_part = np.lexsort((self.token_start, self.part))
-        self._part_start = np.concatenate([[0], np.cumsum(np.bincount(self.part, minlength=len(self.parts)))])
-
-    def in_part(self, code: int) -> np.ndarray:
-        """The rows held by part `code`, sorted by their place in the part."""
-        return self._by_part[self._part_start[code] : self._part_start[code + 1]]
-
-
-@dataclass
-class PartData:
-    """One part of one teacher in memory: its encoded arrays (all of it, or just some samples' ranges
-    at their places in full-length arrays), entry offsets per position, and the unusable samples."""
-
-    arrays: dict[str, np.ndarray]
-    entry_cum: np.ndarray  # int64 [positions + 1]: entries before each position (within a sample, exact)
-    damaged: dict[int, Exception]  # row -> why it cannot be used
-
-
-class PartReader:
-    """Reads one teacher's parts for a split: whole when the split holds at least half of a part's
-    bytes, else just the split's samples (the eval split), and checks every sample against the index
-    and the vocabulary in vectorised passes."""
-
-    def __init__(self, view: StoreVersion, *, teacher: str, rows: TeacherRows):
-        meta = view.teachers[teacher]
-        self.view, self.teacher, self.rows = view, teacher, rows
-        self.vocab_size, self.params = meta.vocab_size, meta.codec
-        self.sampled = meta.sampled
-        self.masked = meta.loss_mask is not None  # chat data: a per-token loss_mask in every part
-        self.names = tuple(
-            n for n in ENCODED_ARRAYS if (n != "entry_counts" or self.sampled) and (n != "loss_mask" or self.masked)
-        )
-        self.id_bytes = codec.id_dtype(meta.vocab_size).itemsize
-        split_bytes = self._bytes(rows.n_tokens, rows.n_entries, rows.part, len(rows.parts))
-        all_rows = view.index.filter(pc.equal(view.index["teacher"], teacher))
-        codes = pc.index_in(all_rows["part"], value_set=pa.array(rows.parts, type=pa.string()))
-        all_codes = codes.fill_null(-1).to_numpy().astype(np.int64)
-        held = all_codes >= 0
-        whole_bytes = self._bytes(
-            all_rows["n_tokens"].to_numpy().astype(np.int64)[held],
-            all_rows["n_entries"].to_numpy().astype(np.int64)[held],
-            all_codes[held],
-            len(rows.parts),
-        )
-        self.whole = split_bytes * 2 >= whole_bytes  # read the part whole, else the split's ranges only
-        self.bytes = np.where(self.whole, whole_bytes, split_bytes)
-
-    def _bytes(self, n_tokens, n_entries, part, n_parts) -> np.ndarray:
-        """Bytes in memory per part of the given samples: the encoded arrays plus `entry_cum`."""
-        per_sample = (
-            n_tokens * (self.id_bytes + self.masked)
-            + (n_tokens - 1) * (6 + 8)
-            + n_entries * (self.id_bytes + 2 + (2 if self.sampled else 0))
-        )
-        return np.bincount(part, weights=per_sample, minlength=n_parts).astype(np.int64)
-
-    def read(self, code: int) -> PartData:
-        rows = self.rows.in_part(code)
-        part = self.rows.parts[code]
-        damaged: dict[int, Exception] = {}
-        try:
-            with read_errors(f"part {part} of teacher {self.teacher!r}"):
-                arrays = self._whole(part) if self.whole[code] else self._ranges(part, rows)
-        except StorageError:
-            raise
-        except DamagedDataError:  # one bad chunk: read sample by sample to lose only its samples
-            arrays, damaged = self._by_sample(part, rows)
-        entry_cum = np.concatenate([[0], np.cumsum(arrays["n_entries"], dtype=np.int64)])
-        damaged.update(self._check(arrays, entry_cum, rows, skip=damaged))
-        return PartData(arrays=arrays, entry_cum=entry_cum, damaged=damaged)
-
-    def _whole(self, part: str) -> dict[str, np.ndarray]:
-        """Every array of the part: by `rawread` (two rounds of concurrent requests, decoded here), or
-        for a layout it does not know, opened and read concurrently through Zarr."""
-        base = f"teachers/{self.teacher}/parts/{part}"
-        fast = read_arrays(self.view.root.store, [f"{base}/{name}" for name in self.names])
-        if fast is not None:
-            return dict(zip(self.names, fast))
-        root = self.view.root._async_group
-
-        async def one(name: str) -> np.ndarray:
-            array = cast(AnyAsyncArray, await root.getitem(f"{base}/{name}"))  # the layout's arrays
-            return as_codes(cast(np.ndarray, await array.getitem(slice(None))), self.params)
-
-        async def every() -> list:
-            return await asyncio.gather(*(one(name) for name in self.names))
-
-        return dict(zip(self.names, zarr_sync(every())))
-
-    def _spans(self, rows: np.ndarray) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-        """Per array, the [start, stop) of each row's elements."""
-        r = self.rows
-        ts, ps, es = r.token_start[rows], r.position_start[rows], r.entry_start[rows]
-        n, ne = r.n_tokens[rows], r.n_entries[rows]
-        spans = {
-            "input_ids": (ts, ts + n),
-            "loss_mask": (ts, ts + n),
-            "n_entries": (ps, ps + n - 1),
-            "tail": (ps, ps + n - 1),
-            "target_logprobs": (ps, ps + n - 1),
-            "entry_codes": (es, es + ne),
-            "entry_logprobs": (es, es + ne),
-            "entry_counts": (es, es + ne),
-        }
-        return {name: spans[name] for name in self.names}
-
-    def _ranges(self, part: str, rows: np.ndarray) -> dict[str, np.ndarray]:
-        """Just these rows' elements, at their places in zero-filled full-length arrays (np.zeros maps
-        untouched pages lazily, so the memory used is the rows' own)."""
-        out = {}
-        for name, (starts, stops) in self._spans(rows).items():
-            array = self.view.array(self.teacher, part, name)
-            full = np.zeros(array.shape[0], dtype=_stored_dtype(array))
-            for s, e in _merged(starts, stops):  # one request per run of nearby samples
-                values = as_codes(read_values(array, slice(s, e)), self.params)
-                if len(values) != e - s:  # Zarr clamps slices silently: an index beyond the stored array
-                    raise _Damaged(f"index range [{s}, {e}) lies outside the stored array of {array.shape[0]}")
-                full[s:e] = values
-            out[name] = full
-        return out
-
-    def _by_sample(self, part: str, rows: np.ndarray) -> tuple[dict[str, np.ndarray], dict[int, Exception]]:
-        arrays = {
-            name: np.zeros(
-                self.view.array(self.teacher, part, name).shape[0],
-                dtype=_stored_dtype(self.view.array(self.teacher, part, name)),
-            )
-            for name in self.names
-        }
-        damaged: dict[int, Exception] = {}
-        for row in rows.tolist():  # one step per sample, only for a part with a damaged chunk
-            try:
-                with read_errors(f"sample {self.rows.sample_ids[row]!r}"):
-                    for name, values in self._ranges(part, np.array([row])).items():
-                        arrays[name] += values  # disjoint ranges: adding places them
-            except (*_BUGS, StorageError):
-                raise
-            except Exception as e:
-                damaged[row] = e
-        return arrays, damaged
-
-    def _check(
-        self, arrays: dict[str, np.ndarray], entry_cum: np.ndarray, rows: np.ndarray, *, skip: dict
-    ) -> dict[int, Exception]:
-        """Rows whose stored arrays contradict the index or the vocabulary (the decode kernel indexes
-        without bounds checks). Vectorised over the part."""
-        r = self.rows
-        n, ts, ps, es, ne = (c[rows] for c in (r.n_tokens, r.token_start, r.position_start, r.entry_start, r.n_entries))
-        bad: dict[int, Exception] = {}
-
-        def flag(mask: np.ndarray, why: str) -> None:
-            for row in rows[mask].tolist():  # one step per damaged sample
-                if row not in skip and row not in bad:
-                    bad[row] = _Damaged(why)
-
-        inside = (
-            (ts + n <= len(arrays["input_ids"]))
-            & (ps + n - 1 <= len(arrays["n_entries"]))
-            & (es + ne <= len(arrays["entry_codes"]))
-        )
-        flag(~inside, "index range lies outside the stored arrays")
-        ps_in, end_in = np.where(inside, ps, 0), np.where(inside, ps + n - 1, 0)
-        counts_ok = entry_cum[end_in] - entry_cum[ps_in] == ne
-        flag(inside & ~counts_ok, "stored entry counts disagree with the index")
-        token_bad = np.flatnonzero(arrays["input_ids"] >= self.vocab_size)
-        flag(_rows_touching(token_bad, ts, n), "a stored token id lies outside the vocabulary")
-        good = inside & counts_ok
-        flag(
-            self._bad_codes(arrays["entry_codes"], entry_cum, ps=ps[good], n=n[good], es=es[good], where=good),
-            "a stored entry code lies outside the vocabulary",
-        )
-        return bad
-
-    def _bad_codes(self, codes: np.ndarray, entry_cum: np.ndarray, *, ps, n, es, where: np.ndarray) -> np.ndarray:
-        """Mask over all rows (`where` marks the ones given) holding an entry code beyond the vocabulary."""
-        mask = np.zeros(len(where), dtype=bool)
-        bad = np.zeros(len(ps), dtype=np.bool_)
-        if len(ps) and len(codes):
-            _codes_beyond(codes, entry_cum, ps, n, es, self.vocab_size, bad)
-        mask[np.flatnonzero(where)[bad]] = True
-        return mask
-
-    def gather(self, parts: dict[int, PartData], rows: np.ndarray, a: np.ndarray, b: np.ndarray) -> EncodedSamples:
-        """The encoded arrays of tokens [a, b) of each row, concatenated in the given order: one slice
-        (a view) per row and array, then one concatenation per array."""
-        r = self.rows
-        ts, ps, es = r.token_start[rows], r.position_start[rows], r.entry_start[rows]
-        code = r.part[rows]
-        e0, e1 = np.empty(len(rows), np.int64), np.empty(len(rows), np.int64)
-        for c in np.unique(code).tolist():  # per part, a few per batch
-            sel = np.flatnonzero(code == c)
-            cum, p = parts[c].entry_cum, ps[sel]
-            e0[sel] = es[sel] + cum[p + a[sel]] - cum[p]
-            e1[sel] = es[sel] + cum[p + b[sel] - 1] - cum[p]
-        spans = {"input_ids": (ts + a, ts + b), "position": (ps + a, ps + b - 1), "entry": (e0, e1)}
-        axis = {name: "input_ids" if along == "token" else along for name, along in ROW_AXIS.items()}
-        held = [parts[c].arrays for c in code.tolist()]
-        bounds = {k: (lo.tolist(), hi.tolist()) for k, (lo, hi) in spans.items()}
-        out = {}
-        for name in self.names:  # one slice per row: views, so the only copy is the concatenation
-            lo, hi = bounds[axis[name]]
-            out[name] = np.concatenate([arrays[name][s:e] for arrays, s, e in zip(held, lo, hi)])
-        return EncodedSamples(**out)
-
-
-def _stored_dtype(array) -> np.dtype:
-    """The dtype of an array's stored values: uint16 codes for the grid codec's float32 log-probabilities."""
-    return np.dtype(np.uint16) if array.dtype == np.float32 else array.dtype
-
-
-@numba.njit(cache=True, nogil=True)
-def _codes_beyond(deltas, entry_cum, ps, n, es, vocab_size, bad):
-    # Codes are running sums of non-negative gaps per position, so a position's largest is its last.
-    # One pass over the entries with no temporaries: numpy needs an int64 copy and a cumsum of them all.
-    for r in range(len(ps)):
-        base = es[r] - entry_cum[ps[r]]
-        for p in range(ps[r], ps[r] + n[r] - 1):
-            code = 0
-            for e in range(base + entry_cum[p], base + entry_cum[p + 1]):
-                code += deltas[e]
-            if code >= vocab_size:
-                bad[r] = True
-                break
-
-
-def _merged(starts: np.ndarray, stops: np.ndarray) -> list[tuple[int, int]]:
-    """Runs of [start, stop) ranges closer than `MERGE_GAP`, sorted: one request each."""
-    runs: list[list[int]] = []
-    order = np.argsort(starts, kind="stable")
-    for s, e in zip(starts[order].tolist(), stops[order].tolist()):  # one step per sample
-        if e <= s:
-            continue
-        if runs and s <= runs[-1][1] + MERGE_GAP:
-            runs[-1][1] = max(runs[-1][1], e)
-        else:
-            runs.append([s, e])
-    return [(s, e) for s, e in runs]
-
-
-def _rows_touching(elements: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """Mask over rows (sorted by `starts`) whose [start, start + length) holds any of `elements`."""
-    mask = np.zeros(len(starts), dtype=bool)
-    if len(elements) and len(starts):
-        at = np.searchsorted(starts, elements, side="right") - 1
-        ok = at >= 0
-        at, elements = at[ok], elements[ok]
-        mask[at[elements < starts[at] + lengths[at]]] = True
-    return mask
-
-
 # -- the single-teacher store source --------------------------------------------------------------------
 
 
@@ -618,14 +317,11 @@ class StoreSource:
         self.version = view.snapshot_id
         self.completion_only = train_on == "completion"
         check_train_on(view, teacher=self.teacher, train_on=train_on)
-        self.rows = TeacherRows.of(view, teacher=self.teacher, split=split, eval_fraction=eval_fraction)
+        self.rows = split_rows(view, teacher=self.teacher, split=split, eval_fraction=eval_fraction)
         self.table = SplitTable(
             sample_ids=self.rows.sample_ids, n_tokens=self.rows.n_tokens, part=self.rows.part, parts=self.rows.parts
         )
         self.reader = PartReader(view, teacher=self.teacher, rows=self.rows)
-        meta = view.teachers[self.teacher]
-        # Here, not lazily in threads; int32 as the decode kernel takes it (no copy per batch).
-        self.params, self.id_of_code = meta.codec, view.id_of_code(self.teacher).astype(np.int32)
         self.where = f"the {split} split of teacher {self.teacher!r} in version {view.snapshot_id}"
 
     def part_bytes(self) -> np.ndarray:
@@ -635,19 +331,16 @@ class StoreSource:
         return self.reader.read(code)
 
     def build(self, pieces: Pieces, parts: dict[int, PartData], *, stream: Stream) -> PackedBatch:
-        codes = self.table.part[pieces.row].tolist()
-        damage = [parts[c].damaged.get(r) for r, c in zip(pieces.row.tolist(), codes)]  # one step per piece
+        damage = self.reader.damage(parts, pieces.row)
         ok = np.array([d is None for d in damage], dtype=bool)
         for i in np.flatnonzero(~ok).tolist():
             error = damage[i]
             assert error is not None  # not ok: damaged
-            stream.unreadable(int(pieces.row[i]), error, part=self.table.parts[codes[i]])
+            row = int(pieces.row[i])
+            stream.unreadable(row, error, part=self.table.parts[self.table.part[row]])
         decoded = None
         if ok.any():
-            enc = self.reader.gather(parts, pieces.row[ok], pieces.a[ok], pieces.b[ok])
-            decoded = codec.decode(
-                enc, params=self.params, id_of_code=self.id_of_code, n_tokens=(pieces.b - pieces.a)[ok]
-            )
+            decoded = self.reader.samples(parts, pieces.row[ok], pieces.a[ok], pieces.b[ok])
         return assemble(
             pieces,
             ok,

@@ -1,7 +1,7 @@
 """Stage two: train a student from a pinned store version. Reads top to bottom, like nanoGPT's train.py.
 
 Before any process starts, `run_folder.plan` checks `--out` (a new, empty or run-marked folder; what a
-resume continues from and which snapshot it reads). Order of construction (fixed, as in torchtitan):
+resume continues from and which snapshot it reads) and `preflight` everything the store can refuse. Order of construction (fixed, as in torchtitan):
 process group and mesh -> store version (pinned by snapshot id) -> student (seeded) -> the run takes
 `--out` (`run_folder.claim`) -> FSDP2 sharding -> optimizer and schedule -> data stream -> resume from
 the newest complete checkpoint -> the loop -> last checkpoint, final metrics, `final/`. Every resumable
@@ -57,13 +57,40 @@ def launch(cfg: TrainConfig) -> dict:
         return plan.finished
     if plan.snapshot is not None:  # a resumed store run reads what its run pinned, not what the branch says now
         cfg = cfg.with_version(plan.snapshot)
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # started by torchrun
-        return _run(cfg, plan)
+    torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    signal = preflight(cfg, plan, world_size=int(os.environ["WORLD_SIZE"]) if torchrun else cfg.student.nproc)
+    if torchrun:
+        return _run(cfg, plan, signal=signal)
     if cfg.student.nproc == 1:
         with _one_process_group():
-            return _run(cfg, plan)
+            return _run(cfg, plan, signal=signal)
+    # spawned ranks open the version themselves (an Icechunk session does not travel)
     _spawn(cfg, plan)
     return json.loads((plan.out / "final_metrics.json").read_text())
+
+
+def preflight(cfg: TrainConfig, plan: run_folder.RunPlan, *, world_size: int) -> StoreSignal | None:
+    """Everything the store and the flags can refuse, in this process, before any rank starts and before
+    a rank claims --out (so a refused start leaves the folder as it was): the version, its teachers and
+    the student's tokenizer (`plan_sources`) and the streams (`check_streams`). Reads the index and the
+    id order, no part. Returns the signal, which a rank in this process goes on with. Live mode (None)
+    plans its samples in the rank, which makes the same checks before it claims --out."""
+    if cfg.live is not None:
+        return None
+    signal = StoreSignal(cfg)
+    check_streams(signal, cfg, world_size=world_size, resume_from=plan.resume_from)
+    return signal
+
+
+def check_streams(signal: StoreSignal | LiveSignal, cfg: TrainConfig, *, world_size: int, resume_from) -> None:
+    """Make (and close) the streams a rank will make: --train-on against the store, the memory budget
+    against the parts, a split too small for one micro-batch per rank, a resumed run's data position.
+    Reads no part and computes nothing."""
+    splits = ["train", "eval"] if cfg.schedule.eval_every else ["train"]  # without it, an empty eval is a note
+    for split in splits:
+        with signal.stream(cfg, rank=0, world_size=world_size, split=split) as stream:
+            if split == "train" and resume_from is not None:
+                stream.load_state_dict(checkpoint.train_state(resume_from)["data"])
 
 
 def check_student_fits(cfg: TrainConfig) -> None:
@@ -114,7 +141,7 @@ def _free_port() -> int:
 # -- one rank --------------------------------------------------------------------------------------
 
 
-def _run(cfg: TrainConfig, plan: run_folder.RunPlan) -> dict:
+def _run(cfg: TrainConfig, plan: run_folder.RunPlan, *, signal: StoreSignal | LiveSignal | None = None) -> dict:
     # CUDA only when every rank on this node gets a GPU of its own (NCCL refuses two ranks on one GPU);
     # otherwise the ranks train on the CPU over gloo, as on a machine without a GPU.
     cuda = torch.cuda.is_available() and torch.cuda.device_count() >= int(os.environ.get("LOCAL_WORLD_SIZE", 1))
@@ -122,12 +149,12 @@ def _run(cfg: TrainConfig, plan: run_folder.RunPlan) -> dict:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     dist.init_process_group("nccl" if cuda else "gloo")
     try:
-        return _train(cfg, plan, cuda=cuda)
+        return _train(cfg, plan, cuda=cuda, signal=signal)
     finally:
         dist.destroy_process_group()
 
 
-def _train(cfg: TrainConfig, plan: run_folder.RunPlan, *, cuda: bool) -> dict:
+def _train(cfg: TrainConfig, plan: run_folder.RunPlan, *, cuda: bool, signal: StoreSignal | LiveSignal | None) -> dict:
 
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
@@ -135,8 +162,11 @@ def _train(cfg: TrainConfig, plan: run_folder.RunPlan, *, cuda: bool) -> dict:
     out = Path(cfg.output.out)
 
     # The teachers' signal: a store version pinned by snapshot id (a later build on the branch cannot
-    # change this run), or in live mode a teacher process beside this rank.
-    signal = LiveSignal(cfg) if cfg.live is not None else StoreSignal(cfg)
+    # change this run), or in live mode a teacher process beside this rank. `preflight` made it in a
+    # launching process that is also this rank.
+    if signal is None:
+        signal = LiveSignal(cfg) if cfg.live is not None else StoreSignal(cfg)
+        check_streams(signal, cfg, world_size=world, resume_from=plan.resume_from)
     teacher = signal.teacher
 
     model, _tokenizer = build_student(cfg.student.student, vocab_size=signal.vocab_size, seed=cfg.student.seed)
@@ -160,7 +190,6 @@ def _train(cfg: TrainConfig, plan: run_folder.RunPlan, *, cuda: bool) -> dict:
     resumed_step = step
 
     metrics_file = (out / "metrics.jsonl").open("a") if rank == 0 else None
-    sinks = open_sinks(cfg.output.report_to, out=out) if rank == 0 else []  # --report-to, beside metrics.jsonl
     header = {
         "event": "start",
         "store": cfg.data.store,
@@ -177,7 +206,10 @@ def _train(cfg: TrainConfig, plan: run_folder.RunPlan, *, cuda: bool) -> dict:
     batches = iter(stream)
     record = run_folder.last_record(out, step=step) if resumed_from is not None else {}
     run_started = time.perf_counter()
+    sinks: list = []
     try:
+        if rank == 0:  # --report-to; in the try: a sink that cannot start still closes the stream
+            sinks = open_sinks(cfg.output.report_to, out=out, header=header)
         while step < cfg.schedule.steps:
             lr = lr_at(step, cfg)
             for group in optimizer.param_groups:
@@ -344,7 +376,7 @@ class LiveSignal:
         return {"live_teacher_pid": self.client.pid, "live_transport": self.client.transport}
 
     def stream(self, cfg: TrainConfig, *, rank: int, world_size: int, split: str):
-        assert self.client is not None, "start() first"
+        """The live stream; before `start` (no teacher yet), one that checks sizes and cannot be iterated."""
         return live_stream(
             self.samples,
             self.client,

@@ -13,6 +13,10 @@ An engine is one module in this folder, `<name>_engine.py`, defining `Engine`, a
     .compute(sample_ids, tokens, *, seed, keep, on_batch) -> SparseSamples
                             sparse distributions of whole samples (`keep`: per sample, the positions
                             whose entries are kept, or None for all; an engine may compute more)
+    .close()                gives back what the engine holds (the torch engine its teacher, vLLM its
+                            engine-core processes); idempotent. Every executor calls it on success, failure
+                            and interruption (`pipelines/workers.py`): a process left behind would keep a
+                            GPU's memory, or hang the build's exit waiting for it
 
 So adding an engine is one new file: the registry finds modules by name (`engine_names`) and imports
 one only when asked for it (`engine_class`), which keeps `logitstore --help` from importing vLLM.
@@ -30,6 +34,10 @@ from logitstore.errors import LogitstoreError
 from logitstore.samples import SparseSamples, concat
 
 SUFFIX = "_engine"
+VLLM_OUTPUTS = (
+    "hidden",
+    "logprobs",
+)  # `--vllm-output`: the vLLM engine's final hidden states, or its prompt log-probabilities
 
 
 class EngineError(LogitstoreError):

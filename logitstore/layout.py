@@ -1,0 +1,130 @@
+"""Where a store keeps what: the one place that spells its paths, its array names and the axis each
+part array runs along. Every module that reads or writes the tree asks here.
+
+One store is one Icechunk repository (plus the Parquet indexes beside it, `index.py`):
+
+    /                                   attrs["logitstore"]: format version, creation time, writer
+    /teachers/<name>/                   attrs["logitstore_teacher"]: `TeacherMeta` (hashes, vocab, sparsity, codec)
+    /teachers/<name>/code_of_id         uint32 [vocab]   the codec's id renumbering (frequency order)
+    /teachers/<name>/tokenizer          uint8  [bytes]   tokenizer.json, so `show` can decode without the model
+    /teachers/<name>/parts/<part>/...   one immutable group per write: the arrays of `codec.EncodedSamples`
+    /teachers/<name>/students/<s>/      attrs["logitstore_student"]: a student tokenizer of this teacher
+                                        (name, hash, vocab size, the mapped share of the teacher's mass)
+    /teachers/<name>/students/<s>/tokenizer  uint8 [bytes]  its tokenizer.json
+    /teachers/<name>/students/<s>/vocab_map  int32 [vocab]  teacher id -> student id with identical bytes, or -1
+    /teachers/<name>/parts/<part>/students/<s>/ids        int32 [N]    the samples' student token ids
+    /teachers/<name>/parts/<part>/students/<s>/groups     int32 [4 G]  alignment groups (t0, t1, s0, s1)
+    /teachers/<name>/parts/<part>/students/<s>/loss_mask  uint8 [N]    chat data: student tokens in the completion
+
+A part's arrays (`PART_ARRAYS`) run along one of three axes (`AXIS`): a sample of T tokens has T
+elements on the token axis, T - 1 on the position axis (position t predicts token t + 1) and one per
+stored entry on the entry axis; the index rows (`index.py`) give each sample's start on each axis.
+"""
+
+from __future__ import annotations
+
+TEACHERS, PARTS, STUDENTS = "teachers", "parts", "students"  # the groups that hold teachers, parts, students
+
+# The arrays of a part, in the order `codec.EncodedSamples` holds them; `entry_counts` only for sampled
+# teachers, `loss_mask` only for chat data.
+PART_ARRAYS = (
+    "input_ids",
+    "n_entries",
+    "entry_codes",
+    "entry_logprobs",
+    "tail",
+    "target_logprobs",
+    "entry_counts",
+    "loss_mask",
+)
+AXIS = {
+    "input_ids": "token",
+    "loss_mask": "token",
+    "n_entries": "position",
+    "tail": "position",
+    "target_logprobs": "position",
+    "entry_codes": "entry",
+    "entry_logprobs": "entry",
+    "entry_counts": "entry",
+}
+
+
+def part_arrays(*, sampled: bool, chat: bool) -> tuple[str, ...]:
+    """The arrays every part of a teacher holds: `entry_counts` for a sampled one, `loss_mask` for chat data."""
+    return tuple(n for n in PART_ARRAYS if (n != "entry_counts" or sampled) and (n != "loss_mask" or chat))
+
+
+# The log-probability arrays: since store format 2 declared float32 through the grid codec (`zarr_codec.py`).
+GRID_ARRAYS = ("entry_logprobs", "target_logprobs", "tail")
+
+# A teacher's arrays outside its parts, and a student tokenizer's.
+CODE_OF_ID = "code_of_id"
+TOKENIZER = "tokenizer"
+VOCAB_MAP = "vocab_map"
+# A part's arrays of one student tokenizer: ids, groups, and loss_mask for chat data.
+STUDENT_IDS, STUDENT_GROUPS, STUDENT_LOSS_MASK = "ids", "groups", "loss_mask"
+
+
+def teacher_path(teacher: str) -> str:
+    return f"{TEACHERS}/{teacher}"
+
+
+def parts_path(teacher: str) -> str:
+    """The group holding a teacher's parts."""
+    return f"{teacher_path(teacher)}/{PARTS}"
+
+
+def part_path(teacher: str, part: str) -> str:
+    return f"{parts_path(teacher)}/{part}"
+
+
+def student_path(teacher: str, student: str) -> str:
+    """A student tokenizer registered with a teacher (its tokenizer and vocabulary map)."""
+    return f"{teacher_path(teacher)}/{STUDENTS}/{student}"
+
+
+def part_students_path(teacher: str, part: str) -> str:
+    """The group holding a part's student tokens, one group per student tokenizer."""
+    return f"{part_path(teacher, part)}/{STUDENTS}"
+
+
+def part_student_path(teacher: str, part: str, student: str) -> str:
+    """One student tokenizer's arrays of a part (`STUDENT_IDS`, `STUDENT_GROUPS`, `STUDENT_LOSS_MASK`)."""
+    return f"{part_students_path(teacher, part)}/{student}"
+
+
+def in_a_part(path: str) -> bool:
+    """Whether a node's path lies inside a part (the samples' arrays) rather than beside the parts."""
+    return f"/{PARTS}/" in f"/{path}/"
+
+
+def teacher_array(path: str) -> tuple[str, str | None, str] | None:
+    """(teacher, student tokenizer or None, array name) of a teacher-level array's path
+    (`teachers/<t>/<name>` or `teachers/<t>/students/<s>/<name>`); None for any other path."""
+    parts = path.split("/")
+    if len(parts) == 3 and parts[0] == TEACHERS:
+        return parts[1], None, parts[2]
+    if len(parts) == 5 and parts[0] == TEACHERS and parts[2] == STUDENTS:
+        return parts[1], parts[3], parts[4]
+    return None
+
+
+def spans(*, token_start, position_start, entry_start, n_tokens, n_entries) -> dict[str, tuple]:
+    """Per axis, the [start, stop) of samples' elements, from their index columns (numbers or arrays)."""
+    return {
+        "token": (token_start, token_start + n_tokens),
+        "position": (position_start, position_start + n_tokens - 1),
+        "entry": (entry_start, entry_start + n_entries),
+    }
+
+
+def row_slices(row: dict, names) -> dict[str, slice]:
+    """One index row's (a dict from `index.to_pylist()`) slice of each named part array."""
+    by_axis = spans(
+        token_start=row["token_start"],
+        position_start=row["position_start"],
+        entry_start=row["entry_start"],
+        n_tokens=row["n_tokens"],
+        n_entries=row["n_entries"],
+    )
+    return {name: slice(*by_axis[AXIS[name]]) for name in names}

@@ -1,0 +1,104 @@
+"""The engines' shared parts without vLLM: the output head (`pipelines/head.py`: loaded alone, tied or not,
+with the model's own final logit transforms) and `close()` on the torch engine."""
+
+from __future__ import annotations
+
+import gc
+import threading
+import weakref
+
+import pytest
+import torch
+
+from logitstore.pipelines.head import HeadError, OutputHead, load_head, logit_transforms
+from logitstore.pipelines.teacher import TeacherSpec, last_hidden_state
+
+SHAPE = dict(
+    vocab_size=96,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+)
+
+
+def _model(config_class: str, **config):
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = getattr(transformers, config_class)(**{**SHAPE, **config})
+    return transformers.AutoModelForCausalLM.from_config(cfg).eval()
+
+
+# (config class, config overrides, the transform the head must apply)
+MODELS = {
+    "llama untied": ("LlamaConfig", {"tie_word_embeddings": False}, ()),
+    "llama tied": ("LlamaConfig", {"tie_word_embeddings": True}, ()),
+    "gemma2 soft-capped": (
+        "Gemma2Config",
+        {"final_logit_softcapping": 0.5, "head_dim": 16},
+        ("final_logit_softcapping",),
+    ),
+    "cohere scaled": ("CohereConfig", {"logit_scale": 0.25}, ("logit_scale",)),
+    "granite scaled": ("GraniteConfig", {"logits_scaling": 4.0}, ("logits_scaling",)),
+}
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_the_head_alone_gives_the_models_own_logits(name, tmp_path):
+    """The head loaded from the saved weights alone, applied to the body's final hidden states, gives what
+    the whole model's forward gives: tied or untied, with Gemma 2's soft cap and Cohere's and Granite's scales."""
+    config_class, overrides, transforms = MODELS[name]
+    model = _model(config_class, **overrides)
+    model.save_pretrained(tmp_path)
+    ids = torch.randint(0, SHAPE["vocab_size"], (2, 12))
+    with torch.inference_mode():
+        expected = model(ids).logits.float()
+        hidden = last_hidden_state(model, ids, None)
+        head = load_head(TeacherSpec(name=name, kind="hf_dir", path=tmp_path), device="cpu", dtype=torch.float32)
+        got = head(hidden)
+        of_model = OutputHead.of_model(model)(hidden)
+    assert tuple(t for t, _ in head.transforms) == transforms
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(of_model, expected, atol=1e-5, rtol=1e-5)
+    if transforms:  # the transform matters: without it the logits differ
+        plain = OutputHead(linear=head.linear)(hidden)
+        assert (plain - expected).abs().max() > 1e-2
+
+
+def test_a_transform_logitstore_does_not_know_is_refused():
+    model = _model("LlamaConfig")
+    model.config.output_logit_multiplier = 2.0  # a future model's, unknown here
+    with pytest.raises(HeadError, match="output_logit_multiplier.*--vllm-output logprobs"):
+        logit_transforms(model.config)
+    model.config.attn_logit_softcapping = 50.0  # inside the body: not the head's business
+    del model.config.output_logit_multiplier
+    assert logit_transforms(model.config) == ()
+
+
+def test_close_gives_the_torch_engines_teacher_back(tiny_teacher, monkeypatch):
+    """Outside `shared_teachers()` the engine holds the only reference to its teacher: close() lets it go
+    (and a closed engine refuses to compute)."""
+    from logitstore.pipelines.engines import torch_engine
+    from logitstore.pipelines.teacher import resolve_teacher
+    from logitstore.pipelines.workers import WorkerSettings
+    from logitstore.sparsity import default_sparsity
+
+    monkeypatch.setattr(torch_engine, "_shared", None)  # the tests' shared teacher cache, off for this one
+    settings = WorkerSettings(
+        teacher_spec=resolve_teacher(tiny_teacher),
+        device="cpu",
+        dtype="float32",
+        sparsity=default_sparsity(),
+        batch_tokens=256,
+        seed=0,
+    )
+    engine = torch_engine.Engine(settings, lock=threading.Lock())
+    model = weakref.ref(engine.teacher.model)
+    engine.close()
+    engine.close()  # idempotent
+    gc.collect()
+    assert model() is None
+    with pytest.raises(AssertionError, match="closed"):
+        engine.compute(["a"], [torch.arange(4).numpy()], seed=0)

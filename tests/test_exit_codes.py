@@ -1,0 +1,104 @@
+"""Exit codes you can script against (issue 29): one regression test per defect found by the second
+adversarial pass, each named after what broke. The exit codes themselves are docs/exit-codes.md."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from pathlib import Path
+
+import pytest
+
+from tests.test_faults import trainer_view
+from tests.test_safety import build, index_of, jsonl, one_line_error, run
+
+# -- 1. a replacement whose new text yields no window ------------------------------------------------
+
+
+def test_replacing_a_document_with_text_too_short_for_a_window_removes_the_old_text(tiny_teacher, tmp_path):
+    store = tmp_path / "store"
+    first = [{"id": "d1", "text": "short replacement text for d1"}, {"id": "d2", "text": "another document here"}]
+    assert build(tiny_teacher, store, jsonl(tmp_path / "a.jsonl", first)).exit_code == 0
+    assert "d1" in index_of(store)
+    second = [{"id": "d1", "text": "x"}, {"id": "d2", "text": "another document here"}]
+    result = build(tiny_teacher, store, jsonl(tmp_path / "b.jsonl", second), "--on-duplicate", "replace")
+    summary = json.loads(result.stdout)
+    assert result.exit_code == 0 and summary["changed"] == 1 and summary["skipped"] == 1
+    assert summary["commits"] == 1  # was: 0, the removal queued on a unit that was never computed
+    assert "d1" not in index_of(store) and "d2" in index_of(store)
+    error = one_line_error(run("show", store, "d1"), 2)
+    assert "d1" in error
+
+
+# -- 2. an object the snapshot lists but storage lacks is damage, not an outage ------------------------
+
+
+def delete_largest_chunk(uri: str) -> None:
+    """Delete the largest chunk object (a part's entries) behind Icechunk's back: on disk or on S3."""
+    if uri.startswith("s3://"):
+        import boto3
+
+        bucket, prefix = uri[len("s3://") :].split("/", 1)
+        s3 = boto3.client("s3")
+        objects = s3.list_objects_v2(Bucket=bucket, Prefix=f"{prefix}/chunks/")["Contents"]
+        s3.delete_object(Bucket=bucket, Key=max(objects, key=lambda o: o["Size"])["Key"])
+    else:
+        max(Path(uri, "chunks").iterdir(), key=lambda p: p.stat().st_size).unlink()
+
+
+@pytest.mark.parametrize("backend", ["local", "s3"])
+def test_a_missing_chunk_is_damage_that_verify_names_and_train_can_skip(backend, tmp_path, request):
+    from logitstore.trainer.stream import store_stream
+
+    if backend == "s3":
+        request.getfixturevalue("s3_endpoint")
+        uri = f"s3://logitstore-test/{uuid.uuid4().hex[:12]}"
+    else:
+        uri = str(tmp_path / "store")
+    view = trainer_view(uri)
+    delete_largest_chunk(uri)
+
+    result = run("verify", uri)
+    assert result.exit_code == 1, (result.stdout, result.stderr)  # was: 2, "storage failed ... No such file"
+    damaged = [line for line in result.stderr.splitlines() if line.startswith("damaged: teacher-a/doc-")]
+    assert damaged and all("a stored object is missing" in line for line in damaged), result.stderr
+    error = one_line_error(run("show", uri, damaged[0].split("/")[1].split(":")[0]), 1)
+    assert "a stored object is missing" in error
+
+    stream = store_stream(view, seq_len=32, micro_batch=4, rank=0, world_size=1, seed=1, on_error="skip")
+    try:
+        batches = [next(iter_) for iter_ in [iter(stream)] for _ in range(stream.steps_per_epoch)]
+    finally:
+        stream.close()
+    assert batches and 0 < stream.skipped_samples < 24  # was: StorageError, whatever --on-error said
+
+
+# -- 3. every check that the store and the flags allow, before --out is claimed ---------------------------
+
+
+@pytest.fixture(scope="module")
+def chat_store(tiny_teacher, tmp_path_factory) -> str:
+    """The shipped chat sample, distilled by the tiny teacher for the completion only (the default)."""
+    store = str(tmp_path_factory.mktemp("chat") / "store")
+    result = run(
+        "build", "--teacher", tiny_teacher, "--store", store, "--chat-column", "messages", "--max-length", "64"
+    )
+    assert result.exit_code == 0, result.stderr
+    return store
+
+
+def test_train_refusals_that_need_the_store_come_before_out_is_claimed(chat_store, tmp_path):
+    base = ["train", "--store", chat_store, "--steps", "1", "--seq-len", "32", "--micro-batch", "2"]
+    cases = [
+        (["--train-on", "prompt+completion"], "holds entries for completion tokens only"),
+        (["--memory-budget", "1KB"], "smaller than two parts"),
+        (["--micro-batch", "100000"], "fewer than one micro-batch"),
+    ]
+    for k, (args, message) in enumerate(cases):
+        out = tmp_path / f"run{k}"
+        error = one_line_error(run(*base, "--out", out, *args), 2)
+        assert message in error, error
+        assert not (out / "logitstore-run.json").exists()  # was: claimed, so the corrected command was refused
+        assert not any(out.iterdir()), sorted(p.name for p in out.iterdir())
+    result = run(*base, "--out", tmp_path / "run0", "--eval-fraction", "0")  # the corrected command
+    assert result.exit_code == 0, result.stderr
