@@ -17,20 +17,23 @@ Sections and their checks (bounds are stated next to each value in the JSON):
   build    the torch engine on the device, bf16 and fp32, default sparsity, >= 200k tokens: tokens/s.
            Against a CPU fp32 build of ~2k tokens in the same run (top-64): top-1 agreement, max |d log p|
            on shared entries (two independent roundings to the value grid, one step, plus the dtype's
-           error: BUILD_ERROR), target and tail differences.
+           error: BUILD_ERROR), mean |d log p| (MEAN_ERROR), target and tail differences.
   oom      a build whose --batch-tokens does not fit: on CUDA under a memory limit set with
            torch.cuda.set_per_process_memory_fraction (1.5x what a batch that fits peaked at); on CPU
            (--smoke) the limit is emulated by a hook that raises torch.OutOfMemoryError for batches
-           above it. The batch halves (engines.halving_on_oom) and the build completes with the same
-           entries as a build that fits.
+           above it. Hooks on the teacher's decoder count forward passes begun and finished: some
+           ran out of memory, the largest that finished is at most half the batch asked for (the
+           batch halved: engines.halving_on_oom), and the build stores every token with the same
+           entries as a build whose batches fit.
   train    `logitstore train` (launch) with the student (smollm2-135m, seq 2048, bf16 under FSDP2, one
            rank) from the bf16 store at a --memory-budget of 1/10 of its stored bytes: tokens/s, MFU,
            data-wait share, peak memory; seq 512x16 vs 8192x1 (equal tokens per step); the first-step
            loss against `logitstore train` on the CPU (fp32, a child process with no GPU visible);
            segment attention vs the eager block-causal mask (values and gradients, on a real batch);
            the chunked head in bf16 vs the full fp32 logits; --compile and --activation-checkpointing.
-  live     live mode (CUDA IPC on a GPU, shared memory on CPU): the first 10 losses equal the store
-           run's on the same data; the teacher process is gone and nothing is left in /dev/shm.
+  live     live mode (CUDA IPC on a GPU, shared memory on CPU), the teacher in fp32: the first 10
+           losses equal the store run's on the same data; the teacher process is gone (and holds no
+           GPU memory, by NVML) and nothing new is left in /dev/shm.
   trainer  logitstore.hf.DistillationTrainer, 20 steps: its first loss equals `logitstore train`'s.
   vllm     only where `import vllm` works (it does not on the device image: its wheel is far over what
            a transfer carries); records whether it was.
@@ -458,6 +461,10 @@ class Report:
 
     def write(self) -> None:
         self.data["seconds"] = round(time.perf_counter() - self.started, 2)
+        # CPU time of this process and the children it waited for (CLI reference, live teacher): on a
+        # shared machine the wall time says more about the neighbours than about the run.
+        used = [resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
+        self.data["cpu_seconds"] = round(sum(u.ru_utime + u.ru_stime for u in used), 2)
         self.data["failed"] = self.failed
         self.data["ok"] = not self.failed
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -475,7 +482,7 @@ def markdown(data: dict) -> str:
         f"# benchmarks/gpu.py, {d['name']}, {data['date']}"
         + (" (--smoke: CPU, toy shapes, no GPU figure)" if data["smoke"] else ""),
         "",
-        f"`{data['command']}`: {data['seconds']} s, torch {d['torch']}; "
+        f"`{data['command']}`: {data['seconds']} s ({data['cpu_seconds']} s of CPU), torch {d['torch']}; "
         + ("all checks passed" if data["ok"] else f"**{len(data['failed'])} checks failed**"),
         "",
         "| section | check | value | bound | ok |",
@@ -1001,7 +1008,8 @@ def section_live(run: Run, record: dict) -> None:
     live_losses = [r["loss"] for r in metrics(run.tmp / "live-run")]
     first = header(run.tmp / "live-run")
     rel = float(np.max(np.abs(np.subtract(live_losses, store_losses)) / np.abs(store_losses)))
-    leaked = sorted(leaked_shm(before))
+    new = leaked_shm(before)
+    leaked = sorted(new - held_by_other_processes())  # on a shared machine, others' live files are theirs
     pid = first["live_teacher_pid"]
     teacher_alive = psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     record.update(
@@ -1010,6 +1018,7 @@ def section_live(run: Run, record: dict) -> None:
         max_relative_loss_difference=rel,
         store_losses=store_losses,
         live_losses=live_losses,
+        new_shm=sorted(new),
         leaked_shm=leaked,
         teacher_alive=teacher_alive,
         gpu_processes=other_gpu_processes() if run.cuda else None,
@@ -1029,6 +1038,26 @@ def section_live(run: Run, record: dict) -> None:
         # NVML may list processes of other namespaces on a shared host: only the teacher's pid is a finding.
         held = record["gpu_processes"] is not None and pid in record["gpu_processes"]
         check(record, "the teacher holds no GPU memory (NVML)", held, False, not held)
+
+
+def held_by_other_processes() -> set[str]:
+    """Names under /dev/shm that a process other than this one has open or mapped (/proc/*/fd, maps).
+    What this run's teacher leaked nobody holds (the teacher is gone), or this process does."""
+    held: set[str] = set()
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit() or int(proc.name) == os.getpid():
+            continue
+        try:
+            for line in (proc / "maps").read_text().splitlines():
+                if "/dev/shm/" in line:
+                    held.add(line.split("/dev/shm/", 1)[1].removesuffix(" (deleted)").strip())
+            for fd in (proc / "fd").iterdir():
+                target = os.readlink(fd)
+                if target.startswith("/dev/shm/"):
+                    held.add(target.removeprefix("/dev/shm/"))
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+    return held
 
 
 def other_gpu_processes() -> list[int] | None:

@@ -72,7 +72,15 @@ FIELDS = {
         "levers.activation_checkpointing.tokens_per_second",
         "levers.activation_checkpointing.peak_memory_bytes",
     ],
-    "live": ["transport", "max_relative_loss_difference", "leaked_shm", "teacher_alive", "store_losses", "live_losses"],
+    "live": [
+        "transport",
+        "max_relative_loss_difference",
+        "new_shm",
+        "leaked_shm",
+        "teacher_alive",
+        "store_losses",
+        "live_losses",
+    ],
     "trainer": ["steps", "first_loss", "logitstore_train_first_loss", "difference", "tokens_per_second"],
     "vllm": ["installed"],
 }
@@ -164,7 +172,7 @@ def test_the_report_has_every_field(smoke):
                 assert key in value, f"{section}.{field}"
                 value = value[key]
     assert set(report["targets"]) == set(TARGETS)
-    for name in ("device", "shapes", "bounds", "mfu_formula", "seconds", "command", "date"):
+    for name in ("device", "shapes", "bounds", "mfu_formula", "seconds", "cpu_seconds", "command", "date"):
         assert name in report
     smoke_run = report["sections"]
     assert smoke_run["live"]["transport"] == "shared_memory" and smoke_run["live"]["leaked_shm"] == []
