@@ -21,12 +21,17 @@ a read of an object that storage does not have is `DamagedDataError` instead (`r
 from __future__ import annotations
 
 import asyncio
+import atexit
 import re
+import sys
+import threading
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any
 
 import icechunk
 from zarr.abc.store import ByteRequest, Store
+from zarr.core import sync as zarr_sync
 from zarr.core.buffer import Buffer, BufferPrototype
 from zarr.core.sync import sync
 from zarr.storage import WrapperStore
@@ -339,3 +344,49 @@ def open_repository(storage: icechunk.Storage, *, where: str, limits: StorageLim
         limits=limits,
     )
     return BoundedRepository(repo, where=where, limits=limits)
+
+
+# -- exit -----------------------------------------------------------------------------------------------
+#
+# Icechunk answers every `*_async` call and every Zarr request from a tokio thread: pyo3-async-runtimes
+# attaches that thread to Python and hands the result over with `loop.call_soon_threadsafe`, which queues
+# the callback and then writes the loop's wake-up byte with the GIL released. The awaiting code can resume
+# (and the command end) before that thread has the GIL back. If the interpreter is finalizing by then,
+# CPython 3.11 ends the thread with pthread_exit, whose forced unwind cannot pass its Rust frames: the
+# process aborts (SIGABRT, exit 134) after a command that succeeded (seen: 4 `tag` runs in 100 with four
+# at once on 2 cores; the core dump's aborting thread was in `pyo3_async_runtimes::set_result`). So
+# logitstore does not let the interpreter finalize while Icechunk may still enter Python: at exit (atexit
+# runs before finalization, while such threads can still take the GIL) it waits until no request is
+# pending on Zarr's event loop (a `gather` that failed leaves its siblings running) and no thread that
+# Python did not start is inside Python. Usually no wait at all; at most `SETTLE_S`.
+
+SETTLE_S = 5.0
+
+
+def settle(*, limit_s: float = SETTLE_S) -> bool:
+    """Wait until Icechunk has no request pending and none of its threads is inside Python; returns
+    whether that happened within `limit_s`. Registered to run at exit; callable any time."""
+    deadline = time.monotonic() + limit_s
+    while True:
+        if not _pending_requests() and not _foreign_threads_in_python():
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.001)  # releases the GIL to the thread that waits for it
+
+
+def _pending_requests() -> int:
+    """Unfinished tasks on Zarr's event loop thread, where every Icechunk request of logitstore runs."""
+    loop = zarr_sync.loop[0]  # None until the first request (zarr.core.sync keeps its loop in this list)
+    if loop is None or loop.is_closed():
+        return 0
+    return sum(not task.done() for task in asyncio.all_tasks(loop))
+
+
+def _foreign_threads_in_python() -> set[int]:
+    """Threads running Python code that Python did not start (tokio's, attached by pyo3)."""
+    started = {t.ident for t in threading.enumerate() if not isinstance(t, threading._DummyThread)}
+    return set(sys._current_frames()) - started
+
+
+atexit.register(settle)  # after Zarr's own handler is registered (imported above), so it runs before it

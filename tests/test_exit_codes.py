@@ -4,13 +4,18 @@ adversarial pass, each named after what broke. The exit codes themselves are doc
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import uuid
 from pathlib import Path
 
 import pytest
 
+from tests.conftest import CLI, sample_corpus_head, small_build
 from tests.test_faults import trainer_view
 from tests.test_safety import build, index_of, jsonl, one_line_error, run
+
+ROOT = Path(__file__).resolve().parent.parent
 
 # -- 1. a replacement whose new text yields no window ------------------------------------------------
 
@@ -102,3 +107,54 @@ def test_train_refusals_that_need_the_store_come_before_out_is_claimed(chat_stor
         assert not any(out.iterdir()), sorted(p.name for p in out.iterdir())
     result = run(*base, "--out", tmp_path / "run0", "--eval-fraction", "0")  # the corrected command
     assert result.exit_code == 0, result.stderr
+
+
+# -- 4. no abort at exit: every command that touches a store, 200 times ------------------------------------
+
+
+@pytest.mark.slow
+def test_every_command_that_touches_a_store_exits_0_in_200_runs(tiny_teacher, tmp_path):
+    """Was: `tag` exited 134 (SIGABRT at interpreter exit, after printing `tagged ...`) in ~1 run of 25
+    with four at once on 2 cores: an Icechunk thread handing over a result while Python finalized
+    (`bounded.settle`). The runs are forked from one interpreter that imported logitstore once
+    (tests/exit_stress.py), two at a time."""
+    data = sample_corpus_head(tmp_path / "data.jsonl", docs=4, chars=300)
+    store = str(tmp_path / "store")
+    assert subprocess.run([*CLI, *small_build(tiny_teacher, store, data)], capture_output=True).returncode == 0
+    first = json.loads(run("log", store, "--json").stdout)[-1]["id"]
+    sample = json.loads(run("ls", store, "--json").stdout)[0]["sample_id"]
+    light = {
+        "info": ["info", store],
+        "ls": ["ls", store],
+        "show": ["show", store, sample],
+        "log": ["log", store],
+        "diff": ["diff", store, first, "main"],
+        "tag": ["tag", store, "t{i}"],
+        "verify": ["verify", store],
+    }
+    heavy = {
+        "build": small_build(tiny_teacher, f"{tmp_path}/built-{{i}}", data),
+        "train": [
+            *("train", "--store", store, "--out", f"{tmp_path}/run-{{i}}", "--steps", "1"),
+            *("--seq-len", "32", "--micro-batch", "1", "--eval-fraction", "0"),
+        ],
+        "eval": ["eval", "--store", store, "--student", "llama-tiny", "--seq-len", "32", "--eval-fraction", "1"],
+    }
+    # What the commands import, imported once before the forks; torch only where the commands need it
+    # (a process with torch and transformers loaded takes seconds longer to tear down).
+    store_modules = ["logitstore.cli.app", "logitstore.store", "logitstore.verify", "logitstore.inspect"]
+    torch_modules = [
+        *store_modules,
+        "logitstore.pipelines.build",
+        "logitstore.pipelines.teacher",
+        "logitstore.trainer.train",
+    ]
+    for commands, modules in [(light, store_modules), (heavy, torch_modules)]:
+        spec = tmp_path / "spec.json"
+        spec.write_text(json.dumps({"runs": 200, "parallel": 2, "imports": modules, "commands": commands}))
+        done = subprocess.run(
+            [sys.executable, "-m", "tests.exit_stress", str(spec)], capture_output=True, text=True, cwd=ROOT
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        report = json.loads(done.stdout)
+        assert {name: r["failed"] for name, r in report.items() if r["failed"]} == {}
