@@ -34,7 +34,7 @@ Sections and their checks (bounds are stated next to each value in the JSON):
   live     live mode (CUDA IPC on a GPU, shared memory on CPU), the teacher in fp32: the first 10
            losses equal the store run's on the same data; the teacher process is gone (and holds no
            GPU memory, by NVML) and nothing new is left in /dev/shm.
-  trainer  logitstore.hf.DistillationTrainer, 20 steps: its first loss equals `logitstore train`'s.
+  trainer  logitstore.trainer.hf.DistillationTrainer, 20 steps: its first loss equals `logitstore train`'s.
   vllm     only where `import vllm` works (it does not on the device image: its wheel is far over what
            a transfer carries); records whether it was.
 
@@ -1083,7 +1083,7 @@ def section_trainer(run: Run, record: dict) -> None:
     first-step run of `logitstore train` (section 3), so the same first loss."""
     from transformers import TrainingArguments  # transformers' Trainer machinery: only this section needs it
 
-    from logitstore.hf import DistillationTrainer  # as above
+    from logitstore.trainer.hf import DistillationTrainer  # as above
 
     s = run.shapes
     store = run.train_store()

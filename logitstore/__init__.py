@@ -9,7 +9,7 @@ The Python API in two calls (the CLI, the trainer and the benchmarks use the sam
             ...
 
 `logitstore.torch_dataset(view, ...)` is the same stream as a torch `IterableDataset`, and
-`logitstore.hf.DistillationTrainer` trains under `transformers.Trainer` from a store.
+`logitstore.trainer.hf.DistillationTrainer` trains under `transformers.Trainer` from a store.
 
 The store and the stream load on first use: every `logitstore` command imports this package first,
 and importing the store costs 1.1 s (zarr, Icechunk, pyarrow, numba), the stream 2.1 s (torch).
@@ -73,7 +73,7 @@ def torch_dataset(view, **stream_options):
     DataLoader worker when read as `DataLoader(ds, batch_size=None, num_workers=W,
     multiprocessing_context="spawn")` (the loader then yields the batches of one process, in order);
     `state_dict()`/`load_state_dict()` resume it (through workers: each batch's `data_state`). For
-    `transformers.Trainer`, `logitstore.hf.DistillationTrainer` uses it."""
+    `transformers.Trainer`, `logitstore.trainer.hf.DistillationTrainer` uses it."""
     return stream(view, **stream_options)
 
 

@@ -16,8 +16,9 @@ import logitstore
 from logitstore import chat
 from logitstore.cli.app import TrainOn, app
 from logitstore.data import SAMPLE_CHAT
+from logitstore.meta import TeacherMeta
 from logitstore.pipelines.teacher import describe_teacher
-from logitstore.store import Store, TeacherMeta
+from logitstore.store import Store
 
 runner = CliRunner()
 CONVERSATION = [
@@ -45,7 +46,7 @@ def marked(tokenizer, ids: np.ndarray, mask: np.ndarray) -> str:
 
 
 def test_the_completion_is_each_reply_and_its_end_of_turn(tokenizer):
-    from logitstore import align
+    from logitstore.pipelines import align
 
     text, spans = chat.render(tokenizer, CONVERSATION)
     assert [text[a:b] for a, b in spans] == ["2 + 2 is 4.<|im_end|>\n", "You are welcome.<|im_end|>\n"]

@@ -10,9 +10,9 @@ import time
 import pytest
 from typer.testing import CliRunner
 
+from benchmarks.synthetic import random_samples
 from logitstore.cli.app import app
 from logitstore.store import Store
-from logitstore.synthetic import random_samples
 from tests.conftest import CLI
 from tests.test_store import write
 

@@ -19,13 +19,14 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
+from benchmarks.synthetic import random_samples
 from logitstore import codec
-from logitstore.bounded import run
+from logitstore.bounded import run, storage_errors
 from logitstore.cli.app import app
 from logitstore.errors import LogitstoreError, StorageError
-from logitstore.location import StorageLimits
-from logitstore.store import Store, TeacherMeta, storage_errors
-from logitstore.synthetic import random_samples
+from logitstore.limits import StorageLimits
+from logitstore.meta import TeacherMeta
+from logitstore.store import Store
 from logitstore.trainer.mixing import Source
 from logitstore.trainer.stream import store_stream
 from logitstore.verify import verify

@@ -14,10 +14,11 @@ import numpy as np
 import pytest
 import torch
 
+from benchmarks.synthetic import random_samples
 from logitstore import codec
 from logitstore.errors import DamagedDataError, LogitstoreError
-from logitstore.store import Store, TeacherMeta
-from logitstore.synthetic import random_samples
+from logitstore.meta import TeacherMeta
+from logitstore.store import Store
 from logitstore.trainer.stream import PackedBatch, Stream, StreamConfigError, is_eval_sample, store_stream
 
 VOCAB = 1000

@@ -54,7 +54,7 @@ import torch.multiprocessing as mp
 
 from logitstore import codec
 from logitstore.errors import LogitstoreError
-from logitstore.pipelines.build import BuildConfig, BuildSummary, check_teacher_fits, plan_units
+from logitstore.pipelines.plan import PlanConfig, check_teacher_fits, plan_units
 from logitstore.pipelines.teacher import describe_teacher, resolve_teacher
 from logitstore.pipelines.workers import TeacherWorker, Unit, WorkerSettings
 from logitstore.samples import SparseSamples, concat
@@ -168,19 +168,13 @@ class LiveSamples:
 
 
 def plan_live_samples(cfg: LiveConfig) -> LiveSamples:
-    """The build's planning (`build.plan_units`) with nothing stored yet, flattened and sorted by id."""
+    """The build's planning (`plan.plan_units`) with nothing stored yet, flattened and sorted by id."""
     info = describe_teacher(cfg.teacher)
-    build_cfg = BuildConfig(
-        data=cfg.data,
-        text_column=cfg.text_column,
-        id_column=cfg.id_column,
-        max_length=cfg.max_length,
-        sparsity=cfg.sparsity,
-        progress=False,
-    )
-    check_teacher_fits(build_cfg, info)
+    assert cfg.sparsity is not None  # LiveConfig.__post_init__ sets the default
+    check_teacher_fits(info, sparsity=cfg.sparsity, max_length=cfg.max_length)
+    plan = PlanConfig(data=cfg.data, text_column=cfg.text_column, id_column=cfg.id_column, max_length=cfg.max_length)
     ids, tokens = [], []
-    for unit in plan_units(build_cfg, info.tokenizer, summary=BuildSummary(), vocab_size=info.vocab_size):
+    for unit in plan_units(plan, info.tokenizer, vocab_size=info.vocab_size):
         ids.extend(unit.sample_ids)
         tokens.extend(unit.tokens)
     order = sorted(range(len(ids)), key=lambda i: ids[i].encode("utf-8"))  # Arrow's byte order

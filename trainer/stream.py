@@ -89,7 +89,8 @@ from logitstore.chat import TRAIN_ON, supervised_positions
 from logitstore.errors import DamagedDataError, LogitstoreError, StorageError
 from logitstore.reader import PartData, PartReader, TeacherRows
 from logitstore.sizes import format_bytes, parse_bytes
-from logitstore.store import Store, StoreVersion
+from logitstore.store import Store
+from logitstore.version import StoreVersion
 
 SPLITS = ("train", "eval")
 ON_ERROR = ("raise", "skip")
