@@ -68,13 +68,13 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import build as build_benchmark  # benchmarks/build.py, beside this file: its corpus of N tokens
 import numpy as np
 import psutil
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-import build as build_benchmark  # benchmarks/build.py, beside this file: its corpus of N tokens
 from logitstore.data import SAMPLE_CORPUS
 from logitstore.pipelines.build import BuildConfig, run_build
 from logitstore.pipelines.engines.torch_engine import load_teacher_once, shared_teachers

@@ -203,3 +203,38 @@ def test_the_library_is_the_ground_floor():
         if target.startswith(upward)
     ]
     assert not found, "\n".join(found)
+
+
+def test_no_import_cycles():
+    """No two modules of the package import each other, directly or round a longer circle (counting
+    imports inside functions and for type checking: a circle there is still two modules that cannot be
+    read, or moved, one without the other)."""
+    graph = _import_graph()
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles = []
+
+    def visit(v: str) -> None:  # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    assert not cycles, "import cycles:\n" + "\n".join(", ".join(c) for c in cycles)

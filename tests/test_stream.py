@@ -19,7 +19,10 @@ from logitstore import codec
 from logitstore.errors import DamagedDataError, LogitstoreError
 from logitstore.meta import TeacherMeta
 from logitstore.store import Store
-from logitstore.trainer.stream import PackedBatch, Stream, StreamConfigError, is_eval_sample, store_stream
+from logitstore.trainer.batch import PackedBatch
+from logitstore.trainer.order import is_eval_sample
+from logitstore.trainer.spec import StreamConfigError
+from logitstore.trainer.stream import Stream, store_stream
 
 VOCAB = 1000
 SEQ, MB = 32, 2

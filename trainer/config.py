@@ -24,7 +24,7 @@ from logitstore.errors import LogitstoreError
 from logitstore.sizes import parse_bytes
 from logitstore.trainer.losses import LossConfig
 from logitstore.trainer.report import check_sinks
-from logitstore.trainer.stream import DEFAULT_MEMORY_BUDGET
+from logitstore.trainer.spec import DEFAULT_MEMORY_BUDGET
 
 if TYPE_CHECKING:  # for the annotation only: a store run's configuration need not import live mode
     from logitstore.trainer.live import LiveConfig

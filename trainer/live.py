@@ -59,7 +59,10 @@ from logitstore.pipelines.teacher import describe_teacher, resolve_teacher
 from logitstore.pipelines.workers import TeacherWorker, Unit, WorkerSettings
 from logitstore.samples import SparseSamples, concat
 from logitstore.sparsity import Sparsity, default_sparsity, sparsity_from_flags
-from logitstore.trainer.stream import SplitTable, Stream, assemble, check_eval_fraction, is_eval_sample
+from logitstore.trainer.batch import assemble
+from logitstore.trainer.order import SplitTable, is_eval_sample
+from logitstore.trainer.spec import check_eval_fraction
+from logitstore.trainer.stream import Stream
 
 RING_SLOTS = 2
 POLL_SECONDS = 0.2

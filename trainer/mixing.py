@@ -41,16 +41,11 @@ from logitstore.chat import supervised_positions
 from logitstore.errors import LogitstoreError
 from logitstore.reader import PartReader, TeacherRows
 from logitstore.trainer.aligned_losses import AlignedTargets
+from logitstore.trainer.batch import PackedBatch, layout
 from logitstore.trainer.losses import SparseTargets
-from logitstore.trainer.stream import (
-    PackedBatch,
-    Pieces,
-    SplitTable,
-    check_train_on,
-    layout,
-    split_rows,
-)
-from logitstore.trainer.stream import ranges as _ranges
+from logitstore.trainer.order import Pieces, SplitTable
+from logitstore.trainer.order import ranges as _ranges
+from logitstore.trainer.store_source import check_train_on, split_rows
 from logitstore.version import StoreVersion
 
 

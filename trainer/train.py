@@ -43,7 +43,8 @@ from logitstore.trainer.model import apply_levers, build_student, shard, student
 from logitstore.trainer.objective import all_reduce_mean, batch_loss, held_out_metrics, student_outputs
 from logitstore.trainer.plots import plot_metrics
 from logitstore.trainer.report import open_sinks
-from logitstore.trainer.stream import StreamConfigError, store_stream
+from logitstore.trainer.spec import StreamConfigError
+from logitstore.trainer.stream import store_stream
 
 # -- launching -----------------------------------------------------------------------------------
 
