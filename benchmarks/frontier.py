@@ -72,6 +72,7 @@ from logitstore.trainer.losses import LossConfig, distill_loss
 from logitstore.trainer.model import build_student
 from logitstore.trainer.objective import sparse_targets, student_outputs
 from logitstore.trainer.order import is_eval_sample
+from logitstore.trainer.spec import StreamSpec
 from logitstore.trainer.stream import store_stream
 from logitstore.trainer.train import lr_at
 
@@ -427,13 +428,14 @@ def _main(argv=None) -> list[dict]:
         stream_of = lambda view: (
             lambda: store_stream(
                 view,
-                teacher=None,
-                seq_len=args.seq_len,
-                micro_batch=args.micro_batch,
-                rank=0,
-                world_size=1,
-                seed=args.seed,
-                eval_fraction=0.0,
+                StreamSpec(
+                    seq_len=args.seq_len,
+                    micro_batch=args.micro_batch,
+                    rank=0,
+                    world_size=1,
+                    seed=args.seed,
+                    eval_fraction=0.0,
+                ),
             )
         )
         chosen = [

@@ -68,13 +68,13 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import build as build_benchmark  # benchmarks/build.py, beside this file: its corpus of N tokens
 import numpy as np
 import psutil
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
+import build as build_benchmark  # benchmarks/build.py, beside this file: its corpus of N tokens
 from logitstore.data import SAMPLE_CORPUS
 from logitstore.pipelines.build import BuildConfig, run_build
 from logitstore.pipelines.engines.torch_engine import load_teacher_once, shared_teachers
@@ -87,6 +87,7 @@ from logitstore.trainer.live import LiveConfig
 from logitstore.trainer.losses import LossConfig, chunked_distill_loss, distill_loss
 from logitstore.trainer.model import build_student
 from logitstore.trainer.objective import sparse_targets
+from logitstore.trainer.spec import StreamSpec
 from logitstore.trainer.stream import store_stream
 from logitstore.trainer.train import launch
 
@@ -885,7 +886,7 @@ def stream_windows(run: Run, store: dict) -> dict:
     """How the train stream reads the store at the run's budget: parts, and parts per window (those it holds)."""
     view = Store.open(store["uri"]).read()
     options = dict(seq_len=run.shapes.seq_len, micro_batch=run.shapes.micro_batch, rank=0, world_size=1, seed=0)
-    with store_stream(view, memory_budget=run.memory_budget(), eval_fraction=0.05, **options) as stream:
+    with store_stream(view, StreamSpec(memory_budget=run.memory_budget(), eval_fraction=0.05, **options)) as stream:
         window_parts = stream.window_parts
     parts = len(set(view.index["part"].to_pylist()))
     return {"memory_budget": run.memory_budget(), "parts": parts, "window_parts": window_parts}
@@ -893,9 +894,10 @@ def stream_windows(run: Run, store: dict) -> dict:
 
 def one_batch(run: Run, store: dict, *, micro_batch: int):
     view = Store.open(store["uri"]).read()
-    with store_stream(
-        view, seq_len=run.shapes.seq_len, micro_batch=micro_batch, rank=0, world_size=1, seed=0, eval_fraction=0.0
-    ) as stream:
+    spec = StreamSpec(
+        seq_len=run.shapes.seq_len, micro_batch=micro_batch, rank=0, world_size=1, seed=0, eval_fraction=0.0
+    )
+    with store_stream(view, spec) as stream:
         return next(iter(stream)), view.teachers[store["teacher"]].vocab_size
 
 

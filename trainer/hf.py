@@ -38,6 +38,7 @@ and skipping of batches, so the resumed run sees exactly the batches the uninter
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -54,6 +55,8 @@ from logitstore.trainer.live import LiveConfig, LiveTeacher, live_stream, plan_l
 from logitstore.trainer.losses import LossConfig
 from logitstore.trainer.objective import batch_loss, held_out_metrics, student_outputs
 from logitstore.trainer.run_folder import write_atomic
+from logitstore.trainer.spec import StreamSpec
+from logitstore.trainer.stream import store_stream
 
 # The mixin's methods call Trainer's (`self.args`, `super().train`): the type checker sees it as a Trainer,
 # while at run time it stays a plain class placed before the Trainer class it is mixed into.
@@ -90,24 +93,22 @@ class StoreDistillation(_TrainerBase):
                 "DistillationTrainer needs exactly one of a store (store=URI) and a live teacher (live=LiveConfig)"
             )
         self.loss_config = loss if isinstance(loss, LossConfig) else LossConfig(kind=loss)
+        # The stream's options; micro-batch, seed and split are set per stream from the TrainingArguments.
+        self.stream_spec = StreamSpec(
+            seq_len=seq_len,
+            micro_batch=args.per_device_train_batch_size,
+            teacher=teacher,
+            eval_fraction=eval_fraction,
+            memory_budget=memory_budget,
+            train_on=train_on,
+        )
         self.signal: LiveData | StoreData
         if live is not None:
-            self.signal = LiveData(
-                live,
-                seq_len=seq_len,
-                eval_fraction=eval_fraction,
-                micro_batch=max(args.per_device_train_batch_size, args.per_device_eval_batch_size),
-            )
+            slots = max(args.per_device_train_batch_size, args.per_device_eval_batch_size)
+            self.signal = LiveData(live, seq_len=seq_len, micro_batch=slots)
         else:
             assert store is not None  # exactly one of store and live, checked above
-            self.signal = StoreData(
-                logitstore.open(store, version),
-                seq_len=seq_len,
-                teacher=teacher,
-                eval_fraction=eval_fraction,
-                memory_budget=memory_budget,
-                train_on=train_on,
-            )
+            self.signal = StoreData(logitstore.open(store, version))
         register_attention()
         model.config._attn_implementation = ATTENTION  # packed rows: segments attend within themselves
         self._parts: dict[str, list[float]] = {}
@@ -141,13 +142,15 @@ class StoreDistillation(_TrainerBase):
     def get_train_dataloader(self):
         """The store's stream, one packed micro-batch per item. Not passed through accelerate: the stream
         shards by rank itself, and its batches are whole (a `PackedBatch` is no dict of tensors)."""
-        self.stream = self.signal.stream(
-            micro_batch=self.args.per_device_train_batch_size, seed=self.args.seed, split="train", args=self.args
-        )
+        self.stream = self._stream(split="train", micro_batch=self.args.per_device_train_batch_size)
         if self._resume_state is not None:
             self.stream.load_state_dict(self._resume_state)
         self._batches = _Batches(self.stream, steps=self.args.max_steps * self.args.gradient_accumulation_steps)
         return self._batches
+
+    def _stream(self, *, split: str, micro_batch: int):
+        spec = dataclasses.replace(self.stream_spec, micro_batch=micro_batch, seed=self.args.seed, split=split)
+        return self.signal.stream(spec, args=self.args)
 
     def _save_checkpoint(self, model, trial) -> None:
         """Trainer's checkpoint plus the stream's position after the step's last batch. The position is
@@ -175,9 +178,7 @@ class StoreDistillation(_TrainerBase):
         assert model is not None  # given at construction (no model_init)
         was_training = model.training
         model.eval()
-        with self.signal.stream(
-            micro_batch=self.args.per_device_eval_batch_size, seed=self.args.seed, split="eval", args=self.args
-        ) as batches:
+        with self._stream(split="eval", micro_batch=self.args.per_device_eval_batch_size) as batches:
             measured = held_out_metrics(model, batches, self.loss_config, device=self.args.device)
         model.train(was_training)
         metrics = {f"{metric_key_prefix}_{key.removeprefix('eval_')}": value for key, value in measured.items()}
@@ -194,13 +195,13 @@ class StoreDistillation(_TrainerBase):
 
 
 class StoreData:
-    """The teacher signal from a store version: `logitstore.stream` (sharded by torch.distributed's rank)."""
+    """The teacher signal from a store version: its stream, sharded by torch.distributed's rank."""
 
-    def __init__(self, view, **options):
-        self.view, self.options = view, options
+    def __init__(self, view):
+        self.view = view
 
-    def stream(self, *, micro_batch: int, seed: int, split: str, args):
-        return logitstore.stream(self.view, micro_batch=micro_batch, seed=seed, split=split, **self.options)
+    def stream(self, spec: StreamSpec, *, args):
+        return store_stream(self.view, spec)
 
     def close(self) -> None:
         pass
@@ -211,25 +212,16 @@ class LiveData:
     (at construction: it tokenizes the whole data), the teacher process starts on the first stream and
     serves this rank until `close()`. Same order and batches as a store built from the same data."""
 
-    def __init__(self, live: LiveConfig, *, seq_len: int, eval_fraction: float, micro_batch: int):
-        self.live, self.seq_len, self.eval_fraction, self.micro_batch = live, seq_len, eval_fraction, micro_batch
+    def __init__(self, live: LiveConfig, *, seq_len: int, micro_batch: int):
+        self.live, self.seq_len, self.micro_batch = live, seq_len, micro_batch
         self.samples = plan_live_samples(live)
         self.client: LiveTeacher | None = None
 
-    def stream(self, *, micro_batch: int, seed: int, split: str, args):
+    def stream(self, spec: StreamSpec, *, args):
         if self.client is None:  # slots sized for the larger of the train and eval micro-batches
             self.client = LiveTeacher(self.live, micro_batch=self.micro_batch, seq_len=self.seq_len)
-        return live_stream(
-            self.samples,
-            self.client,
-            seq_len=self.seq_len,
-            micro_batch=micro_batch,
-            rank=args.process_index,
-            world_size=args.world_size,
-            seed=seed,
-            split=split,
-            eval_fraction=self.eval_fraction,
-        )
+        placed = dataclasses.replace(spec, rank=args.process_index, world_size=args.world_size)
+        return live_stream(self.samples, self.client, placed)
 
     def close(self) -> None:
         if self.client is not None:

@@ -61,7 +61,7 @@ from logitstore.samples import SparseSamples, concat
 from logitstore.sparsity import Sparsity, default_sparsity, sparsity_from_flags
 from logitstore.trainer.batch import assemble
 from logitstore.trainer.order import SplitTable, is_eval_sample
-from logitstore.trainer.spec import check_eval_fraction
+from logitstore.trainer.spec import StreamSpec
 from logitstore.trainer.stream import Stream
 
 RING_SLOTS = 2
@@ -486,32 +486,11 @@ class LiveSource:
         )
 
 
-def live_stream(
-    samples: LiveSamples,
-    teacher: LiveTeacher | None,
-    *,
-    seq_len: int,
-    micro_batch: int,
-    rank: int,
-    world_size: int,
-    seed: int,
-    split: str = "train",
-    eval_fraction: float = 0.05,
-    prefetch: int = 4,
-):
+def live_stream(samples: LiveSamples, teacher: LiveTeacher | None, spec: StreamSpec) -> Stream:
     """The stream engine over live mode: same order, packing, sharding and resume state as a store run
-    on the same samples, batches from the live teacher."""
-    check_eval_fraction(eval_fraction)
-    return Stream(
-        LiveSource(samples, teacher, split=split, eval_fraction=eval_fraction),
-        seq_len=seq_len,
-        micro_batch=micro_batch,
-        rank=rank,
-        world_size=world_size,
-        seed=seed,
-        split=split,
-        prefetch=prefetch,
-    )
+    on the same samples, batches from the live teacher (`spec.teacher`, `memory_budget`, `on_error` and
+    `train_on` do not apply: nothing is read, and the teacher computes what it is asked)."""
+    return Stream(LiveSource(samples, teacher, split=spec.split, eval_fraction=spec.eval_fraction), spec)
 
 
 def _cut(whole: SparseSamples, which: np.ndarray, pieces) -> SparseSamples:

@@ -1,8 +1,16 @@
-"""The stream's options: their defaults, their checks, and the error a stream that cannot be built raises.
-Light on purpose (no torch, no numpy): the training configuration and the Python API read it at start-up.
+"""The stream's options, `StreamSpec`: one frozen record that every layer passes on, from the Python API
+(`logitstore.stream`, whose signature is made from it) through `store_stream`, the engine (`Stream`),
+the recipe a DataLoader worker rebuilds a stream from, live mode (`live_stream`) and the Trainer
+integration (`trainer/hf.py`); checked once, on construction.
+
+Light on purpose (no torch, no numpy): `import logitstore` and the training configuration read it at
+start-up.
 """
 
 from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
 
 from logitstore.errors import LogitstoreError
 
@@ -17,23 +25,58 @@ class StreamConfigError(LogitstoreError, ValueError):
     budget below two parts, or a state from another run. A `LogitstoreError` and a `ValueError`."""
 
 
-def check_arguments(
-    *, seq_len: int, micro_batch: int, rank: int, world_size: int, split: str, prefetch: int, on_error: str
-) -> None:
-    if seq_len < 2:
-        raise StreamConfigError(f"seq_len must be at least 2 (a token and the one it predicts), got {seq_len}")
-    if micro_batch < 1:
-        raise StreamConfigError(f"micro_batch must be at least 1, got {micro_batch}")
-    if world_size < 1 or not 0 <= rank < world_size:
-        raise StreamConfigError(f"rank {rank} is outside world size {world_size}")
-    if split not in SPLITS:
-        raise StreamConfigError(f"split must be one of {SPLITS}, got {split!r}")
-    if prefetch < 0:
-        raise StreamConfigError(f"prefetch must be >= 0, got {prefetch}")
-    if on_error not in ON_ERROR:
-        raise StreamConfigError(f"on_error must be one of {ON_ERROR}, got {on_error!r}")
+@dataclass(frozen=True)
+class StreamSpec:
+    """What a stream is asked for. `rank` and `world_size` default to `torch.distributed`'s when it is
+    initialised, else 0 and 1 (`placed`). `teacher` picks one of a store's teachers (default: its only
+    one). `split` is "train" (endless, epoch after epoch) or "eval" (one pass); a sample is held out iff
+    the hash of its id falls below `eval_fraction`. `memory_budget` (bytes, or a string such as "512MB"
+    or "2GiB"; default `DEFAULT_MEMORY_BUDGET`) bounds the stored data held in memory and so the shuffle
+    window. `on_error="skip"` trains past damaged samples (as padding) instead of raising. `prefetch`
+    batches are built ahead in a thread (0: none); `read_threads` parts are read at once. For chat data,
+    `train_on="completion"` keeps only the positions that predict the assistant's tokens."""
 
+    seq_len: int
+    micro_batch: int
+    seed: int = 0
+    rank: int | None = None
+    world_size: int | None = None
+    teacher: str | None = None
+    split: str = "train"
+    eval_fraction: float = 0.05
+    memory_budget: int | str | None = None
+    on_error: str = "raise"
+    prefetch: int = 4
+    read_threads: int = READ_THREADS
+    train_on: str = "completion"
 
-def check_eval_fraction(eval_fraction: float) -> None:
-    if not 0 <= eval_fraction <= 1:
-        raise StreamConfigError(f"eval_fraction must be in [0, 1], got {eval_fraction}")
+    def __post_init__(self) -> None:
+        rank, world = self.rank, self.world_size
+        placed = world is None or (world >= 1 and (rank is None or 0 <= rank < world))
+        checks = [
+            (self.seq_len >= 2, f"seq_len must be at least 2 (a token and the one it predicts), got {self.seq_len}"),
+            (self.micro_batch >= 1, f"micro_batch must be at least 1, got {self.micro_batch}"),
+            (placed and (rank is None or rank >= 0), f"rank {rank} is outside world size {world}"),
+            (self.split in SPLITS, f"split must be one of {SPLITS}, got {self.split!r}"),
+            (self.prefetch >= 0, f"prefetch must be >= 0, got {self.prefetch}"),
+            (self.on_error in ON_ERROR, f"on_error must be one of {ON_ERROR}, got {self.on_error!r}"),
+            (0 <= self.eval_fraction <= 1, f"eval_fraction must be in [0, 1], got {self.eval_fraction}"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise StreamConfigError(message)
+
+    def placed(self) -> StreamSpec:
+        """This spec with its rank and world size given: torch.distributed's where it is initialised and
+        they were not, else 0 and 1."""
+        if self.rank is not None and self.world_size is not None:
+            return self
+        import torch.distributed as dist  # here: this module stays free of torch for start-up
+
+        initialised = dist.is_available() and dist.is_initialized()
+        rank, world = (dist.get_rank(), dist.get_world_size()) if initialised else (0, 1)
+        return dataclasses.replace(
+            self,
+            rank=rank if self.rank is None else self.rank,
+            world_size=world if self.world_size is None else self.world_size,
+        )

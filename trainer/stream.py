@@ -92,14 +92,7 @@ from logitstore.store import Store
 from logitstore.trainer.batch import BatchContext, PackedBatch
 from logitstore.trainer.mixing import MixedSource
 from logitstore.trainer.order import EpochPlan, Pieces, SplitTable, ranges, window_parts
-from logitstore.trainer.spec import (
-    DEFAULT_MEMORY_BUDGET,
-    READ_THREADS,
-    SPLITS,
-    StreamConfigError,
-    check_arguments,
-    check_eval_fraction,
-)
+from logitstore.trainer.spec import DEFAULT_MEMORY_BUDGET, StreamConfigError, StreamSpec
 from logitstore.trainer.store_source import StoreSource
 from logitstore.version import StoreVersion
 
@@ -177,33 +170,14 @@ class Stream(torch.utils.data.IterableDataset):
     `IterableDataset`, so `DataLoader(stream, batch_size=None, num_workers=W, multiprocessing_context=
     "spawn")` decodes in W processes and yields the same batches in the same order."""
 
-    def __init__(
-        self,
-        source: Source,
-        *,
-        seq_len: int,
-        micro_batch: int,
-        rank: int,
-        world_size: int,
-        seed: int,
-        split: str = "train",
-        prefetch: int = 4,
-        on_error: str = "raise",
-        memory_budget: int | str | None = None,
-        read_threads: int = READ_THREADS,
-    ):
-        check_arguments(
-            seq_len=seq_len,
-            micro_batch=micro_batch,
-            rank=rank,
-            world_size=world_size,
-            split=split,
-            prefetch=prefetch,
-            on_error=on_error,
-        )
+    def __init__(self, source: Source, spec: StreamSpec):
+        self.spec = spec = spec.placed()
+        assert spec.rank is not None and spec.world_size is not None  # placed
         self.source, self.table = source, source.table
-        self.seq_len, self.micro_batch, self.rank, self.world_size = seq_len, micro_batch, rank, world_size
-        self.seed, self.split, self.prefetch, self.on_error = seed, split, prefetch, on_error
+        # The spec's options the engine reads all the time, and sources through `BatchContext`.
+        seq_len, micro_batch, world_size, split = spec.seq_len, spec.micro_batch, spec.world_size, spec.split
+        self.seq_len, self.micro_batch, self.rank, self.world_size = seq_len, micro_batch, spec.rank, world_size
+        self.seed, self.split, self.prefetch, self.on_error = spec.seed, split, spec.prefetch, spec.on_error
         self.n_samples = len(self.table.sample_ids)
         tokens, block = int(self.table.n_tokens.sum()), world_size * micro_batch
         if split == "eval":  # every token counts once: a padded last row and a padded last step
@@ -214,14 +188,14 @@ class Stream(torch.utils.data.IterableDataset):
             self.steps_per_epoch = self.rows_per_epoch // block
         self._check_size()
         self.memory_budget = parse_bytes(
-            memory_budget if memory_budget is not None else DEFAULT_MEMORY_BUDGET,
+            spec.memory_budget if spec.memory_budget is not None else DEFAULT_MEMORY_BUDGET,
             name="memory budget (--memory-budget)",
         )
         part_bytes = source.part_bytes()
         self.window_parts = (
             None if part_bytes is None else window_parts(part_bytes, self.memory_budget, where=self._where)
         )
-        self._parts = None if part_bytes is None else _Parts(source.read_part, threads=read_threads)
+        self._parts = None if part_bytes is None else _Parts(source.read_part, threads=spec.read_threads)
         self._plans: dict[int, EpochPlan] = {}
         self._held: tuple | None = None  # (epoch, window) whose parts the stream holds now
         self._epoch, self._rows = 0, 0  # the consumer's position: what has been yielded
@@ -475,75 +449,25 @@ class Stream(torch.utils.data.IterableDataset):
 # -- building streams ---------------------------------------------------------------------------------------
 
 
-def store_stream(
-    view: StoreVersion,
-    *,
-    teacher: str | None = None,
-    sources: list | None = None,
-    seq_len: int,
-    micro_batch: int,
-    rank: int,
-    world_size: int,
-    seed: int,
-    split: str = "train",
-    eval_fraction: float = 0.05,
-    prefetch: int = 4,
-    on_error: str = "raise",
-    memory_budget: int | str | None = None,
-    read_threads: int = READ_THREADS,
-    train_on: str = "completion",
-) -> Stream:
-    """The stream of a store version: one teacher (`teacher`, or the version's only one), or several or
-    cross-tokenizer teachers (`sources`, `trainer/mixing.py`). `train_on` (chat data, `logitstore.chat`):
-    supervise the completion only, or prompt+completion."""
-    check_eval_fraction(eval_fraction)
-    if split not in SPLITS:
-        raise StreamConfigError(f"split must be one of {SPLITS}, got {split!r}")
+def store_stream(view: StoreVersion, spec: StreamSpec, *, sources: list | None = None) -> Stream:
+    """The stream of a store version: one teacher (`spec.teacher`, or the version's only one), or several
+    or cross-tokenizer teachers (`sources`, `trainer/mixing.py`)."""
+    split, eval_fraction, train_on = spec.split, spec.eval_fraction, spec.train_on
     source: Source
     if sources is not None and (len(sources) > 1 or sources[0].cross):
         source = MixedSource(view, sources=sources, split=split, eval_fraction=eval_fraction, train_on=train_on)
     else:
-        name = sources[0].name if sources else teacher
+        name = sources[0].name if sources else spec.teacher
         source = StoreSource(view, teacher=name, split=split, eval_fraction=eval_fraction, train_on=train_on)
-    stream = Stream(
-        source,
-        seq_len=seq_len,
-        micro_batch=micro_batch,
-        rank=rank,
-        world_size=world_size,
-        seed=seed,
-        split=split,
-        prefetch=prefetch,
-        on_error=on_error,
-        memory_budget=memory_budget,
-        read_threads=read_threads,
-    )
+    stream = Stream(source, spec)
     if sources is None and view.store.location.uri.split("://")[0] != "memory":
-        stream._recipe = {
-            "uri": view.store.location.uri,
-            "snapshot": view.snapshot_id,
-            "kwargs": dict(
-                teacher=teacher,
-                seq_len=seq_len,
-                micro_batch=micro_batch,
-                rank=rank,
-                world_size=world_size,
-                seed=seed,
-                split=split,
-                eval_fraction=eval_fraction,
-                prefetch=prefetch,
-                on_error=on_error,
-                memory_budget=memory_budget,
-                read_threads=read_threads,
-                train_on=train_on,
-            ),
-        }
+        stream._recipe = {"uri": view.store.location.uri, "snapshot": view.snapshot_id, "spec": stream.spec}
     return stream
 
 
 def _stream_from_recipe(recipe: dict, state: dict) -> Stream:
     """The stream `store_stream` made from `recipe`, at `state`: how a stream arrives in another process."""
     view = Store.open(recipe["uri"]).read(recipe["snapshot"])
-    stream = store_stream(view, **recipe["kwargs"])
+    stream = store_stream(view, recipe["spec"])
     stream.load_state_dict(state)
     return stream
