@@ -29,8 +29,8 @@ os.environ["TOKENIZERS_PARALLELISM"] = "false"  # before tokenizers loads: one c
 import numpy as np
 from _timing import timed  # benchmarks/ is on sys.path when a script here runs
 
-from logitstore.align import align_groups, encode_with_byte_ends
 from logitstore.data import SAMPLE_CORPUS
+from logitstore.pipelines.align import align_groups, encode_with_byte_ends
 from logitstore.tokenizer_io import gpt2_tokenizer
 
 

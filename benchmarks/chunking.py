@@ -14,11 +14,13 @@ import argparse
 import time
 
 import zarr
+from synthetic import random_samples
 from zarr.storage import WrapperStore
 
 from logitstore import codec
-from logitstore.store import CHUNK_BYTES, CHUNKS_PER_SHARD, Store, TeacherMeta
-from logitstore.synthetic import random_samples
+from logitstore.layout import CHUNK_BYTES, CHUNKS_PER_SHARD
+from logitstore.meta import TeacherMeta
+from logitstore.store import Store
 
 
 class CountingStore(WrapperStore):

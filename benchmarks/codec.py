@@ -31,8 +31,10 @@ from _timing import timed  # benchmarks/ is on sys.path when a script here runs
 
 from logitstore import codec
 from logitstore.codec import CodecParams
+from logitstore.layout import BLOSC_LEVEL, CHUNK_BYTES
+from logitstore.meta import TeacherMeta
 from logitstore.samples import SparseSamples
-from logitstore.store import BLOSC_LEVEL, CHUNK_BYTES, Store, TeacherMeta
+from logitstore.store import Store
 
 numcodecs.blosc.set_nthreads(1)
 torch.set_num_threads(2)

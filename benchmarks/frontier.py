@@ -71,7 +71,9 @@ from logitstore.trainer.live import LiveConfig, plan_live_samples
 from logitstore.trainer.losses import LossConfig, distill_loss
 from logitstore.trainer.model import build_student
 from logitstore.trainer.objective import sparse_targets, student_outputs
-from logitstore.trainer.stream import is_eval_sample, store_stream
+from logitstore.trainer.order import is_eval_sample
+from logitstore.trainer.spec import StreamSpec
+from logitstore.trainer.stream import store_stream
 from logitstore.trainer.train import lr_at
 
 FP16_GRID = codec.GRIDS["fine"]  # finer than fp16 below -1 nat
@@ -426,13 +428,14 @@ def _main(argv=None) -> list[dict]:
         stream_of = lambda view: (
             lambda: store_stream(
                 view,
-                teacher=None,
-                seq_len=args.seq_len,
-                micro_batch=args.micro_batch,
-                rank=0,
-                world_size=1,
-                seed=args.seed,
-                eval_fraction=0.0,
+                StreamSpec(
+                    seq_len=args.seq_len,
+                    micro_batch=args.micro_batch,
+                    rank=0,
+                    world_size=1,
+                    seed=args.seed,
+                    eval_fraction=0.0,
+                ),
             )
         )
         chosen = [

@@ -34,7 +34,7 @@ Sections and their checks (bounds are stated next to each value in the JSON):
   live     live mode (CUDA IPC on a GPU, shared memory on CPU), the teacher in fp32: the first 10
            losses equal the store run's on the same data; the teacher process is gone (and holds no
            GPU memory, by NVML) and nothing new is left in /dev/shm.
-  trainer  logitstore.hf.DistillationTrainer, 20 steps: its first loss equals `logitstore train`'s.
+  trainer  logitstore.trainer.hf.DistillationTrainer, 20 steps: its first loss equals `logitstore train`'s.
   vllm     only where `import vllm` works (it does not on the device image: its wheel is far over what
            a transfer carries); records whether it was.
 
@@ -87,6 +87,7 @@ from logitstore.trainer.live import LiveConfig
 from logitstore.trainer.losses import LossConfig, chunked_distill_loss, distill_loss
 from logitstore.trainer.model import build_student
 from logitstore.trainer.objective import sparse_targets
+from logitstore.trainer.spec import StreamSpec
 from logitstore.trainer.stream import store_stream
 from logitstore.trainer.train import launch
 
@@ -885,7 +886,7 @@ def stream_windows(run: Run, store: dict) -> dict:
     """How the train stream reads the store at the run's budget: parts, and parts per window (those it holds)."""
     view = Store.open(store["uri"]).read()
     options = dict(seq_len=run.shapes.seq_len, micro_batch=run.shapes.micro_batch, rank=0, world_size=1, seed=0)
-    with store_stream(view, memory_budget=run.memory_budget(), eval_fraction=0.05, **options) as stream:
+    with store_stream(view, StreamSpec(memory_budget=run.memory_budget(), eval_fraction=0.05, **options)) as stream:
         window_parts = stream.window_parts
     parts = len(set(view.index["part"].to_pylist()))
     return {"memory_budget": run.memory_budget(), "parts": parts, "window_parts": window_parts}
@@ -893,9 +894,10 @@ def stream_windows(run: Run, store: dict) -> dict:
 
 def one_batch(run: Run, store: dict, *, micro_batch: int):
     view = Store.open(store["uri"]).read()
-    with store_stream(
-        view, seq_len=run.shapes.seq_len, micro_batch=micro_batch, rank=0, world_size=1, seed=0, eval_fraction=0.0
-    ) as stream:
+    spec = StreamSpec(
+        seq_len=run.shapes.seq_len, micro_batch=micro_batch, rank=0, world_size=1, seed=0, eval_fraction=0.0
+    )
+    with store_stream(view, spec) as stream:
         return next(iter(stream)), view.teachers[store["teacher"]].vocab_size
 
 
@@ -1083,7 +1085,7 @@ def section_trainer(run: Run, record: dict) -> None:
     first-step run of `logitstore train` (section 3), so the same first loss."""
     from transformers import TrainingArguments  # transformers' Trainer machinery: only this section needs it
 
-    from logitstore.hf import DistillationTrainer  # as above
+    from logitstore.trainer.hf import DistillationTrainer  # as above
 
     s = run.shapes
     store = run.train_store()

@@ -51,9 +51,10 @@ import zarr
 from zarr.storage import WrapperStore
 
 import logitstore
+from logitstore.meta import TeacherMeta
 from logitstore.samples import SparseSamples
 from logitstore.sizes import format_bytes, parse_bytes
-from logitstore.store import Store, TeacherMeta
+from logitstore.store import Store
 
 TEACHER = "bench"
 # Targets of issue 14, on a 2-core machine with one reader process.

@@ -40,6 +40,7 @@ from logitstore.store import Store
 from logitstore.trainer.losses import LossConfig
 from logitstore.trainer.model import build_student, shard
 from logitstore.trainer.objective import batch_loss, student_outputs
+from logitstore.trainer.spec import StreamSpec
 from logitstore.trainer.stream import store_stream
 
 
@@ -108,16 +109,15 @@ def main() -> None:
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
         def stream():
-            return store_stream(
-                view,
+            spec = StreamSpec(
                 teacher=teacher,
                 seq_len=args.seq_len,
                 micro_batch=args.micro_batch,
                 rank=0,
                 world_size=1,
-                seed=0,
                 eval_fraction=0.05,
             )
+            return store_stream(view, spec)
 
         s = stream()
         it = iter(s)

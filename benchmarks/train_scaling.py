@@ -97,6 +97,7 @@ def _measure_steps(path: str, *, seq_len: int, store: str, steps: int) -> dict:
     from logitstore.trainer.losses import LossConfig
     from logitstore.trainer.model import build_student, shard
     from logitstore.trainer.objective import batch_loss, student_outputs
+    from logitstore.trainer.spec import StreamSpec
     from logitstore.trainer.stream import store_stream
 
     os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29600 + seq_len % 97))
@@ -109,9 +110,8 @@ def _measure_steps(path: str, *, seq_len: int, store: str, steps: int) -> dict:
     model = shard(model, mesh=init_device_mesh("cpu", (1,)), offload_optimizer=False, cuda=False)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     micro_batch = TOKENS_PER_STEP // seq_len
-    stream = store_stream(
-        view, teacher=None, seq_len=seq_len, micro_batch=micro_batch, rank=0, world_size=1, seed=0, eval_fraction=0.0
-    )
+    spec = StreamSpec(seq_len=seq_len, micro_batch=micro_batch, rank=0, world_size=1, seed=0, eval_fraction=0.0)
+    stream = store_stream(view, spec)
     batches = iter(stream)
     cfg = LossConfig()
     times = []

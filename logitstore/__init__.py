@@ -9,13 +9,23 @@ The Python API in two calls (the CLI, the trainer and the benchmarks use the sam
             ...
 
 `logitstore.torch_dataset(view, ...)` is the same stream as a torch `IterableDataset`, and
-`logitstore.hf.DistillationTrainer` trains under `transformers.Trainer` from a store.
+`logitstore.trainer.hf.DistillationTrainer` trains under `transformers.Trainer` from a store.
 
 The store and the stream load on first use: every `logitstore` command imports this package first,
-and importing the store costs 1.1 s (zarr, Icechunk, pyarrow, numba), the stream 2.1 s (torch).
+and importing the store costs 1.1 s (zarr, Icechunk, pyarrow, numba), the stream 2.1 s (torch). Only
+the stream's options (`StreamSpec`) load with the package.
 """
 
 from __future__ import annotations
+
+import dataclasses
+import inspect
+import typing
+
+# The stream's options: a dataclass without torch or numpy (a few milliseconds), so `help(logitstore.stream)`
+# lists them from their one definition. The package's front door is the one module of logitstore/ that
+# names the trainer.
+from logitstore.trainer.spec import StreamSpec
 
 
 def open(uri: str, version: str | None = None):  # noqa: A001 - the API reads as logitstore.open
@@ -25,46 +35,17 @@ def open(uri: str, version: str | None = None):  # noqa: A001 - the API reads as
     return Store.open(uri).read(version)
 
 
-def stream(
-    view,
-    *,
-    seq_len: int,
-    micro_batch: int,
-    seed: int = 0,
-    rank: int | None = None,
-    world_size: int | None = None,
-    teacher: str | None = None,
-    split: str = "train",
-    memory_budget: int | str | None = None,
-    eval_fraction: float = 0.05,
-    on_error: str = "raise",
-    prefetch: int = 4,
-    train_on: str = "completion",
-):
+def stream(view, **options):
     """Packed micro-batches of `seq_len` tokens from a version: an iterable of `PackedBatch` with
-    `state_dict()`, `load_state_dict()` and `close()` (also a context manager). `rank` and `world_size`
-    default to `torch.distributed`'s when it is initialised, else 0 and 1. `memory_budget` (bytes, or
-    a string such as "512MB" or "2GiB"; default `trainer.stream.DEFAULT_MEMORY_BUDGET`, 4 GiB) bounds the
-    stored data held in memory and so the shuffle window; see "Streaming" in docs/train.md. For chat
+    `state_dict()`, `load_state_dict()` and `close()` (also a context manager). The options are the
+    fields of `logitstore.trainer.spec.StreamSpec` (the signature above; what each means is its
+    docstring): `rank` and `world_size` default to `torch.distributed`'s when it is initialised, else 0
+    and 1; `memory_budget` (bytes, or a string such as "512MB" or "2GiB"; default 4 GiB) bounds the
+    stored data held in memory and so the shuffle window (see "Streaming" in docs/train.md); for chat
     data, `train_on="completion"` keeps only the positions that predict the assistant's tokens."""
     from logitstore.trainer.stream import store_stream  # on first use: see the module's docstring
 
-    rank, world_size = _rank_and_world(rank, world_size)
-    return store_stream(
-        view,
-        teacher=teacher,
-        seq_len=seq_len,
-        micro_batch=micro_batch,
-        rank=rank,
-        world_size=world_size,
-        seed=seed,
-        split=split,
-        eval_fraction=eval_fraction,
-        prefetch=prefetch,
-        on_error=on_error,
-        memory_budget=memory_budget,
-        train_on=train_on,
-    )
+    return store_stream(view, StreamSpec(**options))
 
 
 def torch_dataset(view, **stream_options):
@@ -73,15 +54,23 @@ def torch_dataset(view, **stream_options):
     DataLoader worker when read as `DataLoader(ds, batch_size=None, num_workers=W,
     multiprocessing_context="spawn")` (the loader then yields the batches of one process, in order);
     `state_dict()`/`load_state_dict()` resume it (through workers: each batch's `data_state`). For
-    `transformers.Trainer`, `logitstore.hf.DistillationTrainer` uses it."""
+    `transformers.Trainer`, `logitstore.trainer.hf.DistillationTrainer` uses it."""
     return stream(view, **stream_options)
 
 
-def _rank_and_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
-    if rank is not None and world_size is not None:
-        return rank, world_size
-    import torch.distributed as dist  # on first use, as the stream
+def _signature_of(spec_type) -> inspect.Signature:
+    """`stream(view, *, <every option of the spec with its default>)`, for `help()` and editors."""
+    hints = typing.get_type_hints(spec_type)
+    options = [
+        inspect.Parameter(
+            f.name,
+            inspect.Parameter.KEYWORD_ONLY,
+            default=inspect.Parameter.empty if f.default is dataclasses.MISSING else f.default,
+            annotation=hints[f.name],
+        )
+        for f in dataclasses.fields(spec_type)
+    ]
+    return inspect.Signature([inspect.Parameter("view", inspect.Parameter.POSITIONAL_OR_KEYWORD), *options])
 
-    initialised = dist.is_available() and dist.is_initialized()
-    default_rank, default_world = (dist.get_rank(), dist.get_world_size()) if initialised else (0, 1)
-    return (default_rank if rank is None else rank), (default_world if world_size is None else world_size)
+
+stream.__signature__ = _signature_of(StreamSpec)  # type: ignore[attr-defined]

@@ -18,12 +18,9 @@ import threading
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from logitstore.errors import StorageError
-
-if TYPE_CHECKING:
-    from logitstore.location import StorageLimits
+from logitstore.limits import StorageLimits
 
 
 class BlobStore(ABC):
@@ -150,8 +147,6 @@ class S3Blobs(BlobStore):
         limits: StorageLimits | None = None,
     ):
         import boto3  # boto3 and botocore: 0.14 s more at every command's start, and only S3 stores need them
-
-        from logitstore.location import StorageLimits  # here: logitstore.location imports this module
 
         self.bucket = bucket
         self.prefix = prefix.strip("/")

@@ -22,11 +22,12 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import contextlib
 import re
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from typing import Any
 
 import icechunk
@@ -37,7 +38,7 @@ from zarr.core.sync import sync
 from zarr.storage import WrapperStore
 
 from logitstore.errors import DamagedDataError, LogitstoreError, StorageError
-from logitstore.location import StorageLimits
+from logitstore.limits import StorageLimits
 
 # How a panic in Icechunk's Rust code reaches Python: PyO3's `PanicException` (a `BaseException`) from a
 # blocking call, `RustPanic` from an awaited one. Neither can be imported (each extension has its own).
@@ -390,3 +391,38 @@ def _foreign_threads_in_python() -> set[int]:
 
 
 atexit.register(settle)  # after Zarr's own handler is registered (imported above), so it runs before it
+
+
+# -- failures as logitstore's errors -------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def storage_errors(what: str) -> Iterator[None]:
+    """Turn Icechunk's multi-line Rust errors into one line that names the store: damaged repository
+    files (a ref or snapshot that does not parse) are `DamagedDataError`, anything else an outage."""
+    try:
+        yield
+    except icechunk.ConflictError:
+        raise
+    except icechunk.IcechunkError as e:
+        raise icechunk_failure(what, e) from None
+    except BaseException as e:  # a panic in Icechunk's Rust code on a failed request is no Exception
+        if is_panic(e):
+            raise StorageError(f"{what}: {root_cause(e)}") from None
+        raise
+
+
+@contextlib.contextmanager
+def read_errors(what: str) -> Iterator[None]:
+    """Reads of stored arrays: an unreachable or stalled store is an outage (`StorageError`, exit 2,
+    run again later); bytes that fail their CRC32C or do not decode are damage (`DamagedDataError`,
+    exit 1, what `verify` reports). `what` names the data, e.g. "the id order of teacher 'x'"."""
+    try:
+        yield
+    except LogitstoreError:
+        raise
+    except icechunk.IcechunkError as e:
+        raise read_failure(f"cannot read {what}", e) from None
+    except (ValueError, RuntimeError) as e:  # zarr's CRC32C mismatch is a ValueError, a Blosc failure a RuntimeError
+        cause = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise DamagedDataError(f"{what} is damaged ({cause[:120]}); run `logitstore verify`") from None

@@ -7,7 +7,7 @@ import re
 import numpy as np
 
 from logitstore.errors import LogitstoreError
-from logitstore.store import StoreVersion
+from logitstore.version import StoreVersion
 
 
 def sample_as_json(

@@ -1,34 +1,19 @@
-"""What a store records and shares between its reader and its writer: the format constants, the
-metadata of teachers, student tokenizers and versions, and how storage failures become logitstore's
-errors. `store.py` (the repository), `version.py` (reading one version) and `writer.py` (writing parts)
-build on it; `logitstore.store` re-exports every public name.
+"""What a store records: its format version and writer, the names it accepts, and the metadata of its
+teachers, student tokenizers and versions. `store.py` (the repository), `version.py` (reading one
+version) and `writer.py` (writing parts) build on it; where things lie in the tree is `layout.py`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import datetime as dt
 import re
-from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import cast
 
-import icechunk
 import numpy as np
-import zarr
 
-from logitstore.bounded import (
-    icechunk_failure,
-    is_panic,
-    read_failure,
-    root_cause,
-)
 from logitstore.codec import CodecParams
 from logitstore.errors import (
-    DamagedDataError,
     InvalidSampleError,
-    LogitstoreError,
-    StorageError,
 )
 from logitstore.sparsity import MODES
 
@@ -40,16 +25,6 @@ WRITER = "logitstore 0.1.0"
 DEFAULT_BRANCH = "main"
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # teachers, student tokenizers, tags and branches
 SNAPSHOT_ID = re.compile(r"[0-9A-Z]{20}")  # Icechunk's snapshot ids: 20 Crockford base32 characters
-
-# Chunking, measured in benchmarks/codec.py: an inner chunk (the unit of reading) holds 256 KiB of
-# encoded values, about 2k tokens of top-64 entries, so one sample's read touches a few chunks; a
-# shard (the unit of writing, one object) holds up to 64 of them, a few MB compressed: large enough
-# that object-store request overhead is small, small enough that a part's last shard wastes little.
-CHUNK_BYTES = 256 * 1024
-CHUNKS_PER_SHARD = 64
-# zstd level inside Blosc (byte-shuffle first, which suits small uint16 codes). Measured on the default
-# teacher at top-64, one core: level 3 97.8 B/token at 434k tokens/s, 5 95.3 at 225k, 7 93.6 at 77k.
-BLOSC_LEVEL = 5
 
 
 @dataclass(frozen=True)
@@ -173,38 +148,6 @@ class VersionInfo:
     tokens: int | None
 
 
-@contextlib.contextmanager
-def storage_errors(what: str) -> Iterator[None]:
-    """Turn Icechunk's multi-line Rust errors into one line that names the store: damaged repository
-    files (a ref or snapshot that does not parse) are `DamagedDataError`, anything else an outage."""
-    try:
-        yield
-    except icechunk.ConflictError:
-        raise
-    except icechunk.IcechunkError as e:
-        raise icechunk_failure(what, e) from None
-    except BaseException as e:  # a panic in Icechunk's Rust code on a failed request is no Exception
-        if is_panic(e):
-            raise StorageError(f"{what}: {root_cause(e)}") from None
-        raise
-
-
-@contextlib.contextmanager
-def read_errors(what: str) -> Iterator[None]:
-    """Reads of stored arrays: an unreachable or stalled store is an outage (`StorageError`, exit 2,
-    run again later); bytes that fail their CRC32C or do not decode are damage (`DamagedDataError`,
-    exit 1, what `verify` reports). `what` names the data, e.g. "the id order of teacher 'x'"."""
-    try:
-        yield
-    except LogitstoreError:
-        raise
-    except icechunk.IcechunkError as e:
-        raise read_failure(f"cannot read {what}", e) from None
-    except (ValueError, RuntimeError) as e:  # zarr's CRC32C mismatch is a ValueError, a Blosc failure a RuntimeError
-        cause = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise DamagedDataError(f"{what} is damaged ({cause[:120]}); run `logitstore verify`") from None
-
-
 def now() -> str:
     return dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
 
@@ -238,34 +181,3 @@ def mismatch_message(old: TeacherMeta, new: TeacherMeta) -> str:
             "--engine and --dtype, or store this one as another teacher (--teacher-name)"
         )
     return f"the store's teacher {old.name!r} uses codec {old.codec}, this write {new.codec}"
-
-
-# zarr types every member of a group as an array or a group, every read of an array as any array-like or
-# scalar, and every attribute as any JSON value; the store's layout fixes which one each is.
-
-
-def group_at(parent: zarr.Group, path: str) -> zarr.Group:
-    """`parent[path]`, where the store's layout puts a group."""
-    return cast(zarr.Group, parent[path])
-
-
-def array_at(parent: zarr.Group, path: str) -> zarr.Array:
-    """`parent[path]`, where the store's layout puts an array."""
-    return cast(zarr.Array, parent[path])
-
-
-def read_values(array: zarr.Array, rows: slice = slice(None)) -> np.ndarray:
-    """`array[rows]` of a 1-D array: a numpy array."""
-    return cast(np.ndarray, array[rows])
-
-
-def json_attr(node: zarr.Group | zarr.Array, key: str) -> dict:
-    """An attribute that logitstore writes as a JSON object (its "logitstore", "logitstore_teacher", ...)."""
-    return cast(dict, node.attrs[key])
-
-
-def root_attrs(session: icechunk.Session) -> dict:
-    try:
-        return dict(zarr.open_group(session.store, mode="r").attrs)
-    except zarr.errors.GroupNotFoundError:
-        return {}

@@ -80,7 +80,7 @@ class PendingArrays:
 
 def encode_arrays(arrays: dict[str, tuple[np.ndarray, dict]]) -> PendingArrays:
     """Start compressing 1-D arrays, each given with the keyword arguments `zarr.create_array` would get
-    for it (shape, dtype, chunks, shards, compressors, fill_value: see `writer.array_kwargs`)."""
+    for it (shape, dtype, chunks, shards, compressors, fill_value: see `layout.array_kwargs`)."""
     return PendingArrays(arrays)
 
 

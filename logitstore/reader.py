@@ -28,9 +28,10 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from logitstore import codec, layout
+from logitstore.bounded import read_errors
 from logitstore.codec import EncodedSamples
 from logitstore.errors import DamagedDataError, StorageError
-from logitstore.meta import array_at, read_errors, read_values
+from logitstore.layout import array_at, read_values
 from logitstore.rawread import read_whole
 from logitstore.samples import SparseSamples
 from logitstore.version import StoreVersion

@@ -23,9 +23,10 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from logitstore import codec
+from logitstore.bounded import read_errors
 from logitstore.codec import EncodedSamples
 from logitstore.errors import LogitstoreError
-from logitstore.meta import TeacherMeta, read_errors
+from logitstore.meta import TeacherMeta
 from logitstore.reader import PartReader, TeacherRows
 from logitstore.samples import row_offsets
 from logitstore.version import StoreVersion

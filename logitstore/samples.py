@@ -257,7 +257,7 @@ class StudentTokens:
     Group g of sample s is the row (t0, t1, s0, s1): teacher tokens [t0, t1) of the sample's
     `input_ids` and student tokens [s0, s1) of its `ids` cover exactly the same bytes of the text.
     Groups are in order and contiguous; they cover all of the sample's student ids, and its teacher
-    tokens except partial groups cut by a window edge (see `logitstore.align.window_groups`).
+    tokens except partial groups cut by a window edge (see `logitstore.pipelines.align.window_groups`).
     """
 
     ids: np.ndarray  # int32 [N]

@@ -24,6 +24,7 @@ from logitstore.bounded import (
     create_repository,
     open_repository,
     repository_exists,
+    storage_errors,
 )
 from logitstore.errors import (
     DamagedDataError,
@@ -32,30 +33,11 @@ from logitstore.errors import (
     StoreNotFoundError,
     VersionNotFoundError,
 )
+from logitstore.layout import root_attrs
 from logitstore.location import Location, commit_lock
-
-# 2: teachers registered since hold their log-probability arrays as float32 through the grid codec
-# (`zarr_codec.py`; `TeacherMeta.values`); format-1 teachers keep plain uint16 codes and read as before.
-# The reader of a version and the writer of parts have modules of their own; their names stay importable here.
-from logitstore.meta import (  # noqa: E402, F401
-    BLOSC_LEVEL,
-    CHUNK_BYTES,
-    CHUNKS_PER_SHARD,
-    DEFAULT_BRANCH,
-    FORMAT_VERSION,
-    NAME,
-    SNAPSHOT_ID,
-    WRITER,
-    StudentTokenizer,
-    TeacherMeta,
-    VersionInfo,
-    now,
-    read_errors,
-    root_attrs,
-    storage_errors,
-)
-from logitstore.version import StoreVersion, read_teachers, slice_row  # noqa: E402, F401
-from logitstore.writer import PartWriter, StoreWriter, WrittenPart, array_kwargs, write_array  # noqa: E402, F401
+from logitstore.meta import DEFAULT_BRANCH, FORMAT_VERSION, NAME, SNAPSHOT_ID, WRITER, VersionInfo, now
+from logitstore.version import StoreVersion
+from logitstore.writer import StoreWriter
 
 
 class Store:

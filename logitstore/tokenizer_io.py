@@ -3,7 +3,7 @@
 A student tokenizer is given as `--student-tokenizer [NAME=]TOK`, where TOK is a Hugging Face
 tokenizer (or model) directory or a `tokenizer.json` file. NAME is the key the store files the
 alignment under; it defaults to the directory's name. Only fast (Rust `tokenizers`) tokenizers are
-accepted, because the alignment needs their character offsets (see `logitstore.align`).
+accepted, because the alignment needs their character offsets (see `logitstore.pipelines.align`).
 
 Nothing here downloads: every load is `local_files_only`.
 """

@@ -22,7 +22,7 @@ import zarr
 from logitstore import layout
 from logitstore.errors import StorageError
 from logitstore.index import sample_hashes
-from logitstore.meta import array_at, group_at, read_values
+from logitstore.layout import array_at, group_at, read_values
 from logitstore.samples import StudentTokens
 from logitstore.version import StoreVersion, slice_row
 from logitstore.zarr_codec import as_codes

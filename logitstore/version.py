@@ -4,44 +4,50 @@ read-only from a snapshot by `Store.read`.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, cast
+from typing import Protocol, cast
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.compute as pc
 import zarr
 from tokenizers import Tokenizer
 
 from logitstore import codec, layout
+from logitstore.blobs import BlobStore
+from logitstore.bounded import BoundedRepository, read_errors, storage_errors
 from logitstore.codec import EncodedSamples
 from logitstore.errors import (
     LogitstoreError,
     SampleNotFoundError,
     VersionNotFoundError,
 )
+from logitstore.layout import array_at, group_at, json_attr, read_values, root_attrs
+from logitstore.location import Location
 
 # 2: teachers registered since hold their log-probability arrays as float32 through the grid codec
 # (`zarr_codec.py`; `TeacherMeta.values`); format-1 teachers keep plain uint16 codes and read as before.
-from logitstore.meta import (
-    TeacherMeta,
-    array_at,
-    group_at,
-    json_attr,
-    read_errors,
-    read_values,
-    root_attrs,
-    storage_errors,
-)
+from logitstore.meta import TeacherMeta
 from logitstore.samples import SparseSamples
 from logitstore.zarr_codec import as_codes
 
-if TYPE_CHECKING:
-    from logitstore.store import Store
+
+class StoreHandle(Protocol):
+    """What a version and a writer use of the `store.Store` they belong to (named here by what it does,
+    as `store.py` imports this module): its location, its repository, its index files."""
+
+    location: Location
+    repo: BoundedRepository
+    blobs: BlobStore
+
+    def read_index(self, snapshot_id: str) -> pa.Table: ...
+
+    def index_key(self, snapshot_id: str) -> str | None: ...
 
 
 class StoreVersion:
     """A read-only view of one version: its index, its teachers, and decoded samples."""
 
-    def __init__(self, store: Store, snapshot_id: str):
+    def __init__(self, store: StoreHandle, snapshot_id: str):
         self.store = store
         self.snapshot_id = snapshot_id
         with storage_errors(f"cannot read version {snapshot_id} of {store.location.uri}"):

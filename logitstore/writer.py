@@ -9,18 +9,18 @@ import secrets
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import icechunk
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import zarr
-from zarr.codecs import BloscCodec, Crc32cCodec
 
 from logitstore import codec, index, layout, rawwrite
 from logitstore.bounded import (
     bounded_store,
+    read_errors,
+    storage_errors,
 )
 from logitstore.codec import CodecParams
 from logitstore.errors import (
@@ -30,33 +30,14 @@ from logitstore.errors import (
     InvalidSampleError,
     LogitstoreError,
 )
-from logitstore.location import commit_lock
 
 # 2: teachers registered since hold their log-probability arrays as float32 through the grid codec
 # (`zarr_codec.py`; `TeacherMeta.values`); format-1 teachers keep plain uint16 codes and read as before.
-from logitstore.meta import (
-    BLOSC_LEVEL,
-    CHUNK_BYTES,
-    CHUNKS_PER_SHARD,
-    FORMAT_VERSION,
-    WRITER,
-    StudentTokenizer,
-    TeacherMeta,
-    array_at,
-    group_at,
-    json_attr,
-    mismatch_message,
-    now,
-    read_errors,
-    read_values,
-    storage_errors,
-)
+from logitstore.layout import array_at, group_at, json_attr, read_values
+from logitstore.location import commit_lock
+from logitstore.meta import FORMAT_VERSION, WRITER, StudentTokenizer, TeacherMeta, mismatch_message, now
 from logitstore.samples import SparseSamples, StudentTokens, concat
-from logitstore.version import read_teachers
-from logitstore.zarr_codec import LogprobGrid
-
-if TYPE_CHECKING:
-    from logitstore.store import Store
+from logitstore.version import StoreHandle, read_teachers
 
 
 class StoreWriter:
@@ -68,7 +49,7 @@ class StoreWriter:
     and drops the new (what a resumed build wants).
     """
 
-    def __init__(self, store: Store, *, branch: str, on_duplicate: str):
+    def __init__(self, store: StoreHandle, *, branch: str, on_duplicate: str):
         if on_duplicate not in ("error", "replace", "skip"):
             raise ValueError(f"on_duplicate must be 'error', 'replace' or 'skip', got {on_duplicate!r}")
         self.store = store
@@ -385,7 +366,7 @@ class PartWriter:
                 arrays[f"{base}/{layout.STUDENT_LOSS_MASK}"] = st.loss_mask.astype(np.uint8)
         grids = {f"{path}/{name}": meta.grid for name in layout.GRID_ARRAYS}
         pending = rawwrite.encode_arrays(
-            {key: (values, array_kwargs(values, grid=grids.get(key))) for key, values in arrays.items()}
+            {key: (values, layout.array_kwargs(values, grid=grids.get(key))) for key, values in arrays.items()}
         )
         rows = index.part_rows(
             sample_ids=samples.sample_ids,
@@ -452,38 +433,7 @@ def write_array(group: zarr.Group, name: str, values: np.ndarray, *, grid: Codec
     """Write a 1-D array sharded for object storage; returns its compressed size in bytes. Through Zarr:
     for the per-teacher arrays, written once; parts go through `rawwrite` in the same layout. With
     `grid`, `values` are uint16 codes, written as the float32 log-probabilities they stand for."""
-    array = group.create_array(name, **array_kwargs(values, grid=grid))
+    array = group.create_array(name, **layout.array_kwargs(values, grid=grid))
     if len(values):
         array[:] = values if grid is None else codec.dequantize(values, params=grid)
     return int(array.nbytes_stored())
-
-
-def array_kwargs(values: np.ndarray, *, grid: CodecParams | None = None) -> dict:
-    """How a 1-D array is laid out (`zarr.create_array`'s arguments): one definition for both write paths.
-    With `grid`, the array is float32 log-probabilities stored as these uint16 codes (`zarr_codec.py`)."""
-    itemsize = values.dtype.itemsize
-    chunk = max(1, CHUNK_BYTES // itemsize)
-    n_chunks = max(1, -(-len(values) // chunk))
-    shard = chunk * min(CHUNKS_PER_SHARD, n_chunks)
-    blosc = BloscCodec(
-        typesize=itemsize, cname="zstd", clevel=BLOSC_LEVEL, shuffle="shuffle" if itemsize > 1 else "noshuffle"
-    )
-    if grid is not None:
-        assert values.dtype == np.uint16, "grid-coded arrays are written from their uint16 codes"
-        return dict(
-            shape=values.shape,
-            dtype=np.float32,
-            chunks=(chunk,),
-            shards=(shard,),
-            filters=[LogprobGrid.of(grid)],
-            compressors=[blosc, Crc32cCodec()],
-            fill_value=0.0,
-        )
-    return dict(
-        shape=values.shape,
-        dtype=values.dtype,
-        chunks=(chunk,),
-        shards=(shard,),
-        compressors=[blosc, Crc32cCodec()],
-        fill_value=0,
-    )

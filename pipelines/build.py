@@ -23,25 +23,32 @@ import json
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.compute as pc
 from tqdm import tqdm
 
-from logitstore import align, chat, codec
+from logitstore import chat, codec
 from logitstore.ahead import read_ahead
 from logitstore.data import SAMPLE_CHAT
-from logitstore.errors import ConflictError, LogitstoreError
+from logitstore.errors import ConflictError
+from logitstore.meta import DEFAULT_BRANCH, NAME, TeacherMeta
 from logitstore.pipelines import inputs
 from logitstore.pipelines.engines import VLLM_OUTPUTS, engine_class
+from logitstore.pipelines.plan import (
+    BuildError,
+    PlanConfig,
+    StoredDocuments,
+    StudentSide,
+    check_teacher_fits,
+    load_student_tokenizers,
+    plan_units,
+)
 from logitstore.pipelines.workers import Unit, interrupted_on_sigterm, make_executor, worker_settings, write_unit
 from logitstore.sparsity import Sparsity, default_sparsity
-from logitstore.store import DEFAULT_BRANCH, NAME, Store, StudentTokenizer, TeacherMeta
-from logitstore.tokenizer_io import load_tokenizer, parse_tokenizer_spec, tokenizer_hash
+from logitstore.store import Store
 
 if TYPE_CHECKING:  # teacher.py imports torch (2.7 s): run_build imports it after the input checks
     from logitstore.pipelines.teacher import TeacherInfo
@@ -51,21 +58,13 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")  # the teacher's weights; au
 ON_DUPLICATE = ("error", "replace", "skip")  # a document stored before under its id, with other text
 
 
-class BuildError(LogitstoreError):
-    """A build cannot start or continue: bad options, or a teacher that does not fit the store."""
-
-
 @dataclass
-class BuildConfig:
-    """Everything `logitstore build` takes. Validated on construction; errors name the flag."""
+class BuildConfig(PlanConfig):
+    """Everything `logitstore build` takes: the input options (`PlanConfig`) and the rest. Validated on
+    construction; errors name the flag."""
 
     store: str = DEFAULT_STORE
     teacher: str | None = None
-    data: str | inputs.HubDataset | None = None  # a path, or a datasets name (`inputs.dataset_source`)
-    text_column: str = "text"
-    id_column: str | None = None
-    ids_column: str | None = None
-    max_length: int = 1024
     sparsity: Sparsity | None = None  # None: default_sparsity() (sampled 16; top-64 with student tokenizers or vLLM)
     batch_tokens: int = 8192
     device: str = "auto"
@@ -75,7 +74,6 @@ class BuildConfig:
     message: str | None = None
     branch: str = DEFAULT_BRANCH
     commit_every: float = 300.0
-    unit_tokens: int = 16384  # tokens per unit: the grain of work, of parts and of resuming
     seed: int = 0
     engine: str = "torch"  # a teacher engine (`pipelines/engines/`)
     tensor_parallel: int = 1  # GPUs per engine (the vLLM engine)
@@ -83,9 +81,6 @@ class BuildConfig:
     teacher_name: str | None = None  # the name the teacher is stored under; default: its folder's or file's
     progress: bool = True
     student_tokenizers: tuple[str, ...] = ()  # "[NAME=]TOK" each: align every sample to these too
-    on_duplicate: str = "error"  # a document stored with other text: error, replace (recompute) or skip (keep)
-    limit: int | None = None  # read only the input's first N documents: a quick trial of a large input
-    chat_column: str | None = None  # conversations ({"role", "content"} lists), rendered by the chat template
     train_on: str = "completion"  # chat data: teacher entries for the completion only, or prompt+completion
 
     def __post_init__(self) -> None:
@@ -142,20 +137,6 @@ class BuildConfig:
             if not ok:
                 raise BuildError(message)
 
-    @property
-    def columns(self) -> dict:
-        """The column flags, as `inputs.check_input` and `inputs.read_documents` take them."""
-        return dict(
-            text_column=self.text_column,
-            id_column=self.id_column,
-            ids_column=self.ids_column,
-            chat_column=self.chat_column,
-        )
-
-    def documents(self) -> Iterator[inputs.Document]:
-        """The input's documents (the first `limit` with --limit), read lazily."""
-        return itertools.islice(inputs.read_documents(self.data, **self.columns), self.limit)
-
 
 @dataclass
 class BuildSummary:
@@ -211,7 +192,7 @@ def plan_build(cfg: BuildConfig) -> BuildPlan:
     info = describe_teacher(cfg.teacher)
     if cfg.teacher_name is not None:
         info = dataclasses.replace(info, spec=dataclasses.replace(info.spec, name=cfg.teacher_name))
-    check_teacher_fits(cfg, info)
+    check_teacher_fits(info, sparsity=_sparsity(cfg), max_length=cfg.max_length)
     engine, settings = engine_class(cfg.engine), worker_settings(cfg, teacher_spec=info.spec)
     engine.check(settings, info.spec)  # e.g. vLLM missing, or no GPU: one line, before anything is written
     students = load_student_tokenizers(cfg.student_tokenizers, teacher=info)
@@ -229,7 +210,7 @@ def plan_build(cfg: BuildConfig) -> BuildPlan:
     summary = BuildSummary(teacher=meta.name)
     stored = _stored_documents(store, cfg, meta, students)
     units = plan_units(
-        cfg, info.tokenizer, stored=stored, summary=summary, students=students, vocab_size=info.vocab_size
+        cfg, info.tokenizer, stored=stored, counts=summary, students=students, vocab_size=info.vocab_size
     )
     first = next(units, None)  # reads and checks the input before any model is loaded
     return BuildPlan(info, meta, store, stored, students, summary, units, first, ids_from, start)
@@ -316,18 +297,6 @@ def run_builds(
     total.tokens_per_second = total.tokens / total.seconds if total.seconds else 0.0
     total.bytes_per_token = total.stored_bytes / total.tokens if total.tokens else None
     return total
-
-
-def check_teacher_fits(cfg: BuildConfig, info) -> None:
-    """Options that the teacher's config alone can refuse, before anything is read or loaded."""
-    sparsity = _sparsity(cfg)
-    if not sparsity.sampled and sparsity.k > info.vocab_size:
-        raise BuildError(f"--top-k {sparsity.k} is larger than the teacher's vocabulary ({info.vocab_size})")
-    if info.max_positions is not None and cfg.max_length > info.max_positions:
-        raise BuildError(
-            f"--max-length {cfg.max_length} exceeds the teacher's context of {info.max_positions} "
-            f"tokens (its config's max_position_embeddings); use at most {info.max_positions}"
-        )
 
 
 def _sparsity(cfg: BuildConfig) -> Sparsity:
@@ -463,252 +432,12 @@ def _commit(writer, cfg: BuildConfig, summary: BuildSummary, *, final: bool) -> 
     summary.commits += 1
 
 
-# -- planning: documents -> samples -> units ---------------------------------------------------
-
-
-@dataclass
-class StoredDocuments:
-    """What the branch already holds of one teacher, by document: a rerun skips what is stored, and
-    notices a document whose text changed under the same id (its source hash differs)."""
-
-    sample_ids: set[str] = field(default_factory=set)
-    source_of: dict[str, str | None] = field(default_factory=dict)  # document id -> its windows' source hash
-    ids_of: dict[str, list[str]] = field(default_factory=dict)  # document id -> its stored sample ids
-    # stored sample ids of replaced documents (`forget`) that no unit carries yet: the next unit planned
-    # takes them (`take_removals`), so they are removed with it; what is left at the input's end (a
-    # document whose new text yields no window) the driver removes in its last commit
-    removals: list[str] = field(default_factory=list)
-
-    MIXED = ""  # a document whose stored windows disagree (left by builds before source hashes were compared)
-
-    @classmethod
-    def from_index(cls, index: pa.Table, *, teacher: str) -> StoredDocuments:
-        rows = index.filter(pc.equal(index["teacher"], teacher))
-        sample_ids = rows["sample_id"].to_pylist()
-        documents = inputs.document_ids(rows["sample_id"]).to_pylist()
-        out = cls(sample_ids=set(sample_ids))
-        for sid, doc, source in zip(sample_ids, documents, rows["source_hash"].to_pylist()):  # per sample, once
-            out.ids_of.setdefault(doc, []).append(sid)
-            if out.source_of.setdefault(doc, source) != source:
-                out.source_of[doc] = cls.MIXED
-        return out
-
-    def changed(self, doc) -> bool:
-        """Stored under `doc.id` with other text. A source hash the store does not know (samples written
-        through the library without one) counts as unchanged."""
-        stored = self.source_of.get(doc.id)
-        return stored is not None and stored != doc.source_hash
-
-    def forget(self, doc_id: str) -> None:
-        """Treat the document as not stored; its stored sample ids join the `removals`."""
-        ids = self.ids_of.pop(doc_id, [])
-        self.sample_ids.difference_update(ids)
-        self.source_of.pop(doc_id, None)
-        self.removals += ids
-
-    def take_removals(self) -> list[str]:
-        taken, self.removals = self.removals, []
-        return taken
-
-
-def plan_units(
-    cfg: BuildConfig,
-    tokenizer,
-    *,
-    stored: StoredDocuments | None = None,
-    summary: BuildSummary,
-    students: Sequence[StudentSide] = (),
-    vocab_size: int | None = None,
-) -> Iterator[Unit]:
-    """Units of about `unit_tokens` tokens in input order, skipping units already stored. A long
-    document's windows fill as many units as they need, so commits keep coming."""
-    stored = stored if stored is not None else StoredDocuments()
-    pending = Unit(index=0)
-    seen: set[str] = set()
-    for doc_batch in _batched(cfg.documents(), 256):
-        if cfg.chat_column:
-            tokenized = _tokenize_chat(tokenizer, doc_batch, students)
-        elif students:
-            tokenized = _tokenize_aligned(tokenizer, doc_batch, students)
-        else:
-            tokenized = _tokenize(tokenizer, doc_batch)
-        for doc, (token_ids, alignments, loss_mask) in zip(doc_batch, tokenized):
-            pending.documents_read += 1
-            if doc.id in seen:
-                summary.duplicates += 1
-                continue
-            seen.add(doc.id)
-            if loss_mask is not None and not loss_mask[1:].any():
-                summary.no_completion += 1
-                continue
-            _check_token_ids(doc, token_ids, vocab_size=vocab_size)
-            if stored.changed(doc):
-                summary.changed += 1
-                if cfg.on_duplicate == "skip":
-                    continue
-                _replace(doc, stored, cfg)
-            windows = inputs.window(token_ids, max_length=cfg.max_length) if len(token_ids) >= 2 else []
-            if not windows:
-                summary.skipped += 1
-                continue
-            starts = np.arange(len(windows)) * (cfg.max_length - 1)  # inputs.window's stride
-            for sid, win, start in zip(inputs.window_ids(doc.id, len(windows)), windows, starts.tolist()):
-                pending.add(
-                    sid,
-                    win,
-                    doc.source_hash,
-                    students=_window_students(alignments, t_start=start, t_stop=start + len(win)),
-                    loss_mask=None if loss_mask is None else loss_mask[start : start + len(win)],
-                )
-                if pending.n_tokens >= cfg.unit_tokens:
-                    yield from _unless_stored(pending, stored, summary)
-                    pending = Unit(index=pending.index + 1)
-    if pending.sample_ids:
-        yield from _unless_stored(pending, stored, summary)
-
-
-def _replace(doc, stored: StoredDocuments, cfg: BuildConfig) -> None:
-    """A document stored with other text: its stored ids queued for removal (--on-duplicate replace), or the error."""
-    if cfg.on_duplicate == "replace":
-        stored.forget(doc.id)
-        return
-    was = stored.source_of[doc.id] or "windows of mixed sources"
-    raise BuildError(
-        f"document {doc.id!r} (input row {doc.row}) is stored with other text (source hash {was}, "
-        f"now {doc.source_hash}); pass --on-duplicate replace to recompute it, or skip to keep the stored one"
-    )
-
-
-def _check_token_ids(doc, token_ids: np.ndarray, *, vocab_size: int | None) -> None:
-    """Pre-tokenized ids must be the teacher's: checked here, with the row, before any model loads."""
-    if vocab_size is not None and doc.token_ids is not None and len(token_ids) and int(token_ids.max()) >= vocab_size:
-        raise BuildError(
-            f"document {doc.id!r} (input row {doc.row}): token id {int(token_ids.max())} is beyond the "
-            f"teacher's vocabulary ({vocab_size} ids)"
-        )
-
-
-def _unless_stored(unit: Unit, stored: StoredDocuments, summary: BuildSummary) -> Iterator[Unit]:
-    """The unit, unless the branch holds all of its samples; it carries the removals queued so far."""
-    known = sum(sid in stored.sample_ids for sid in unit.sample_ids)
-    summary.already_stored += known
-    if known < len(unit.sample_ids):
-        unit.replaces = stored.take_removals()
-        yield unit
-
-
-# A document tokenized: the teacher's ids, per student tokenizer its alignment, and (chat data) the loss mask.
-_Tokenized = tuple[np.ndarray, dict, np.ndarray | None]
-
-
-def _tokenize(tokenizer, docs: list) -> list[_Tokenized]:
-    texts = [d.text for d in docs if d.token_ids is None]
-    encoded = iter(tokenizer(texts)["input_ids"]) if texts else iter(())
-    return [
-        (np.asarray(d.token_ids if d.token_ids is not None else next(encoded), dtype=np.int64), {}, None) for d in docs
-    ]
-
-
-def _tokenize_chat(tokenizer, docs: list, students: Sequence[StudentSide] = ()) -> list[_Tokenized]:
-    """Conversations rendered by the teacher's chat template: ids and the loss mask (`logitstore.chat`),
-    and per student tokenizer its ids, the groups and its own mask of the same spans: a student token
-    is supervised iff its bytes lie inside an assistant span."""
-    rendered = []
-    for doc in docs:  # one template render per turn of each conversation
-        try:
-            rendered.append(chat.render(tokenizer, doc.messages))
-        except chat.ChatError as e:
-            raise BuildError(f"document {doc.id!r} (input row {doc.row}): {e}") from None
-    texts = [text for text, _ in rendered]
-    encoded = align.encode_with_byte_ends(tokenizer, texts, add_special_tokens=False)
-    per_student = [align.encode_with_byte_ends(st.tokenizer, texts, add_special_tokens=False) for st in students]
-    out: list[_Tokenized] = []
-    for i, ((ids, ends), (text, spans)) in enumerate(zip(encoded, rendered)):
-        byte_spans = chat.byte_spans(text, spans)
-        alignments = {}
-        for st, student_encoded in zip(students, per_student):
-            s_ids, s_ends = student_encoded[i]
-            alignments[st.registration.name] = (
-                s_ids,
-                align.align_groups(ends, s_ends),
-                chat.token_mask(s_ends, byte_spans),
-            )
-        out.append((ids, alignments, chat.token_mask(ends, byte_spans)))
-    return out
-
-
-# -- student tokenizers: cross-tokenizer alignment at build time -----------------------------------
-
-
-@dataclass
-class StudentSide:
-    """A student tokenizer of this build: the tokenizer, and what the store registers for it."""
-
-    tokenizer: object
-    registration: StudentTokenizer
-
-
-def load_student_tokenizers(specs: tuple[str, ...], *, teacher) -> list[StudentSide]:
-    """Parse and load every `--student-tokenizer [NAME=]TOK`, and map the teacher's vocabulary onto each."""
-    out: list[StudentSide] = []
-    for spec in specs:
-        name, path = parse_tokenizer_spec(spec)
-        if name in [s.registration.name for s in out]:
-            raise BuildError(f"--student-tokenizer: two tokenizers are named {name!r}; name them with NAME=TOK")
-        tokenizer = load_tokenizer(path)
-        vmap = align.vocab_map(teacher.tokenizer, tokenizer, teacher_vocab_size=teacher.vocab_size)
-        registration = StudentTokenizer(
-            name=name,
-            tokenizer_hash=tokenizer_hash(tokenizer),
-            vocab_size=len(tokenizer),
-            tokenizer_json=tokenizer.backend_tokenizer.to_str(),
-            vocab_map=vmap,
-        )
-        out.append(StudentSide(tokenizer=tokenizer, registration=registration))
-    return out
-
-
-def _tokenize_aligned(tokenizer, docs: list, students: Sequence[StudentSide]) -> list[_Tokenized]:
-    """Teacher ids of each document, and per student tokenizer its ids and the whole document's groups."""
-    texts = [d.text for d in docs]
-    teacher = align.encode_with_byte_ends(tokenizer, texts)
-    per_student = [align.encode_with_byte_ends(st.tokenizer, texts) for st in students]
-    out: list[_Tokenized] = []
-    for i, (t_ids, t_ends) in enumerate(teacher):
-        alignments = {}
-        for st, encoded in zip(students, per_student):
-            s_ids, s_ends = encoded[i]
-            alignments[st.registration.name] = (s_ids, align.align_groups(t_ends, s_ends))
-        out.append((t_ids, alignments, None))
-    return out
-
-
-def _window_students(alignments: dict, *, t_start: int, t_stop: int) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-    """Each student's ids and groups for the window of teacher tokens [t_start, t_stop)."""
-    out = {}
-    for name, (s_ids, groups, *mask) in alignments.items():  # chat data: a third element, the student's mask
-        window, s_start, s_stop = align.window_groups(groups, t_start=t_start, t_stop=t_stop)
-        out[name] = (s_ids[s_start:s_stop], window, *(m[s_start:s_stop] for m in mask))
-    return out
-
-
 def _mapped_mass(samples, vocab_map: np.ndarray) -> dict:
     """The mean share of the teacher's probability per position that lands on ids with an exact
     student counterpart (stored entries only; the tail counts as unmapped)."""
     positions = len(samples.tail)
     mapped = np.exp(samples.entry_logprobs.astype(np.float64)) * (vocab_map[samples.entry_ids] >= 0)
     return {"mapped_mass": float(mapped.sum() / positions) if positions else None, "mapped_mass_positions": positions}
-
-
-def _batched(items: Iterator, size: int) -> Iterator[list]:
-    batch = []
-    for item in items:
-        batch.append(item)
-        if len(batch) == size:
-            yield batch
-            batch = []
-    if batch:
-        yield batch
 
 
 # -- progress ------------------------------------------------------------------------------------

@@ -32,7 +32,7 @@ from logitstore.errors import LogitstoreError
 from logitstore.pipelines.engines import engine_class
 from logitstore.samples import SparseSamples, StudentTokens
 from logitstore.sparsity import Sparsity
-from logitstore.store import PartWriter, WrittenPart
+from logitstore.writer import PartWriter, WrittenPart
 
 # Units a worker holds at once, each in its own thread: one in the teacher's forward passes while up to
 # two others are selected and written (a write queue of depth 2). With two, the teacher idled whenever

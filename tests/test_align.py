@@ -18,9 +18,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from logitstore.align import align_groups, encode_with_byte_ends, token_byte_strings, vocab_map, window_groups
 from logitstore.data import SAMPLE_CORPUS
 from logitstore.errors import LogitstoreError
+from logitstore.pipelines.align import align_groups, encode_with_byte_ends, token_byte_strings, vocab_map, window_groups
 from logitstore.tokenizer_io import TokenizerError, gpt2_tokenizer, load_tokenizer, parse_tokenizer_spec
 
 HARD_TEXTS = [

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from logitstore.trainer.attention import ATTENTION, AttentionError, plan_segments, register, segment_attention
-from logitstore.trainer.stream import PackedBatch
+from logitstore.trainer.batch import PackedBatch
 
 
 def packed(lengths_per_row: list[list[int]], *, vocab: int, seed: int = 0):

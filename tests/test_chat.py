@@ -16,8 +16,9 @@ import logitstore
 from logitstore import chat
 from logitstore.cli.app import TrainOn, app
 from logitstore.data import SAMPLE_CHAT
+from logitstore.meta import TeacherMeta
 from logitstore.pipelines.teacher import describe_teacher
-from logitstore.store import Store, TeacherMeta
+from logitstore.store import Store
 
 runner = CliRunner()
 CONVERSATION = [
@@ -45,7 +46,7 @@ def marked(tokenizer, ids: np.ndarray, mask: np.ndarray) -> str:
 
 
 def test_the_completion_is_each_reply_and_its_end_of_turn(tokenizer):
-    from logitstore import align
+    from logitstore.pipelines import align
 
     text, spans = chat.render(tokenizer, CONVERSATION)
     assert [text[a:b] for a, b in spans] == ["2 + 2 is 4.<|im_end|>\n", "You are welcome.<|im_end|>\n"]
@@ -259,6 +260,7 @@ def test_the_mask_travels_through_the_cross_tokenizer_alignment(gpt2_tokenizer_d
     from logitstore.pipelines.build import BuildConfig, run_build
     from logitstore.sparsity import Sparsity
     from logitstore.trainer.config import TrainConfig
+    from logitstore.trainer.spec import StreamSpec
     from logitstore.trainer.stream import store_stream
     from logitstore.trainer.train import plan_sources
 
@@ -287,7 +289,8 @@ def test_the_mask_travels_through_the_cross_tokenizer_alignment(gpt2_tokenizer_d
         assert runs(gpt2, ids, mask) == runs(view_tokenizer(view), sample.input_ids, sample.loss_mask)
     cfg = TrainConfig.from_flags(store=store, out="-", student="llama-tiny", student_tokenizer="gpt2", eval_fraction=0)
     sources, _ = plan_sources(view, cfg)
-    with store_stream(view, sources=sources, seq_len=96, micro_batch=2, rank=0, world_size=1, seed=0, prefetch=0) as s:
+    spec = StreamSpec(seq_len=96, micro_batch=2, rank=0, world_size=1, seed=0, prefetch=0)
+    with store_stream(view, spec, sources=sources) as s:
         batch = next(iter(s))
     expected = [
         start + t

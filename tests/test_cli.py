@@ -10,9 +10,9 @@ import time
 import pytest
 from typer.testing import CliRunner
 
+from benchmarks.synthetic import random_samples
 from logitstore.cli.app import app
 from logitstore.store import Store
-from logitstore.synthetic import random_samples
 from tests.conftest import CLI
 from tests.test_store import write
 
@@ -181,7 +181,7 @@ def test_help_groups_options_shows_choices_and_lists_commands_in_order_of_use():
     from logitstore.cli import app as cli
     from logitstore.codec import GRIDS
     from logitstore.trainer.losses import KINDS
-    from logitstore.trainer.stream import ON_ERROR
+    from logitstore.trainer.spec import ON_ERROR
 
     assert typing.get_args(cli.Loss) == KINDS and typing.get_args(cli.OnError) == ON_ERROR
     assert set(typing.get_args(cli.ValueGrid)) == set(GRIDS)

@@ -7,9 +7,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from benchmarks.synthetic import random_samples
 from logitstore import codec
 from logitstore.codec import CodecParams, dequantize, quantize
-from logitstore.synthetic import random_samples
 from tests.conftest import assert_samples_close
 
 PARAMS = CodecParams()

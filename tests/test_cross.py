@@ -185,6 +185,7 @@ def test_same_tokenizer_signal_through_the_mixed_path_equals_the_single_teacher_
     from logitstore.trainer.mixing import MixedSource, Source
     from logitstore.trainer.objective import StudentOutputs, mixed_loss
     from logitstore.trainer.objective import sparse_targets as _targets
+    from logitstore.trainer.spec import StreamSpec
     from logitstore.trainer.stream import Stream, store_stream
 
     view = Store.open(store).read()
@@ -192,7 +193,10 @@ def test_same_tokenizer_signal_through_the_mixed_path_equals_the_single_teacher_
     args = dict(seq_len=64, micro_batch=2, rank=0, world_size=1, seed=3, prefetch=0)
     torch.manual_seed(0)
     mixed_source = MixedSource(view, sources=[Source(teacher, 1.0, None)], split="train", eval_fraction=0.05)
-    with store_stream(view, teacher=teacher, **args) as single, Stream(mixed_source, **args) as mixed:
+    with (
+        store_stream(view, StreamSpec(teacher=teacher, **args)) as single,
+        Stream(mixed_source, StreamSpec(**args)) as mixed,
+    ):
         for a, b in zip(single, mixed):
             assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.positions, b.positions)
             outputs = StudentOutputs(hidden=torch.randn(len(a.positions), 8), weight=torch.randn(49152, 8))
@@ -213,13 +217,15 @@ def test_cross_tokenizer_loss_in_chunks_equals_the_loss_in_one_piece(store):
     from logitstore.trainer.aligned_losses import aligned_kd
     from logitstore.trainer.losses import LossConfig
     from logitstore.trainer.objective import StudentOutputs, _whole_groups, mixed_loss
+    from logitstore.trainer.spec import StreamSpec
     from logitstore.trainer.stream import store_stream
     from logitstore.trainer.train import plan_sources
 
     view = Store.open(store).read()
     cfg = TrainConfig.from_flags(store=store, out="-", student="llama-tiny", student_tokenizer="gpt2", eval_fraction=0)
     sources, vocab = plan_sources(view, cfg)
-    with store_stream(view, sources=sources, seq_len=64, micro_batch=2, rank=0, world_size=1, seed=1, prefetch=0) as s:
+    spec = StreamSpec(seq_len=64, micro_batch=2, rank=0, world_size=1, seed=1, prefetch=0)
+    with store_stream(view, spec, sources=sources) as s:
         batch = next(iter(s))
     ((name, targets),) = batch.signals
     assert len(targets.chain_group) > 0  # the batch has many-token groups to keep whole

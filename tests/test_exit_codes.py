@@ -53,6 +53,7 @@ def delete_largest_chunk(uri: str) -> None:
 
 @pytest.mark.parametrize("backend", ["local", "s3"])
 def test_a_missing_chunk_is_damage_that_verify_names_and_train_can_skip(backend, tmp_path, request):
+    from logitstore.trainer.spec import StreamSpec
     from logitstore.trainer.stream import store_stream
 
     if backend == "s3":
@@ -70,7 +71,7 @@ def test_a_missing_chunk_is_damage_that_verify_names_and_train_can_skip(backend,
     error = one_line_error(run("show", uri, damaged[0].split("/")[1].split(":")[0]), 1)
     assert "a stored object is missing" in error
 
-    stream = store_stream(view, seq_len=32, micro_batch=4, rank=0, world_size=1, seed=1, on_error="skip")
+    stream = store_stream(view, StreamSpec(seq_len=32, micro_batch=4, rank=0, world_size=1, seed=1, on_error="skip"))
     try:
         batches = [next(iter_) for iter_ in [iter(stream)] for _ in range(stream.steps_per_epoch)]
     finally:

@@ -19,14 +19,16 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
+from benchmarks.synthetic import random_samples
 from logitstore import codec
-from logitstore.bounded import run
+from logitstore.bounded import run, storage_errors
 from logitstore.cli.app import app
 from logitstore.errors import LogitstoreError, StorageError
-from logitstore.location import StorageLimits
-from logitstore.store import Store, TeacherMeta, storage_errors
-from logitstore.synthetic import random_samples
+from logitstore.limits import StorageLimits
+from logitstore.meta import TeacherMeta
+from logitstore.store import Store
 from logitstore.trainer.mixing import Source
+from logitstore.trainer.spec import StreamSpec
 from logitstore.trainer.stream import store_stream
 from logitstore.verify import verify
 from tests.conftest import small_build, without_progress
@@ -236,10 +238,10 @@ def test_outage_in_the_data_stream_stops_it_and_skips_nothing(proxy, uri, kind, 
         sources = [Source("teacher-a", 0.5, None), Source("teacher-b", 0.5, None)]
     # A budget of two parts: windows of one part, so the stream keeps reading from storage, as on a
     # store larger than memory (a store that fits would be read whole before the fault).
-    probe = store_stream(view, sources=sources, **args)
+    probe = store_stream(view, StreamSpec(**args), sources=sources)
     budget = 2 * int(probe.source.part_bytes().max())
     probe.close()
-    stream = store_stream(view, sources=sources, memory_budget=budget, **args)
+    stream = store_stream(view, StreamSpec(memory_budget=budget, **args), sources=sources)
     assert stream.window_parts == 1
     batches = iter(stream)
     try:

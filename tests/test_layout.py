@@ -165,3 +165,76 @@ def test_the_store_layout_is_spelled_out_in_one_module():
             if "parts/" in text or "/parts" in text or "students/" in text or text in stored_only:
                 found.append(f"{path.relative_to(ROOT)}:{node.lineno} {text!r}")
     assert not found, "spell these through logitstore/layout.py:\n" + "\n".join(found)
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """module -> the package modules it imports anywhere (top, function, TYPE_CHECKING). `from p import n`
+    points at the module p.n where there is one, else at p; a package's parents are not counted (every
+    import of a submodule runs them)."""
+    paths = dict((name, path) for path, name in _package_modules())
+    graph: dict[str, set[str]] = {name: set() for name in paths}
+    for name, path in paths.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:  # relative: from the package, up level - 1 packages
+                    parent = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                    base = f"{parent}.{base}".rstrip(".")
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in paths else base for a in node.names]
+            else:
+                continue
+            graph[name].update(t for t in targets if t in paths and t != name)
+    return graph
+
+
+def test_the_library_is_the_ground_floor():
+    """Modules of logitstore/ (the store, the codec, tokenisation) import neither stage: not the build
+    (pipelines/), not the trainer (trainer/), not the CLI. The one exception is the package's front door,
+    logitstore/__init__.py, whose `stream` hands over to the trainer's stream engine on first use."""
+    upward = ("logitstore.pipelines", "logitstore.trainer", "logitstore.cli")
+    found = [
+        f"{name} imports {target}"
+        for name, targets in sorted(_import_graph().items())
+        if name != "logitstore" and not name.startswith(upward)
+        for target in sorted(targets)
+        if target.startswith(upward)
+    ]
+    assert not found, "\n".join(found)
+
+
+def test_no_import_cycles():
+    """No two modules of the package import each other, directly or round a longer circle (counting
+    imports inside functions and for type checking: a circle there is still two modules that cannot be
+    read, or moved, one without the other)."""
+    graph = _import_graph()
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles = []
+
+    def visit(v: str) -> None:  # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    assert not cycles, "import cycles:\n" + "\n".join(", ".join(c) for c in cycles)

@@ -85,11 +85,11 @@ def test_live_and_store_runs_see_the_same_batches_and_losses(corpus, tmp_path):
     assert first["signal"] == "live" and first["version"].startswith("live-")
     assert first["live_transport"] == ("cuda_ipc" if torch.cuda.is_available() else "shared_memory")
     assert not leaked_shm(before)  # nothing left in /dev/shm
-    # The same live teacher under transformers.Trainer (logitstore.hf.DistillationTrainer(live=...)):
+    # The same live teacher under transformers.Trainer (logitstore.trainer.hf.DistillationTrainer(live=...)):
     # the same first batch, so the same first KD as the store run.
     from transformers import TrainingArguments
 
-    from logitstore.hf import DistillationTrainer
+    from logitstore.trainer.hf import DistillationTrainer
     from logitstore.trainer.model import build_student
 
     model, _ = build_student("llama-tiny", vocab_size=49152, seed=0)

@@ -15,10 +15,11 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from benchmarks.synthetic import random_samples
 from logitstore import codec
 from logitstore.cli.app import app
-from logitstore.store import Store, TeacherMeta
-from logitstore.synthetic import random_samples
+from logitstore.meta import TeacherMeta
+from logitstore.store import Store
 from logitstore.trainer.config import TrainConfig
 from logitstore.trainer.run_folder import MARKER
 from logitstore.trainer.train import launch

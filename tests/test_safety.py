@@ -17,11 +17,12 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from benchmarks.synthetic import random_samples
 from logitstore import codec
 from logitstore.cli.app import app
 from logitstore.errors import DamagedDataError
-from logitstore.store import Store, TeacherMeta
-from logitstore.synthetic import random_samples
+from logitstore.meta import TeacherMeta
+from logitstore.store import Store
 from logitstore.verify import verify
 from tests.conftest import CLI, small_build, without_progress
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from benchmarks.synthetic import random_samples
 from logitstore import codec
 from logitstore.errors import (
     ConflictError,
@@ -15,8 +16,8 @@ from logitstore.errors import (
     VersionNotFoundError,
 )
 from logitstore.index import diff_indexes
-from logitstore.store import Store, TeacherMeta
-from logitstore.synthetic import random_samples
+from logitstore.meta import TeacherMeta
+from logitstore.store import Store
 from logitstore.verify import verify
 from tests.conftest import assert_samples_close
 
@@ -259,8 +260,9 @@ def test_a_part_is_written_as_zarr_writes_it_byte_for_byte(tmp_path, case):
     import numpy as np
     import zarr
 
+    from logitstore.meta import StudentTokenizer
     from logitstore.samples import StudentTokens, concat
-    from logitstore.store import StudentTokenizer, write_array
+    from logitstore.writer import write_array
 
     samples = random_samples([f"d{i}" for i in range(12)], k=8)
     students, registered = None, []

@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
+from benchmarks.synthetic import random_samples
 from logitstore.cli.app import app
 from logitstore.report import DPI, FIGURE_SIZE, teacher_sections, teacher_stats
 from logitstore.store import Store
-from logitstore.synthetic import random_samples
 from tests.test_store import teacher, write
 
 SECTIONS = [

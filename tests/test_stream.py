@@ -7,6 +7,8 @@ from __future__ import annotations
 import hashlib
 import itertools
 import os
+import subprocess
+import sys
 import threading
 import uuid
 
@@ -14,11 +16,16 @@ import numpy as np
 import pytest
 import torch
 
+import logitstore
+from benchmarks.synthetic import random_samples
 from logitstore import codec
 from logitstore.errors import DamagedDataError, LogitstoreError
-from logitstore.store import Store, TeacherMeta
-from logitstore.synthetic import random_samples
-from logitstore.trainer.stream import PackedBatch, Stream, StreamConfigError, is_eval_sample, store_stream
+from logitstore.meta import TeacherMeta
+from logitstore.store import Store
+from logitstore.trainer.batch import PackedBatch
+from logitstore.trainer.order import is_eval_sample
+from logitstore.trainer.spec import StreamConfigError, StreamSpec
+from logitstore.trainer.stream import Stream, store_stream
 
 VOCAB = 1000
 SEQ, MB = 32, 2
@@ -55,7 +62,7 @@ def sampled_view():
 
 def stream(view, **kw) -> Stream:
     args = dict(teacher=None, seq_len=SEQ, micro_batch=MB, rank=0, world_size=1, seed=1)
-    return store_stream(view, **{**args, **kw})
+    return store_stream(view, StreamSpec(**{**args, **kw}))
 
 
 def windowed(view, **kw) -> Stream:
@@ -530,3 +537,24 @@ def test_torch_dataset_is_the_stream_as_an_iterable_dataset(view):
     for x, y in zip(loaded, take(stream(view), 3)):
         assert_same(x, y)
     ds.close()
+
+
+def test_the_python_api_lists_the_streams_options_from_their_one_definition():
+    """`help(logitstore.stream)` shows every option of `StreamSpec` with its default (the signature is
+    made from the dataclass), and the package imports no torch for it."""
+    import dataclasses
+    import inspect
+    import pydoc
+
+    from logitstore.trainer.spec import StreamSpec
+
+    parameters = inspect.signature(logitstore.stream).parameters
+    fields = dataclasses.fields(StreamSpec)
+    assert list(parameters) == ["view", *(f.name for f in fields)]
+    for f in fields:
+        default = inspect.Parameter.empty if f.default is dataclasses.MISSING else f.default
+        assert parameters[f.name].default == default, f.name
+    shown = pydoc.render_doc(logitstore.stream, renderer=pydoc.plaintext)
+    assert "memory_budget: int | str | None = None" in shown and "train_on: str = 'completion'" in shown
+    code = "import sys, logitstore; assert 'torch' not in sys.modules and 'numpy' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)

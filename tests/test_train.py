@@ -214,17 +214,17 @@ def test_gpu_levers_leave_the_losses_unchanged(store, tmp_path):
 
 @pytest.mark.parametrize("kind", ["transformers", "trl"])
 def test_trainers_distil_from_a_store_like_logitstore_train(store, tmp_path, kind):
-    # logitstore.hf.DistillationTrainer (transformers.Trainer) and DistillationSFTTrainer (TRL's
+    # logitstore.trainer.hf.DistillationTrainer (transformers.Trainer) and DistillationSFTTrainer (TRL's
     # SFTTrainer): the same stream, student and loss code as logitstore train.
     from transformers import TrainingArguments
 
     import logitstore
-    from logitstore.hf import DistillationTrainer
+    from logitstore.trainer.hf import DistillationTrainer
     from logitstore.trainer.model import build_student
 
     if kind == "trl":
         trl = pytest.importorskip("trl")
-        from logitstore.hf import DistillationSFTTrainer as trainer_class
+        from logitstore.trainer.hf_trl import DistillationSFTTrainer as trainer_class
 
         arguments = trl.SFTConfig
     else:
@@ -262,7 +262,7 @@ def test_distillation_trainer_resumes_a_checkpoint_at_its_data_position(store, t
     from transformers import TrainingArguments
 
     import logitstore
-    from logitstore.hf import DistillationTrainer
+    from logitstore.trainer.hf import DistillationTrainer
     from logitstore.trainer.model import build_student
 
     def trainer(out: Path) -> DistillationTrainer:

@@ -24,7 +24,7 @@ from logitstore.errors import LogitstoreError
 from logitstore.sizes import parse_bytes
 from logitstore.trainer.losses import LossConfig
 from logitstore.trainer.report import check_sinks
-from logitstore.trainer.stream import DEFAULT_MEMORY_BUDGET
+from logitstore.trainer.spec import DEFAULT_MEMORY_BUDGET, StreamSpec
 
 if TYPE_CHECKING:  # for the annotation only: a store run's configuration need not import live mode
     from logitstore.trainer.live import LiveConfig
@@ -199,6 +199,22 @@ class TrainConfig:
             self.optim.grad_accum = self.optim.global_batch_tokens // per_micro_step
         if self.schedule.tokens is not None:  # sets steps
             self.schedule.steps = max(1, -(-self.schedule.tokens // self.tokens_per_step))
+
+    def stream_spec(self, *, rank: int, world_size: int, split: str) -> StreamSpec:
+        """The options of this run's stream of `split` for one rank."""
+        d = self.data
+        return StreamSpec(
+            seq_len=d.seq_len,
+            micro_batch=d.micro_batch,
+            seed=self.student.seed,
+            rank=rank,
+            world_size=world_size,
+            split=split,
+            eval_fraction=d.eval_fraction,
+            memory_budget=d.memory_budget,
+            on_error=d.on_error,
+            train_on=d.train_on,
+        )
 
     @classmethod
     def from_flags(cls, *, live=None, **flags) -> TrainConfig:

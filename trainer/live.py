@@ -54,12 +54,15 @@ import torch.multiprocessing as mp
 
 from logitstore import codec
 from logitstore.errors import LogitstoreError
-from logitstore.pipelines.build import BuildConfig, BuildSummary, check_teacher_fits, plan_units
+from logitstore.pipelines.plan import PlanConfig, check_teacher_fits, plan_units
 from logitstore.pipelines.teacher import describe_teacher, resolve_teacher
 from logitstore.pipelines.workers import TeacherWorker, Unit, WorkerSettings
 from logitstore.samples import SparseSamples, concat
 from logitstore.sparsity import Sparsity, default_sparsity, sparsity_from_flags
-from logitstore.trainer.stream import SplitTable, Stream, assemble, check_eval_fraction, is_eval_sample
+from logitstore.trainer.batch import assemble
+from logitstore.trainer.order import SplitTable, is_eval_sample
+from logitstore.trainer.spec import StreamSpec
+from logitstore.trainer.stream import Stream
 
 RING_SLOTS = 2
 POLL_SECONDS = 0.2
@@ -168,19 +171,13 @@ class LiveSamples:
 
 
 def plan_live_samples(cfg: LiveConfig) -> LiveSamples:
-    """The build's planning (`build.plan_units`) with nothing stored yet, flattened and sorted by id."""
+    """The build's planning (`plan.plan_units`) with nothing stored yet, flattened and sorted by id."""
     info = describe_teacher(cfg.teacher)
-    build_cfg = BuildConfig(
-        data=cfg.data,
-        text_column=cfg.text_column,
-        id_column=cfg.id_column,
-        max_length=cfg.max_length,
-        sparsity=cfg.sparsity,
-        progress=False,
-    )
-    check_teacher_fits(build_cfg, info)
+    assert cfg.sparsity is not None  # LiveConfig.__post_init__ sets the default
+    check_teacher_fits(info, sparsity=cfg.sparsity, max_length=cfg.max_length)
+    plan = PlanConfig(data=cfg.data, text_column=cfg.text_column, id_column=cfg.id_column, max_length=cfg.max_length)
     ids, tokens = [], []
-    for unit in plan_units(build_cfg, info.tokenizer, summary=BuildSummary(), vocab_size=info.vocab_size):
+    for unit in plan_units(plan, info.tokenizer, vocab_size=info.vocab_size):
         ids.extend(unit.sample_ids)
         tokens.extend(unit.tokens)
     order = sorted(range(len(ids)), key=lambda i: ids[i].encode("utf-8"))  # Arrow's byte order
@@ -489,32 +486,11 @@ class LiveSource:
         )
 
 
-def live_stream(
-    samples: LiveSamples,
-    teacher: LiveTeacher | None,
-    *,
-    seq_len: int,
-    micro_batch: int,
-    rank: int,
-    world_size: int,
-    seed: int,
-    split: str = "train",
-    eval_fraction: float = 0.05,
-    prefetch: int = 4,
-):
+def live_stream(samples: LiveSamples, teacher: LiveTeacher | None, spec: StreamSpec) -> Stream:
     """The stream engine over live mode: same order, packing, sharding and resume state as a store run
-    on the same samples, batches from the live teacher."""
-    check_eval_fraction(eval_fraction)
-    return Stream(
-        LiveSource(samples, teacher, split=split, eval_fraction=eval_fraction),
-        seq_len=seq_len,
-        micro_batch=micro_batch,
-        rank=rank,
-        world_size=world_size,
-        seed=seed,
-        split=split,
-        prefetch=prefetch,
-    )
+    on the same samples, batches from the live teacher (`spec.teacher`, `memory_budget`, `on_error` and
+    `train_on` do not apply: nothing is read, and the teacher computes what it is asked)."""
+    return Stream(LiveSource(samples, teacher, split=spec.split, eval_fraction=spec.eval_fraction), spec)
 
 
 def _cut(whole: SparseSamples, which: np.ndarray, pieces) -> SparseSamples:

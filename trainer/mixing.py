@@ -6,7 +6,7 @@ the way its signal reaches the student's tokens:
 - same tokenizer: the teacher saw exactly the student's tokens; its stored distribution at position t
   is the target at the student's position t (`SparseTargets`, the single-teacher loss);
 - cross tokenizer: the build aligned the teacher's tokens with the student's (`--student-tokenizer`,
-  `logitstore/align.py`); the signal goes through the alignment groups (`AlignedTargets`):
+  `pipelines/align.py`); the signal goes through the alignment groups (`AlignedTargets`):
     1:1 group (teacher token t0 = student token s0, same bytes, same text before): the student's
         position s0 - 1 gets the teacher's position t0 - 1, its entries mapped to student ids
         through the store's exact vocabulary map (unmapped entries stay, with id -1, for the ULD term);
@@ -40,18 +40,13 @@ import torch
 from logitstore.chat import supervised_positions
 from logitstore.errors import LogitstoreError
 from logitstore.reader import PartReader, TeacherRows
-from logitstore.store import StoreVersion
 from logitstore.trainer.aligned_losses import AlignedTargets
+from logitstore.trainer.batch import PackedBatch, layout
 from logitstore.trainer.losses import SparseTargets
-from logitstore.trainer.stream import (
-    PackedBatch,
-    Pieces,
-    SplitTable,
-    check_train_on,
-    layout,
-    split_rows,
-)
-from logitstore.trainer.stream import ranges as _ranges
+from logitstore.trainer.order import Pieces, SplitTable
+from logitstore.trainer.order import ranges as _ranges
+from logitstore.trainer.store_source import check_train_on, split_rows
+from logitstore.version import StoreVersion
 
 
 class TeacherSourceError(LogitstoreError, ValueError):

@@ -3,9 +3,13 @@ with the teacher's sparse targets. Deterministic, sharded across ranks, resumabl
 reading each stored byte about once per epoch however large the store.
 
 One engine, `Stream`, owns order, split, packing, sharding, resume, reading and prefetch. What turns
-a piece of a sample into targets is its *source*: `StoreSource` (one teacher of a store, here),
-`teachers.MixedSource` (several or cross-tokenizer teachers) and `live.LiveSource` (a teacher process
+a piece of a sample into targets is its *source*: `store_source.StoreSource` (one teacher of a store),
+`mixing.MixedSource` (several or cross-tokenizer teachers) and `live.LiveSource` (a teacher process
 beside the trainer). `store_stream` and `logitstore.stream` build the first two.
+
+The stream lives in five modules: its options and their checks (`spec.py`), the order (`order.py`: the
+split, the epoch plan, windows and packing, without reading data), the batch (`batch.py`: `PackedBatch`
+and `assemble`), the store's source (`store_source.py`) and the engine with its factory (here).
 
 The contract (tests/test_stream.py holds the engine to it):
 
@@ -73,120 +77,26 @@ The contract (tests/test_stream.py holds the engine to it):
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
 import time
 from collections.abc import Generator, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field, fields
-from typing import Any, Protocol, TypedDict
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 
 from logitstore.ahead import read_ahead
-from logitstore.chat import TRAIN_ON, supervised_positions
-from logitstore.errors import DamagedDataError, LogitstoreError, StorageError
-from logitstore.reader import PartData, PartReader, TeacherRows
+from logitstore.errors import DamagedDataError, StorageError
 from logitstore.sizes import format_bytes, parse_bytes
-from logitstore.store import Store, StoreVersion
+from logitstore.store import Store
+from logitstore.trainer.batch import BatchContext, PackedBatch
+from logitstore.trainer.mixing import MixedSource
+from logitstore.trainer.order import EpochPlan, Pieces, SplitTable, ranges, window_parts
+from logitstore.trainer.spec import DEFAULT_MEMORY_BUDGET, StreamConfigError, StreamSpec
+from logitstore.trainer.store_source import StoreSource
+from logitstore.version import StoreVersion
 
-SPLITS = ("train", "eval")
-ON_ERROR = ("raise", "skip")
-DEFAULT_MEMORY_BUDGET = "4GiB"  # per reader process: a training node has ~1 TB for 8 ranks
-READ_THREADS = 8  # parts read at once: S3 answers in 10-50 ms, so one at a time would starve decoding
 LOOKAHEAD_BATCHES = 8  # micro-batches ahead whose parts are asked for: work for every reader thread
-_WINDOW_STREAM = 2**32  # the RNG stream of the part permutation, apart from the windows' 0, 1, ...
-
-
-class StreamConfigError(LogitstoreError, ValueError):
-    """A stream that cannot be built as asked: a bad argument, an empty or too small split, a memory
-    budget below two parts, or a state from another run. A `LogitstoreError` and a `ValueError`."""
-
-
-def is_eval_sample(sample_id: str, *, eval_fraction: float) -> bool:
-    """True iff the sample belongs to the eval split: blake2b-64 of the id, as a fraction of 2**64,
-    is below `eval_fraction`. Stable across runs, machines and Python versions (no `hash()`)."""
-    digest = hashlib.blake2b(sample_id.encode("utf-8"), digest_size=8).digest()
-    return int.from_bytes(digest, "big") < eval_fraction * 2.0**64
-
-
-# -- the batch ---------------------------------------------------------------------------------------
-
-
-@dataclass
-class PackedBatch:
-    """One micro-batch of `B` rows of `L` tokens, with the teacher's sparse targets flattened in
-    row-major (b, t) order. `positions[p] = b*L + t` is a supervised token; it predicts token t+1."""
-
-    input_ids: torch.Tensor  # [B, L] int64
-    position_ids: torch.Tensor  # [B, L] int64, 0 at each sample or fragment start
-    document_ids: torch.Tensor  # [B, L] int64, segment number within the row; padding -1
-    positions: torch.Tensor  # [P] int64
-    entry_ids: torch.Tensor  # [E] int64
-    entry_logprobs: torch.Tensor  # [E] float32
-    entry_pos: torch.Tensor  # [E] int64 in [0, P), non-decreasing
-    tail: torch.Tensor  # [P] float32, teacher mass outside the entries
-    target_ids: torch.Tensor  # [P] int64, = input_ids.view(-1)[positions + 1]
-    target_logprobs: torch.Tensor  # [P] float32, teacher log-probability of the target
-    entry_counts: torch.Tensor | None  # [E] float32 draws per entry (sampled stores), else None
-    n_tokens: int  # real (non-padding) tokens
-    # (sample id, first token of the fragment in the sample, flat start b*L + t, length) per segment,
-    # in row-major order: for logging and tests; skipped fragments are absent.
-    segments: list[tuple[str, int, int, int]] = field(default_factory=list)
-    # Runs with several teachers or a cross-tokenizer teacher (`trainer/mixing.py`): per teacher,
-    # (name, SparseTargets | AlignedTargets) over the same P positions, and counts for the metrics.
-    # The single-teacher fields above then hold no entries.
-    signals: list | None = None
-    signal_counts: dict | None = None
-    # The stream's `state_dict()` once this batch is consumed: resume point for a loop that reads the
-    # stream through a DataLoader's worker processes, whose progress the parent's stream cannot see.
-    data_state: dict | None = None
-
-    def block_causal_mask(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """[B, 1, L, L] additive mask: 0 where query may attend key (same document, key <= query),
-        `finfo(dtype).min` elsewhere. A padding query attends to itself only, so softmax has no NaN."""
-        doc = self.document_ids
-        length = doc.shape[1]
-        same = doc[:, :, None] == doc[:, None, :]
-        causal = torch.ones(length, length, dtype=torch.bool, device=doc.device).tril()
-        itself = torch.eye(length, dtype=torch.bool, device=doc.device)
-        allowed = torch.where((doc >= 0)[:, :, None], same & causal, itself)
-        mask = torch.zeros(allowed.shape, dtype=dtype, device=doc.device)
-        return mask.masked_fill(~allowed, torch.finfo(dtype).min)[:, None]
-
-    def to(self, device, *, non_blocking: bool = False) -> PackedBatch:
-        """A copy with every tensor on `device`."""
-        moved: dict[str, Any] = {}  # field name -> value, of that field's type
-        for f in fields(self):
-            value = getattr(self, f.name)
-            moved[f.name] = value.to(device, non_blocking=non_blocking) if isinstance(value, torch.Tensor) else value
-        return PackedBatch(**moved)
-
-
-# -- what a source gives the engine ------------------------------------------------------------------
-
-
-@dataclass
-class SplitTable:
-    """The samples of one split, sorted by sample id: what the engine orders and packs."""
-
-    sample_ids: list[str]
-    n_tokens: np.ndarray  # int64 [n]: the packed length of each sample
-    part: np.ndarray  # int64 [n]: the part holding it (the unit of reading), 0 for sources without parts
-    parts: list[str]  # part names, by code
-
-
-@dataclass
-class Pieces:
-    """Fragments covering a span of rows, in row-major order: sample `row` (into the split table), its
-    tokens [a, b), starting at `flat` within the span, in window `window` of the epoch."""
-
-    row: np.ndarray
-    a: np.ndarray
-    b: np.ndarray
-    flat: np.ndarray
-    window: np.ndarray
 
 
 class Source(Protocol):
@@ -201,284 +111,9 @@ class Source(Protocol):
     def read_part(self, part: int) -> object:
         """Read one part (in a reader thread); what `build` gets back in `parts`."""
 
-    def build(self, pieces: Pieces, parts: dict[int, Any], *, stream: Stream) -> PackedBatch:
+    def build(self, pieces: Pieces, parts: dict[int, Any], *, stream: BatchContext) -> PackedBatch:
         """The batch of these pieces (`parts`: what its own `read_part` gave, by part);
         `stream.unreadable(row, error)` for a sample that cannot be used."""
-
-
-def in_split(sample_ids: list[str], *, split: str, eval_fraction: float) -> np.ndarray:
-    """bool [n]: which of these samples lie in `split`."""
-    in_eval = [is_eval_sample(s, eval_fraction=eval_fraction) for s in sample_ids]  # one step per sample
-    return np.array([e == (split == "eval") for e in in_eval], dtype=bool)
-
-
-def split_rows(view: StoreVersion, *, teacher: str, split: str, eval_fraction: float, student: str | None = None):
-    """One teacher's index rows of one split, sorted by sample id (with `student`'s token columns)."""
-    keep = lambda ids: in_split(ids, split=split, eval_fraction=eval_fraction)
-    return TeacherRows.of(view, teacher=teacher, keep=keep, student=student)
-
-
-# -- order and packing ---------------------------------------------------------------------------------
-
-
-class EpochPlan:
-    """One epoch's sample order, its windows, and its packed token stream; cuts any span of rows into
-    pieces without reading data."""
-
-    def __init__(self, table: SplitTable, *, seed: int, epoch: int, seq_len: int, window_parts: int | None):
-        n_parts = len(table.parts)
-        if window_parts is None or window_parts >= n_parts:  # one window: the global shuffle
-            self.order = np.random.default_rng([seed, epoch]).permutation(len(table.n_tokens))
-            self.window_start = np.zeros(1, dtype=np.int64)
-        else:
-            self.order, self.window_start = _windowed_order(table, seed=seed, epoch=epoch, window_parts=window_parts)
-        self.part_sequence = table.part[self.order]  # the part of each sample, in epoch order
-        lengths = table.n_tokens[self.order]
-        self.ends = np.cumsum(lengths)
-        self.begins = self.ends - lengths
-        self.seq_len = seq_len
-        self._parts_of_window: dict[int, np.ndarray] = {}
-
-    @property
-    def n_windows(self) -> int:
-        return len(self.window_start)
-
-    def pieces(self, row0: int, row1: int) -> Pieces:
-        """The fragments of rows [row0, row1); tokens past the end of the epoch's stream (the eval
-        split's padded last row and step) are in none: they are padding."""
-        total = int(self.ends[-1]) if len(self.ends) else 0
-        start, stop = min(row0 * self.seq_len, total), min(row1 * self.seq_len, total)
-        if start == stop:
-            empty = np.zeros(0, dtype=np.int64)
-            return Pieces(row=empty, a=empty, b=empty, flat=empty, window=empty)
-        first = np.searchsorted(self.ends, start, side="right")
-        last = np.searchsorted(self.begins, stop, side="left")
-        # Every sample boundary and every row boundary inside the span starts a new piece.
-        cuts = np.concatenate(
-            [self.begins[first:last], self.ends[first:last], np.arange(start, stop, self.seq_len), [stop]]
-        )
-        cuts = np.unique(cuts[(cuts >= start) & (cuts <= stop)])
-        k = np.searchsorted(self.ends, cuts[:-1], side="right")  # position in the epoch order
-        return Pieces(
-            row=self.order[k],
-            a=cuts[:-1] - self.begins[k],
-            b=cuts[1:] - self.begins[k],
-            flat=cuts[:-1] - start,
-            window=np.searchsorted(self.window_start, k, side="right") - 1,
-        )
-
-    def parts_of_window(self, window: int) -> np.ndarray:
-        """The window's parts in the order the epoch first needs them (the order to read them in)."""
-        if window not in self._parts_of_window:
-            stop = self.window_start[window + 1] if window + 1 < self.n_windows else len(self.order)
-            sequence = self.part_sequence[self.window_start[window] : stop]
-            _, first = np.unique(sequence, return_index=True)
-            self._parts_of_window[window] = sequence[np.sort(first)]
-        return self._parts_of_window[window]
-
-
-def _windowed_order(table: SplitTable, *, seed: int, epoch: int, window_parts: int) -> tuple[np.ndarray, np.ndarray]:
-    """(sample order, start of each window in it): parts permuted and cut into windows, samples
-    permuted inside each window. One pass over the samples, one loop step per window."""
-    n_parts = len(table.parts)
-    part_order = np.random.default_rng([seed, epoch, _WINDOW_STREAM]).permutation(n_parts)
-    window_of_part = np.empty(n_parts, dtype=np.int64)
-    window_of_part[part_order] = np.arange(n_parts) // window_parts
-    window_of_sample = window_of_part[table.part]
-    by_window = np.argsort(window_of_sample, kind="stable")  # id order inside each window
-    counts = np.bincount(window_of_sample, minlength=int(window_of_part.max()) + 1)
-    starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
-    order = np.empty_like(by_window)
-    for k, (s, c) in enumerate(zip(starts.tolist(), counts.tolist())):  # one step per window
-        order[s : s + c] = by_window[s : s + c][np.random.default_rng([seed, epoch, k]).permutation(c)]
-    return order, starts[counts > 0]
-
-
-def ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """Concatenation of arange(s, s + n) for each (s, n), without a Python loop."""
-    lengths = np.asarray(lengths, dtype=np.int64)
-    total = int(lengths.sum())
-    if total == 0:
-        return np.zeros(0, dtype=np.int64)
-    offsets = np.cumsum(lengths) - lengths
-    return np.repeat(np.asarray(starts, dtype=np.int64) - offsets, lengths) + np.arange(total, dtype=np.int64)
-
-
-# -- the single-teacher store source --------------------------------------------------------------------
-
-
-class StoreSource:
-    """One teacher of a store version: pieces become `PackedBatch`es of that teacher's targets."""
-
-    def __init__(
-        self, view: StoreVersion, *, teacher: str | None, split: str, eval_fraction: float, train_on: str = "completion"
-    ):
-        self.view, self.teacher = view, view.teacher_name(teacher)
-        self.version = view.snapshot_id
-        self.completion_only = train_on == "completion"
-        check_train_on(view, teacher=self.teacher, train_on=train_on)
-        self.rows = split_rows(view, teacher=self.teacher, split=split, eval_fraction=eval_fraction)
-        self.table = SplitTable(
-            sample_ids=self.rows.sample_ids, n_tokens=self.rows.n_tokens, part=self.rows.part, parts=self.rows.parts
-        )
-        self.reader = PartReader(view, teacher=self.teacher, rows=self.rows)
-        self.where = f"the {split} split of teacher {self.teacher!r} in version {view.snapshot_id}"
-
-    def part_bytes(self) -> np.ndarray:
-        return self.reader.bytes
-
-    def read_part(self, code: int) -> PartData:
-        return self.reader.read(code)
-
-    def build(self, pieces: Pieces, parts: dict[int, PartData], *, stream: Stream) -> PackedBatch:
-        damage = self.reader.damage(parts, pieces.row)
-        ok = np.array([d is None for d in damage], dtype=bool)
-        for i in np.flatnonzero(~ok).tolist():
-            error = damage[i]
-            assert error is not None  # not ok: damaged
-            row = int(pieces.row[i])
-            stream.unreadable(row, error, part=self.table.parts[self.table.part[row]])
-        decoded = None
-        if ok.any():
-            decoded = self.reader.samples(parts, pieces.row[ok], pieces.a[ok], pieces.b[ok])
-        return assemble(
-            pieces,
-            ok,
-            decoded,
-            sample_ids=self.table.sample_ids,
-            micro_batch=stream.micro_batch,
-            seq_len=stream.seq_len,
-            sampled=self.reader.sampled,
-            completion_only=self.completion_only,
-        )
-
-
-def check_train_on(view: StoreVersion, *, teacher: str, train_on: str) -> None:
-    """`--train-on`: a known value, and prompt+completion only where the store holds entries for prompts."""
-    if train_on not in TRAIN_ON:
-        raise StreamConfigError(f"--train-on must be one of {', '.join(TRAIN_ON)}, got {train_on!r}")
-    if train_on == "prompt+completion" and view.teachers[teacher].loss_mask == "completion":
-        raise StreamConfigError(
-            f"--train-on prompt+completion: teacher {teacher!r} in version {view.snapshot_id} holds "
-            "entries for completion tokens only (built with --train-on completion); rebuild with "
-            "build --train-on prompt+completion, or train on the completion"
-        )
-
-
-# -- assembling a batch -----------------------------------------------------------------------------------
-
-
-@dataclass
-class Layout:
-    """Where the readable pieces go in the [B * L] batch."""
-
-    flat: np.ndarray  # start of each readable piece in the flat [B * L] batch
-    n: np.ndarray  # its length
-    tokens: np.ndarray  # flat indices of all their tokens
-    positions: np.ndarray  # flat indices of the supervised tokens (all but each piece's last)
-    position_ids: np.ndarray  # [B * L]
-    document_ids: np.ndarray  # [B * L]
-
-
-def layout(pieces: Pieces, ok: np.ndarray, *, micro_batch: int, seq_len: int) -> Layout:
-    B, L = micro_batch, seq_len
-    lengths = pieces.b - pieces.a
-    row_of = pieces.flat // L
-    document = np.arange(len(lengths)) - np.searchsorted(row_of, row_of, side="left")
-    position_ids = np.zeros(B * L, dtype=np.int64)
-    document_ids = np.full(B * L, -1, dtype=np.int64)
-    flat, n = pieces.flat[ok], lengths[ok]
-    tokens = ranges(flat, n)
-    position_ids[tokens] = tokens - np.repeat(flat, n)
-    document_ids[tokens] = np.repeat(document[ok], n)
-    positions = ranges(flat, n - 1)  # all but each piece's last token: the decoded positions' order
-    return Layout(
-        flat=flat, n=n, tokens=tokens, positions=positions, position_ids=position_ids, document_ids=document_ids
-    )
-
-
-class _RowTensors(TypedDict):
-    """The [B, L] tensors of a `PackedBatch`, shared by the two ways `assemble` ends."""
-
-    input_ids: torch.Tensor
-    position_ids: torch.Tensor
-    document_ids: torch.Tensor
-
-
-def assemble(
-    pieces: Pieces,
-    ok: np.ndarray,
-    decoded,
-    *,
-    sample_ids: list[str],
-    micro_batch: int,
-    seq_len: int,
-    sampled: bool,
-    completion_only: bool = True,
-) -> PackedBatch:
-    """The batch of the readable pieces (`ok`), whose decoded samples are `decoded` in piece order. Chat
-    data (`decoded.loss_mask`) with `completion_only` keeps the positions whose next token is completion."""
-    B, L = micro_batch, seq_len
-    lay = layout(pieces, ok, micro_batch=B, seq_len=L)
-    input_ids = np.zeros(B * L, dtype=np.int64)
-    empty_long, empty_float = torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.float32)
-    common = _RowTensors(
-        input_ids=torch.from_numpy(input_ids.reshape(B, L)),
-        position_ids=torch.from_numpy(lay.position_ids.reshape(B, L)),
-        document_ids=torch.from_numpy(lay.document_ids.reshape(B, L)),
-    )
-    if decoded is None:  # every fragment was skipped: all padding, no targets
-        return PackedBatch(
-            **common,
-            positions=empty_long,
-            entry_ids=empty_long,
-            entry_logprobs=empty_float,
-            entry_pos=empty_long,
-            tail=empty_float,
-            target_ids=empty_long,
-            target_logprobs=empty_float,
-            entry_counts=empty_float if sampled else None,
-            n_tokens=0,
-        )
-    input_ids[lay.tokens] = decoded.input_ids
-    positions = lay.positions
-    if completion_only and decoded.loss_mask is not None:
-        keep = supervised_positions(decoded.loss_mask, lay.n)
-        positions, decoded = positions[keep], _positions_only(decoded, keep)
-    entry_pos = np.repeat(np.arange(len(positions), dtype=np.int64), decoded.n_entries)
-    segments = [
-        (sample_ids[r], int(a), int(f), int(m))
-        for r, a, f, m in zip(pieces.row[ok].tolist(), pieces.a[ok].tolist(), lay.flat.tolist(), lay.n.tolist())
-    ]
-    counts = None if decoded.entry_counts is None else torch.from_numpy(decoded.entry_counts.astype(np.float32))
-    return PackedBatch(
-        **common,
-        positions=torch.from_numpy(positions),
-        entry_ids=torch.from_numpy(decoded.entry_ids.astype(np.int64)),
-        entry_logprobs=torch.from_numpy(decoded.entry_logprobs),
-        entry_pos=torch.from_numpy(entry_pos),
-        tail=torch.from_numpy(decoded.tail.astype(np.float32)),
-        target_ids=torch.from_numpy(input_ids[positions + 1]),
-        target_logprobs=torch.from_numpy(decoded.target_logprobs),
-        entry_counts=counts,
-        n_tokens=int(lay.n.sum()),
-        segments=segments,
-    )
-
-
-def _positions_only(decoded, keep: np.ndarray):
-    """The decoded pieces' per-position and per-entry arrays at the kept positions only."""
-    entries = np.repeat(keep, decoded.n_entries)
-    counts = None if decoded.entry_counts is None else decoded.entry_counts[entries]
-    return dataclasses.replace(
-        decoded,
-        n_entries=decoded.n_entries[keep],
-        tail=decoded.tail[keep],
-        target_logprobs=decoded.target_logprobs[keep],
-        entry_ids=decoded.entry_ids[entries],
-        entry_logprobs=decoded.entry_logprobs[entries],
-        entry_counts=counts,
-    )
 
 
 # -- the parts in memory ----------------------------------------------------------------------------------
@@ -535,33 +170,14 @@ class Stream(torch.utils.data.IterableDataset):
     `IterableDataset`, so `DataLoader(stream, batch_size=None, num_workers=W, multiprocessing_context=
     "spawn")` decodes in W processes and yields the same batches in the same order."""
 
-    def __init__(
-        self,
-        source: Source,
-        *,
-        seq_len: int,
-        micro_batch: int,
-        rank: int,
-        world_size: int,
-        seed: int,
-        split: str = "train",
-        prefetch: int = 4,
-        on_error: str = "raise",
-        memory_budget: int | str | None = None,
-        read_threads: int = READ_THREADS,
-    ):
-        _check_arguments(
-            seq_len=seq_len,
-            micro_batch=micro_batch,
-            rank=rank,
-            world_size=world_size,
-            split=split,
-            prefetch=prefetch,
-            on_error=on_error,
-        )
+    def __init__(self, source: Source, spec: StreamSpec):
+        self.spec = spec = spec.placed()
+        assert spec.rank is not None and spec.world_size is not None  # placed
         self.source, self.table = source, source.table
-        self.seq_len, self.micro_batch, self.rank, self.world_size = seq_len, micro_batch, rank, world_size
-        self.seed, self.split, self.prefetch, self.on_error = seed, split, prefetch, on_error
+        # The spec's options the engine reads all the time, and sources through `BatchContext`.
+        seq_len, micro_batch, world_size, split = spec.seq_len, spec.micro_batch, spec.world_size, spec.split
+        self.seq_len, self.micro_batch, self.rank, self.world_size = seq_len, micro_batch, spec.rank, world_size
+        self.seed, self.split, self.prefetch, self.on_error = spec.seed, split, spec.prefetch, spec.on_error
         self.n_samples = len(self.table.sample_ids)
         tokens, block = int(self.table.n_tokens.sum()), world_size * micro_batch
         if split == "eval":  # every token counts once: a padded last row and a padded last step
@@ -572,14 +188,14 @@ class Stream(torch.utils.data.IterableDataset):
             self.steps_per_epoch = self.rows_per_epoch // block
         self._check_size()
         self.memory_budget = parse_bytes(
-            memory_budget if memory_budget is not None else DEFAULT_MEMORY_BUDGET,
+            spec.memory_budget if spec.memory_budget is not None else DEFAULT_MEMORY_BUDGET,
             name="memory budget (--memory-budget)",
         )
         part_bytes = source.part_bytes()
         self.window_parts = (
-            None if part_bytes is None else _window_parts(part_bytes, self.memory_budget, where=self._where)
+            None if part_bytes is None else window_parts(part_bytes, self.memory_budget, where=self._where)
         )
-        self._parts = None if part_bytes is None else _Parts(source.read_part, threads=read_threads)
+        self._parts = None if part_bytes is None else _Parts(source.read_part, threads=spec.read_threads)
         self._plans: dict[int, EpochPlan] = {}
         self._held: tuple | None = None  # (epoch, window) whose parts the stream holds now
         self._epoch, self._rows = 0, 0  # the consumer's position: what has been yielded
@@ -830,117 +446,28 @@ class Stream(torch.utils.data.IterableDataset):
         ) from error
 
 
-def _window_parts(part_bytes: np.ndarray, budget: int, *, where: str) -> int:
-    """Parts per window: all of them when the split fits the budget (the global shuffle), else as many
-    as two windows of the largest part fit."""
-    if int(part_bytes.sum()) <= budget:
-        return len(part_bytes)
-    largest = int(part_bytes.max())
-    if 2 * largest > budget:
-        raise StreamConfigError(
-            f"memory budget {format_bytes(budget)} is smaller than two parts of {where} "
-            f"({format_bytes(2 * largest)}: the part being read and the next); raise "
-            f"--memory-budget to at least {format_bytes(2 * largest)}"
-        )
-    return budget // (2 * largest)
-
-
-def _check_arguments(
-    *, seq_len: int, micro_batch: int, rank: int, world_size: int, split: str, prefetch: int, on_error: str
-) -> None:
-    if seq_len < 2:
-        raise StreamConfigError(f"seq_len must be at least 2 (a token and the one it predicts), got {seq_len}")
-    if micro_batch < 1:
-        raise StreamConfigError(f"micro_batch must be at least 1, got {micro_batch}")
-    if world_size < 1 or not 0 <= rank < world_size:
-        raise StreamConfigError(f"rank {rank} is outside world size {world_size}")
-    if split not in SPLITS:
-        raise StreamConfigError(f"split must be one of {SPLITS}, got {split!r}")
-    if prefetch < 0:
-        raise StreamConfigError(f"prefetch must be >= 0, got {prefetch}")
-    if on_error not in ON_ERROR:
-        raise StreamConfigError(f"on_error must be one of {ON_ERROR}, got {on_error!r}")
-
-
-def check_eval_fraction(eval_fraction: float) -> None:
-    if not 0 <= eval_fraction <= 1:
-        raise StreamConfigError(f"eval_fraction must be in [0, 1], got {eval_fraction}")
-
-
 # -- building streams ---------------------------------------------------------------------------------------
 
 
-def store_stream(
-    view: StoreVersion,
-    *,
-    teacher: str | None = None,
-    sources: list | None = None,
-    seq_len: int,
-    micro_batch: int,
-    rank: int,
-    world_size: int,
-    seed: int,
-    split: str = "train",
-    eval_fraction: float = 0.05,
-    prefetch: int = 4,
-    on_error: str = "raise",
-    memory_budget: int | str | None = None,
-    read_threads: int = READ_THREADS,
-    train_on: str = "completion",
-) -> Stream:
-    """The stream of a store version: one teacher (`teacher`, or the version's only one), or several or
-    cross-tokenizer teachers (`sources`, `trainer/mixing.py`). `train_on` (chat data, `logitstore.chat`):
-    supervise the completion only, or prompt+completion."""
-    check_eval_fraction(eval_fraction)
-    if split not in SPLITS:
-        raise StreamConfigError(f"split must be one of {SPLITS}, got {split!r}")
+def store_stream(view: StoreVersion, spec: StreamSpec, *, sources: list | None = None) -> Stream:
+    """The stream of a store version: one teacher (`spec.teacher`, or the version's only one), or several
+    or cross-tokenizer teachers (`sources`, `trainer/mixing.py`)."""
+    split, eval_fraction, train_on = spec.split, spec.eval_fraction, spec.train_on
     source: Source
     if sources is not None and (len(sources) > 1 or sources[0].cross):
-        from logitstore.trainer.mixing import MixedSource  # here: mixing imports this module
-
         source = MixedSource(view, sources=sources, split=split, eval_fraction=eval_fraction, train_on=train_on)
     else:
-        name = sources[0].name if sources else teacher
+        name = sources[0].name if sources else spec.teacher
         source = StoreSource(view, teacher=name, split=split, eval_fraction=eval_fraction, train_on=train_on)
-    stream = Stream(
-        source,
-        seq_len=seq_len,
-        micro_batch=micro_batch,
-        rank=rank,
-        world_size=world_size,
-        seed=seed,
-        split=split,
-        prefetch=prefetch,
-        on_error=on_error,
-        memory_budget=memory_budget,
-        read_threads=read_threads,
-    )
+    stream = Stream(source, spec)
     if sources is None and view.store.location.uri.split("://")[0] != "memory":
-        stream._recipe = {
-            "uri": view.store.location.uri,
-            "snapshot": view.snapshot_id,
-            "kwargs": dict(
-                teacher=teacher,
-                seq_len=seq_len,
-                micro_batch=micro_batch,
-                rank=rank,
-                world_size=world_size,
-                seed=seed,
-                split=split,
-                eval_fraction=eval_fraction,
-                prefetch=prefetch,
-                on_error=on_error,
-                memory_budget=memory_budget,
-                read_threads=read_threads,
-                train_on=train_on,
-            ),
-        }
+        stream._recipe = {"uri": view.store.location.uri, "snapshot": view.snapshot_id, "spec": stream.spec}
     return stream
 
 
 def _stream_from_recipe(recipe: dict, state: dict) -> Stream:
     """The stream `store_stream` made from `recipe`, at `state`: how a stream arrives in another process."""
     view = Store.open(recipe["uri"]).read(recipe["snapshot"])
-    stream = store_stream(view, **recipe["kwargs"])
+    stream = store_stream(view, recipe["spec"])
     stream.load_state_dict(state)
     return stream

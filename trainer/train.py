@@ -43,7 +43,8 @@ from logitstore.trainer.model import apply_levers, build_student, shard, student
 from logitstore.trainer.objective import all_reduce_mean, batch_loss, held_out_metrics, student_outputs
 from logitstore.trainer.plots import plot_metrics
 from logitstore.trainer.report import open_sinks
-from logitstore.trainer.stream import StreamConfigError, store_stream
+from logitstore.trainer.spec import StreamConfigError
+from logitstore.trainer.stream import store_stream
 
 # -- launching -----------------------------------------------------------------------------------
 
@@ -377,17 +378,7 @@ class LiveSignal:
 
     def stream(self, cfg: TrainConfig, *, rank: int, world_size: int, split: str):
         """The live stream; before `start` (no teacher yet), one that checks sizes and cannot be iterated."""
-        return live_stream(
-            self.samples,
-            self.client,
-            seq_len=cfg.data.seq_len,
-            micro_batch=cfg.data.micro_batch,
-            rank=rank,
-            world_size=world_size,
-            seed=cfg.student.seed,
-            split=split,
-            eval_fraction=cfg.data.eval_fraction,
-        )
+        return live_stream(self.samples, self.client, cfg.stream_spec(rank=rank, world_size=world_size, split=split))
 
     def tokenizer(self):
         return self.samples.tokenizer.backend_tokenizer
@@ -400,20 +391,7 @@ class LiveSignal:
 def make_stream(view, sources, *, cfg: TrainConfig, rank: int, world_size: int, split: str):
     """The stream engine over the store: one teacher, or several or cross-tokenizer teachers."""
 
-    return store_stream(
-        view,
-        sources=sources,
-        seq_len=cfg.data.seq_len,
-        micro_batch=cfg.data.micro_batch,
-        rank=rank,
-        world_size=world_size,
-        seed=cfg.student.seed,
-        split=split,
-        eval_fraction=cfg.data.eval_fraction,
-        on_error=cfg.data.on_error,
-        memory_budget=cfg.data.memory_budget,
-        train_on=cfg.data.train_on,
-    )
+    return store_stream(view, cfg.stream_spec(rank=rank, world_size=world_size, split=split), sources=sources)
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:

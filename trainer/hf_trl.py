@@ -1,7 +1,7 @@
 """The TRL path: `DistillationSFTTrainer`, TRL's `SFTTrainer` with a store as its data and teacher.
 
     from trl import SFTConfig
-    from logitstore.hf import DistillationSFTTrainer
+    from logitstore.trainer.hf_trl import DistillationSFTTrainer
 
     args = SFTConfig(output_dir="run", max_steps=100, per_device_train_batch_size=4, learning_rate=3e-4)
     DistillationSFTTrainer(model, args, store="./chat", seq_len=1024, peft_config=LoraConfig(...)).train()
@@ -26,7 +26,7 @@ from trl import SFTTrainer
 
 import logitstore
 from logitstore.errors import LogitstoreError
-from logitstore.hf import StoreDistillation
+from logitstore.trainer.hf import StoreDistillation
 
 
 class DistillationSFTTrainer(StoreDistillation, SFTTrainer):
@@ -46,7 +46,7 @@ class DistillationSFTTrainer(StoreDistillation, SFTTrainer):
         if store is None:
             raise LogitstoreError(
                 "DistillationSFTTrainer reads a store (store=URI); for a live teacher use "
-                "logitstore.hf.DistillationTrainer(live=...)"
+                "logitstore.trainer.hf.DistillationTrainer(live=...)"
             )
         view = logitstore.open(store, version)
         teacher = view.teacher_name(kwargs.get("teacher"))

@@ -1,0 +1,335 @@
+"""The build's planning: documents -> tokens -> windows -> samples -> units, with nothing computed yet.
+
+`plan_units` reads the input (`inputs.read_documents`), tokenizes each batch of documents with the
+teacher's tokenizer (and every student tokenizer, aligned to it: `align.py`; chat data through the
+chat template: `logitstore.chat`), cuts each document into windows (`inputs.window`) and groups their
+samples into units of about `unit_tokens` tokens in input order, leaving out units the branch already
+holds (`StoredDocuments`). The build driver (`build.py`) runs a teacher over the units and writes them;
+live mode (`trainer/live.py`) plans the same samples and hands them to a teacher beside the trainer.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol, TypedDict
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from logitstore import chat
+from logitstore.errors import LogitstoreError
+from logitstore.meta import StudentTokenizer
+from logitstore.pipelines import align, inputs
+from logitstore.pipelines.workers import Unit
+from logitstore.sparsity import Sparsity
+from logitstore.tokenizer_io import load_tokenizer, parse_tokenizer_spec, tokenizer_hash
+
+
+class BuildError(LogitstoreError):
+    """A build cannot start or continue: bad options, or a teacher that does not fit the store."""
+
+
+class Columns(TypedDict):
+    text_column: str
+    id_column: str | None
+    ids_column: str | None
+    chat_column: str | None
+
+
+@dataclass
+class PlanConfig:
+    """What planning reads and how it cuts it: the input options of `logitstore build` (a `BuildConfig`
+    is one) and of `train --live-teacher`. Checked by `BuildConfig`, whose messages name the flags."""
+
+    data: str | inputs.HubDataset | None = None  # a path, or a datasets name (`inputs.dataset_source`)
+    text_column: str = "text"
+    id_column: str | None = None
+    ids_column: str | None = None
+    chat_column: str | None = None  # conversations ({"role", "content"} lists), rendered by the chat template
+    max_length: int = 1024
+    unit_tokens: int = 16384  # tokens per unit: the grain of work, of parts and of resuming
+    limit: int | None = None  # read only the input's first N documents: a quick trial of a large input
+    on_duplicate: str = "error"  # a document stored with other text: error, replace (recompute) or skip (keep)
+
+    @property
+    def columns(self) -> Columns:
+        """Which columns hold what: the keywords of `inputs.read_documents` and `inputs.check_input`."""
+        return Columns(
+            text_column=self.text_column,
+            id_column=self.id_column,
+            ids_column=self.ids_column,
+            chat_column=self.chat_column,
+        )
+
+    def documents(self) -> Iterator[inputs.Document]:
+        """The input's documents (the first `limit` with --limit), read lazily."""
+        return itertools.islice(inputs.read_documents(self.data, **self.columns), self.limit)
+
+
+class PlanCounts(Protocol):
+    """What planning leaves out, counted as it reads (the build's `BuildSummary` reports these)."""
+
+    skipped: int
+    no_completion: int
+    duplicates: int
+    already_stored: int
+    changed: int
+
+
+class _Uncounted:
+    """Counts nobody reads (live mode plans without a summary)."""
+
+    skipped = no_completion = duplicates = already_stored = changed = 0
+
+
+def check_teacher_fits(info, *, sparsity: Sparsity, max_length: int) -> None:
+    """Options that the teacher's config alone can refuse, before anything is read or loaded."""
+    if not sparsity.sampled and sparsity.k > info.vocab_size:
+        raise BuildError(f"--top-k {sparsity.k} is larger than the teacher's vocabulary ({info.vocab_size})")
+    if info.max_positions is not None and max_length > info.max_positions:
+        raise BuildError(
+            f"--max-length {max_length} exceeds the teacher's context of {info.max_positions} "
+            f"tokens (its config's max_position_embeddings); use at most {info.max_positions}"
+        )
+
+
+@dataclass
+class StoredDocuments:
+    """What the branch already holds of one teacher, by document: a rerun skips what is stored, and
+    notices a document whose text changed under the same id (its source hash differs)."""
+
+    sample_ids: set[str] = field(default_factory=set)
+    source_of: dict[str, str | None] = field(default_factory=dict)  # document id -> its windows' source hash
+    ids_of: dict[str, list[str]] = field(default_factory=dict)  # document id -> its stored sample ids
+    # stored sample ids of replaced documents (`forget`) that no unit carries yet: the next unit planned
+    # takes them (`take_removals`), so they are removed with it; what is left at the input's end (a
+    # document whose new text yields no window) the driver removes in its last commit
+    removals: list[str] = field(default_factory=list)
+
+    MIXED = ""  # a document whose stored windows disagree (left by builds before source hashes were compared)
+
+    @classmethod
+    def from_index(cls, index: pa.Table, *, teacher: str) -> StoredDocuments:
+        rows = index.filter(pc.equal(index["teacher"], teacher))
+        sample_ids = rows["sample_id"].to_pylist()
+        documents = inputs.document_ids(rows["sample_id"]).to_pylist()
+        out = cls(sample_ids=set(sample_ids))
+        for sid, doc, source in zip(sample_ids, documents, rows["source_hash"].to_pylist()):  # per sample, once
+            out.ids_of.setdefault(doc, []).append(sid)
+            if out.source_of.setdefault(doc, source) != source:
+                out.source_of[doc] = cls.MIXED
+        return out
+
+    def changed(self, doc) -> bool:
+        """Stored under `doc.id` with other text. A source hash the store does not know (samples written
+        through the library without one) counts as unchanged."""
+        stored = self.source_of.get(doc.id)
+        return stored is not None and stored != doc.source_hash
+
+    def forget(self, doc_id: str) -> None:
+        """Treat the document as not stored; its stored sample ids join the `removals`."""
+        ids = self.ids_of.pop(doc_id, [])
+        self.sample_ids.difference_update(ids)
+        self.source_of.pop(doc_id, None)
+        self.removals += ids
+
+    def take_removals(self) -> list[str]:
+        taken, self.removals = self.removals, []
+        return taken
+
+
+def plan_units(
+    cfg: PlanConfig,
+    tokenizer,
+    *,
+    stored: StoredDocuments | None = None,
+    counts: PlanCounts | None = None,
+    students: Sequence[StudentSide] = (),
+    vocab_size: int | None = None,
+) -> Iterator[Unit]:
+    """Units of about `unit_tokens` tokens in input order, skipping units already stored. A long
+    document's windows fill as many units as they need, so commits keep coming. What was left out is
+    counted in `counts` (the build's summary)."""
+    stored = stored if stored is not None else StoredDocuments()
+    summary = counts if counts is not None else _Uncounted()
+    pending = Unit(index=0)
+    seen: set[str] = set()
+    for doc_batch in _batched(cfg.documents(), 256):
+        if cfg.chat_column:
+            tokenized = _tokenize_chat(tokenizer, doc_batch, students)
+        elif students:
+            tokenized = _tokenize_aligned(tokenizer, doc_batch, students)
+        else:
+            tokenized = _tokenize(tokenizer, doc_batch)
+        for doc, (token_ids, alignments, loss_mask) in zip(doc_batch, tokenized):
+            pending.documents_read += 1
+            if doc.id in seen:
+                summary.duplicates += 1
+                continue
+            seen.add(doc.id)
+            if loss_mask is not None and not loss_mask[1:].any():
+                summary.no_completion += 1
+                continue
+            _check_token_ids(doc, token_ids, vocab_size=vocab_size)
+            if stored.changed(doc):
+                summary.changed += 1
+                if cfg.on_duplicate == "skip":
+                    continue
+                _replace(doc, stored, cfg)
+            windows = inputs.window(token_ids, max_length=cfg.max_length) if len(token_ids) >= 2 else []
+            if not windows:
+                summary.skipped += 1
+                continue
+            starts = np.arange(len(windows)) * (cfg.max_length - 1)  # inputs.window's stride
+            for sid, win, start in zip(inputs.window_ids(doc.id, len(windows)), windows, starts.tolist()):
+                pending.add(
+                    sid,
+                    win,
+                    doc.source_hash,
+                    students=_window_students(alignments, t_start=start, t_stop=start + len(win)),
+                    loss_mask=None if loss_mask is None else loss_mask[start : start + len(win)],
+                )
+                if pending.n_tokens >= cfg.unit_tokens:
+                    yield from _unless_stored(pending, stored, summary)
+                    pending = Unit(index=pending.index + 1)
+    if pending.sample_ids:
+        yield from _unless_stored(pending, stored, summary)
+
+
+def _replace(doc, stored: StoredDocuments, cfg: PlanConfig) -> None:
+    """A document stored with other text: its stored ids queued for removal (--on-duplicate replace), or the error."""
+    if cfg.on_duplicate == "replace":
+        stored.forget(doc.id)
+        return
+    was = stored.source_of[doc.id] or "windows of mixed sources"
+    raise BuildError(
+        f"document {doc.id!r} (input row {doc.row}) is stored with other text (source hash {was}, "
+        f"now {doc.source_hash}); pass --on-duplicate replace to recompute it, or skip to keep the stored one"
+    )
+
+
+def _check_token_ids(doc, token_ids: np.ndarray, *, vocab_size: int | None) -> None:
+    """Pre-tokenized ids must be the teacher's: checked here, with the row, before any model loads."""
+    if vocab_size is not None and doc.token_ids is not None and len(token_ids) and int(token_ids.max()) >= vocab_size:
+        raise BuildError(
+            f"document {doc.id!r} (input row {doc.row}): token id {int(token_ids.max())} is beyond the "
+            f"teacher's vocabulary ({vocab_size} ids)"
+        )
+
+
+def _unless_stored(unit: Unit, stored: StoredDocuments, summary: PlanCounts) -> Iterator[Unit]:
+    """The unit, unless the branch holds all of its samples; it carries the removals queued so far."""
+    known = sum(sid in stored.sample_ids for sid in unit.sample_ids)
+    summary.already_stored += known
+    if known < len(unit.sample_ids):
+        unit.replaces = stored.take_removals()
+        yield unit
+
+
+# A document tokenized: the teacher's ids, per student tokenizer its alignment, and (chat data) the loss mask.
+_Tokenized = tuple[np.ndarray, dict, np.ndarray | None]
+
+
+def _tokenize(tokenizer, docs: list) -> list[_Tokenized]:
+    texts = [d.text for d in docs if d.token_ids is None]
+    encoded = iter(tokenizer(texts)["input_ids"]) if texts else iter(())
+    return [
+        (np.asarray(d.token_ids if d.token_ids is not None else next(encoded), dtype=np.int64), {}, None) for d in docs
+    ]
+
+
+def _tokenize_chat(tokenizer, docs: list, students: Sequence[StudentSide] = ()) -> list[_Tokenized]:
+    """Conversations rendered by the teacher's chat template: ids and the loss mask (`logitstore.chat`),
+    and per student tokenizer its ids, the groups and its own mask of the same spans: a student token
+    is supervised iff its bytes lie inside an assistant span."""
+    rendered = []
+    for doc in docs:  # one template render per turn of each conversation
+        try:
+            rendered.append(chat.render(tokenizer, doc.messages))
+        except chat.ChatError as e:
+            raise BuildError(f"document {doc.id!r} (input row {doc.row}): {e}") from None
+    texts = [text for text, _ in rendered]
+    encoded = align.encode_with_byte_ends(tokenizer, texts, add_special_tokens=False)
+    per_student = [align.encode_with_byte_ends(st.tokenizer, texts, add_special_tokens=False) for st in students]
+    out: list[_Tokenized] = []
+    for i, ((ids, ends), (text, spans)) in enumerate(zip(encoded, rendered)):
+        byte_spans = chat.byte_spans(text, spans)
+        alignments = {}
+        for st, student_encoded in zip(students, per_student):
+            s_ids, s_ends = student_encoded[i]
+            alignments[st.registration.name] = (
+                s_ids,
+                align.align_groups(ends, s_ends),
+                chat.token_mask(s_ends, byte_spans),
+            )
+        out.append((ids, alignments, chat.token_mask(ends, byte_spans)))
+    return out
+
+
+# -- student tokenizers: cross-tokenizer alignment -----------------------------------------------------
+
+
+@dataclass
+class StudentSide:
+    """A student tokenizer of this build: the tokenizer, and what the store registers for it."""
+
+    tokenizer: object
+    registration: StudentTokenizer
+
+
+def load_student_tokenizers(specs: tuple[str, ...], *, teacher) -> list[StudentSide]:
+    """Parse and load every `--student-tokenizer [NAME=]TOK`, and map the teacher's vocabulary onto each."""
+    out: list[StudentSide] = []
+    for spec in specs:
+        name, path = parse_tokenizer_spec(spec)
+        if name in [s.registration.name for s in out]:
+            raise BuildError(f"--student-tokenizer: two tokenizers are named {name!r}; name them with NAME=TOK")
+        tokenizer = load_tokenizer(path)
+        vmap = align.vocab_map(teacher.tokenizer, tokenizer, teacher_vocab_size=teacher.vocab_size)
+        registration = StudentTokenizer(
+            name=name,
+            tokenizer_hash=tokenizer_hash(tokenizer),
+            vocab_size=len(tokenizer),
+            tokenizer_json=tokenizer.backend_tokenizer.to_str(),
+            vocab_map=vmap,
+        )
+        out.append(StudentSide(tokenizer=tokenizer, registration=registration))
+    return out
+
+
+def _tokenize_aligned(tokenizer, docs: list, students: Sequence[StudentSide]) -> list[_Tokenized]:
+    """Teacher ids of each document, and per student tokenizer its ids and the whole document's groups."""
+    texts = [d.text for d in docs]
+    teacher = align.encode_with_byte_ends(tokenizer, texts)
+    per_student = [align.encode_with_byte_ends(st.tokenizer, texts) for st in students]
+    out: list[_Tokenized] = []
+    for i, (t_ids, t_ends) in enumerate(teacher):
+        alignments = {}
+        for st, encoded in zip(students, per_student):
+            s_ids, s_ends = encoded[i]
+            alignments[st.registration.name] = (s_ids, align.align_groups(t_ends, s_ends))
+        out.append((t_ids, alignments, None))
+    return out
+
+
+def _window_students(alignments: dict, *, t_start: int, t_stop: int) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Each student's ids and groups for the window of teacher tokens [t_start, t_stop)."""
+    out = {}
+    for name, (s_ids, groups, *mask) in alignments.items():  # chat data: a third element, the student's mask
+        window, s_start, s_stop = align.window_groups(groups, t_start=t_start, t_stop=t_stop)
+        out[name] = (s_ids[s_start:s_stop], window, *(m[s_start:s_stop] for m in mask))
+    return out
+
+
+def _batched(items: Iterator, size: int) -> Iterator[list]:
+    batch = []
+    for item in items:
+        batch.append(item)
+        if len(batch) == size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch

@@ -1,0 +1,82 @@
+"""The stream's options, `StreamSpec`: one frozen record that every layer passes on, from the Python API
+(`logitstore.stream`, whose signature is made from it) through `store_stream`, the engine (`Stream`),
+the recipe a DataLoader worker rebuilds a stream from, live mode (`live_stream`) and the Trainer
+integration (`trainer/hf.py`); checked once, on construction.
+
+Light on purpose (no torch, no numpy): `import logitstore` and the training configuration read it at
+start-up.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from logitstore.errors import LogitstoreError
+
+SPLITS = ("train", "eval")
+ON_ERROR = ("raise", "skip")
+DEFAULT_MEMORY_BUDGET = "4GiB"  # per reader process: a training node has ~1 TB for 8 ranks
+READ_THREADS = 8  # parts read at once: S3 answers in 10-50 ms, so one at a time would starve decoding
+
+
+class StreamConfigError(LogitstoreError, ValueError):
+    """A stream that cannot be built as asked: a bad argument, an empty or too small split, a memory
+    budget below two parts, or a state from another run. A `LogitstoreError` and a `ValueError`."""
+
+
+@dataclass(frozen=True)
+class StreamSpec:
+    """What a stream is asked for. `rank` and `world_size` default to `torch.distributed`'s when it is
+    initialised, else 0 and 1 (`placed`). `teacher` picks one of a store's teachers (default: its only
+    one). `split` is "train" (endless, epoch after epoch) or "eval" (one pass); a sample is held out iff
+    the hash of its id falls below `eval_fraction`. `memory_budget` (bytes, or a string such as "512MB"
+    or "2GiB"; default `DEFAULT_MEMORY_BUDGET`) bounds the stored data held in memory and so the shuffle
+    window. `on_error="skip"` trains past damaged samples (as padding) instead of raising. `prefetch`
+    batches are built ahead in a thread (0: none); `read_threads` parts are read at once. For chat data,
+    `train_on="completion"` keeps only the positions that predict the assistant's tokens."""
+
+    seq_len: int
+    micro_batch: int
+    seed: int = 0
+    rank: int | None = None
+    world_size: int | None = None
+    teacher: str | None = None
+    split: str = "train"
+    eval_fraction: float = 0.05
+    memory_budget: int | str | None = None
+    on_error: str = "raise"
+    prefetch: int = 4
+    read_threads: int = READ_THREADS
+    train_on: str = "completion"
+
+    def __post_init__(self) -> None:
+        rank, world = self.rank, self.world_size
+        placed = world is None or (world >= 1 and (rank is None or 0 <= rank < world))
+        checks = [
+            (self.seq_len >= 2, f"seq_len must be at least 2 (a token and the one it predicts), got {self.seq_len}"),
+            (self.micro_batch >= 1, f"micro_batch must be at least 1, got {self.micro_batch}"),
+            (placed and (rank is None or rank >= 0), f"rank {rank} is outside world size {world}"),
+            (self.split in SPLITS, f"split must be one of {SPLITS}, got {self.split!r}"),
+            (self.prefetch >= 0, f"prefetch must be >= 0, got {self.prefetch}"),
+            (self.on_error in ON_ERROR, f"on_error must be one of {ON_ERROR}, got {self.on_error!r}"),
+            (0 <= self.eval_fraction <= 1, f"eval_fraction must be in [0, 1], got {self.eval_fraction}"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise StreamConfigError(message)
+
+    def placed(self) -> StreamSpec:
+        """This spec with its rank and world size given: torch.distributed's where it is initialised and
+        they were not, else 0 and 1."""
+        if self.rank is not None and self.world_size is not None:
+            return self
+        import torch.distributed as dist  # here: this module stays free of torch for start-up
+
+        initialised = dist.is_available() and dist.is_initialized()
+        rank, world = (dist.get_rank(), dist.get_world_size()) if initialised else (0, 1)
+        return dataclasses.replace(
+            self,
+            rank=rank if self.rank is None else self.rank,
+            world_size=world if self.world_size is None else self.world_size,
+        )

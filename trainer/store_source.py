@@ -1,0 +1,78 @@
+"""One teacher of a store version as a source of the stream engine: `StoreSource` reads its parts
+with the store's part reader (`logitstore/reader.py`) and lays decoded pieces out in batches.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from logitstore.chat import TRAIN_ON
+from logitstore.reader import PartData, PartReader, TeacherRows
+from logitstore.trainer.batch import BatchContext, PackedBatch, assemble
+from logitstore.trainer.order import Pieces, SplitTable, in_split
+from logitstore.trainer.spec import StreamConfigError
+from logitstore.version import StoreVersion
+
+
+def split_rows(view: StoreVersion, *, teacher: str, split: str, eval_fraction: float, student: str | None = None):
+    """One teacher's index rows of one split, sorted by sample id (with `student`'s token columns)."""
+    keep = lambda ids: in_split(ids, split=split, eval_fraction=eval_fraction)
+    return TeacherRows.of(view, teacher=teacher, keep=keep, student=student)
+
+
+class StoreSource:
+    """One teacher of a store version: pieces become `PackedBatch`es of that teacher's targets."""
+
+    def __init__(
+        self, view: StoreVersion, *, teacher: str | None, split: str, eval_fraction: float, train_on: str = "completion"
+    ):
+        self.view, self.teacher = view, view.teacher_name(teacher)
+        self.version = view.snapshot_id
+        self.completion_only = train_on == "completion"
+        check_train_on(view, teacher=self.teacher, train_on=train_on)
+        self.rows = split_rows(view, teacher=self.teacher, split=split, eval_fraction=eval_fraction)
+        self.table = SplitTable(
+            sample_ids=self.rows.sample_ids, n_tokens=self.rows.n_tokens, part=self.rows.part, parts=self.rows.parts
+        )
+        self.reader = PartReader(view, teacher=self.teacher, rows=self.rows)
+        self.where = f"the {split} split of teacher {self.teacher!r} in version {view.snapshot_id}"
+
+    def part_bytes(self) -> np.ndarray:
+        return self.reader.bytes
+
+    def read_part(self, code: int) -> PartData:
+        return self.reader.read(code)
+
+    def build(self, pieces: Pieces, parts: dict[int, PartData], *, stream: BatchContext) -> PackedBatch:
+        damage = self.reader.damage(parts, pieces.row)
+        ok = np.array([d is None for d in damage], dtype=bool)
+        for i in np.flatnonzero(~ok).tolist():
+            error = damage[i]
+            assert error is not None  # not ok: damaged
+            row = int(pieces.row[i])
+            stream.unreadable(row, error, part=self.table.parts[self.table.part[row]])
+        decoded = None
+        if ok.any():
+            decoded = self.reader.samples(parts, pieces.row[ok], pieces.a[ok], pieces.b[ok])
+        return assemble(
+            pieces,
+            ok,
+            decoded,
+            sample_ids=self.table.sample_ids,
+            micro_batch=stream.micro_batch,
+            seq_len=stream.seq_len,
+            sampled=self.reader.sampled,
+            completion_only=self.completion_only,
+        )
+
+
+def check_train_on(view: StoreVersion, *, teacher: str, train_on: str) -> None:
+    """`--train-on`: a known value, and prompt+completion only where the store holds entries for prompts."""
+    if train_on not in TRAIN_ON:
+        raise StreamConfigError(f"--train-on must be one of {', '.join(TRAIN_ON)}, got {train_on!r}")
+    if train_on == "prompt+completion" and view.teachers[teacher].loss_mask == "completion":
+        raise StreamConfigError(
+            f"--train-on prompt+completion: teacher {teacher!r} in version {view.snapshot_id} holds "
+            "entries for completion tokens only (built with --train-on completion); rebuild with "
+            "build --train-on prompt+completion, or train on the completion"
+        )
