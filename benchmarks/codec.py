@@ -30,7 +30,7 @@ import torch
 from _timing import timed  # benchmarks/ is on sys.path when a script here runs
 
 from logitstore import codec
-from logitstore.codec import CodecParams
+from logitstore.grid import CodecParams
 from logitstore.layout import BLOSC_LEVEL, CHUNK_BYTES
 from logitstore.meta import TeacherMeta
 from logitstore.samples import SparseSamples

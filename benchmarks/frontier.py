@@ -48,8 +48,8 @@ import numpy as np
 import torch
 
 from logitstore import codec
-from logitstore.codec import CodecParams
 from logitstore.data import SAMPLE_CORPUS
+from logitstore.grid import GRIDS, CodecParams
 from logitstore.pipelines.engines.torch_engine import load_teacher_once, shared_teachers
 from logitstore.pipelines.head import OutputHead
 from logitstore.pipelines.sparsify import to_samples
@@ -66,9 +66,9 @@ from logitstore.pipelines.teacher import (
 from logitstore.samples import concat
 from logitstore.sparsity import Sparsity
 from logitstore.store import Store
-from logitstore.trainer.config import TrainConfig
-from logitstore.trainer.live import LiveConfig, plan_live_samples
-from logitstore.trainer.losses import LossConfig, distill_loss
+from logitstore.trainer.config import LiveConfig, LossConfig, TrainConfig
+from logitstore.trainer.live import plan_live_samples
+from logitstore.trainer.losses import distill_loss
 from logitstore.trainer.model import build_student
 from logitstore.trainer.objective import sparse_targets, student_outputs
 from logitstore.trainer.order import is_eval_sample
@@ -76,8 +76,8 @@ from logitstore.trainer.spec import StreamSpec
 from logitstore.trainer.stream import store_stream
 from logitstore.trainer.train import lr_at
 
-FP16_GRID = codec.GRIDS["fine"]  # finer than fp16 below -1 nat
-COARSE_GRID = codec.GRIDS["coarse"]
+FP16_GRID = GRIDS["fine"]  # finer than fp16 below -1 nat
+COARSE_GRID = GRIDS["coarse"]
 
 
 @dataclass

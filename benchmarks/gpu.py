@@ -82,9 +82,8 @@ from logitstore.pipelines.teacher import describe_teacher, resolve_teacher
 from logitstore.sparsity import Sparsity
 from logitstore.store import Store
 from logitstore.trainer.attention import ATTENTION, plan_segments
-from logitstore.trainer.config import TrainConfig
-from logitstore.trainer.live import LiveConfig
-from logitstore.trainer.losses import LossConfig, chunked_distill_loss, distill_loss
+from logitstore.trainer.config import LiveConfig, LossConfig, TrainConfig
+from logitstore.trainer.losses import chunked_distill_loss, distill_loss
 from logitstore.trainer.model import build_student
 from logitstore.trainer.objective import sparse_targets
 from logitstore.trainer.spec import StreamSpec

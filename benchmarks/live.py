@@ -20,8 +20,7 @@ from pathlib import Path
 from logitstore.data import SAMPLE_CORPUS
 from logitstore.pipelines.build import BuildConfig, run_build
 from logitstore.sparsity import Sparsity
-from logitstore.trainer.config import TrainConfig
-from logitstore.trainer.live import LiveConfig
+from logitstore.trainer.config import LiveConfig, TrainConfig
 from logitstore.trainer.train import launch
 
 

@@ -37,7 +37,7 @@ from logitstore.data import SAMPLE_CORPUS
 from logitstore.pipelines.build import BuildConfig, run_build
 from logitstore.pipelines.engines.torch_engine import load_teacher_once, shared_teachers
 from logitstore.store import Store
-from logitstore.trainer.losses import LossConfig
+from logitstore.trainer.config import LossConfig
 from logitstore.trainer.model import build_student, shard
 from logitstore.trainer.objective import batch_loss, student_outputs
 from logitstore.trainer.spec import StreamSpec

@@ -94,7 +94,7 @@ def _measure_steps(path: str, *, seq_len: int, store: str, steps: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
     from logitstore.store import Store
-    from logitstore.trainer.losses import LossConfig
+    from logitstore.trainer.config import LossConfig
     from logitstore.trainer.model import build_student, shard
     from logitstore.trainer.objective import batch_loss, student_outputs
     from logitstore.trainer.spec import StreamSpec
@@ -156,7 +156,8 @@ def _measure_loss(path: str) -> dict:
     """The loss alone at P = TOKENS_PER_STEP positions, hidden 256, sampled-16 targets: value and
     gradients, the head applied in chunks (new) or as one [P, V] matmul (old). Peak RSS over the
     process's RSS before the call."""
-    from logitstore.trainer.losses import LossConfig, SparseTargets, chunked_distill_loss, distill_loss
+    from logitstore.trainer.config import LossConfig
+    from logitstore.trainer.losses import SparseTargets, chunked_distill_loss, distill_loss
 
     P, d, per = TOKENS_PER_STEP, 256, 12
     hidden = torch.randn(P, d, requires_grad=True)

@@ -12,12 +12,15 @@ from __future__ import annotations
 import functools
 import json
 import math
-from typing import Annotated, Any, Literal, Optional
+from typing import Annotated, Literal, Optional
 
 import typer
 from typer.models import CommandInfo
 
+from logitstore.cli.flags import Command, ConfigOpt, Given, Group, PrintConfigOpt, pick, resolve, takes
 from logitstore.errors import LogitstoreError
+from logitstore.options import declared, dump, from_values, to_values
+from logitstore.trainer.config import PANELS, TrainConfig, read_kept
 
 app = typer.Typer(
     name="logitstore",
@@ -25,6 +28,7 @@ app = typer.Typer(
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     add_completion=False,
+    cls=Group,
 )
 
 StoreArg = Annotated[str, typer.Argument(help="Store location: a path, file://, s3://bucket/prefix or memory://name.")]
@@ -34,51 +38,13 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JS
 # Fixed choices, shown in --help and checked by the parser. The registries they mirror (losses.KINDS,
 # codec.GRIDS, ...) import torch or numba, which would slow every command's start; tests/test_cli.py checks
 # that the two agree.
-Loss = Literal["forward_kl", "topk_renorm", "reverse_kl", "jsd"]
 ValueGrid = Literal["default", "fine", "coarse"]
 Engine = Literal["torch", "vllm"]
 VllmOutput = Literal["hidden", "logprobs"]
-OnError = Literal["raise", "skip"]
 OnDuplicate = Literal["error", "replace", "skip"]
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 TrainOn = Literal["completion", "prompt+completion"]  # logitstore.chat.TRAIN_ON (a test keeps them equal)
 
-
-LIVE_PANEL = "Live mode (instead of --store)"
-
-
-def _live_flag(help_text: str) -> Any:
-    """The option of a `train --live-teacher` flag that means what build's flag of the same name means;
-    None when not given (`LiveConfig.from_flags` knows what was given). `Any` as typer types it: it stands in
-    for the parameter's default."""
-    return typer.Option(rich_help_panel=LIVE_PANEL, help=f"Live mode: {help_text}")
-
-
-LiveData = Annotated[Optional[str], _live_flag("the data, as build --data (default: the shipped corpus).")]
-LiveTextColumn = Annotated[Optional[str], _live_flag("as build --text-column (default text).")]
-LiveIdColumn = Annotated[Optional[str], _live_flag("as build --id-column.")]
-LiveMaxLength = Annotated[Optional[int], _live_flag("as build --max-length (default 1024).")]
-LiveTopK = Annotated[Optional[int], _live_flag("as build --top-k.")]
-LiveTopP = Annotated[Optional[float], _live_flag("as build --top-p.")]
-LiveSample = Annotated[Optional[int], _live_flag("as build --sample.")]
-LiveTemperature = Annotated[Optional[float], _live_flag("as build --temperature (default 1.0).")]
-
-
-def _no_placeholder_for_flags(display_type_rich):
-    """typer 0.29 shows a type after every option, flags too (`--json <bool>` reads as if it took a
-    value, and `--json true` then fails): a flag shows none."""
-
-    @functools.wraps(display_type_rich)
-    def display(self, ctx):
-        return None if self.is_flag else display_type_rich(self, ctx)
-
-    return display
-
-
-# A monkeypatch of typer's method, on purpose (mypy's method-assign flags exactly that).
-typer.core.TyperOption.display_type_rich = _no_placeholder_for_flags(  # type: ignore[method-assign]
-    typer.core.TyperOption.display_type_rich
-)
 
 # The order commands are listed in --help: the order of use.
 COMMAND_ORDER = ("build", "train", "eval", "info", "ls", "show", "report", "diff", "log", "tag", "verify")
@@ -109,7 +75,7 @@ def _print_json(obj) -> None:
     typer.echo(json.dumps(obj, indent=2, default=str))
 
 
-@app.command()
+@app.command(cls=Command)
 @user_errors
 def info(store: StoreArg, version: VersionOpt = None, json_out: JsonOpt = False) -> None:
     """Samples, tokens, stored bytes, bytes per token and teachers of a version."""
@@ -138,7 +104,7 @@ def info(store: StoreArg, version: VersionOpt = None, json_out: JsonOpt = False)
             )
 
 
-@app.command()
+@app.command(cls=Command)
 @user_errors
 def show(
     store: StoreArg,
@@ -190,7 +156,7 @@ def show(
         )
 
 
-@app.command()
+@app.command(cls=Command)
 @user_errors
 def report(
     store: Annotated[str, typer.Argument(help="Store location (as for info), or a training run's --out folder.")],
@@ -215,7 +181,7 @@ def report(
     typer.echo(f"wrote {write_report(_open(store).read(version), path, store=store)}")
 
 
-@app.command(name="ls")
+@app.command(name="ls", cls=Command)
 @user_errors
 def ls(
     store: StoreArg,
@@ -239,7 +205,7 @@ def ls(
     typer.echo(f"{shown} samples", err=True)
 
 
-@app.command()
+@app.command(cls=Command)
 @user_errors
 def log(store: StoreArg, version: VersionOpt = None, json_out: JsonOpt = False) -> None:
     """Versions, newest first, with their tags."""
@@ -253,7 +219,7 @@ def log(store: StoreArg, version: VersionOpt = None, json_out: JsonOpt = False) 
         typer.echo(f"{v.id}  {v.written_at:%Y-%m-%d %H:%M:%S}  {size}  {v.message}{tags}")
 
 
-@app.command()
+@app.command(cls=Command)
 @user_errors
 def tag(
     store: StoreArg,
@@ -273,7 +239,7 @@ def tag(
     typer.echo(f"tagged {snapshot} as {name}")
 
 
-@app.command()
+@app.command(cls=Command)
 @user_errors
 def diff(
     store: StoreArg,
@@ -295,7 +261,7 @@ def diff(
     typer.echo(f"{len(changes['added'])} added, {len(changes['removed'])} removed, {len(changes['changed'])} changed")
 
 
-@app.command()
+@app.command(cls=Command)
 @user_errors
 def verify(store: StoreArg, version: VersionOpt = None, json_out: JsonOpt = False) -> None:
     """Read every chunk of a version; exit 1 and list the damaged samples if any."""
@@ -330,7 +296,7 @@ def verify(store: StoreArg, version: VersionOpt = None, json_out: JsonOpt = Fals
         raise typer.Exit(1)
 
 
-@app.command()
+@app.command(cls=Command)
 @user_errors
 def build(
     data: Annotated[
@@ -597,268 +563,43 @@ def _print_estimates(cfg, teachers: list, *, json_out: bool) -> None:
         )
 
 
-@app.command()
+TRAIN_FLAGS = declared(TrainConfig)
+EVAL_FLAGS = pick(
+    TRAIN_FLAGS,
+    {
+        "store": dict(panel=None, required=True, help="Store holding the teacher distributions. Required."),
+        "student": dict(panel=None, required=True, help="Trained student directory (e.g. OUT/final). Required."),
+        "version": dict(panel=None),
+        "teacher": dict(panel=None),
+        "seq_len": dict(panel=None),
+        "eval_fraction": dict(
+            panel=None,
+            help="Held-out share, as in training (1: every sample, for a store built from held-out text).",
+        ),
+        "train_on": dict(panel=None, help="Chat data: measure the completion's tokens only, or prompt+completion."),
+    },
+)
+
+
+@app.command(cls=Command)
 @user_errors
+@takes(TRAIN_FLAGS, panels=PANELS)
 def train(
-    out: Annotated[
-        str,
-        typer.Option(
-            rich_help_panel="Output",
-            help="Run folder: checkpoints, metrics.jsonl, final/. A new or empty folder, or one a run marked (logitstore-run.json).",
-        ),
-    ],
-    resume: Annotated[
-        bool,
-        typer.Option(
-            "--resume",
-            rich_help_panel="Output",
-            help="Continue from the newest complete checkpoint in --out, on the store snapshot the run pinned (a finished run: nothing to do).",
-        ),
-    ] = False,
-    force: Annotated[
-        bool,
-        typer.Option(
-            "--force",
-            rich_help_panel="Output",
-            help="Replace the run in --out: removes only what a run writes, and only in a folder a run marked.",
-        ),
-    ] = False,
+    config: ConfigOpt = None,
+    print_config: PrintConfigOpt = False,
     json_out: Annotated[
         bool, typer.Option("--json", help="Print machine-readable JSON.", rich_help_panel="Output")
     ] = False,
-    store: Annotated[
-        Optional[str],
-        typer.Option(rich_help_panel="Data", help="Store to train from (required, unless --live-teacher)."),
-    ] = None,
-    version: Annotated[
-        Optional[str],
-        typer.Option("--version", help="Version id, tag or branch (default: main).", rich_help_panel="Data"),
-    ] = None,
-    teacher: Annotated[
-        Optional[str], typer.Option(rich_help_panel="Data", help="Teacher name, when the store holds several.")
-    ] = None,
-    teacher_weight: Annotated[
-        Optional[list[str]],
-        typer.Option(
-            rich_help_panel="Data",
-            help="NAME=WEIGHT: learn from several teachers at once (repeatable; the first one's samples are the run's).",
-        ),
-    ] = None,
-    student_tokenizer: Annotated[
-        Optional[str],
-        typer.Option(
-            rich_help_panel="Data",
-            help="A built-in student uses this student tokenizer of the store (see build --student-tokenizer).",
-        ),
-    ] = None,
-    seq_len: Annotated[int, typer.Option(rich_help_panel="Data", help="Tokens per packed row.")] = 256,
-    micro_batch: Annotated[int, typer.Option(rich_help_panel="Data", help="Rows per process per micro-step.")] = 4,
-    memory_budget: Annotated[
-        Optional[str],
-        typer.Option(
-            rich_help_panel="Data",
-            help="Stored data each process's stream holds in memory (e.g. 512MB; default 4GiB); a store larger than this is read in windows of parts, shuffled within each (docs/train.md 'Streaming').",
-        ),
-    ] = None,
-    on_error: Annotated[
-        OnError, typer.Option(rich_help_panel="Data", help="A damaged sample: raise (stop) or skip (and count).")
-    ] = "raise",
-    eval_fraction: Annotated[
-        float, typer.Option(rich_help_panel="Data", help="Share of samples held out, by sample id hash.")
-    ] = 0.05,
-    train_on: Annotated[
-        TrainOn,
-        typer.Option(
-            rich_help_panel="Data",
-            help="Chat data: supervise the completion (the assistant's tokens) or prompt+completion; plain text stores supervise every token either way.",
-        ),
-    ] = "completion",
-    student: Annotated[
-        str,
-        typer.Option(
-            rich_help_panel="Student",
-            help="Hugging Face causal-LM directory, Hub id (org/name[@rev]), or a built-in config (llama-tiny, llama-small, smollm2-135m).",
-        ),
-    ] = "llama-tiny",
-    nproc: Annotated[
-        int, typer.Option(rich_help_panel="Student", help="Processes to launch (gloo on CPU, NCCL on CUDA).")
-    ] = 1,
-    offload_optimizer: Annotated[
-        bool,
-        typer.Option(
-            "--offload-optimizer",
-            rich_help_panel="Student",
-            help="FSDP2 CPU offload of parameters, gradients and optimizer state.",
-        ),
-    ] = False,
-    activation_checkpointing: Annotated[
-        bool,
-        typer.Option(
-            "--activation-checkpointing",
-            rich_help_panel="Student",
-            help="Recompute each block's activations in backward: about one more forward per step, far less memory.",
-        ),
-    ] = False,
-    compile: Annotated[
-        bool,
-        typer.Option(
-            "--compile",
-            rich_help_panel="Student",
-            help="torch.compile each block's feed-forward (compiles first; the attention is fused already).",
-        ),
-    ] = False,
-    defer_grad_sync: Annotated[
-        bool,
-        typer.Option(
-            "--defer-grad-sync",
-            rich_help_panel="Optimisation",
-            help="With --grad-accum > 1, reduce gradients once per step, not per micro-batch (holds them unsharded meanwhile).",
-        ),
-    ] = False,
-    steps: Annotated[
-        int,
-        typer.Option(
-            rich_help_panel="Optimisation", help="Total optimizer steps of the run (a resumed run continues to it)."
-        ),
-    ] = 100,
-    tokens: Annotated[
-        Optional[int],
-        typer.Option(rich_help_panel="Optimisation", help="Train on this many tokens instead of --steps."),
-    ] = None,
-    grad_accum: Annotated[
-        int, typer.Option(rich_help_panel="Optimisation", help="Micro-steps per optimizer step.")
-    ] = 1,
-    global_batch_tokens: Annotated[
-        Optional[int],
-        typer.Option(
-            rich_help_panel="Optimisation", help="Tokens per optimizer step over all processes; sets --grad-accum."
-        ),
-    ] = None,
-    lr: Annotated[float, typer.Option(rich_help_panel="Optimisation", help="Peak learning rate.")] = 3e-3,
-    warmup_steps: Annotated[
-        int, typer.Option(rich_help_panel="Optimisation", help="Linear warmup steps before the cosine decay.")
-    ] = 10,
-    min_lr_ratio: Annotated[
-        float, typer.Option(rich_help_panel="Optimisation", help="Final learning rate as a fraction of --lr.")
-    ] = 0.1,
-    weight_decay: Annotated[float, typer.Option(rich_help_panel="Optimisation", help="AdamW weight decay.")] = 0.0,
-    grad_clip: Annotated[
-        float, typer.Option(rich_help_panel="Optimisation", help="Clip the gradient norm (0: off).")
-    ] = 1.0,
-    seed: Annotated[int, typer.Option(rich_help_panel="Optimisation", help="Seed for weights and data order.")] = 0,
-    loss: Annotated[
-        Loss, typer.Option(rich_help_panel="Loss", help="forward_kl (tail bucket), topk_renorm, reverse_kl or jsd.")
-    ] = "forward_kl",
-    kd_temperature: Annotated[float, typer.Option(rich_help_panel="Loss", help="Distillation temperature.")] = 1.0,
-    alpha: Annotated[
-        float, typer.Option(rich_help_panel="Loss", help="Weight of cross-entropy on the actual next token.")
-    ] = 0.0,
-    jsd_beta: Annotated[float, typer.Option(rich_help_panel="Loss", help="Mixing weight of --loss jsd.")] = 0.5,
-    uld_weight: Annotated[
-        float,
-        typer.Option(
-            rich_help_panel="Loss",
-            help="Cross-tokenizer teachers: weight of the sorted-probability (ULD) term for unmapped tokens.",
-        ),
-    ] = 1.0,
-    checkpoint_every: Annotated[
-        int,
-        typer.Option(
-            rich_help_panel="Checkpoints and evaluation", help="Checkpoint every N steps (0: only at the end)."
-        ),
-    ] = 0,
-    eval_every: Annotated[
-        int,
-        typer.Option(
-            rich_help_panel="Checkpoints and evaluation",
-            help="Evaluate on the held-out split every N steps (0: never).",
-        ),
-    ] = 0,
-    report_to: Annotated[
-        Optional[list[str]],
-        typer.Option(
-            rich_help_panel="Output",
-            help="Also send the metrics to tensorboard (OUT/tensorboard), wandb (WANDB_MODE=offline: OUT/wandb only) or mlflow (MLFLOW_TRACKING_URI); each needs its extra, e.g. pip install 'logitstore\\[wandb]' (docs/train.md 'Trackers'). Repeatable.",
-        ),
-    ] = None,
-    live_teacher: Annotated[
-        Optional[str],
-        typer.Option(
-            rich_help_panel=LIVE_PANEL,
-            help="Live mode instead of --store: run this teacher (what build --teacher takes, or 'default') beside the trainer, handing over by shared memory.",
-        ),
-    ] = None,
-    data: LiveData = None,
-    text_column: LiveTextColumn = None,
-    id_column: LiveIdColumn = None,
-    max_length: LiveMaxLength = None,
-    top_k: LiveTopK = None,
-    top_p: LiveTopP = None,
-    sample: LiveSample = None,
-    temperature: LiveTemperature = None,
+    *,
+    given: Given,
 ) -> None:
     """Train a student from a store version with FSDP2; no teacher runs."""
-    from logitstore.trainer.report import check_sinks
-
-    check_sinks(report_to or ())  # a flag-only error: before the training stack (torch) loads
-    from logitstore.trainer.config import TrainConfig
-    from logitstore.trainer.live import LiveConfig
-    from logitstore.trainer.mixing import parse_teacher_weights
+    cfg = from_values(TrainConfig, _train_values(given, config=config))  # checked before torch loads
+    if print_config:
+        typer.echo(dump(to_values(cfg), command="train"), nl=False)
+        return
     from logitstore.trainer.train import launch
 
-    weights = parse_teacher_weights(teacher_weight) if teacher_weight else None
-    live = LiveConfig.from_flags(
-        live_teacher,
-        data=data,
-        text_column=text_column,
-        id_column=id_column,
-        max_length=max_length,
-        top_k=top_k,
-        top_p=top_p,
-        sample=sample,
-        temperature=temperature,
-    )
-    cfg = TrainConfig.from_flags(
-        live=live,
-        store=store,
-        out=out,
-        student=student,
-        version=version,
-        teacher=teacher,
-        teacher_weights=weights,
-        student_tokenizer=student_tokenizer,
-        uld_weight=uld_weight,
-        nproc=nproc,
-        steps=steps,
-        seq_len=seq_len,
-        micro_batch=micro_batch,
-        grad_accum=grad_accum,
-        lr=lr,
-        warmup_steps=warmup_steps,
-        min_lr_ratio=min_lr_ratio,
-        weight_decay=weight_decay,
-        grad_clip=grad_clip,
-        seed=seed,
-        loss=loss,
-        kd_temperature=kd_temperature,
-        alpha=alpha,
-        jsd_beta=jsd_beta,
-        eval_every=eval_every,
-        eval_fraction=eval_fraction,
-        checkpoint_every=checkpoint_every,
-        resume=resume,
-        force=force,
-        offload_optimizer=offload_optimizer,
-        on_error=on_error,
-        activation_checkpointing=activation_checkpointing,
-        compile=compile,
-        defer_grad_sync=defer_grad_sync,
-        report_to=tuple(report_to or ()),
-        global_batch_tokens=global_batch_tokens,
-        tokens=tokens,
-        train_on=train_on,
-        **({"memory_budget": memory_budget} if memory_budget is not None else {}),
-    )
     final = launch(cfg)
     if json_out:
         _print_json(final)
@@ -870,35 +611,34 @@ def train(
     )
 
 
-@app.command(name="eval")
+def _train_values(given: Given, *, config: str | None) -> dict:
+    """`train`'s values; with --resume, over the configuration the run kept in its folder (so resuming
+    needs --out and --resume only; a flag that changes the run's identity is refused as before)."""
+    values = resolve(TRAIN_FLAGS, given, config=config, command="train")
+    kept = read_kept(values["out"]) if values["resume"] else None
+    if kept is None:
+        return values
+    return resolve(TRAIN_FLAGS, given, config=config, command="train", base=kept)
+
+
+@app.command(name="eval", cls=Command)
 @user_errors
+@takes(EVAL_FLAGS)
 def eval_(
-    store: Annotated[str, typer.Option(help="Store holding the teacher distributions.")],
-    student: Annotated[str, typer.Option(help="Trained student directory (e.g. OUT/final).")],
-    version: VersionOpt = None,
-    teacher: Annotated[Optional[str], typer.Option(help="Teacher name, when the store holds several.")] = None,
-    seq_len: Annotated[int, typer.Option(help="Tokens per packed row.")] = 256,
-    eval_fraction: Annotated[
-        float,
-        typer.Option(help="Held-out share, as in training (1: every sample, for a store built from held-out text)."),
-    ] = 0.05,
-    train_on: Annotated[
-        TrainOn, typer.Option(help="Chat data: measure the completion's tokens only, or prompt+completion.")
-    ] = "completion",
+    config: ConfigOpt = None,
+    print_config: PrintConfigOpt = False,
     json_out: JsonOpt = False,
+    *,
+    given: Given,
 ) -> None:
     """The student's mean KL to the stored teacher (`kl`) and cross-entropy (`ce`) on held-out samples."""
+    values = resolve(EVAL_FLAGS, given, config=config, command="eval")
+    if print_config:
+        typer.echo(dump(values, command="eval"), nl=False)
+        return
     from logitstore.trainer.train import run_eval
 
-    result = run_eval(
-        store=store,
-        student=student,
-        version=version,
-        teacher=teacher,
-        seq_len=seq_len,
-        eval_fraction=eval_fraction,
-        train_on=train_on,
-    )
+    result = run_eval(**values)
     if json_out:
         _print_json(result)
     else:

@@ -34,7 +34,7 @@ from logitstore.zarr_codec import LogprobGrid
 if TYPE_CHECKING:  # annotations only
     import icechunk
 
-    from logitstore.codec import CodecParams
+    from logitstore.grid import CodecParams
 
 TEACHERS, PARTS, STUDENTS = "teachers", "parts", "students"  # the groups that hold teachers, parts, students
 

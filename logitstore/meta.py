@@ -11,10 +11,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from logitstore.codec import CodecParams
 from logitstore.errors import (
     InvalidSampleError,
 )
+from logitstore.grid import CodecParams
 from logitstore.sparsity import MODES
 
 # 2: teachers registered since hold their log-probability arrays as float32 through the grid codec

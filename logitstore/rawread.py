@@ -30,7 +30,7 @@ from zarr.core.buffer import default_buffer_prototype
 from zarr.core.sync import sync
 
 from logitstore.bounded import BoundedStore
-from logitstore.codec import CodecParams
+from logitstore.grid import CodecParams
 from logitstore.zarr_codec import NAME as GRID_CODEC
 from logitstore.zarr_codec import as_codes
 

@@ -26,6 +26,7 @@ from logitstore import codec
 from logitstore.bounded import read_errors
 from logitstore.codec import EncodedSamples
 from logitstore.errors import LogitstoreError
+from logitstore.grid import Q_MAX
 from logitstore.meta import TeacherMeta
 from logitstore.reader import PartReader, TeacherRows
 from logitstore.samples import row_offsets
@@ -54,7 +55,7 @@ class TeacherStats:
     entries: np.ndarray = field(default_factory=lambda: np.zeros(1, np.int64))  # positions per entry count
     entropy: np.ndarray = field(default_factory=lambda: np.zeros(0))  # positions per entropy bin
     tail: np.ndarray = field(default_factory=lambda: np.zeros(len(TAIL_BINS) - 1))
-    codes: np.ndarray = field(default_factory=lambda: np.zeros(codec.Q_MAX + 1, np.int64))  # entries per grid code
+    codes: np.ndarray = field(default_factory=lambda: np.zeros(Q_MAX + 1, np.int64))  # entries per grid code
     parts: list[tuple[str, int, int]] = field(default_factory=list)  # (part, tokens, stored bytes), write order
     damaged: int = 0  # samples left out: they failed the reader's checks (`logitstore verify` names them)
     # per sample: positions with entries, and the sums of their tail, entropy, agreement, target log-prob
@@ -146,7 +147,7 @@ def _fold_part(
     # a sampled estimate can pass log(vocab) (a rare draw's -log p): the last bin holds it
     stats.entropy += np.histogram(np.minimum(entropy[has], stats.entropy_bins[-1]), bins=stats.entropy_bins)[0]
     stats.tail += np.histogram(tail[has], bins=TAIL_BINS)[0]
-    stats.codes += np.bincount(codes, minlength=codec.Q_MAX + 1)
+    stats.codes += np.bincount(codes, minlength=Q_MAX + 1)
 
 
 def _entropy(logprobs, position_of_entry, positions: int, *, counts) -> np.ndarray:
@@ -216,7 +217,7 @@ def plot_grid(stats: TeacherStats) -> bytes:
     """Entries per grid code, at the code's log-probability: where the stored values sit on the grid."""
     fig, (ax,) = _axes()
     params = stats.meta.codec
-    used = np.flatnonzero(stats.codes[: codec.Q_MAX])  # Q_MAX: minus infinity, not a point on the axis
+    used = np.flatnonzero(stats.codes[:Q_MAX])  # Q_MAX: minus infinity, not a point on the axis
     values = codec.dequantize(used.astype(np.uint16), params=params)
     ax.vlines(values, 0.8, stats.codes[used], color="tab:green", linewidth=1)  # from below 1: a log axis
     ax.set_yscale("log")
@@ -293,7 +294,7 @@ def teacher_sections(stats: TeacherStats) -> list[Section]:
         Section("Entropy and tail mass", image=plot_entropy_and_tail(stats)),
         Section(
             "Stored log-probabilities against the value grid",
-            text=f"Entries per grid code; {int(stats.codes[codec.Q_MAX]):,} entries hold minus infinity.",
+            text=f"Entries per grid code; {int(stats.codes[Q_MAX]):,} entries hold minus infinity.",
             image=plot_grid(stats),
         ),
         Section("Bytes per token per part", text=f"{len(stats.parts)} parts.", image=plot_part_bytes(stats)),

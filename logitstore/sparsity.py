@@ -7,7 +7,7 @@
              counts (unbiased: Anshumann et al. 2025, "Sparse Logit Sampling")
 
 plus the selection temperature (stored log-probabilities are always at temperature 1) and the value
-grid the log-probabilities are quantised to (`codec.CodecParams`; `GRIDS` names three).
+grid the log-probabilities are quantised to (`grid.CodecParams`; `grid.GRIDS` names three).
 
 A `Sparsity` comes from build's (and live train's) flags (`sparsity_from_flags`), from a store's teacher
 metadata (`Sparsity.from_meta`), or is `default_sparsity()`: the one default. How the entries are
@@ -18,8 +18,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from logitstore.codec import GRIDS, CodecParams
 from logitstore.errors import LogitstoreError
+from logitstore.grid import GRIDS, CodecParams
+from logitstore.options import option
 
 MODES = ("topk", "topp", "sampled")
 
@@ -125,3 +126,57 @@ def sparsity_from_flags(
         return replace(default, temperature=temperature, grid=grid)
     mode = "sampled" if sample is not None else "topp" if top_p is not None else "topk"
     return Sparsity(mode=mode, k=64 if top_k is None else top_k, p=top_p, n=sample, temperature=temperature, grid=grid)
+
+
+PANEL = "Sparsity"
+
+
+@dataclass(frozen=True)
+class SparsityFlags:
+    """What `--top-k`, `--top-p`, `--sample`, `--temperature` and `--value-grid` ask for (build's flags,
+    and live train's); `resolve(default)` is the `Sparsity` they make, `of(sparsity)` the inverse."""
+
+    top_k: int | None = option(
+        None, panel=PANEL, help="Store the top K entries per position (the cap, with --top-p: default 64)."
+    )
+    top_p: float | None = option(
+        None, panel=PANEL, help="Keep the smallest set of top entries reaching this probability, capped at --top-k."
+    )
+    sample: int | None = option(
+        None,
+        panel=PANEL,
+        help="Store N draws per position as distinct ids with counts (unbiased). Default without any of --top-k/--top-p/--sample: --sample 16, or --top-k 64 with --student-tokenizer or an engine that cannot draw (vllm).",
+    )
+    temperature: float = option(
+        1.0, panel=PANEL, help="Temperature for selecting/sampling entries; stored log-probabilities stay at 1."
+    )
+    value_grid: str = option(
+        "default",
+        panel=PANEL,
+        choices=lambda: GRIDS,
+        help="Log-probability grid: default (0.025-nat bound above -5 nats), fine (0.001, finer than fp16) or coarse (0.05); see 'Choosing a budget'.",
+    )
+
+    def resolve(self, default: Sparsity) -> Sparsity:
+        return sparsity_from_flags(
+            top_k=self.top_k,
+            top_p=self.top_p,
+            sample=self.sample,
+            temperature=self.temperature,
+            default=default,
+            grid=self.value_grid,
+        )
+
+    @classmethod
+    def of(cls, sparsity: Sparsity) -> SparsityFlags:
+        """The flags that ask for `sparsity` (its grid must be one of `GRIDS`)."""
+        grid = next((name for name, params in GRIDS.items() if params == sparsity.grid), None)
+        if grid is None:
+            raise SparsityError(f"the value grid {sparsity.grid} has no name (--value-grid takes {', '.join(GRIDS)})")
+        return cls(
+            top_k=None if sparsity.sampled else sparsity.k,
+            top_p=sparsity.p if sparsity.mode == "topp" else None,
+            sample=sparsity.n if sparsity.sampled else None,
+            temperature=sparsity.temperature,
+            value_grid=grid,
+        )

@@ -22,7 +22,6 @@ from logitstore.bounded import (
     read_errors,
     storage_errors,
 )
-from logitstore.codec import CodecParams
 from logitstore.errors import (
     ConflictError,
     DuplicateSampleError,
@@ -30,6 +29,7 @@ from logitstore.errors import (
     InvalidSampleError,
     LogitstoreError,
 )
+from logitstore.grid import CodecParams
 
 # 2: teachers registered since hold their log-probability arrays as float32 through the grid codec
 # (`zarr_codec.py`; `TeacherMeta.values`); format-1 teachers keep plain uint16 codes and read as before.

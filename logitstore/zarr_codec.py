@@ -1,6 +1,6 @@
 """The log-probability grid as a Zarr v3 codec, so plain `zarr` reads a store's values as log-probabilities.
 
-logitstore keeps log-probabilities as uint16 codes on a two-slope grid (`codec.CodecParams`). The
+logitstore keeps log-probabilities as uint16 codes on a two-slope grid (`grid.CodecParams`). The
 arrays of a teacher registered since store format 2 (`entry_logprobs`, `target_logprobs`, `tail`, the
 last as the log of the tail mass) declare `data_type: float32` and put this codec first in their chain:
 
@@ -27,7 +27,8 @@ from zarr.core.common import parse_named_configuration
 from zarr.core.dtype import UInt16
 from zarr.registry import register_codec
 
-from logitstore.codec import CodecParams, dequantize, quantize
+from logitstore.codec import dequantize, quantize
+from logitstore.grid import CodecParams
 
 NAME = "logitstore.logprob_grid"
 

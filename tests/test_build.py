@@ -14,8 +14,8 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from logitstore import codec
 from logitstore.cli.app import app
+from logitstore.grid import GRIDS
 from logitstore.pipelines.build import BuildConfig, run_build
 from logitstore.pipelines.engines.torch_engine import load_teacher_once
 from logitstore.pipelines.teacher import resolve_teacher
@@ -124,7 +124,7 @@ def test_cli_build_json_summary_and_sparsity_modes(small_data, tmp_path):
         view = Store.open(str(store)).read()
         assert view.teachers["smollm2-135m-instruct"].sparsity["mode"] == check
         grid = "coarse" if "--value-grid" in extra else "default"
-        assert view.teachers["smollm2-135m-instruct"].codec == codec.GRIDS[grid]
+        assert view.teachers["smollm2-135m-instruct"].codec == GRIDS[grid]
         s = view.sample(view.index["sample_id"][0].as_py())
         mass = np.add.reduceat(np.exp(s.entry_logprobs.astype(np.float64)), s.entry_offsets[:-1])
         if check == "topp":

@@ -9,7 +9,8 @@ from hypothesis import strategies as st
 
 from benchmarks.synthetic import random_samples
 from logitstore import codec
-from logitstore.codec import CodecParams, dequantize, quantize
+from logitstore.codec import dequantize, quantize
+from logitstore.grid import GRIDS, Q_MAX, CodecParams
 from tests.conftest import assert_samples_close
 
 PARAMS = CodecParams()
@@ -39,11 +40,11 @@ def test_round_trip_within_bound(mode, id_order):
     _assert_bound(_round_trip(samples, params), samples, params)
 
 
-@pytest.mark.parametrize("grid", sorted(codec.GRIDS))
+@pytest.mark.parametrize("grid", sorted(GRIDS))
 @pytest.mark.parametrize("mode", ["topk", "topp", "sampled"])
 def test_every_named_grid_round_trips_within_its_bound(grid, mode):
     """The grids the frontier benchmark compares, each held to its own documented bound."""
-    params = codec.GRIDS[grid]
+    params = GRIDS[grid]
     samples = random_samples([f"s{i}" for i in range(5)], mode=mode, k=24, seed=3)
     _assert_bound(_round_trip(samples, params), samples, params)
     lp = -np.random.default_rng(0).exponential(8.0, size=5000).astype(np.float32)
@@ -53,7 +54,7 @@ def test_every_named_grid_round_trips_within_its_bound(grid, mode):
 
 
 def test_values_below_the_floor_stay_finite():
-    params = codec.GRIDS["fine"]
+    params = GRIDS["fine"]
     back = dequantize(
         quantize(np.array([params.floor - 50.0, -np.inf], dtype=np.float32), params=params), params=params
     )
@@ -155,13 +156,13 @@ def _quantize_numpy(logprobs, *, params):
         q = np.where(
             x <= split, np.rint(x / params.fine_step), params.fine_levels + np.rint((x - split) / params.coarse_step)
         )
-    q_max = codec.Q_MAX
+    q_max = Q_MAX
     return np.where(np.isinf(x), q_max, np.minimum(np.nan_to_num(q, posinf=q_max - 1), q_max - 1)).astype(np.uint16)
 
 
-@pytest.mark.parametrize("grid", sorted(codec.GRIDS))
+@pytest.mark.parametrize("grid", sorted(GRIDS))
 def test_quantize_equals_the_numpy_formulas_code_for_code(grid):
-    params = codec.GRIDS[grid]
+    params = GRIDS[grid]
     rng = np.random.default_rng(0)
     steps = np.arange(70_000)
     edges = [

@@ -181,7 +181,8 @@ def test_a_student_with_an_unknown_tokenizer_is_refused(store, tmp_path):
 
 def test_same_tokenizer_signal_through_the_mixed_path_equals_the_single_teacher_path(store):
     """The mixed source with one same-tokenizer teacher gives the batches and loss of the store source."""
-    from logitstore.trainer.losses import LossConfig, distill_loss
+    from logitstore.trainer.config import LossConfig
+    from logitstore.trainer.losses import distill_loss
     from logitstore.trainer.mixing import MixedSource, Source
     from logitstore.trainer.objective import StudentOutputs, mixed_loss
     from logitstore.trainer.objective import sparse_targets as _targets
@@ -215,7 +216,7 @@ def test_cross_tokenizer_loss_in_chunks_equals_the_loss_in_one_piece(store):
     """The chunked head on aligned targets (chunks that never split a many-token group) gives the value
     and gradients of the whole [P, V] logits at once, in training and in evaluation."""
     from logitstore.trainer.aligned_losses import aligned_kd
-    from logitstore.trainer.losses import LossConfig
+    from logitstore.trainer.config import LossConfig
     from logitstore.trainer.objective import StudentOutputs, _whole_groups, mixed_loss
     from logitstore.trainer.spec import StreamSpec
     from logitstore.trainer.stream import store_stream

@@ -17,8 +17,8 @@ import torch
 from logitstore.pipelines.build import BuildConfig, run_build
 from logitstore.samples import SparseSamples
 from logitstore.sparsity import Sparsity
-from logitstore.trainer.config import TrainConfig
-from logitstore.trainer.live import LiveConfig, LiveTeacher, _allocate_ring, _write_slot
+from logitstore.trainer.config import LiveConfig, TrainConfig
+from logitstore.trainer.live import LiveTeacher, _allocate_ring, _write_slot
 from logitstore.trainer.train import launch
 from tests.conftest import CLI, sample_corpus_head
 
@@ -244,7 +244,7 @@ def test_cuda_transport_hands_over_like_shared_memory(corpus, tmp_path):
 
 
 def test_live_flags_make_a_live_config_only_with_a_live_teacher():
-    from logitstore.trainer.live import LiveTeacherError
+    from logitstore.trainer.config import LiveTeacherError
 
     assert LiveConfig.from_flags(None) is None
     cfg = LiveConfig.from_flags("default", top_k=8, max_length=64)

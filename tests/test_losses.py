@@ -8,7 +8,8 @@ import math
 import pytest
 import torch
 
-from logitstore.trainer.losses import KINDS, LossConfig, SparseTargets, ce_term, distill_loss, kd_term
+from logitstore.trainer.config import KINDS, LossConfig
+from logitstore.trainer.losses import SparseTargets, ce_term, distill_loss, kd_term
 
 V, P, K = 40, 7, 5
 TINY = 1e-30

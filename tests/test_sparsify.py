@@ -97,7 +97,7 @@ def test_the_cli_default_is_sampled_except_where_probabilities_are_needed():
 def test_one_default_for_the_cli_the_build_and_live_mode():
     from logitstore.pipelines.build import BuildConfig
     from logitstore.pipelines.engines import engine_class
-    from logitstore.trainer.live import LiveConfig
+    from logitstore.trainer.config import LiveConfig
 
     assert LiveConfig().sparsity == BuildConfig().sparsity == DEFAULT_SAMPLED
     assert LiveConfig.from_flags("default").sparsity == DEFAULT_SAMPLED  # train --live-teacher default
@@ -106,7 +106,7 @@ def test_one_default_for_the_cli_the_build_and_live_mode():
 
 
 def test_sparsity_round_trips_through_teacher_metadata_with_its_grid():
-    from logitstore.codec import GRIDS
+    from logitstore.grid import GRIDS
     from logitstore.sparsity import SparsityError, sparsity_from_flags
 
     for setting in (

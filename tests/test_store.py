@@ -15,6 +15,7 @@ from logitstore.errors import (
     StoreNotFoundError,
     VersionNotFoundError,
 )
+from logitstore.grid import CodecParams
 from logitstore.index import diff_indexes
 from logitstore.meta import TeacherMeta
 from logitstore.store import Store
@@ -310,7 +311,7 @@ def test_a_part_is_written_as_zarr_writes_it_byte_for_byte(tmp_path, case):
         w.merge(written)
         part = written.rows["part"][0].as_py()
         enc = codec.encode(
-            samples, params=codec.CodecParams(), code_of_id=part_writer.code_of_id("teacher-a"), vocab_size=VOCAB
+            samples, params=CodecParams(), code_of_id=part_writer.code_of_id("teacher-a"), vocab_size=VOCAB
         )
         group = zarr.open_group(w.session.store, mode="r+")["teachers/teacher-a/parts"].create_group("by-zarr")
         stored = sum(

@@ -16,16 +16,17 @@ import numpy as np
 import pytest
 
 from logitstore import codec
+from logitstore.grid import GRIDS, Q_MAX
 from logitstore.layout import GRID_ARRAYS
 from logitstore.store import Store
 from logitstore.zarr_codec import as_codes
 from tests.test_store import random_samples, teacher, write
 
 
-@pytest.mark.parametrize("grid", sorted(codec.GRIDS))
+@pytest.mark.parametrize("grid", sorted(GRIDS))
 def test_every_code_comes_back_from_its_float32_value(grid):
-    params = codec.GRIDS[grid]
-    codes = np.arange(codec.Q_MAX + 1, dtype=np.uint16)
+    params = GRIDS[grid]
+    codes = np.arange(Q_MAX + 1, dtype=np.uint16)
     assert (as_codes(codec.dequantize(codes, params=params), params) == codes).all()
 
 

@@ -82,11 +82,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from logitstore.trainer.config import is_real
 from logitstore.trainer.losses import (
     LOG_TINY,
     MASKED_LOGIT,
     TINY,
-    is_real,
     normalise,
     segment_logsumexp,
     segment_sum,

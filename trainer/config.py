@@ -4,60 +4,127 @@ the flag), before any process starts.
     data       where the teacher signal comes from and how it is packed (`DataConfig`)
     student    the model and how it runs (`StudentConfig`)
     optim      the optimizer and the batch (`OptimConfig`)
-    loss       the distillation loss (`losses.LossConfig`)
+    loss       the distillation loss (`LossConfig`)
     schedule   how long, and when to evaluate, checkpoint and log (`ScheduleConfig`)
     output     the run folder and where metrics go (`OutputConfig`)
-    live       live mode's teacher and data (`live.LiveConfig`), instead of `data.store`
+    live       live mode's teacher and data (`LiveConfig`), instead of `data.store`
 
-`TrainConfig.from_flags(**flags)` takes the command line's flat names (`seq_len=`, `lr=`, `loss=`, ...)
-and puts each in its group: the CLI's `train` is that mapping and nothing else.
+Each field that is a flag of `logitstore train` (or `eval`) is declared with `options.option`: its help
+text and panel sit beside it, and the CLI, `--config` files and `--print-config` take them from here
+(`options.from_values(TrainConfig, values)` by flag name, `options.to_values(cfg)` back).
+`TrainConfig.from_flags(**flags)` takes the same flat names from Python.
+
+This module imports no torch (the loss and the stream import their options from here): the CLI builds
+its flags from these types, and a configuration is checked, before the training stack loads.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 from logitstore.chat import TRAIN_ON
 from logitstore.errors import LogitstoreError
+from logitstore.options import KEY, Flag, declared, group, option, read_file, to_values
 from logitstore.sizes import parse_bytes
-from logitstore.trainer.losses import LossConfig
+from logitstore.sparsity import Sparsity, SparsityFlags, default_sparsity
 from logitstore.trainer.report import check_sinks
-from logitstore.trainer.spec import DEFAULT_MEMORY_BUDGET, StreamSpec
-
-if TYPE_CHECKING:  # for the annotation only: a store run's configuration need not import live mode
-    from logitstore.trainer.live import LiveConfig
+from logitstore.trainer.spec import DEFAULT_MEMORY_BUDGET, ON_ERROR, StreamSpec
 
 EVAL_ONLY = "-"  # the `out` of a configuration that only evaluates (`logitstore eval`): it writes nothing
+KINDS = ("forward_kl", "topk_renorm", "reverse_kl", "jsd")  # the distillation losses (`losses.py`)
+
+OUTPUT, DATA, STUDENT, OPTIM, LOSS = "Output", "Data", "Student", "Optimisation", "Loss"
+CHECKPOINTS, LIVE = "Checkpoints and evaluation", "Live mode (instead of --store)"
+PANELS = (OUTPUT, DATA, STUDENT, OPTIM, LOSS, CHECKPOINTS, LIVE)  # the order `train --help` lists them
 
 
 class TrainConfigError(LogitstoreError):
     """An option of `logitstore train` is out of range."""
 
 
-def _check(checks: list[tuple[bool, str]]) -> None:
+class LossConfigError(LogitstoreError, ValueError):
+    """A loss option out of range or unusable with the store; the message names the flag."""
+
+
+class LiveTeacherError(LogitstoreError):
+    """The live teacher cannot start, or stopped during the run."""
+
+
+def _check(checks: list[tuple[bool, str]], error: type[LogitstoreError] = TrainConfigError) -> None:
     for ok, message in checks:
         if not ok:
-            raise TrainConfigError(message)
+            raise error(message)
+
+
+def is_real(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and not math.isnan(x)
+
+
+def parse_teacher_weights(values: list[str] | tuple[str, ...] | None) -> dict[str, float] | None:
+    """`["A=0.7", "B=0.3"]` -> {"A": 0.7, "B": 0.3}; order kept (the first is the sample set's)."""
+    if not values:
+        return None
+    out: dict[str, float] = {}
+    for value in values:
+        name, sep, weight = value.partition("=")
+        try:
+            w = float(weight)
+        except ValueError:
+            w = math.nan
+        if not sep or not name or not math.isfinite(w) or w <= 0:
+            raise TrainConfigError(f"--teacher-weight {value!r}: expected NAME=WEIGHT with a weight > 0")
+        if name in out:
+            raise TrainConfigError(f"--teacher-weight: teacher {name!r} given twice")
+        out[name] = w
+    return out
+
+
+def _show_teacher_weights(weights: dict[str, float] | None) -> list[str]:
+    return [f"{name}={weight}" for name, weight in (weights or {}).items()]
 
 
 @dataclass
 class DataConfig:
-    store: str | None = None  # None in live mode
-    version: str | None = None
-    teacher: str | None = None
+    store: str | None = option(None, panel=DATA, help="Store to train from (required, unless --live-teacher).")
+    version: str | None = option(None, panel=DATA, help="Version id, tag or branch (default: main).")
+    teacher: str | None = option(None, panel=DATA, help="Teacher name, when the store holds several.")
     # Several teachers: {name: weight} in order (the first one's samples are the run's); see mixing.py
-    teacher_weights: dict[str, float] | None = None
-    student_tokenizer: str | None = None  # a built-in student uses this store student tokenizer
-    seq_len: int = 256
-    micro_batch: int = 4  # rows of seq_len tokens per rank per micro-step
-    eval_fraction: float = 0.05
-    on_error: str = "raise"  # a damaged sample: "raise" stops the run, "skip" skips and counts it
-    memory_budget: str = (
-        DEFAULT_MEMORY_BUDGET  # stored data a rank's stream holds (bytes or "512MB"); sets the shuffle window
+    teacher_weights: dict[str, float] | None = option(
+        None,
+        name="teacher_weight",
+        value_type=list[str],
+        parse=parse_teacher_weights,
+        show=_show_teacher_weights,
+        panel=DATA,
+        help="NAME=WEIGHT: learn from several teachers at once (repeatable; the first one's samples are the run's).",
     )
-    train_on: str = "completion"  # chat data (logitstore.chat): supervise the completion, or prompt+completion
+    student_tokenizer: str | None = option(
+        None,
+        panel=DATA,
+        help="A built-in student uses this student tokenizer of the store (see build --student-tokenizer).",
+    )
+    seq_len: int = option(256, panel=DATA, help="Tokens per packed row.")
+    micro_batch: int = option(4, panel=DATA, help="Rows per process per micro-step.")
+    # stored data a rank's stream holds (bytes or "512MB"); sets the shuffle window
+    memory_budget: str = option(
+        DEFAULT_MEMORY_BUDGET,
+        panel=DATA,
+        help="Stored data each process's stream holds in memory (e.g. 512MB); a store larger than this is read in windows of parts, shuffled within each (docs/train.md 'Streaming').",
+    )
+    on_error: str = option(
+        "raise", choices=lambda: ON_ERROR, panel=DATA, help="A damaged sample: raise (stop) or skip (and count)."
+    )
+    eval_fraction: float = option(0.05, panel=DATA, help="Share of samples held out, by sample id hash.")
+    train_on: str = option(
+        "completion",
+        choices=lambda: TRAIN_ON,
+        panel=DATA,
+        help="Chat data: supervise the completion (the assistant's tokens) or prompt+completion; plain text stores supervise every token either way.",
+    )
 
     def __post_init__(self) -> None:
         _check(
@@ -66,7 +133,7 @@ class DataConfig:
                 (self.seq_len >= 2, "--seq-len must be at least 2"),
                 (self.micro_batch >= 1, "--micro-batch must be at least 1"),
                 (0 <= self.eval_fraction <= 1, "--eval-fraction must be in [0, 1] (0 holds nothing out)"),
-                (self.on_error in ("raise", "skip"), "--on-error must be raise or skip"),
+                (self.on_error in ON_ERROR, "--on-error must be raise or skip"),
                 (not (self.teacher_weights and self.teacher), "--teacher and --teacher-weight exclude each other"),
                 (all(w > 0 for w in (self.teacher_weights or {}).values()), "--teacher-weight weights must be > 0"),
             ]
@@ -77,12 +144,28 @@ class DataConfig:
 
 @dataclass
 class StudentConfig:
-    student: str = "llama-tiny"
-    nproc: int = 1
-    seed: int = 0
-    offload_optimizer: bool = False
-    activation_checkpointing: bool = False  # recompute each block's activations in backward: memory for time
-    compile: bool = False  # torch.compile each block's feed-forward (a compile per shape first)
+    student: str = option(
+        "llama-tiny",
+        panel=STUDENT,
+        help="Hugging Face causal-LM directory, Hub id (org/name[@rev]), or a built-in config (llama-tiny, llama-small, smollm2-135m).",
+    )
+    nproc: int = option(1, panel=STUDENT, help="Processes to launch (gloo on CPU, NCCL on CUDA).")
+    seed: int = option(0, panel=OPTIM, help="Seed for weights and data order.")
+    offload_optimizer: bool = option(
+        False, panel=STUDENT, help="FSDP2 CPU offload of parameters, gradients and optimizer state."
+    )
+    # recompute each block's activations in backward: memory for time
+    activation_checkpointing: bool = option(
+        False,
+        panel=STUDENT,
+        help="Recompute each block's activations in backward: about one more forward per step, far less memory.",
+    )
+    # torch.compile each block's feed-forward (a compile per shape first)
+    compile: bool = option(
+        False,
+        panel=STUDENT,
+        help="torch.compile each block's feed-forward (compiles first; the attention is fused already).",
+    )
 
     def __post_init__(self) -> None:
         _check([(self.nproc >= 1, "--nproc must be at least 1")])
@@ -90,14 +173,22 @@ class StudentConfig:
 
 @dataclass
 class OptimConfig:
-    lr: float = 3e-3
-    min_lr_ratio: float = 0.1
-    warmup_steps: int = 10
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
-    grad_accum: int = 1
-    global_batch_tokens: int | None = None  # tokens per optimizer step over all processes: sets grad_accum
-    defer_grad_sync: bool = False  # with grad_accum > 1: reduce gradients once per step (holds them unsharded)
+    lr: float = option(3e-3, panel=OPTIM, help="Peak learning rate.")
+    min_lr_ratio: float = option(0.1, panel=OPTIM, help="Final learning rate as a fraction of --lr.")
+    warmup_steps: int = option(10, panel=OPTIM, help="Linear warmup steps before the cosine decay.")
+    weight_decay: float = option(0.0, panel=OPTIM, help="AdamW weight decay.")
+    grad_clip: float = option(1.0, panel=OPTIM, help="Clip the gradient norm (0: off).")
+    grad_accum: int = option(1, panel=OPTIM, help="Micro-steps per optimizer step.")
+    # tokens per optimizer step over all processes: sets grad_accum
+    global_batch_tokens: int | None = option(
+        None, panel=OPTIM, help="Tokens per optimizer step over all processes; sets --grad-accum."
+    )
+    # with grad_accum > 1: reduce gradients once per step (holds them unsharded)
+    defer_grad_sync: bool = option(
+        False,
+        panel=OPTIM,
+        help="With --grad-accum > 1, reduce gradients once per step, not per micro-batch (holds them unsharded meanwhile).",
+    )
 
     def __post_init__(self) -> None:
         _check(
@@ -111,13 +202,47 @@ class OptimConfig:
         )
 
 
+@dataclass(frozen=True)
+class LossConfig:
+    kind: str = option(
+        "forward_kl",
+        name="loss",
+        choices=lambda: KINDS,
+        panel=LOSS,
+        help="forward_kl (tail bucket), topk_renorm, reverse_kl or jsd.",
+    )
+    temperature: float = option(1.0, name="kd_temperature", panel=LOSS, help="Distillation temperature.")
+    alpha: float = option(0.0, panel=LOSS, help="Weight of cross-entropy on the actual next token.")
+    jsd_beta: float = option(0.5, panel=LOSS, help="Mixing weight of --loss jsd.")
+    # cross-tokenizer teachers: weight of the sorted-probability (ULD) term
+    uld_weight: float = option(
+        1.0,
+        panel=LOSS,
+        help="Cross-tokenizer teachers: weight of the sorted-probability (ULD) term for unmapped tokens.",
+    )
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise LossConfigError(f"--loss must be one of {', '.join(KINDS)}; got {self.kind!r}")
+        if not is_real(self.temperature) or not 0 < self.temperature < math.inf:
+            raise LossConfigError(f"--kd-temperature must be a finite number > 0; got {self.temperature!r}")
+        if not is_real(self.alpha) or not 0 <= self.alpha < math.inf:
+            raise LossConfigError(f"--alpha must be a finite number >= 0; got {self.alpha!r}")
+        # At beta = 0 or 1 the mixture m equals q or p and the generalized JSD is identically 0.
+        if not is_real(self.jsd_beta) or not 0 < self.jsd_beta < 1:
+            raise LossConfigError(f"--jsd-beta must be strictly between 0 and 1; got {self.jsd_beta!r}")
+        if not is_real(self.uld_weight) or not 0 <= self.uld_weight < math.inf:
+            raise LossConfigError(f"--uld-weight must be a finite number >= 0; got {self.uld_weight!r}")
+
+
 @dataclass
 class ScheduleConfig:
-    steps: int = 100  # the run's total; a resumed run continues to this step with the same schedule
-    tokens: int | None = None  # train on this many tokens: sets steps
-    eval_every: int = 0
+    # the run's total; a resumed run continues to this step with the same schedule
+    steps: int = option(100, panel=OPTIM, help="Total optimizer steps of the run (a resumed run continues to it).")
+    tokens: int | None = option(None, panel=OPTIM, help="Train on this many tokens instead of --steps.")
+    eval_every: int = option(0, panel=CHECKPOINTS, help="Evaluate on the held-out split every N steps (0: never).")
     eval_batches: int = 8
-    checkpoint_every: int = 0
+    checkpoint_every: int = option(0, panel=CHECKPOINTS, help="Checkpoint every N steps (0: only at the end).")
     log_every: int = 1
 
     def __post_init__(self) -> None:
@@ -135,10 +260,29 @@ class ScheduleConfig:
 
 @dataclass
 class OutputConfig:
-    out: str = EVAL_ONLY
-    resume: bool = False
-    force: bool = False
-    report_to: tuple[str, ...] = ()  # extra metric sinks beside metrics.jsonl: trainer/report.py's SINKS
+    out: str = option(
+        EVAL_ONLY,
+        cli_default=None,
+        required=True,
+        panel=OUTPUT,
+        help="Run folder: checkpoints, metrics.jsonl, final/. A new or empty folder, or one a run marked (logitstore-run.json). Required.",
+    )
+    resume: bool = option(
+        False,
+        panel=OUTPUT,
+        help="Continue from the newest complete checkpoint in --out, with the configuration the run kept there, on the store snapshot it pinned (a finished run: nothing to do).",
+    )
+    force: bool = option(
+        False,
+        panel=OUTPUT,
+        help="Replace the run in --out: removes only what a run writes, and only in a folder a run marked.",
+    )
+    # extra metric sinks beside metrics.jsonl: trainer/report.py's SINKS
+    report_to: tuple[str, ...] = option(
+        (),
+        panel=OUTPUT,
+        help="Also send the metrics to tensorboard (OUT/tensorboard), wandb (WANDB_MODE=offline: OUT/wandb only) or mlflow (MLFLOW_TRACKING_URI); each needs its extra, e.g. pip install 'logitstore\\[wandb]' (docs/train.md 'Trackers'). Repeatable.",
+    )
 
     def __post_init__(self) -> None:
         _check([(not (self.resume and self.force), "--resume and --force exclude each other")])
@@ -146,8 +290,84 @@ class OutputConfig:
         check_sinks(self.report_to)
 
 
-# The flat flag names that are not their group's field names.
-_RENAMED = {"loss": ("loss", "kind"), "kd_temperature": ("loss", "temperature")}
+def _live_flag(d):
+    """A sparsity flag as `train --live-teacher` offers it: build's meaning, None when not given."""
+    default = f" (default {d.default})" if d.default is not None else ""
+    flag = dataclasses.replace(d.flag, panel=LIVE, help=f"Live mode: as build {d.dashed}{default}.")
+    return dataclasses.replace(d, flag=flag, default=None)
+
+
+@dataclass
+class LiveConfig:
+    """What `--live-teacher` needs: build's teacher, data and sparsity options."""
+
+    teacher: str | None = option(  # None or "default": the default teacher
+        None,
+        name="live_teacher",
+        panel=LIVE,
+        help="Live mode instead of --store: run this teacher (what build --teacher takes, or 'default') beside the trainer, handing over by shared memory.",
+    )
+    data: str | None = option(
+        None, panel=LIVE, help="Live mode: the data, as build --data (default: the shipped corpus)."
+    )
+    text_column: str = option(
+        "text", cli_default=None, panel=LIVE, help="Live mode: as build --text-column (default text)."
+    )
+    id_column: str | None = option(None, panel=LIVE, help="Live mode: as build --id-column.")
+    max_length: int = option(
+        1024, cli_default=None, panel=LIVE, help="Live mode: as build --max-length (default 1024)."
+    )
+    # None: `sparsity.default_sparsity()`, as build and the CLI
+    sparsity: Sparsity | None = group(SparsityFlags, default=None, adjust=_live_flag, exclude=("value_grid",))
+    batch_tokens: int = 8192
+    device: str = "auto"
+    dtype: str = "auto"
+    quantize: bool = True
+
+    @classmethod
+    def from_flags(cls, live_teacher: str | None, **flags: Any) -> LiveConfig | None:
+        """`train --live-teacher` and its flags (by name; None: not given); None without --live-teacher,
+        where any of these flags is refused (with --store the build fixed them: they would be silently
+        ignored)."""
+        known = {d.name for d in declared(cls)} - {"live_teacher"}
+        assert set(flags) <= known, f"not a live flag: {set(flags) - known}"
+        given = {name: value for name, value in flags.items() if value is not None}
+        if live_teacher is None:
+            if given:
+                named = ", ".join(f"--{name.replace('_', '-')}" for name in flags if name in given)
+                raise LiveTeacherError(f"{named} only apply with --live-teacher (a store's build fixed them)")
+            return None
+        sparsity_flags = {
+            name: given.pop(name) for name in ("top_k", "top_p", "sample", "temperature") if name in given
+        }
+        return cls(teacher=live_teacher, sparsity=SparsityFlags(**sparsity_flags).resolve(default_sparsity()), **given)
+
+    @classmethod
+    def from_values(cls, values: dict[str, Any]) -> LiveConfig | None:
+        """The `live` group of `TrainConfig`, from its flags' values."""
+        values = dict(values)
+        return cls.from_flags(values.pop("live_teacher", None), **values)
+
+    @staticmethod
+    def values_of(live: LiveConfig | None) -> dict[str, Any]:
+        """The flags that make `live` (None: no live mode, every live flag not given)."""
+        if live is None:
+            return {d.name: None for d in declared(LiveConfig)}
+        assert live.sparsity is not None  # __post_init__ sets the default
+        values = to_values(live)
+        values.update(dataclasses.asdict(SparsityFlags.of(live.sparsity)))
+        values.pop("value_grid")
+        return {**values, "live_teacher": live.teacher or "default"}
+
+    def __post_init__(self) -> None:
+        if self.teacher == "default":
+            self.teacher = None
+        if self.sparsity is None:  # the one default, as `train --live-teacher` without sparsity flags
+            self.sparsity = default_sparsity()
+        if self.max_length < 2:
+            raise LiveTeacherError(f"--max-length must be at least 2, got {self.max_length}")
+
+
 _GROUPS = {
     "data": DataConfig,
     "student": StudentConfig,
@@ -160,13 +380,14 @@ _GROUPS = {
 
 @dataclass
 class TrainConfig:
-    data: DataConfig = field(default_factory=DataConfig)
-    student: StudentConfig = field(default_factory=StudentConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    loss: LossConfig = field(default_factory=LossConfig)
-    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
-    output: OutputConfig = field(default_factory=OutputConfig)
-    live: LiveConfig | None = None  # `--live-teacher` instead of `--store`
+    data: DataConfig = group(DataConfig, default_factory=DataConfig)
+    student: StudentConfig = group(StudentConfig, default_factory=StudentConfig)
+    optim: OptimConfig = group(OptimConfig, default_factory=OptimConfig)
+    loss: LossConfig = group(LossConfig, default_factory=LossConfig)
+    schedule: ScheduleConfig = group(ScheduleConfig, default_factory=ScheduleConfig)
+    output: OutputConfig = group(OutputConfig, default_factory=OutputConfig)
+    # `--live-teacher` instead of `--store`
+    live: LiveConfig | None = group(LiveConfig, default=None, parse=LiveConfig.from_values, show=LiveConfig.values_of)
 
     def __post_init__(self) -> None:
         """The checks and derivations across groups."""
@@ -218,10 +439,12 @@ class TrainConfig:
 
     @classmethod
     def from_flags(cls, *, live=None, **flags) -> TrainConfig:
-        """The configuration of `logitstore train`'s flags, by their flat names (`seq_len=`, `loss=`, ...)."""
+        """The configuration of `logitstore train`'s flags, by their flat names (`seq_len=`, `loss=`, ...;
+        also the group fields that are no flag, e.g. `eval_batches=`). Values are the fields' (a dict of
+        teacher weights, a tuple of sinks), not the command line's."""
         groups: dict[str, dict] = {name: {} for name in _GROUPS}
         owner = {f.name: (name, f.name) for name, group in _GROUPS.items() for f in dataclasses.fields(group)}
-        owner.update(_RENAMED)
+        owner.update(_renamed())
         for flag, value in flags.items():
             if flag not in owner:
                 raise TypeError(f"TrainConfig.from_flags got an unknown option {flag!r}")
@@ -268,3 +491,38 @@ class TrainConfig:
         if flat["train_on"] == "completion":  # the default is left out: runs from before the flag still resume
             del flat["train_on"]
         return {k: v for k, v in flat.items() if k not in skip}
+
+
+def _renamed() -> dict[str, tuple[str, str]]:
+    """The flat flag names that are not their group's field names (`loss` is `loss.kind`); not those
+    whose value is not the field's (`teacher_weight`: `teacher_weights=` takes the dict)."""
+    out = {}
+    for name, group_type in _GROUPS.items():
+        for f in dataclasses.fields(group_type):
+            flag = f.metadata.get(KEY)
+            if isinstance(flag, Flag) and flag.name and flag.parse is None:
+                out[flag.name] = (name, f.name)
+    return out
+
+
+# -- the configuration a run folder keeps -------------------------------------------------------------
+
+RUN_CONFIG = "config.yaml"  # in --out: the configuration the run runs with (`run_folder.claim` writes it)
+# Left to the command that resumes: what it does to the folder, and the version (a resumed run reads
+# the snapshot its run pinned; a branch named when it started may name another one now).
+_NOT_KEPT = ("resume", "force", "version")
+
+
+def kept_values(cfg: TrainConfig) -> dict[str, Any]:
+    """What `RUN_CONFIG` holds: the run's flags, as `--config` takes them."""
+    return {k: v for k, v in to_values(cfg).items() if k not in ("resume", "force")}
+
+
+def read_kept(out: str | None) -> dict[str, Any] | None:
+    """The configuration the run in `out` kept (None: no run, or one from before runs kept it), without
+    what a resuming command decides (`_NOT_KEPT`)."""
+    path = Path(out or "") / RUN_CONFIG
+    if out is None or not path.is_file():
+        return None
+    kept = read_file(path, declared(TrainConfig), command="train")
+    return {k: v for k, v in kept.items() if k not in _NOT_KEPT}

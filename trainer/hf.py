@@ -51,8 +51,8 @@ import logitstore
 from logitstore.errors import LogitstoreError
 from logitstore.trainer.attention import ATTENTION
 from logitstore.trainer.attention import register as register_attention
-from logitstore.trainer.live import LiveConfig, LiveTeacher, live_stream, plan_live_samples
-from logitstore.trainer.losses import LossConfig
+from logitstore.trainer.config import LiveConfig, LossConfig
+from logitstore.trainer.live import LiveTeacher, live_stream, plan_live_samples
 from logitstore.trainer.objective import batch_loss, held_out_metrics, student_outputs
 from logitstore.trainer.run_folder import write_atomic
 from logitstore.trainer.spec import StreamSpec

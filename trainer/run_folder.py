@@ -2,7 +2,7 @@
 continues and which store snapshot it reads.
 
 A run marks the folder it takes with `logitstore-run.json` (the format, the run's identity and the store
-snapshot it reads). `--out` may be a new folder, an empty one, or a folder a run marked; a folder that
+snapshot it reads) and keeps the configuration it runs with in `config.yaml` (`--resume` starts from it). `--out` may be a new folder, an empty one, or a folder a run marked; a folder that
 holds anything else is refused, with or without `--force`: `--force` removes only what a run writes
 (`_RUN_ENTRIES`), and a folder without the marker was not made by a run. `plan` decides before any
 process starts and writes nothing but the empty folder; `claim` takes the folder once the run's
@@ -20,16 +20,17 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from logitstore.options import dump
 from logitstore.store import Store
 from logitstore.trainer import checkpoint
-from logitstore.trainer.config import TrainConfig, TrainConfigError
+from logitstore.trainer.config import RUN_CONFIG, TrainConfig, TrainConfigError, kept_values
 
 MARKER = "logitstore-run.json"
 _FORMAT = {"format": "logitstore-run", "format_version": 1}
 # Everything a run writes into --out, and so everything --force may remove.
 _RUN_ENTRIES = re.compile(
     r"step-\d+(\.partial)?|final(\.partial)?|final_metrics\.json|training\.png"
-    r"|metrics\.jsonl(\.partial)?|logitstore-run\.json(\.partial)?"
+    r"|metrics\.jsonl(\.partial)?|logitstore-run\.json(\.partial)?|config\.yaml(\.partial)?"
 )
 # The previous export: a run that trains or exports again replaces it, so final/ exists only while it
 # belongs to the newest checkpoint (that is what makes a resumed finished run a no-op).
@@ -135,7 +136,8 @@ def _check_version(out: Path, cfg: TrainConfig, snapshot: str) -> None:
 def claim(plan: RunPlan, cfg: TrainConfig, *, snapshot: str | None) -> None:
     """Take --out for this run (rank 0, once the configuration passed): remove the old run's entries
     (--force) or the previous export, drop the metrics past the checkpoint a resumed run continues from,
-    and write the marker."""
+    and write the configuration it runs with (`RUN_CONFIG`, what `--config` takes; a resumed run reads
+    it) and the marker."""
     out = plan.out
     try:
         for path in _doomed(plan):
@@ -145,6 +147,9 @@ def claim(plan: RunPlan, cfg: TrainConfig, *, snapshot: str | None) -> None:
         write_atomic(
             out / MARKER, json.dumps({**_FORMAT, "identity": cfg.run_identity(), "snapshot": snapshot}, indent=2)
         )
+        # After the marker: a kill between the two leaves a marked folder (the next run may take it), not
+        # a folder of files that no run marked.
+        write_atomic(out / RUN_CONFIG, dump(kept_values(cfg), command="train"))
     except OSError as e:
         raise TrainConfigError(f"--out {out} cannot be written: {e.strerror or e}") from None
 
