@@ -650,7 +650,12 @@ def eval_(
 @app.callback(invoke_without_command=True)
 def _program(
     show_version: Annotated[
-        bool, typer.Option("--version", is_eager=True, help="Print the version of logitstore and exit.")
+        bool,
+        typer.Option(
+            "--version",
+            is_eager=True,
+            help="Print the version of logitstore itself and exit (after a command, --version names a store version: an id, tag or branch).",
+        ),
     ] = False,
 ) -> None:
     """Offline distillation: a versioned store of sparse teacher next-token distributions."""

@@ -13,6 +13,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import yaml
 from typer.testing import CliRunner
 
 from benchmarks.synthetic import random_samples
@@ -20,7 +21,7 @@ from logitstore import codec
 from logitstore.cli.app import app
 from logitstore.meta import TeacherMeta
 from logitstore.store import Store
-from logitstore.trainer.config import TrainConfig
+from logitstore.trainer.config import RUN_CONFIG, TrainConfig
 from logitstore.trainer.run_folder import MARKER
 from logitstore.trainer.train import launch
 from tests.conftest import CLI
@@ -143,6 +144,21 @@ def test_resume_reads_the_pinned_snapshot_and_a_finished_run_is_a_no_op(store, t
 
     assert AutoModelForCausalLM.from_pretrained(out / "final") is not None and not (out / "final.partial").exists()
     assert steps(out) == [1, 2] and json.loads((out / "final_metrics.json").read_text())["step"] == 2
+
+
+def test_a_run_keeps_its_configuration_and_resume_starts_from_it(store, tmp_path):
+    out = tmp_path / "run"
+    result = train("--store", store, "--out", out, "--steps", 1, "--checkpoint-every", 1, *FLAGS)
+    assert result.exit_code == 0, result.stderr
+    kept = yaml.safe_load((out / RUN_CONFIG).read_text())
+    assert kept["store"] == store and kept["lr"] == 5e-3 and kept["seq_len"] == 32 and "resume" not in kept
+    again = yaml.safe_load(train("--config", out / RUN_CONFIG, "--print-config").stdout)  # what --config takes
+    assert {k: v for k, v in again.items() if k not in ("resume", "force")} == kept
+    error = one_line_error(train("--out", out, "--resume", "--steps", 2, "--lr", "1e-2"))
+    assert "holds a run with another configuration (lr)" in error  # the kept configuration, then the flags
+    result = train("--out", out, "--resume", "--steps", 2)  # no --store, no other flag: the run's own
+    assert result.exit_code == 0, result.stderr
+    assert steps(out) == [1, 2] and yaml.safe_load((out / RUN_CONFIG).read_text())["steps"] == 2
 
 
 # -- item 9: an --out that cannot be written; metrics.jsonl after a kill -----------------------------
