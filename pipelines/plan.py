@@ -10,63 +10,21 @@ live mode (`trainer/live.py`) plans the same samples and hands them to a teacher
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, TypedDict
+from typing import Protocol
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from logitstore import chat
-from logitstore.errors import LogitstoreError
 from logitstore.meta import StudentTokenizer
 from logitstore.pipelines import align, inputs
+from logitstore.pipelines.config import BuildError, PlanConfig
 from logitstore.pipelines.workers import Unit
 from logitstore.sparsity import Sparsity
 from logitstore.tokenizer_io import load_tokenizer, parse_tokenizer_spec, tokenizer_hash
-
-
-class BuildError(LogitstoreError):
-    """A build cannot start or continue: bad options, or a teacher that does not fit the store."""
-
-
-class Columns(TypedDict):
-    text_column: str
-    id_column: str | None
-    ids_column: str | None
-    chat_column: str | None
-
-
-@dataclass
-class PlanConfig:
-    """What planning reads and how it cuts it: the input options of `logitstore build` (a `BuildConfig`
-    is one) and of `train --live-teacher`. Checked by `BuildConfig`, whose messages name the flags."""
-
-    data: str | inputs.HubDataset | None = None  # a path, or a datasets name (`inputs.dataset_source`)
-    text_column: str = "text"
-    id_column: str | None = None
-    ids_column: str | None = None
-    chat_column: str | None = None  # conversations ({"role", "content"} lists), rendered by the chat template
-    max_length: int = 1024
-    unit_tokens: int = 16384  # tokens per unit: the grain of work, of parts and of resuming
-    limit: int | None = None  # read only the input's first N documents: a quick trial of a large input
-    on_duplicate: str = "error"  # a document stored with other text: error, replace (recompute) or skip (keep)
-
-    @property
-    def columns(self) -> Columns:
-        """Which columns hold what: the keywords of `inputs.read_documents` and `inputs.check_input`."""
-        return Columns(
-            text_column=self.text_column,
-            id_column=self.id_column,
-            ids_column=self.ids_column,
-            chat_column=self.chat_column,
-        )
-
-    def documents(self) -> Iterator[inputs.Document]:
-        """The input's documents (the first `limit` with --limit), read lazily."""
-        return itertools.islice(inputs.read_documents(self.data, **self.columns), self.limit)
 
 
 class PlanCounts(Protocol):

