@@ -38,9 +38,9 @@ def convert_default_teacher(folder: Path) -> Path:
     """The default teacher as a Hugging Face folder (fp32 safetensors and its tokenizer), once."""
     if (folder / "config.json").is_file():
         return folder
-    from logitstore.pipelines.teacher import load_teacher
-
     from transformers import AutoModelForCausalLM
+
+    from logitstore.pipelines.teacher import load_teacher
 
     teacher = load_teacher(None, device="cpu")
     # Loaded from GGUF, the model counts as quantized and save_pretrained refuses it: the same weights
