@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from torch import Tensor
 
 from logitstore.errors import LogitstoreError
@@ -163,8 +164,6 @@ def load_head(spec, *, device: str | torch.device, dtype: torch.dtype) -> Output
 
 def _head_tensors(folder: Path, skeleton) -> tuple[Tensor, Tensor | None] | None:
     """(weight, bias) of `skeleton`'s output head read from `folder`'s safetensors, or None if not there."""
-    from safetensors import safe_open  # transformers' dependency; only this path reads files directly
-
     head = skeleton.get_output_embeddings()
     if head is None:
         raise HeadError(f"{type(skeleton).__name__} has no output embeddings (lm_head)")
@@ -172,10 +171,10 @@ def _head_tensors(folder: Path, skeleton) -> tuple[Tensor, Tensor | None] | None
     weight_names = [name for name, p in params if p is head.weight]  # the head's name, and the tied embedding's
     bias_names = [name for name, p in params if getattr(head, "bias", None) is not None and p is head.bias]
     where = _tensor_files(folder)
-    weight = _read(where, weight_names, safe_open)
+    weight = _read(where, weight_names)
     if weight is None:
         return None
-    bias = _read(where, bias_names, safe_open) if bias_names else None
+    bias = _read(where, bias_names) if bias_names else None
     if bias_names and bias is None:
         return None
     return weight, bias
@@ -187,8 +186,6 @@ def _tensor_files(folder: Path) -> dict[str, Path]:
     if index.is_file():
         weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map", {})
         return {name: folder / file for name, file in weight_map.items()}
-    from safetensors import safe_open
-
     found: dict[str, Path] = {}
     for file in sorted(folder.glob("*.safetensors")):
         with safe_open(str(file), framework="pt") as handle:
@@ -196,7 +193,7 @@ def _tensor_files(folder: Path) -> dict[str, Path]:
     return found
 
 
-def _read(where: dict[str, Path], names: list[str], safe_open) -> Tensor | None:
+def _read(where: dict[str, Path], names: list[str]) -> Tensor | None:
     for name in names:
         if name in where:
             with safe_open(str(where[name]), framework="pt") as handle:
