@@ -431,7 +431,7 @@ def build(
         Optional[int],
         typer.Option(
             rich_help_panel="Sparsity",
-            help="Store N draws per position as distinct ids with counts (unbiased). Default without any of --top-k/--top-p/--sample: --sample 16, or --top-k 64 with --student-tokenizer or an engine that cannot draw (vllm).",
+            help="Store N draws per position as distinct ids with counts (unbiased). Default without any of --top-k/--top-p/--sample: --sample 16, or --top-k 64 with --student-tokenizer.",
         ),
     ] = None,
     temperature: Annotated[
