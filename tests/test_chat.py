@@ -18,6 +18,7 @@ from logitstore.cli.app import TrainOn, app
 from logitstore.data import SAMPLE_CHAT
 from logitstore.meta import TeacherMeta
 from logitstore.pipelines.teacher import describe_teacher
+from logitstore.sparsity import Sparsity
 from logitstore.store import Store
 
 runner = CliRunner()
@@ -97,7 +98,7 @@ def test_train_on_choices_are_one_list():
 
 
 def test_a_store_from_before_chat_data_reads_as_plain_text():
-    meta = TeacherMeta(name="t", vocab_size=10, content_hash="c", tokenizer_hash="h", sparsity={"mode": "topk", "k": 2})
+    meta = TeacherMeta(name="t", vocab_size=10, content_hash="c", tokenizer_hash="h", sparsity=Sparsity(k=2))
     old = {k: v for k, v in meta.to_json().items() if k != "loss_mask"}
     assert TeacherMeta.from_json(old).loss_mask is None and TeacherMeta.from_json(old).same_teacher(meta)
 
