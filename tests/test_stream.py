@@ -273,13 +273,8 @@ def test_block_causal_mask():
         position_ids=torch.zeros(1, 5, dtype=torch.long),
         document_ids=doc,
         positions=torch.zeros(0, dtype=torch.long),
-        entry_ids=torch.zeros(0, dtype=torch.long),
-        entry_logprobs=torch.zeros(0),
-        entry_pos=torch.zeros(0, dtype=torch.long),
-        tail=torch.zeros(0),
         target_ids=torch.zeros(0, dtype=torch.long),
-        target_logprobs=torch.zeros(0),
-        entry_counts=None,
+        signals=[],
         n_tokens=4,
     )
     mask = batch.block_causal_mask(torch.bfloat16)
