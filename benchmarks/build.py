@@ -36,9 +36,10 @@ import torch
 from logitstore.data import SAMPLE_CORPUS
 from logitstore.pipelines import build as build_module
 from logitstore.pipelines import teacher as teacher_module
-from logitstore.pipelines.build import BuildConfig, BuildSummary, plan_units, run_build
+from logitstore.pipelines.build import BuildConfig, BuildSummary, run_build
 from logitstore.pipelines.engines import token_budget_batches
 from logitstore.pipelines.engines.torch_engine import load_teacher_once, shared_teachers
+from logitstore.pipelines.plan import plan_units
 from logitstore.pipelines.teacher import SparseBatch, describe_teacher
 from logitstore.pipelines.workers import unit_seed
 from logitstore.sparsity import Sparsity
@@ -90,7 +91,7 @@ def forward(model, ids: torch.Tensor, mask: torch.Tensor, sparsity: Sparsity, ge
 def batches(cfg: BuildConfig, tokenizer) -> list[tuple[int, list]]:
     """Per unit, in the build's order: its sampling seed and the (ids, mask) of each batch the build runs."""
     out = []
-    for unit in plan_units(cfg, tokenizer, summary=BuildSummary()):
+    for unit in plan_units(cfg, tokenizer, counts=BuildSummary()):
         lengths = np.array([len(t) for t in unit.tokens])
         order = np.argsort(-lengths, kind="stable")
         unit_batches = []

@@ -20,6 +20,7 @@ from zarr.storage import WrapperStore
 from logitstore import codec
 from logitstore.layout import CHUNK_BYTES, CHUNKS_PER_SHARD
 from logitstore.meta import TeacherMeta
+from logitstore.sparsity import Sparsity
 from logitstore.store import Store
 
 
@@ -49,9 +50,7 @@ def main() -> None:
         [f"s{i}" for i in range(args.samples)], vocab=vocab, k=args.k, min_tokens=args.tokens, max_tokens=args.tokens
     )
     store = Store.open(f"memory://chunking-{time.time_ns()}", create=True)
-    meta = TeacherMeta(
-        name="t", vocab_size=vocab, content_hash="-", tokenizer_hash="-", sparsity={"mode": "topk", "k": args.k}
-    )
+    meta = TeacherMeta(name="t", vocab_size=vocab, content_hash="-", tokenizer_hash="-", sparsity=Sparsity(k=args.k))
     with store.writer() as w:
         w.add_teacher(meta, code_of_id=codec.frequency_id_order(samples.entry_ids, vocab_size=vocab))
         w.write(samples, teacher="t")

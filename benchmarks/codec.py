@@ -34,6 +34,7 @@ from logitstore.grid import CodecParams
 from logitstore.layout import BLOSC_LEVEL, CHUNK_BYTES
 from logitstore.meta import TeacherMeta
 from logitstore.samples import SparseSamples
+from logitstore.sparsity import Sparsity
 from logitstore.store import Store
 
 numcodecs.blosc.set_nthreads(1)
@@ -123,8 +124,7 @@ def through_store(samples: SparseSamples, teacher, *, k: int, params: CodecParam
         vocab_size=teacher.vocab_size,
         content_hash=teacher.content_hash,
         tokenizer_hash=teacher.tokenizer_hash,
-        sparsity={"mode": "topk", "k": k},
-        codec=params,
+        sparsity=Sparsity(k=k, grid=params),
     )
     start = time.perf_counter()
     with store.writer() as w:

@@ -54,6 +54,7 @@ import logitstore
 from logitstore.meta import TeacherMeta
 from logitstore.samples import SparseSamples
 from logitstore.sizes import format_bytes, parse_bytes
+from logitstore.sparsity import Sparsity
 from logitstore.store import Store
 
 TEACHER = "bench"
@@ -226,10 +227,8 @@ def frequency_order(entry_ids: np.ndarray, vocab: int) -> np.ndarray:
     return code_of_id
 
 
-def sparsity(args) -> dict:
-    if args.mode == "topk":
-        return {"mode": "topk", "k": args.k, "temperature": 1.0}
-    return {"mode": "sampled", "n": args.k, "temperature": 1.0}
+def sparsity(args) -> Sparsity:
+    return Sparsity(k=args.k) if args.mode == "topk" else Sparsity(mode="sampled", n=args.k)
 
 
 # -- writing -----------------------------------------------------------------------------------------

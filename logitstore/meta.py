@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import datetime as dt
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -15,7 +15,7 @@ from logitstore.errors import (
     InvalidSampleError,
 )
 from logitstore.grid import CodecParams
-from logitstore.sparsity import MODES
+from logitstore.sparsity import Sparsity, SparsityError
 
 # 2: teachers registered since hold their log-probability arrays as float32 through the grid codec
 # (`zarr_codec.py`; `TeacherMeta.values`); format-1 teachers keep plain uint16 codes and read as before.
@@ -35,8 +35,8 @@ class TeacherMeta:
     vocab_size: int
     content_hash: str
     tokenizer_hash: str
-    sparsity: dict  # {"mode": "topk"|"topp"|"sampled", "k": .., "p": .., "n": .., "temperature": ..}
-    codec: CodecParams = field(default_factory=CodecParams)
+    # Which entries are kept, and the value grid (stored apart, as the teacher's `codec`).
+    sparsity: Sparsity
     created: str = ""
     writer: str = WRITER
     # Student tokenizers, fixed with the teacher: ({"name", "tokenizer_hash", "vocab_size"}, ...) in the
@@ -61,8 +61,6 @@ class TeacherMeta:
             raise InvalidSampleError(f"teacher name {self.name!r}: use letters, digits, '.', '_' and '-'")
         if self.vocab_size < 1:
             raise InvalidSampleError(f"teacher {self.name}: vocab_size must be positive, got {self.vocab_size}")
-        if self.sparsity.get("mode") not in MODES:
-            raise InvalidSampleError(f"teacher {self.name}: sparsity mode must be one of {', '.join(MODES)}")
 
     def to_json(self) -> dict:
         return {
@@ -70,7 +68,7 @@ class TeacherMeta:
             "vocab_size": self.vocab_size,
             "content_hash": self.content_hash,
             "tokenizer_hash": self.tokenizer_hash,
-            "sparsity": self.sparsity,
+            "sparsity": self.sparsity.to_json(),
             "codec": self.codec.to_json(),
             "created": self.created,
             "writer": self.writer,
@@ -85,7 +83,17 @@ class TeacherMeta:
     @classmethod
     def from_json(cls, meta: dict) -> TeacherMeta:
         students = tuple(dict(s) for s in meta.get("students", ()))
-        return cls(**{"values": "codes", **meta, "codec": CodecParams.from_json(meta["codec"]), "students": students})
+        try:
+            sparsity = Sparsity.from_meta(meta["sparsity"], CodecParams.from_json(meta["codec"]))
+        except SparsityError as e:
+            raise InvalidSampleError(f"teacher {meta.get('name')}: {e}") from None
+        fields = {k: v for k, v in meta.items() if k != "codec"}
+        return cls(**{"values": "codes", **fields, "sparsity": sparsity, "students": students})
+
+    @property
+    def codec(self) -> CodecParams:
+        """The value grid (and the id order) the teacher's parts are encoded with: the sparsity's grid."""
+        return self.sparsity.grid
 
     @property
     def grid(self) -> CodecParams | None:
@@ -99,15 +107,11 @@ class TeacherMeta:
     @property
     def sampled(self) -> bool:
         """Entries are draws with counts (read from the mode alone, so hand-written metadata reads too)."""
-        return self.sparsity["mode"] == "sampled"
+        return self.sparsity.sampled
 
     def same_teacher(self, other: TeacherMeta) -> bool:
         keys = ("vocab_size", "content_hash", "tokenizer_hash", "sparsity", "students", "loss_mask")
-        return (
-            all(getattr(self, k) == getattr(other, k) for k in keys)
-            and self.codec == other.codec
-            and self.same_computation(other)
-        )
+        return all(getattr(self, k) == getattr(other, k) for k in keys) and self.same_computation(other)
 
     def same_computation(self, other: TeacherMeta) -> bool:
         """Same engine and dtype, where both say (teachers from before these were recorded say neither)."""
@@ -153,11 +157,12 @@ def now() -> str:
 
 
 def mismatch_message(old: TeacherMeta, new: TeacherMeta) -> str:
+    shown = lambda meta, key: meta.sparsity.to_json() if key == "sparsity" else getattr(meta, key)  # as stored
     for key in ("content_hash", "tokenizer_hash", "vocab_size", "sparsity"):
-        if getattr(old, key) != getattr(new, key):
+        if shown(old, key) != shown(new, key):
             return (
-                f"the store's teacher {old.name!r} was written with {key}={getattr(old, key)!r}, "
-                f"this write has {getattr(new, key)!r}; use another teacher name or another store"
+                f"the store's teacher {old.name!r} was written with {key}={shown(old, key)!r}, "
+                f"this write has {shown(new, key)!r}; use another teacher name or another store"
             )
     if old.student_names != new.student_names or old.students != new.students:
         return (

@@ -307,7 +307,8 @@ class PartReader:
         out = {}
         for name in self.names:  # one slice per row: views, so the only copy is the concatenation
             lo, hi = bounds[layout.AXIS[name]]
-            out[name] = np.concatenate([getattr(arrays, name)[s:e] for arrays, s, e in zip(held, lo, hi)])
+            pieces = [getattr(arrays, name)[s:e] for arrays, s, e in zip(held, lo, hi)]
+            out[name] = np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.uint16)  # no rows: empty
         return EncodedSamples(**out)
 
     def damage(self, parts: dict[int, PartData], rows: np.ndarray) -> list[Exception | None]:

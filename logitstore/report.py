@@ -266,13 +266,13 @@ class Section:
 
 def teacher_sections(stats: TeacherStats) -> list[Section]:
     meta = stats.meta
-    sparsity = ", ".join(f"{k}={v}" for k, v in meta.sparsity.items() if k != "mode" and v is not None)
+    sparsity = ", ".join(f"{k}={v}" for k, v in meta.sparsity.to_json().items() if k != "mode" and v is not None)
     tokens = sum(t for _, t, _ in stats.parts)
     stored = sum(b for _, _, b in stats.parts)
     mean_entries = float((np.arange(len(stats.entries)) * stats.entries).sum() / max(stats.entries.sum(), 1))
     summary = [
         ["", ""],
-        ["sparsity", f"{meta.sparsity['mode']} ({sparsity})"],
+        ["sparsity", f"{meta.sparsity.mode} ({sparsity})"],
         ["samples", f"{len(stats.sample_ids):,}"],
         ["samples left out as damaged (see verify)", f"{stats.damaged:,}"],
         ["positions with entries", f"{int(stats.positions.sum()):,}"],

@@ -84,6 +84,29 @@ class SparseSamples:
             loss_mask=mask,
         )
 
+    def cut(self, which: np.ndarray, a: np.ndarray, b: np.ndarray) -> SparseSamples:
+        """Fragments, as samples of their own in the given order: tokens [a[k], b[k]) and their positions
+        [a[k], b[k] - 1) of sample which[k] (`b - a` >= 1; a fragment of one token has no position).
+        Vectorised: one gather per array."""
+        which, a, b = (np.asarray(x, dtype=np.int64) for x in (which, a, b))
+        tokens = ranges(self.token_offsets[which] + a, b - a)
+        first = self.position_offsets[which] + a
+        positions = ranges(first, b - a - 1)
+        e = self.entry_offsets
+        entries = ranges(e[first], e[first + b - a - 1] - e[first])
+        return SparseSamples(
+            sample_ids=[self.sample_ids[i] for i in which.tolist()] if self.sample_ids else [],
+            n_tokens=b - a,
+            input_ids=self.input_ids[tokens],
+            n_entries=self.n_entries[positions],
+            entry_ids=self.entry_ids[entries],
+            entry_logprobs=self.entry_logprobs[entries],
+            tail=self.tail[positions],
+            target_logprobs=self.target_logprobs[positions],
+            entry_counts=None if self.entry_counts is None else self.entry_counts[entries],
+            loss_mask=None if self.loss_mask is None else self.loss_mask[tokens],
+        )
+
     def keep_positions(self, keep: np.ndarray) -> SparseSamples:
         """These samples with no entries at the positions where `keep` [P] is False (tail 1, target
         log-probability 0): what a chat build stores for prompt positions, which no loss reads."""
@@ -151,6 +174,16 @@ def concat(parts: list[SparseSamples]) -> SparseSamples:
         entry_counts=np.concatenate([p.entry_counts for p in parts]) if has_counts else None,
         loss_mask=np.concatenate([p.loss_mask for p in parts]) if has_mask else None,
     )
+
+
+def ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Concatenation of arange(s, s + n) for each (s, n), without a Python loop."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    total = int(lengths.sum())
+    if total == 0:
+        return np.zeros(0, dtype=np.int64)
+    offsets = np.cumsum(lengths) - lengths
+    return np.repeat(np.asarray(starts, dtype=np.int64) - offsets, lengths) + np.arange(total, dtype=np.int64)
 
 
 def row_offsets(counts: np.ndarray) -> np.ndarray:

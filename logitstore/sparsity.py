@@ -10,7 +10,7 @@ plus the selection temperature (stored log-probabilities are always at temperatu
 grid the log-probabilities are quantised to (`grid.CodecParams`; `grid.GRIDS` names three).
 
 A `Sparsity` comes from build's (and live train's) flags (`sparsity_from_flags`), from a store's teacher
-metadata (`Sparsity.from_meta`), or is `default_sparsity()`: the one default. How the entries are
+metadata (`Sparsity.from_meta`, which `TeacherMeta` holds), or is `default_sparsity()`: the one default. How the entries are
 selected from a forward pass lives in `pipelines/sparsify.py`.
 """
 
@@ -83,7 +83,7 @@ class Sparsity:
 
     @classmethod
     def from_meta(cls, sparsity: dict, codec: CodecParams | None = None) -> Sparsity:
-        """A stored teacher's sparsity (`TeacherMeta.sparsity`, `.codec`)."""
+        """A sparsity as a store's teacher metadata records it (its `sparsity` and `codec` JSON)."""
         known = {key: sparsity[key] for key in ("mode", "k", "p", "n", "temperature") if key in sparsity}
         return cls(**known, grid=codec if codec is not None else CodecParams())
 

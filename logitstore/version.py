@@ -79,8 +79,8 @@ class StoreVersion:
                 {
                     "name": name,
                     "vocab_size": meta.vocab_size,
-                    "sparsity": meta.sparsity,
-                    "sparsity_mode": meta.sparsity["mode"],
+                    "sparsity": meta.sparsity.to_json(),
+                    "sparsity_mode": meta.sparsity.mode,
                     "samples": rows.num_rows,
                     "tokens": int(pc.sum(rows["n_tokens"]).as_py() or 0),
                     "content_hash": meta.content_hash,

@@ -342,7 +342,7 @@ class PartWriter:
             )
         if meta.sampled != (samples.entry_counts is not None):
             raise InvalidSampleError(
-                f"teacher {teacher!r} is {meta.sparsity['mode']}: entry_counts must be "
+                f"teacher {teacher!r} is {meta.sparsity.mode}: entry_counts must be "
                 f"{'given' if meta.sampled else 'absent'}"
             )
         store = bounded_store(self.session.store, where=self.where)  # a fork's store is bare

@@ -18,7 +18,7 @@ Zarr finds the codec through the `zarr.codecs` entry point that installing logit
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import cast
 
 import numpy as np
@@ -31,45 +31,34 @@ from logitstore.codec import dequantize, quantize
 from logitstore.grid import CodecParams
 
 NAME = "logitstore.logprob_grid"
+_GRID = ("fine_step", "coarse_step", "coarse_below")  # the grid's numbers, in the order they are written
 
 
 @dataclass(frozen=True)
 class LogprobGrid(ArrayArrayCodec):
-    """float32 log-probabilities <-> uint16 codes of `CodecParams`' grid."""
+    """float32 log-probabilities <-> uint16 codes of a value grid (`CodecParams`, the grid's one holder:
+    its three numbers are this codec's configuration; its id order plays no part here)."""
 
-    fine_step: float = 0.05
-    coarse_step: float = 0.5
-    coarse_below: float = -5.0
+    params: CodecParams = field(default_factory=CodecParams)
     is_fixed_size = True
 
     @classmethod
     def of(cls, params: CodecParams) -> LogprobGrid:
-        return cls(fine_step=params.fine_step, coarse_step=params.coarse_step, coarse_below=params.coarse_below)
-
-    @property
-    def params(self) -> CodecParams:
-        return CodecParams(fine_step=self.fine_step, coarse_step=self.coarse_step, coarse_below=self.coarse_below)
+        return cls(params=params)
 
     @classmethod
     def from_dict(cls, data: dict) -> LogprobGrid:
         _, configuration = parse_named_configuration(data, NAME)
         grid = cast(dict[str, float], configuration or {})  # JSON numbers, as `to_dict` writes them
-        return cls(**{k: float(v) for k, v in grid.items()})
+        fine, coarse, below = (float(grid.get(k, getattr(CodecParams, k))) for k in _GRID)
+        return cls(params=CodecParams(fine_step=fine, coarse_step=coarse, coarse_below=below))
 
     def to_dict(self) -> dict:
-        return {
-            "name": NAME,
-            "configuration": {
-                "fine_step": self.fine_step,
-                "coarse_step": self.coarse_step,
-                "coarse_below": self.coarse_below,
-            },
-        }
+        return {"name": NAME, "configuration": {k: getattr(self.params, k) for k in _GRID}}
 
     def validate(self, *, shape, dtype, chunk_grid) -> None:
         if dtype.to_native_dtype() != np.dtype("float32"):
-            raise ValueError(f"{NAME} encodes float32 log-probabilities, not {dtype}")
-        _ = self.params  # building the grid's parameters checks them
+            raise ValueError(f"{NAME} encodes float32 log-probabilities, not {dtype}")  # the grid: `CodecParams`
 
     def resolve_metadata(self, chunk_spec):
         return replace(chunk_spec, dtype=UInt16(), fill_value=0)  # 0.0 is code 0

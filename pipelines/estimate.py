@@ -80,7 +80,7 @@ def estimate_build(cfg: BuildConfig, *, log: Callable[[str], None] = lambda _: N
         load_seconds=0.0,
         seconds=0.0,
         measured_tokens=0,
-        sparsity=plan.meta.sparsity,
+        sparsity=plan.meta.sparsity.to_json(),
     )
     if plan.first is not None:
         _measure(cfg, plan, _head(plan.first, tokens=MEASURED_BATCHES * cfg.batch_tokens), estimate, log=log)

@@ -218,8 +218,7 @@ class TeacherInfo:
             vocab_size=self.vocab_size,
             content_hash=self.content_hash,
             tokenizer_hash=self.tokenizer_hash,
-            sparsity=sparsity.to_json(),
-            codec=sparsity.grid,
+            sparsity=sparsity,
             **recorded,
         )
 

@@ -67,13 +67,8 @@ def test_segment_attention_equals_the_eager_block_causal_mask(rows, heads, kv_he
         position_ids=pos,
         document_ids=doc,
         positions=None,
-        entry_ids=None,
-        entry_logprobs=None,
-        entry_pos=None,
-        tail=None,
         target_ids=None,
-        target_logprobs=None,
-        entry_counts=None,
+        signals=[],
         n_tokens=0,
     )
     eager = model(input_ids=ids, position_ids=pos, attention_mask=mask_batch.block_causal_mask()).logits

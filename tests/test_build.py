@@ -122,7 +122,7 @@ def test_cli_build_json_summary_and_sparsity_modes(small_data, tmp_path):
             summary
         )
         view = Store.open(str(store)).read()
-        assert view.teachers["smollm2-135m-instruct"].sparsity["mode"] == check
+        assert view.teachers["smollm2-135m-instruct"].sparsity.mode == check
         grid = "coarse" if "--value-grid" in extra else "default"
         assert view.teachers["smollm2-135m-instruct"].codec == GRIDS[grid]
         s = view.sample(view.index["sample_id"][0].as_py())
@@ -132,7 +132,7 @@ def test_cli_build_json_summary_and_sparsity_modes(small_data, tmp_path):
             assert ((mass >= 0.8 - 0.05) | (s.n_entries == 16)).all()
         else:
             draws = 8 if extra else 16
-            assert view.teachers["smollm2-135m-instruct"].sparsity["n"] == draws
+            assert view.teachers["smollm2-135m-instruct"].sparsity.n == draws
             assert (np.add.reduceat(s.entry_counts, s.entry_offsets[:-1]) == draws).all()
         assert np.allclose(mass + s.tail, 1, atol=0.05)
 

@@ -17,6 +17,7 @@ from logitstore.cli.app import BUILD_FLAGS, EVAL_FLAGS, TRAIN_FLAGS, app
 from logitstore.data import SAMPLE_CHAT
 from logitstore.meta import TeacherMeta
 from logitstore.pipelines.teacher import describe_teacher
+from logitstore.sparsity import Sparsity
 from logitstore.store import Store
 
 runner = CliRunner()
@@ -97,7 +98,7 @@ def test_train_on_choices_are_one_list():
 
 
 def test_a_store_from_before_chat_data_reads_as_plain_text():
-    meta = TeacherMeta(name="t", vocab_size=10, content_hash="c", tokenizer_hash="h", sparsity={"mode": "topk", "k": 2})
+    meta = TeacherMeta(name="t", vocab_size=10, content_hash="c", tokenizer_hash="h", sparsity=Sparsity(k=2))
     old = {k: v for k, v in meta.to_json().items() if k != "loss_mask"}
     assert TeacherMeta.from_json(old).loss_mask is None and TeacherMeta.from_json(old).same_teacher(meta)
 
@@ -322,11 +323,11 @@ def test_targets_at_kept_positions_drop_partly_kept_groups():
         chain_group=t(0, 0, 1),
         weight=t(1.0, 1.0, 1.0, 1.0, 0.5, dt=torch.float),
     )
-    got = aligned.only(t(False, True, True, True, True, dt=torch.bool))  # position 0 goes; groups stay whole
+    got = aligned.restrict(t(False, True, True, True, True, dt=torch.bool))  # position 0 goes; groups stay whole
     assert got.target_ids.tolist() == [11, 12, 13, 14] and got.exact_pos.tolist() == [2]
     assert got.entry_ids.tolist() == [3] and got.entry_pos.tolist() == [0] and got.tail.tolist() == [pytest.approx(0.2)]
     assert got.chain_pos.tolist() == [0, 1, 3] and got.chain_group.tolist() == [0, 0, 1]
-    got = aligned.only(t(True, True, False, True, True, dt=torch.bool))  # group 0 loses a position: dropped
+    got = aligned.restrict(t(True, True, False, True, True, dt=torch.bool))  # group 0 loses a position: dropped
     assert got.chain_pos.tolist() == [3] and got.chain_group.tolist() == [0]
     assert got.chain_teacher_logprob.tolist() == [-5.0] and got.exact_pos.tolist() == [0, 2]
     sparse = SparseTargets(
@@ -337,7 +338,7 @@ def test_targets_at_kept_positions_drop_partly_kept_groups():
         target_ids=t(5, 6, 7),
         target_logprobs=t(-1.0, -2.0, -3.0, dt=torch.float),
     )
-    got = sparse.only(t(False, True, True, dt=torch.bool))
+    got = sparse.restrict(t(False, True, True, dt=torch.bool))
     assert got.entry_ids.tolist() == [3, 4] and got.entry_pos.tolist() == [1, 1] and got.target_ids.tolist() == [6, 7]
 
 

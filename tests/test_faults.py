@@ -26,6 +26,7 @@ from logitstore.cli.app import app
 from logitstore.errors import LogitstoreError, StorageError
 from logitstore.limits import StorageLimits
 from logitstore.meta import TeacherMeta
+from logitstore.sparsity import Sparsity
 from logitstore.store import Store
 from logitstore.trainer.mixing import Source
 from logitstore.trainer.spec import StreamSpec
@@ -219,7 +220,7 @@ def trainer_view(uri: str, *, teachers=("teacher-a",)):
                 for i, chunk in enumerate(np.array_split(ids, 4))
             ]
             meta = TeacherMeta(
-                name=name, vocab_size=VOCAB, content_hash="w", tokenizer_hash="t", sparsity={"mode": "topk", "k": 8}
+                name=name, vocab_size=VOCAB, content_hash="w", tokenizer_hash="t", sparsity=Sparsity(k=8)
             )
             w.add_teacher(meta, code_of_id=codec.frequency_id_order(batches[0].entry_ids, vocab_size=VOCAB))
             for samples in batches:

@@ -20,6 +20,7 @@ from benchmarks.synthetic import random_samples
 from logitstore import codec
 from logitstore.cli.app import app
 from logitstore.meta import TeacherMeta
+from logitstore.sparsity import Sparsity
 from logitstore.store import Store
 from logitstore.trainer.config import RUN_CONFIG, TrainConfig
 from logitstore.trainer.run_folder import MARKER
@@ -39,9 +40,7 @@ def store(tmp_path_factory) -> str:
     tokenizer = Tokenizer(models.WordLevel({f"w{i}": i for i in range(VOCAB)}, unk_token="w0"))
     tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
     samples = random_samples([f"doc-{i}" for i in range(12)], max_tokens=80, k=8)
-    meta = TeacherMeta(
-        name="teacher-a", vocab_size=VOCAB, content_hash="w", tokenizer_hash="t", sparsity={"mode": "topk", "k": 8}
-    )
+    meta = TeacherMeta(name="teacher-a", vocab_size=VOCAB, content_hash="w", tokenizer_hash="t", sparsity=Sparsity(k=8))
     with Store.open(uri, create=True).writer() as w:
         w.add_teacher(
             meta,

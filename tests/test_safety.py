@@ -22,6 +22,7 @@ from logitstore import codec
 from logitstore.cli.app import app
 from logitstore.errors import DamagedDataError
 from logitstore.meta import TeacherMeta
+from logitstore.sparsity import Sparsity
 from logitstore.store import Store
 from logitstore.verify import verify
 from tests.conftest import CLI, small_build, without_progress
@@ -51,9 +52,7 @@ def word_tokenizer_json(vocab: int = VOCAB) -> str:
 def write_store(uri: str, *, n: int = 12, seed: int = 0) -> Store:
     store = Store.open(uri, create=True)
     samples = random_samples([f"doc-{i}" for i in range(n)], seed=seed, max_tokens=80, k=8)
-    meta = TeacherMeta(
-        name="teacher-a", vocab_size=VOCAB, content_hash="w", tokenizer_hash="t", sparsity={"mode": "topk", "k": 8}
-    )
+    meta = TeacherMeta(name="teacher-a", vocab_size=VOCAB, content_hash="w", tokenizer_hash="t", sparsity=Sparsity(k=8))
     with store.writer() as w:
         w.add_teacher(
             meta,

@@ -66,3 +66,29 @@ def test_valid_samples_pass_and_select_round_trips():
     one = s.select(1)
     assert one.sample_ids == ["b"] and one.n_tokens.tolist() == [s.n_tokens[1]]
     assert len(one.entry_ids) == one.n_entries.sum()
+
+
+@pytest.mark.parametrize("mode", ["topk", "topp", "sampled"])
+def test_cut_gives_each_fragment_as_a_sample_of_its_own(mode):
+    """`cut` (the one cut of `SparseSamples`: live mode's pieces, a mix's fragments) equals slicing each
+    sample alone: tokens [a, b), positions [a, b - 1), their entries, in the order asked."""
+    samples = random_samples([f"s{i}" for i in range(6)], k=5, min_tokens=2, max_tokens=30, mode=mode, seed=3)
+    samples.loss_mask = (np.arange(int(samples.n_tokens.sum())) % 3 == 0).astype(np.uint8)
+    rng = np.random.default_rng(0)
+    which = rng.integers(0, len(samples), 20)
+    a = np.array([rng.integers(0, samples.n_tokens[i]) for i in which])
+    b = np.array([rng.integers(lo + 1, samples.n_tokens[i] + 1) for lo, i in zip(a, which)])
+    got = samples.cut(which, a, b)
+    for k, (i, lo, hi) in enumerate(zip(which.tolist(), a.tolist(), b.tolist())):
+        one, want = got.select(k), samples.select(i)
+        e = want.entry_offsets
+        assert one.sample_ids == want.sample_ids and one.n_tokens.tolist() == [hi - lo]
+        np.testing.assert_array_equal(one.input_ids, want.input_ids[lo:hi])
+        np.testing.assert_array_equal(one.loss_mask, want.loss_mask[lo:hi])
+        np.testing.assert_array_equal(one.n_entries, want.n_entries[lo : hi - 1])
+        np.testing.assert_array_equal(one.tail, want.tail[lo : hi - 1])
+        np.testing.assert_array_equal(one.target_logprobs, want.target_logprobs[lo : hi - 1])
+        np.testing.assert_array_equal(one.entry_ids, want.entry_ids[e[lo] : e[hi - 1]])
+        np.testing.assert_array_equal(one.entry_logprobs, want.entry_logprobs[e[lo] : e[hi - 1]])
+        if mode == "sampled":
+            np.testing.assert_array_equal(one.entry_counts, want.entry_counts[e[lo] : e[hi - 1]])

@@ -18,6 +18,7 @@ from logitstore.errors import (
 from logitstore.grid import CodecParams
 from logitstore.index import diff_indexes
 from logitstore.meta import TeacherMeta
+from logitstore.sparsity import Sparsity
 from logitstore.store import Store
 from logitstore.verify import verify
 from tests.conftest import assert_samples_close
@@ -27,7 +28,11 @@ VOCAB = 1000
 
 def teacher(name="teacher-a", mode="topk", content_hash="weights-1"):
     return TeacherMeta(
-        name=name, vocab_size=VOCAB, content_hash=content_hash, tokenizer_hash="tok-1", sparsity={"mode": mode, "k": 8}
+        name=name,
+        vocab_size=VOCAB,
+        content_hash=content_hash,
+        tokenizer_hash="tok-1",
+        sparsity=Sparsity.from_meta({"mode": mode, "k": 8, "p": 0.9, "n": 8}),
     )
 
 

@@ -21,6 +21,7 @@ from benchmarks.synthetic import random_samples
 from logitstore import codec
 from logitstore.errors import DamagedDataError, LogitstoreError
 from logitstore.meta import TeacherMeta
+from logitstore.sparsity import Sparsity
 from logitstore.store import Store
 from logitstore.trainer.batch import PackedBatch
 from logitstore.trainer.order import is_eval_sample
@@ -40,7 +41,11 @@ def build_store(uri: str, *, n: int = 60, parts: int = 3, mode: str = "topk", ma
         for i, chunk in enumerate(np.array_split(ids, parts))
     ]
     meta = TeacherMeta(
-        name="teacher-a", vocab_size=VOCAB, content_hash="w", tokenizer_hash="t", sparsity={"mode": mode, "k": k}
+        name="teacher-a",
+        vocab_size=VOCAB,
+        content_hash="w",
+        tokenizer_hash="t",
+        sparsity=Sparsity.from_meta({"mode": mode, "k": k, "n": k}),
     )
     with store.writer() as w:
         w.add_teacher(meta, code_of_id=codec.frequency_id_order(batches[0].entry_ids, vocab_size=VOCAB))
@@ -268,13 +273,8 @@ def test_block_causal_mask():
         position_ids=torch.zeros(1, 5, dtype=torch.long),
         document_ids=doc,
         positions=torch.zeros(0, dtype=torch.long),
-        entry_ids=torch.zeros(0, dtype=torch.long),
-        entry_logprobs=torch.zeros(0),
-        entry_pos=torch.zeros(0, dtype=torch.long),
-        tail=torch.zeros(0),
         target_ids=torch.zeros(0, dtype=torch.long),
-        target_logprobs=torch.zeros(0),
-        entry_counts=None,
+        signals=[],
         n_tokens=4,
     )
     mask = batch.block_causal_mask(torch.bfloat16)

@@ -114,7 +114,29 @@ class AlignedTargets:
     def n_positions(self) -> int:
         return int(self.target_ids.shape[0])
 
-    def only(self, keep: Tensor) -> AlignedTargets:
+    def cut(self, a: int, b: int) -> AlignedTargets:
+        """These targets at positions [a, b), renumbered from 0: a chunk of the head's positions, which
+        holds whole many-token groups (`objective._whole_groups` chooses the cuts)."""
+        keep = (self.exact_pos >= a) & (self.exact_pos < b)
+        new_index = torch.cumsum(keep.long(), 0) - 1  # exact position i -> its index in the chunk
+        entries = keep[self.entry_pos]
+        chain = (self.chain_pos >= a) & (self.chain_pos < b)
+        groups, chain_group = torch.unique(self.chain_group[chain], return_inverse=True)
+        return dataclasses.replace(
+            self,
+            target_ids=self.target_ids[a:b],
+            exact_pos=self.exact_pos[keep] - a,
+            tail=self.tail[keep],
+            entry_ids=self.entry_ids[entries],
+            entry_logprobs=self.entry_logprobs[entries],
+            entry_pos=new_index[self.entry_pos[entries]],
+            chain_teacher_logprob=self.chain_teacher_logprob[groups],
+            chain_pos=self.chain_pos[chain] - a,
+            chain_group=chain_group.reshape(-1),
+            weight=None if self.weight is None else self.weight[a:b],
+        )
+
+    def restrict(self, keep: Tensor) -> AlignedTargets:
         """These targets at the student positions where `keep` [P] (bool) holds, renumbered (chat data's
         completion). A many-token group stays only if all its positions stay: its log-probability is a sum
         over all of them."""

@@ -377,7 +377,7 @@ class LiveSource:
             for i, sid in enumerate(samples.sample_ids)  # one step per sample, at start
             if is_eval_sample(sid, eval_fraction=eval_fraction) == (split == "eval")
         ]
-        self.teacher, self.version = teacher, samples.fingerprint
+        self.teacher, self.teacher_name, self.version = teacher, samples.teacher_name, samples.fingerprint
         self.table = SplitTable(
             sample_ids=[samples.sample_ids[i] for i in keep],
             n_tokens=samples.n_tokens[keep],
@@ -396,12 +396,14 @@ class LiveSource:
     def build(self, pieces, parts: dict, *, stream):
         assert self.teacher is not None, "a live stream without its teacher only checks sizes (`check_streams`)"
         rows, where = np.unique(pieces.row, return_inverse=True)
+        assert self.teacher is not None, "a live stream without its teacher is for checks only"
         whole = self.teacher.compute([self._tokens[r] for r in rows])
-        decoded = _cut(whole, where.reshape(-1), pieces)
+        decoded = whole.cut(where.reshape(-1), pieces.a, pieces.b)
         return assemble(
             pieces,
             np.ones(len(pieces.row), bool),
             decoded,
+            teacher=self.teacher_name,
             sample_ids=self.table.sample_ids,
             micro_batch=stream.micro_batch,
             seq_len=stream.seq_len,
@@ -414,25 +416,3 @@ def live_stream(samples: LiveSamples, teacher: LiveTeacher | None, spec: StreamS
     on the same samples, batches from the live teacher (`spec.teacher`, `memory_budget`, `on_error` and
     `train_on` do not apply: nothing is read, and the teacher computes what it is asked)."""
     return Stream(LiveSource(samples, teacher, split=spec.split, eval_fraction=spec.eval_fraction), spec)
-
-
-def _cut(whole: SparseSamples, which: np.ndarray, pieces) -> SparseSamples:
-    """The pieces' fragments of whole samples: tokens [a, b) and positions [a, b - 1), in piece order."""
-    fragments = []
-    for k, (a, b) in enumerate(zip(pieces.a.tolist(), pieces.b.tolist())):  # one iteration per piece
-        s = whole.select(int(which[k]))
-        e = s.entry_offsets
-        fragments.append(
-            SparseSamples(
-                sample_ids=s.sample_ids,
-                n_tokens=np.array([b - a]),
-                input_ids=s.input_ids[a:b],
-                n_entries=s.n_entries[a : b - 1],
-                entry_ids=s.entry_ids[e[a] : e[b - 1]],
-                entry_logprobs=s.entry_logprobs[e[a] : e[b - 1]],
-                tail=s.tail[a : b - 1],
-                target_logprobs=s.target_logprobs[a : b - 1],
-                entry_counts=None if s.entry_counts is None else s.entry_counts[e[a] : e[b - 1]],
-            )
-        )
-    return concat(fragments)

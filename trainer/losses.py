@@ -102,7 +102,23 @@ class SparseTargets:
     def n_positions(self) -> int:
         return int(self.tail.shape[0])
 
-    def only(self, keep: Tensor) -> SparseTargets:
+    def cut(self, a: int, b: int, *, entries: tuple[int, int]) -> SparseTargets:
+        """Positions [a, b) and their entries [e0, e1) (`entries`: `position_slicer` finds them), renumbered
+        from 0: a chunk of the head's positions."""
+        e0, e1 = entries
+        return SparseTargets(
+            entry_ids=self.entry_ids[e0:e1],
+            entry_logprobs=self.entry_logprobs[e0:e1],
+            entry_pos=self.entry_pos[e0:e1] - a,
+            tail=self.tail[a:b],
+            target_ids=self.target_ids[a:b],
+            target_logprobs=self.target_logprobs[a:b],
+            entry_counts=None if self.entry_counts is None else self.entry_counts[e0:e1],
+            n_draws=self.n_draws,
+            weight=None if self.weight is None else self.weight[a:b],
+        )
+
+    def restrict(self, keep: Tensor) -> SparseTargets:
         """These targets at the positions where `keep` [P] (bool) holds, renumbered (chat data's completion)."""
         entries = keep[self.entry_pos]
         new_index = torch.cumsum(keep.long(), 0) - 1
@@ -236,22 +252,7 @@ def position_slicer(t: SparseTargets, bounds: list[tuple[int, int]]):
     cuts = torch.tensor([a for a, _ in bounds] + [t.n_positions], device=t.entry_pos.device)
     entry_cuts = torch.searchsorted(t.entry_pos, cuts).tolist()
     entries = {a: (entry_cuts[i], entry_cuts[i + 1]) for i, (a, _) in enumerate(bounds)}
-    return lambda a, b: _slice_targets(t, a, b, *entries[a])
-
-
-def _slice_targets(t: SparseTargets, a: int, b: int, e0: int, e1: int) -> SparseTargets:
-    """Positions [a, b) and their entries [e0, e1), renumbered from 0."""
-    return SparseTargets(
-        entry_ids=t.entry_ids[e0:e1],
-        entry_logprobs=t.entry_logprobs[e0:e1],
-        entry_pos=t.entry_pos[e0:e1] - a,
-        tail=t.tail[a:b],
-        target_ids=t.target_ids[a:b],
-        target_logprobs=t.target_logprobs[a:b],
-        entry_counts=None if t.entry_counts is None else t.entry_counts[e0:e1],
-        n_draws=t.n_draws,
-        weight=None if t.weight is None else t.weight[a:b],
-    )
+    return lambda a, b: t.cut(a, b, entries=entries[a])
 
 
 def kd_term(student_logits: Tensor, targets: SparseTargets, cfg: LossConfig) -> Tensor:

@@ -31,7 +31,7 @@ batch's pieces. Nothing loops per token or entry in Python; the loops are per pi
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -39,11 +39,11 @@ import torch
 from logitstore.chat import supervised_positions
 from logitstore.errors import LogitstoreError
 from logitstore.reader import PartReader, TeacherRows
+from logitstore.samples import SparseSamples
+from logitstore.samples import ranges as _ranges
 from logitstore.trainer.aligned_losses import AlignedTargets
-from logitstore.trainer.batch import PackedBatch, layout
-from logitstore.trainer.losses import SparseTargets
+from logitstore.trainer.batch import BatchContext, PackedBatch, layout, sparse_targets_of
 from logitstore.trainer.order import Pieces, SplitTable
-from logitstore.trainer.order import ranges as _ranges
 from logitstore.trainer.store_source import check_train_on, split_rows
 from logitstore.version import StoreVersion
 
@@ -199,70 +199,52 @@ class MixedSource:
 
     # -- a batch -----------------------------------------------------------------------------------
 
-    def build(self, pieces: Pieces, parts: dict[int, list], *, stream) -> PackedBatch:
+    def build(self, pieces: Pieces, parts: dict[int, list], *, stream: BatchContext) -> PackedBatch:
         rows = np.unique(pieces.row)
         per_source = []
         for i in range(len(self.sources)):
             loaded = {}
             for by_source in parts.values():
                 loaded.update(by_source[i])
-            signals, errors = self._read_source(i, rows, loaded)
+            decoded, errors = self._read_source(i, rows, loaded)
             for r, error in errors.items():
                 stream.unreadable(r, error)  # raises, or (on_error="skip") counts the sample as skipped
-            per_source.append(signals)
+            per_source.append(decoded)
         primary = per_source[0]
-        ok = np.array([r in primary for r in pieces.row.tolist()], dtype=bool)
+        ok = np.array([r in primary.index for r in pieces.row.tolist()], dtype=bool)
         for later in per_source[1:]:  # the student's tokens must be the same, or the source lacks the sample
-            for r in list(later):
-                if r not in primary or not np.array_equal(later[r].tokens, primary[r].tokens):
-                    del later[r]
+            for r in list(later.index):
+                if r not in primary.index or not np.array_equal(later.tokens(r), primary.tokens(r)):
+                    del later.index[r]
         return self._assemble(pieces, ok, per_source, micro_batch=stream.micro_batch, seq_len=stream.seq_len)
 
-    def _read_source(self, i: int, rows: np.ndarray, loaded: dict) -> tuple[dict, dict]:
-        """({primary row: _SampleSignal} for the rows this source has and could read,
-        {primary row: exception} for those it has but could not read)."""
+    def _read_source(self, i: int, rows: np.ndarray, loaded: dict) -> tuple[_Decoded, dict]:
+        """(the rows this source has and could read, decoded whole; {primary row: exception} for those it
+        has but could not read)."""
         source, st, reader = self.sources[i], self._tables[i], self._readers[i]
         own = st.row_of[rows]
         have = own >= 0
-        errors: dict = {}
-        good = []
-        for primary_row, own_row in zip(rows[have].tolist(), own[have].tolist()):  # one step per sample
-            damage = loaded[int(st.rows.part[own_row])].damaged.get(own_row)
-            if damage is None:
-                good.append((primary_row, own_row))
-            else:
-                errors[primary_row] = damage
-        if not good:
-            return {}, errors
-        primary_rows = np.array([p for p, _ in good], dtype=np.int64)
-        own_rows = np.array([o for _, o in good], dtype=np.int64)
-        decoded = reader.samples(loaded, own_rows, np.zeros(len(own_rows), np.int64), st.rows.n_tokens[own_rows])
-        aligned = reader.student_tokens(loaded, own_rows) if source.cross else None
-        tok_off, pos_off = decoded.token_offsets, decoded.position_offsets
-        ent_off = np.concatenate([[0], np.cumsum(decoded.n_entries, dtype=np.int64)])
-        out: dict = {}
-        for k in range(len(own_rows)):  # one step per sample: slicing only
-            p0, p1 = pos_off[k], pos_off[k + 1]
-            signal = _SampleSignal(
-                tokens=decoded.input_ids[tok_off[k] : tok_off[k + 1]],
-                n_entries=decoded.n_entries[p0:p1].astype(np.int64),
-                entry_ids=decoded.entry_ids[ent_off[p0] : ent_off[p1]].astype(np.int64),
-                entry_logprobs=decoded.entry_logprobs[ent_off[p0] : ent_off[p1]],
-                tail=decoded.tail[p0:p1],
-                target_logprobs=decoded.target_logprobs[p0:p1],
-                loss_mask=None if decoded.loss_mask is None else decoded.loss_mask[tok_off[k] : tok_off[k + 1]],
-            )
-            if aligned is not None:
-                assert source.vocab_map is not None  # resolve_sources maps every cross source's vocabulary
-                ids, groups, *mask = aligned[k]
-                signal = signal.through(
-                    groups, student_ids=ids, vocab_map=source.vocab_map, loss_mask=mask[0] if mask else None
-                )
-            out[int(primary_rows[k])] = signal
-        return out, errors
+        damage = reader.damage(loaded, own[have])
+        errors = {int(r): d for r, d in zip(rows[have].tolist(), damage) if d is not None}
+        good = np.array([d is None for d in damage], dtype=bool)
+        primary_rows, own_rows = rows[have][good], own[have][good]
+        samples = reader.samples(loaded, own_rows, np.zeros(len(own_rows), np.int64), st.rows.n_tokens[own_rows])
+        decoded = _Decoded(samples, index={int(r): k for k, r in enumerate(primary_rows.tolist())}, cross=source.cross)
+        if source.cross:
+            assert source.vocab_map is not None  # resolve_sources maps every cross source's vocabulary
+            vmap = source.vocab_map
+            ids = samples.entry_ids.astype(np.int64)
+            samples.entry_ids = np.where(ids < len(vmap), vmap[np.minimum(ids, len(vmap) - 1)], -1)
+            for k, (r, (student_ids, groups, *mask)) in enumerate(
+                zip(primary_rows.tolist(), reader.student_tokens(loaded, own_rows))
+            ):  # one step per sample
+                t0, t1 = samples.position_offsets[k : k + 2]
+                alignment = Alignment.of(groups, samples.target_logprobs[t0:t1])
+                decoded.student[int(r)] = (student_ids, alignment, mask[0] if mask else None)
+        return decoded, errors
 
     def _assemble(
-        self, pieces: Pieces, ok: np.ndarray, per_source: list[dict], *, micro_batch: int, seq_len: int
+        self, pieces: Pieces, ok: np.ndarray, per_source: list[_Decoded], *, micro_batch: int, seq_len: int
     ) -> PackedBatch:
         B, L = micro_batch, seq_len
         lay = layout(pieces, ok, micro_batch=B, seq_len=L)
@@ -271,47 +253,50 @@ class MixedSource:
         rows, starts = pieces.row[ok], pieces.a[ok]
         primary = per_source[0]
         if len(rows):
-            input_ids[tokens] = np.concatenate([primary[int(r)].tokens[a : a + m] for r, a, m in zip(rows, starts, n)])
+            input_ids[tokens] = np.concatenate([primary.tokens(int(r))[a : a + m] for r, a, m in zip(rows, starts, n)])
         first_position = np.concatenate([[0], np.cumsum(n - 1)])[:-1]
+        target_ids = input_ids[positions + 1]
         # Weights renormalised per sample over the sources that have it.
-        present = np.array([[int(r) in src for r in rows] for src in per_source], dtype=bool).reshape(
+        present = np.array([[int(r) in src.index for r in rows] for src in per_source], dtype=bool).reshape(
             len(per_source), -1
         )
         w = np.array([s.weight for s in self.sources])[:, None] * present
         w = w / np.maximum(w.sum(axis=0, keepdims=True), 1e-30)
         signals, coverage, chains_cut = [], [], 0
         for i, (source, src) in enumerate(zip(self.sources, per_source)):
-            pieces_i = [(k, src[int(r)]) for k, r in enumerate(rows) if present[i, k]]
+            sel = np.flatnonzero(present[i])  # the pieces whose sample this source has
+            at = _ranges(first_position[sel], n[sel] - 1)  # their positions in the batch
             weight = np.zeros(len(positions), np.float32)
-            for k, _ in pieces_i:
-                weight[first_position[k] : first_position[k] + n[k] - 1] = w[i, k]
+            weight[at] = np.repeat(w[i, sel], n[sel] - 1)
             if source.cross:
                 targets, cov, exact, cut = _aligned_targets(
-                    pieces_i,
+                    src,
+                    rows,
+                    sel,
                     starts=starts,
                     n=n,
                     first_position=first_position,
                     weight=weight,
-                    target_ids=input_ids[positions + 1],
+                    target_ids=target_ids,
                 )
                 chains_cut += cut
             else:
-                targets, cov = _same_targets(
-                    pieces_i,
-                    starts=starts,
-                    n=n,
-                    first_position=first_position,
-                    weight=weight,
-                    target_ids=input_ids[positions + 1],
-                    P=len(positions),
-                )
+                which = np.array([src.index[int(r)] for r in rows[sel]], dtype=np.int64)
+                fragments = src.samples.cut(which, starts[sel], starts[sel] + n[sel])
+                # Entries as probabilities, never as draws: a sampled teacher's counts are left out of a
+                # mix, as mixing always did (the closing note of issue 30 asks whether they should count).
+                fragments.entry_counts = None
+                targets = sparse_targets_of(fragments, target_ids=target_ids, at=at, weight=weight)
+                cov = np.zeros(len(positions), bool)
+                cov[at] = True
+                cov &= weight > 0
                 exact = cov
             signals.append((source.name, targets))
             coverage.append((cov, exact))
         if self.completion_only and len(rows):  # chat data: the positions whose next token is completion
-            mask = np.concatenate([primary[int(r)].loss_mask[a : a + m] for r, a, m in zip(rows, starts, n)])
+            mask = np.concatenate([primary.loss_mask(int(r))[a : a + m] for r, a, m in zip(rows, starts, n)])
             keep = supervised_positions(mask, n)
-            signals = [(name, targets.only(torch.from_numpy(keep))) for name, targets in signals]
+            signals = [(name, targets.restrict(torch.from_numpy(keep))) for name, targets in signals]
             positions, coverage = positions[keep], [(cov[keep], exact[keep]) for cov, exact in coverage]
         counts = {"positions": len(positions), "chains_cut": chains_cut}
         covered, exact_covered = np.zeros(len(positions), bool), np.zeros(len(positions), bool)
@@ -321,150 +306,116 @@ class MixedSource:
             counts[f"signal_positions/{name}"] = int(cov.sum())
         counts["signal_positions"] = int(covered.sum())
         counts["exact_positions"] = int(exact_covered.sum())
-        empty_long, empty_float = torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.float32)
         return PackedBatch(
             input_ids=torch.from_numpy(input_ids.reshape(B, L)),
             position_ids=torch.from_numpy(lay.position_ids.reshape(B, L)),
             document_ids=torch.from_numpy(lay.document_ids.reshape(B, L)),
             positions=torch.from_numpy(positions),
-            entry_ids=empty_long,
-            entry_logprobs=empty_float,
-            entry_pos=empty_long,
-            tail=empty_float,
             target_ids=torch.from_numpy(input_ids[positions + 1]),
-            target_logprobs=empty_float,
-            entry_counts=None,
+            signals=signals,
             n_tokens=int(n.sum()),
             segments=[(self.table.sample_ids[r], int(a), int(f), int(m)) for r, a, f, m in zip(rows, starts, flat, n)],
-            signals=signals,
             signal_counts=counts,
         )
 
 
 @dataclass
-class _SampleSignal:
-    """One source's decoded sample. For a cross source, `through` re-expresses it on student positions."""
+class Alignment:
+    """A cross source's sample on the student's positions: its 1:1 groups as (student position, teacher
+    position) pairs, and its other groups as chains, student position ranges [c0, c1) with the teacher's
+    log-probability of the group's bytes. A group at the start of a sample (nothing before it) has none."""
 
-    tokens: np.ndarray  # the student-side tokens: the teacher's own, or (cross) the student's ids
-    n_entries: np.ndarray
-    entry_ids: np.ndarray
-    entry_logprobs: np.ndarray
-    tail: np.ndarray
-    target_logprobs: np.ndarray
-    # cross only: 1:1 groups as (student position, teacher position); chains as student position
-    # ranges [c0, c1) with the teacher's log-probability of the group's bytes
-    exact_s: np.ndarray | None = None
-    exact_t: np.ndarray | None = None
-    chain_s0: np.ndarray | None = None
-    chain_s1: np.ndarray | None = None
-    chain_logprob: np.ndarray | None = None
-    loss_mask: np.ndarray | None = None  # chat data: per student-side token, 1 in the completion
+    exact_s: np.ndarray
+    exact_t: np.ndarray
+    chain_s0: np.ndarray
+    chain_s1: np.ndarray
+    chain_logprob: np.ndarray
 
-    def through(
-        self, groups: np.ndarray, *, student_ids: np.ndarray, vocab_map: np.ndarray, loss_mask: np.ndarray | None = None
-    ) -> _SampleSignal:
+    @classmethod
+    def of(cls, groups: np.ndarray, target_logprobs: np.ndarray) -> Alignment:
+        """From the sample's alignment groups [g, 4] (t0, t1, s0, s1) and its teacher target log-probabilities."""
         t0, t1, s0, s1 = (groups[:, k] for k in range(4))
         usable = (t0 >= 1) & (s0 >= 1) & (t1 > t0) & (s1 > s0)  # a group with text before it on both sides
         one = usable & (t1 - t0 == 1) & (s1 - s0 == 1)
         chain = usable & ~one
         # Teacher log-probability of a chain: targets of positions t0-1 .. t1-2, by a prefix sum.
-        prefix = np.concatenate([[0.0], np.cumsum(self.target_logprobs.astype(np.float64))])
-        mapped = np.where(
-            self.entry_ids < len(vocab_map), vocab_map[np.minimum(self.entry_ids, len(vocab_map) - 1)], -1
-        )
-        return _SampleSignal(
-            tokens=student_ids,
-            n_entries=self.n_entries,
-            entry_ids=mapped,
-            entry_logprobs=self.entry_logprobs,
-            tail=self.tail,
-            target_logprobs=self.target_logprobs,
+        prefix = np.concatenate([[0.0], np.cumsum(target_logprobs.astype(np.float64))])
+        return cls(
             exact_s=s0[one] - 1,
             exact_t=t0[one] - 1,
             chain_s0=s0[chain] - 1,
             chain_s1=s1[chain] - 1,
             chain_logprob=(prefix[t1[chain] - 1] - prefix[t0[chain] - 1]).astype(np.float32),
-            loss_mask=loss_mask,
         )
 
 
-def _entries_of(sig: _SampleSignal, teacher_positions: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(entry ids, log-probs, per-position counts) of the given teacher positions, in their order."""
-    offsets = np.concatenate([[0], np.cumsum(sig.n_entries)])
-    counts = sig.n_entries[teacher_positions]
-    idx = _ranges(offsets[teacher_positions], counts)
-    return sig.entry_ids[idx], sig.entry_logprobs[idx], counts
+@dataclass
+class _Decoded:
+    """One source's samples of a batch, decoded whole (a cross source's entry ids mapped to the student's,
+    -1 where none), and by primary row: its sample there and, for a cross source, the student's side."""
+
+    samples: SparseSamples
+    index: dict[int, int]  # primary row -> its sample in `samples`
+    cross: bool = False
+    student: dict[int, tuple] = field(default_factory=dict)  # cross: primary row -> (ids, Alignment, loss mask)
+
+    def tokens(self, row: int) -> np.ndarray:
+        """The sample's student-side tokens: the teacher's own, or (cross) the student's ids."""
+        if self.cross:
+            return self.student[row][0]
+        t0, t1 = self.samples.token_offsets[self.index[row] : self.index[row] + 2]
+        return self.samples.input_ids[t0:t1]
+
+    def loss_mask(self, row: int) -> np.ndarray:
+        """Chat data: per student-side token, 1 in the completion."""
+        if self.cross:
+            return self.student[row][2]
+        assert self.samples.loss_mask is not None  # chat data
+        t0, t1 = self.samples.token_offsets[self.index[row] : self.index[row] + 2]
+        return self.samples.loss_mask[t0:t1]
 
 
-def _same_targets(pieces, *, starts, n, first_position, weight, target_ids, P):
-    ids, lps, pos, tail, target_lp = [], [], [], np.ones(P, np.float32), np.zeros(P, np.float32)
-    covered = np.zeros(P, bool)
-    for k, sig in pieces:
-        a, m, p0 = int(starts[k]), int(n[k]), int(first_position[k])
-        teacher_positions = np.arange(a, a + m - 1)
-        e_ids, e_lps, counts = _entries_of(sig, teacher_positions)
-        ids.append(e_ids)
-        lps.append(e_lps)
-        pos.append(np.repeat(np.arange(p0, p0 + m - 1), counts))
-        tail[p0 : p0 + m - 1] = sig.tail[teacher_positions]
-        target_lp[p0 : p0 + m - 1] = sig.target_logprobs[teacher_positions]
-        covered[p0 : p0 + m - 1] = True
-    cat = lambda xs, dt: torch.from_numpy(np.concatenate(xs).astype(dt) if xs else np.zeros(0, dt))
-    targets = SparseTargets(
-        entry_ids=cat(ids, np.int64),
-        entry_logprobs=cat(lps, np.float32),
-        entry_pos=cat(pos, np.int64),
-        tail=torch.from_numpy(tail),
-        target_ids=torch.from_numpy(target_ids),
-        target_logprobs=torch.from_numpy(target_lp),
-        weight=torch.from_numpy(weight),
-    )
-    return targets, covered & (weight > 0)
-
-
-def _aligned_targets(pieces, *, starts, n, first_position, weight, target_ids):
+def _aligned_targets(src: _Decoded, rows, sel, *, starts, n, first_position, weight, target_ids):
     P = len(target_ids)
-    exact_pos, ids, lps, entry_pos, tails = [], [], [], [], []
-    chain_lp, chain_pos, chain_group = [], [], []
+    samples = src.samples
+    exact_pos, teacher_pos, chain_lp, chain_pos, chain_group = [], [], [], [], []
     covered, exact_cov = np.zeros(P, bool), np.zeros(P, bool)
-    n_exact = n_chain = cut = 0
-    for k, sig in pieces:
+    n_chain = cut = 0
+    for k in sel.tolist():  # one step per piece
+        r = int(rows[k])
+        al: Alignment = src.student[r][1]
         a, m, p0 = int(starts[k]), int(n[k]), int(first_position[k])
         lo, hi = a, a + m - 1  # the piece's student positions [lo, hi)
-        keep = (sig.exact_s >= lo) & (sig.exact_s < hi)
-        s, t = sig.exact_s[keep], sig.exact_t[keep]
-        e_ids, e_lps, counts = _entries_of(sig, t)
-        exact_pos.append(p0 + s - lo)
-        ids.append(e_ids)
-        lps.append(e_lps)
-        entry_pos.append(np.repeat(np.arange(n_exact, n_exact + len(s)), counts))
-        tails.append(sig.tail[t])
-        n_exact += len(s)
-        inside = (sig.chain_s0 >= lo) & (sig.chain_s1 <= hi)
-        touches = (sig.chain_s1 > lo) & (sig.chain_s0 < hi)
+        keep = (al.exact_s >= lo) & (al.exact_s < hi)
+        exact_pos.append(p0 + al.exact_s[keep] - lo)
+        teacher_pos.append(samples.position_offsets[src.index[r]] + al.exact_t[keep])  # in `samples`
+        inside = (al.chain_s0 >= lo) & (al.chain_s1 <= hi)
+        touches = (al.chain_s1 > lo) & (al.chain_s0 < hi)
         cut += int((touches & ~inside).sum())
-        c0, c1 = sig.chain_s0[inside], sig.chain_s1[inside]
-        chain_lp.append(sig.chain_logprob[inside])
+        c0, c1 = al.chain_s0[inside], al.chain_s1[inside]
+        chain_lp.append(al.chain_logprob[inside])
         chain_pos.append(p0 + _ranges(c0 - lo, c1 - c0))
         chain_group.append(np.repeat(np.arange(n_chain, n_chain + len(c0)), c1 - c0))
         n_chain += len(c0)
     cat = lambda xs, dt: np.concatenate(xs).astype(dt) if xs else np.zeros(0, dt)
-    exact_pos_a, chain_pos_a = cat(exact_pos, np.int64), cat(chain_pos, np.int64)
+    exact_pos_a, chain_pos_a, t = cat(exact_pos, np.int64), cat(chain_pos, np.int64), cat(teacher_pos, np.int64)
+    counts = samples.n_entries[t].astype(np.int64)
+    entries = _ranges(samples.entry_offsets[t], counts)
     exact_cov[exact_pos_a] = True
     covered[exact_pos_a] = True
     covered[chain_pos_a] = True
-    t = lambda x: torch.from_numpy(x)
+    tensor = lambda x: torch.from_numpy(x)
     targets = AlignedTargets(
-        target_ids=t(target_ids),
-        exact_pos=t(exact_pos_a),
-        entry_ids=t(cat(ids, np.int64)),
-        entry_logprobs=t(cat(lps, np.float32)),
-        entry_pos=t(cat(entry_pos, np.int64)),
-        tail=t(cat(tails, np.float32)),
-        chain_teacher_logprob=t(cat(chain_lp, np.float32)),
-        chain_pos=t(chain_pos_a),
-        chain_group=t(cat(chain_group, np.int64)),
-        weight=t(weight),
+        target_ids=tensor(target_ids),
+        exact_pos=tensor(exact_pos_a),
+        entry_ids=tensor(samples.entry_ids[entries].astype(np.int64)),
+        entry_logprobs=tensor(samples.entry_logprobs[entries].astype(np.float32)),
+        entry_pos=tensor(np.repeat(np.arange(len(t), dtype=np.int64), counts)),
+        tail=tensor(samples.tail[t].astype(np.float32)),
+        chain_teacher_logprob=tensor(cat(chain_lp, np.float32)),
+        chain_pos=tensor(chain_pos_a),
+        chain_group=tensor(cat(chain_group, np.int64)),
+        weight=tensor(weight),
     )
     has_weight = weight > 0
     return targets, covered & has_weight, exact_cov & has_weight, cut

@@ -4,12 +4,11 @@ the supervised positions -> one loss. Training and evaluation both go through `s
 
 The student runs its own forward (so FSDP's hooks gather its weights) with the segment attention
 (`trainer/attention.py`: no L x L mask) and without its head: `logits_to_keep` of no positions, the
-final hidden states taken from the decoder's output. The head is applied by the loss:
-
-- one teacher: `losses.chunked_distill_loss`, a few hundred positions at a time, so the [P, V] logits
-  never exist at once (in fp32 or at all);
-- several or cross-tokenizer teachers: `mixed_loss`, the same chunked head with every teacher's terms
-  per chunk (cuts never split a cross-tokenizer teacher's many-token group).
+final hidden states taken from the decoder's output. The head is applied by the loss, `mixed_loss`, a
+few hundred positions at a time (`losses.chunked_head_loss`), so the [P, V] logits never exist at once
+(in fp32 or at all), with every teacher's terms per chunk: one teacher is a mix of one, whose value and
+gradients are those of `losses.chunked_distill_loss`; the cuts never split a cross-tokenizer teacher's
+many-token group.
 
 The head's weight is read after the forward: FSDP2 leaves the root module's parameters (embeddings,
 final norm, head) unsharded after the forward, for the backward that follows, so the weight read here is
@@ -18,7 +17,6 @@ the full one, and its gradient reaches FSDP's reduce-scatter like any other.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -28,13 +26,13 @@ from torch import Tensor
 
 from logitstore.trainer.aligned_losses import AlignedTargets, aligned_kd
 from logitstore.trainer.attention import plan_segments
+from logitstore.trainer.batch import on_device
 from logitstore.trainer.losses import (
     LossConfig,
     SparseTargets,
     ce_term,
     chunk_bounds,
     chunk_positions,
-    chunked_distill_loss,
     chunked_head_loss,
     kd_term,
     position_slicer,
@@ -82,11 +80,11 @@ def student_outputs(model, batch, device) -> StudentOutputs:
 def batch_loss(
     outputs: StudentOutputs, batch, cfg: LossConfig, *, device, evaluation: bool = False
 ) -> tuple[Tensor, dict[str, float]]:
-    """(loss, parts) of one micro-batch: `kd`, `ce`, `loss` and, with several teachers, `kl/<name>` and the
-    signal shares. `evaluation` reports each teacher's mean KL over the positions it teaches."""
-    if batch.signals is None:
-        return chunked_distill_loss(outputs.hidden, outputs.weight, sparse_targets(batch, device), cfg)
-    return mixed_loss(outputs, batch, cfg, device=device, indicator=evaluation)
+    """(loss, parts) of one micro-batch, for one teacher or a mix alike: `kd`, `ce`, `loss` and, for a mix
+    (`batch.mixed`), `kl/<name>` and the signal shares. `evaluation` reports each teacher's mean KL over
+    the positions it teaches."""
+    loss, parts = mixed_loss(outputs, batch, cfg, device=device, indicator=evaluation)
+    return loss, parts if batch.mixed else {key: parts[key] for key in ("kd", "ce", "loss")}
 
 
 @torch.no_grad()
@@ -104,7 +102,7 @@ def held_out_metrics(
         _, parts = batch_loss(
             student_outputs(model, batch, device), batch, evaluation_loss(cfg), device=device, evaluation=True
         )
-        if batch.signals is None:
+        if not batch.mixed:
             parts = {"kd": parts["kd"], "ce": parts["ce"]}
         else:
             assert weights is not None, "several teachers: their weights are needed for eval_kl"
@@ -138,19 +136,8 @@ def all_reduce_mean(values: dict[str, float]) -> dict[str, float]:
 
 
 def sparse_targets(batch, device) -> SparseTargets:
-    """The single teacher's targets of a batch, on `device`."""
-    counts = batch.entry_counts
-    move = lambda t: t.to(device, non_blocking=True)
-    return SparseTargets(
-        entry_ids=move(batch.entry_ids),
-        entry_logprobs=move(batch.entry_logprobs),
-        entry_pos=move(batch.entry_pos),
-        tail=move(batch.tail),
-        target_ids=move(batch.target_ids),
-        target_logprobs=move(batch.target_logprobs),
-        entry_counts=None if counts is None else move(counts),
-        n_draws=None,  # sampled stores: the loss takes each position's draw count from its counts
-    )
+    """The targets of a batch of one same-tokenizer teacher, on `device`."""
+    return on_device(batch.targets, device, non_blocking=True)
 
 
 def mixed_loss(
@@ -160,10 +147,10 @@ def mixed_loss(
     positions (`losses.chunked_head_loss`; a cross-tokenizer teacher's many-token group never straddles
     two chunks). `indicator` (evaluation) replaces the weights by 1 wherever a teacher has signal and
     reports each teacher's mean KL over its positions."""
-    signals = [(name, _to_device(targets, device)) for name, targets in batch.signals]
+    signals = [(name, on_device(targets, device)) for name, targets in batch.signals]
     if indicator:
         for _, targets in signals:
-            targets.weight = (targets.weight > 0).float()
+            targets.weight = (_weight(targets) > 0).float()
     P = len(batch.positions)
     target_ids = batch.target_ids.to(device)
     bounds = chunk_bounds(P, chunk=chunk or chunk_positions(outputs.weight), allowed=_whole_groups(signals, P))
@@ -176,7 +163,7 @@ def mixed_loss(
         parts = {}
         for name, targets in signals:
             if isinstance(targets, AlignedTargets):
-                term, sub = aligned_kd(logits, slice_aligned(targets, a, b), uld_weight=cfg.uld_weight)
+                term, sub = aligned_kd(logits, targets.cut(a, b), uld_weight=cfg.uld_weight)
                 parts[f"kl/{name}"] = sub["exact"] if indicator else sub["kd"]
             else:
                 term = kd_term(logits, slicers[name](a, b), cfg)
@@ -196,40 +183,23 @@ def mixed_loss(
     parts = {"kd": 0.0, "ce": 0.0, "loss": 0.0, **{f"kl/{name}": 0.0 for name, _ in signals}, **parts}
     if indicator:  # each teacher's mean over the positions it teaches, not over all P
         for name, targets in signals:
-            assert targets.weight is not None  # mixing.py weighs every teacher's targets
-            taught = targets.weight[targets.exact_pos] if isinstance(targets, AlignedTargets) else targets.weight
+            weight = _weight(targets)
+            taught = weight[targets.exact_pos] if isinstance(targets, AlignedTargets) else weight
             parts[f"kl/{name}"] *= P / max(int((taught > 0).sum()), 1)
     counts = batch.signal_counts
-    parts.update(
-        {
-            "signal_share": counts["signal_positions"] / max(counts["positions"], 1),
-            "exact_share": counts["exact_positions"] / max(counts["positions"], 1),
-        }
-    )
+    if counts:  # a mix: how much of the batch its teachers teach
+        parts.update(
+            {
+                "signal_share": counts["signal_positions"] / max(counts["positions"], 1),
+                "exact_share": counts["exact_positions"] / max(counts["positions"], 1),
+            }
+        )
     return loss, parts
 
 
-def slice_aligned(t, a: int, b: int):
-    """A cross-tokenizer teacher's targets at positions [a, b), renumbered from 0; the chunk holds whole
-    many-token groups (`_whole_groups`)."""
-    keep = (t.exact_pos >= a) & (t.exact_pos < b)
-    new_index = torch.cumsum(keep.long(), 0) - 1  # exact position i -> its index in the chunk
-    entries = keep[t.entry_pos]
-    chain = (t.chain_pos >= a) & (t.chain_pos < b)
-    groups, chain_group = torch.unique(t.chain_group[chain], return_inverse=True)
-    return dataclasses.replace(
-        t,
-        target_ids=t.target_ids[a:b],
-        exact_pos=t.exact_pos[keep] - a,
-        tail=t.tail[keep],
-        entry_ids=t.entry_ids[entries],
-        entry_logprobs=t.entry_logprobs[entries],
-        entry_pos=new_index[t.entry_pos[entries]],
-        chain_teacher_logprob=t.chain_teacher_logprob[groups],
-        chain_pos=t.chain_pos[chain] - a,
-        chain_group=chain_group.reshape(-1),
-        weight=None if t.weight is None else t.weight[a:b],
-    )
+def _weight(targets) -> Tensor:
+    """A teacher's weight per position: its own, or 1 everywhere (one teacher's targets carry none)."""
+    return targets.weight if targets.weight is not None else torch.ones(targets.n_positions, device=targets.tail.device)
 
 
 def _whole_groups(signals, P: int):
@@ -247,14 +217,3 @@ def _whole_groups(signals, P: int):
             np.add.at(inside, first.cpu().numpy() + 1, 1)
             np.add.at(inside, last.cpu().numpy() + 1, -1)
     return np.cumsum(inside)[: P + 1] <= 0
-
-
-def _to_device(targets, device):
-    return dataclasses.replace(
-        targets,
-        **{
-            f.name: getattr(targets, f.name).to(device)
-            for f in dataclasses.fields(targets)
-            if isinstance(getattr(targets, f.name), torch.Tensor)
-        },
-    )

@@ -124,16 +124,6 @@ def _windowed_order(table: SplitTable, *, seed: int, epoch: int, window_parts: i
     return order, starts[counts > 0]
 
 
-def ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """Concatenation of arange(s, s + n) for each (s, n), without a Python loop."""
-    lengths = np.asarray(lengths, dtype=np.int64)
-    total = int(lengths.sum())
-    if total == 0:
-        return np.zeros(0, dtype=np.int64)
-    offsets = np.cumsum(lengths) - lengths
-    return np.repeat(np.asarray(starts, dtype=np.int64) - offsets, lengths) + np.arange(total, dtype=np.int64)
-
-
 def window_parts(part_bytes: np.ndarray, budget: int, *, where: str) -> int:
     """Parts per window: all of them when the split fits the budget (the global shuffle), else as many
     as two windows of the largest part fit."""

@@ -58,6 +58,7 @@ class StoreSource:
             pieces,
             ok,
             decoded,
+            teacher=self.teacher,
             sample_ids=self.table.sample_ids,
             micro_batch=stream.micro_batch,
             seq_len=stream.seq_len,

@@ -87,11 +87,12 @@ import torch
 
 from logitstore.ahead import read_ahead
 from logitstore.errors import DamagedDataError, StorageError
+from logitstore.samples import ranges
 from logitstore.sizes import format_bytes, parse_bytes
 from logitstore.store import Store
 from logitstore.trainer.batch import BatchContext, PackedBatch
 from logitstore.trainer.mixing import MixedSource
-from logitstore.trainer.order import EpochPlan, Pieces, SplitTable, ranges, window_parts
+from logitstore.trainer.order import EpochPlan, Pieces, SplitTable, window_parts
 from logitstore.trainer.spec import DEFAULT_MEMORY_BUDGET, StreamConfigError, StreamSpec
 from logitstore.trainer.store_source import StoreSource
 from logitstore.version import StoreVersion
