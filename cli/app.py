@@ -273,9 +273,17 @@ def verify(store: StoreArg, version: VersionOpt = None, json_out: JsonOpt = Fals
                 "damaged": report.damaged,
                 "arrays": report.arrays,
                 "damaged_arrays": report.damaged_arrays,
+                "unreferenced_parts": report.unreferenced,
             }
         )
-    elif report.ok:
+        return _verify_exit(report)
+    if report.unreferenced:  # not damage: what older versions read, or a concurrent build's leftovers
+        typer.echo(
+            f"note: {len(report.unreferenced)} part(s), {sum(report.unreferenced.values()):,} bytes, hold no "
+            "sample of this version (replaced or removed documents' windows, which older versions still read)",
+            err=True,
+        )
+    if report.ok:
         typer.echo(
             f"ok: version {report.version}, {report.samples} samples in {report.parts} parts and "
             f"{report.arrays} teacher arrays are whole"
@@ -288,6 +296,10 @@ def verify(store: StoreArg, version: VersionOpt = None, json_out: JsonOpt = Fals
             f"{report.arrays} teacher arrays damaged in version {report.version}",
             err=True,
         )
+    _verify_exit(report)
+
+
+def _verify_exit(report) -> None:
     if not report.ok:
         raise typer.Exit(1)
 

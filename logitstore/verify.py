@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from typing import cast
 
 import numpy as np
 import pyarrow.compute as pc
@@ -36,6 +37,10 @@ class VerifyReport:
     damaged: dict[str, str] = field(default_factory=dict)  # "teacher/sample_id" -> what is wrong
     arrays: int = 0  # teacher-level arrays read whole (id order, tokenizers, vocabulary maps)
     damaged_arrays: dict[str, str] = field(default_factory=dict)  # "teachers/<t>/code_of_id" -> what is wrong
+    # "<teacher>/<part>" -> compressed bytes: parts that hold no sample of this version. Not damage: the
+    # samples of older versions that --on-duplicate replace or a removal dropped, or (before issue 29)
+    # a concurrent build's parts whose samples the other build committed first.
+    unreferenced: dict[str, int] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -46,6 +51,7 @@ def verify(version: StoreVersion) -> VerifyReport:
     report = VerifyReport(version=version.snapshot_id, samples=version.index.num_rows)
     _check_metadata_and_teacher_arrays(version, report)
     idx = version.index
+    report.unreferenced = _unreferenced_parts(version)
     for teacher, part in sorted(set(zip(idx["teacher"].to_pylist(), idx["part"].to_pylist()))):
         rows = idx.filter(pc.and_(pc.equal(idx["teacher"], teacher), pc.equal(idx["part"], part))).to_pylist()
         report.parts += 1
@@ -55,6 +61,20 @@ def verify(version: StoreVersion) -> VerifyReport:
             if problem:
                 report.damaged[f"{teacher}/{row['sample_id']}"] = problem
     return report
+
+
+def _unreferenced_parts(version: StoreVersion) -> dict[str, int]:
+    """Part groups that no index row of this version names, with their stored bytes (a removal's empty
+    record part, which holds nothing, is not one)."""
+    idx = version.index
+    referenced = set(zip(idx["teacher"].to_pylist(), idx["part"].to_pylist()))
+    out = {}
+    for teacher in version.teachers:
+        for part, group in group_at(version.root, f"teachers/{teacher}/parts").groups():
+            attrs = dict(group.attrs)
+            if (teacher, part) not in referenced and "removed" not in attrs:
+                out[f"{teacher}/{part}"] = int(cast(int, attrs.get("stored_bytes", 0)))  # PartWriter writes an int
+    return out
 
 
 def _check_metadata_and_teacher_arrays(version: StoreVersion, report: VerifyReport) -> None:

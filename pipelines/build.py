@@ -279,8 +279,7 @@ def _add_teacher_with_first_unit(
             code_of_id=code_of_id,
             students=registrations,
         )
-        written = write_unit(writer.part_writer(), unit, samples, teacher=meta.name)
-        added = writer.merge(written)
+        writer.merge(write_unit(writer.part_writer(), unit, samples, teacher=meta.name))
         try:
             writer.commit(cfg.message or f"build: teacher {meta.name} (first unit)")
         except ConflictError:
@@ -288,10 +287,7 @@ def _add_teacher_with_first_unit(
                 raise
             _stored_documents(store, cfg, meta, students)  # the winner's teacher must be this one
             return False
-    summary.samples += added
-    summary.tokens += unit.n_tokens
-    summary.stored_bytes += written.stored_bytes
-    summary.commits += 1
+    _count_commit(summary, writer)
     return True
 
 
@@ -313,10 +309,7 @@ def _process(
         # writer_for reads `writer` when called: after a commit it is the new transaction's writer
         for written, unit in executor.map(units, writer_for=lambda: writer, max_in_flight=2 * cfg.workers):  # noqa: B023
             writer.remove(summary.teacher, unit.replaces)  # the changed documents' old windows
-            added = writer.merge(written)
-            summary.samples += added
-            summary.tokens += unit.n_tokens if added else 0
-            summary.stored_bytes += written.stored_bytes
+            writer.merge(written)  # the summary counts what each commit holds (`_count_commit`)
             progress.update(tokens=unit.n_tokens, samples=len(unit.sample_ids), documents=unit.documents_read)
             if time.monotonic() - last_commit >= cfg.commit_every:
                 _commit(writer, cfg, summary, final=False)
@@ -342,8 +335,20 @@ def _commit(writer, cfg: BuildConfig, summary: BuildSummary, *, final: bool) -> 
     if not writer.has_changes:
         return
     message = cfg.message or f"build: teacher {summary.teacher}"
-    writer.commit(message if final else f"{message} (checkpoint, {summary.samples} samples so far)")
-    summary.commits += 1
+    writer.commit(message if final else f"{message} (checkpoint, {summary.samples} samples before it)")
+    _count_commit(summary, writer)
+
+
+def _count_commit(summary: BuildSummary, writer) -> None:
+    """The summary counts what the commits hold: samples a concurrent build of the same data committed
+    first were dropped at the rebase and count as already stored, and a commit left with nothing to
+    hold was not made."""
+    result = writer.result
+    summary.samples += result.samples
+    summary.tokens += result.tokens
+    summary.stored_bytes += result.stored_bytes
+    summary.already_stored += result.dropped
+    summary.commits += result.committed
 
 
 def _mapped_mass(samples, vocab_map: np.ndarray) -> dict:

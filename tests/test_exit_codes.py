@@ -11,9 +11,12 @@ from pathlib import Path
 
 import pytest
 
+from logitstore.store import Store
+from logitstore.synthetic import random_samples
+from logitstore.verify import verify
 from tests.conftest import CLI, sample_corpus_head, small_build
 from tests.test_faults import trainer_view
-from tests.test_safety import build, index_of, jsonl, one_line_error, run
+from tests.test_safety import LONG, build, index_of, jsonl, one_line_error, run, write_store
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -159,3 +162,47 @@ def test_every_command_that_touches_a_store_exits_0_in_200_runs(tiny_teacher, tm
         assert done.returncode == 0, done.stderr[-3000:]
         report = json.loads(done.stdout)
         assert {name: r["failed"] for name, r in report.items() if r["failed"]} == {}
+
+
+# -- 5. what a commit holds: no double count, no orphaned parts, no empty commits ---------------------------
+
+
+def test_a_write_whose_samples_a_concurrent_writer_committed_first_commits_nothing(tmp_path):
+    store = write_store(str(tmp_path / "store"), n=3)
+    samples = random_samples(["new-0", "new-1"], seed=5, max_tokens=30, k=8)
+    first, second = (store.writer(on_duplicate="skip") for _ in range(2))  # both on the same base
+    for writer in (first, second):
+        assert writer.merge(write_part(writer, samples)) == 2
+    first.commit("first")
+    versions = len(store.log())
+    second.commit("second")  # rebases onto the first, whose commit holds both samples
+    assert second.result is not None and not second.result.committed  # was: a commit adding nothing
+    assert (second.result.samples, second.result.dropped) == (0, 2)
+    assert len(store.log()) == versions
+    later = store.writer(on_duplicate="skip")  # a build's next checkpoint transaction
+    assert later.merge(write_part(later, samples)) == 0 and not later.has_changes  # was: an empty commit
+    report = verify(store.read())
+    assert report.ok and report.unreferenced == {}
+
+
+def write_part(writer, samples):
+    """A part written through a fork, as a build's worker writes it."""
+    return writer.fork().write(samples, teacher="teacher-a")
+
+
+def test_two_concurrent_builds_count_what_their_commits_hold(tiny_teacher, tmp_path):
+    rows = [{"id": f"d{i}", "text": f"Document {i}: " + LONG[: 60 + 20 * i]} for i in range(6)]
+    data = jsonl(tmp_path / "d.jsonl", rows)
+    store = tmp_path / "store"
+    command = [*CLI, *small_build(tiny_teacher, store, data, "--commit-every", "0.001", "--json")]
+    children = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    summaries = []
+    for child in children:
+        out, err = child.communicate(timeout=240)
+        assert child.returncode == 0, err[-2000:]
+        summaries.append(json.loads(out))
+    stored = Store.open(str(store)).read().index.num_rows
+    assert sum(s["samples"] for s in summaries) == stored  # was: both counted what the first one stored
+    counts = [v.samples or 0 for v in reversed(Store.open(str(store)).log())]  # the first: the empty store
+    assert all(b > a for a, b in zip(counts, counts[1:])), counts  # every commit adds samples
+    assert verify(Store.open(str(store)).read()).unreferenced == {}
