@@ -101,8 +101,10 @@ def test_one_default_for_the_cli_the_build_and_live_mode():
 
     assert LiveConfig().sparsity == BuildConfig().sparsity == DEFAULT_SAMPLED
     assert LiveConfig.from_flags("default").sparsity == DEFAULT_SAMPLED  # train --live-teacher default
-    assert BuildConfig(engine="vllm").sparsity == DEFAULT_TOPK == BuildConfig(student_tokenizers=("gpt2",)).sparsity
-    assert engine_class("torch").samples and not engine_class("vllm").samples
+    assert BuildConfig(engine="vllm").sparsity == DEFAULT_SAMPLED  # vLLM draws through its hidden states
+    top_k_only = BuildConfig(engine="vllm", vllm_output="logprobs")  # prompt log-probabilities: top-k only
+    assert top_k_only.sparsity == DEFAULT_TOPK == BuildConfig(student_tokenizers=("gpt2",)).sparsity
+    assert engine_class("torch").samples and engine_class("vllm").samples
 
 
 def test_sparsity_round_trips_through_teacher_metadata_with_its_grid():
