@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.synthetic import random_samples
 from logitstore.store import Store
-from logitstore.synthetic import random_samples
 from logitstore.verify import verify
 from tests.conftest import CLI, sample_corpus_head, small_build
 from tests.test_faults import trainer_view
