@@ -1,4 +1,6 @@
 """Stage one's input side: documents out of a data file or folder, and how long ones are windowed.
+(Longer than ~600 lines on purpose: every format's reader shares the column checks and the batch-by-batch
+`Document` stream here; split by format, each file would repeat them.)
 
 `read_documents` streams `Document`s out of what `logitstore build --data DATA` names:
 

