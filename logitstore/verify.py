@@ -70,7 +70,7 @@ def _unreferenced_parts(version: StoreVersion) -> dict[str, int]:
     referenced = set(zip(idx["teacher"].to_pylist(), idx["part"].to_pylist()))
     out = {}
     for teacher in version.teachers:
-        for part, group in group_at(version.root, f"teachers/{teacher}/parts").groups():
+        for part, group in group_at(version.root, layout.parts_path(teacher)).groups():
             attrs = dict(group.attrs)
             if (teacher, part) not in referenced and "removed" not in attrs:
                 out[f"{teacher}/{part}"] = int(cast(int, attrs.get("stored_bytes", 0)))  # PartWriter writes an int

@@ -295,7 +295,7 @@ class StoreWriter:
         )
         with storage_errors(f"cannot write to {self.store.location.uri}"):
             for teacher, part in sorted(orphans):
-                parts = group_at(self.root, f"teachers/{teacher}/parts")
+                parts = group_at(self.root, layout.parts_path(teacher))
                 if part in parts:
                     del parts[part]
                 self._part_bytes.pop((teacher, part), None)
