@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 
 from logitstore.cli.app import app
 from logitstore.pipelines.build import BuildConfig, run_build, run_builds
-from logitstore.pipelines.plan import BuildError
+from logitstore.pipelines.config import BuildError
 from logitstore.sparsity import Sparsity
 from logitstore.store import Store
 from logitstore.trainer.config import TrainConfig
