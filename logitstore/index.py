@@ -159,11 +159,22 @@ def read_index(blobs: BlobStore, key: str | None) -> pa.Table:
         raise DamagedDataError(f"the sample index {blobs.url(key)} is missing") from None
     if not key.startswith(hashlib.sha256(data).hexdigest()[:40]):
         raise DamagedDataError(f"the sample index {blobs.url(key)} is damaged (its checksum does not match its name)")
-    table = pq.read_table(io.BytesIO(data))
+    table = pq.ParquetFile(pa.BufferReader(_arrow_owned(data))).read(use_threads=False)
     for name in STUDENT_COLUMNS:  # indexes from before cross-tokenizer support
         if name not in table.column_names:
             table = table.append_column(name, pa.array([[]] * table.num_rows, type=SCHEMA.field(name).type))
     return table.select(SCHEMA.names).cast(SCHEMA)
+
+
+def _arrow_owned(data: bytes) -> pa.Buffer:
+    """`data` copied into memory Arrow owns. Parquet read from Python bytes (a `BytesIO`, `py_buffer`) leaves
+    buffers that hold the bytes object, and Arrow's thread pool may drop the last of them after the command
+    returned: taking the GIL while Python finalizes kills that C++ thread and aborts the process (`ls` exited
+    134, "terminate called without an active exception", in ~2 runs of 100; tests/test_exit_codes.py). One
+    copy of the index (kilobytes to a few MB) is the cost."""
+    sink = pa.BufferOutputStream()
+    sink.write(data)
+    return sink.getvalue()
 
 
 def diff_indexes(a: pa.Table, b: pa.Table) -> dict[str, list[dict]]:

@@ -29,7 +29,7 @@ from logitstore.errors import LogitstoreError
 from logitstore.grid import Q_MAX
 from logitstore.meta import TeacherMeta
 from logitstore.reader import PartReader, TeacherRows
-from logitstore.samples import row_offsets
+from logitstore.samples import ranges, row_offsets
 from logitstore.version import StoreVersion
 
 FORMATS = (".html", ".md")
@@ -114,11 +114,11 @@ def _fold_part(
     one's elements are zeros)."""
     meta = stats.meta
     lengths = table.n_tokens[rows] - 1
-    position = _ranges(table.position_start[rows], lengths)  # in the part
+    position = ranges(table.position_start[rows], lengths)  # in the part
     row = np.repeat(rows, lengths)
-    next_token = arrays.input_ids[_ranges(table.token_start[rows] + 1, lengths)]
+    next_token = arrays.input_ids[ranges(table.token_start[rows] + 1, lengths)]
     n_entries = arrays.n_entries[position].astype(np.int64)
-    entry = _ranges(table.entry_start[rows], table.n_entries[rows])  # in the part, in position order
+    entry = ranges(table.entry_start[rows], table.n_entries[rows])  # in the part, in position order
     local = np.repeat(np.arange(len(position)), n_entries)  # each entry's place in `position`
     assert len(local) == len(entry), "the reader checked n_entries against the index"
     ids = codec.undelta_codes_to_ids(arrays.entry_codes[entry], row_offsets(n_entries), id_of_code)
@@ -159,12 +159,6 @@ def _entropy(logprobs, position_of_entry, positions: int, *, counts) -> np.ndarr
     drawn = np.bincount(position_of_entry, counts, minlength=positions)
     with np.errstate(invalid="ignore", divide="ignore"):
         return np.bincount(position_of_entry, -counts * logprobs, minlength=positions) / drawn
-
-
-def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """The concatenation of arange(s, s + n) for each (s, n): one repeat and one arange."""
-    offsets = row_offsets(lengths)
-    return np.repeat(starts - offsets[:-1], lengths) + np.arange(offsets[-1])
 
 
 def _add(a: np.ndarray, b: np.ndarray) -> np.ndarray:

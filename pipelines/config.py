@@ -231,9 +231,9 @@ class BuildConfig(PlanConfig):
             self.data = str(SAMPLE_CHAT)
         engine = engine_class(self.engine)  # an unknown --engine is refused here, naming the engines
         # the library and the CLI share one default
-        # vLLM's prompt log-probabilities are top-k only, so that output's default is top-64
-        draws = engine.samples and not (engine.name == "vllm" and self.vllm_output == "logprobs")
-        default = default_sparsity(student_tokenizers=bool(self.student_tokenizers), engine_samples=draws)
+        default = default_sparsity(
+            student_tokenizers=bool(self.student_tokenizers), engine_samples=engine.samples(self)
+        )
         if self.sparsity is None:
             self.sparsity = default
         elif isinstance(self.sparsity, SparsityFlags):

@@ -120,7 +120,8 @@ def test_train_refusals_that_need_the_store_come_before_out_is_claimed(chat_stor
 def test_every_command_that_touches_a_store_exits_0_in_200_runs(tiny_teacher, tmp_path):
     """Was: `tag` exited 134 (SIGABRT at interpreter exit, after printing `tagged ...`) in ~1 run of 25
     with four at once on 2 cores: an Icechunk thread handing over a result while Python finalized
-    (`bounded.settle`). The runs are forked from one interpreter that imported logitstore once
+    (`bounded.settle`); then `ls` exited 134 in ~2 runs of 100 (Arrow's thread pool dropping a buffer that
+    held Python bytes, `index._arrow_owned`). The runs are forked from one interpreter that imported logitstore once
     (tests/exit_stress.py), two at a time."""
     data = sample_corpus_head(tmp_path / "data.jsonl", docs=4, chars=300)
     store = str(tmp_path / "store")

@@ -104,7 +104,8 @@ def test_one_default_for_the_cli_the_build_and_live_mode():
     assert BuildConfig(engine="vllm").sparsity == DEFAULT_SAMPLED  # vLLM draws through its hidden states
     top_k_only = BuildConfig(engine="vllm", vllm_output="logprobs")  # prompt log-probabilities: top-k only
     assert top_k_only.sparsity == DEFAULT_TOPK == BuildConfig(student_tokenizers=("gpt2",)).sparsity
-    assert engine_class("torch").samples and engine_class("vllm").samples
+    assert engine_class("torch").samples(BuildConfig()) and engine_class("vllm").samples(BuildConfig(engine="vllm"))
+    assert not engine_class("vllm").samples(top_k_only)
 
 
 def test_sparsity_round_trips_through_teacher_metadata_with_its_grid():

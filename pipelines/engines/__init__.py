@@ -3,7 +3,8 @@
 An engine is one module in this folder, `<name>_engine.py`, defining `Engine`, a class with:
 
     name: str               what `--engine` calls it (the module's name without `_engine`)
-    samples: bool           whether it can store sampled entries (`--sample N`) exactly
+    samples(settings) -> bool   classmethod; whether, so configured, it stores sampled entries (`--sample N`)
+                            exactly; the default sparsity is top-64 where it cannot
     check(settings, spec)   classmethod; refuses, in one line, what cannot run here (missing package,
                             no GPU, an unsupported sparsity or model format) before anything is written
     resolved_dtype(settings) -> str     classmethod; the dtype `--dtype auto` means for this engine

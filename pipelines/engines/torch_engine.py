@@ -38,7 +38,10 @@ def dtype_for(dtype: str, device: str) -> str:
 
 class Engine:
     name = "torch"
-    samples = True
+
+    @classmethod
+    def samples(cls, settings) -> bool:
+        return True
 
     @classmethod
     def check(cls, settings, spec) -> None:

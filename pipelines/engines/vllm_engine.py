@@ -525,7 +525,11 @@ class Engine:
     """The vLLM engine behind the engine interface (`pipelines/engines/__init__.py`)."""
 
     name = "vllm"
-    samples = True  # in the default `hidden` output; `--vllm-output logprobs` refuses --sample in `check`
+
+    @classmethod
+    def samples(cls, settings) -> bool:
+        """Through its hidden states; its prompt log-probabilities are top-K only (`check` refuses --sample)."""
+        return settings.vllm_output == "hidden"
 
     @classmethod
     def check(cls, settings, spec) -> None:
