@@ -7,7 +7,8 @@ One store is one Icechunk repository (plus the Parquet indexes beside it, `index
     /teachers/<name>/                   attrs["logitstore_teacher"]: `TeacherMeta` (hashes, vocab, sparsity, codec)
     /teachers/<name>/code_of_id         uint32 [vocab]   the codec's id renumbering (frequency order)
     /teachers/<name>/tokenizer          uint8  [bytes]   tokenizer.json, so `show` can decode without the model
-    /teachers/<name>/parts/<part>/...   one immutable group per write: the arrays of `codec.EncodedSamples`
+    /teachers/<name>/parts/<part>/...   one immutable group per write: the arrays of `codec.EncodedSamples`,
+                                        as one Zarr array each ("arrays") or packed into one (`PACKED`)
     /teachers/<name>/students/<s>/      attrs["logitstore_student"]: a student tokenizer of this teacher
                                         (name, hash, vocab size, the mapped share of the teacher's mass)
     /teachers/<name>/students/<s>/tokenizer  uint8 [bytes]  its tokenizer.json
@@ -15,6 +16,11 @@ One store is one Icechunk repository (plus the Parquet indexes beside it, `index
     /teachers/<name>/parts/<part>/students/<s>/ids        int32 [N]    the samples' student token ids
     /teachers/<name>/parts/<part>/students/<s>/groups     int32 [4 G]  alignment groups (t0, t1, s0, s1)
     /teachers/<name>/parts/<part>/students/<s>/loss_mask  uint8 [N]    chat data: student tokens in the completion
+
+A part's arrays are stored one of two ways (`TeacherMeta.part_layout`): since store format 3 packed, as
+`parts/<part>/packed`, one uint8 array of one chunk (one object) that holds every array's shards end to
+end, its attribute `MEMBERS` saying where each array's shards lie and each array's own zarr.json
+(`packed.py` presents them as ordinary Zarr arrays again); before, one sharded Zarr array per name.
 
 A part's arrays (`PART_ARRAYS`) run along one of three axes (`AXIS`): a sample of T tokens has T
 elements on the token axis, T - 1 on the position axis (position t predicts token t + 1) and one per
@@ -60,6 +66,12 @@ AXIS = {
     "entry_logprobs": "entry",
     "entry_counts": "entry",
 }
+
+
+# A packed part (store format 3): the one array holding the part's arrays, and its attribute that says
+# where: {name: {"zarr": the array's zarr.json, "objects": [[offset, length] or null per shard]}}.
+PACKED = "packed"
+MEMBERS = "logitstore_members"
 
 
 def part_arrays(*, sampled: bool, chat: bool) -> tuple[str, ...]:

@@ -19,11 +19,15 @@ from logitstore.sparsity import Sparsity, SparsityError
 
 # 2: teachers registered since hold their log-probability arrays as float32 through the grid codec
 # (`zarr_codec.py`; `TeacherMeta.values`); format-1 teachers keep plain uint16 codes and read as before.
+# 3: teachers registered since store each part as one object, its arrays packed into one Zarr array
+# (`layout.PACKED`; `TeacherMeta.part_layout`): one request per part on object storage instead of one
+# per array. Teachers registered before keep one object per array and read as before.
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 WRITER = "logitstore 0.1.0"
 DEFAULT_BRANCH = "main"
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # teachers, student tokenizers, tags and branches
+PART_LAYOUTS = ("packed", "arrays")  # `TeacherMeta.part_layout`
 SNAPSHOT_ID = re.compile(r"[0-9A-Z]{20}")  # Icechunk's snapshot ids: 20 Crockford base32 characters
 
 
@@ -55,12 +59,17 @@ class TeacherMeta:
     engine: str | None = None
     dtype: str | None = None
     engine_version: str | None = None
+    # How a part's arrays lie in storage (`layout.PART_LAYOUTS`): "packed" (one object per part, store
+    # format 3) or "arrays" (one Zarr array, so one object, per array; teachers written before format 3).
+    part_layout: str = "packed"
 
     def __post_init__(self) -> None:
         if not NAME.fullmatch(self.name):
             raise InvalidSampleError(f"teacher name {self.name!r}: use letters, digits, '.', '_' and '-'")
         if self.vocab_size < 1:
             raise InvalidSampleError(f"teacher {self.name}: vocab_size must be positive, got {self.vocab_size}")
+        if self.part_layout not in PART_LAYOUTS:
+            raise InvalidSampleError(f"teacher {self.name}: part_layout must be one of {PART_LAYOUTS}")
 
     def to_json(self) -> dict:
         return {
@@ -78,6 +87,7 @@ class TeacherMeta:
             "engine": self.engine,
             "dtype": self.dtype,
             "engine_version": self.engine_version,
+            "part_layout": self.part_layout,
         }
 
     @classmethod
@@ -88,7 +98,7 @@ class TeacherMeta:
         except SparsityError as e:
             raise InvalidSampleError(f"teacher {meta.get('name')}: {e}") from None
         fields = {k: v for k, v in meta.items() if k != "codec"}
-        return cls(**{"values": "codes", **fields, "sparsity": sparsity, "students": students})
+        return cls(**{"values": "codes", "part_layout": "arrays", **fields, "sparsity": sparsity, "students": students})
 
     @property
     def codec(self) -> CodecParams:
@@ -99,6 +109,16 @@ class TeacherMeta:
     def grid(self) -> CodecParams | None:
         """The grid codec's parameters where the log-probability arrays go through it, else None."""
         return self.codec if self.values == "logprobs" else None
+
+    @property
+    def format(self) -> int:
+        """The store format this teacher needs a reader to know (see `FORMAT_VERSION`)."""
+        return 3 if self.part_layout == "packed" else 2 if self.values == "logprobs" else 1
+
+    @property
+    def packed(self) -> bool:
+        """Each part is one object (`layout.PACKED`), not one per array."""
+        return self.part_layout == "packed"
 
     @property
     def student_names(self) -> list[str]:

@@ -29,6 +29,7 @@ from numcodecs import blosc
 from zarr.core.buffer import default_buffer_prototype
 from zarr.core.sync import sync
 
+from logitstore import packed
 from logitstore.bounded import BoundedStore
 from logitstore.grid import CodecParams
 from logitstore.zarr_codec import NAME as GRID_CODEC
@@ -56,6 +57,34 @@ def read_whole(store, paths: list[str], *, params: CodecParams) -> list[np.ndarr
     return sync(every())
 
 
+def read_packed(store, path: str, names: list[str], *, params: CodecParams) -> list[np.ndarray]:
+    """The arrays `names` of the packed part whose packed array is at `path` (store format 3,
+    `packed.py`), as `read_whole` gives them: its document and its one chunk in one round of requests
+    (on Icechunk the document comes from the snapshot: one request to storage), split and decoded here.
+    A member laid out otherwise is read through Zarr, over `packed.PackedStore`."""
+    document, chunk = _get_many(
+        store, [f"{path}/zarr.json", packed.chunk_key(path)], what=f"reading {packed.chunk_key(path)}"
+    )
+    if document is None:
+        raise FileNotFoundError(f"{path}/zarr.json")  # the snapshot lists the part: its tree is damaged
+    members = packed.members_of(json.loads(document.to_bytes())["attributes"])
+    data = np.zeros(0, np.uint8) if chunk is None else np.asarray(chunk.as_numpy_array()).view(np.uint8).reshape(-1)
+    layouts = {name: _layout(members[name]["zarr"]) for name in names}
+    if any(layout is None for layout in layouts.values()):
+        return read_whole(packed.PackedStore(store, path=path, members=members), names, params=params)
+    out = []
+    for name in names:  # a few arrays per part
+        layout = layouts[name]
+        assert layout is not None  # checked above
+        if len(members[name]["objects"]) > layout.n_objects:
+            raise ValueError(f"the member table of {path} lists more shards of {name} than it holds")
+        spans = [packed.member_range(members, name, i) for i in range(layout.n_objects)]
+        if any(s is not None and s[0] + s[1] > len(data) for s in spans):
+            raise ValueError(f"{name} lies beyond the end of {packed.chunk_key(path)}")
+        out.append(layout.decode([None if s is None else data[s[0] : s[0] + s[1]] for s in spans]))
+    return out
+
+
 def read_arrays(store, paths: list[str]) -> list[np.ndarray] | None:
     """The whole 1-D arrays at `paths` of a Zarr v3 store, or None if any of them is not laid out as
     logitstore writes it (then read them with Zarr). One hand-over to Zarr's event loop per round."""
@@ -66,7 +95,11 @@ def read_arrays(store, paths: list[str]) -> list[np.ndarray] | None:
         return None
     keys = [[f"{p}/c/{i}" for i in range(layout.n_objects)] for p, layout in zip(paths, layouts)]
     fetched = iter(_get_many(store, [k for ks in keys for k in ks], what=f"reading {paths[0]} and more"))
-    return [layout.decode([next(fetched) for _ in ks]) for layout, ks in zip(layouts, keys)]
+    return [layout.decode([_bytes(next(fetched)) for _ in ks]) for layout, ks in zip(layouts, keys)]
+
+
+def _bytes(buffer) -> bytes | None:
+    return None if buffer is None else buffer.to_bytes()
 
 
 def _get_many(store, keys: list[str], *, what: str) -> list:
@@ -98,13 +131,13 @@ class _Layout:
             if data is None:  # never written: fill value
                 pieces.append(np.full(self.object_shape, self.fill_value, dtype=self.dtype))
             elif self.sharded:
-                pieces.append(self._shard(data.to_bytes()))
+                pieces.append(self._shard(data))
             else:
-                pieces.append(_chunk(data.to_bytes(), self.dtype))
+                pieces.append(_chunk(data, self.dtype))
         out = np.concatenate(pieces) if pieces else np.zeros(0, dtype=self.dtype)
         return out[: self.length]
 
-    def _shard(self, data: bytes) -> np.ndarray:
+    def _shard(self, data) -> np.ndarray:
         n = self.object_shape // self.chunk_shape
         index_bytes = 16 * n
         index = _checked(data[len(data) - index_bytes - 4 :])
@@ -118,11 +151,11 @@ class _Layout:
         return np.concatenate(out)
 
 
-def _chunk(data: bytes, dtype: np.dtype) -> np.ndarray:
+def _chunk(data, dtype: np.dtype) -> np.ndarray:
     return np.frombuffer(blosc.decompress(_checked(data)), dtype=dtype)
 
 
-def _checked(data: bytes) -> np.ndarray:
+def _checked(data) -> np.ndarray:
     """The bytes before a CRC32C trailer, after checking it (what Zarr's crc32c codec does)."""
     raw = np.frombuffer(data, dtype=np.uint8)  # a view: slicing it copies nothing
     body = raw[:-4]

@@ -33,10 +33,12 @@ import zarr
 from numcodecs import Blosc
 from zarr.codecs import BloscCodec, Crc32cCodec, ShardingCodec
 from zarr.core.buffer import default_buffer_prototype
+from zarr.core.chunk_grids import RegularChunkGrid
 from zarr.core.group import GroupMetadata
 from zarr.core.metadata import ArrayV3Metadata
 from zarr.core.sync import sync
 
+from logitstore.layout import MEMBERS
 from logitstore.zarr_codec import LogprobGrid
 
 _EMPTY = np.uint64(2**64 - 1)  # the shard index's offset and length of an inner chunk not written
@@ -89,13 +91,58 @@ def group_document(attributes: dict) -> bytes:
     return GroupMetadata(attributes=attributes).to_buffer_dict(default_buffer_prototype())["zarr.json"].to_bytes()
 
 
-def write_objects(store, *, documents: dict[str, bytes], arrays: dict[str, EncodedArray]) -> None:
-    """Write the documents (groups' and arrays' zarr.json, by key) and then the arrays' shards, each round
-    as concurrent requests in one hand-over to Zarr's event loop (Icechunk takes an array's chunks only
-    once its document is there)."""
+def pack(arrays: dict[str, EncodedArray]) -> tuple[bytes, dict]:
+    """Arrays (by name) as one packed chunk (store format 3, `packed.py`): their shards end to end, and
+    the member table (`layout.MEMBERS`) that says where each lies and holds each array's zarr.json."""
+    pieces: list[bytes] = []
+    members: dict[str, dict] = {}
+    offset = 0
+    for name, array in arrays.items():
+        n_objects = max(array.shards, default=-1) + 1
+        objects: list[list[int] | None] = [None] * n_objects
+        for number, blob in sorted(array.shards.items()):  # a shard or a few per array
+            objects[number] = [offset, len(blob)]
+            pieces.append(blob)
+            offset += len(blob)
+        members[name] = {"zarr": json.loads(array.document), "objects": objects}
+    return b"".join(pieces), members
+
+
+def packed_document(length: int, members: dict) -> bytes:
+    """The zarr.json of a packed array of `length` bytes: uint8, one chunk, no codec beyond `bytes` (its
+    members are compressed and checksummed already), the member table as its attribute."""
+    metadata = _packed_template()
+    return (
+        dataclasses.replace(
+            metadata,
+            shape=(length,),
+            chunk_grid=RegularChunkGrid(chunk_shape=(max(1, length),)),
+            attributes={MEMBERS: members},
+        )
+        .to_buffer_dict(default_buffer_prototype())["zarr.json"]
+        .to_bytes()
+    )
+
+
+@functools.lru_cache(maxsize=1)
+def _packed_template() -> ArrayV3Metadata:
+    array = zarr.create_array(
+        zarr.storage.MemoryStore(), shape=(1,), dtype=np.uint8, chunks=(1,), compressors=None, fill_value=0
+    )
+    assert isinstance(array.metadata, ArrayV3Metadata)  # create_array's default format
+    return array.metadata
+
+
+def write_objects(
+    store, *, documents: dict[str, bytes], arrays: dict[str, EncodedArray], objects: dict[str, bytes] | None = None
+) -> None:
+    """Write the documents (groups' and arrays' zarr.json, by key) and then the arrays' shards and the
+    other chunk `objects` (by key), each round as concurrent requests in one hand-over to Zarr's event
+    loop (Icechunk takes an array's chunks only once its document is there)."""
     prototype = default_buffer_prototype()
     docs = {**documents, **{f"{path}/zarr.json": a.document for path, a in arrays.items()}}
     shards = {f"{path}/c/{n}": blob for path, a in arrays.items() for n, blob in a.shards.items()}
+    shards.update(objects or {})
 
     async def put(objects: dict[str, bytes]) -> None:
         await asyncio.gather(*(store.set(key, prototype.buffer.from_bytes(blob)) for key, blob in objects.items()))

@@ -32,7 +32,7 @@ from logitstore.bounded import read_errors
 from logitstore.codec import EncodedSamples
 from logitstore.errors import DamagedDataError, StorageError
 from logitstore.layout import array_at, read_values
-from logitstore.rawread import read_whole
+from logitstore.rawread import read_packed, read_whole
 from logitstore.samples import SparseSamples
 from logitstore.version import StoreVersion
 from logitstore.zarr_codec import as_codes
@@ -138,7 +138,7 @@ class PartReader:
         self.view, self.teacher, self.rows, self.student = view, teacher, rows, student
         assert student is None or rows.students is not None, "rows with the student's columns"
         self.vocab_size, self.params = meta.vocab_size, meta.codec
-        self.sampled = meta.sampled
+        self.sampled, self.packed = meta.sampled, meta.packed
         self.masked = meta.loss_mask is not None  # chat data: a per-token loss_mask in every part
         self.names = layout.part_arrays(sampled=self.sampled, chat=self.masked)
         # Here, not lazily in threads; int32 as the decode kernel takes it (no copy per batch).
@@ -188,8 +188,12 @@ class PartReader:
 
     def _whole(self, part: str) -> EncodedSamples:
         base = layout.part_path(self.teacher, part)
-        paths = [f"{base}/{name}" for name in self.names]
-        return EncodedSamples(**dict(zip(self.names, read_whole(self.view.root.store, paths, params=self.params))))
+        store = self.view.root.store
+        if self.packed:  # store format 3: one object, one request
+            arrays = read_packed(store, f"{base}/{layout.PACKED}", list(self.names), params=self.params)
+        else:
+            arrays = read_whole(store, [f"{base}/{name}" for name in self.names], params=self.params)
+        return EncodedSamples(**dict(zip(self.names, arrays)))
 
     def _ranges(self, part: str, rows: np.ndarray) -> EncodedSamples:
         """Just these rows' elements, at their places in zero-filled full-length arrays (np.zeros maps

@@ -135,12 +135,10 @@ def _problem(e: Exception) -> str:
 def _read_part(version: StoreVersion, teacher: str, part: str) -> dict[str, np.ndarray] | None:
     """All arrays of a part, or None when any chunk fails to read (then rows are read one by one)."""
     try:
-        group = version.part_group(teacher, part)
         params = version.teachers[teacher].codec
         return {
             name: as_codes(read_values(version.array(teacher, part, name)), params)
-            for name in layout.PART_ARRAYS
-            if name in group
+            for name in version.part_names(teacher, part)
         }
     except StorageError:  # an outage is not damage: stop, exit 2
         raise

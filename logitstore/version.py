@@ -27,6 +27,7 @@ from logitstore.location import Location
 # 2: teachers registered since hold their log-probability arrays as float32 through the grid codec
 # (`zarr_codec.py`; `TeacherMeta.values`); format-1 teachers keep plain uint16 codes and read as before.
 from logitstore.meta import TeacherMeta
+from logitstore.packed import PackedStore, members_of
 from logitstore.samples import SparseSamples
 from logitstore.zarr_codec import as_codes
 
@@ -60,6 +61,7 @@ class StoreVersion:
         self.index = store.read_index(snapshot_id)
         self._rows: dict[tuple[str, str], int] | None = None
         self._arrays: dict[tuple[str, str, str], zarr.Array] = {}
+        self._packed: dict[tuple[str, str], PackedStore] = {}
         self._id_of_code: dict[str, np.ndarray] = {}
 
     @property
@@ -150,7 +152,7 @@ class StoreVersion:
         t, p = r["teacher"], r["part"]
         params = self.teachers[t].codec
         with read_errors(f"sample {r['sample_id']!r} of teacher {t!r} (part {p})"):
-            names = [n for n in layout.PART_ARRAYS if n in self.part_group(t, p)]
+            names = self.part_names(t, p)
             return slice_row(
                 r, lambda name, rows: as_codes(read_values(self.array(t, p, name), rows), params), names=names
             )
@@ -158,10 +160,31 @@ class StoreVersion:
     def part_group(self, teacher: str, part: str) -> zarr.Group:
         return group_at(self.root, layout.part_path(teacher, part))
 
+    def part_names(self, teacher: str, part: str) -> list[str]:
+        """The arrays a part holds (of `layout.PART_ARRAYS`, in that order), however it is stored."""
+        if self.teachers[teacher].packed:
+            held = set(self.packed_store(teacher, part).names)
+        else:
+            group = self.part_group(teacher, part)
+            held = {n for n in layout.PART_ARRAYS if n in group}
+        return [n for n in layout.PART_ARRAYS if n in held]
+
+    def packed_store(self, teacher: str, part: str) -> PackedStore:
+        """A packed part's arrays as a Zarr store of their own (store format 3, `packed.py`)."""
+        if (teacher, part) not in self._packed:
+            path = f"{layout.part_path(teacher, part)}/{layout.PACKED}"
+            members = members_of(dict(array_at(self.root, path).attrs))
+            self._packed[(teacher, part)] = PackedStore(self.root.store, path=path, members=members)
+        return self._packed[(teacher, part)]
+
     def array(self, teacher: str, part: str, name: str) -> zarr.Array:
+        """One array of a part (a view of its bytes in the packed object, for a packed part)."""
         key = (teacher, part, name)
         if key not in self._arrays:
-            self._arrays[key] = array_at(self.root, f"{layout.part_path(teacher, part)}/{name}")
+            if self.teachers[teacher].packed:
+                self._arrays[key] = zarr.open_array(self.packed_store(teacher, part), path=name, mode="r")
+            else:
+                self._arrays[key] = array_at(self.root, f"{layout.part_path(teacher, part)}/{name}")
         return self._arrays[key]
 
     def id_of_code(self, teacher: str) -> np.ndarray:

@@ -16,7 +16,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import zarr
 
-from logitstore import codec, index, layout, rawwrite
+from logitstore import codec, index, layout, packed, rawwrite
 from logitstore.bounded import (
     bounded_store,
     read_errors,
@@ -103,9 +103,9 @@ class StoreWriter:
         group.attrs["logitstore_teacher"] = meta.to_json()
         group.create_group(layout.PARTS)  # here, not in forks: two forks creating it would conflict
         self._added_teachers.append(meta.name)
-        if meta.values == "logprobs" and json_attr(self.root, "logitstore").get("format", 1) < 2:
-            # an older store gains a format-2 teacher: older logitstores now refuse it in one line
-            self.root.attrs["logitstore"] = {**json_attr(self.root, "logitstore"), "format": FORMAT_VERSION}
+        if json_attr(self.root, "logitstore").get("format", 1) < meta.format:
+            # an older store gains a newer teacher: older logitstores now refuse it in one line
+            self.root.attrs["logitstore"] = {**json_attr(self.root, "logitstore"), "format": meta.format}
         if meta.codec.id_order == "frequency":
             assert code_of_id is not None and len(code_of_id) == meta.vocab_size, "frequency order needs code_of_id"
             write_array(group, layout.CODE_OF_ID, np.asarray(code_of_id, dtype=np.uint32))
@@ -436,9 +436,18 @@ class PartWriter:
             students=ordered,
         )
         encoded = pending.result()
-        stored = sum(a.nbytes for a in encoded.values())
+        documents, objects = {}, {}
+        if meta.packed:  # store format 3: the part's own arrays as one object (`packed.py`)
+            prefix = f"{path}/"
+            own = {key: encoded.pop(key) for key in list(encoded) if key.count("/") == prefix.count("/")}
+            blob, members = rawwrite.pack({key[len(prefix) :]: a for key, a in own.items()})
+            packed_path = f"{path}/{layout.PACKED}"
+            documents[f"{packed_path}/zarr.json"] = rawwrite.packed_document(len(blob), members)
+            if blob:
+                objects[packed.chunk_key(packed_path)] = blob
+        stored = sum(a.nbytes for a in encoded.values()) + sum(len(b) for b in (*documents.values(), *objects.values()))
         attrs = {"samples": len(samples), "tokens": int(samples.n_tokens.sum()), "stored_bytes": stored}
-        documents = {f"{path}/zarr.json": rawwrite.group_document(attrs)}
+        documents[f"{path}/zarr.json"] = rawwrite.group_document(attrs)
         if ordered:
             documents[f"{layout.part_students_path(teacher, part)}/zarr.json"] = rawwrite.group_document({})
             documents.update(
@@ -448,7 +457,7 @@ class PartWriter:
                 }
             )
         with storage_errors(f"cannot write to {self.where}"):
-            rawwrite.write_objects(store, documents=documents, arrays=encoded)
+            rawwrite.write_objects(store, documents=documents, arrays=encoded, objects=objects)
         is_fork = isinstance(self.session, icechunk.ForkSession)
         return WrittenPart(rows=rows, stored_bytes=stored, fork=self.session if is_fork else None)
 

@@ -19,13 +19,25 @@ def zarr_arrays(group: zarr.Group) -> dict[str, zarr.Array]:
     return {path: node for path, node in group.members(max_depth=None) if isinstance(node, zarr.Array)}
 
 
-def test_every_array_of_a_store_reads_as_zarr_reads_it(tmp_path):
-    view = write_store(str(tmp_path / "store"), n=40).read()
+@pytest.mark.parametrize("part_layout", ["packed", "arrays"])
+def test_every_array_of_a_store_reads_as_zarr_reads_it(tmp_path, part_layout):
+    """Each array as rawread reads it and as Zarr does: in a packed part (store format 3), the arrays
+    `read_packed` splits out of the one object against Zarr's reads of them over `PackedStore`."""
+    view = write_store(str(tmp_path / "store"), n=40, part_layout=part_layout).read()
     arrays = zarr_arrays(view.root)
-    assert len(arrays) == 8  # code_of_id, tokenizer and the six arrays of a top-k part
-    got = rawread.read_arrays(view.root.store, list(arrays))
-    assert got is not None
     params = next(iter(view.teachers.values())).codec
+    if part_layout == "packed":
+        assert len(arrays) == 3  # code_of_id, tokenizer and the packed part
+        (path,) = [p for p in arrays if p.endswith("/packed")]
+        teacher, part = path.split("/")[1], path.split("/")[3]
+        names = view.part_names(teacher, part)
+        assert len(names) == 6  # the six arrays of a top-k part
+        got = rawread.read_packed(view.root.store, path, names, params=params)
+        arrays = {name: view.array(teacher, part, name) for name in names}
+    else:
+        assert len(arrays) == 8  # code_of_id, tokenizer and the six arrays of a top-k part
+        got = rawread.read_arrays(view.root.store, list(arrays))
+    assert got is not None
     for (path, array), values in zip(arrays.items(), got):
         # The log-probability arrays read through Zarr as float32 (the grid codec); rawread gives their codes.
         expected = array[:]

@@ -49,10 +49,18 @@ def word_tokenizer_json(vocab: int = VOCAB) -> str:
     return tok.to_str()
 
 
-def write_store(uri: str, *, n: int = 12, seed: int = 0) -> Store:
+def write_store(uri: str, *, n: int = 12, seed: int = 0, part_layout: str = "packed") -> Store:
+    """A store of one top-8 part of `n` samples; `part_layout="arrays"` writes it as store format 2 did."""
     store = Store.open(uri, create=True)
     samples = random_samples([f"doc-{i}" for i in range(n)], seed=seed, max_tokens=80, k=8)
-    meta = TeacherMeta(name="teacher-a", vocab_size=VOCAB, content_hash="w", tokenizer_hash="t", sparsity=Sparsity(k=8))
+    meta = TeacherMeta(
+        name="teacher-a",
+        vocab_size=VOCAB,
+        content_hash="w",
+        tokenizer_hash="t",
+        sparsity=Sparsity(k=8),
+        part_layout=part_layout,
+    )
     with store.writer() as w:
         w.add_teacher(
             meta,

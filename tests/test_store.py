@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from benchmarks.synthetic import random_samples
@@ -18,6 +20,7 @@ from logitstore.errors import (
 from logitstore.grid import CodecParams
 from logitstore.index import diff_indexes
 from logitstore.meta import TeacherMeta
+from logitstore.packed import PackedStore, members_of
 from logitstore.sparsity import Sparsity
 from logitstore.store import Store
 from logitstore.verify import verify
@@ -255,12 +258,14 @@ def _objects(store, prefix: str) -> dict[str, bytes]:
 
 
 @pytest.mark.parametrize(
-    "case", ["small", "several shards", "an all-zero chunk", "student tokens", "a format-1 teacher"]
+    "case",
+    ["small", "several shards", "an all-zero chunk", "student tokens", "a format-1 teacher", "a format-2 teacher"],
 )
 def test_a_part_is_written_as_zarr_writes_it_byte_for_byte(tmp_path, case):
     """`PartWriter` writes its arrays without zarr-python's machinery (rawwrite.py): every object, every
     byte and the stored size equal writing each array through Zarr (`write_array`), the log-probability
-    arrays as float32 through the grid codec (or, for a teacher from before store format 2, as codes)."""
+    arrays as float32 through the grid codec (or, for a teacher from before store format 2, as codes).
+    Packed (store format 3): the packed object, seen through `PackedStore`, holds those same objects."""
     import dataclasses
 
     import numpy as np
@@ -303,7 +308,10 @@ def test_a_part_is_written_as_zarr_writes_it_byte_for_byte(tmp_path, case):
         ]
     from logitstore.layout import GRID_ARRAYS
 
-    meta = teacher() if case != "a format-1 teacher" else dataclasses.replace(teacher(), values="codes")
+    meta = {
+        "a format-1 teacher": dataclasses.replace(teacher(), values="codes", part_layout="arrays"),
+        "a format-2 teacher": dataclasses.replace(teacher(), part_layout="arrays"),
+    }.get(case, teacher())
     store = Store.open(str(tmp_path / "store"), create=True)
     with store.writer() as w:
         w.add_teacher(
@@ -330,10 +338,24 @@ def test_a_part_is_written_as_zarr_writes_it_byte_for_byte(tmp_path, case):
         group.attrs.update({"samples": len(samples), "tokens": int(samples.n_tokens.sum()), "stored_bytes": stored})
         ours = _objects(w.session.store, f"teachers/teacher-a/parts/{part}/")
         theirs = _objects(w.session.store, "teachers/teacher-a/parts/by-zarr/")
+        arrays = zarr.open_group(w.session.store, mode="r")[f"teachers/teacher-a/parts/{part}"].store
+        if meta.packed:  # one object; through PackedStore, the same objects as one array each
+            packed_path = f"teachers/teacher-a/parts/{part}/packed"
+            members = members_of(dict(zarr.open_array(w.session.store, path=packed_path, mode="r").attrs))
+            arrays = PackedStore(w.session.store, path=packed_path, members=members)
+            # the same shards, and one document (the packed array's) in place of one per array
+            stored += len(ours["packed/zarr.json"]) - sum(len(theirs[f"{name}/zarr.json"]) for name in members)
+            del theirs["zarr.json"], ours["zarr.json"]  # the group's: its stored_bytes differ
+            ours = {k: v for k, v in ours.items() if not k.startswith("packed/")} | _objects(arrays, "")
+            assert sorted(_objects(w.session.store, packed_path + "/")) == ["c/0", "zarr.json"]
         assert sorted(ours) == sorted(theirs)
-        assert [key for key in ours if ours[key] != theirs[key]] == []
+        same = lambda key: (
+            json.loads(ours[key]) == json.loads(theirs[key]) if key.endswith(".json") else ours[key] == theirs[key]
+        )
+        assert [key for key in ours if not same(key)] == []
         assert written.stored_bytes == stored
-        kind = zarr.open_group(w.session.store, mode="r")[f"teachers/teacher-a/parts/{part}/tail"].dtype
+        tail_path = "tail" if meta.packed else f"teachers/teacher-a/parts/{part}/tail"
+        kind = zarr.open_array(arrays, path=tail_path, mode="r").dtype
         assert kind == (np.float32 if meta.values == "logprobs" else np.uint16)
         if case == "several shards":
             assert "entry_codes/c/1" in ours
