@@ -4,13 +4,16 @@ split, errors and damaged data."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import itertools
 import os
+import shutil
 import subprocess
 import sys
 import threading
 import uuid
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,6 +23,7 @@ import logitstore
 from benchmarks.synthetic import random_samples
 from logitstore import codec
 from logitstore.errors import DamagedDataError, LogitstoreError
+from logitstore.layout import json_attr
 from logitstore.meta import TeacherMeta
 from logitstore.sparsity import Sparsity
 from logitstore.store import Store
@@ -27,13 +31,24 @@ from logitstore.trainer.batch import PackedBatch
 from logitstore.trainer.order import is_eval_sample
 from logitstore.trainer.spec import StreamConfigError, StreamSpec
 from logitstore.trainer.stream import Stream, store_stream
+from logitstore.verify import verify
 
 VOCAB = 1000
 SEQ, MB = 32, 2
 
 
-def build_store(uri: str, *, n: int = 60, parts: int = 3, mode: str = "topk", max_tokens: int = 60, k: int = 8):
-    """A store with `n` samples of one teacher written as `parts` parts; returns the pinned view."""
+def build_store(
+    uri: str,
+    *,
+    n: int = 60,
+    parts: int = 3,
+    mode: str = "topk",
+    max_tokens: int = 60,
+    k: int = 8,
+    part_layout: str = "packed",
+):
+    """A store with `n` samples of one teacher written as `parts` parts; returns the pinned view.
+    `part_layout="arrays"`: its parts as before store format 3, one object per array."""
     store = Store.open(uri, create=True)
     ids = [f"doc-{i:03d}" for i in range(n)]
     batches = [
@@ -46,6 +61,7 @@ def build_store(uri: str, *, n: int = 60, parts: int = 3, mode: str = "topk", ma
         content_hash="w",
         tokenizer_hash="t",
         sparsity=Sparsity.from_meta({"mode": mode, "k": k, "n": k}),
+        part_layout=part_layout,
     )
     with store.writer() as w:
         w.add_teacher(meta, code_of_id=codec.frequency_id_order(batches[0].entry_ids, vocab_size=VOCAB))
@@ -411,8 +427,6 @@ def test_damaged_sample_is_named(damaged_view, windows):
 
 
 def test_damaged_samples_are_skipped_alike_in_windows_and_globally(damaged_view):
-    from logitstore.verify import verify
-
     damaged_ids = {key.split("/", 1)[1] for key in verify(damaged_view).damaged}
     skipped = []
     for windows in (True, False):
@@ -427,6 +441,57 @@ def test_damaged_samples_are_skipped_alike_in_windows_and_globally(damaged_view)
         assert s.skipped_ids == damaged_ids & {s.table.sample_ids[r] for r in touched.tolist()}
         skipped.append(s.skipped_ids)
     assert skipped[0] and skipped[1]  # each order meets some of the damage (they differ in what they drop)
+
+
+# -- stores of older formats ---------------------------------------------------------------------------------
+
+FORMAT_2_STORE = (
+    Path(__file__).parent / "data" / "format2-store"
+)  # written before format 3 (tests/data/make_format2_store.py)
+
+
+@pytest.mark.parametrize("windows", [False, True])
+def test_a_store_written_in_format_2_streams_as_the_same_samples_written_now(tmp_path, windows):
+    """One object per array (written by logitstore before store format 3) and one object per part
+    (written now, from the same samples): the same batches, whole parts and windows alike."""
+    shutil.copytree(FORMAT_2_STORE, tmp_path / "old")
+    old = Store.open(str(tmp_path / "old")).read()
+    assert json_attr(old.root, "logitstore")["format"] == 2 and not old.teachers["teacher-a"].packed
+    new = build_store(str(tmp_path / "new"), n=30, parts=3)
+    assert json_attr(new.root, "logitstore")["format"] == 3 and new.teachers["teacher-a"].packed
+    make = windowed if windows else stream
+    a, b = make(old, seq_len=64), make(new, seq_len=64)
+    for x, y in zip(take(a, a.steps_per_epoch), take(b, b.steps_per_epoch), strict=True):
+        assert_same(x, y)
+    a.close(), b.close()
+    assert verify(old).ok and verify(new).ok
+
+
+def test_a_format_2_store_takes_a_packed_teacher_and_reads_both(tmp_path):
+    """A new teacher in an old store is packed and raises the store's format; the old teacher's parts
+    keep their layout, also for parts added now."""
+    shutil.copytree(FORMAT_2_STORE, tmp_path / "old")
+    store = Store.open(str(tmp_path / "old"))
+    samples = random_samples(["new-1", "new-2"], seed=9, vocab=VOCAB)
+    with store.writer() as w:
+        w.write(samples, teacher="teacher-a")  # the old teacher: one object per array still
+        w.add_teacher(
+            dataclasses.replace(store.read().teachers["teacher-a"], name="teacher-b", part_layout="packed"),
+            code_of_id=codec.frequency_id_order(samples.entry_ids, vocab_size=VOCAB),
+        )
+        w.commit("a new teacher")
+    with store.writer() as w:
+        w.write(samples, teacher="teacher-b")
+        w.commit("its samples")
+    view = store.read()
+    assert json_attr(view.root, "logitstore")["format"] == 3
+    assert not view.teachers["teacher-a"].packed and view.teachers["teacher-b"].packed
+    for name in ("teacher-a", "teacher-b"):
+        np.testing.assert_array_equal(view.sample("new-2", teacher=name).input_ids, samples.select(1).input_ids)
+        s = stream(view, teacher=name, seq_len=16, micro_batch=1)
+        assert take(s, 1)[0].n_tokens > 0
+        s.close()
+    assert verify(view).ok
 
 
 # -- the window shuffle and the memory budget ---------------------------------------------------------------

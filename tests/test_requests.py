@@ -1,0 +1,81 @@
+"""Object storage pays per request: how many a part's read takes, and reads under a fixed latency per
+request, against moto's S3 server through a proxy that counts the HTTP requests and can delay each
+(`tests/faultproxy.py`). Counts and order only, never wall time."""
+
+from __future__ import annotations
+
+import uuid
+from collections import Counter
+from urllib.parse import urlparse
+
+import pytest
+
+from logitstore.reader import PartReader, TeacherRows
+from logitstore.store import Store
+from tests.faultproxy import FaultProxy
+from tests.test_stream import assert_same, build_store, stream, take
+
+
+@pytest.fixture
+def proxy(s3_endpoint, monkeypatch):
+    """A proxy in front of moto, with every client of this test pointed at it."""
+    upstream = urlparse(s3_endpoint)
+    with FaultProxy((upstream.hostname, upstream.port)) as p:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", p.endpoint)
+        yield p
+
+
+def gets(proxy: FaultProxy) -> Counter:
+    """GET requests by the kind of Icechunk object (chunks, manifests, snapshots, ...)."""
+    kinds = Counter()
+    for method, path in proxy.requests:
+        if method == "GET":
+            parts = urlparse(path).path.strip("/").split("/")  # bucket, store prefix, kind, id
+            kinds[parts[2] if len(parts) > 3 else "other"] += 1
+    return kinds
+
+
+@pytest.mark.parametrize("part_layout", ["packed", "arrays"])
+def test_a_part_read_whole_takes_one_object_request(proxy, part_layout):
+    """Store format 3: a part is one object, so reading it whole is one GET of its chunk (and, read for
+    the first time, one of its manifest). Before (one object per array): one of each per array."""
+    uri = f"s3://logitstore-test/requests-{uuid.uuid4().hex[:12]}"
+    build_store(uri, n=30, parts=3, part_layout=part_layout)
+    view = Store.open(uri).read()
+    reader = PartReader(view, teacher="teacher-a", rows=TeacherRows.of(view, teacher="teacher-a"))
+    arrays = len(reader.names)  # six for a top-k teacher
+    for code in range(3):
+        proxy.requests.clear()
+        reader.read(code)
+        first = gets(proxy)
+        proxy.requests.clear()
+        reader.read(code)
+        again = gets(proxy)
+        if part_layout == "packed":
+            assert first == {"manifests": 1, "chunks": 1} and again == {"chunks": 1}
+        else:  # an array's chunk under 512 bytes lies inline in its manifest (Icechunk's default)
+            assert first["manifests"] == arrays and first["chunks"] <= arrays
+            assert set(first) <= {"manifests", "chunks"} and again == {"chunks": first["chunks"]}
+
+
+def test_a_stream_under_latency_gives_the_same_batches_with_requests_in_flight_together(proxy):
+    """50 ms before every request: the same batches as without, and the reader keeps several requests
+    waiting at once (its read threads), which is what hides the latency."""
+    uri = f"s3://logitstore-test/latency-{uuid.uuid4().hex[:12]}"
+    build_store(uri, n=120, parts=12)
+    expected_stream = stream(Store.open(uri).read(), seq_len=64)
+    expected = take(expected_stream, expected_stream.steps_per_epoch)
+    expected_stream.close()
+
+    proxy.latency_s = 0.05
+    view = Store.open(uri).read()
+    view.id_of_code("teacher-a")  # the teacher's id order: one object, read once, not a part
+    proxy.peak_in_flight = 0
+    proxy.requests.clear()
+    delayed = stream(view, seq_len=64)
+    got = take(delayed, delayed.steps_per_epoch)
+    delayed.close()
+    for x, y in zip(got, expected, strict=True):
+        assert_same(x, y)
+    assert gets(proxy)["chunks"] == 12  # each part once, one request each
+    assert proxy.peak_in_flight >= 4  # of the 8 read threads, several wait on storage together
