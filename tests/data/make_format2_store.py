@@ -7,13 +7,15 @@
 """
 
 import sys
+
 import numpy as np
+
 import logitstore
+from benchmarks.synthetic import random_samples
 from logitstore import codec
-from logitstore.meta import TeacherMeta, FORMAT_VERSION
+from logitstore.meta import FORMAT_VERSION, TeacherMeta
 from logitstore.sparsity import Sparsity
 from logitstore.store import Store
-from benchmarks.synthetic import random_samples
 
 assert FORMAT_VERSION == 2, logitstore.__file__
 uri = sys.argv[1]
