@@ -26,6 +26,12 @@ tokens/s are summed over ranks and divided by the slowest rank's time.
     python benchmarks/stream.py --mode topk --k 64 --vocab 151936
     python benchmarks/stream.py --store s3://bench/stream --json --out benchmarks/results/stream-s3.json
     python benchmarks/stream.py --quick --json                     # a smoke run, seconds
+    python benchmarks/stream.py --store s3://bench/stream --latency-ms 50   # 50 ms before every S3 request
+
+With `--latency-ms MS` (S3 only) the readers reach moto through a proxy in a process of its own
+(`tests/faultproxy.py`) that holds every request MS milliseconds before passing it on: object storage's
+first-byte latency, which moto on loopback lacks. The write goes to moto directly. `--part-layout arrays`
+writes parts as before store format 3 (one object per array), to measure the same code on both layouts.
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlparse
 
 import numpy as np
 import zarr
@@ -245,6 +252,7 @@ def write_store(uri: str, args, log) -> dict:
         content_hash="synthetic",
         tokenizer_hash="synthetic",
         sparsity=sparsity(args),
+        part_layout=args.part_layout,
     )
     _warm_up_writer(teacher, meta)  # numba's first compile and lazy imports are not write throughput
     store = Store.open(uri, create=True)
@@ -608,6 +616,47 @@ def moto_server():
                 os.environ[k] = v
 
 
+@contextmanager
+def latency_proxy(latency_ms: float | None, log):
+    """With `--latency-ms`: a proxy (`tests/faultproxy.py`, its own process) between the readers and
+    moto that holds each request `latency_ms` before passing it on; AWS_ENDPOINT_URL points this process
+    and the reader processes it spawns at it while the block runs. Without: nothing."""
+    if not latency_ms:
+        yield
+        return
+    upstream = urlparse(os.environ["AWS_ENDPOINT_URL"])
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "tests.faultproxy",
+            f"{upstream.hostname}:{upstream.port}",
+            "--latency-ms",
+            str(latency_ms),
+        ],
+        cwd=Path(__file__).resolve().parents[1],  # the repository root: `tests` is importable from there
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None and proc.stdin is not None  # PIPEs
+    endpoint = proc.stdout.readline().strip()
+    if not endpoint.startswith("http://"):
+        raise SystemExit(f"the latency proxy did not start (exit code {proc.poll()})")
+    log(f"  reading through a proxy at {endpoint}: {latency_ms:g} ms before every request")
+    saved = os.environ["AWS_ENDPOINT_URL"]
+    os.environ["AWS_ENDPOINT_URL"] = endpoint
+    try:
+        yield
+    finally:
+        os.environ["AWS_ENDPOINT_URL"] = saved
+        proc.stdin.close()  # the proxy's signal to stop
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
 # -- the run -----------------------------------------------------------------------------------------
 
 
@@ -639,6 +688,18 @@ def parse_args(argv):
         default=300.0,
         help="stop the epoch after this long and report the fraction read (epoch_fraction)",
     )
+    p.add_argument(
+        "--latency-ms",
+        type=float,
+        default=0.0,
+        help="S3 only: hold every read request this long (a proxy in front of moto), as distant object storage does",
+    )
+    p.add_argument(
+        "--part-layout",
+        choices=("packed", "arrays"),
+        default="packed",
+        help="how parts are stored: packed (one object per part, store format 3) or arrays (one per array, before)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help=f"a smoke run: {QUICK}")
     p.add_argument("--json", action="store_true", help="print the results as JSON on stdout (summary on stderr)")
@@ -651,6 +712,8 @@ def parse_args(argv):
                 setattr(args, key, value)
     if args.workers < 1:
         p.error("--workers must be at least 1")
+    if args.latency_ms < 0 or (args.latency_ms and not (args.store or "").startswith("s3://")):
+        p.error("--latency-ms needs --store s3://... (a proxy in front of moto) and is at least 0")
     return args
 
 
@@ -694,7 +757,10 @@ def main(argv=None) -> dict:
             f"reading one epoch: seq_len {args.seq_len} x micro_batch {args.micro_batch}, {args.workers} reader "
             f"process(es), memory budget {format_bytes(budget)} (the store is {stored / budget:.1f}x)"
         )
-        reads, floors = run_readers(jobs, log)
+        with latency_proxy(args.latency_ms, log):
+            reads, floors = run_readers(jobs, log)
+        if args.latency_ms:
+            backend += f", {args.latency_ms:g} ms per request (proxy)"
     result = summarise(args, written, info, budget, jobs, reads, floors, backend, shape)
     log(summary_text(result))
     if args.json:
@@ -771,12 +837,15 @@ def summarise(args, written, info, budget, jobs, reads, floors, backend, shape) 
             "seq_len": args.seq_len,
             "micro_batch": args.micro_batch,
             "workers": args.workers,
+            "latency_ms": args.latency_ms,
+            "part_layout": args.part_layout,
             "memory_budget": budget,
             "store_to_budget": round(stored / budget, 2),
             "floor_memory_budget": jobs[0].floor_budget,
         },
         "write_tokens_per_second": written["write_tokens_per_second"],
         "read_tokens_per_second": read_tps,
+        "latency_ms": args.latency_ms,
         "decode_tokens_per_second": decode_tps,
         "read_amplification": amplification,
         "first_batch_seconds": max(r["first_batch_seconds"] or math.inf for r in reads),

@@ -19,6 +19,7 @@ caller (the trainer's stream) never names a path, an array or a Zarr internal.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -26,8 +27,9 @@ import numba
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+from zarr.core.sync import sync
 
-from logitstore import codec, layout
+from logitstore import codec, layout, packed
 from logitstore.bounded import read_errors
 from logitstore.codec import EncodedSamples
 from logitstore.errors import DamagedDataError, StorageError
@@ -185,6 +187,16 @@ class PartReader:
         damaged.update(self._check(arrays, entry_cum, rows, skip=damaged))
         students = None if self.student is None else self._student_arrays(part)
         return PartData(arrays=arrays, entry_cum=entry_cum, damaged=damaged, students=students)
+
+    def warm(self, code: int) -> None:
+        """Ask storage now for what a later `read(code)` needs first, so that read is one request deep:
+        on Icechunk, a packed part's manifest (one small request; the chunk is not fetched). Best
+        effort, for parts the memory budget does not let the caller read yet: a failure is left to the read."""
+        if not (self.packed and self.whole[code]):
+            return
+        path = f"{layout.part_path(self.teacher, self.rows.parts[code])}/{layout.PACKED}"
+        with contextlib.suppress(StorageError, DamagedDataError):
+            sync(self.view.root.store.exists(packed.chunk_key(path)))
 
     def _whole(self, part: str) -> EncodedSamples:
         base = layout.part_path(self.teacher, part)

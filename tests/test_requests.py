@@ -13,7 +13,7 @@ import pytest
 from logitstore.reader import PartReader, TeacherRows
 from logitstore.store import Store
 from tests.faultproxy import FaultProxy
-from tests.test_stream import assert_same, build_store, stream, take
+from tests.test_stream import assert_same, build_store, stream, take, windowed
 
 
 @pytest.fixture
@@ -79,3 +79,27 @@ def test_a_stream_under_latency_gives_the_same_batches_with_requests_in_flight_t
         assert_same(x, y)
     assert gets(proxy)["chunks"] == 12  # each part once, one request each
     assert proxy.peak_in_flight >= 4  # of the 8 read threads, several wait on storage together
+
+
+def test_windows_under_latency_read_each_part_and_its_manifest_once(proxy):
+    """Windows of one part (a memory budget of two): the engine reads one window ahead and warms the
+    manifests of the window after (`_Parts.warm`), so each part costs one chunk request when it is read;
+    nothing is requested twice, and the batches are those without latency."""
+    uri = f"s3://logitstore-test/windows-{uuid.uuid4().hex[:12]}"
+    build_store(uri, n=80, parts=8)
+    reference = windowed(Store.open(uri).read(), seq_len=64)
+    expected = take(reference, reference.steps_per_epoch)
+    reference.close()
+
+    proxy.latency_s = 0.05
+    view = Store.open(uri).read()
+    view.id_of_code("teacher-a")
+    proxy.requests.clear()
+    delayed = windowed(view, seq_len=64, prefetch=0)  # no batches built into the next epoch
+    got = take(delayed, delayed.steps_per_epoch)
+    delayed.close()
+    for x, y in zip(got, expected, strict=True):
+        assert_same(x, y)
+    counts = gets(proxy)
+    # each part once (and the next epoch's first window, read ahead at the last), each manifest once
+    assert 8 <= counts["chunks"] <= 9 and counts["manifests"] == 8

@@ -43,6 +43,9 @@ class StoreSource:
     def read_part(self, code: int) -> PartData:
         return self.reader.read(code)
 
+    def warm_part(self, code: int) -> None:
+        self.reader.warm(code)
+
     def build(self, pieces: Pieces, parts: dict[int, PartData], *, stream: BatchContext) -> PackedBatch:
         damage = self.reader.damage(parts, pieces.row)
         ok = np.array([d is None for d in damage], dtype=bool)

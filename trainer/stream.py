@@ -112,6 +112,10 @@ class Source(Protocol):
     def read_part(self, part: int) -> object:
         """Read one part (in a reader thread); what `build` gets back in `parts`."""
 
+    # Optional: `warm_part(part)`, a cheap request that makes a later `read_part(part)` one round trip
+    # shallower (a store source: the part's manifest), for parts beyond what the memory budget lets
+    # the engine read yet (`_Parts.warm`).
+
     def build(self, pieces: Pieces, parts: dict[int, Any], *, stream: BatchContext) -> PackedBatch:
         """The batch of these pieces (`parts`: what its own `read_part` gave, by part);
         `stream.unreadable(row, error)` for a sample that cannot be used."""
@@ -123,10 +127,11 @@ class Source(Protocol):
 class _Parts:
     """The parts a stream holds, read by a pool of threads; `want` starts reads, `get` waits for them."""
 
-    def __init__(self, read, *, threads: int):
-        self._read = read
+    def __init__(self, read, *, threads: int, warm=None):
+        self._read, self._warm = read, warm
         self._threads = threads
         self._futures: dict[int, Future] = {}
+        self._warmed: set[int] = set()
         self._pool: ThreadPoolExecutor | None = None
         self.reads = 0  # parts read (or being read): how often each part was fetched, for tests and benchmarks
         self.peak = 0  # the most parts held (read, or being read) at once: what the memory budget bounds
@@ -139,6 +144,18 @@ class _Parts:
                 self._futures[code] = self._pool.submit(self._read, code)
                 self.reads += 1
         self.peak = max(self.peak, len(self._futures))
+
+    def warm(self, codes) -> None:
+        """Warm parts that are neither held nor being read (once each), on the reader threads after
+        the reads asked for so far. Under object storage's latency a part's read is then one round trip
+        (its object) instead of two (its manifest, then its object): what hides that latency when the
+        memory budget allows only a window ahead."""
+        if self._warm is None or self._pool is None:
+            return
+        for code in codes:
+            if code not in self._futures and code not in self._warmed:
+                self._warmed.add(code)
+                self._pool.submit(self._warm, code)
 
     def keep_only(self, codes: set[int]) -> None:
         for code in [c for c in self._futures if c not in codes]:
@@ -196,7 +213,11 @@ class Stream(torch.utils.data.IterableDataset):
         self.window_parts = (
             None if part_bytes is None else window_parts(part_bytes, self.memory_budget, where=self._where)
         )
-        self._parts = None if part_bytes is None else _Parts(source.read_part, threads=spec.read_threads)
+        self._parts = (
+            None
+            if part_bytes is None
+            else _Parts(source.read_part, threads=spec.read_threads, warm=getattr(source, "warm_part", None))
+        )
         self._plans: dict[int, EpochPlan] = {}
         self._held: tuple | None = None  # (epoch, window) whose parts the stream holds now
         self._epoch, self._rows = 0, 0  # the consumer's position: what has been yielded
@@ -431,6 +452,8 @@ class Stream(torch.utils.data.IterableDataset):
         assert self._parts is not None  # windows are held only for a source with parts (`_build`)
         self._parts.keep_only(set(wanted))
         self._parts.want(wanted)
+        if window + 2 < plan.n_windows:  # the window after those: its manifests, not its bytes (the budget)
+            self._parts.warm(plan.parts_of_window(window + 2).tolist())
 
     def unreadable(self, row: int, error: Exception, *, part: str | None = None) -> None:
         """A sample that cannot be used: raise, or (on_error="skip") count it and go on."""
