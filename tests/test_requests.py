@@ -58,25 +58,31 @@ def test_a_part_read_whole_takes_one_object_request(proxy, part_layout):
             assert set(first) <= {"manifests", "chunks"} and again == {"chunks": first["chunks"]}
 
 
-def test_a_stream_under_latency_gives_the_same_batches_with_requests_in_flight_together(proxy):
-    """50 ms before every request: the same batches as without, and the reader keeps several requests
-    waiting at once (its read threads), which is what hides the latency."""
+def read_under_latency(proxy: FaultProxy, make, *, parts: int, **kw) -> None:
+    """A store of `parts` parts on S3, read one epoch by `make` (a stream factory) without latency and
+    then with 50 ms before every request: the same batches. The proxy then holds the delayed read's
+    requests only (the teacher's id order, read once by any reader, left out)."""
     uri = f"s3://logitstore-test/latency-{uuid.uuid4().hex[:12]}"
-    build_store(uri, n=120, parts=12)
-    expected_stream = stream(Store.open(uri).read(), seq_len=64)
-    expected = take(expected_stream, expected_stream.steps_per_epoch)
-    expected_stream.close()
-
+    build_store(uri, n=10 * parts, parts=parts)
+    reference = make(Store.open(uri).read(), seq_len=64)
+    expected = take(reference, reference.steps_per_epoch)
+    reference.close()
     proxy.latency_s = 0.05
     view = Store.open(uri).read()
-    view.id_of_code("teacher-a")  # the teacher's id order: one object, read once, not a part
+    view.id_of_code("teacher-a")
     proxy.peak_in_flight = 0
     proxy.requests.clear()
-    delayed = stream(view, seq_len=64)
+    delayed = make(view, seq_len=64, **kw)
     got = take(delayed, delayed.steps_per_epoch)
     delayed.close()
     for x, y in zip(got, expected, strict=True):
         assert_same(x, y)
+
+
+def test_a_stream_under_latency_gives_the_same_batches_with_requests_in_flight_together(proxy):
+    """The same batches as without latency, and the reader keeps several requests waiting at once
+    (its read threads), which is what hides the latency."""
+    read_under_latency(proxy, stream, parts=12)
     assert gets(proxy)["chunks"] == 12  # each part once, one request each
     assert proxy.peak_in_flight >= 4  # of the 8 read threads, several wait on storage together
 
@@ -85,21 +91,7 @@ def test_windows_under_latency_read_each_part_and_its_manifest_once(proxy):
     """Windows of one part (a memory budget of two): the engine reads one window ahead and warms the
     manifests of the window after (`_Parts.warm`), so each part costs one chunk request when it is read;
     nothing is requested twice, and the batches are those without latency."""
-    uri = f"s3://logitstore-test/windows-{uuid.uuid4().hex[:12]}"
-    build_store(uri, n=80, parts=8)
-    reference = windowed(Store.open(uri).read(), seq_len=64)
-    expected = take(reference, reference.steps_per_epoch)
-    reference.close()
-
-    proxy.latency_s = 0.05
-    view = Store.open(uri).read()
-    view.id_of_code("teacher-a")
-    proxy.requests.clear()
-    delayed = windowed(view, seq_len=64, prefetch=0)  # no batches built into the next epoch
-    got = take(delayed, delayed.steps_per_epoch)
-    delayed.close()
-    for x, y in zip(got, expected, strict=True):
-        assert_same(x, y)
+    read_under_latency(proxy, windowed, parts=8, prefetch=0)  # prefetch 0: no batches of the next epoch
     counts = gets(proxy)
     # each part once (and the next epoch's first window, read ahead at the last), each manifest once
     assert 8 <= counts["chunks"] <= 9 and counts["manifests"] == 8
