@@ -126,33 +126,42 @@ class _Layout:
         self.n_objects = -(-length // object_shape) if length else 0
 
     def decode(self, objects: list) -> np.ndarray:
-        pieces = []
-        for data in objects:
+        """The array from its objects (None: never written), each chunk decompressed straight into its
+        place in the output: no concatenation, which cost as much as the decompression itself."""
+        out = np.empty(self.n_objects * self.object_shape, dtype=self.dtype)
+        for i, data in enumerate(objects):  # one step per object: one or a few per array
+            place = out[i * self.object_shape : (i + 1) * self.object_shape]
             if data is None:  # never written: fill value
-                pieces.append(np.full(self.object_shape, self.fill_value, dtype=self.dtype))
+                place[:] = self.fill_value
             elif self.sharded:
-                pieces.append(self._shard(data))
+                self._shard(data, place)
             else:
-                pieces.append(_chunk(data, self.dtype))
-        out = np.concatenate(pieces) if pieces else np.zeros(0, dtype=self.dtype)
+                _chunk(data, place)
         return out[: self.length]
 
-    def _shard(self, data) -> np.ndarray:
+    def _shard(self, data, out: np.ndarray) -> None:
         n = self.object_shape // self.chunk_shape
         index_bytes = 16 * n
         index = _checked(data[len(data) - index_bytes - 4 :])
         offsets_lengths = index.view("<u8").reshape(n, 2)
-        out = []
-        for offset, size in offsets_lengths.tolist():  # one step per inner chunk, a few per shard
+        for j, (offset, size) in enumerate(offsets_lengths.tolist()):  # one step per inner chunk, a few per shard
+            place = out[j * self.chunk_shape : (j + 1) * self.chunk_shape]
             if offset == _EMPTY:
-                out.append(np.full(self.chunk_shape, self.fill_value, dtype=self.dtype))
+                place[:] = self.fill_value
             else:
-                out.append(_chunk(data[offset : offset + size], self.dtype))
-        return np.concatenate(out)
+                _chunk(data[offset : offset + size], place)
 
 
-def _chunk(data, dtype: np.dtype) -> np.ndarray:
-    return np.frombuffer(blosc.decompress(_checked(data)), dtype=dtype)
+def _chunk(data, out: np.ndarray) -> None:
+    """Decompress one chunk into `out`, which it must fill exactly (a chunk of another size is damage)."""
+    body = _checked(data)
+    try:
+        # Blosc would fill a larger place only in part: its header's bytes 4-8 say how many it holds
+        if len(body) < 16 or int(body[4:8].view("<u4")[0]) != out.nbytes:
+            raise ValueError("its size differs from the chunk's")
+        blosc.decompress(body, out)
+    except (RuntimeError, ValueError) as e:  # numcodecs' errors for a chunk that does not fit or decode
+        raise ValueError(f"a chunk does not decode to its place: {e}") from None
 
 
 def _checked(data) -> np.ndarray:
