@@ -2,16 +2,18 @@
 
 Why not plain Zarr: reading one part's arrays through zarr-python costs ~20 ms here (7 arrays, ~17
 requests, each through its async codec pipeline and shard-index logic), which caps one reader process
-at ~0.6M tokens/s whatever the storage. Here one part costs two concurrent rounds of requests on
-Zarr's event loop (the arrays' `zarr.json`, then every chunk or shard object whole) and a decode in the
-calling thread (Blosc and CRC32C release the GIL, so reader threads decode in parallel): ~4x less.
+at ~0.6M tokens/s whatever the storage. Here a packed part (store format 3, `packed.py`) costs one
+round of requests on Zarr's event loop (its document, from Icechunk's snapshot, and its one chunk:
+one request to storage), an older part two rounds (the arrays' `zarr.json`, then every chunk or
+shard object whole); then a decode in the calling thread (Blosc and CRC32C release the GIL, so reader
+threads decode in parallel), each chunk decompressed straight into its place in the output array.
 
 What it reads: exactly the arrays logitstore writes (`writer.write_array`): 1-D, little-endian, codecs
 `bytes -> blosc -> crc32c`, sharded (`sharding_indexed`, index at the end, `bytes -> crc32c`) or not;
 for the log-probability arrays of format-2 teachers, the grid codec first (`zarr_codec.py`), whose
 uint16 codes it returns undecoded (logitstore's decoder takes codes).
-Anything else `read_arrays` leaves to Zarr (it returns None), and `read_whole`, the one function the
-part reader calls, reads it through Zarr's asynchronous API instead. Every chunk's CRC32C is checked (a
+Anything else `read_arrays` leaves to Zarr (it returns None), and `read_whole` reads it through Zarr's
+asynchronous API instead (`read_packed` likewise, over `packed.PackedStore`). Every chunk's CRC32C is checked (a
 mismatch raises `ValueError`, as Zarr does, which `store.read_errors` turns into `DamagedDataError`);
 the store's Zarr store is used for the requests, so timeouts and error mapping (`bounded.py`) hold.
 `tests/test_rawread.py` checks it against Zarr on every array of real and synthetic stores.

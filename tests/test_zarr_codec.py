@@ -51,11 +51,19 @@ def test_plain_zarr_reads_log_probabilities(tmp_path):
     view = store.read()
     row = view.index.slice(0, 1).to_pylist()[0]
     base = f"teachers/{row['teacher']}/parts/{row['part']}"
+    # A packed part (store format 3): each array from its zarr.json and its shards in the packed object.
     code = f"""
 import json, sys, icechunk, zarr
+from zarr.core.buffer import cpu
 print("@@", "logitstore" in sys.modules)
 repo = icechunk.Repository.open(icechunk.local_filesystem_storage({str(tmp_path / "store")!r}))
-part = zarr.open_group(repo.readonly_session(branch="main").store, mode="r")[{base!r}]
+packed = zarr.open_group(repo.readonly_session(branch="main").store, mode="r")[{base!r}]["packed"]
+blob, members = packed[:].tobytes(), packed.attrs["logitstore_members"]
+def member(name):
+    objects = {{"zarr.json": json.dumps(members[name]["zarr"]).encode()}}
+    objects |= {{f"c/{{i}}": blob[s[0] : s[0] + s[1]] for i, s in enumerate(members[name]["objects"]) if s}}
+    return zarr.open_array({{k: cpu.Buffer.from_bytes(b) for k, b in objects.items()}}, mode="r")
+part = {{name: member(name) for name in members}}
 print("@@", json.dumps({{name: [str(part[name].dtype), part[name][:].tolist()] for name in {list(GRID_ARRAYS)!r}}}))
 """
     out = [line[3:] for line in fresh_python(code, cwd=tmp_path).splitlines() if line.startswith("@@ ")]
