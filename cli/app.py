@@ -485,6 +485,9 @@ def build(
     # The input before anything heavy (torch, a teacher, a store): a wrong path or column shows in ~1 s.
     source = dataset_source(data, split=split, config=data_config)
     check_input(source, text_column=text_column, id_column=id_column, ids_column=ids_column, chat_column=chat_column)
+    from logitstore.location import Location
+
+    Location.parse(store)  # so is a --store that cannot be one (a file; a bad scheme), before torch loads
     from logitstore.pipelines.build import BuildConfig, run_builds, summary_json
     from logitstore.pipelines.engines import engine_class
     from logitstore.sparsity import default_sparsity, sparsity_from_flags

@@ -35,6 +35,7 @@ from logitstore import align, chat, codec
 from logitstore.ahead import read_ahead
 from logitstore.data import SAMPLE_CHAT
 from logitstore.errors import ConflictError, LogitstoreError
+from logitstore.location import Location
 from logitstore.pipelines import inputs
 from logitstore.pipelines.engines import engine_class
 from logitstore.pipelines.workers import Unit, make_executor, worker_settings, write_unit
@@ -86,6 +87,7 @@ class BuildConfig:
     def __post_init__(self) -> None:
         if self.data is None and self.chat_column:  # the shipped chat sample, as the text sample corpus for text
             self.data = str(SAMPLE_CHAT)
+        Location.parse(self.store)  # a --store that cannot be one (a file, a bad scheme): refused before anything loads
         engine = engine_class(self.engine)  # an unknown --engine is refused here, naming the engines
         if self.sparsity is None:  # the library and the CLI share one default
             self.sparsity = default_sparsity(

@@ -205,3 +205,40 @@ def test_two_concurrent_builds_count_what_their_commits_hold(tiny_teacher, tmp_p
     counts = [v.samples or 0 for v in reversed(Store.open(str(store)).log())]  # the first: the empty store
     assert all(b > a for a, b in zip(counts, counts[1:])), counts  # every commit adds samples
     assert verify(Store.open(str(store)).read()).unreferenced == {}
+
+
+# -- 6. a store path that is a regular file ---------------------------------------------------------------
+
+# The command in a child interpreter: its exit code and stderr, and whether transformers (what loads a
+# model) was imported by then. Order, not time: the refusal must come before any model.
+IN_ORDER = """
+import sys
+from logitstore.cli.app import main
+sys.argv = ["logitstore", *sys.argv[1:]]
+try:
+    main()
+except SystemExit as e:
+    print(e.code, "transformers" in sys.modules, "torch" in sys.modules)
+"""
+
+
+def run_in_child(*args) -> tuple[list[str], str]:
+    done = subprocess.run(
+        [sys.executable, "-c", IN_ORDER, *map(str, args)], capture_output=True, text=True, timeout=300, cwd=ROOT
+    )
+    return done.stdout.split(), done.stderr
+
+
+def test_a_store_path_that_is_a_file_is_one_line_before_any_model_loads(tiny_teacher, tmp_path):
+    path = tmp_path / "not-a-store"
+    path.write_text("a file")
+    for args in (["info", path], ["tag", path, "v1"], ["ls", f"file://{path}"]):
+        error = one_line_error(run(*args), 2)  # was: a panic in Icechunk's Rust code, then exit 2
+        assert "is a file, not a store folder" in error and "panicked" not in error, error
+    data = jsonl(tmp_path / "d.jsonl", [{"id": "d", "text": LONG}])
+    status, stderr = run_in_child("build", "--store", path / "sub", "--teacher", tiny_teacher, "--data", data)
+    assert status == ["2", "False", "False"], (status, stderr)  # was: the teacher loaded first
+    assert stderr.strip().splitlines() == [
+        f"error: {path / 'sub'} lies under {path}, which is a file, not a store folder; give a folder's path"
+    ]
+    assert path.read_text() == "a file"
