@@ -195,39 +195,58 @@ def run_build(cfg: BuildConfig, *, log: Callable[[str], None] | None = None) -> 
     )
     summary = BuildSummary(teacher=meta.name)
     stored = _stored_documents(store, cfg, meta, students)
+    planned = Planned()
     units = plan_units(
-        cfg, info.tokenizer, stored=stored, summary=summary, students=students, vocab_size=info.vocab_size
+        cfg,
+        info.tokenizer,
+        stored=stored,
+        summary=summary,
+        students=students,
+        vocab_size=info.vocab_size,
+        planned=planned,
     )
-    first = next(units, None)  # reads and checks the input before any model is loaded
-    if first is None and stored.removals:  # only documents replaced by text too short for a window
-        with _store_and_branch(store, cfg).writer(branch=cfg.branch) as writer:
-            writer.remove(meta.name, stored.take_removals())
-            _commit(writer, cfg, summary, final=True)
-    if first is not None:
-        log(f"build: sample ids are {ids_from}")
-        progress = Progress(cfg, log=log)  # from the first unit's first batch on
-        executor = make_executor(cfg, teacher_spec=info.spec, on_batch=progress.batch)
-        try:
-            head = [first]
-            new_teacher = store is None or meta.name not in store.read(_base_branch(store, cfg)).teachers
-            samples = executor.compute(first) if new_teacher else None
-            store = _store_and_branch(store, cfg)
-            if new_teacher and _add_teacher_with_first_unit(
-                store, cfg, meta, info, first, samples, summary, students=students
-            ):
-                head = []
-                progress.update(tokens=first.n_tokens, samples=len(first.sample_ids), documents=first.documents_read)
-            _process(store, cfg, head, units, executor, summary, progress, stored=stored)
-            progress.finish()
-        finally:
-            executor.close()
-            progress.close()
+    log(f"build: sample ids are {ids_from}")
+    progress = Progress(cfg, log=log, planned=planned)  # on its clock from here, also while the input is tokenized
+    try:
+        first = next(units, None)  # reads and checks the input before any model is loaded
+        if first is None and stored.removals:  # only documents replaced by text too short for a window
+            with _store_and_branch(store, cfg).writer(branch=cfg.branch) as writer:
+                writer.remove(meta.name, stored.take_removals())
+                _commit(writer, cfg, summary, final=True)
+        if first is not None:
+            store = _compute(
+                store, cfg, first, units, summary, progress, meta=meta, info=info, students=students, stored=stored
+            )
+    finally:
+        progress.close()
     view = _store_and_branch(store, cfg).read(cfg.branch)  # nothing to write: an empty store, as asked
     summary.version = view.snapshot_id
     summary.seconds = time.perf_counter() - start
     summary.tokens_per_second = summary.tokens / summary.seconds if summary.seconds else 0.0
     summary.bytes_per_token = summary.stored_bytes / summary.tokens if summary.tokens else None
     return summary
+
+
+def _compute(
+    store, cfg, first: Unit, units: Iterator[Unit], summary, progress, *, meta, info, students, stored
+) -> Store:
+    """Load the teacher and compute, write and commit every unit; returns the store (created if new)."""
+    executor = make_executor(cfg, teacher_spec=info.spec, on_batch=progress.batch)
+    try:
+        head = [first]
+        new_teacher = store is None or meta.name not in store.read(_base_branch(store, cfg)).teachers
+        samples = executor.compute(first) if new_teacher else None
+        store = _store_and_branch(store, cfg)
+        if new_teacher and _add_teacher_with_first_unit(
+            store, cfg, meta, info, first, samples, summary, students=students
+        ):
+            head = []
+            progress.update(tokens=first.n_tokens, samples=len(first.sample_ids), documents=first.documents_read)
+        _process(store, cfg, head, units, executor, summary, progress, stored=stored)
+        progress.finish()
+    finally:
+        executor.close()
+    return store
 
 
 def run_builds(
@@ -478,10 +497,13 @@ def plan_units(
     summary: BuildSummary,
     students: Sequence[StudentSide] = (),
     vocab_size: int | None = None,
+    planned: Planned | None = None,
 ) -> Iterator[Unit]:
     """Units of about `unit_tokens` tokens in input order, skipping units already stored. A long
-    document's windows fill as many units as they need, so commits keep coming."""
+    document's windows fill as many units as they need, so commits keep coming. `planned` counts the
+    documents read and the tokens of their windows still to compute, as they are read (progress)."""
     stored = stored if stored is not None else StoredDocuments()
+    planned = planned if planned is not None else Planned()
     pending = Unit(index=0)
     seen: set[str] = set()
     documents = inputs.read_documents(
@@ -491,7 +513,7 @@ def plan_units(
         ids_column=cfg.ids_column,
         chat_column=cfg.chat_column,
     )
-    for doc_batch in _batched(itertools.islice(documents, cfg.limit), 256):
+    for doc_batch in _batched(itertools.islice(documents, cfg.limit), 256, max_chars=TOKENIZE_CHARS):
         if cfg.chat_column:
             tokenized = _tokenize_chat(tokenizer, doc_batch, students)
         elif students:
@@ -500,6 +522,7 @@ def plan_units(
             tokenized = _tokenize(tokenizer, doc_batch)
         for doc, (token_ids, alignments, loss_mask) in zip(doc_batch, tokenized):
             pending.documents_read += 1
+            planned.documents += 1
             if doc.id in seen:
                 summary.duplicates += 1
                 continue
@@ -518,6 +541,7 @@ def plan_units(
                 summary.skipped += 1
                 continue
             starts = np.arange(len(windows)) * (cfg.max_length - 1)  # inputs.window's stride
+            planned.tokens += sum(len(w) for w in windows)  # one step per window, as below
             for sid, win, start in zip(inputs.window_ids(doc.id, len(windows)), windows, starts.tolist()):
                 pending.add(
                     sid,
@@ -527,10 +551,10 @@ def plan_units(
                     loss_mask=None if loss_mask is None else loss_mask[start : start + len(win)],
                 )
                 if pending.n_tokens >= cfg.unit_tokens:
-                    yield from _unless_stored(pending, stored, summary)
+                    yield from _unless_stored(pending, stored, summary, planned)
                     pending = Unit(index=pending.index + 1)
     if pending.sample_ids:
-        yield from _unless_stored(pending, stored, summary)
+        yield from _unless_stored(pending, stored, summary, planned)
 
 
 def _replace(doc, stored: StoredDocuments, cfg: BuildConfig) -> None:
@@ -554,10 +578,12 @@ def _check_token_ids(doc, token_ids: np.ndarray, *, vocab_size: int | None) -> N
         )
 
 
-def _unless_stored(unit: Unit, stored: StoredDocuments, summary: BuildSummary) -> Iterator[Unit]:
+def _unless_stored(unit: Unit, stored: StoredDocuments, summary: BuildSummary, planned: Planned) -> Iterator[Unit]:
     """The unit, unless the branch holds all of its samples; it carries the removals queued so far."""
     known = sum(sid in stored.sample_ids for sid in unit.sample_ids)
     summary.already_stored += known
+    if known == len(unit.sample_ids):
+        planned.tokens -= unit.n_tokens  # stored: nothing to compute
     if known < len(unit.sample_ids):
         unit.replaces = stored.take_removals()
         yield unit
@@ -666,49 +692,98 @@ def _mapped_mass(samples, vocab_map: np.ndarray) -> dict:
     return {"mapped_mass": float(mapped.sum() / positions) if positions else None, "mapped_mass_positions": positions}
 
 
-def _batched(items: Iterator, size: int) -> Iterator[list]:
-    batch = []
-    for item in items:
-        batch.append(item)
-        if len(batch) == size:
+def _batched(documents: Iterator, size: int, *, max_chars: int) -> Iterator[list]:
+    """Batches of at most `size` documents and, past their first, `max_chars` characters: what one
+    tokenizer call holds in memory. A document longer than `MAX_DOCUMENT_CHARS` is refused here."""
+    batch: list = []
+    chars = 0
+    for doc in documents:
+        n = _chars(doc)
+        if n > MAX_DOCUMENT_CHARS:
+            raise BuildError(
+                f"document {doc.id!r} (input row {doc.row}) has {n:,} characters, more than the "
+                f"{MAX_DOCUMENT_CHARS:,} one document may have (tokenizing it whole takes ~{n * 90 / 1e9:.1f} GB); "
+                "split it into several documents"
+            )
+        if batch and (len(batch) == size or chars + n > max_chars):
             yield batch
-            batch = []
+            batch, chars = [], 0
+        batch.append(doc)
+        chars += n
     if batch:
         yield batch
+
+
+def _chars(doc) -> int:
+    if doc.text is not None:
+        return len(doc.text)
+    return sum(len(m.get("content") or "") for m in doc.messages or ())  # pre-tokenized input: 0
+
+
+# What a fast tokenizer holds while it tokenizes: ~90 bytes per character here (a 42 MB one-line document
+# reached 3.8 GB RSS, issue 29). A tokenizer call gets at most TOKENIZE_CHARS characters (~0.4 GB), one
+# document at most MAX_DOCUMENT_CHARS (~1.4 GB, with its windows: ~4 bytes per character as ids).
+TOKENIZE_CHARS = 4_000_000
+MAX_DOCUMENT_CHARS = 16_000_000
+
+
+@dataclass
+class Planned:
+    """What the planner has read so far: documents, and the tokens of their windows still to compute.
+    Written by the planner thread, read by the progress clock (plain ints: no lock needed)."""
+
+    documents: int = 0
+    tokens: int = 0
 
 
 # -- progress ------------------------------------------------------------------------------------
 
 
 class Progress:
-    """Build progress in tokens: a tqdm bar on a terminal, else a line at the first batch and every
-    `every` seconds (logs, CI, a pipe), and a last line at the end.
+    """Build progress in tokens: a tqdm bar on a terminal, else a line every `every` seconds on a clock
+    (logs, CI, a pipe; also while the input is read and tokenized, before the teacher computes), one at
+    the first teacher batch, and a last line at the end.
 
     Tokens are counted as the teacher computes them (`batch`, from the in-process executor's workers,
     so the first line comes with the first batch) or, for executors in other processes, as units are
-    merged (`update`). The ETA is the remaining tokens over the measured tokens/s; remaining tokens are
-    estimated from the input's document count (when cheap to know) times the tokens per document so far.
+    merged (`update`). The ETA is the remaining tokens over the measured tokens/s; the tokens to compute
+    are estimated from the planner's count (`Planned`: the windows of the documents read so far, less
+    what is stored) times the input's document count over the documents read, when that count is cheap
+    to know. A long document counts whole as soon as it is tokenized.
     """
 
-    def __init__(self, cfg: BuildConfig, *, log: Callable[[str], None], every: float = 10.0):
+    def __init__(
+        self, cfg: BuildConfig, *, log: Callable[[str], None], every: float = 10.0, planned: Planned | None = None
+    ):
         self.log, self.every = log, every
         self.enabled = cfg.progress
+        self.planned = planned if planned is not None else Planned()
         self.total_documents = inputs.count_documents(cfg.data) if cfg.progress else None
         if self.total_documents is not None and cfg.limit is not None:
             self.total_documents = min(self.total_documents, cfg.limit)
         self.start = time.monotonic()
         self.last: float | None = None  # when the last line was printed; None: no line yet
         self.computed = self.tokens = self.samples = self.documents = 0
-        self._lock = threading.Lock()  # the teacher's threads report batches
+        self._lock = threading.Lock()  # the teacher's threads report batches, the clock ticks
         self.bar = None
         if self.enabled and sys.stderr.isatty():
             self.bar = tqdm(total=None, unit="tok", unit_scale=True, desc="build", dynamic_ncols=True)
+        self._stop = threading.Event()
+        self._clock = threading.Thread(target=self._tick, name="logitstore-progress", daemon=True)
+        if self.enabled and every > 0:
+            self._clock.start()
+
+    def _tick(self) -> None:
+        while not self._stop.wait(self.every):
+            with self._lock:
+                self._report()
 
     def batch(self, tokens: int) -> None:
         """The teacher computed `tokens` more tokens (any thread)."""
         with self._lock:
+            first = self.computed == 0
             self.computed += tokens
-            self._report()
+            self._report(now=first)
 
     def update(self, *, tokens: int, samples: int, documents: int) -> None:
         """A unit was merged: its tokens count now if no batch reported them."""
@@ -722,31 +797,40 @@ class Progress:
         return max(self.computed, self.tokens)
 
     def _total(self) -> int | None:
-        if not self.total_documents or not self.documents:
+        read, tokens = self.planned.documents, self.planned.tokens
+        if not self.total_documents or not read:
             return None
-        per_document = self.tokens / self.documents
-        return max(self._done(), int(per_document * self.total_documents))
+        return max(self._done(), tokens, int(tokens / read * self.total_documents))
 
-    def _report(self, *, final: bool = False) -> None:
+    def _report(self, *, final: bool = False, now: bool = False) -> None:
         if not self.enabled:
             return
-        now = time.monotonic()
-        rate = self._done() / max(now - self.start, 1e-9)
+        clock = time.monotonic()
+        rate = self._done() / max(clock - self.start, 1e-9)
         if self.bar is not None:
             self.bar.total = self._done() if final else self._total()
             self.bar.n = self._done()
             self.bar.set_postfix(samples=self.samples, refresh=False)
             self.bar.refresh()
             return
-        if final or self.last is None or now - self.last >= self.every:
-            self.last = now
-            total = self._total()
-            eta = "" if final or total is None or not rate else f", ETA {(total - self._done()) / rate / 60:.1f} min"
-            of = f" of ~{total:,}" if total and not final else ""
-            self.log(
-                f"build: {self._done():,}{of} tokens, {self.samples:,} samples, {self.documents:,} documents, "
-                f"{rate:,.0f} tokens/s{eta}"
-            )
+        due = clock - (self.last if self.last is not None else self.start) >= self.every
+        if final or now or due:
+            self.last = clock
+            self.log(self._line(final=final, rate=rate))
+
+    def _line(self, *, final: bool, rate: float) -> str:
+        total = None if final else self._total()
+        eta = "" if total is None or not rate else f", ETA {(total - self._done()) / rate / 60:.1f} min"
+        of = f" of ~{total:,}" if total else ""
+        waiting = (
+            ""
+            if final or self._done()
+            else f"; reading and tokenizing the input ({self.planned.documents:,} documents so far)"
+        )
+        return (
+            f"build: {self._done():,}{of} tokens, {self.samples:,} samples, {self.documents:,} documents, "
+            f"{rate:,.0f} tokens/s{eta}{waiting}"
+        )
 
     def finish(self) -> None:
         """The build is done: the bar to 100%, or a last line with the totals."""
@@ -754,6 +838,9 @@ class Progress:
             self._report(final=True)
 
     def close(self) -> None:
+        self._stop.set()
+        if self._clock.is_alive():
+            self._clock.join()
         if self.bar is not None:
             self.bar.close()
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -271,3 +272,47 @@ def test_a_store_path_that_is_a_file_is_one_line_before_any_model_loads(tiny_tea
         f"error: {path / 'sub'} lies under {path}, which is a file, not a store folder; give a folder's path"
     ]
     assert path.read_text() == "a file"
+
+
+# -- 7. progress on long documents ----------------------------------------------------------------------------
+
+
+def test_progress_counts_a_long_documents_windows_as_soon_as_it_is_tokenized(tiny_teacher, tmp_path):
+    data = jsonl(tmp_path / "long.jsonl", [{"id": "long", "text": LONG * 12}])
+    result = subprocess.run(
+        [*CLI, *small_build(tiny_teacher, tmp_path / "store", data, "--batch-tokens", "64", "--json")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    total = json.loads(result.stdout)["tokens"]
+    lines = [line for line in result.stderr.splitlines() if line.startswith("build: ") and "tokens/s" in line]
+    first = lines[0]  # at the first teacher batch, one unit of many into the one document
+    assert first.split()[1] != f"{total:,}" and f" of ~{total:,} tokens" in first, (first, total)  # was: no total
+
+
+def test_progress_lines_come_on_a_clock_while_the_input_is_tokenized():
+    from logitstore.pipelines.build import BuildConfig, Planned, Progress
+
+    lines: list[str] = []
+    planned = Planned(documents=3)
+    progress = Progress(BuildConfig(store="memory://p"), log=lines.append, every=0.05, planned=planned)
+    try:
+        for _ in range(600):  # no batch, no unit: the clock alone prints (was: silence until the first batch)
+            if lines:
+                break
+            time.sleep(0.05)
+    finally:
+        progress.close()
+    assert lines and lines[0].startswith("build: 0 tokens") and "tokenizing the input (3 documents so far)" in lines[0]
+
+
+def test_a_document_too_large_to_tokenize_whole_is_refused_in_one_line(tiny_teacher, tmp_path, monkeypatch):
+    from logitstore.pipelines import build as build_module
+
+    monkeypatch.setattr(build_module, "MAX_DOCUMENT_CHARS", 1000)
+    data = jsonl(tmp_path / "d.jsonl", [{"id": "small", "text": "short"}, {"id": "huge", "text": "word " * 400}])
+    error = one_line_error(build(tiny_teacher, tmp_path / "store", data), 2)
+    assert "document 'huge' (input row 1) has 2,000 characters, more than the 1,000" in error, error
+    assert not (tmp_path / "store").exists()
