@@ -534,6 +534,7 @@ def build(
             f"duplicates {summary.duplicates}, already stored {summary.already_stored}"
             + (f", changed {summary.changed} ({on_duplicate})" if summary.changed else "")
             + (f", no assistant tokens {summary.no_completion}" if summary.no_completion else "")
+            + (f", tool calls the template drops {summary.tool_calls}" if summary.tool_calls else "")
         )
 
 

@@ -144,6 +144,7 @@ class BuildSummary:
     tokens: int = 0
     skipped: int = 0  # documents too short to predict anything (< 2 tokens)
     no_completion: int = 0  # conversations whose rendering holds no assistant token (skipped)
+    tool_calls: int = 0  # conversations with tool calls that the teacher's chat template does not render (skipped)
     duplicates: int = 0  # documents whose id appeared earlier in the input
     already_stored: int = 0  # samples committed by an earlier (interrupted) run of the build
     changed: int = 0  # documents stored before with other text: replaced or kept, by --on-duplicate
@@ -274,6 +275,8 @@ def run_builds(
     total = BuildSummary(
         teacher=",".join(names),
         skipped=parts[0].skipped,
+        no_completion=parts[0].no_completion,
+        tool_calls=parts[0].tool_calls,
         duplicates=parts[0].duplicates,
         version=parts[-1].version,
         teachers=[p.to_json() for p in parts],
@@ -513,7 +516,16 @@ def plan_units(
         ids_column=cfg.ids_column,
         chat_column=cfg.chat_column,
     )
+    drop_tool_calls = bool(cfg.chat_column) and not chat.renders_tool_calls(tokenizer)
     for doc_batch in _batched(itertools.islice(documents, cfg.limit), 256, max_chars=TOKENIZE_CHARS):
+        if drop_tool_calls:  # their calls would vanish from an empty reply: skipped and counted instead
+            kept = [doc for doc in doc_batch if not chat.has_tool_calls(doc.messages)]
+            summary.tool_calls += len(doc_batch) - len(kept)
+            pending.documents_read += len(doc_batch) - len(kept)
+            planned.documents += len(doc_batch) - len(kept)
+            doc_batch = kept
+            if not doc_batch:
+                continue
         if cfg.chat_column:
             tokenized = _tokenize_chat(tokenizer, doc_batch, students)
         elif students:
