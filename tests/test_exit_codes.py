@@ -12,12 +12,13 @@ from pathlib import Path
 
 import pytest
 
+from logitstore.errors import InvalidSampleError
 from logitstore.store import Store
 from logitstore.synthetic import random_samples
 from logitstore.verify import verify
 from tests.conftest import CLI, sample_corpus_head, small_build
 from tests.test_faults import trainer_view
-from tests.test_safety import LONG, build, index_of, jsonl, one_line_error, run, write_store
+from tests.test_safety import LONG, OTHER, build, index_of, jsonl, one_line_error, run, write_store
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -368,3 +369,17 @@ def test_tool_calls_are_rendered_by_a_template_that_reads_them_or_skipped_and_co
 
 def documents_in(store) -> set[str]:
     return {sample_id.split("#")[0] for sample_id in index_of(store)}
+
+
+# -- 9. control characters in ids -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bad", ["line\nbreak", "nul\x00id", "tab\there", "del\x7f"])
+def test_an_id_with_a_control_character_is_refused_naming_its_row(tiny_teacher, tmp_path, bad):
+    data = jsonl(tmp_path / "d.jsonl", [{"id": "fine", "text": LONG}, {"id": bad, "text": OTHER}])
+    error = one_line_error(build(tiny_teacher, tmp_path / "store", data), 2)  # was: stored, ls printed it raw
+    assert "row 1" in error and "control character" in error and bad not in error, error
+    assert not (tmp_path / "store").exists()
+    samples = random_samples([bad], max_tokens=10)
+    with pytest.raises(InvalidSampleError, match="without control characters"):
+        samples.validate(vocab_size=1000)
