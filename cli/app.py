@@ -528,7 +528,8 @@ def build(
         typer.echo(summary_json(summary))
     else:
         typer.echo(
-            f"version {summary.version}: {summary.samples:,} samples, {summary.tokens:,} tokens in "
+            (f"version {summary.version}" if summary.version else "nothing stored (no store or branch made)")
+            + f": {summary.samples:,} samples, {summary.tokens:,} tokens in "
             f"{summary.seconds:.1f} s ({summary.tokens_per_second:,.0f} tokens/s), "
             f"{summary.bytes_per_token or 0:.1f} bytes/token; skipped {summary.skipped}, "
             f"duplicates {summary.duplicates}, already stored {summary.already_stored}"

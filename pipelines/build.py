@@ -151,14 +151,18 @@ class BuildSummary:
     seconds: float = 0.0
     tokens_per_second: float = 0.0
     bytes_per_token: float | None = None
-    version: str = ""
+    version: str | None = None  # the branch's version after the build; None: nothing stored, nothing made
     teacher: str = ""
     commits: int = 0
     stored_bytes: int = 0  # compressed bytes of the parts this run wrote
-    teachers: list = field(default_factory=list)  # with several --teacher: each teacher's own summary
+    teachers: list = field(default_factory=list)  # each teacher's own summary (one with one --teacher)
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
+
+    def own_json(self) -> dict:
+        """One teacher's part of a build's `teachers` list: its summary less that list."""
+        return {k: v for k, v in self.to_json().items() if k != "teachers"}
 
 
 def run_build(cfg: BuildConfig, *, log: Callable[[str], None] | None = None) -> BuildSummary:
@@ -220,8 +224,8 @@ def run_build(cfg: BuildConfig, *, log: Callable[[str], None] | None = None) -> 
             )
     finally:
         progress.close()
-    view = _store_and_branch(store, cfg).read(cfg.branch)  # nothing to write: an empty store, as asked
-    summary.version = view.snapshot_id
+    # Nothing to write makes nothing: no store, no branch (version None in the summary).
+    summary.version = store.read(cfg.branch).snapshot_id if store and cfg.branch in store.branches() else None
     summary.seconds = time.perf_counter() - start
     summary.tokens_per_second = summary.tokens / summary.seconds if summary.seconds else 0.0
     summary.bytes_per_token = summary.stored_bytes / summary.tokens if summary.tokens else None
@@ -259,7 +263,9 @@ def run_builds(
     from logitstore.pipelines.teacher import describe_teacher  # torch and transformers: 2.7 s, after the input checks
 
     if len(teachers) <= 1:
-        return run_build(dataclasses.replace(cfg, teacher=teachers[0] if teachers else cfg.teacher), log=log)
+        summary = run_build(dataclasses.replace(cfg, teacher=teachers[0] if teachers else cfg.teacher), log=log)
+        summary.teachers = [summary.own_json()]  # the same fields as with several teachers
+        return summary
     if cfg.teacher_name is not None:
         raise BuildError(
             "--teacher-name names one teacher; with several --teacher, each is named by its folder or file"
@@ -279,7 +285,7 @@ def run_builds(
         tool_calls=parts[0].tool_calls,
         duplicates=parts[0].duplicates,
         version=parts[-1].version,
-        teachers=[p.to_json() for p in parts],
+        teachers=[p.own_json() for p in parts],
     )
     for p in parts:
         total.samples += p.samples

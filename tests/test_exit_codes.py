@@ -383,3 +383,21 @@ def test_an_id_with_a_control_character_is_refused_naming_its_row(tiny_teacher, 
     samples = random_samples([bad], max_tokens=10)
     with pytest.raises(InvalidSampleError, match="without control characters"):
         samples.validate(vocab_size=1000)
+
+
+# -- 10. the smaller ones ------------------------------------------------------------------------------------------
+
+
+def test_build_json_names_its_teacher_and_an_input_with_nothing_to_store_makes_no_store(tiny_teacher, tmp_path):
+    result = build(tiny_teacher, tmp_path / "store", jsonl(tmp_path / "d.jsonl", [{"id": "d", "text": LONG}]))
+    summary = json.loads(result.stdout)
+    assert [t["teacher"] for t in summary["teachers"]] == ["tiny-teacher"]  # was: always []
+    assert summary["teachers"][0]["samples"] == summary["samples"] > 0 and "teachers" not in summary["teachers"][0]
+    for name, rows in [("empty", []), ("short", [{"id": "s", "text": "x"}])]:
+        store = tmp_path / f"store-{name}"
+        result = build(tiny_teacher, store, jsonl(tmp_path / f"{name}.jsonl", rows))
+        summary = json.loads(result.stdout)
+        assert result.exit_code == 0 and summary["commits"] == 0 and summary["version"] is None, result.stderr
+        assert not store.exists()  # was: an empty store, reported as "commits 0"
+    text = run(*small_build(tiny_teacher, tmp_path / "store-text", jsonl(tmp_path / "e.jsonl", [])))
+    assert text.exit_code == 0 and text.stdout.startswith("nothing stored (no store or branch made): 0 samples")
