@@ -1,7 +1,8 @@
 """The `logitstore` command line: thin typed functions that parse, call the library, and print.
 
-Exit codes: 0 success, 1 damaged data (`verify` found damage, or a read hit it), 2 a user error or a
-storage outage (one line on stderr, no traceback).
+Exit codes (docs/exit-codes.md, `logitstore.errors`): 0 success, 1 damaged data (`verify` found damage,
+or a read hit it), 2 a user error or a storage outage (one line on stderr, no traceback), 130
+interrupted (Ctrl-C, or the output's reader went away).
 Each command imports the machinery it needs inside its function: this module imports in 0.08 s, and
 would take 4.3 s more with the build's and the trainer's modules at the top (torch, transformers;
 2-core CPU, 2026-11-25), at every `--help`, `info` and `show`.
@@ -12,12 +13,14 @@ from __future__ import annotations
 import functools
 import json
 import math
+import os
+import sys
 from typing import Annotated, Any, Literal, Optional
 
 import typer
 from typer.models import CommandInfo
 
-from logitstore.errors import LogitstoreError
+from logitstore.errors import INTERRUPTED, LogitstoreError
 
 app = typer.Typer(
     name="logitstore",
@@ -85,7 +88,8 @@ COMMAND_ORDER = ("build", "train", "eval", "info", "ls", "show", "diff", "log", 
 
 def user_errors(fn):
     """Print a LogitstoreError as one line and exit with its code (2; 1 for damaged data); anything
-    else is a bug and keeps its traceback."""
+    else is a bug and keeps its traceback. A reader of the output that went away (`| head`) ends the
+    command as interrupted (typer itself would exit 1, the code for damaged data)."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
@@ -94,6 +98,9 @@ def user_errors(fn):
         except LogitstoreError as e:
             typer.echo(f"error: {e}", err=True)
             raise typer.Exit(e.exit_code) from None
+        except BrokenPipeError:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the flush at exit must not fail again
+            raise typer.Exit(INTERRUPTED) from None
 
     return wrapper
 

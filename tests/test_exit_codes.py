@@ -4,6 +4,8 @@ adversarial pass, each named after what broke. The exit codes themselves are doc
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -401,3 +403,54 @@ def test_build_json_names_its_teacher_and_an_input_with_nothing_to_store_makes_n
         assert not store.exists()  # was: an empty store, reported as "commits 0"
     text = run(*small_build(tiny_teacher, tmp_path / "store-text", jsonl(tmp_path / "e.jsonl", [])))
     assert text.exit_code == 0 and text.stdout.startswith("nothing stored (no store or branch made): 0 samples")
+
+
+# -- the exit codes: one table, kept by every command ------------------------------------------------------------
+
+
+def test_the_exit_code_table_is_the_one_the_code_uses():
+    from logitstore import errors
+
+    rows = [line.split("|")[1:3] for line in (ROOT / "docs" / "exit-codes.md").read_text().splitlines()]
+    table = {int(code): meaning.strip() for code, meaning in (r for r in rows if r and r[0].strip().isdigit())}
+    assert table == {
+        errors.OK: "ok",
+        errors.DAMAGED: "damaged data",
+        errors.USAGE_OR_OUTAGE: "usage error or outage",
+        errors.INTERRUPTED: "interrupted",
+    }
+    assert errors.DamagedDataError.exit_code == errors.DAMAGED and errors.StorageError.exit_code == 2
+    assert "docs/exit-codes.md" in (ROOT / "README.md").read_text()
+
+
+def test_output_whose_reader_went_away_is_interrupted_not_damage(tmp_path):
+    store = str(tmp_path / "store")
+    write_store(store, n=12)
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before the first line: `logitstore ls STORE | head -0`
+    done = subprocess.run([*CLI, "ls", store], stdout=write, stderr=subprocess.PIPE, text=True, timeout=120)
+    os.close(write)
+    assert done.returncode == 130 and done.stderr == "", done.stderr  # was: 1, the code for damaged data
+
+
+@pytest.mark.slow
+def test_a_train_rank_killed_from_outside_is_one_line_exit_2(chat_store, tmp_path):
+    out = tmp_path / "run"
+    args = ["train", "--store", chat_store, "--out", out, "--steps", "100000", "--seq-len", "32", "--micro-batch", "1"]
+    child = subprocess.Popen(
+        [*CLI, *map(str, args), "--nproc", "2", "--eval-fraction", "0"], stderr=subprocess.PIPE, text=True
+    )
+    for line in child.stderr:  # the ranks train: kill one of them as the OOM killer would
+        if line.startswith("step "):
+            ranks = [
+                int(p)
+                for p in subprocess.run(["pgrep", "-P", str(child.pid)], capture_output=True, text=True).stdout.split()
+            ]
+            os.kill(max(ranks), signal.SIGKILL)
+            break
+    rest = child.stderr.read()
+    assert child.wait(timeout=300) == 2, rest[-2000:]  # was: a traceback, exit 1 (the code for damaged data)
+    errors = [line for line in rest.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "was killed by SIGKILL" in errors[0] and "--resume" in errors[0], rest[-2000:]
+    assert "Traceback" not in rest and "Terminating process" not in rest, rest[-2000:]
+    # (Python's resource tracker may still warn of the killed rank's semaphores: its own line, not ours)

@@ -15,6 +15,7 @@ already names rank and world size and the same code runs. CPU uses gloo, CUDA us
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import shutil
@@ -106,13 +107,22 @@ def _spawn(cfg: TrainConfig, plan: run_folder.RunPlan) -> None:
     the command prints one line and exits with its code (the parent sees only an exit status)."""
 
     errors = mp.get_context("spawn").SimpleQueue()
+    # torch logs a warning for each rank it ends after another failed; the one line below says it all
+    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
     try:
         with environment(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port())):  # what the ranks inherit
             mp.start_processes(_spawned, args=(cfg, plan, errors), nprocs=cfg.student.nproc, start_method="spawn")
-    except mp.ProcessExitedException:
-        if errors.empty():  # killed, or a bug whose traceback the rank printed
-            raise
-        raise errors.get() from None
+    except mp.ProcessExitedException as e:
+        if not errors.empty():
+            raise errors.get() from None
+        if e.signal_name == "SIGINT":  # Ctrl-C reached a rank first: interrupted, as in this process
+            raise KeyboardInterrupt from None
+        if e.signal_name:  # killed from outside (kill -9, the OOM killer): no bug, and nothing half-written counts
+            raise LogitstoreError(
+                f"rank {e.error_index} (pid {e.error_pid}) was killed by {e.signal_name}; run the same command with "
+                "--resume to continue from the last checkpoint"
+            ) from None
+        raise  # a bug, whose traceback the rank printed
 
 
 def _spawned(rank: int, cfg: TrainConfig, plan: run_folder.RunPlan, errors) -> None:
