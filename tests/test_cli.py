@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import math
 import socket
-import time
 
 import pytest
 from typer.testing import CliRunner
@@ -13,7 +12,7 @@ from typer.testing import CliRunner
 from logitstore.cli.app import app
 from logitstore.store import Store
 from logitstore.synthetic import random_samples
-from tests.conftest import CLI
+from tests.conftest import run_in_child
 from tests.test_store import write
 
 runner = CliRunner()
@@ -113,9 +112,8 @@ def test_unreachable_s3_endpoint_fails_fast(monkeypatch):
     monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{port}")
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "x")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "y")
-    start = time.monotonic()
     result = run("info", "s3://bucket/prefix", code=2)
-    assert "cannot reach the S3 endpoint" in result.stderr and time.monotonic() - start < 15
+    assert "cannot reach the S3 endpoint" in result.stderr  # the quick probe's word, not Icechunk's minute of retries
 
 
 def test_missing_s3_bucket_is_a_clear_error(s3_endpoint):
@@ -144,28 +142,11 @@ def test_ls_lists_every_sample_and_show_takes_a_range_of_positions(store):
         assert "--positions" in result.stderr and len(result.stderr.strip().splitlines()) == 1
 
 
-def test_a_missing_data_file_fails_fast_and_creates_no_store(tmp_path):
-    import subprocess
-
-    started = time.monotonic()
-    result = subprocess.run(
-        [
-            *CLI,
-            "build",
-            "--store",
-            str(tmp_path / "s"),
-            "--data",
-            str(tmp_path / "missing.jsonl"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert (
-        result.returncode == 2
-        and result.stderr.strip() == f"error: {tmp_path / 'missing.jsonl'}: no such file or folder"
-    )
-    assert time.monotonic() - started < 3 and not (tmp_path / "s").exists()
+def test_a_missing_data_file_fails_before_torch_loads_and_creates_no_store(tmp_path):
+    status, stderr = run_in_child("build", "--store", tmp_path / "s", "--data", tmp_path / "missing.jsonl")
+    assert status == ["2", "False", "False"], (status, stderr)  # exit 2, before transformers and torch
+    assert stderr.strip() == f"error: {tmp_path / 'missing.jsonl'}: no such file or folder"
+    assert not (tmp_path / "s").exists()
     csv = tmp_path / "no-header.csv"
     csv.write_text(
         "A whole first document, with commas, taken as the header row because it is the first row,2\nanother row,3\n"

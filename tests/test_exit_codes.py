@@ -18,7 +18,7 @@ from logitstore.errors import InvalidSampleError
 from logitstore.store import Store
 from logitstore.synthetic import random_samples
 from logitstore.verify import verify
-from tests.conftest import CLI, sample_corpus_head, small_build
+from tests.conftest import CLI, run_in_child, sample_corpus_head, small_build
 from tests.test_faults import trainer_view
 from tests.test_safety import LONG, OTHER, build, index_of, jsonl, one_line_error, run, write_store
 
@@ -241,25 +241,6 @@ def test_two_concurrent_builds_count_what_their_commits_hold(tiny_teacher, tmp_p
 
 
 # -- 6. a store path that is a regular file ---------------------------------------------------------------
-
-# The command in a child interpreter: its exit code and stderr, and whether transformers (what loads a
-# model) was imported by then. Order, not time: the refusal must come before any model.
-IN_ORDER = """
-import sys
-from logitstore.cli.app import main
-sys.argv = ["logitstore", *sys.argv[1:]]
-try:
-    main()
-except SystemExit as e:
-    print(e.code, "transformers" in sys.modules, "torch" in sys.modules)
-"""
-
-
-def run_in_child(*args) -> tuple[list[str], str]:
-    done = subprocess.run(
-        [sys.executable, "-c", IN_ORDER, *map(str, args)], capture_output=True, text=True, timeout=300, cwd=ROOT
-    )
-    return done.stdout.split(), done.stderr
 
 
 def test_a_store_path_that_is_a_file_is_one_line_before_any_model_loads(tiny_teacher, tmp_path):
