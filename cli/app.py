@@ -747,11 +747,10 @@ def train(
     temperature: LiveTemperature = None,
 ) -> None:
     """Train a student from a store version with FSDP2; no teacher runs."""
-    from logitstore.trainer.config import TrainConfig
-    from logitstore.trainer.live import LiveConfig
-    from logitstore.trainer.mixing import parse_teacher_weights
-    from logitstore.trainer.train import launch
+    from logitstore.trainer.config import LiveConfig, TrainConfig, parse_teacher_weights
 
+    # Every error a flag alone can cause comes here, before torch and the training stack load (~10 s of
+    # CPU on 2 cores); `trainer/config.py` loads neither.
     weights = parse_teacher_weights(teacher_weight) if teacher_weight else None
     live = LiveConfig.from_flags(
         live_teacher,
@@ -805,6 +804,8 @@ def train(
         train_on=train_on,
         **({"memory_budget": memory_budget} if memory_budget is not None else {}),
     )
+    from logitstore.trainer.train import launch
+
     final = launch(cfg)
     if json_out:
         _print_json(final)
@@ -834,9 +835,9 @@ def eval_(
     json_out: JsonOpt = False,
 ) -> None:
     """The student's mean KL to the stored teacher (`kl`) and cross-entropy (`ce`) on held-out samples."""
-    from logitstore.trainer.train import run_eval
+    from logitstore.trainer.config import TrainConfig
 
-    result = run_eval(
+    cfg = TrainConfig.for_eval(  # the flags' errors before torch loads, as train's
         store=store,
         student=student,
         version=version,
@@ -845,6 +846,9 @@ def eval_(
         eval_fraction=eval_fraction,
         train_on=train_on,
     )
+    from logitstore.trainer.train import run_eval
+
+    result = run_eval(cfg)
     if json_out:
         _print_json(result)
     else:

@@ -44,7 +44,7 @@ def stream(
     """Packed micro-batches of `seq_len` tokens from a version: an iterable of `PackedBatch` with
     `state_dict()`, `load_state_dict()` and `close()` (also a context manager). `rank` and `world_size`
     default to `torch.distributed`'s when it is initialised, else 0 and 1. `memory_budget` (bytes, or
-    a string such as "512MB" or "2GiB"; default `trainer.stream.DEFAULT_MEMORY_BUDGET`, 4 GiB) bounds the
+    a string such as "512MB" or "2GiB"; default `sizes.DEFAULT_MEMORY_BUDGET`, 4 GiB) bounds the
     stored data held in memory and so the shuffle window; see "Streaming" in docs/train.md. For chat
     data, `train_on="completion"` keeps only the positions that predict the assistant's tokens."""
     from logitstore.trainer.stream import store_stream  # on first use: see the module's docstring

@@ -58,3 +58,8 @@ def format_bytes(size: int) -> str:
         if size >= scale:
             return f"{size / scale:.1f} {unit}"
     return f"{size} B"
+
+
+# The stored data a rank's stream holds at once (`--memory-budget`): per reader process, as a training
+# node has ~1 TB for 8 ranks. Here, not in trainer/stream.py, so the configuration checks load no torch.
+DEFAULT_MEMORY_BUDGET = "4GiB"

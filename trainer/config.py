@@ -4,36 +4,170 @@ the flag), before any process starts.
     data       where the teacher signal comes from and how it is packed (`DataConfig`)
     student    the model and how it runs (`StudentConfig`)
     optim      the optimizer and the batch (`OptimConfig`)
-    loss       the distillation loss (`losses.LossConfig`)
+    loss       the distillation loss (`LossConfig`)
     schedule   how long, and when to evaluate, checkpoint and log (`ScheduleConfig`)
     output     the run folder and where metrics go (`OutputConfig`)
-    live       live mode's teacher and data (`live.LiveConfig`), instead of `data.store`
+    live       live mode's teacher and data (`LiveConfig`), instead of `data.store`
 
 `TrainConfig.from_flags(**flags)` takes the command line's flat names (`seq_len=`, `lr=`, `loss=`, ...)
 and puts each in its group: the CLI's `train` is that mapping and nothing else.
+
+This module loads no torch (nor transformers): every error a flag alone can cause is raised before the
+training stack loads (~10 s of CPU here), and `tests/test_exit_codes.py` checks that order.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from logitstore.chat import TRAIN_ON
 from logitstore.errors import LogitstoreError
-from logitstore.sizes import parse_bytes
-from logitstore.trainer.losses import LossConfig
+from logitstore.sizes import DEFAULT_MEMORY_BUDGET, parse_bytes
+from logitstore.sparsity import Sparsity, default_sparsity, sparsity_from_flags
 from logitstore.trainer.report import check_sinks
-from logitstore.trainer.stream import DEFAULT_MEMORY_BUDGET
-
-if TYPE_CHECKING:  # for the annotation only: a store run's configuration need not import live mode
-    from logitstore.trainer.live import LiveConfig
 
 EVAL_ONLY = "-"  # the `out` of a configuration that only evaluates (`logitstore eval`): it writes nothing
 
 
 class TrainConfigError(LogitstoreError):
     """An option of `logitstore train` is out of range."""
+
+
+# -- the loss (`trainer/losses.py` computes it) ------------------------------------------------------
+
+KINDS = ("forward_kl", "topk_renorm", "reverse_kl", "jsd")
+
+
+class LossConfigError(LogitstoreError, ValueError):
+    """A loss option out of range or unusable with the store; the message names the flag."""
+
+
+@dataclass(frozen=True)
+class LossConfig:
+    kind: str = "forward_kl"
+    temperature: float = 1.0
+    alpha: float = 0.0
+    jsd_beta: float = 0.5
+    uld_weight: float = 1.0  # cross-tokenizer teachers: weight of the sorted-probability (ULD) term
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise LossConfigError(f"--loss must be one of {', '.join(KINDS)}; got {self.kind!r}")
+        if not is_real(self.temperature) or not 0 < self.temperature < math.inf:
+            raise LossConfigError(f"--kd-temperature must be a finite number > 0; got {self.temperature!r}")
+        if not is_real(self.alpha) or not 0 <= self.alpha < math.inf:
+            raise LossConfigError(f"--alpha must be a finite number >= 0; got {self.alpha!r}")
+        # At beta = 0 or 1 the mixture m equals q or p and the generalized JSD is identically 0.
+        if not is_real(self.jsd_beta) or not 0 < self.jsd_beta < 1:
+            raise LossConfigError(f"--jsd-beta must be strictly between 0 and 1; got {self.jsd_beta!r}")
+        if not is_real(self.uld_weight) or not 0 <= self.uld_weight < math.inf:
+            raise LossConfigError(f"--uld-weight must be a finite number >= 0; got {self.uld_weight!r}")
+
+
+def is_real(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and not math.isnan(x)
+
+
+# -- live mode (`trainer/live.py` runs it) -------------------------------------------------------------
+
+
+class LiveTeacherError(LogitstoreError):
+    """The live teacher cannot start, or stopped during the run."""
+
+
+@dataclass
+class LiveConfig:
+    """What `--live-teacher` needs: build's teacher, data and sparsity options."""
+
+    teacher: str | None = None  # None or "default": the default teacher
+    data: str | None = None
+    text_column: str = "text"
+    id_column: str | None = None
+    max_length: int = 1024
+    sparsity: Sparsity | None = None  # None: `sparsity.default_sparsity()`, as build and the CLI
+    batch_tokens: int = 8192
+    device: str = "auto"
+    dtype: str = "auto"
+    quantize: bool = True
+
+    @classmethod
+    def from_flags(
+        cls,
+        live_teacher: str | None,
+        *,
+        data=None,
+        text_column=None,
+        id_column=None,
+        max_length=None,
+        top_k=None,
+        top_p=None,
+        sample=None,
+        temperature=None,
+    ) -> LiveConfig | None:
+        """`train --live-teacher` and its flags (None: not given); None without --live-teacher, where any
+        of these flags is refused (with --store the build fixed them: they would be silently ignored)."""
+        flags = {
+            "--data": data,
+            "--text-column": text_column,
+            "--id-column": id_column,
+            "--max-length": max_length,
+            "--top-k": top_k,
+            "--top-p": top_p,
+            "--sample": sample,
+            "--temperature": temperature,
+        }
+        given = [flag for flag, value in flags.items() if value is not None]
+        if live_teacher is None:
+            if given:
+                raise LiveTeacherError(
+                    f"{', '.join(given)} only apply with --live-teacher (a store's build fixed them)"
+                )
+            return None
+        sparsity = sparsity_from_flags(
+            top_k=top_k,
+            top_p=top_p,
+            sample=sample,
+            temperature=1.0 if temperature is None else temperature,
+            default=default_sparsity(),
+        )
+        return cls(
+            teacher=live_teacher,
+            data=data,
+            text_column=text_column or "text",
+            id_column=id_column,
+            max_length=1024 if max_length is None else max_length,
+            sparsity=sparsity,
+        )
+
+    def __post_init__(self) -> None:
+        if self.teacher == "default":
+            self.teacher = None
+        if self.sparsity is None:  # the one default, as `train --live-teacher` without sparsity flags
+            self.sparsity = default_sparsity()
+        if self.max_length < 2:
+            raise LiveTeacherError(f"--max-length must be at least 2, got {self.max_length}")
+
+
+# -- several teachers (`trainer/mixing.py` mixes them) --------------------------------------------------
+
+
+def parse_teacher_weights(values: list[str]) -> dict[str, float]:
+    """`["A=0.7", "B=0.3"]` -> {"A": 0.7, "B": 0.3}; order kept (the first is the sample set's)."""
+    out: dict[str, float] = {}
+    for value in values:
+        name, sep, weight = value.partition("=")
+        try:
+            w = float(weight)
+        except ValueError:
+            w = math.nan
+        if not sep or not name or not math.isfinite(w) or w <= 0:
+            raise TrainConfigError(f"--teacher-weight {value!r}: expected NAME=WEIGHT with a weight > 0")
+        if name in out:
+            raise TrainConfigError(f"--teacher-weight: teacher {name!r} given twice")
+        out[name] = w
+    return out
 
 
 def _check(checks: list[tuple[bool, str]]) -> None:
@@ -212,6 +346,19 @@ class TrainConfig:
             group, name = owner[flag]
             groups[group][name] = value
         return cls(**{name: group(**groups[name]) for name, group in _GROUPS.items()}, live=live)
+
+    @classmethod
+    def for_eval(cls, *, store: str, student: str, micro_batch: int = 4, seed: int = 0, **flags) -> TrainConfig:
+        """`logitstore eval`'s configuration: the held-out split of `store`, all of it, nothing written."""
+        return cls.from_flags(
+            store=store,
+            out=EVAL_ONLY,
+            student=student,
+            micro_batch=micro_batch,
+            seed=seed,
+            eval_batches=1 << 30,
+            **flags,
+        )
 
     def with_version(self, version: str) -> TrainConfig:
         """The same run reading `version` (a resumed run reads the snapshot its run pinned)."""

@@ -53,93 +53,15 @@ import torch
 import torch.multiprocessing as mp
 
 from logitstore import codec
-from logitstore.errors import LogitstoreError
 from logitstore.pipelines.build import BuildConfig, BuildSummary, check_teacher_fits, plan_units
 from logitstore.pipelines.teacher import describe_teacher, resolve_teacher
 from logitstore.pipelines.workers import TeacherWorker, Unit, WorkerSettings
 from logitstore.samples import SparseSamples, concat
-from logitstore.sparsity import Sparsity, default_sparsity, sparsity_from_flags
+from logitstore.trainer.config import LiveConfig, LiveTeacherError  # noqa: F401  (configuration, checked before torch loads)
 from logitstore.trainer.stream import SplitTable, Stream, assemble, check_eval_fraction, is_eval_sample
 
 RING_SLOTS = 2
 POLL_SECONDS = 0.2
-
-
-class LiveTeacherError(LogitstoreError):
-    """The live teacher cannot start, or stopped during the run."""
-
-
-@dataclass
-class LiveConfig:
-    """What `--live-teacher` needs: build's teacher, data and sparsity options."""
-
-    teacher: str | None = None  # None or "default": the default teacher
-    data: str | None = None
-    text_column: str = "text"
-    id_column: str | None = None
-    max_length: int = 1024
-    sparsity: Sparsity | None = None  # None: `sparsity.default_sparsity()`, as build and the CLI
-    batch_tokens: int = 8192
-    device: str = "auto"
-    dtype: str = "auto"
-    quantize: bool = True
-
-    @classmethod
-    def from_flags(
-        cls,
-        live_teacher: str | None,
-        *,
-        data=None,
-        text_column=None,
-        id_column=None,
-        max_length=None,
-        top_k=None,
-        top_p=None,
-        sample=None,
-        temperature=None,
-    ) -> LiveConfig | None:
-        """`train --live-teacher` and its flags (None: not given); None without --live-teacher, where any
-        of these flags is refused (with --store the build fixed them: they would be silently ignored)."""
-        flags = {
-            "--data": data,
-            "--text-column": text_column,
-            "--id-column": id_column,
-            "--max-length": max_length,
-            "--top-k": top_k,
-            "--top-p": top_p,
-            "--sample": sample,
-            "--temperature": temperature,
-        }
-        given = [flag for flag, value in flags.items() if value is not None]
-        if live_teacher is None:
-            if given:
-                raise LiveTeacherError(
-                    f"{', '.join(given)} only apply with --live-teacher (a store's build fixed them)"
-                )
-            return None
-        sparsity = sparsity_from_flags(
-            top_k=top_k,
-            top_p=top_p,
-            sample=sample,
-            temperature=1.0 if temperature is None else temperature,
-            default=default_sparsity(),
-        )
-        return cls(
-            teacher=live_teacher,
-            data=data,
-            text_column=text_column or "text",
-            id_column=id_column,
-            max_length=1024 if max_length is None else max_length,
-            sparsity=sparsity,
-        )
-
-    def __post_init__(self) -> None:
-        if self.teacher == "default":
-            self.teacher = None
-        if self.sparsity is None:  # the one default, as `train --live-teacher` without sparsity flags
-            self.sparsity = default_sparsity()
-        if self.max_length < 2:
-            raise LiveTeacherError(f"--max-length must be at least 2, got {self.max_length}")
 
 
 # -- planning: the samples a build would write -------------------------------------------------------

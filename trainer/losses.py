@@ -74,19 +74,14 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from logitstore.errors import LogitstoreError
+from logitstore.trainer.config import KINDS, LossConfig, LossConfigError, is_real  # noqa: F401  (configuration, checked before torch loads)
 
-KINDS = ("forward_kl", "topk_renorm", "reverse_kl", "jsd")
 TINY = 1e-30
 LOG_TINY = math.log(TINY)
 # Written over the student's stored ids before the tail's logsumexp: far below any real logit, yet
 # finite, so a position whose entries cover the whole vocabulary gives a finite logsumexp and a
 # finite (zero) gradient instead of exp(-inf - -inf) = NaN.
 MASKED_LOGIT = -1e30
-
-
-class LossConfigError(LogitstoreError, ValueError):
-    """A loss option out of range or unusable with the store; the message names the flag."""
 
 
 @dataclass
@@ -123,28 +118,6 @@ class SparseTargets:
             weight=pick(self.weight),
             entry_counts=None if self.entry_counts is None else self.entry_counts[entries],
         )
-
-
-@dataclass(frozen=True)
-class LossConfig:
-    kind: str = "forward_kl"
-    temperature: float = 1.0
-    alpha: float = 0.0
-    jsd_beta: float = 0.5
-    uld_weight: float = 1.0  # cross-tokenizer teachers: weight of the sorted-probability (ULD) term
-
-    def __post_init__(self) -> None:
-        if self.kind not in KINDS:
-            raise LossConfigError(f"--loss must be one of {', '.join(KINDS)}; got {self.kind!r}")
-        if not is_real(self.temperature) or not 0 < self.temperature < math.inf:
-            raise LossConfigError(f"--kd-temperature must be a finite number > 0; got {self.temperature!r}")
-        if not is_real(self.alpha) or not 0 <= self.alpha < math.inf:
-            raise LossConfigError(f"--alpha must be a finite number >= 0; got {self.alpha!r}")
-        # At beta = 0 or 1 the mixture m equals q or p and the generalized JSD is identically 0.
-        if not is_real(self.jsd_beta) or not 0 < self.jsd_beta < 1:
-            raise LossConfigError(f"--jsd-beta must be strictly between 0 and 1; got {self.jsd_beta!r}")
-        if not is_real(self.uld_weight) or not 0 <= self.uld_weight < math.inf:
-            raise LossConfigError(f"--uld-weight must be a finite number >= 0; got {self.uld_weight!r}")
 
 
 def distill_loss(student_logits: Tensor, targets: SparseTargets, cfg: LossConfig) -> tuple[Tensor, dict[str, float]]:
@@ -401,10 +374,6 @@ def segment_logsumexp(x: Tensor, index: Tensor, *, n: int) -> Tensor:
 
 def segment_sum(x: Tensor, index: Tensor, *, n: int) -> Tensor:
     return torch.zeros(n, dtype=x.dtype, device=x.device).index_add(0, index, x)
-
-
-def is_real(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and not math.isnan(x)
 
 
 def _check_shapes(logits: Tensor, t: SparseTargets) -> None:

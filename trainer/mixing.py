@@ -31,7 +31,6 @@ batch's pieces. Nothing loops per token or entry in Python; the loops are per pi
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -81,23 +80,6 @@ class StudentVocabulary:
     tokenizer_hash: str
     vocab_size: int
     tokenizer_json: str | None  # saved with the final model; None: the teacher's (the store has it)
-
-
-def parse_teacher_weights(values: list[str]) -> dict[str, float]:
-    """`["A=0.7", "B=0.3"]` -> {"A": 0.7, "B": 0.3}; order kept (the first is the sample set's)."""
-    out: dict[str, float] = {}
-    for value in values:
-        name, sep, weight = value.partition("=")
-        try:
-            w = float(weight)
-        except ValueError:
-            w = math.nan
-        if not sep or not name or not math.isfinite(w) or w <= 0:
-            raise TeacherSourceError(f"--teacher-weight {value!r}: expected NAME=WEIGHT with a weight > 0")
-        if name in out:
-            raise TeacherSourceError(f"--teacher-weight: teacher {name!r} given twice")
-        out[name] = w
-    return out
 
 
 def student_vocabulary(

@@ -97,14 +97,13 @@ from logitstore.codec import EncodedSamples
 from logitstore.errors import DamagedDataError, LogitstoreError, StorageError
 from logitstore.meta import read_values
 from logitstore.rawread import read_arrays
-from logitstore.sizes import format_bytes, parse_bytes
+from logitstore.sizes import DEFAULT_MEMORY_BUDGET, format_bytes, parse_bytes
 from logitstore.store import ENCODED_ARRAYS, Store, StoreVersion, read_errors
 from logitstore.version import ROW_AXIS
 from logitstore.zarr_codec import as_codes
 
 SPLITS = ("train", "eval")
 ON_ERROR = ("raise", "skip")
-DEFAULT_MEMORY_BUDGET = "4GiB"  # per reader process: a training node has ~1 TB for 8 ranks
 READ_THREADS = 8  # parts read at once: S3 answers in 10-50 ms, so one at a time would starve decoding
 LOOKAHEAD_BATCHES = 8  # micro-batches ahead whose parts are asked for: work for every reader thread
 # Read through a gap of at most this many elements rather than issue another request (sliced reads):

@@ -37,7 +37,7 @@ from logitstore.errors import LogitstoreError
 from logitstore.pipelines.teacher import describe_teacher
 from logitstore.store import Store
 from logitstore.trainer import checkpoint, run_folder
-from logitstore.trainer.config import EVAL_ONLY, TrainConfig, TrainConfigError
+from logitstore.trainer.config import TrainConfig, TrainConfigError
 from logitstore.trainer.live import LiveTeacher, live_stream, plan_live_samples
 from logitstore.trainer.mixing import Source, resolve_sources, student_vocabulary
 from logitstore.trainer.model import apply_levers, build_student, shard, student_max_positions, student_tokenizer_hash
@@ -512,36 +512,12 @@ def _export_final(model, tokenizer, *, out: Path) -> None:
     dist.barrier()
 
 
-def run_eval(
-    *,
-    store: str,
-    student: str,
-    version: str | None = None,
-    teacher: str | None = None,
-    seq_len: int = 256,
-    micro_batch: int = 4,
-    eval_fraction: float = 0.05,
-    seed: int = 0,
-    train_on: str = "completion",
-) -> dict:
+def run_eval(cfg: TrainConfig) -> dict:
     """`logitstore eval`: a trained student's mean KL to the stored teacher and CE, on the held-out split
-    (for a cross-tokenizer teacher: the KL over 1:1-aligned positions)."""
+    (for a cross-tokenizer teacher: the KL over 1:1-aligned positions). `cfg`: `TrainConfig.for_eval`."""
 
-    cfg = TrainConfig.from_flags(
-        store=store,
-        out=EVAL_ONLY,
-        student=student,
-        teacher=teacher,
-        seq_len=seq_len,
-        micro_batch=micro_batch,
-        eval_fraction=eval_fraction,
-        eval_batches=1 << 30,
-        seed=seed,
-        version=version,
-        train_on=train_on,
-    )
     signal = StoreSignal(cfg)
-    model, _ = build_student(student, vocab_size=signal.vocab_size, seed=seed)
+    model, _ = build_student(cfg.student.student, vocab_size=signal.vocab_size, seed=cfg.student.seed)
     with _one_process_group():
         dist.init_process_group("gloo")
         try:
