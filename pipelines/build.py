@@ -837,16 +837,18 @@ class Progress:
             self.log(self._line(final=final, rate=rate))
 
     def _line(self, *, final: bool, rate: float) -> str:
+        """Tokens computed (of the estimate), samples written so far, documents read so far."""
         total = None if final else self._total()
         eta = "" if total is None or not rate else f", ETA {(total - self._done()) / rate / 60:.1f} min"
         of = f" of ~{total:,}" if total else ""
-        waiting = (
-            ""
-            if final or self._done()
-            else f"; reading and tokenizing the input ({self.planned.documents:,} documents so far)"
-        )
+        documents = max(self.documents, self.planned.documents)
+        waiting = ""
+        if not final and not self._done():
+            waiting = (
+                "; the teacher's first batch is not done yet" if documents else "; reading and tokenizing the input"
+            )
         return (
-            f"build: {self._done():,}{of} tokens, {self.samples:,} samples, {self.documents:,} documents, "
+            f"build: {self._done():,}{of} tokens, {self.samples:,} samples written, {documents:,} documents read, "
             f"{rate:,.0f} tokens/s{eta}{waiting}"
         )
 

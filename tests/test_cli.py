@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import socket
+import subprocess
 
 import pytest
 from typer.testing import CliRunner
@@ -12,7 +13,7 @@ from typer.testing import CliRunner
 from logitstore.cli.app import app
 from logitstore.store import Store
 from logitstore.synthetic import random_samples
-from tests.conftest import run_in_child
+from tests.conftest import CLI, run_in_child, sample_corpus_head
 from tests.test_store import write
 
 runner = CliRunner()
@@ -216,3 +217,18 @@ def test_flag_only_errors_come_before_torch_loads(tmp_path, args, message):
     assert status == ["2", "False", "False"], (status, stderr)
     assert stderr.startswith("error: ") and message in stderr and len(stderr.strip().splitlines()) == 1, stderr
     assert not (tmp_path / "OUT").exists()
+
+
+@pytest.mark.slow
+def test_a_piped_build_of_the_default_teacher_logs_only_its_own_lines(tmp_path):
+    """Issue 31: in a log file the GGUF loader's tqdm bar came between the progress lines, and the counts
+    read `15,658 tokens, 0 samples, 0 documents` while tokens climbed."""
+    data = sample_corpus_head(tmp_path / "d.jsonl", docs=2, chars=400)
+    args = ["build", "--store", tmp_path / "s", "--data", data, "--max-length", "32", "--batch-tokens", "32"]
+    done = subprocess.run([*CLI, *map(str, args)], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = done.stderr.splitlines()
+    assert "\r" not in done.stderr and "GGUF" not in done.stderr, lines[:5]  # was: ~30 lines of its bar
+    assert all(line.startswith("build: ") for line in lines), lines
+    first = next(line for line in lines if "tokens/s" in line)  # at the first batch: documents read already
+    assert " samples written, 2 documents read," in first, first
