@@ -161,15 +161,16 @@ def show(
     json_out: JsonOpt = False,
 ) -> None:
     """A sample's tokens and, per position, its entries (highest probability first), tail and target."""
-    from logitstore.inspect import parse_positions, sample_as_json
+    from logitstore.inspect import parse_positions, position_slice, sample_as_json
 
     start, stop = parse_positions(positions) if positions is not None else (None, None)
     view = _open(store).read(version)
     obj = sample_as_json(view, sample_id, teacher=teacher, student_tokenizer=student_tokenizer)
     first = min(start or 0, len(obj["positions"]))
-    if positions is not None:  # JSON keeps every token; `first_position` says where `positions` starts
+    if positions is not None and json_out:  # only those positions, and the tokens they read and predict
+        obj = position_slice(obj, start=start, stop=stop)
+    elif positions is not None:  # text: the tokens stay whole, `first` says where the positions start
         obj["positions"] = obj["positions"][start:stop]
-        obj["first_position"] = first
         if "entry_tokens" in obj:
             obj["entry_tokens"] = obj["entry_tokens"][start:stop]
     if json_out:
@@ -853,7 +854,8 @@ def eval_(
         _print_json(result)
     else:
         typer.echo(
-            f"held-out KL to the teacher {result['kl']:.4f} nats/token, CE {result['ce']:.4f} (version {result['version']})"
+            f"held-out KL to the teacher {result['kl']:.4f} nats/token, CE {result['ce']:.4f} "
+            f"(version {version or 'main'} = {result['version']})"  # the name the user gave, and its snapshot
         )
 
 

@@ -136,7 +136,7 @@ def test_ls_lists_every_sample_and_show_takes_a_range_of_positions(store):
     whole = run_json("show", store, "b")
     part = run_json("show", store, "b", "--positions", "2:4")
     assert part["positions"] == whole["positions"][2:4] and part["first_position"] == 2
-    assert part["input_ids"] == whole["input_ids"]
+    assert part["input_ids"] == whole["input_ids"][2:5]  # issue 31: was every input id of the sample
     assert len(run("show", store, "b", "--positions", ":3").stdout.splitlines()) == 1 + 3
     for bad in ("3:1", "x", "-1:2"):
         result = run("show", store, "b", "--positions", bad, code=2)
@@ -232,3 +232,35 @@ def test_a_piped_build_of_the_default_teacher_logs_only_its_own_lines(tmp_path):
     assert all(line.startswith("build: ") for line in lines), lines
     first = next(line for line in lines if "tokens/s" in line)  # at the first batch: documents read already
     assert " samples written, 2 documents read," in first, first
+
+
+def test_a_refused_train_leaves_no_folder_and_eval_names_the_version_given(tiny_teacher, tmp_path):
+    """Issue 31: `train --version v2` (missing) left an empty --out; `eval` printed the snapshot id only."""
+    data = sample_corpus_head(tmp_path / "d.jsonl", docs=3, chars=300)
+    store = tmp_path / "store"
+    assert (
+        runner.invoke(
+            app, ["build", "--teacher", tiny_teacher, "--store", str(store), "--data", str(data), "--max-length", "32"]
+        ).exit_code
+        == 0
+    )
+    run("tag", str(store), "v1")
+    out = tmp_path / "run"
+    result = runner.invoke(app, ["train", "--store", str(store), "--out", str(out), "--version", "v2", "--steps", "1"])
+    assert result.exit_code == 2 and "no version, tag or branch 'v2'" in result.stderr
+    assert not out.exists()  # was: an empty folder
+    snapshot = Store.open(str(store)).resolve("v1")
+    result = run(
+        "eval",
+        "--store",
+        str(store),
+        "--student",
+        "llama-tiny",
+        "--version",
+        "v1",
+        "--seq-len",
+        "32",
+        "--eval-fraction",
+        "1",
+    )
+    assert result.stdout.strip().endswith(f"(version v1 = {snapshot})"), result.stdout

@@ -53,6 +53,14 @@ def launch(cfg: TrainConfig) -> dict:
     """Run training on `cfg.student.nproc` processes (or under torchrun); returns rank 0's final metrics."""
     check_student_fits(cfg)  # before any process starts, like every other configuration error
     plan = run_folder.plan(cfg)
+    try:
+        return _launch(cfg, plan)
+    except BaseException:
+        run_folder.unmake(plan)  # a new --out that nothing was written to goes again (claimed: it stays)
+        raise
+
+
+def _launch(cfg: TrainConfig, plan: run_folder.RunPlan) -> dict:
     if plan.finished is not None:
         print(f"the run in {plan.out} already finished at step {plan.resume_step}; nothing to do", file=sys.stderr)
         return plan.finished
