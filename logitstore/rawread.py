@@ -67,10 +67,13 @@ def read_packed(store, path: str, names: list[str], *, params: CodecParams) -> l
     document, chunk = _get_many(
         store, [f"{path}/zarr.json", packed.chunk_key(path)], what=f"reading {packed.chunk_key(path)}"
     )
-    if document is None:
-        raise FileNotFoundError(f"{path}/zarr.json")  # the snapshot lists the part: its tree is damaged
-    members = packed.members_of(json.loads(document.to_bytes())["attributes"])
+    try:  # the snapshot lists the part: a missing or unreadable document is damage (a ValueError)
+        members = packed.members_of(json.loads(document.to_bytes())["attributes"])
+    except (AttributeError, KeyError, TypeError) as e:
+        raise ValueError(f"{path}/zarr.json holds no member table ({type(e).__name__})") from None
     data = np.zeros(0, np.uint8) if chunk is None else np.asarray(chunk.as_numpy_array()).view(np.uint8).reshape(-1)
+    if missing := [name for name in names if name not in members]:
+        raise ValueError(f"{path} holds no {', '.join(missing)}")
     layouts = {name: _layout(members[name]["zarr"]) for name in names}
     if any(layout is None for layout in layouts.values()):
         return read_whole(packed.PackedStore(store, path=path, members=members), names, params=params)

@@ -107,3 +107,32 @@ def test_a_damaged_chunk_fails_its_checksum(tmp_path):
     view = Store.open(uri).read()
     with pytest.raises(ValueError, match="checksum"):
         rawread.read_arrays(view.root.store, ["teachers/teacher-a/code_of_id"])
+
+
+def test_a_packed_part_without_its_member_table_or_an_array_is_damage(tmp_path):
+    """A packed part's document that lost its member table, or lacks an array the teacher's parts
+    hold: damaged data (a ValueError, which `read_errors` makes a `DamagedDataError`), not a bug."""
+    import json
+
+    from zarr.core.buffer import default_buffer_prototype
+    from zarr.core.sync import sync
+    from zarr.storage import MemoryStore
+
+    view = write_store(str(tmp_path / "store"), n=10).read()
+    (path,) = [p for p in zarr_arrays(view.root) if p.endswith("/packed")]
+    params = next(iter(view.teachers.values())).codec
+    prototype = default_buffer_prototype()
+    document = json.loads(sync(view.root.store.get(f"{path}/zarr.json", prototype)).to_bytes())
+    chunk = sync(view.root.store.get(f"{path}/c/0", prototype))
+    names = list(document["attributes"]["logitstore_members"])
+    for broken, match in (({}, "no member table"), ({"logitstore_members": {}}, "holds no input_ids")):
+        store = MemoryStore()
+        sync(
+            store.set(
+                f"{path}/zarr.json",
+                prototype.buffer.from_bytes(json.dumps({**document, "attributes": broken}).encode()),
+            )
+        )
+        sync(store.set(f"{path}/c/0", chunk))
+        with pytest.raises(ValueError, match=match):
+            rawread.read_packed(store, path, names, params=params)
