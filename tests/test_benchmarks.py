@@ -43,3 +43,32 @@ def test_quick_stream_benchmark_reports_every_field(tmp_path):
     assert result["decode_bytes_fetched_when_cached"] == 0
     assert 5 < result["bytes_per_token"] < 60  # sampled-16 stores ~20 B/token
     assert "write" in out.stderr and "read amplification" in out.stderr  # the human summary, beside the JSON
+
+
+def test_quick_stream_benchmark_on_s3_with_latency_records_it():
+    """`--latency-ms`: the read goes through a delaying proxy in front of moto (its own process) and the
+    JSON says so; a part is one request (store format 3), so requests stay about one per part read."""
+    out = subprocess.run(
+        [sys.executable, str(BENCHMARK), "--quick", "--json", "--store", "s3://bench/quick", "--latency-ms", "20"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=BENCHMARK.parents[1],
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout)
+    assert result["latency_ms"] == 20 and result["shapes"]["latency_ms"] == 20
+    assert result["shapes"]["part_layout"] == "packed" and "20 ms per request (proxy)" in result["store"]
+    assert result["epoch_fraction"] == 1.0 and result["read_tokens_per_second"] > 0
+    # one packed document and one chunk per part read (the document comes from Icechunk's snapshot)
+    assert result["requests"] <= 2 * result["shapes"]["parts"] * (1 + result["read_amplification"])
+
+
+def test_latency_needs_an_s3_store(tmp_path):
+    out = subprocess.run(
+        [sys.executable, str(BENCHMARK), "--quick", "--store", str(tmp_path / "s"), "--latency-ms", "20"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 2 and "--latency-ms needs --store s3://" in out.stderr
