@@ -122,19 +122,39 @@ def test_same_seed_same_batches_other_seed_differs(view):
         s.close()
 
 
+def rows_of(batch: PackedBatch) -> list[tuple]:
+    """Each row of a batch as (tokens, segments, supervised positions with their targets and tails),
+    positions counted within the row: how batches of other micro-batch sizes are compared row by row."""
+    seq = batch.input_ids.shape[1]
+    positions = batch.positions.tolist()
+    out = []
+    for b in range(batch.input_ids.shape[0]):
+        mine = [i for i, p in enumerate(positions) if p // seq == b]
+        out.append(
+            (
+                tuple(batch.input_ids[b].tolist()),
+                tuple((sid, a, flat - b * seq, n) for sid, a, flat, n in batch.segments if flat // seq == b),
+                tuple((positions[i] - b * seq, int(batch.target_ids[i]), float(batch.tail[i])) for i in mine),
+            )
+        )
+    return out
+
+
 def test_ranks_split_the_global_rows(view):
-    one = stream(view)
-    ranks = [stream(view, world_size=2, rank=r) for r in (0, 1)]
-    assert ranks[0].steps_per_epoch == ranks[1].steps_per_epoch == one.rows_per_epoch // (2 * MB)
+    """Two ranks of a step hold, together and in rank order, the rows one process with their micro-batch
+    takes, for the same reader groups; each rank takes the rows of one group."""
+    one = stream(view, micro_batch=2 * MB, reader_groups=2)
+    ranks = [stream(view, world_size=2, rank=r) for r in (0, 1)]  # reader groups: the world size
+    assert ranks[0].steps_per_epoch == ranks[1].steps_per_epoch == one.steps_per_epoch
     steps = ranks[0].steps_per_epoch
-    reference = take(one, 2 * steps)
+    reference = take(one, steps)
     per_rank = [take(s, steps) for s in ranks]
     for i in range(steps):
-        for r in (0, 1):
-            assert_same(per_rank[r][i], reference[2 * i + r])
+        assert rows_of(per_rank[0][i]) + rows_of(per_rank[1][i]) == rows_of(reference[i])
     seen = [{(sid, a) for b in batches for sid, a, _, _ in b.segments} for batches in per_rank]
     assert not seen[0] & seen[1]
     assert ranks[0].state_dict() == ranks[1].state_dict()  # rows counted for all ranks together
+    assert ranks[0].state_dict()["reader_groups"] == 2
 
 
 def test_resume_mid_epoch_and_across_an_epoch_boundary(view):
@@ -142,7 +162,14 @@ def test_resume_mid_epoch_and_across_an_epoch_boundary(view):
     n = s.steps_per_epoch - 1
     take(s, n)
     state = s.state_dict()
-    assert state == {"epoch": 0, "rows_consumed": n * MB, "seed": 1, "version": view.snapshot_id, "window_parts": None}
+    assert state == {
+        "epoch": 0,
+        "rows_consumed": n * MB,
+        "seed": 1,
+        "version": view.snapshot_id,
+        "window_parts": None,
+        "reader_groups": 1,
+    }
     expected = take(s, 3)  # the last batch of epoch 0, then epoch 1
     assert s.state_dict()["epoch"] == 1
     resumed = stream(view)
@@ -158,8 +185,8 @@ def test_resume_with_another_world_size(view):
     state = ranks[0].state_dict()
     assert state["rows_consumed"] == 3 * 2 * MB
     single = stream(view)
-    single.load_state_dict(state)
-    reference = take(stream(view), 8)
+    single.load_state_dict(state)  # takes the run's reader groups (2), not its own world size's (1)
+    reference = take(stream(view, reader_groups=2), 8)
     for x, y in zip(take(single, 2), reference[6:8]):
         assert_same(x, y)
 
@@ -423,7 +450,7 @@ def test_damaged_samples_are_skipped_alike_in_windows_and_globally(damaged_view)
         damaged = [b for b in batches if b.n_tokens < MB * 128]  # skipped fragments became padding
         assert damaged and all((b.document_ids == -1).sum() == MB * 128 - b.n_tokens for b in damaged)
         assert all(sid not in s.skipped_ids for b in batches for sid, *_ in b.segments)
-        touched = s._plan(0).pieces(0, s.steps_per_epoch * MB).row  # the samples this epoch's batches hold
+        touched = s._plan(0).groups[0].pieces(0, s.steps_per_epoch * MB).row  # the samples this epoch's batches hold
         assert s.skipped_ids == damaged_ids & {s.table.sample_ids[r] for r in touched.tolist()}
         skipped.append(s.skipped_ids)
     assert skipped[0] and skipped[1]  # each order meets some of the damage (they differ in what they drop)
@@ -440,16 +467,16 @@ def many_parts():
 
 def test_window_order_is_a_permutation_grouped_by_window(many_parts):
     s = windowed(many_parts, seed=4)
-    plan = s._plan(0)
+    plan = s._plan(0).groups[0]  # one rank: one reader group
     assert sorted(plan.order.tolist()) == list(range(s.n_samples))  # every sample once per epoch
     windows = np.searchsorted(plan.window_start, np.arange(len(plan.order)), side="right") - 1
     part_window = {}
     for part, window in zip(s.table.part[plan.order].tolist(), windows.tolist()):
         assert part_window.setdefault(part, window) == window  # a part's samples share one window
     assert plan.n_windows == len(s.table.parts)  # windows of one part
-    assert not np.array_equal(plan.order, windowed(many_parts, seed=5)._plan(0).order)
-    np.testing.assert_array_equal(plan.order, windowed(many_parts, seed=4)._plan(0).order)
-    assert not np.array_equal(plan.order, s._plan(1).order)
+    assert not np.array_equal(plan.order, windowed(many_parts, seed=5)._plan(0).groups[0].order)
+    np.testing.assert_array_equal(plan.order, windowed(many_parts, seed=4)._plan(0).groups[0].order)
+    assert not np.array_equal(plan.order, s._plan(1).groups[0].order)
 
 
 def test_windows_read_each_part_once_per_epoch_within_the_budget(many_parts):
@@ -480,13 +507,15 @@ def test_windowed_resume_is_bit_identical_and_needs_the_same_budget(many_parts):
 
 
 def test_ranks_split_the_rows_of_a_windowed_stream(many_parts):
-    one = windowed(many_parts)
-    ranks = [windowed(many_parts, world_size=2, rank=r) for r in (0, 1)]
+    budget = 4 * int(stream(many_parts).source.part_bytes().max())  # windows of 2 parts: 1 per group
+    one = stream(many_parts, memory_budget=budget, micro_batch=2 * MB, reader_groups=2)
+    ranks = [stream(many_parts, memory_budget=budget, world_size=2, rank=r) for r in (0, 1)]
     steps = ranks[0].steps_per_epoch
-    reference = take(one, 2 * steps)
-    for i, (x, y) in enumerate(zip(take(ranks[0], steps), take(ranks[1], steps))):
-        assert_same(x, reference[2 * i])
-        assert_same(y, reference[2 * i + 1])
+    assert one._plan(0).windowed and one._plan(0).groups[0].n_windows > 1
+    for x, y, z in zip(take(ranks[0], steps), take(ranks[1], steps), take(one, steps)):
+        assert rows_of(x) + rows_of(y) == rows_of(z)
+    with pytest.raises(StreamConfigError, match="fewer than one part for each of 4 reader groups"):
+        stream(many_parts, memory_budget=budget, reader_groups=4)
 
 
 def test_a_budget_below_two_parts_is_one_clear_error(many_parts):

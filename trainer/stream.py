@@ -87,12 +87,11 @@ import torch
 
 from logitstore.ahead import read_ahead
 from logitstore.errors import DamagedDataError, StorageError
-from logitstore.samples import ranges
 from logitstore.sizes import format_bytes, parse_bytes
 from logitstore.store import Store
 from logitstore.trainer.batch import BatchContext, PackedBatch
 from logitstore.trainer.mixing import MixedSource
-from logitstore.trainer.order import EpochPlan, Pieces, SplitTable, window_parts
+from logitstore.trainer.order import EpochPlan, Pieces, SplitTable, deal_parts, group_window_parts, window_parts
 from logitstore.trainer.spec import DEFAULT_MEMORY_BUDGET, StreamConfigError, StreamSpec
 from logitstore.trainer.store_source import StoreSource
 from logitstore.version import StoreVersion
@@ -180,14 +179,8 @@ class Stream(torch.utils.data.IterableDataset):
         self.seq_len, self.micro_batch, self.rank, self.world_size = seq_len, micro_batch, spec.rank, world_size
         self.seed, self.split, self.prefetch, self.on_error = spec.seed, split, spec.prefetch, spec.on_error
         self.n_samples = len(self.table.sample_ids)
-        tokens, block = int(self.table.n_tokens.sum()), world_size * micro_batch
-        if split == "eval":  # every token counts once: a padded last row and a padded last step
-            self.rows_per_epoch = -(-tokens // seq_len)
-            self.steps_per_epoch = -(-self.rows_per_epoch // block)
-        else:
-            self.rows_per_epoch = tokens // seq_len
-            self.steps_per_epoch = self.rows_per_epoch // block
-        self._check_size()
+        self._plans: dict[int, EpochPlan] = {}
+        self._set_groups(spec.reader_groups or world_size)
         self.memory_budget = parse_bytes(
             spec.memory_budget if spec.memory_budget is not None else DEFAULT_MEMORY_BUDGET,
             name="memory budget (--memory-budget)",
@@ -196,9 +189,9 @@ class Stream(torch.utils.data.IterableDataset):
         self.window_parts = (
             None if part_bytes is None else window_parts(part_bytes, self.memory_budget, where=self._where)
         )
+        self._group_window = self._window_of_groups()
         self._parts = None if part_bytes is None else _Parts(source.read_part, threads=spec.read_threads)
-        self._plans: dict[int, EpochPlan] = {}
-        self._held: tuple | None = None  # (epoch, window) whose parts the stream holds now
+        self._held: dict[int, tuple[int, int, list[int]]] = {}  # group -> (epoch, window, parts held for it)
         self._epoch, self._rows = 0, 0  # the consumer's position: what has been yielded
         self._generation = 0
         self._worker: Generator | None = None  # the prefetch thread's iterator (`read_ahead`)
@@ -225,6 +218,33 @@ class Stream(torch.utils.data.IterableDataset):
         """The most parts held in memory at once so far (read, or being read)."""
         return 0 if self._parts is None else self._parts.peak
 
+    def _set_groups(self, groups: int) -> None:
+        """Deal the parts to `groups` reader groups (the eval split: one, as it is read whole by every
+        rank) and count the rows they pack: each group packs its own, so a group's partial last row
+        is dropped (train) or padded (eval)."""
+        self.reader_groups = groups
+        effective = 1 if self.split == "eval" else min(groups, len(self.table.parts))
+        self.effective_groups = effective  # groups holding parts: no more than there are parts
+        part_tokens = np.bincount(self.table.part, self.table.n_tokens, minlength=len(self.table.parts))
+        self._group_of_part = deal_parts(part_tokens, seed=self.seed, groups=effective)
+        tokens = np.bincount(self._group_of_part[self.table.part], self.table.n_tokens, minlength=effective)
+        self.rows_per_epoch = int(sum(self._packed_rows(int(t)) for t in tokens.tolist()))  # one step per group
+        block = self.world_size * self.micro_batch
+        if self.split == "eval":  # every token counts once: a padded last row and a padded last step
+            self.steps_per_epoch = -(-self.rows_per_epoch // block)
+        else:
+            self.steps_per_epoch = self.rows_per_epoch // block
+        self._plans.clear()
+        self._check_size()
+
+    def _packed_rows(self, tokens: int) -> int:
+        """Rows `tokens` packed tokens fill: the eval split pads its last row, the train split drops it."""
+        return -(-tokens // self.seq_len) if self.split == "eval" else tokens // self.seq_len
+
+    def _window_of_groups(self) -> int | None:
+        """Parts per window of each reader group (None: one window each)."""
+        return group_window_parts(self._effective_window(), groups=self.effective_groups, where=self._where)
+
     def _check_size(self) -> None:
         if self.n_samples == 0:
             hint = "; raise --eval-fraction to hold some out" if self.split == "eval" else ""
@@ -245,6 +265,7 @@ class Stream(torch.utils.data.IterableDataset):
             "seed": self.seed,
             "version": self.source.version,
             "window_parts": self._effective_window(),
+            "reader_groups": self.reader_groups,
         }
 
     def _effective_window(self) -> int | None:
@@ -264,6 +285,16 @@ class Stream(torch.utils.data.IterableDataset):
             raise StreamConfigError(
                 f"the data state is from seed {state.get('seed')}, this stream has seed {self.seed}"
             )
+        groups = int(state.get("reader_groups", 1))  # states from before reader groups: every rank read all
+        if groups != self.reader_groups:
+            if self.spec.reader_groups is not None:
+                raise StreamConfigError(
+                    f"the data state was taken with {groups} reader groups, this stream deals its parts to "
+                    f"{self.reader_groups} (--reader-groups); resume with --reader-groups {groups} or without it"
+                )
+            self._set_groups(groups)  # not asked for: the run's own, whatever the world size now
+            self._group_window = self._window_of_groups()
+            self._held.clear()
         if state.get("window_parts") != self._effective_window():
             show = lambda w: "one window (the global shuffle)" if w is None else f"windows of {w} parts"
             raise StreamConfigError(
@@ -302,8 +333,8 @@ class Stream(torch.utils.data.IterableDataset):
                 self._stop_worker()
 
     def _schedule(self, epoch: int, rows: int) -> Iterator[tuple[int, int, int]]:
-        """(epoch, first global row of this rank's micro-batch, rows consumed after the step); in a
-        DataLoader worker, only its share of the steps (`_worker_slice`)."""
+        """(epoch, first global row of the step, rows consumed after it); in a DataLoader worker, only
+        its share of the steps (`_worker_slice`)."""
         block = self.world_size * self.micro_batch
         worker, workers = self._worker_slice()
         step = 0
@@ -316,7 +347,7 @@ class Stream(torch.utils.data.IterableDataset):
                 continue
             after = min(rows + block, self.rows_per_epoch)
             if step % workers == worker:
-                yield epoch, rows + self.rank * self.micro_batch, after
+                yield epoch, rows, after
             rows = after
             step += 1
 
@@ -349,7 +380,7 @@ class Stream(torch.utils.data.IterableDataset):
         self._stop_worker()
         if self._parts is not None:
             self._parts.close()
-        self._held = None
+        self._held.clear()
 
     def __enter__(self) -> Stream:
         return self
@@ -382,55 +413,76 @@ class Stream(torch.utils.data.IterableDataset):
             if len(self._plans) >= 2:  # the current epoch and the next are all a stream needs
                 self._plans.pop(min(self._plans))
             self._plans[epoch] = EpochPlan(
-                self.table, seed=self.seed, epoch=epoch, seq_len=self.seq_len, window_parts=self.window_parts
+                self.table,
+                seed=self.seed,
+                epoch=epoch,
+                seq_len=self.seq_len,
+                window_parts=self._group_window,
+                group_of_part=self._group_of_part,
+                rows=self._packed_rows,
             )
         return self._plans[epoch]
 
+    def _block(self, plan: EpochPlan, row0: int) -> Pieces:
+        """This rank's micro-batch of the step starting at global row `row0`: the rank-th block of
+        `micro_batch` rows of the step's rows laid out by reader group."""
+        step = self.world_size * self.micro_batch
+        return plan.block(row0, step, first=self.rank * self.micro_batch, count=self.micro_batch)
+
     def _build(self, epoch: int, row0: int) -> PackedBatch:
         plan = self._plan(epoch)
-        pieces = plan.pieces(row0, row0 + self.micro_batch)
+        pieces = self._block(plan, row0)
         parts = {}
-        if self._parts is not None:
-            if not len(pieces.row):  # rows past the end of the eval pass: padding only
-                pass
-            elif plan.n_windows > 1:  # read a window and the next whole, in order; nothing beyond (the budget)
-                self._hold_windows(epoch, plan, window=int(pieces.window[0]))
-            else:  # one window: read what the next batches need first; everything read stays
-                self._parts.want(self._upcoming_parts(plan, row0))
+        if self._parts is not None and len(pieces.row):  # no rows: past the end of the eval pass, padding
+            self._read_ahead(epoch, plan, row0)
             parts = self._parts.get(np.unique(self.table.part[pieces.row]).tolist())
         return self.source.build(pieces, parts, stream=self)
 
-    def _upcoming_parts(self, plan: EpochPlan, row0: int) -> list[int]:
-        """The parts this rank's next `LOOKAHEAD_BATCHES` micro-batches of the epoch touch, in order:
-        what to read next while this batch is decoded (with one window, everything stays once read)."""
+    def _read_ahead(self, epoch: int, plan: EpochPlan, row0: int) -> None:
+        """Ask for the parts this reader's micro-batches need, this one's and the next
+        `LOOKAHEAD_BATCHES` of the epoch (in a DataLoader worker, only its own steps'), in the order they
+        need them, so reads overlap decoding and a reader reads only the parts its own rows touch. In
+        windows, each group's parts are held from the earliest window asked for and the next only
+        (`_hold`), so what is read ahead stays within the budget; with one window everything read stays."""
         step = self.world_size * self.micro_batch
-        stop_row = min(row0 + LOOKAHEAD_BATCHES * step, self.rows_per_epoch)
-        spans = [(r * self.seq_len, (r + self.micro_batch) * self.seq_len) for r in range(row0, stop_row, step)]
-        if not spans:
-            return []
-        starts = np.searchsorted(plan.ends, [a for a, _ in spans], side="right")
-        stops = np.searchsorted(plan.begins, [b for _, b in spans], side="left")
-        sequence = plan.part_sequence[ranges(starts, stops - starts)]
-        _, first = np.unique(sequence, return_index=True)
-        return sequence[np.sort(first)].tolist()
-
-    def _hold_windows(self, epoch: int, plan: EpochPlan, *, window: int) -> None:
-        """Keep the parts of this window and the next (reading them ahead, in the order the epoch needs
-        them); let go of the ones before. In memory: two windows at most, the budget."""
-        if self._held == (epoch, window):
+        _, workers = self._worker_slice()
+        stop = min(row0 + (LOOKAHEAD_BATCHES + 1) * step * workers, self.rows_per_epoch)
+        first, count = self.rank * self.micro_batch, self.micro_batch
+        needs = [
+            (g, *plan.groups[g].needs(j0, j0 + n))
+            for r in range(row0, stop, step * workers)  # one step per batch
+            for g, j0, n, _ in plan.block_runs(r, step, first=first, count=count)
+        ]
+        if not needs:
             return
-        self._held = (epoch, window)
-        here = plan.parts_of_window(window)
-        if window + 1 < plan.n_windows:
-            after = plan.parts_of_window(window + 1)
-        elif self.split == "train":  # the next epoch's first window
-            after = self._plan(epoch + 1).parts_of_window(0)
-        else:
-            after = np.zeros(0, dtype=np.int64)
-        wanted = np.concatenate([here, after]).tolist()
-        assert self._parts is not None  # windows are held only for a source with parts (`_build`)
-        self._parts.keep_only(set(wanted))
-        self._parts.want(wanted)
+        part = np.concatenate([p for _, p, _ in needs])
+        assert self._parts is not None  # a source with parts (`_build`)
+        if plan.windowed:
+            held = self._hold(epoch, plan, [(g, int(w[0])) for g, _, w in needs if len(w)])
+            part = part[np.isin(part, held)]
+        _, at = np.unique(part, return_index=True)
+        self._parts.want(part[np.sort(at)].tolist())
+
+    def _hold(self, epoch: int, plan: EpochPlan, windows: list[tuple[int, int]]) -> list[int]:
+        """Hold each group's window (the earliest of `windows` asked for it) and its next; let go of the
+        parts of windows before. In memory: two windows of each group this reader takes rows of, which
+        the budget bounds (`group_window_parts`). Returns the parts held."""
+        moved = False
+        earliest: dict[int, int] = {}
+        for g, window in windows:  # in the order needed: a group's first is its earliest
+            earliest.setdefault(g, window)
+        for g, window in earliest.items():
+            if self._held.get(g, (-1, -1))[:2] >= (epoch, window):  # held already (or a later one: resumed)
+                continue
+            group = plan.groups[g]
+            after = group.parts_of_window(window + 1) if window + 1 < group.n_windows else np.zeros(0, np.int64)
+            self._held[g] = (epoch, window, np.concatenate([group.parts_of_window(window), after]).tolist())
+            moved = True
+        held = sorted({p for _, _, parts in self._held.values() for p in parts})
+        if moved:
+            assert self._parts is not None  # windows are held only for a source with parts
+            self._parts.keep_only(set(held))
+        return held
 
     def unreadable(self, row: int, error: Exception, *, part: str | None = None) -> None:
         """A sample that cannot be used: raise, or (on_error="skip") count it and go on."""
