@@ -587,3 +587,118 @@ def test_the_python_api_lists_the_streams_options_from_their_one_definition():
     assert "memory_budget: int | str | None = None" in shown and "train_on: str = 'completion'" in shown
     code = "import sys, logitstore; assert 'torch' not in sys.modules and 'numpy' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# -- reader groups: partitioned reads ------------------------------------------------------------------------
+
+
+def epoch_of_ranks(view, *, world: int, micro_batch: int = 1, **kw) -> list[list[PackedBatch]]:
+    """One epoch of each of `world` ranks (in one process), batch by batch."""
+    ranks = [stream(view, world_size=world, rank=r, micro_batch=micro_batch, prefetch=0, **kw) for r in range(world)]
+    out = [take(s, s.steps_per_epoch) for s in ranks]
+    for s in ranks:
+        s.close()
+    return out
+
+
+@pytest.mark.parametrize("groups", [None, 8])  # the default (the world size), and one fixed for every W
+def test_each_sample_once_across_all_ranks_for_every_world_size(many_parts, groups):
+    """Over an epoch, no token of any sample reaches two ranks (or one twice), and what none sees is
+    exactly what the contract drops: each group's last partial row and the epoch's last partial step."""
+    for world in range(1, 9):
+        probe = stream(many_parts, world_size=world, micro_batch=1, reader_groups=groups)
+        tokens = {sid: int(n) for sid, n in zip(probe.table.sample_ids, probe.table.n_tokens.tolist())}
+        seen: dict[str, list[tuple[int, int]]] = {}
+        for batches in epoch_of_ranks(many_parts, world=world, reader_groups=groups):
+            for batch in batches:
+                for sid, a, _, n in batch.segments:
+                    seen.setdefault(sid, []).append((a, a + n))
+        for sid, spans in seen.items():
+            covered = np.zeros(tokens[sid], dtype=np.int64)
+            for a, b in spans:
+                covered[a:b] += 1
+            assert covered.max() == 1, (world, sid)  # no token twice
+        group_tokens = np.bincount(probe._group_of_part[probe.table.part], probe.table.n_tokens)
+        dropped = int((group_tokens % SEQ).sum()) + (probe.rows_per_epoch - probe.steps_per_epoch * world) * SEQ
+        assert sum(b - a for spans in seen.values() for a, b in spans) == sum(tokens.values()) - dropped
+        assert probe.steps_per_epoch * world >= probe.rows_per_epoch - world + 1
+
+
+@pytest.mark.parametrize("windows", [False, True])
+def test_the_same_batches_for_the_same_groups_whatever_the_world_size(many_parts, windows):
+    """8 reader groups, 8 rows a step: 1, 2, 4 or 8 ranks hold, together and in rank order, the same rows
+    at every step of the epoch."""
+    largest = int(stream(many_parts).source.part_bytes().max())
+    budget = {"memory_budget": 2 * 8 * largest} if windows else {}  # windows of 8 parts: 1 per group
+    reference = None
+    for world in (1, 2, 4, 8):
+        epoch = epoch_of_ranks(many_parts, world=world, micro_batch=8 // world, reader_groups=8, **budget)
+        steps = [[row for rank in epoch for row in rows_of(rank[i])] for i in range(len(epoch[0]))]
+        reference = reference or steps
+        assert steps == reference, world
+    s = stream(many_parts, reader_groups=8, **budget)
+    assert s._plan(0).windowed == windows and s.state_dict()["reader_groups"] == 8
+
+
+def test_resume_from_four_ranks_to_two_mid_epoch_without_repeats_or_gaps(many_parts):
+    four = [stream(many_parts, world_size=4, rank=r, micro_batch=1, prefetch=0) for r in range(4)]
+    done = [rows_of(b)[0] for s in four for b in take(s, 7)]
+    state = four[0].state_dict()
+    assert state["rows_consumed"] == 28 and state["reader_groups"] == 4
+    two = [stream(many_parts, world_size=2, rank=r, micro_batch=1, prefetch=0) for r in range(2)]
+    for s in two:
+        s.load_state_dict(state)  # takes the run's 4 reader groups
+        assert s.reader_groups == 4
+    rest = [rows_of(b)[0] for s in two for b in take(s, s.steps_per_epoch - 14)]
+    assert two[0].state_dict()["rows_consumed"] == 28 + 2 * (two[0].steps_per_epoch - 14)
+    one = stream(many_parts, reader_groups=4, micro_batch=1, prefetch=0)
+    whole = [rows_of(b)[0] for b in take(one, 28 + len(rest))]
+    assert sorted(done + rest) == sorted(whole) and len(set(whole)) == len(whole)
+    with pytest.raises(StreamConfigError, match="--reader-groups 4"):
+        stream(many_parts, world_size=2, rank=0, reader_groups=2).load_state_dict(state)
+    old = {k: v for k, v in state.items() if k != "reader_groups"}  # a state from before reader groups
+    legacy = stream(many_parts, world_size=2, rank=0)
+    legacy.load_state_dict(old)
+    assert legacy.reader_groups == 1
+
+
+@pytest.mark.parametrize("windows", [False, True])
+def test_ranks_read_each_part_about_once_per_epoch(many_parts, windows):
+    """The read counter: all ranks together fetch at most 1.3x the parts of an epoch (before reader groups,
+    W ranks fetched W x)."""
+    largest = int(stream(many_parts).source.part_bytes().max())
+    n_parts = len(stream(many_parts).table.parts)
+    for world in (2, 4, 8):
+        budget = {"memory_budget": 2 * world * largest} if windows else {}  # windows of 1 part a group
+        ranks = [
+            stream(many_parts, world_size=world, rank=r, micro_batch=1, prefetch=0, **budget) for r in range(world)
+        ]
+        for s in ranks:
+            take(s, s.steps_per_epoch)
+        assert ranks[0]._plan(0).windowed == windows
+        assert sum(s.part_reads for s in ranks) <= 1.3 * n_parts, world
+        one_group = [stream(many_parts, world_size=world, rank=r, micro_batch=1, reader_groups=1) for r in range(2)]
+        for s in one_group:
+            take(s, s.steps_per_epoch)
+        assert sum(s.part_reads for s in one_group) >= 1.5 * n_parts  # one group: each rank reads most parts
+
+
+def test_dataloader_workers_share_their_ranks_partition(many_parts, monkeypatch):
+    """With reader groups a multiple of ranks x micro-batch x workers, the workers of a rank read disjoint
+    parts (here: each worker's stream run in this process, as its worker slice makes it); with one group
+    per rank, each worker reads most of its rank's parts."""
+    workers, world = 2, 2
+    n_parts = len(stream(many_parts).table.parts)
+
+    def reads(groups: int) -> int:
+        total = 0
+        for rank in range(world):
+            for w in range(workers):
+                monkeypatch.setattr(Stream, "_worker_slice", lambda self, w=w: (w, workers))
+                s = stream(many_parts, world_size=world, rank=rank, micro_batch=1, prefetch=0, reader_groups=groups)
+                take(s, len(range(w, s.steps_per_epoch, workers)))  # its steps of the epoch
+                total += s.part_reads
+        return total
+
+    assert reads(8) <= 1.3 * n_parts
+    assert reads(2) >= 1.5 * n_parts
