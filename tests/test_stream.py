@@ -618,7 +618,7 @@ def test_each_sample_once_across_all_ranks_for_every_world_size(many_parts, grou
             for a, b in spans:
                 covered[a:b] += 1
             assert covered.max() == 1, (world, sid)  # no token twice
-        group_tokens = np.bincount(probe._group_of_part[probe.table.part], probe.table.n_tokens)
+        group_tokens = np.bincount(probe._group_of_sample, probe.table.n_tokens)
         dropped = int((group_tokens % SEQ).sum()) + (probe.rows_per_epoch - probe.steps_per_epoch * world) * SEQ
         assert sum(b - a for spans in seen.values() for a, b in spans) == sum(tokens.values()) - dropped
         assert probe.steps_per_epoch * world >= probe.rows_per_epoch - world + 1

@@ -61,20 +61,22 @@ class Pieces:
         return Pieces(*(np.concatenate([getattr(p, f) for p in pieces]) for f in fields))
 
 
-def deal_parts(part_tokens: np.ndarray, *, seed: int, groups: int) -> np.ndarray:
-    """int64 [n_parts]: the reader group of each part, from the split's tokens in each part. Once per
-    run, not per epoch, so every group packs the same rows in every epoch (as Mosaic's canonical nodes
-    hold the same shards). Largest part first (ties in a seeded random order), dealt in a snake
-    (0..G-1, G-1..0, ...), so the groups' token counts differ by about one part: a group that runs out
-    early leaves its rank to read other groups' parts at the end of the epoch. One group: all in 0."""
-    n_parts = len(part_tokens)
-    if groups <= 1:
-        return np.zeros(n_parts, dtype=np.int64)
-    shuffled = np.random.default_rng([seed, _GROUP_STREAM]).permutation(n_parts)
-    by_size = shuffled[np.argsort(-part_tokens[shuffled], kind="stable")]
-    lap, at = np.divmod(np.arange(n_parts), groups)
-    group = np.empty(n_parts, dtype=np.int64)
-    group[by_size] = np.where(lap % 2 == 0, at, groups - 1 - at)
+def deal_samples(table: SplitTable, *, seed: int, groups: int) -> np.ndarray:
+    """int64 [n]: the reader group of each sample. The parts, permuted once per run (not per epoch, so
+    every group packs the same rows in every epoch, as Mosaic's canonical nodes hold the same shards),
+    are laid end to end (each part's samples in id order) and cut into `groups` runs of equal tokens
+    (MosaicML Streaming's spans divided at canonical-node boundaries): each group holds about 1/G of the
+    tokens, give or take a sample, so all groups pack the same rows give or take one, and at most G - 1
+    parts are cut between two groups (read by both). One group: all in 0."""
+    n = len(table.n_tokens)
+    if groups <= 1 or n == 0:
+        return np.zeros(n, dtype=np.int64)
+    place = np.empty(len(table.parts), dtype=np.int64)
+    place[np.random.default_rng([seed, _GROUP_STREAM]).permutation(len(table.parts))] = np.arange(len(table.parts))
+    laid = np.lexsort((np.arange(n), place[table.part]))  # by part (permuted), then id
+    starts = np.cumsum(table.n_tokens[laid]) - table.n_tokens[laid]
+    group = np.empty(n, dtype=np.int64)
+    group[laid] = np.minimum(starts * groups // max(int(table.n_tokens.sum()), 1), groups - 1)
     return group
 
 
@@ -165,11 +167,10 @@ class EpochPlan:
         epoch: int,
         seq_len: int,
         window_parts: int | None,
-        group_of_part: np.ndarray,
+        group_of_sample: np.ndarray,
         rows,
     ):
-        n_groups = int(group_of_part.max()) + 1 if len(group_of_part) else 1
-        group_of_sample = group_of_part[table.part]
+        n_groups = int(group_of_sample.max()) + 1 if len(group_of_sample) else 1
         members = np.argsort(group_of_sample, kind="stable")  # id order inside each group
         bounds = np.searchsorted(group_of_sample[members], np.arange(n_groups + 1))
         keys = [[seed, epoch]] if n_groups == 1 else [[seed, epoch, g] for g in range(n_groups)]
@@ -177,7 +178,7 @@ class EpochPlan:
             GroupPlan(
                 table,
                 members[bounds[g] : bounds[g + 1]],
-                group_of_part == g,
+                np.bincount(table.part[members[bounds[g] : bounds[g + 1]]], minlength=len(table.parts)) > 0,
                 key=keys[g],
                 seq_len=seq_len,
                 window_parts=window_parts,

@@ -91,7 +91,7 @@ from logitstore.sizes import format_bytes, parse_bytes
 from logitstore.store import Store
 from logitstore.trainer.batch import BatchContext, PackedBatch
 from logitstore.trainer.mixing import MixedSource
-from logitstore.trainer.order import EpochPlan, Pieces, SplitTable, deal_parts, group_window_parts, window_parts
+from logitstore.trainer.order import EpochPlan, Pieces, SplitTable, deal_samples, group_window_parts, window_parts
 from logitstore.trainer.spec import DEFAULT_MEMORY_BUDGET, StreamConfigError, StreamSpec
 from logitstore.trainer.store_source import StoreSource
 from logitstore.version import StoreVersion
@@ -223,11 +223,10 @@ class Stream(torch.utils.data.IterableDataset):
         rank) and count the rows they pack: each group packs its own, so a group's partial last row
         is dropped (train) or padded (eval)."""
         self.reader_groups = groups
-        effective = 1 if self.split == "eval" else min(groups, len(self.table.parts))
-        self.effective_groups = effective  # groups holding parts: no more than there are parts
-        part_tokens = np.bincount(self.table.part, self.table.n_tokens, minlength=len(self.table.parts))
-        self._group_of_part = deal_parts(part_tokens, seed=self.seed, groups=effective)
-        tokens = np.bincount(self._group_of_part[self.table.part], self.table.n_tokens, minlength=effective)
+        effective = 1 if self.split == "eval" else min(groups, self.n_samples)
+        self.effective_groups = effective  # groups holding samples: no more than there are samples
+        self._group_of_sample = deal_samples(self.table, seed=self.seed, groups=effective)
+        tokens = np.bincount(self._group_of_sample, self.table.n_tokens, minlength=effective)
         self.rows_per_epoch = int(sum(self._packed_rows(int(t)) for t in tokens.tolist()))  # one step per group
         block = self.world_size * self.micro_batch
         if self.split == "eval":  # every token counts once: a padded last row and a padded last step
@@ -418,7 +417,7 @@ class Stream(torch.utils.data.IterableDataset):
                 epoch=epoch,
                 seq_len=self.seq_len,
                 window_parts=self._group_window,
-                group_of_part=self._group_of_part,
+                group_of_sample=self._group_of_sample,
                 rows=self._packed_rows,
             )
         return self._plans[epoch]
