@@ -31,6 +31,7 @@ tokens/s are summed over ranks and divided by the slowest rank's time.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import multiprocessing
@@ -615,7 +616,7 @@ def moto_server():
 # -- --world-size: a cluster's ranks, simulated in this process (issue 32) --------------------------------
 
 
-def world_run(args, *, uri: str, view, info: dict, log) -> dict:
+def world_run(args, *, base: ReadJob, view, info: dict, log) -> dict:
     """One epoch of each of `--world-size` ranks, read one rank after another in this process (64 reader
     processes would not fit 2 cores), each through its own counted view: `cluster_read_amplification`
     is the bytes all ranks fetched over the stored bytes (per epoch), `read_tokens_per_second` each
@@ -630,21 +631,8 @@ def world_run(args, *, uri: str, view, info: dict, log) -> dict:
         else max(stored // STORE_TO_BUDGET, _two_parts_per_group(view, groups))
     )
     jobs = [
-        ReadJob(
-            uri=uri,
-            version=view.snapshot_id,
-            tokens=int(info["tokens"]),
-            seq_len=args.seq_len,
-            micro_batch=args.micro_batch,
-            memory_budget=budget,
-            floor_budget=budget,
-            rank=r,
-            world_size=world,
-            max_seconds=args.max_read_seconds,
-            reader_groups=groups,
-            prefetch=0,  # batches built ahead would read the next epoch's parts into this epoch's count
-        )
-        for r in range(world)
+        dataclasses.replace(base, memory_budget=budget, rank=r, world_size=world, reader_groups=groups, prefetch=0)
+        for r in range(world)  # prefetch 0: batches built ahead would read the next epoch's parts into this one's count
     ]
     log(
         f"reading one epoch as {world} ranks in turn, {groups} reader groups: seq_len {args.seq_len} x "
@@ -772,9 +760,6 @@ def main(argv=None) -> dict:
                 f"({format_bytes(budget)}): write more --tokens, lower --memory-budget, or pass "
                 "--allow-small-store"
             )
-        if args.world_size:
-            result = world_run(args, uri=uri, view=view, info=info, log=log)
-            return _report(args, result, log, f"cluster read amplification {result['cluster_read_amplification']:.3f}")
         entries = int(view.index["n_entries"].to_numpy().sum()) if "n_entries" in view.index.column_names else None
         jobs = [
             ReadJob(
@@ -791,6 +776,9 @@ def main(argv=None) -> dict:
             )
             for r in range(args.workers)
         ]
+        if args.world_size:  # W ranks in this process instead of the one-reader measurements
+            result = world_run(args, base=jobs[0], view=view, info=info, log=log)
+            return _report(args, result, log, f"cluster read amplification {result['cluster_read_amplification']:.3f}")
         log(
             f"reading one epoch: seq_len {args.seq_len} x micro_batch {args.micro_batch}, {args.workers} reader "
             f"process(es), memory budget {format_bytes(budget)} (the store is {stored / budget:.1f}x)"
