@@ -16,42 +16,58 @@ The contract (tests/test_stream.py holds the engine to it):
 - **Split.** A sample is in the eval split iff `is_eval_sample(id, eval_fraction=f)`: the first 8 bytes
   of blake2b(id) read as a big-endian integer, as a fraction of 2**64, is below f. It depends on the id
   alone, so train and eval are disjoint and stable across runs, machines, versions and world sizes.
-- **Epoch order: a window shuffle over parts.** A store is written in *parts* (the build's units, ~16k
-  tokens each). The split's samples are sorted by id; the parts holding them are permuted by
-  `default_rng([seed, epoch, 2**32])` and cut into *windows* of `window_parts` parts; the epoch visits
-  the windows in that order and, inside window k, the window's samples (in id order) permuted by
-  `default_rng([seed, epoch, k])`. Each part is read whole once per window, so an epoch reads each
-  stored byte about once, in large sequential requests. When the whole split fits the memory budget,
-  there is one window: the order is then the global shuffle `default_rng([seed, epoch]).permutation(n)`
-  of all samples, and the parts, read once, stay in memory for the whole run. The order depends on
-  the version, the seed, the epoch and `window_parts` only (never on the world size); `window_parts`
-  follows from the memory budget, so a resumed run needs the same budget (its state says so).
-  Shuffle quality: two samples of one part always land in the same window, so within an epoch they are
-  at most `window_parts` parts' worth of tokens apart; samples of different windows never mix.
+- **Reader groups.** The train split's samples are dealt to G *reader groups* (`reader_groups`; default
+  the world size; the eval split has one): the parts, permuted once per run by
+  `default_rng([seed, 2**32 + 1])`, are laid end to end (each part's samples in id order) and cut into G
+  runs of equal tokens (`order.deal_samples`; MosaicML Streaming's spans cut at canonical-node
+  boundaries), so every group packs the same rows give or take one and at most G - 1 parts are cut
+  between two groups. Each group orders and packs its own samples (below); the epoch's global rows deal
+  the groups' rows round-robin: row j of every group holding more than j rows, in group order, then row
+  j + 1. A step's rows are laid out by group (then row), and rank r takes the r-th block of
+  `micro_batch` of them, so when the world size divides G (or G divides it) every rank takes the rows,
+  and reads the parts, of its own groups only. One group is the order of before reader groups.
+- **Epoch order within a group: a window shuffle over parts.** A store is written in *parts* (the build's
+  units, ~16k tokens each). A group's parts are permuted by `default_rng([seed, epoch, g, 2**32])` and
+  cut into *windows* of `window_parts // G` parts; the group visits its windows in that order and,
+  inside window k, the window's samples (in id order) permuted by `default_rng([seed, epoch, g, k])`
+  (with one group, `g` is left out of both keys). When the whole split fits the memory budget, each group
+  is one window: its samples permuted by `default_rng([seed, epoch, g])` (one group: the global shuffle
+  `default_rng([seed, epoch]).permutation(n)`), and the parts, read once, stay in memory for the whole
+  run. The order depends on the version, the seed, the epoch, `window_parts` and G only (never on the
+  world size); `window_parts` follows from the memory budget, so a resumed run needs the same budget (its
+  state says so). Shuffle quality: two samples of one part land in the same window of one group (or of
+  two, for a part cut between groups), so they are at most `window_parts` parts' worth of tokens apart
+  in the global stream; a rank's own rows come from its groups' windows, `window_parts // G` parts each.
 - **Memory.** `memory_budget` bounds the stored data held in memory (encoded, as read: about 3-10
-  bytes per token): the window being read and the next one, read ahead by `read_threads` threads. So
-  `window_parts = budget // (2 * largest part)`; a budget smaller than two parts is refused. A split
+  bytes per token): for each group a reader takes rows of, the window being read and the next one; the
+  parts of the reader's next micro-batches are read ahead by `read_threads` threads, and only those (a
+  reader never reads a part its own rows do not touch). So `window_parts = budget // (2 * largest
+  part)`, shared by the G groups; a budget smaller than two parts, or than one part a group, is refused. A split
   that holds under half of a part's bytes (the eval split) reads just its samples' byte ranges of
   that part, not the whole part.
-- **Packing.** The ordered samples are laid end to end and cut into rows of exactly `seq_len` tokens,
+- **Packing.** A group's ordered samples are laid end to end and cut into rows of exactly `seq_len` tokens,
   which is the same as greedy filling: a sample that does not fit in the rest of a row is cut there and
   its remainder starts the next row as a new *fragment*. Row j of an epoch is tokens
   [j*seq_len, (j+1)*seq_len) of that concatenation, so any row is found without reading data. The train
   split drops the last partial row of the epoch; the eval split keeps it, padded, so every held-out
-  token is evaluated however small the split. Position ids restart at 0 at every sample or fragment start;
+  token is evaluated however small the split (a group's last partial row likewise). Position ids restart at 0 at every sample or fragment start;
   document ids number the segments of a row 0, 1, ... Token t of a row is *supervised* (it carries the
   teacher's distribution over token t+1) iff tokens t and t+1 lie in the same row and the same sample.
 - **Sharding.** Rows are global. Each step consumes `world_size * micro_batch` consecutive global rows;
-  rank r takes the r-th block of `micro_batch` of them. `steps_per_epoch = rows_per_epoch //
+  rank r takes the r-th block of `micro_batch` of them, laid out by group (above), so the ranks of a step
+  hold together, in rank order, the rows one process with their micro-batches summed would. `steps_per_epoch = rows_per_epoch //
   (world_size*micro_batch)` is the same on every rank; the leftover rows of the epoch are dropped. The
   eval split rounds up instead: its last step's rows past the end are padding (no targets), so a split
   of one sample gives one step on every rank.
-  Every rank reads every window it takes rows from (all of them), so N ranks read the store N times
-  per epoch: from local disk the page cache serves the repeats, from S3 it is N times the requests.
-- **State.** `state_dict()` = {"epoch", "rows_consumed", "seed", "version", "window_parts"}: global rows
-  consumed in the epoch by all ranks together, counted at the batches *yielded*. It does not depend on
-  the world size, so a run resumed with another world size continues at the same row.
-  `load_state_dict` refuses a state from another version, seed or window (memory budget).
+  A rank reads only the parts its rows touch: with G a multiple of the world size, the ranks together
+  read each part about once per epoch (1 + (G - 1) / parts, plus a last round of uneven groups); with
+  one group, each rank reads most parts.
+- **State.** `state_dict()` = {"epoch", "rows_consumed", "seed", "version", "window_parts",
+  "reader_groups"}: global rows consumed in the epoch by all ranks together, counted at the batches
+  *yielded*. It does not depend on the world size, so a run resumed with another world size continues
+  at the same row: a stream whose `reader_groups` was not given takes the state's (a state from before
+  reader groups: one). `load_state_dict` refuses a state from another version, seed, window (memory
+  budget) or an explicitly other `reader_groups`.
 - **Iteration.** The train split is infinite over epochs. The eval split is one pass of epoch 0: each
   `iter()` yields from the current position to the end of the pass and then rewinds to the start.
 - **DataLoader workers.** A stream is an `IterableDataset`: in a `DataLoader(stream, batch_size=None,
@@ -59,7 +75,9 @@ The contract (tests/test_stream.py holds the engine to it):
   the stream stood, so the loader (in order) yields exactly the batches of one process. Each worker is
   sent the stream's recipe (store URI, snapshot, arguments, position) and opens the version itself
   (Icechunk must not be forked; memory stores and several-teacher streams cannot be sent). Each worker
-  reads the parts its steps touch, so W workers read most parts W times. The parent's stream does not
+  reads the parts its own steps touch: with G a multiple of world size x micro-batch x W, a step's rows
+  come from groups no other step of its round touches, so the W workers of a rank read disjoint parts;
+  with fewer groups they read most of their rank's parts W times. The parent's stream does not
   see the workers' progress: every batch carries `data_state`, the `state_dict()` after it, which
   `load_state_dict` resumes from.
 - **Prefetch.** A background thread builds up to `prefetch` micro-batches ahead and asks for the parts
