@@ -198,12 +198,13 @@ class Stream(torch.utils.data.IterableDataset):
         self.seed, self.split, self.prefetch, self.on_error = spec.seed, split, spec.prefetch, spec.on_error
         self.n_samples = len(self.table.sample_ids)
         self._plans: dict[int, EpochPlan] = {}
+        part_bytes = source.part_bytes()
+        self._reads = part_bytes is not None  # live mode reads nothing: one group, the order of before
         self._set_groups(spec.reader_groups or world_size)
         self.memory_budget = parse_bytes(
             spec.memory_budget if spec.memory_budget is not None else DEFAULT_MEMORY_BUDGET,
             name="memory budget (--memory-budget)",
         )
-        part_bytes = source.part_bytes()
         self.window_parts = (
             None if part_bytes is None else window_parts(part_bytes, self.memory_budget, where=self._where)
         )
@@ -237,11 +238,11 @@ class Stream(torch.utils.data.IterableDataset):
         return 0 if self._parts is None else self._parts.peak
 
     def _set_groups(self, groups: int) -> None:
-        """Deal the parts to `groups` reader groups (the eval split: one, as it is read whole by every
-        rank) and count the rows they pack: each group packs its own, so a group's partial last row
+        """Deal the samples to `groups` reader groups (the eval split, and a source with nothing to read:
+        one) and count the rows they pack: each group packs its own, so a group's partial last row
         is dropped (train) or padded (eval)."""
         self.reader_groups = groups
-        effective = 1 if self.split == "eval" else min(groups, self.n_samples)
+        effective = min(groups, self.n_samples) if self.split == "train" and self._reads else 1
         self.effective_groups = effective  # groups holding samples: no more than there are samples
         self._group_of_sample = deal_samples(self.table, seed=self.seed, groups=effective)
         tokens = np.bincount(self._group_of_sample, self.table.n_tokens, minlength=effective)
