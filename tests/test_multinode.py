@@ -39,27 +39,7 @@ def test_two_nodes_of_two_processes_read_the_single_process_batches_once(tmp_pat
     endpoint, run_id = f"127.0.0.1:{free_port()}", uuid.uuid4().hex[:8]
     nodes = [
         subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--nnodes",
-                "2",
-                "--nproc-per-node",
-                "2",
-                "--rdzv-backend",
-                "c10d",
-                "--rdzv-endpoint",
-                endpoint,
-                "--rdzv-id",
-                run_id,
-                str(SCRIPT),
-                str(tmp_path / "store"),
-                str(out),
-                str(steps),
-                str(SEQ),
-                str(MB),
-            ],
+            torchrun(endpoint, run_id, str(SCRIPT), str(tmp_path / "store"), str(out), str(steps), str(SEQ), str(MB)),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
