@@ -1,7 +1,8 @@
 """The `logitstore` command line: thin typed functions that parse, call the library, and print.
 
-Exit codes: 0 success, 1 damaged data (`verify` found damage, or a read hit it), 2 a user error or a
-storage outage (one line on stderr, no traceback).
+Exit codes (docs/exit-codes.md, `logitstore.errors`): 0 success, 1 damaged data (`verify` found damage,
+or a read hit it), 2 a user error or a storage outage (one line on stderr, no traceback), 130
+interrupted (Ctrl-C, or the output's reader went away).
 Each command imports the machinery it needs inside its function: this module imports in 0.15 s (best of
 10; 0.04 s before the flags came from the configuration types, whose registries bring numpy), and would
 take 4.3 s more with the build's and the trainer's modules at the top (torch, transformers; 2-core CPU,
@@ -17,13 +18,15 @@ from __future__ import annotations
 import functools
 import json
 import math
+import os
+import sys
 from typing import Annotated, Optional
 
 import typer
 from typer.models import CommandInfo
 
 from logitstore.cli.flags import Command, ConfigOpt, Given, Group, PrintConfigOpt, pick, resolve, takes
-from logitstore.errors import LogitstoreError
+from logitstore.errors import INTERRUPTED, LogitstoreError
 from logitstore.options import declared, dump, from_values, to_values
 from logitstore.pipelines.config import PANELS as BUILD_PANELS
 from logitstore.pipelines.config import BuildConfig, DataSource
@@ -48,7 +51,8 @@ COMMAND_ORDER = ("build", "train", "eval", "info", "ls", "show", "report", "diff
 
 def user_errors(fn):
     """Print a LogitstoreError as one line and exit with its code (2; 1 for damaged data); anything
-    else is a bug and keeps its traceback."""
+    else is a bug and keeps its traceback. A reader of the output that went away (`| head`) ends the
+    command as interrupted (typer itself would exit 1, the code for damaged data)."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
@@ -57,6 +61,9 @@ def user_errors(fn):
         except LogitstoreError as e:
             typer.echo(f"error: {e}", err=True)
             raise typer.Exit(e.exit_code) from None
+        except BrokenPipeError:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the flush at exit must not fail again
+            raise typer.Exit(INTERRUPTED) from None
 
     return wrapper
 
@@ -117,15 +124,16 @@ def show(
     json_out: JsonOpt = False,
 ) -> None:
     """A sample's tokens and, per position, its entries (highest probability first), tail and target."""
-    from logitstore.inspect import parse_positions, sample_as_json
+    from logitstore.inspect import parse_positions, position_slice, sample_as_json
 
     start, stop = parse_positions(positions) if positions is not None else (None, None)
     view = _open(store).read(version)
     obj = sample_as_json(view, sample_id, teacher=teacher, student_tokenizer=student_tokenizer)
     first = min(start or 0, len(obj["positions"]))
-    if positions is not None:  # JSON keeps every token; `first_position` says where `positions` starts
+    if positions is not None and json_out:  # only those positions, and the tokens they read and predict
+        obj = position_slice(obj, start=start, stop=stop)
+    elif positions is not None:  # text: the tokens stay whole, `first` says where the positions start
         obj["positions"] = obj["positions"][start:stop]
-        obj["first_position"] = first
         if "entry_tokens" in obj:
             obj["entry_tokens"] = obj["entry_tokens"][start:stop]
     if json_out:
@@ -350,12 +358,14 @@ def build(
         typer.echo(summary_json(summary))
     else:
         typer.echo(
-            f"version {summary.version}: {summary.samples:,} samples, {summary.tokens:,} tokens in "
+            (f"version {summary.version}" if summary.version else "nothing stored (no store or branch made)")
+            + f": {summary.samples:,} samples, {summary.tokens:,} tokens in "
             f"{summary.seconds:.1f} s ({summary.tokens_per_second:,.0f} tokens/s), "
             f"{summary.bytes_per_token or 0:.1f} bytes/token; skipped {summary.skipped}, "
             f"duplicates {summary.duplicates}, already stored {summary.already_stored}"
             + (f", changed {summary.changed} ({cfg.on_duplicate})" if summary.changed else "")
             + (f", no assistant tokens {summary.no_completion}" if summary.no_completion else "")
+            + (f", tool calls the template drops {summary.tool_calls}" if summary.tool_calls else "")
         )
 
 
@@ -462,14 +472,16 @@ def eval_(
     if print_config:
         typer.echo(dump(values, command="eval"), nl=False)
         return
+    cfg = TrainConfig.for_eval(**values)  # the flags' errors before torch loads, as train's
     from logitstore.trainer.train import run_eval
 
-    result = run_eval(**values)
+    result = run_eval(cfg)
     if json_out:
         _print_json(result)
     else:
         typer.echo(
-            f"held-out KL to the teacher {result['kl']:.4f} nats/token, CE {result['ce']:.4f} (version {result['version']})"
+            f"held-out KL to the teacher {result['kl']:.4f} nats/token, CE {result['ce']:.4f} "
+            f"(version {values['version'] or 'main'} = {result['version']})"  # the name the user gave, and its snapshot
         )
 
 

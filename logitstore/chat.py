@@ -1,6 +1,9 @@
 """Chat data: conversations rendered with the teacher's chat template, and which tokens the loss sees.
 
-A conversation is a list of `{"role", "content"}` messages (the OpenAI / Hugging Face format). The
+A conversation is a list of `{"role", "content"}` messages (the OpenAI / Hugging Face format). An
+assistant turn's `tool_calls` are rendered by templates that read them (and then supervised like any
+reply: the call is what the assistant writes); with a template that does not, the build skips and
+counts such conversations (`tool_calls` in its summary) rather than train on an empty reply. The
 build renders it to text with the teacher tokenizer's chat template and marks the *completion*: the
 bytes the assistant writes. Span i is what rendering the first i+1 messages adds to rendering the
 first i with the generation prompt (`add_generation_prompt=True`): for ChatML that is the reply and
@@ -42,7 +45,8 @@ def check_train_on(value: str, *, flag: str = "--train-on") -> str:
 
 
 def message_problem(value) -> str | None:
-    """Why `value` is not a conversation, or None. Extra keys (name, tool_calls) are allowed."""
+    """Why `value` is not a conversation, or None. Extra keys (name, tool_calls) are allowed; a message
+    with `tool_calls` may have no content (the OpenAI format's null)."""
     if isinstance(value, str):
         try:
             value = json.loads(value)
@@ -58,17 +62,30 @@ def message_problem(value) -> str | None:
         role, content = message.get("role"), message.get("content")
         if role not in ROLES:
             return f"message {i} has role {role!r}; roles are {', '.join(ROLES)}"
-        if not isinstance(content, str):
+        if not isinstance(content, str) and not (content is None and message.get("tool_calls")):
             what = "missing" if content is None else type(content).__name__
             return f"message {i} ({role}) has content {what}; content must be a string"
     return None
 
 
 def as_messages(value) -> list[dict]:
-    """A checked conversation as plain dicts (a JSON string is parsed; None-valued keys dropped)."""
+    """A checked conversation as plain dicts (a JSON string is parsed; None-valued keys dropped, a
+    missing content, beside tool calls, is "": templates concatenate it)."""
     if isinstance(value, str):
         value = json.loads(value)
-    return [{k: v for k, v in m.items() if v is not None} for m in value]
+    return [{"content": "", **{k: v for k, v in m.items() if v is not None}} for m in value]
+
+
+def has_tool_calls(messages: list[dict]) -> bool:
+    return any(m.get("tool_calls") for m in messages)
+
+
+def renders_tool_calls(tokenizer) -> bool:
+    """Whether the tokenizer's chat template renders an assistant's `tool_calls` (the Hugging Face
+    chat-template API hands them to the template inside the message; a template that never reads them
+    renders such a turn as its content alone, often empty, and the call is lost)."""
+    template = getattr(tokenizer, "chat_template", None) or ""
+    return any("tool_calls" in text for text in (template.values() if isinstance(template, dict) else [template]))
 
 
 def conversation_hash_text(messages: list[dict]) -> str:

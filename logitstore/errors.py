@@ -1,13 +1,20 @@
 """Errors a user can cause. The CLI prints these as one line and exits non-zero.
 
 Anything that is *not* a `LogitstoreError` is a bug in logitstore and keeps its traceback.
+
+The exit codes, one table for every command (docs/exit-codes.md):
 """
+
+OK = 0  # the command did what was asked
+DAMAGED = 1  # stored data is damaged or lost (`DamagedDataError`); rerunning will not help
+USAGE_OR_OUTAGE = 2  # a user error (flags, paths, input) or a storage outage; fix, or run again later
+INTERRUPTED = 130  # Ctrl-C (SIGINT), or the reader of the output went away (`| head`)
 
 
 class LogitstoreError(Exception):
     """Base class for every error caused by input, configuration or environment."""
 
-    exit_code = 2  # what the CLI exits with: 2 for a user error or an outage, 1 for damaged data
+    exit_code = USAGE_OR_OUTAGE  # what the CLI exits with
 
 
 class StoreNotFoundError(LogitstoreError):
@@ -43,7 +50,7 @@ class DamagedDataError(LogitstoreError):
     """Stored bytes fail their checksum or disagree with the index: damage that `verify` reports.
     The CLI exits 1 for it, as `verify` does when it finds damage."""
 
-    exit_code = 1
+    exit_code = DAMAGED
 
 
 class IncompatibleStoreError(LogitstoreError):

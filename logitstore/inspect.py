@@ -66,6 +66,22 @@ def sample_as_json(
     return out
 
 
+def position_slice(obj: dict, *, start: int | None, stop: int | None) -> dict:
+    """`sample_as_json`'s output cut to positions [start, stop): those positions, and the tokens from the
+    first one's to the one the last predicts (`input_ids`, `tokens`, `loss_mask`); `first_position` says
+    where they start. (Alignment fields of a student tokenizer stay whole: they index the whole sample.)"""
+    n = len(obj["positions"])
+    first, last = min(start or 0, n), min(stop if stop is not None else n, n)
+    out = {**obj, "positions": obj["positions"][first:last], "first_position": first}
+    token_span = slice(first, last + 1 if last > first else first)
+    for key in ("input_ids", "tokens", "loss_mask"):
+        if obj.get(key):
+            out[key] = obj[key][token_span]
+    if "entry_tokens" in obj:
+        out["entry_tokens"] = obj["entry_tokens"][first:last]
+    return out
+
+
 def list_samples(view: StoreVersion, *, limit: int | None = None) -> list[dict]:
     """`[{"sample_id", "tokens", "teacher"}]`, one per stored sample and teacher, in index order (the
     order the samples were written); the first `limit` of them."""

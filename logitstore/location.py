@@ -22,7 +22,7 @@ from urllib.parse import unquote, urlparse
 import icechunk
 
 from logitstore.blobs import BlobStore, LocalBlobs, MemoryBlobs, S3Blobs
-from logitstore.errors import StorageError
+from logitstore.errors import StorageError, StoreNotFoundError
 from logitstore.limits import StorageLimits
 
 INDEX_PREFIX = "logitstore-index"
@@ -31,6 +31,18 @@ INDEX_PREFIX = "logitstore-index"
 # serialises local commits with a file lock (`commit_lock`), so the warning would only be noise.
 if "ICECHUNK_LOG" not in os.environ:
     icechunk.set_logs_filter("icechunk=error")
+
+
+def _folder_path(path: Path, *, text: str) -> str:
+    """A local store is a folder: a regular file there (or on the way there) is refused in one line
+    here, before a model loads; Icechunk's local storage would panic on it ("File exists")."""
+    for at in (path, *path.parents):
+        if at.exists():
+            if not at.is_dir():
+                where = "is a file" if at == path else f"lies under {at}, which is a file"
+                raise StoreNotFoundError(f"{text} {where}, not a store folder; give a folder's path")
+            break
+    return str(path)
 
 
 # memory:// stores live as long as the process; the registry lets a name be opened again.
@@ -56,13 +68,13 @@ class Location:
             if not parsed.netloc:
                 raise StorageError(f"{text}: an S3 location needs a bucket, e.g. s3://bucket/prefix")
             return cls(text, "s3", f"{parsed.netloc}/{parsed.path.strip('/')}".rstrip("/"))
-        if parsed.scheme == "file":  # a URL: "file:///data/my%20store" is the folder "/data/my store"
-            return cls(text, "file", str(Path(unquote(parsed.path)).resolve()))
-        if parsed.scheme and len(parsed.scheme) > 1:  # one letter would be a Windows drive
+        if parsed.scheme and parsed.scheme != "file" and len(parsed.scheme) > 1:  # one letter: a Windows drive
             raise StorageError(
                 f"{text}: unsupported scheme {parsed.scheme!r} (use a path, file://, s3:// or memory://)"
             )
-        return cls(text, "file", str(Path(text).expanduser().resolve()))
+        # a URL: "file:///data/my%20store" is the folder "/data/my store"
+        path = Path(unquote(parsed.path)) if parsed.scheme == "file" else Path(text).expanduser()
+        return cls(text, "file", _folder_path(path.resolve(), text=text))
 
     @property
     def bucket(self) -> str:

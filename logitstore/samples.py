@@ -19,6 +19,7 @@ token t + 1.
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass
 
 import numpy as np
@@ -27,6 +28,11 @@ from logitstore.errors import InvalidSampleError
 
 # log_softmax can round a certain token's log-probability to a hair above zero.
 LOGPROB_TOLERANCE = 1e-4
+# Characters a sample id may not hold: C0 controls (NUL, tab, newline, ...), DEL and C1 controls. `ls`
+# would print them raw, and an id with NUL cannot be given to `show`. The build checks its input ids
+# against the same class (`pipelines/inputs.py`), naming the row.
+CONTROL_CHARACTERS = r"[\x00-\x1f\x7f-\x9f]"
+_CONTROL = re.compile(CONTROL_CHARACTERS)
 
 
 @dataclass
@@ -224,9 +230,9 @@ def _check_shapes(s: SparseSamples) -> None:
             _fail(f"{name} must have a {'float' if kind == 'f' else 'integer'} dtype, got {a.dtype}")
     if len(s.sample_ids) != len(s.n_tokens):
         _fail(f"{len(s.sample_ids)} sample ids but {len(s.n_tokens)} token counts")
-    bad_ids = [sid for sid in s.sample_ids if not isinstance(sid, str) or not sid]
+    bad_ids = [sid for sid in s.sample_ids if not isinstance(sid, str) or not sid or _CONTROL.search(sid)]
     if bad_ids:
-        _fail(f"sample ids must be non-empty strings, got {bad_ids[0]!r}")
+        _fail(f"sample ids must be non-empty strings without control characters, got {bad_ids[0]!r}")
     if len(set(s.sample_ids)) != len(s.sample_ids):
         dup = next(sid for sid in s.sample_ids if s.sample_ids.count(sid) > 1)
         _fail(f"sample id {dup!r} appears twice in one write")

@@ -38,6 +38,7 @@ from logitstore.pipelines import inputs
 from logitstore.pipelines.config import BuildConfig, BuildError
 from logitstore.pipelines.engines import engine_class
 from logitstore.pipelines.plan import (
+    Planned,
     StoredDocuments,
     StudentSide,
     check_teacher_fits,
@@ -60,27 +61,32 @@ class BuildSummary:
     tokens: int = 0
     skipped: int = 0  # documents too short to predict anything (< 2 tokens)
     no_completion: int = 0  # conversations whose rendering holds no assistant token (skipped)
+    tool_calls: int = 0  # conversations with tool calls that the teacher's chat template does not render (skipped)
     duplicates: int = 0  # documents whose id appeared earlier in the input
     already_stored: int = 0  # samples committed by an earlier (interrupted) run of the build
     changed: int = 0  # documents stored before with other text: replaced or kept, by --on-duplicate
     seconds: float = 0.0
     tokens_per_second: float = 0.0
     bytes_per_token: float | None = None
-    version: str = ""
+    version: str | None = None  # the branch's version after the build; None: nothing stored, nothing made
     teacher: str = ""
     commits: int = 0
     stored_bytes: int = 0  # compressed bytes of the parts this run wrote
-    teachers: list = field(default_factory=list)  # with several --teacher: each teacher's own summary
+    teachers: list = field(default_factory=list)  # each teacher's own summary (one with one --teacher)
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
+
+    def own_json(self) -> dict:
+        """One teacher's part of a build's `teachers` list: its summary less that list."""
+        return {k: v for k, v in self.to_json().items() if k != "teachers"}
 
 
 @dataclass
 class BuildPlan:
     """What a build knows before any teacher runs (`plan_build`): the teacher described (not loaded), its
     store metadata, the store if it exists (read, never created), and the units to compute, planned
-    lazily, of which the first is read already (so bad input has failed by now). A dry run
+    lazily, of which the first is read by `read_first` (so bad input has failed by then). A dry run
     (`pipelines/estimate.py`) stops here; `run_build` goes on."""
 
     info: TeacherInfo
@@ -93,10 +99,17 @@ class BuildPlan:
     first: Unit | None
     ids_from: str
     started: float
+    planned: Planned  # what the planner has read so far (the progress clock reads it)
+
+    def read_first(self) -> Unit | None:
+        """Read the first unit: the input's first documents tokenized and checked (bad input fails here)."""
+        self.first = next(self.units, None)
+        return self.first
 
 
-def plan_build(cfg: BuildConfig) -> BuildPlan:
-    """Check the input and the teacher and plan the units; loads no model and writes nothing."""
+def plan_build(cfg: BuildConfig, *, read_first: bool = True) -> BuildPlan:
+    """Check the input and the teacher and plan the units; loads no model and writes nothing. With
+    `read_first`, the first unit is read too (`BuildPlan.read_first`)."""
     from logitstore.pipelines.teacher import describe_teacher  # torch and transformers: 2.7 s, after the input checks
 
     start = time.perf_counter()
@@ -123,52 +136,70 @@ def plan_build(cfg: BuildConfig) -> BuildPlan:
     )
     summary = BuildSummary(teacher=meta.name)
     stored = _stored_documents(store, cfg, meta, students)
+    planned = Planned()
     units = plan_units(
-        cfg, info.tokenizer, stored=stored, counts=summary, students=students, vocab_size=info.vocab_size
+        cfg,
+        info.tokenizer,
+        stored=stored,
+        counts=summary,
+        students=students,
+        vocab_size=info.vocab_size,
+        planned=planned,
     )
-    first = next(units, None)  # reads and checks the input before any model is loaded
-    return BuildPlan(info, meta, store, stored, students, summary, units, first, ids_from, start)
+    plan = BuildPlan(info, meta, store, stored, students, summary, units, None, ids_from, start, planned)
+    if read_first:
+        plan.read_first()
+    return plan
 
 
 def run_build(cfg: BuildConfig, *, log: Callable[[str], None] | None = None) -> BuildSummary:
     """Run the whole build; returns the summary. Raises `LogitstoreError`s for user errors."""
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
-    plan = plan_build(cfg)
-    info, meta, store, stored = plan.info, plan.meta, plan.store, plan.stored
-    students, summary, units, first = plan.students, plan.summary, plan.units, plan.first
-    ids_from, start = plan.ids_from, plan.started
-    if first is None and stored.removals:  # only documents replaced by text too short for a window
-        with _store_and_branch(store, cfg).writer(branch=cfg.branch) as writer:
-            writer.remove(meta.name, stored.take_removals())
-            _commit(writer, cfg, summary, final=True)
-    if first is not None:
-        log(f"build: sample ids are {ids_from}")
-        progress = Progress(cfg, log=log)  # from the first unit's first batch on
-        with interrupted_on_sigterm():  # a SIGTERM'd build closes its engines too
-            executor = make_executor(cfg, teacher_spec=info.spec, on_batch=progress.batch)
-            try:
-                head = [first]
-                new_teacher = store is None or meta.name not in store.read(_base_branch(store, cfg)).teachers
-                samples = executor.compute(first) if new_teacher else None
-                store = _store_and_branch(store, cfg)
-                if new_teacher and _add_teacher_with_first_unit(
-                    store, cfg, meta, info, first, samples, summary, students=students
-                ):
-                    head = []
-                    progress.update(
-                        tokens=first.n_tokens, samples=len(first.sample_ids), documents=first.documents_read
-                    )
-                _process(store, cfg, head, units, executor, summary, progress, stored=stored)
-                progress.finish()
-            finally:
-                executor.close()  # the engines' close() (workers.py), on success, failure and interruption
-                progress.close()
-    view = _store_and_branch(store, cfg).read(cfg.branch)  # nothing to write: an empty store, as asked
-    summary.version = view.snapshot_id
-    summary.seconds = time.perf_counter() - start
+    plan = plan_build(cfg, read_first=False)
+    log(f"build: sample ids are {plan.ids_from}")
+    # on its clock from here, also while the first unit's documents are read and tokenized (a long one: minutes)
+    progress = Progress(cfg, log=log, planned=plan.planned)
+    store = plan.store
+    try:
+        first = plan.read_first()  # reads and checks the input before any model is loaded
+        if first is None and plan.stored.removals:  # only documents replaced by text too short for a window
+            store = _store_and_branch(store, cfg)
+            with store.writer(branch=cfg.branch) as writer:
+                writer.remove(plan.meta.name, plan.stored.take_removals())
+                _commit(writer, cfg, plan.summary, final=True)
+        if first is not None:
+            store = _compute(plan, cfg, first, progress)
+    finally:
+        progress.close()
+    summary = plan.summary
+    # Nothing to write makes nothing: no store, no branch (version None in the summary).
+    summary.version = store.read(cfg.branch).snapshot_id if store and cfg.branch in store.branches() else None
+    summary.seconds = time.perf_counter() - plan.started
     summary.tokens_per_second = summary.tokens / summary.seconds if summary.seconds else 0.0
     summary.bytes_per_token = summary.stored_bytes / summary.tokens if summary.tokens else None
     return summary
+
+
+def _compute(plan: BuildPlan, cfg: BuildConfig, first: Unit, progress: Progress) -> Store:
+    """Load the teacher and compute, write and commit every unit; returns the store (created if new)."""
+    store, meta, summary = plan.store, plan.meta, plan.summary
+    with interrupted_on_sigterm():  # a SIGTERM'd build closes its engines too
+        executor = make_executor(cfg, teacher_spec=plan.info.spec, on_batch=progress.batch)
+        try:
+            head = [first]
+            new_teacher = store is None or meta.name not in store.read(_base_branch(store, cfg)).teachers
+            samples = executor.compute(first) if new_teacher else None
+            store = _store_and_branch(store, cfg)
+            if new_teacher and _add_teacher_with_first_unit(
+                store, cfg, meta, plan.info, first, samples, summary, students=plan.students
+            ):
+                head = []
+                progress.update(tokens=first.n_tokens, samples=len(first.sample_ids), documents=first.documents_read)
+            _process(store, cfg, head, plan.units, executor, summary, progress, stored=plan.stored)
+            progress.finish()
+        finally:
+            executor.close()  # the engines' close() (workers.py), on success, failure and interruption
+    return store
 
 
 def run_builds(
@@ -180,7 +211,9 @@ def run_builds(
     from logitstore.pipelines.teacher import describe_teacher  # torch and transformers: 2.7 s, after the input checks
 
     if len(teachers) <= 1:
-        return run_build(dataclasses.replace(cfg, teacher=teachers[0] if teachers else cfg.teacher), log=log)
+        summary = run_build(dataclasses.replace(cfg, teacher=teachers[0] if teachers else cfg.teacher), log=log)
+        summary.teachers = [summary.own_json()]  # the same fields as with several teachers
+        return summary
     if cfg.teacher_name is not None:
         raise BuildError(
             "--teacher-name names one teacher; with several --teacher, each is named by its folder or file"
@@ -196,9 +229,11 @@ def run_builds(
     total = BuildSummary(
         teacher=",".join(names),
         skipped=parts[0].skipped,
+        no_completion=parts[0].no_completion,
+        tool_calls=parts[0].tool_calls,
         duplicates=parts[0].duplicates,
         version=parts[-1].version,
-        teachers=[p.to_json() for p in parts],
+        teachers=[p.own_json() for p in parts],
     )
     for p in parts:
         total.samples += p.samples
@@ -363,34 +398,50 @@ def _mapped_mass(samples, vocab_map: np.ndarray) -> dict:
 
 
 class Progress:
-    """Build progress in tokens: a tqdm bar on a terminal, else a line at the first batch and every
-    `every` seconds (logs, CI, a pipe), and a last line at the end.
+    """Build progress in tokens: a tqdm bar on a terminal, else a line every `every` seconds on a clock
+    (logs, CI, a pipe; also while the input is read and tokenized, before the teacher computes), one at
+    the first teacher batch, and a last line at the end.
 
     Tokens are counted as the teacher computes them (`batch`, from the in-process executor's workers,
     so the first line comes with the first batch) or, for executors in other processes, as units are
-    merged (`update`). The ETA is the remaining tokens over the measured tokens/s; remaining tokens are
-    estimated from the input's document count (when cheap to know) times the tokens per document so far.
+    merged (`update`). The ETA is the remaining tokens over the measured tokens/s; the tokens to compute
+    are estimated from the planner's count (`Planned`: the windows of the documents read so far, less
+    what is stored) times the input's document count over the documents read, when that count is cheap
+    to know. A long document counts whole as soon as it is tokenized.
     """
 
-    def __init__(self, cfg: BuildConfig, *, log: Callable[[str], None], every: float = 10.0):
+    def __init__(
+        self, cfg: BuildConfig, *, log: Callable[[str], None], every: float = 10.0, planned: Planned | None = None
+    ):
         self.log, self.every = log, every
         self.enabled = cfg.progress
+        self.planned = planned if planned is not None else Planned()
         self.total_documents = inputs.count_documents(cfg.data) if cfg.progress else None
         if self.total_documents is not None and cfg.limit is not None:
             self.total_documents = min(self.total_documents, cfg.limit)
         self.start = time.monotonic()
         self.last: float | None = None  # when the last line was printed; None: no line yet
         self.computed = self.tokens = self.samples = self.documents = 0
-        self._lock = threading.Lock()  # the teacher's threads report batches
+        self._lock = threading.Lock()  # the teacher's threads report batches, the clock ticks
         self.bar = None
         if self.enabled and sys.stderr.isatty():
             self.bar = tqdm(total=None, unit="tok", unit_scale=True, desc="build", dynamic_ncols=True)
+        self._stop = threading.Event()
+        self._clock = threading.Thread(target=self._tick, name="logitstore-progress", daemon=True)
+        if self.enabled and every > 0:
+            self._clock.start()
+
+    def _tick(self) -> None:
+        while not self._stop.wait(self.every):
+            with self._lock:
+                self._report()
 
     def batch(self, tokens: int) -> None:
         """The teacher computed `tokens` more tokens (any thread)."""
         with self._lock:
+            first = self.computed == 0
             self.computed += tokens
-            self._report()
+            self._report(now=first)
 
     def update(self, *, tokens: int, samples: int, documents: int) -> None:
         """A unit was merged: its tokens count now if no batch reported them."""
@@ -404,31 +455,42 @@ class Progress:
         return max(self.computed, self.tokens)
 
     def _total(self) -> int | None:
-        if not self.total_documents or not self.documents:
+        read, tokens = self.planned.documents, self.planned.tokens
+        if not self.total_documents or not read:
             return None
-        per_document = self.tokens / self.documents
-        return max(self._done(), int(per_document * self.total_documents))
+        return max(self._done(), tokens, int(tokens / read * self.total_documents))
 
-    def _report(self, *, final: bool = False) -> None:
+    def _report(self, *, final: bool = False, now: bool = False) -> None:
         if not self.enabled:
             return
-        now = time.monotonic()
-        rate = self._done() / max(now - self.start, 1e-9)
+        clock = time.monotonic()
+        rate = self._done() / max(clock - self.start, 1e-9)
         if self.bar is not None:
             self.bar.total = self._done() if final else self._total()
             self.bar.n = self._done()
             self.bar.set_postfix(samples=self.samples, refresh=False)
             self.bar.refresh()
             return
-        if final or self.last is None or now - self.last >= self.every:
-            self.last = now
-            total = self._total()
-            eta = "" if final or total is None or not rate else f", ETA {(total - self._done()) / rate / 60:.1f} min"
-            of = f" of ~{total:,}" if total and not final else ""
-            self.log(
-                f"build: {self._done():,}{of} tokens, {self.samples:,} samples, {self.documents:,} documents, "
-                f"{rate:,.0f} tokens/s{eta}"
+        due = clock - (self.last if self.last is not None else self.start) >= self.every
+        if final or now or due:
+            self.last = clock
+            self.log(self._line(final=final, rate=rate))
+
+    def _line(self, *, final: bool, rate: float) -> str:
+        """Tokens computed (of the estimate), samples written so far, documents read so far."""
+        total = None if final else self._total()
+        eta = "" if total is None or not rate else f", ETA {(total - self._done()) / rate / 60:.1f} min"
+        of = f" of ~{total:,}" if total else ""
+        documents = max(self.documents, self.planned.documents)
+        waiting = ""
+        if not final and not self._done():
+            waiting = (
+                "; the teacher's first batch is not done yet" if documents else "; reading and tokenizing the input"
             )
+        return (
+            f"build: {self._done():,}{of} tokens, {self.samples:,} samples written, {documents:,} documents read, "
+            f"{rate:,.0f} tokens/s{eta}{waiting}"
+        )
 
     def finish(self) -> None:
         """The build is done: the bar to 100%, or a last line with the totals."""
@@ -436,6 +498,9 @@ class Progress:
             self._report(final=True)
 
     def close(self) -> None:
+        self._stop.set()
+        if self._clock.is_alive():
+            self._clock.join()
         if self.bar is not None:
             self.bar.close()
 

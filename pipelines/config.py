@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, TypedDict
 from logitstore import chat
 from logitstore.data import SAMPLE_CHAT
 from logitstore.errors import LogitstoreError
+from logitstore.location import Location
 from logitstore.meta import DEFAULT_BRANCH, NAME
 from logitstore.options import group, option, to_values
 from logitstore.pipelines.engines import VLLM_OUTPUTS, engine_class, engine_names
@@ -229,6 +230,7 @@ class BuildConfig(PlanConfig):
     def __post_init__(self) -> None:
         if self.data is None and self.chat_column:  # the shipped chat sample, as the text sample corpus for text
             self.data = str(SAMPLE_CHAT)
+        Location.parse(self.store)  # a --store that cannot be one (a file, a bad scheme): refused before anything loads
         engine = engine_class(self.engine)  # an unknown --engine is refused here, naming the engines
         # the library and the CLI share one default
         default = default_sparsity(

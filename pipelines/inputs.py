@@ -60,6 +60,7 @@ from pyarrow import csv as pa_csv
 from logitstore.chat import as_messages, conversation_hash_text, message_problem
 from logitstore.data import SAMPLE_CORPUS, default_input
 from logitstore.errors import LogitstoreError
+from logitstore.samples import CONTROL_CHARACTERS
 
 FORMATS: dict[str, str] = {
     ".jsonl": "jsonl",
@@ -731,6 +732,17 @@ def _first_null(column: pa.Array) -> int:
     return _first_true(column.is_null())
 
 
+# Ids refused, naming the first row that holds one: (a pattern the id matches, why).
+_ID_REFUSALS = (
+    (
+        CONTROL_CHARACTERS,
+        "has a control character (a newline, tab, NUL, ...): ls would print it raw and show could not be "
+        "given it; clean the id",
+    ),
+    (WINDOW_SUFFIX, "ends like a window id ('#w' and digits, reserved for the windows of long documents); rename it"),
+)
+
+
 def _id_values(column: pa.Array, name: str) -> list[str]:
     t = column.type
     if not (_is_text_type(t) or _is_binary_type(t) or pa.types.is_integer(t) or pa.types.is_null(t)):
@@ -741,14 +753,11 @@ def _id_values(column: pa.Array, name: str) -> list[str]:
     empty = pc.equal(pc.utf8_length(values), 0)
     if pc.any(empty).as_py():
         raise _BadRow(_first_true(empty), f"id column {name!r} is an empty string")
-    windowy = pc.match_substring_regex(values, pattern=WINDOW_SUFFIX)
-    if pc.any(windowy).as_py():
-        i = _first_true(windowy)
-        raise _BadRow(
-            i,
-            f"id column {name!r} holds {values[i].as_py()[:80]!r}, which ends like a window id "
-            "('#w' and digits, reserved for the windows of long documents); rename it",
-        )
+    for pattern, why in _ID_REFUSALS:
+        found = pc.match_substring_regex(values, pattern=pattern)
+        if pc.any(found).as_py():
+            i = _first_true(found)
+            raise _BadRow(i, f"id column {name!r} holds {values[i].as_py()[:80]!r}, which {why}")
     return values.to_pylist()
 
 

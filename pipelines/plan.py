@@ -32,6 +32,7 @@ class PlanCounts(Protocol):
 
     skipped: int
     no_completion: int
+    tool_calls: int
     duplicates: int
     already_stored: int
     changed: int
@@ -40,7 +41,7 @@ class PlanCounts(Protocol):
 class _Uncounted:
     """Counts nobody reads (live mode plans without a summary)."""
 
-    skipped = no_completion = duplicates = already_stored = changed = 0
+    skipped = no_completion = tool_calls = duplicates = already_stored = changed = 0
 
 
 def check_teacher_fits(info, *, sparsity: Sparsity, max_length: int) -> None:
@@ -107,15 +108,27 @@ def plan_units(
     counts: PlanCounts | None = None,
     students: Sequence[StudentSide] = (),
     vocab_size: int | None = None,
+    planned: Planned | None = None,
 ) -> Iterator[Unit]:
     """Units of about `unit_tokens` tokens in input order, skipping units already stored. A long
     document's windows fill as many units as they need, so commits keep coming. What was left out is
-    counted in `counts` (the build's summary)."""
+    counted in `counts` (the build's summary); `planned` counts the documents read and the tokens of
+    their windows still to compute, as they are read (the build's progress)."""
     stored = stored if stored is not None else StoredDocuments()
     summary = counts if counts is not None else _Uncounted()
+    planned = planned if planned is not None else Planned()
     pending = Unit(index=0)
     seen: set[str] = set()
-    for doc_batch in _batched(cfg.documents(), 256):
+    drop_tool_calls = bool(cfg.chat_column) and not chat.renders_tool_calls(tokenizer)
+    for doc_batch in _batched(cfg.documents(), 256, max_chars=TOKENIZE_CHARS):
+        if drop_tool_calls:  # their calls would vanish from an empty reply: skipped and counted instead
+            kept = [doc for doc in doc_batch if not chat.has_tool_calls(doc.messages)]
+            summary.tool_calls += len(doc_batch) - len(kept)
+            pending.documents_read += len(doc_batch) - len(kept)
+            planned.documents += len(doc_batch) - len(kept)
+            doc_batch = kept
+            if not doc_batch:
+                continue
         if cfg.chat_column:
             tokenized = _tokenize_chat(tokenizer, doc_batch, students)
         elif students:
@@ -124,6 +137,7 @@ def plan_units(
             tokenized = _tokenize(tokenizer, doc_batch)
         for doc, (token_ids, alignments, loss_mask) in zip(doc_batch, tokenized):
             pending.documents_read += 1
+            planned.documents += 1
             if doc.id in seen:
                 summary.duplicates += 1
                 continue
@@ -142,6 +156,7 @@ def plan_units(
                 summary.skipped += 1
                 continue
             starts = np.arange(len(windows)) * (cfg.max_length - 1)  # inputs.window's stride
+            planned.tokens += sum(len(w) for w in windows)  # one step per window, as below
             for sid, win, start in zip(inputs.window_ids(doc.id, len(windows)), windows, starts.tolist()):
                 pending.add(
                     sid,
@@ -151,10 +166,10 @@ def plan_units(
                     loss_mask=None if loss_mask is None else loss_mask[start : start + len(win)],
                 )
                 if pending.n_tokens >= cfg.unit_tokens:
-                    yield from _unless_stored(pending, stored, summary)
+                    yield from _unless_stored(pending, stored, summary, planned)
                     pending = Unit(index=pending.index + 1)
     if pending.sample_ids:
-        yield from _unless_stored(pending, stored, summary)
+        yield from _unless_stored(pending, stored, summary, planned)
 
 
 def _replace(doc, stored: StoredDocuments, cfg: PlanConfig) -> None:
@@ -178,10 +193,12 @@ def _check_token_ids(doc, token_ids: np.ndarray, *, vocab_size: int | None) -> N
         )
 
 
-def _unless_stored(unit: Unit, stored: StoredDocuments, summary: PlanCounts) -> Iterator[Unit]:
+def _unless_stored(unit: Unit, stored: StoredDocuments, summary: PlanCounts, planned: Planned) -> Iterator[Unit]:
     """The unit, unless the branch holds all of its samples; it carries the removals queued so far."""
     known = sum(sid in stored.sample_ids for sid in unit.sample_ids)
     summary.already_stored += known
+    if known == len(unit.sample_ids):
+        planned.tokens -= unit.n_tokens  # stored: nothing to compute
     if known < len(unit.sample_ids):
         unit.replaces = stored.take_removals()
         yield unit
@@ -282,12 +299,45 @@ def _window_students(alignments: dict, *, t_start: int, t_stop: int) -> dict[str
     return out
 
 
-def _batched(items: Iterator, size: int) -> Iterator[list]:
-    batch = []
-    for item in items:
-        batch.append(item)
-        if len(batch) == size:
+def _batched(documents: Iterator, size: int, *, max_chars: int) -> Iterator[list]:
+    """Batches of at most `size` documents and, past their first, `max_chars` characters: what one
+    tokenizer call holds in memory. A document longer than `MAX_DOCUMENT_CHARS` is refused here."""
+    batch: list = []
+    chars = 0
+    for doc in documents:
+        n = _chars(doc)
+        if n > MAX_DOCUMENT_CHARS:
+            raise BuildError(
+                f"document {doc.id!r} (input row {doc.row}) has {n:,} characters, more than the "
+                f"{MAX_DOCUMENT_CHARS:,} one document may have (tokenizing it whole takes ~{n * 90 / 1e9:.1f} GB); "
+                "split it into several documents"
+            )
+        if batch and (len(batch) == size or chars + n > max_chars):
             yield batch
-            batch = []
+            batch, chars = [], 0
+        batch.append(doc)
+        chars += n
     if batch:
         yield batch
+
+
+def _chars(doc) -> int:
+    if doc.text is not None:
+        return len(doc.text)
+    return sum(len(m.get("content") or "") for m in doc.messages or ())  # pre-tokenized input: 0
+
+
+# What a fast tokenizer holds while it tokenizes: ~90 bytes per character here (a 42 MB one-line document
+# reached 3.8 GB RSS, issue 29). A tokenizer call gets at most TOKENIZE_CHARS characters (~0.4 GB), one
+# document at most MAX_DOCUMENT_CHARS (~1.4 GB, with its windows: ~4 bytes per character as ids).
+TOKENIZE_CHARS = 4_000_000
+MAX_DOCUMENT_CHARS = 16_000_000
+
+
+@dataclass
+class Planned:
+    """What the planner has read so far: documents, and the tokens of their windows still to compute.
+    Written by the planner thread, read by the progress clock (plain ints: no lock needed)."""
+
+    documents: int = 0
+    tokens: int = 0

@@ -11,11 +11,14 @@ sizes (8 x 2048 tokens x 49k vocab x 4 bytes is already 3.2 GB; at a 152k vocab,
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
+import importlib
 import importlib.util
 import json
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -271,11 +274,34 @@ def _load_model_and_tokenizer(spec: TeacherSpec, *, dtype: torch.dtype):
     kwargs = {"gguf_file": spec.gguf_file} if spec.gguf_file else {}
     # Any of these from a local load means a bad model or file, not a logitstore bug.
     try:
-        tokenizer = AutoTokenizer.from_pretrained(spec.path, **kwargs)
-        model = AutoModelForCausalLM.from_pretrained(spec.path, dtype=dtype, **kwargs)
+        with _quiet_gguf_bar(gguf=bool(spec.gguf_file)):
+            tokenizer = AutoTokenizer.from_pretrained(spec.path, **kwargs)
+            model = AutoModelForCausalLM.from_pretrained(spec.path, dtype=dtype, **kwargs)
     except (OSError, ValueError, KeyError, RuntimeError) as exc:
         raise TeacherError(f"teacher {spec.name!r} ({spec.path}): cannot load: {exc}") from exc
     return model, tokenizer
+
+
+@contextlib.contextmanager
+def _quiet_gguf_bar(*, gguf: bool):
+    """transformers' GGUF loader draws its "Converting and de-quantizing GGUF tensors" bar with tqdm
+    directly (transformers 5: `modeling_gguf_pytorch_utils.tqdm`), past `disable_progress_bar`: in a
+    log or a pipe, ~30 lines of it between the build's own progress lines. Off while a load runs there;
+    on a terminal the bar stays."""
+    if not gguf or sys.stderr.isatty():
+        yield
+        return
+    # here: it imports the gguf package, which only a GGUF teacher needs
+    module = importlib.import_module("transformers.modeling_gguf_pytorch_utils")
+    if not hasattr(module, "tqdm"):  # another transformers: nothing to quiet
+        yield
+        return
+    bar = getattr(module, "tqdm")  # noqa: B009  (an attribute of this transformers only; checked above)
+    setattr(module, "tqdm", functools.partial(bar, disable=True))  # noqa: B010
+    try:
+        yield
+    finally:
+        setattr(module, "tqdm", bar)  # noqa: B010
 
 
 def _output_size(model) -> int:

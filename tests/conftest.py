@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import subprocess
 import sys
 import uuid
 
@@ -157,3 +158,24 @@ def sample_corpus_head(path, *, docs: int, chars: int, first_chars: int | None =
 def without_progress(stderr: str) -> str:
     """stderr less the build's progress lines ("build: ..."): what a test of error messages looks at."""
     return "\n".join(line for line in stderr.strip().splitlines() if not line.startswith("build: "))
+
+
+# A command in a child interpreter that reports, at its exit, what it had imported by then: tests check
+# the order of things (an error comes before torch loads), never the clock.
+IN_ORDER = """
+import sys
+from logitstore.cli.app import main
+sys.argv = ["logitstore", *sys.argv[1:]]
+try:
+    main()
+except SystemExit as e:
+    print(e.code, "transformers" in sys.modules, "torch" in sys.modules)
+"""
+
+
+def run_in_child(*args, cwd=None) -> tuple[list[str], str]:
+    """(exit code, whether transformers was imported, whether torch was) as strings, and stderr."""
+    done = subprocess.run(
+        [sys.executable, "-c", IN_ORDER, *map(str, args)], capture_output=True, text=True, timeout=300, cwd=cwd
+    )
+    return done.stdout.split(), done.stderr

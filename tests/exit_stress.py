@@ -14,7 +14,8 @@ SPEC: {"runs": N, "parallel": P, "imports": [modules], "commands": {name: [args.
 argument becomes the run's number. `imports` are what the commands import (importing torch when a
 command does not would slow its exit: a process with torch and transformers loaded takes ~4 s more to
 tear down here). Prints one JSON object: per command, the failed runs
-(number, exit status or -signal, the end of stderr) and the seconds all its runs took.
+(number, exit status or -signal, the end of stderr), the seconds all its runs took and the CPU
+seconds of a run.
 """
 
 from __future__ import annotations
@@ -31,14 +32,19 @@ def failures_of(spec: dict) -> dict:
     """Fork the runs, `parallel` at a time; per command the failed runs and its seconds."""
     report: dict = {}
     for name, args in spec["commands"].items():
-        started, failed, running = time.monotonic(), [], {}
+        started, failed, running, cpu = time.monotonic(), [], {}, []
         for i in range(spec["runs"]):
             while len(running) >= spec["parallel"]:
-                _reap(running, failed)
+                cpu.append(_reap(running, failed))
             running.update(_fork(args, i))
         while running:
-            _reap(running, failed)
-        report[name] = {"failed": failed, "seconds": round(time.monotonic() - started, 1)}
+            cpu.append(_reap(running, failed))
+        report[name] = {
+            "failed": failed,
+            "seconds": round(time.monotonic() - started, 1),
+            "cpu_seconds_per_run": round(sum(cpu) / len(cpu), 3),
+        }
+        print(json.dumps({name: report[name]}), file=sys.stderr, flush=True)  # progress, command by command
     return report
 
 
@@ -58,8 +64,9 @@ def _fork(args: list[str], i: int) -> dict:
     return {pid: (i, err.name)}
 
 
-def _reap(running: dict, failed: list) -> None:
-    pid, status = os.wait()
+def _reap(running: dict, failed: list) -> float:
+    """Wait for a child; record it if it failed. Returns the CPU seconds it used."""
+    pid, status, usage = os.wait4(-1, 0)
     i, err = running.pop(pid)
     code = os.waitstatus_to_exitcode(status)
     with open(err) as f:
@@ -67,6 +74,7 @@ def _reap(running: dict, failed: list) -> None:
     os.unlink(err)
     if code != 0:
         failed.append({"run": i, "status": code, "stderr": tail})
+    return usage.ru_utime + usage.ru_stime
 
 
 if __name__ == "__main__":

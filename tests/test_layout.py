@@ -238,3 +238,16 @@ def test_no_import_cycles():
         if v not in index:
             visit(v)
     assert not cycles, "import cycles:\n" + "\n".join(", ".join(c) for c in cycles)
+
+
+def test_the_readme_counts_the_slow_tests_pytest_deselects():
+    """Issue 31: the README said eight slow tests where pytest deselected nine."""
+    words = "zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen".split()
+    said = next(w for w in words if f"{w.capitalize()} long tests" in (ROOT / "README.md").read_text())
+    listed = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "slow", "tests"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    ).stdout
+    assert words.index(said) == sum("::" in line for line in listed.splitlines())

@@ -175,14 +175,13 @@ def test_a_killed_teacher_stops_the_trainer_with_a_message(corpus, tmp_path):
     child = _start(corpus, tmp_path / "run")
     teacher_pid = _teacher_pid_once_training(child, tmp_path / "run")
     os.kill(teacher_pid, signal.SIGKILL)
-    killed = time.monotonic()
     try:
-        child.wait(timeout=30)
+        child.wait(timeout=120)  # a bound on hanging, not a measurement: it stops within seconds
     except subprocess.TimeoutExpired:
         child.kill()
         raise AssertionError("the trainer hung after its teacher died") from None
     stderr = child.stderr.read()
-    assert child.returncode != 0 and time.monotonic() - killed < 30
+    assert child.returncode != 0
     assert "live teacher process" in stderr and "exited with code -9" in stderr, stderr
     assert "Traceback" not in stderr
     assert not leaked_shm(before)

@@ -438,14 +438,16 @@ def test_a_piped_build_reports_progress_in_tokens_from_the_first_batch(tiny_teac
 
 
 def test_progress_estimates_the_remaining_tokens_from_the_documents_read(tmp_path):
-    from logitstore.pipelines.build import BuildConfig, Progress
+    from logitstore.pipelines.build import BuildConfig, Planned, Progress
 
     data = jsonl(tmp_path / "d.jsonl", [{"text": f"doc {i}"} for i in range(10)])
     lines = []
-    progress = Progress(BuildConfig(store="memory://p", data=str(data)), log=lines.append, every=0)
-    progress.batch(100)  # a line at the first batch: no documents merged yet, so no ETA
-    assert lines[-1].startswith("build: 100 tokens, 0 samples") and "ETA" not in lines[-1]
-    progress.update(tokens=400, samples=4, documents=2)  # 200 tokens per document, 10 documents
+    planned = Planned()
+    progress = Progress(BuildConfig(store="memory://p", data=str(data)), log=lines.append, every=0, planned=planned)
+    progress.batch(100)  # a line at the first batch: no documents read yet, so no ETA
+    assert lines[-1].startswith("build: 100 tokens, 0 samples written, 0 documents read") and "ETA" not in lines[-1]
+    planned.documents, planned.tokens = 2, 400  # 200 tokens per document read, 10 documents
+    progress.update(tokens=400, samples=4, documents=2)
     assert lines[-1].startswith("build: 400 of ~2,000 tokens") and "ETA" in lines[-1]
     progress.finish()
-    assert lines[-1].startswith("build: 400 tokens, 4 samples, 2 documents") and "ETA" not in lines[-1]
+    assert lines[-1].startswith("build: 400 tokens, 4 samples written, 2 documents read") and "ETA" not in lines[-1]

@@ -324,10 +324,24 @@ def test_the_readme_trainer_snippet_runs_as_written(store, tmp_path, capsys):
     assert printed.startswith("[(5, ") and "(10, " in printed
 
 
-def test_the_readme_trl_snippet_runs_as_written(store, tmp_path, capsys):
+def test_the_readme_trl_snippet_runs_as_written_and_says_nothing_else(store, tmp_path):
     pytest.importorskip("trl")
-    printed = run_readme_snippet("**TRL.**", store, tmp_path, capsys, doc="docs/train.md")
+    import os
+    import subprocess
+    import sys
+
+    section = (Path(__file__).parents[1] / "docs" / "train.md").read_text().split("**TRL.**", 1)[1]
+    (tmp_path / "snippet.py").write_text(re.search(r"```python\n(.*?)```", section, re.S).group(1))
+    os.symlink(store, tmp_path / "quick")
+    done = subprocess.run(
+        [sys.executable, "-W", "default", "snippet.py"], cwd=tmp_path, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    printed = done.stdout.strip().splitlines()[-1]
     assert printed.startswith("[(5, ") and "(10, " in printed
+    # issue 31: was a FutureWarning from SFTConfig and "Updated tokens: {'eos_token_id': 0}" (the student's
+    # config changed without a word); what stays is the progress bar and TRL's per-step log lines
+    assert "Warning" not in done.stderr and "Updated tokens" not in done.stderr, done.stderr[-2000:]
 
 
 def test_the_readme_own_loop_snippet_runs_as_written_and_learns(store, tmp_path, capsys):

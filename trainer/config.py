@@ -460,6 +460,19 @@ class TrainConfig:
             groups[group][name] = value
         return cls(**{name: group(**groups[name]) for name, group in _GROUPS.items()}, live=live)
 
+    @classmethod
+    def for_eval(cls, *, store: str, student: str, micro_batch: int = 4, seed: int = 0, **flags) -> TrainConfig:
+        """`logitstore eval`'s configuration: the held-out split of `store`, all of it, nothing written."""
+        return cls.from_flags(
+            store=store,
+            out=EVAL_ONLY,
+            student=student,
+            micro_batch=micro_batch,
+            seed=seed,
+            eval_batches=1 << 30,
+            **flags,
+        )
+
     def with_version(self, version: str) -> TrainConfig:
         """The same run reading `version` (a resumed run reads the snapshot its run pinned)."""
         return dataclasses.replace(self, data=dataclasses.replace(self.data, version=version))

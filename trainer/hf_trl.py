@@ -51,7 +51,7 @@ class DistillationSFTTrainer(StoreDistillation, SFTTrainer):
         view = logitstore.open(store, version)
         teacher = view.teacher_name(kwargs.get("teacher"))
         if processing_class is None:
-            processing_class = _store_tokenizer(view, teacher)
+            processing_class = _store_tokenizer(view, teacher, eos=_config_eos(model))
         if train_dataset is None:
             train_dataset = _samples_as_rows(store, view.snapshot_id, teacher)
         super().__init__(
@@ -65,11 +65,23 @@ class DistillationSFTTrainer(StoreDistillation, SFTTrainer):
         )
 
 
-def _store_tokenizer(view, teacher: str):
+def _store_tokenizer(view, teacher: str, *, eos: int | None):
+    """The teacher's tokenizer kept in the store, with an end-of-sequence token (SFTTrainer pads with it
+    when there is no pad token): the student's own `eos` where the tokenizer has that id, so Trainer,
+    which aligns the student's config with the tokenizer, changes nothing (it did, with a warning:
+    `Updated tokens: {'eos_token_id': 0}`); else id 0."""
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=view.tokenizer(teacher))
-    if tokenizer.eos_token is None:  # SFTTrainer pads with the eos token when there is no pad token
-        tokenizer.eos_token = tokenizer.convert_ids_to_tokens(0)
+    if tokenizer.eos_token is None:
+        tokenizer.eos_token = tokenizer.convert_ids_to_tokens(
+            eos if eos is not None and 0 <= eos < len(tokenizer) else 0
+        )
     return tokenizer
+
+
+def _config_eos(model) -> int | None:
+    """The student's end-of-sequence id (the first, where its config lists several)."""
+    eos = getattr(model.config, "eos_token_id", None)
+    return eos[0] if isinstance(eos, list) and eos else eos if isinstance(eos, int) else None
 
 
 def _samples_as_rows(store: str, snapshot: str, teacher: str):

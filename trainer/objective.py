@@ -147,7 +147,7 @@ def mixed_loss(
     positions (`losses.chunked_head_loss`; a cross-tokenizer teacher's many-token group never straddles
     two chunks). `indicator` (evaluation) replaces the weights by 1 wherever a teacher has signal and
     reports each teacher's mean KL over its positions."""
-    signals = [(name, on_device(targets, device)) for name, targets in batch.signals]
+    signals = [(name, on_device(targets, device, non_blocking=True)) for name, targets in batch.signals]
     if indicator:
         for _, targets in signals:
             targets.weight = (_weight(targets) > 0).float()

@@ -5,13 +5,15 @@ A run marks the folder it takes with `logitstore-run.json` (the format, the run'
 snapshot it reads) and keeps the configuration it runs with in `config.yaml` (`--resume` starts from it). `--out` may be a new folder, an empty one, or a folder a run marked; a folder that
 holds anything else is refused, with or without `--force`: `--force` removes only what a run writes
 (`_RUN_ENTRIES`), and a folder without the marker was not made by a run. `plan` decides before any
-process starts and writes nothing but the empty folder; `claim` takes the folder once the run's
+process starts and writes nothing but the empty folder (taken away again, `unmake`, when the start
+fails before the claim); `claim` takes the folder once the run's
 configuration has passed the checks that need the store and the student, so a failed start leaves it
 as it was.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -46,6 +48,7 @@ class RunPlan:
     snapshot: str | None = None  # the store snapshot the folder's run pinned, which a resumed run reads
     replace: bool = False  # --force on a marked folder: the old run's entries go when the run claims it
     finished: dict | None = None  # a resumed run that already finished: its final metrics
+    made: bool = False  # `plan` made the folder: a start that fails before any write takes it away again
 
     @property
     def resume_step(self) -> int:
@@ -55,6 +58,7 @@ class RunPlan:
 def plan(cfg: TrainConfig) -> RunPlan:
     """Check --out against the options; refuse in one line what the run must not touch."""
     out = Path(cfg.output.out)
+    made = not out.exists()
     _ensure_writable(out)
     marker = read_marker(out)
     if marker is None:
@@ -63,7 +67,7 @@ def plan(cfg: TrainConfig) -> RunPlan:
                 f"--out {out} holds files but no logitstore run (no {MARKER}); use a new or "
                 "empty folder (--force replaces only a folder a run marked)"
             )
-        return RunPlan(out)
+        return RunPlan(out, made=made)
     if cfg.output.force:
         return RunPlan(out, replace=True)
     if not cfg.output.resume:
@@ -71,6 +75,14 @@ def plan(cfg: TrainConfig) -> RunPlan:
             f"--out {out} already holds a run; pass --resume to continue it or --force to replace it"
         )
     return _resume_plan(out, marker, cfg)
+
+
+def unmake(plan: RunPlan) -> None:
+    """Take away the folder `plan` made, if nothing was written into it (a start that failed before the
+    run claimed it): a refused `train` leaves no trace. A folder with anything in it stays."""
+    if plan.made:
+        with contextlib.suppress(OSError):  # not empty, or gone: nothing to take away
+            plan.out.rmdir()
 
 
 def _ensure_writable(out: Path) -> None:

@@ -15,6 +15,7 @@ already names rank and world size and the same code runs. CPU uses gloo, CUDA us
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import shutil
@@ -36,7 +37,7 @@ from logitstore.errors import LogitstoreError
 from logitstore.pipelines.teacher import describe_teacher
 from logitstore.store import Store
 from logitstore.trainer import checkpoint, run_folder
-from logitstore.trainer.config import EVAL_ONLY, TrainConfig, TrainConfigError
+from logitstore.trainer.config import TrainConfig, TrainConfigError
 from logitstore.trainer.live import LiveTeacher, live_stream, plan_live_samples
 from logitstore.trainer.mixing import Source, resolve_sources, student_vocabulary
 from logitstore.trainer.model import apply_levers, build_student, shard, student_max_positions, student_tokenizer_hash
@@ -53,6 +54,14 @@ def launch(cfg: TrainConfig) -> dict:
     """Run training on `cfg.student.nproc` processes (or under torchrun); returns rank 0's final metrics."""
     check_student_fits(cfg)  # before any process starts, like every other configuration error
     plan = run_folder.plan(cfg)
+    try:
+        return _launch(cfg, plan)
+    except BaseException:
+        run_folder.unmake(plan)  # a new --out that nothing was written to goes again (claimed: it stays)
+        raise
+
+
+def _launch(cfg: TrainConfig, plan: run_folder.RunPlan) -> dict:
     if plan.finished is not None:
         print(f"the run in {plan.out} already finished at step {plan.resume_step}; nothing to do", file=sys.stderr)
         return plan.finished
@@ -107,13 +116,22 @@ def _spawn(cfg: TrainConfig, plan: run_folder.RunPlan) -> None:
     the command prints one line and exits with its code (the parent sees only an exit status)."""
 
     errors = mp.get_context("spawn").SimpleQueue()
+    # torch logs a warning for each rank it ends after another failed; the one line below says it all
+    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
     try:
         with environment(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port())):  # what the ranks inherit
             mp.start_processes(_spawned, args=(cfg, plan, errors), nprocs=cfg.student.nproc, start_method="spawn")
-    except mp.ProcessExitedException:
-        if errors.empty():  # killed, or a bug whose traceback the rank printed
-            raise
-        raise errors.get() from None
+    except mp.ProcessExitedException as e:
+        if not errors.empty():
+            raise errors.get() from None
+        if e.signal_name == "SIGINT":  # Ctrl-C reached a rank first: interrupted, as in this process
+            raise KeyboardInterrupt from None
+        if e.signal_name:  # killed from outside (kill -9, the OOM killer): no bug, and nothing half-written counts
+            raise LogitstoreError(
+                f"rank {e.error_index} (pid {e.error_pid}) was killed by {e.signal_name}; run the same command with "
+                "--resume to continue from the last checkpoint"
+            ) from None
+        raise  # a bug, whose traceback the rank printed
 
 
 def _spawned(rank: int, cfg: TrainConfig, plan: run_folder.RunPlan, errors) -> None:
@@ -482,36 +500,12 @@ def _export_final(model, tokenizer, *, out: Path) -> None:
     dist.barrier()
 
 
-def run_eval(
-    *,
-    store: str,
-    student: str,
-    version: str | None = None,
-    teacher: str | None = None,
-    seq_len: int = 256,
-    micro_batch: int = 4,
-    eval_fraction: float = 0.05,
-    seed: int = 0,
-    train_on: str = "completion",
-) -> dict:
+def run_eval(cfg: TrainConfig) -> dict:
     """`logitstore eval`: a trained student's mean KL to the stored teacher and CE, on the held-out split
-    (for a cross-tokenizer teacher: the KL over 1:1-aligned positions)."""
+    (for a cross-tokenizer teacher: the KL over 1:1-aligned positions). `cfg`: `TrainConfig.for_eval`."""
 
-    cfg = TrainConfig.from_flags(
-        store=store,
-        out=EVAL_ONLY,
-        student=student,
-        teacher=teacher,
-        seq_len=seq_len,
-        micro_batch=micro_batch,
-        eval_fraction=eval_fraction,
-        eval_batches=1 << 30,
-        seed=seed,
-        version=version,
-        train_on=train_on,
-    )
     signal = StoreSignal(cfg)
-    model, _ = build_student(student, vocab_size=signal.vocab_size, seed=seed)
+    model, _ = build_student(cfg.student.student, vocab_size=signal.vocab_size, seed=cfg.student.seed)
     with _one_process_group():
         dist.init_process_group("gloo")
         try:
