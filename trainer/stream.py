@@ -270,7 +270,13 @@ class Stream(torch.utils.data.IterableDataset):
         if self.steps_per_epoch == 0:
             raise StreamConfigError(
                 f"{self._where} packs into {self.rows_per_epoch} rows of {self.seq_len} tokens, fewer than one "
-                f"micro-batch of {self.micro_batch} rows for each of {self.world_size} ranks; lower seq_len or micro_batch"
+                f"micro-batch of {self.micro_batch} rows for each of {self.world_size} ranks"
+                + (
+                    f" (each of {self.effective_groups} reader groups packs its own)"
+                    if self.effective_groups > 1
+                    else ""
+                )
+                + "; lower seq_len or micro_batch"
             )
 
     # -- state ---------------------------------------------------------------------------------------
