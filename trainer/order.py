@@ -6,6 +6,7 @@ The rules are the stream's contract (`trainer/stream.py`); `EpochPlan` is one ep
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -91,8 +92,8 @@ class GroupPlan:
         *,
         key: list[int],
         seq_len: int,
-        window_parts,
-        rows,
+        window_parts: int | None,
+        rows: Callable[[int], int],
     ):
         if window_parts is None or window_parts >= int(own.sum()):  # one window: the group's shuffle
             self.order = members[np.random.default_rng(key).permutation(len(members))]
@@ -168,7 +169,7 @@ class EpochPlan:
         seq_len: int,
         window_parts: int | None,
         group_of_sample: np.ndarray,
-        rows,
+        rows: Callable[[int], int],
     ):
         n_groups = int(group_of_sample.max()) + 1 if len(group_of_sample) else 1
         members = np.argsort(group_of_sample, kind="stable")  # id order inside each group

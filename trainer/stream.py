@@ -318,7 +318,6 @@ class Stream(torch.utils.data.IterableDataset):
                 )
             self._set_groups(groups)  # not asked for: the run's own, whatever the world size now
             self._group_window = self._window_of_groups()
-            self._held.clear()
         if state.get("window_parts") != self._effective_window():
             show = lambda w: "one window (the global shuffle)" if w is None else f"windows of {w} parts"
             raise StreamConfigError(
@@ -333,6 +332,7 @@ class Stream(torch.utils.data.IterableDataset):
                 f"{self.rows_per_epoch} rows per epoch"
             )
         self._stop_worker()
+        self._held.clear()  # the windows to hold follow from the restored position
         self._generation += 1  # an iterator from before the load must not move the restored position
         self._epoch, self._rows = epoch, rows
 
@@ -496,7 +496,7 @@ class Stream(torch.utils.data.IterableDataset):
         for g, window in windows:  # in the order needed: a group's first is its earliest
             earliest.setdefault(g, window)
         for g, window in earliest.items():
-            if self._held.get(g, (-1, -1))[:2] >= (epoch, window):  # held already (or a later one: resumed)
+            if self._held.get(g, (-1, -1))[:2] == (epoch, window):  # held already
                 continue
             group = plan.groups[g]
             after = group.parts_of_window(window + 1) if window + 1 < group.n_windows else np.zeros(0, np.int64)
