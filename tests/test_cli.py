@@ -193,7 +193,7 @@ def test_help_groups_options_shows_choices_and_lists_commands_in_order_of_use():
     "args, message",
     [
         (["train", "--out", "OUT", "--steps", "5"], "give exactly one of --store and --live-teacher"),
-        (["train", "--store", "STORE", "--out", "OUT", "--report-to", "wandb"], "--report-to 'wandb'"),
+        (["train", "--store", "STORE", "--out", "OUT", "--report-to", "nosuch"], "--report-to 'nosuch'"),
         (
             ["train", "--store", "STORE", "--out", "OUT", "--loss", "forward_kl", "--kd-temperature", "0"],
             "--kd-temperature",

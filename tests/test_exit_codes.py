@@ -294,9 +294,9 @@ def test_progress_lines_come_on_a_clock_while_the_input_is_tokenized():
 
 
 def test_a_document_too_large_to_tokenize_whole_is_refused_in_one_line(tiny_teacher, tmp_path, monkeypatch):
-    from logitstore.pipelines import build as build_module
+    from logitstore.pipelines import plan
 
-    monkeypatch.setattr(build_module, "MAX_DOCUMENT_CHARS", 1000)
+    monkeypatch.setattr(plan, "MAX_DOCUMENT_CHARS", 1000)
     data = jsonl(tmp_path / "d.jsonl", [{"id": "small", "text": "short"}, {"id": "huge", "text": "word " * 400}])
     error = one_line_error(build(tiny_teacher, tmp_path / "store", data), 2)
     assert "document 'huge' (input row 1) has 2,000 characters, more than the 1,000" in error, error
