@@ -37,6 +37,7 @@ writes parts as before store format 3 (one object per array), to measure the sam
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import multiprocessing
@@ -362,6 +363,8 @@ class ReadJob:
     rank: int
     world_size: int
     max_seconds: float
+    reader_groups: int | None = None  # --world-size: the stream's default (the world size) unless given
+    prefetch: int = 4  # the stream's default
 
     def stream(self, view, budget: int):
         return logitstore.stream(
@@ -373,6 +376,8 @@ class ReadJob:
             world_size=self.world_size,
             memory_budget=budget,
             eval_fraction=0.0,
+            reader_groups=self.reader_groups,
+            prefetch=self.prefetch,
         )
 
     @property
@@ -657,6 +662,80 @@ def latency_proxy(latency_ms: float | None, log):
             proc.kill()
 
 
+# -- --world-size: a cluster's ranks, simulated in this process (issue 32) --------------------------------
+
+
+def world_run(args, *, base: ReadJob, view, info: dict, log) -> dict:
+    """One epoch of each of `--world-size` ranks, read one rank after another in this process (64 reader
+    processes would not fit 2 cores), each through its own counted view: `cluster_read_amplification`
+    is the bytes all ranks fetched over the stored bytes (per epoch), `read_tokens_per_second` each
+    rank's own rate (its tokens over its time; ranks do not compete for the CPU, as they would not on
+    their own nodes). The memory budget defaults to the store / 10, raised to two parts per reader group
+    where that is more (a group's window needs at least one part)."""
+    stored, world = int(info["stored_bytes"]), args.world_size
+    groups = args.reader_groups or world
+    budget = (
+        parse_bytes(args.memory_budget, name="--memory-budget")
+        if args.memory_budget
+        else max(stored // STORE_TO_BUDGET, _two_parts_per_group(view, groups))
+    )
+    jobs = [
+        dataclasses.replace(base, memory_budget=budget, rank=r, world_size=world, reader_groups=groups, prefetch=0)
+        for r in range(world)  # prefetch 0: batches built ahead would read the next epoch's parts into this one's count
+    ]
+    log(
+        f"reading one epoch as {world} ranks in turn, {groups} reader groups: seq_len {args.seq_len} x "
+        f"micro_batch {args.micro_batch}, memory budget {format_bytes(budget)} per rank"
+    )
+    warm_up_reader(jobs[0])
+    reads = [read_epoch(job) for job in jobs]  # one rank after another
+    fraction = sum(r["batches"] for r in reads) / sum(r["steps_per_epoch"] for r in reads)
+    fetched = sum(r["bytes_fetched"] for r in reads)
+    rates = [r["tokens"] / r["seconds"] for r in reads]
+    return {
+        "benchmark": "benchmarks/stream.py --world-size",
+        "label": args.label,
+        "shapes": {
+            "tokens": int(info["tokens"]),
+            "parts": len(set(view.index["part"].to_pylist())),
+            "part_tokens": args.part_tokens,
+            "sample_len": args.sample_len,
+            "mode": args.mode,
+            "k": args.k,
+            "vocab": args.vocab,
+            "seq_len": args.seq_len,
+            "micro_batch": args.micro_batch,
+            "memory_budget": budget,
+        },
+        "world_size": world,
+        "reader_groups": groups,
+        "stored_bytes": stored,
+        "bytes_fetched": fetched,
+        "cluster_read_amplification": fetched / (stored * fraction),
+        "read_tokens_per_second": rates,
+        "read_tokens_per_second_min": min(rates),
+        "read_tokens_per_second_median": float(np.median(rates)),
+        "epoch_fraction": fraction,
+        "target_cluster_read_amplification": TARGETS["read_amplification"],
+        "ranks": reads,
+        "notes": [
+            "ranks read one after another in one process, each through its own view and byte counter",
+            "cluster_read_amplification: bytes fetched by all ranks / the store's stored bytes, per epoch "
+            "(scaled when --max-read-seconds cut the epoch); Icechunk's manifest fetches are not counted",
+        ],
+    }
+
+
+def _two_parts_per_group(view, groups: int) -> int:
+    """A budget that holds two parts for each reader group, in the stream's measure (decoded bytes held):
+    probed from a stream of the version."""
+    probe = logitstore.stream(view, seq_len=2, micro_batch=1, eval_fraction=0.0)
+    try:
+        return 2 * groups * int(probe.source.part_bytes().max())
+    finally:
+        probe.close()
+
+
 # -- the run -----------------------------------------------------------------------------------------
 
 
@@ -682,6 +761,13 @@ def parse_args(argv):
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--micro-batch", type=int, default=8)
     p.add_argument("--workers", type=int, default=1, help="reader processes, each a rank of world size N")
+    p.add_argument(
+        "--world-size",
+        type=int,
+        help="simulate W ranks in this process, one after another: cluster_read_amplification and each rank's "
+        "read_tokens_per_second (instead of the one-reader measurements)",
+    )
+    p.add_argument("--reader-groups", type=int, help="with --world-size: the stream's reader groups (default: W)")
     p.add_argument(
         "--max-read-seconds",
         type=float,
@@ -753,6 +839,9 @@ def main(argv=None) -> dict:
             )
             for r in range(args.workers)
         ]
+        if args.world_size:  # W ranks in this process instead of the one-reader measurements
+            result = world_run(args, base=jobs[0], view=view, info=info, log=log)
+            return _report(args, result, log, f"cluster read amplification {result['cluster_read_amplification']:.3f}")
         log(
             f"reading one epoch: seq_len {args.seq_len} x micro_batch {args.micro_batch}, {args.workers} reader "
             f"process(es), memory budget {format_bytes(budget)} (the store is {stored / budget:.1f}x)"
@@ -763,6 +852,16 @@ def main(argv=None) -> dict:
             backend += f", {args.latency_ms:g} ms per request (proxy)"
     result = summarise(args, written, info, budget, jobs, reads, floors, backend, shape)
     log(summary_text(result))
+    if args.json:
+        print(json.dumps(result, indent=2))
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+def _report(args, result: dict, log, summary: str) -> dict:
+    log(summary)
     if args.json:
         print(json.dumps(result, indent=2))
     if args.out:

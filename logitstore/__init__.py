@@ -42,7 +42,8 @@ def stream(view, **options):
     docstring): `rank` and `world_size` default to `torch.distributed`'s when it is initialised, else 0
     and 1; `memory_budget` (bytes, or a string such as "512MB" or "2GiB"; default 4 GiB) bounds the
     stored data held in memory and so the shuffle window (see "Streaming" in docs/train.md); for chat
-    data, `train_on="completion"` keeps only the positions that predict the assistant's tokens."""
+    data, `train_on="completion"` keeps only the positions that predict the assistant's tokens;
+    `reader_groups` (default: the world size) deals the parts to groups so that ranks read disjoint parts."""
     from logitstore.trainer.stream import store_stream  # on first use: see the module's docstring
 
     return store_stream(view, StreamSpec(**options))

@@ -72,3 +72,19 @@ def test_latency_needs_an_s3_store(tmp_path):
         timeout=120,
     )
     assert out.returncode == 2 and "--latency-ms needs --store s3://" in out.stderr
+
+
+def test_stream_benchmark_simulates_a_cluster_of_ranks(tmp_path):
+    """`--world-size W`: W ranks read one epoch in this process; together they fetch about the store once."""
+    out = subprocess.run(
+        [sys.executable, str(BENCHMARK), "--quick", "--world-size", "2", "--json", "--store", str(tmp_path / "s")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout)
+    assert result["world_size"] == result["reader_groups"] == 2 and len(result["read_tokens_per_second"]) == 2
+    assert all(math.isfinite(r) and r > 0 for r in result["read_tokens_per_second"])
+    assert 0.9 <= result["cluster_read_amplification"] <= 1.3
+    assert result["epoch_fraction"] == 1.0 and "cluster read amplification" in out.stderr

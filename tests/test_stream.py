@@ -138,19 +138,39 @@ def test_same_seed_same_batches_other_seed_differs(view):
         s.close()
 
 
+def rows_of(batch: PackedBatch) -> list[tuple]:
+    """Each row of a batch as (tokens, segments, supervised positions with their targets and tails),
+    positions counted within the row: how batches of other micro-batch sizes are compared row by row."""
+    seq = batch.input_ids.shape[1]
+    positions = batch.positions.tolist()
+    out = []
+    for b in range(batch.input_ids.shape[0]):
+        mine = [i for i, p in enumerate(positions) if p // seq == b]
+        out.append(
+            (
+                tuple(batch.input_ids[b].tolist()),
+                tuple((sid, a, flat - b * seq, n) for sid, a, flat, n in batch.segments if flat // seq == b),
+                tuple((positions[i] - b * seq, int(batch.target_ids[i]), float(batch.tail[i])) for i in mine),
+            )
+        )
+    return out
+
+
 def test_ranks_split_the_global_rows(view):
-    one = stream(view)
-    ranks = [stream(view, world_size=2, rank=r) for r in (0, 1)]
-    assert ranks[0].steps_per_epoch == ranks[1].steps_per_epoch == one.rows_per_epoch // (2 * MB)
+    """Two ranks of a step hold, together and in rank order, the rows one process with their micro-batch
+    takes, for the same reader groups; each rank takes the rows of one group."""
+    one = stream(view, micro_batch=2 * MB, reader_groups=2)
+    ranks = [stream(view, world_size=2, rank=r) for r in (0, 1)]  # reader groups: the world size
+    assert ranks[0].steps_per_epoch == ranks[1].steps_per_epoch == one.steps_per_epoch
     steps = ranks[0].steps_per_epoch
-    reference = take(one, 2 * steps)
+    reference = take(one, steps)
     per_rank = [take(s, steps) for s in ranks]
     for i in range(steps):
-        for r in (0, 1):
-            assert_same(per_rank[r][i], reference[2 * i + r])
+        assert rows_of(per_rank[0][i]) + rows_of(per_rank[1][i]) == rows_of(reference[i])
     seen = [{(sid, a) for b in batches for sid, a, _, _ in b.segments} for batches in per_rank]
     assert not seen[0] & seen[1]
     assert ranks[0].state_dict() == ranks[1].state_dict()  # rows counted for all ranks together
+    assert ranks[0].state_dict()["reader_groups"] == 2
 
 
 def test_resume_mid_epoch_and_across_an_epoch_boundary(view):
@@ -158,7 +178,14 @@ def test_resume_mid_epoch_and_across_an_epoch_boundary(view):
     n = s.steps_per_epoch - 1
     take(s, n)
     state = s.state_dict()
-    assert state == {"epoch": 0, "rows_consumed": n * MB, "seed": 1, "version": view.snapshot_id, "window_parts": None}
+    assert state == {
+        "epoch": 0,
+        "rows_consumed": n * MB,
+        "seed": 1,
+        "version": view.snapshot_id,
+        "window_parts": None,
+        "reader_groups": 1,
+    }
     expected = take(s, 3)  # the last batch of epoch 0, then epoch 1
     assert s.state_dict()["epoch"] == 1
     resumed = stream(view)
@@ -174,8 +201,8 @@ def test_resume_with_another_world_size(view):
     state = ranks[0].state_dict()
     assert state["rows_consumed"] == 3 * 2 * MB
     single = stream(view)
-    single.load_state_dict(state)
-    reference = take(stream(view), 8)
+    single.load_state_dict(state)  # takes the run's reader groups (2), not its own world size's (1)
+    reference = take(stream(view, reader_groups=2), 8)
     for x, y in zip(take(single, 2), reference[6:8]):
         assert_same(x, y)
 
@@ -437,7 +464,7 @@ def test_damaged_samples_are_skipped_alike_in_windows_and_globally(damaged_view)
         damaged = [b for b in batches if b.n_tokens < MB * 128]  # skipped fragments became padding
         assert damaged and all((b.document_ids == -1).sum() == MB * 128 - b.n_tokens for b in damaged)
         assert all(sid not in s.skipped_ids for b in batches for sid, *_ in b.segments)
-        touched = s._plan(0).pieces(0, s.steps_per_epoch * MB).row  # the samples this epoch's batches hold
+        touched = s._plan(0).groups[0].pieces(0, s.steps_per_epoch * MB).row  # the samples this epoch's batches hold
         assert s.skipped_ids == damaged_ids & {s.table.sample_ids[r] for r in touched.tolist()}
         skipped.append(s.skipped_ids)
     assert skipped[0] and skipped[1]  # each order meets some of the damage (they differ in what they drop)
@@ -505,16 +532,16 @@ def many_parts():
 
 def test_window_order_is_a_permutation_grouped_by_window(many_parts):
     s = windowed(many_parts, seed=4)
-    plan = s._plan(0)
+    plan = s._plan(0).groups[0]  # one rank: one reader group
     assert sorted(plan.order.tolist()) == list(range(s.n_samples))  # every sample once per epoch
     windows = np.searchsorted(plan.window_start, np.arange(len(plan.order)), side="right") - 1
     part_window = {}
     for part, window in zip(s.table.part[plan.order].tolist(), windows.tolist()):
         assert part_window.setdefault(part, window) == window  # a part's samples share one window
     assert plan.n_windows == len(s.table.parts)  # windows of one part
-    assert not np.array_equal(plan.order, windowed(many_parts, seed=5)._plan(0).order)
-    np.testing.assert_array_equal(plan.order, windowed(many_parts, seed=4)._plan(0).order)
-    assert not np.array_equal(plan.order, s._plan(1).order)
+    assert not np.array_equal(plan.order, windowed(many_parts, seed=5)._plan(0).groups[0].order)
+    np.testing.assert_array_equal(plan.order, windowed(many_parts, seed=4)._plan(0).groups[0].order)
+    assert not np.array_equal(plan.order, s._plan(1).groups[0].order)
 
 
 def test_windows_read_each_part_once_per_epoch_within_the_budget(many_parts):
@@ -545,13 +572,15 @@ def test_windowed_resume_is_bit_identical_and_needs_the_same_budget(many_parts):
 
 
 def test_ranks_split_the_rows_of_a_windowed_stream(many_parts):
-    one = windowed(many_parts)
-    ranks = [windowed(many_parts, world_size=2, rank=r) for r in (0, 1)]
+    budget = 4 * int(stream(many_parts).source.part_bytes().max())  # windows of 2 parts: 1 per group
+    one = stream(many_parts, memory_budget=budget, micro_batch=2 * MB, reader_groups=2)
+    ranks = [stream(many_parts, memory_budget=budget, world_size=2, rank=r) for r in (0, 1)]
     steps = ranks[0].steps_per_epoch
-    reference = take(one, 2 * steps)
-    for i, (x, y) in enumerate(zip(take(ranks[0], steps), take(ranks[1], steps))):
-        assert_same(x, reference[2 * i])
-        assert_same(y, reference[2 * i + 1])
+    assert one._plan(0).windowed and one._plan(0).groups[0].n_windows > 1
+    for x, y, z in zip(take(ranks[0], steps), take(ranks[1], steps), take(one, steps)):
+        assert rows_of(x) + rows_of(y) == rows_of(z)
+    with pytest.raises(StreamConfigError, match="fewer than one part for each of 4 reader groups"):
+        stream(many_parts, memory_budget=budget, reader_groups=4)
 
 
 def test_a_budget_below_two_parts_is_one_clear_error(many_parts):
@@ -623,3 +652,118 @@ def test_the_python_api_lists_the_streams_options_from_their_one_definition():
     assert "memory_budget: int | str | None = None" in shown and "train_on: str = 'completion'" in shown
     code = "import sys, logitstore; assert 'torch' not in sys.modules and 'numpy' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# -- reader groups: partitioned reads ------------------------------------------------------------------------
+
+
+def epoch_of_ranks(view, *, world: int, micro_batch: int = 1, **kw) -> list[list[PackedBatch]]:
+    """One epoch of each of `world` ranks (in one process), batch by batch."""
+    ranks = [stream(view, world_size=world, rank=r, micro_batch=micro_batch, prefetch=0, **kw) for r in range(world)]
+    out = [take(s, s.steps_per_epoch) for s in ranks]
+    for s in ranks:
+        s.close()
+    return out
+
+
+@pytest.mark.parametrize("groups", [None, 8])  # the default (the world size), and one fixed for every W
+def test_each_sample_once_across_all_ranks_for_every_world_size(many_parts, groups):
+    """Over an epoch, no token of any sample reaches two ranks (or one twice), and what none sees is
+    exactly what the contract drops: each group's last partial row and the epoch's last partial step."""
+    for world in range(1, 9):
+        probe = stream(many_parts, world_size=world, micro_batch=1, reader_groups=groups)
+        tokens = {sid: int(n) for sid, n in zip(probe.table.sample_ids, probe.table.n_tokens.tolist())}
+        seen: dict[str, list[tuple[int, int]]] = {}
+        for batches in epoch_of_ranks(many_parts, world=world, reader_groups=groups):
+            for batch in batches:
+                for sid, a, _, n in batch.segments:
+                    seen.setdefault(sid, []).append((a, a + n))
+        for sid, spans in seen.items():
+            covered = np.zeros(tokens[sid], dtype=np.int64)
+            for a, b in spans:
+                covered[a:b] += 1
+            assert covered.max() == 1, (world, sid)  # no token twice
+        group_tokens = np.bincount(probe._group_of_sample, probe.table.n_tokens)
+        dropped = int((group_tokens % SEQ).sum()) + (probe.rows_per_epoch - probe.steps_per_epoch * world) * SEQ
+        assert sum(b - a for spans in seen.values() for a, b in spans) == sum(tokens.values()) - dropped
+        assert probe.steps_per_epoch * world >= probe.rows_per_epoch - world + 1
+
+
+@pytest.mark.parametrize("windows", [False, True])
+def test_the_same_batches_for_the_same_groups_whatever_the_world_size(many_parts, windows):
+    """8 reader groups, 8 rows a step: 1, 2, 4 or 8 ranks hold, together and in rank order, the same rows
+    at every step of the epoch."""
+    largest = int(stream(many_parts).source.part_bytes().max())
+    budget = {"memory_budget": 2 * 8 * largest} if windows else {}  # windows of 8 parts: 1 per group
+    reference = None
+    for world in (1, 2, 4, 8):
+        epoch = epoch_of_ranks(many_parts, world=world, micro_batch=8 // world, reader_groups=8, **budget)
+        steps = [[row for rank in epoch for row in rows_of(rank[i])] for i in range(len(epoch[0]))]
+        reference = reference or steps
+        assert steps == reference, world
+    s = stream(many_parts, reader_groups=8, **budget)
+    assert s._plan(0).windowed == windows and s.state_dict()["reader_groups"] == 8
+
+
+def test_resume_from_four_ranks_to_two_mid_epoch_without_repeats_or_gaps(many_parts):
+    four = [stream(many_parts, world_size=4, rank=r, micro_batch=1, prefetch=0) for r in range(4)]
+    done = [rows_of(b)[0] for s in four for b in take(s, 7)]
+    state = four[0].state_dict()
+    assert state["rows_consumed"] == 28 and state["reader_groups"] == 4
+    two = [stream(many_parts, world_size=2, rank=r, micro_batch=1, prefetch=0) for r in range(2)]
+    for s in two:
+        s.load_state_dict(state)  # takes the run's 4 reader groups
+        assert s.reader_groups == 4
+    rest = [rows_of(b)[0] for s in two for b in take(s, s.steps_per_epoch - 14)]
+    assert two[0].state_dict()["rows_consumed"] == 28 + 2 * (two[0].steps_per_epoch - 14)
+    one = stream(many_parts, reader_groups=4, micro_batch=1, prefetch=0)
+    whole = [rows_of(b)[0] for b in take(one, 28 + len(rest))]
+    assert sorted(done + rest) == sorted(whole) and len(set(whole)) == len(whole)
+    with pytest.raises(StreamConfigError, match="--reader-groups 4"):
+        stream(many_parts, world_size=2, rank=0, reader_groups=2).load_state_dict(state)
+    old = {k: v for k, v in state.items() if k != "reader_groups"}  # a state from before reader groups
+    legacy = stream(many_parts, world_size=2, rank=0)
+    legacy.load_state_dict(old)
+    assert legacy.reader_groups == 1
+
+
+@pytest.mark.parametrize("windows", [False, True])
+def test_ranks_read_each_part_about_once_per_epoch(many_parts, windows):
+    """The read counter: all ranks together fetch at most 1.3x the parts of an epoch (before reader groups,
+    W ranks fetched W x)."""
+    largest = int(stream(many_parts).source.part_bytes().max())
+    n_parts = len(stream(many_parts).table.parts)
+    for world in (2, 4, 8):
+        budget = {"memory_budget": 2 * world * largest} if windows else {}  # windows of 1 part a group
+        ranks = [
+            stream(many_parts, world_size=world, rank=r, micro_batch=1, prefetch=0, **budget) for r in range(world)
+        ]
+        for s in ranks:
+            take(s, s.steps_per_epoch)
+        assert ranks[0]._plan(0).windowed == windows
+        assert sum(s.part_reads for s in ranks) <= 1.3 * n_parts, world
+        one_group = [stream(many_parts, world_size=world, rank=r, micro_batch=1, reader_groups=1) for r in range(2)]
+        for s in one_group:
+            take(s, s.steps_per_epoch)
+        assert sum(s.part_reads for s in one_group) >= 1.5 * n_parts  # one group: each rank reads most parts
+
+
+def test_dataloader_workers_share_their_ranks_partition(many_parts, monkeypatch):
+    """With reader groups a multiple of ranks x micro-batch x workers, the workers of a rank read disjoint
+    parts (here: each worker's stream run in this process, as its worker slice makes it); with one group
+    per rank, each worker reads most of its rank's parts."""
+    workers, world = 2, 2
+    n_parts = len(stream(many_parts).table.parts)
+
+    def reads(groups: int) -> int:
+        total = 0
+        for rank in range(world):
+            for w in range(workers):
+                monkeypatch.setattr(Stream, "_worker_slice", lambda self, w=w: (w, workers))
+                s = stream(many_parts, world_size=world, rank=rank, micro_batch=1, prefetch=0, reader_groups=groups)
+                take(s, len(range(w, s.steps_per_epoch, workers)))  # its steps of the epoch
+                total += s.part_reads
+        return total
+
+    assert reads(8) <= 1.3 * n_parts
+    assert reads(2) >= 1.5 * n_parts

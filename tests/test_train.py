@@ -75,8 +75,9 @@ def test_loss_goes_down_and_the_student_exports(store, tmp_path):
 def test_two_processes_agree_with_one_on_the_first_step(store, tmp_path):
     one = tmp_path / "one"
     two = tmp_path / "two"
-    # Same global batch: 1 process x 4 rows, 2 processes x 2 rows.
-    launch(TrainConfig.from_flags(store=store, out=str(one), steps=1, **{**COMMON, "micro_batch": 4}))
+    # Same global batch: 1 process x 4 rows, 2 processes x 2 rows; the same reader groups (the default
+    # is the world size), so the same rows.
+    launch(TrainConfig.from_flags(store=store, out=str(one), steps=1, reader_groups=2, **{**COMMON, "micro_batch": 4}))
     launch(TrainConfig.from_flags(store=store, out=str(two), steps=1, nproc=2, **COMMON))
     assert metrics(one)[0]["loss"] == pytest.approx(metrics(two)[0]["loss"], rel=1e-4)
 

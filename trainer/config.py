@@ -118,6 +118,12 @@ class DataConfig:
     on_error: str = option(
         "raise", choices=lambda: ON_ERROR, panel=DATA, help="A damaged sample: raise (stop) or skip (and count)."
     )
+    # the order depends on it, never on the world size; a resumed run keeps its checkpoint's
+    reader_groups: int | None = option(
+        None,
+        panel=DATA,
+        help="Groups the store's parts are dealt to, each read by its own ranks (default: --nproc x nodes at the start; a resumed run keeps its own): a world size that divides it reads each stored byte about once per epoch (docs/train.md 'Many nodes').",
+    )
     eval_fraction: float = option(0.05, panel=DATA, help="Share of samples held out, by sample id hash.")
     train_on: str = option(
         "completion",
@@ -134,6 +140,7 @@ class DataConfig:
                 (self.micro_batch >= 1, "--micro-batch must be at least 1"),
                 (0 <= self.eval_fraction <= 1, "--eval-fraction must be in [0, 1] (0 holds nothing out)"),
                 (self.on_error in ON_ERROR, "--on-error must be raise or skip"),
+                (self.reader_groups is None or self.reader_groups >= 1, "--reader-groups must be at least 1"),
                 (not (self.teacher_weights and self.teacher), "--teacher and --teacher-weight exclude each other"),
                 (all(w > 0 for w in (self.teacher_weights or {}).values()), "--teacher-weight weights must be > 0"),
             ]
@@ -435,6 +442,7 @@ class TrainConfig:
             memory_budget=d.memory_budget,
             on_error=d.on_error,
             train_on=d.train_on,
+            reader_groups=d.reader_groups,
         )
 
     @classmethod

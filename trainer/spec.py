@@ -34,7 +34,10 @@ class StreamSpec:
     or "2GiB"; default `DEFAULT_MEMORY_BUDGET`) bounds the stored data held in memory and so the shuffle
     window. `on_error="skip"` trains past damaged samples (as padding) instead of raising. `prefetch`
     batches are built ahead in a thread (0: none); `read_threads` parts are read at once. For chat data,
-    `train_on="completion"` keeps only the positions that predict the assistant's tokens."""
+    `train_on="completion"` keeps only the positions that predict the assistant's tokens.
+    `reader_groups` (default: the world size; a resumed run keeps its state's) is how many groups the
+    train split's parts are dealt to: the order depends on it and not on the world size, and a world
+    size that divides it (or that it divides) reads each stored byte about once per epoch."""
 
     seq_len: int
     micro_batch: int
@@ -49,6 +52,7 @@ class StreamSpec:
     prefetch: int = 4
     read_threads: int = READ_THREADS
     train_on: str = "completion"
+    reader_groups: int | None = None
 
     def __post_init__(self) -> None:
         rank, world = self.rank, self.world_size
@@ -61,6 +65,10 @@ class StreamSpec:
             (self.prefetch >= 0, f"prefetch must be >= 0, got {self.prefetch}"),
             (self.on_error in ON_ERROR, f"on_error must be one of {ON_ERROR}, got {self.on_error!r}"),
             (0 <= self.eval_fraction <= 1, f"eval_fraction must be in [0, 1], got {self.eval_fraction}"),
+            (
+                self.reader_groups is None or self.reader_groups >= 1,
+                f"reader_groups must be >= 1, got {self.reader_groups}",
+            ),
         ]
         for ok, message in checks:
             if not ok:

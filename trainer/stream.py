@@ -16,42 +16,58 @@ The contract (tests/test_stream.py holds the engine to it):
 - **Split.** A sample is in the eval split iff `is_eval_sample(id, eval_fraction=f)`: the first 8 bytes
   of blake2b(id) read as a big-endian integer, as a fraction of 2**64, is below f. It depends on the id
   alone, so train and eval are disjoint and stable across runs, machines, versions and world sizes.
-- **Epoch order: a window shuffle over parts.** A store is written in *parts* (the build's units, ~16k
-  tokens each). The split's samples are sorted by id; the parts holding them are permuted by
-  `default_rng([seed, epoch, 2**32])` and cut into *windows* of `window_parts` parts; the epoch visits
-  the windows in that order and, inside window k, the window's samples (in id order) permuted by
-  `default_rng([seed, epoch, k])`. Each part is read whole once per window, so an epoch reads each
-  stored byte about once, in large sequential requests. When the whole split fits the memory budget,
-  there is one window: the order is then the global shuffle `default_rng([seed, epoch]).permutation(n)`
-  of all samples, and the parts, read once, stay in memory for the whole run. The order depends on
-  the version, the seed, the epoch and `window_parts` only (never on the world size); `window_parts`
-  follows from the memory budget, so a resumed run needs the same budget (its state says so).
-  Shuffle quality: two samples of one part always land in the same window, so within an epoch they are
-  at most `window_parts` parts' worth of tokens apart; samples of different windows never mix.
+- **Reader groups.** The train split's samples are dealt to G *reader groups* (`reader_groups`; default
+  the world size; the eval split has one): the parts, permuted once per run by
+  `default_rng([seed, 2**32 + 1])`, are laid end to end (each part's samples in id order) and cut into G
+  runs of equal tokens (`order.deal_samples`; MosaicML Streaming's spans cut at canonical-node
+  boundaries), so every group packs the same rows give or take one and at most G - 1 parts are cut
+  between two groups. Each group orders and packs its own samples (below); the epoch's global rows deal
+  the groups' rows round-robin: row j of every group holding more than j rows, in group order, then row
+  j + 1. A step's rows are laid out by group (then row), and rank r takes the r-th block of
+  `micro_batch` of them, so when the world size divides G (or G divides it) every rank takes the rows,
+  and reads the parts, of its own groups only. One group is the order of before reader groups.
+- **Epoch order within a group: a window shuffle over parts.** A store is written in *parts* (the build's
+  units, ~16k tokens each). A group's parts are permuted by `default_rng([seed, epoch, g, 2**32])` and
+  cut into *windows* of `window_parts // G` parts; the group visits its windows in that order and,
+  inside window k, the window's samples (in id order) permuted by `default_rng([seed, epoch, g, k])`
+  (with one group, `g` is left out of both keys). When the whole split fits the memory budget, each group
+  is one window: its samples permuted by `default_rng([seed, epoch, g])` (one group: the global shuffle
+  `default_rng([seed, epoch]).permutation(n)`), and the parts, read once, stay in memory for the whole
+  run. The order depends on the version, the seed, the epoch, `window_parts` and G only (never on the
+  world size); `window_parts` follows from the memory budget, so a resumed run needs the same budget (its
+  state says so). Shuffle quality: two samples of one part land in the same window of one group (or of
+  two, for a part cut between groups), so they are at most `window_parts` parts' worth of tokens apart
+  in the global stream; a rank's own rows come from its groups' windows, `window_parts // G` parts each.
 - **Memory.** `memory_budget` bounds the stored data held in memory (encoded, as read: about 3-10
-  bytes per token): the window being read and the next one, read ahead by `read_threads` threads. So
-  `window_parts = budget // (2 * largest part)`; a budget smaller than two parts is refused. A split
+  bytes per token): for each group a reader takes rows of, the window being read and the next one; the
+  parts of the reader's next micro-batches are read ahead by `read_threads` threads, and only those (a
+  reader never reads a part its own rows do not touch). So `window_parts = budget // (2 * largest
+  part)`, shared by the G groups; a budget smaller than two parts, or than one part a group, is refused. A split
   that holds under half of a part's bytes (the eval split) reads just its samples' byte ranges of
   that part, not the whole part.
-- **Packing.** The ordered samples are laid end to end and cut into rows of exactly `seq_len` tokens,
+- **Packing.** A group's ordered samples are laid end to end and cut into rows of exactly `seq_len` tokens,
   which is the same as greedy filling: a sample that does not fit in the rest of a row is cut there and
   its remainder starts the next row as a new *fragment*. Row j of an epoch is tokens
   [j*seq_len, (j+1)*seq_len) of that concatenation, so any row is found without reading data. The train
   split drops the last partial row of the epoch; the eval split keeps it, padded, so every held-out
-  token is evaluated however small the split. Position ids restart at 0 at every sample or fragment start;
+  token is evaluated however small the split (a group's last partial row likewise). Position ids restart at 0 at every sample or fragment start;
   document ids number the segments of a row 0, 1, ... Token t of a row is *supervised* (it carries the
   teacher's distribution over token t+1) iff tokens t and t+1 lie in the same row and the same sample.
 - **Sharding.** Rows are global. Each step consumes `world_size * micro_batch` consecutive global rows;
-  rank r takes the r-th block of `micro_batch` of them. `steps_per_epoch = rows_per_epoch //
+  rank r takes the r-th block of `micro_batch` of them, laid out by group (above), so the ranks of a step
+  hold together, in rank order, the rows one process with their micro-batches summed would. `steps_per_epoch = rows_per_epoch //
   (world_size*micro_batch)` is the same on every rank; the leftover rows of the epoch are dropped. The
   eval split rounds up instead: its last step's rows past the end are padding (no targets), so a split
   of one sample gives one step on every rank.
-  Every rank reads every window it takes rows from (all of them), so N ranks read the store N times
-  per epoch: from local disk the page cache serves the repeats, from S3 it is N times the requests.
-- **State.** `state_dict()` = {"epoch", "rows_consumed", "seed", "version", "window_parts"}: global rows
-  consumed in the epoch by all ranks together, counted at the batches *yielded*. It does not depend on
-  the world size, so a run resumed with another world size continues at the same row.
-  `load_state_dict` refuses a state from another version, seed or window (memory budget).
+  A rank reads only the parts its rows touch: with G a multiple of the world size, the ranks together
+  read each part about once per epoch (1 + (G - 1) / parts, plus a last round of uneven groups); with
+  one group, each rank reads most parts.
+- **State.** `state_dict()` = {"epoch", "rows_consumed", "seed", "version", "window_parts",
+  "reader_groups"}: global rows consumed in the epoch by all ranks together, counted at the batches
+  *yielded*. It does not depend on the world size, so a run resumed with another world size continues
+  at the same row: a stream whose `reader_groups` was not given takes the state's (a state from before
+  reader groups: one). `load_state_dict` refuses a state from another version, seed, window (memory
+  budget) or an explicitly other `reader_groups`.
 - **Iteration.** The train split is infinite over epochs. The eval split is one pass of epoch 0: each
   `iter()` yields from the current position to the end of the pass and then rewinds to the start.
 - **DataLoader workers.** A stream is an `IterableDataset`: in a `DataLoader(stream, batch_size=None,
@@ -59,7 +75,9 @@ The contract (tests/test_stream.py holds the engine to it):
   the stream stood, so the loader (in order) yields exactly the batches of one process. Each worker is
   sent the stream's recipe (store URI, snapshot, arguments, position) and opens the version itself
   (Icechunk must not be forked; memory stores and several-teacher streams cannot be sent). Each worker
-  reads the parts its steps touch, so W workers read most parts W times. The parent's stream does not
+  reads the parts its own steps touch: with G a multiple of world size x micro-batch x W, a step's rows
+  come from groups no other step of its round touches, so the W workers of a rank read disjoint parts;
+  with fewer groups they read most of their rank's parts W times. The parent's stream does not
   see the workers' progress: every batch carries `data_state`, the `state_dict()` after it, which
   `load_state_dict` resumes from.
 - **Prefetch.** A background thread builds up to `prefetch` micro-batches ahead and asks for the parts
@@ -87,12 +105,11 @@ import torch
 
 from logitstore.ahead import read_ahead
 from logitstore.errors import DamagedDataError, StorageError
-from logitstore.samples import ranges
 from logitstore.sizes import format_bytes, parse_bytes
 from logitstore.store import Store
 from logitstore.trainer.batch import BatchContext, PackedBatch
 from logitstore.trainer.mixing import MixedSource
-from logitstore.trainer.order import EpochPlan, Pieces, SplitTable, window_parts
+from logitstore.trainer.order import EpochPlan, Pieces, SplitTable, deal_samples, group_window_parts, window_parts
 from logitstore.trainer.spec import DEFAULT_MEMORY_BUDGET, StreamConfigError, StreamSpec
 from logitstore.trainer.store_source import StoreSource
 from logitstore.version import StoreVersion
@@ -197,29 +214,24 @@ class Stream(torch.utils.data.IterableDataset):
         self.seq_len, self.micro_batch, self.rank, self.world_size = seq_len, micro_batch, spec.rank, world_size
         self.seed, self.split, self.prefetch, self.on_error = spec.seed, split, spec.prefetch, spec.on_error
         self.n_samples = len(self.table.sample_ids)
-        tokens, block = int(self.table.n_tokens.sum()), world_size * micro_batch
-        if split == "eval":  # every token counts once: a padded last row and a padded last step
-            self.rows_per_epoch = -(-tokens // seq_len)
-            self.steps_per_epoch = -(-self.rows_per_epoch // block)
-        else:
-            self.rows_per_epoch = tokens // seq_len
-            self.steps_per_epoch = self.rows_per_epoch // block
-        self._check_size()
+        self._plans: dict[int, EpochPlan] = {}
+        part_bytes = source.part_bytes()
+        self._reads = part_bytes is not None  # live mode reads nothing: one group, the order of before
+        self._set_groups(spec.reader_groups or world_size)
         self.memory_budget = parse_bytes(
             spec.memory_budget if spec.memory_budget is not None else DEFAULT_MEMORY_BUDGET,
             name="memory budget (--memory-budget)",
         )
-        part_bytes = source.part_bytes()
         self.window_parts = (
             None if part_bytes is None else window_parts(part_bytes, self.memory_budget, where=self._where)
         )
+        self._group_window = self._window_of_groups()
         self._parts = (
             None
             if part_bytes is None
             else _Parts(source.read_part, threads=spec.read_threads, warm=getattr(source, "warm_part", None))
         )
-        self._plans: dict[int, EpochPlan] = {}
-        self._held: tuple | None = None  # (epoch, window) whose parts the stream holds now
+        self._held: dict[int, tuple[int, int, list[int]]] = {}  # group -> (epoch, window, parts held for it)
         self._epoch, self._rows = 0, 0  # the consumer's position: what has been yielded
         self._generation = 0
         self._worker: Generator | None = None  # the prefetch thread's iterator (`read_ahead`)
@@ -246,6 +258,32 @@ class Stream(torch.utils.data.IterableDataset):
         """The most parts held in memory at once so far (read, or being read)."""
         return 0 if self._parts is None else self._parts.peak
 
+    def _set_groups(self, groups: int) -> None:
+        """Deal the samples to `groups` reader groups (the eval split, and a source with nothing to read:
+        one) and count the rows they pack: each group packs its own, so a group's partial last row
+        is dropped (train) or padded (eval)."""
+        self.reader_groups = groups
+        effective = min(groups, self.n_samples) if self.split == "train" and self._reads else 1
+        self.effective_groups = effective  # groups holding samples: no more than there are samples
+        self._group_of_sample = deal_samples(self.table, seed=self.seed, groups=effective)
+        tokens = np.bincount(self._group_of_sample, self.table.n_tokens, minlength=effective)
+        self.rows_per_epoch = int(sum(self._packed_rows(int(t)) for t in tokens.tolist()))  # one step per group
+        block = self.world_size * self.micro_batch
+        if self.split == "eval":  # every token counts once: a padded last row and a padded last step
+            self.steps_per_epoch = -(-self.rows_per_epoch // block)
+        else:
+            self.steps_per_epoch = self.rows_per_epoch // block
+        self._plans.clear()
+        self._check_size()
+
+    def _packed_rows(self, tokens: int) -> int:
+        """Rows `tokens` packed tokens fill: the eval split pads its last row, the train split drops it."""
+        return -(-tokens // self.seq_len) if self.split == "eval" else tokens // self.seq_len
+
+    def _window_of_groups(self) -> int | None:
+        """Parts per window of each reader group (None: one window each)."""
+        return group_window_parts(self._effective_window(), groups=self.effective_groups, where=self._where)
+
     def _check_size(self) -> None:
         if self.n_samples == 0:
             hint = "; raise --eval-fraction to hold some out" if self.split == "eval" else ""
@@ -253,7 +291,13 @@ class Stream(torch.utils.data.IterableDataset):
         if self.steps_per_epoch == 0:
             raise StreamConfigError(
                 f"{self._where} packs into {self.rows_per_epoch} rows of {self.seq_len} tokens, fewer than one "
-                f"micro-batch of {self.micro_batch} rows for each of {self.world_size} ranks; lower seq_len or micro_batch"
+                f"micro-batch of {self.micro_batch} rows for each of {self.world_size} ranks"
+                + (
+                    f" (each of {self.effective_groups} reader groups packs its own)"
+                    if self.effective_groups > 1
+                    else ""
+                )
+                + "; lower seq_len or micro_batch"
             )
 
     # -- state ---------------------------------------------------------------------------------------
@@ -266,6 +310,7 @@ class Stream(torch.utils.data.IterableDataset):
             "seed": self.seed,
             "version": self.source.version,
             "window_parts": self._effective_window(),
+            "reader_groups": self.reader_groups,
         }
 
     def _effective_window(self) -> int | None:
@@ -285,6 +330,15 @@ class Stream(torch.utils.data.IterableDataset):
             raise StreamConfigError(
                 f"the data state is from seed {state.get('seed')}, this stream has seed {self.seed}"
             )
+        groups = int(state.get("reader_groups", 1))  # states from before reader groups: every rank read all
+        if groups != self.reader_groups:
+            if self.spec.reader_groups is not None:
+                raise StreamConfigError(
+                    f"the data state was taken with {groups} reader groups, this stream deals its parts to "
+                    f"{self.reader_groups} (--reader-groups); resume with --reader-groups {groups} or without it"
+                )
+            self._set_groups(groups)  # not asked for: the run's own, whatever the world size now
+            self._group_window = self._window_of_groups()
         if state.get("window_parts") != self._effective_window():
             show = lambda w: "one window (the global shuffle)" if w is None else f"windows of {w} parts"
             raise StreamConfigError(
@@ -299,6 +353,7 @@ class Stream(torch.utils.data.IterableDataset):
                 f"{self.rows_per_epoch} rows per epoch"
             )
         self._stop_worker()
+        self._held.clear()  # the windows to hold follow from the restored position
         self._generation += 1  # an iterator from before the load must not move the restored position
         self._epoch, self._rows = epoch, rows
 
@@ -323,8 +378,8 @@ class Stream(torch.utils.data.IterableDataset):
                 self._stop_worker()
 
     def _schedule(self, epoch: int, rows: int) -> Iterator[tuple[int, int, int]]:
-        """(epoch, first global row of this rank's micro-batch, rows consumed after the step); in a
-        DataLoader worker, only its share of the steps (`_worker_slice`)."""
+        """(epoch, first global row of the step, rows consumed after it); in a DataLoader worker, only
+        its share of the steps (`_worker_slice`)."""
         block = self.world_size * self.micro_batch
         worker, workers = self._worker_slice()
         step = 0
@@ -337,7 +392,7 @@ class Stream(torch.utils.data.IterableDataset):
                 continue
             after = min(rows + block, self.rows_per_epoch)
             if step % workers == worker:
-                yield epoch, rows + self.rank * self.micro_batch, after
+                yield epoch, rows, after
             rows = after
             step += 1
 
@@ -370,7 +425,7 @@ class Stream(torch.utils.data.IterableDataset):
         self._stop_worker()
         if self._parts is not None:
             self._parts.close()
-        self._held = None
+        self._held.clear()
 
     def __enter__(self) -> Stream:
         return self
@@ -403,57 +458,79 @@ class Stream(torch.utils.data.IterableDataset):
             if len(self._plans) >= 2:  # the current epoch and the next are all a stream needs
                 self._plans.pop(min(self._plans))
             self._plans[epoch] = EpochPlan(
-                self.table, seed=self.seed, epoch=epoch, seq_len=self.seq_len, window_parts=self.window_parts
+                self.table,
+                seed=self.seed,
+                epoch=epoch,
+                seq_len=self.seq_len,
+                window_parts=self._group_window,
+                group_of_sample=self._group_of_sample,
+                rows=self._packed_rows,
             )
         return self._plans[epoch]
 
+    def _block(self, plan: EpochPlan, row0: int) -> Pieces:
+        """This rank's micro-batch of the step starting at global row `row0`: the rank-th block of
+        `micro_batch` rows of the step's rows laid out by reader group."""
+        step = self.world_size * self.micro_batch
+        return plan.block(row0, step, first=self.rank * self.micro_batch, count=self.micro_batch)
+
     def _build(self, epoch: int, row0: int) -> PackedBatch:
         plan = self._plan(epoch)
-        pieces = plan.pieces(row0, row0 + self.micro_batch)
+        pieces = self._block(plan, row0)
         parts = {}
-        if self._parts is not None:
-            if not len(pieces.row):  # rows past the end of the eval pass: padding only
-                pass
-            elif plan.n_windows > 1:  # read a window and the next whole, in order; nothing beyond (the budget)
-                self._hold_windows(epoch, plan, window=int(pieces.window[0]))
-            else:  # one window: read what the next batches need first; everything read stays
-                self._parts.want(self._upcoming_parts(plan, row0))
+        if self._parts is not None and len(pieces.row):  # no rows: past the end of the eval pass, padding
+            self._read_ahead(epoch, plan, row0)
             parts = self._parts.get(np.unique(self.table.part[pieces.row]).tolist())
         return self.source.build(pieces, parts, stream=self)
 
-    def _upcoming_parts(self, plan: EpochPlan, row0: int) -> list[int]:
-        """The parts this rank's next `LOOKAHEAD_BATCHES` micro-batches of the epoch touch, in order:
-        what to read next while this batch is decoded (with one window, everything stays once read)."""
+    def _read_ahead(self, epoch: int, plan: EpochPlan, row0: int) -> None:
+        """Ask for the parts this reader's micro-batches need, this one's and the next
+        `LOOKAHEAD_BATCHES` of the epoch (in a DataLoader worker, only its own steps'), in the order they
+        need them, so reads overlap decoding and a reader reads only the parts its own rows touch. In
+        windows, each group's parts are held from the earliest window asked for and the next only
+        (`_hold`), so what is read ahead stays within the budget; with one window everything read stays."""
         step = self.world_size * self.micro_batch
-        stop_row = min(row0 + LOOKAHEAD_BATCHES * step, self.rows_per_epoch)
-        spans = [(r * self.seq_len, (r + self.micro_batch) * self.seq_len) for r in range(row0, stop_row, step)]
-        if not spans:
-            return []
-        starts = np.searchsorted(plan.ends, [a for a, _ in spans], side="right")
-        stops = np.searchsorted(plan.begins, [b for _, b in spans], side="left")
-        sequence = plan.part_sequence[ranges(starts, stops - starts)]
-        _, first = np.unique(sequence, return_index=True)
-        return sequence[np.sort(first)].tolist()
-
-    def _hold_windows(self, epoch: int, plan: EpochPlan, *, window: int) -> None:
-        """Keep the parts of this window and the next (reading them ahead, in the order the epoch needs
-        them); let go of the ones before. In memory: two windows at most, the budget."""
-        if self._held == (epoch, window):
+        _, workers = self._worker_slice()
+        stop = min(row0 + (LOOKAHEAD_BATCHES + 1) * step * workers, self.rows_per_epoch)
+        first, count = self.rank * self.micro_batch, self.micro_batch
+        needs = [
+            (g, *plan.groups[g].needs(j0, j0 + n))
+            for r in range(row0, stop, step * workers)  # one step per batch
+            for g, j0, n, _ in plan.block_runs(r, step, first=first, count=count)
+        ]
+        if not needs:
             return
-        self._held = (epoch, window)
-        here = plan.parts_of_window(window)
-        if window + 1 < plan.n_windows:
-            after = plan.parts_of_window(window + 1)
-        elif self.split == "train":  # the next epoch's first window
-            after = self._plan(epoch + 1).parts_of_window(0)
-        else:
-            after = np.zeros(0, dtype=np.int64)
-        wanted = np.concatenate([here, after]).tolist()
-        assert self._parts is not None  # windows are held only for a source with parts (`_build`)
-        self._parts.keep_only(set(wanted))
-        self._parts.want(wanted)
-        if window + 2 < plan.n_windows:  # the window after those: its manifests, not its bytes (the budget)
-            self._parts.warm(plan.parts_of_window(window + 2).tolist())
+        part = np.concatenate([p for _, p, _ in needs])
+        assert self._parts is not None  # a source with parts (`_build`)
+        if plan.windowed:
+            held = self._hold(epoch, plan, [(g, int(w[0])) for g, _, w in needs if len(w)])
+            part = part[np.isin(part, held)]
+        _, at = np.unique(part, return_index=True)
+        self._parts.want(part[np.sort(at)].tolist())
+
+    def _hold(self, epoch: int, plan: EpochPlan, windows: list[tuple[int, int]]) -> list[int]:
+        """Hold each group's window (the earliest of `windows` asked for it) and its next; let go of the
+        parts of windows before. In memory: two windows of each group this reader takes rows of, which
+        the budget bounds (`group_window_parts`). Returns the parts held."""
+        moved = False
+        earliest: dict[int, int] = {}
+        for g, window in windows:  # in the order needed: a group's first is its earliest
+            earliest.setdefault(g, window)
+        for g, window in earliest.items():
+            if self._held.get(g, (-1, -1))[:2] == (epoch, window):  # held already
+                continue
+            group = plan.groups[g]
+            after = group.parts_of_window(window + 1) if window + 1 < group.n_windows else np.zeros(0, np.int64)
+            self._held[g] = (epoch, window, np.concatenate([group.parts_of_window(window), after]).tolist())
+            moved = True
+            if window + 2 < group.n_windows:  # the window after those: its manifests, not its bytes (the budget)
+                assert self._parts is not None
+                self._parts.warm(group.parts_of_window(window + 2).tolist())
+        held = sorted({p for _, _, parts in self._held.values() for p in parts})
+        if moved:
+            assert self._parts is not None  # windows are held only for a source with parts
+            self._parts.keep_only(set(held))
+        return held
 
     def unreadable(self, row: int, error: Exception, *, part: str | None = None) -> None:
         """A sample that cannot be used: raise, or (on_error="skip") count it and go on."""
