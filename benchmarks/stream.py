@@ -851,16 +851,11 @@ def main(argv=None) -> dict:
         if args.latency_ms:
             backend += f", {args.latency_ms:g} ms per request (proxy)"
     result = summarise(args, written, info, budget, jobs, reads, floors, backend, shape)
-    log(summary_text(result))
-    if args.json:
-        print(json.dumps(result, indent=2))
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    return result
+    return _report(args, result, log, summary_text(result))
 
 
 def _report(args, result: dict, log, summary: str) -> dict:
+    """Log the summary line; print the JSON (`--json`) and write it (`--out`)."""
     log(summary)
     if args.json:
         print(json.dumps(result, indent=2))

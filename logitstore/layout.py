@@ -103,6 +103,11 @@ def part_path(teacher: str, part: str) -> str:
     return f"{parts_path(teacher)}/{part}"
 
 
+def packed_path(teacher: str, part: str) -> str:
+    """A packed part's one array (store format 3, `packed.py`)."""
+    return f"{part_path(teacher, part)}/{PACKED}"
+
+
 def student_path(teacher: str, student: str) -> str:
     """A student tokenizer registered with a teacher (its tokenizer and vocabulary map)."""
     return f"{teacher_path(teacher)}/{STUDENTS}/{student}"

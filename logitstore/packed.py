@@ -16,6 +16,7 @@ the stream's whole-part read (`rawread.read_packed`) fetches the object once and
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator, Iterable
 
@@ -78,7 +79,7 @@ class PackedStore(Store):
     async def get_partial_values(
         self, prototype: BufferPrototype, key_ranges: Iterable[tuple[str, ByteRequest | None]]
     ) -> list[Buffer | None]:
-        return [await self.get(key, prototype, byte_range) for key, byte_range in key_ranges]
+        return list(await asyncio.gather(*(self.get(key, prototype, byte_range) for key, byte_range in key_ranges)))
 
     async def exists(self, key: str) -> bool:
         return key in set(self._keys())

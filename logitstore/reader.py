@@ -194,16 +194,16 @@ class PartReader:
         effort, for parts the memory budget does not let the caller read yet: a failure is left to the read."""
         if not (self.packed and self.whole[code]):
             return
-        path = f"{layout.part_path(self.teacher, self.rows.parts[code])}/{layout.PACKED}"
+        path = layout.packed_path(self.teacher, self.rows.parts[code])
         with contextlib.suppress(StorageError, DamagedDataError):
             sync(self.view.root.store.exists(packed.chunk_key(path)))
 
     def _whole(self, part: str) -> EncodedSamples:
-        base = layout.part_path(self.teacher, part)
         store = self.view.root.store
         if self.packed:  # store format 3: one object, one request
-            arrays = read_packed(store, f"{base}/{layout.PACKED}", list(self.names), params=self.params)
+            arrays = read_packed(store, layout.packed_path(self.teacher, part), list(self.names), params=self.params)
         else:
+            base = layout.part_path(self.teacher, part)
             arrays = read_whole(store, [f"{base}/{name}" for name in self.names], params=self.params)
         return EncodedSamples(**dict(zip(self.names, arrays)))
 

@@ -172,7 +172,7 @@ class StoreVersion:
     def packed_store(self, teacher: str, part: str) -> PackedStore:
         """A packed part's arrays as a Zarr store of their own (store format 3, `packed.py`)."""
         if (teacher, part) not in self._packed:
-            path = f"{layout.part_path(teacher, part)}/{layout.PACKED}"
+            path = layout.packed_path(teacher, part)
             members = members_of(dict(array_at(self.root, path).attrs))
             self._packed[(teacher, part)] = PackedStore(self.root.store, path=path, members=members)
         return self._packed[(teacher, part)]

@@ -441,7 +441,7 @@ class PartWriter:
             prefix = f"{path}/"
             own = {key: encoded.pop(key) for key in list(encoded) if key.count("/") == prefix.count("/")}
             blob, members = rawwrite.pack({key[len(prefix) :]: a for key, a in own.items()})
-            packed_path = f"{path}/{layout.PACKED}"
+            packed_path = layout.packed_path(teacher, part)
             documents[f"{packed_path}/zarr.json"] = rawwrite.packed_document(len(blob), members)
             if blob:
                 objects[packed.chunk_key(packed_path)] = blob

@@ -36,18 +36,7 @@ def test_two_nodes_of_two_processes_read_the_single_process_batches_once(tmp_pat
     reference = [rows_of(b) for b in take(one, steps)]
     out = tmp_path / "out"
     out.mkdir()
-    endpoint, run_id = f"127.0.0.1:{free_port()}", uuid.uuid4().hex[:8]
-    nodes = [
-        subprocess.Popen(
-            torchrun(endpoint, run_id, str(SCRIPT), str(tmp_path / "store"), str(out), str(steps), str(SEQ), str(MB)),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for _ in range(2)
-    ]
-    logs = [node.communicate(timeout=240)[0] for node in nodes]
-    assert all(node.returncode == 0 for node in nodes), "\n".join(logs)[-4000:]
+    two_nodes(str(SCRIPT), str(tmp_path / "store"), str(out), str(steps), str(SEQ), str(MB), timeout=240)
     ranks = sorted((json.loads(p.read_text()) for p in out.glob("rank-*.json")), key=lambda r: r["rank"])
     assert [r["rank"] for r in ranks] == [0, 1, 2, 3] and {r["world_size"] for r in ranks} == {4}
     together = [[row for r in ranks for row in r["rows"][i]] for i in range(steps)]
@@ -55,6 +44,18 @@ def test_two_nodes_of_two_processes_read_the_single_process_batches_once(tmp_pat
     assert {r["state"]["reader_groups"] for r in ranks} == {4}
     n_parts = len(one.table.parts)
     assert ranks[0]["cluster_part_reads"] <= 1.3 * n_parts  # the epoch's parts, about once in total
+
+
+def two_nodes(*args: str, timeout: float) -> None:
+    """Both nodes of the recipe at once on this machine (one rendezvous on loopback), each running `args`;
+    both must exit 0."""
+    endpoint, run_id = f"127.0.0.1:{free_port()}", uuid.uuid4().hex[:8]
+    nodes = [
+        subprocess.Popen(torchrun(endpoint, run_id, *args), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for _ in range(2)
+    ]
+    logs = [node.communicate(timeout=timeout)[0] for node in nodes]
+    assert all(node.returncode == 0 for node in nodes), "\n".join(logs)[-4000:]
 
 
 def torchrun(endpoint: str, run_id: str, *args: str) -> list[str]:
@@ -84,19 +85,8 @@ def test_the_recipe_trains_on_two_nodes_as_one_process_does(train_store, tmp_pat
     groups and the four ranks' micro-batches in one."""
     store = train_store
     args = ["--seq-len", str(COMMON["seq_len"]), "--warmup-steps", "2", "--lr", "5e-3", "--eval-fraction", "0.2"]
-    endpoint, run_id = f"127.0.0.1:{free_port()}", uuid.uuid4().hex[:8]
     cluster = [*args, "--store", store, "--out", str(tmp_path / "cluster"), "--steps", "1", "--micro-batch", "2"]
-    nodes = [
-        subprocess.Popen(
-            torchrun(endpoint, run_id, "-m", "logitstore.cli.app", "train", *cluster),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for _ in range(2)
-    ]
-    logs = [node.communicate(timeout=400)[0] for node in nodes]
-    assert all(node.returncode == 0 for node in nodes), "\n".join(logs)[-4000:]
+    two_nodes("-m", "logitstore.cli.app", "train", *cluster, timeout=400)
     one = [*args, "--store", store, "--out", str(tmp_path / "one"), "--steps", "1", "--micro-batch", "8"]
     single = subprocess.run(
         [sys.executable, "-m", "logitstore.cli.app", "train", *one, "--reader-groups", "4"],
