@@ -43,7 +43,8 @@ def stream(view, **options):
     and 1; `memory_budget` (bytes, or a string such as "512MB" or "2GiB"; default 4 GiB) bounds the
     stored data held in memory and so the shuffle window (see "Streaming" in docs/train.md); for chat
     data, `train_on="completion"` keeps only the positions that predict the assistant's tokens;
-    `reader_groups` (default: the world size) deals the parts to groups so that ranks read disjoint parts."""
+    `reader_groups` (default: the world size) deals the parts to groups so that ranks read disjoint parts;
+    `loader_workers=W` for a DataLoader of W workers makes them read disjoint parts too."""
     from logitstore.trainer.stream import store_stream  # on first use: see the module's docstring
 
     return store_stream(view, StreamSpec(**options))

@@ -172,7 +172,9 @@ def _duplicate_error(samples: SparseSamples, entry: int) -> None:
 def decode(enc: EncodedSamples, *, params: CodecParams, id_of_code: np.ndarray, n_tokens: np.ndarray) -> SparseSamples:
     """Inverse of `encode` (up to the quantization bound). Sample ids are left empty for the caller."""
     n_entries = enc.n_entries.astype(np.int64)
-    entry_ids = undelta_codes_to_ids(enc.entry_codes, row_offsets(n_entries), id_of_code)
+    entry_ids, entry_logprobs = decode_entries(
+        enc.entry_codes, enc.entry_logprobs, row_offsets(n_entries), id_of_code=id_of_code, params=params
+    )
     with np.errstate(over="ignore"):
         tail = np.exp(dequantize(enc.tail, params=params))
     return SparseSamples(
@@ -181,7 +183,7 @@ def decode(enc: EncodedSamples, *, params: CodecParams, id_of_code: np.ndarray, 
         input_ids=enc.input_ids.astype(np.int64),
         n_entries=n_entries,
         entry_ids=entry_ids,
-        entry_logprobs=dequantize(enc.entry_logprobs, params=params),
+        entry_logprobs=entry_logprobs,
         tail=tail,
         target_logprobs=dequantize(enc.target_logprobs, params=params),
         entry_counts=None if enc.entry_counts is None else enc.entry_counts.astype(np.int64),
@@ -257,6 +259,33 @@ def _undelta_kernel(deltas, offsets, id_of_code, out):
         for e in range(offsets[p], offsets[p + 1]):
             code += deltas[e]
             out[e] = id_of_code[code]
+
+
+@numba.njit(cache=True, nogil=True)
+def _decode_entries_kernel(deltas, codes, offsets, id_of_code, table, ids_out, logprobs_out):
+    # The entries' two arrays without the GIL, so the stream's reader threads keep decompressing
+    # while a batch decodes: a top-64 batch's 1M entries in ~3 ms, where the numpy passes (undelta,
+    # table gather, int64 copy) took ~8 ms holding the GIL for most of it. Two loops, not one: fused,
+    # the loop ran 2x slower (6.9 ms), and a signed running sum cost another 20%.
+    for p in range(len(offsets) - 1):
+        code = np.uint64(0)
+        for e in range(offsets[p], offsets[p + 1]):
+            code += np.uint64(deltas[e])
+            ids_out[e] = id_of_code[code]
+    for e in range(len(codes)):
+        logprobs_out[e] = table[codes[e]]
+
+
+def decode_entries(
+    deltas: np.ndarray, codes: np.ndarray, offsets: np.ndarray, *, id_of_code: np.ndarray, params: CodecParams
+) -> tuple[np.ndarray, np.ndarray]:
+    """(token ids int64, log-probabilities float32) of encoded entries: gaps of codes per position (the
+    positions' `offsets`) and quantized log-probabilities. int64 is what the loss indexes with."""
+    ids = np.empty(len(deltas), dtype=np.int64)
+    logprobs = np.empty(len(deltas), dtype=np.float32)
+    if len(deltas):
+        _decode_entries_kernel(deltas, codes, offsets, id_of_code, _dequantize_table(params), ids, logprobs)
+    return ids, logprobs
 
 
 def undelta_codes_to_ids(deltas: np.ndarray, offsets: np.ndarray, id_of_code: np.ndarray) -> np.ndarray:

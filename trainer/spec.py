@@ -37,7 +37,10 @@ class StreamSpec:
     `train_on="completion"` keeps only the positions that predict the assistant's tokens.
     `reader_groups` (default: the world size; a resumed run keeps its state's) is how many groups the
     train split's parts are dealt to: the order depends on it and not on the world size, and a world
-    size that divides it (or that it divides) reads each stored byte about once per epoch."""
+    size that divides it (or that it divides) reads each stored byte about once per epoch.
+    `loader_workers` is the `num_workers` of the DataLoader that will read the stream (0: none); with
+    W > 1 the default `reader_groups` is world size x micro_batch x W, the multiple at which the W
+    workers of a rank read disjoint parts instead of W times its parts."""
 
     seq_len: int
     micro_batch: int
@@ -53,6 +56,7 @@ class StreamSpec:
     read_threads: int = READ_THREADS
     train_on: str = "completion"
     reader_groups: int | None = None
+    loader_workers: int = 0
 
     def __post_init__(self) -> None:
         rank, world = self.rank, self.world_size
@@ -69,10 +73,19 @@ class StreamSpec:
                 self.reader_groups is None or self.reader_groups >= 1,
                 f"reader_groups must be >= 1, got {self.reader_groups}",
             ),
+            (self.loader_workers >= 0, f"loader_workers must be >= 0, got {self.loader_workers}"),
         ]
         for ok, message in checks:
             if not ok:
                 raise StreamConfigError(message)
+
+    def default_reader_groups(self) -> int:
+        """Reader groups when `reader_groups` is not given (a placed spec): the world size, times
+        micro_batch x loader_workers where several DataLoader workers split each rank's steps (worker w
+        takes steps w, w + W, ...: its steps take disjoint groups only when a step's rows are 1/W of a
+        round of the groups or less)."""
+        assert self.world_size is not None  # placed
+        return self.world_size * (self.micro_batch * self.loader_workers if self.loader_workers > 1 else 1)
 
     def placed(self) -> StreamSpec:
         """This spec with its rank and world size given: torch.distributed's where it is initialised and

@@ -39,8 +39,9 @@ The contract (tests/test_stream.py holds the engine to it):
   two, for a part cut between groups), so they are at most `window_parts` parts' worth of tokens apart
   in the global stream; a rank's own rows come from its groups' windows, `window_parts // G` parts each.
 - **Memory.** `memory_budget` bounds the stored data held in memory (encoded, as read: about 3-10
-  bytes per token): for each group a reader takes rows of, the window being read and the next one; the
-  parts of the reader's next micro-batches are read ahead by `read_threads` threads, and only those (a
+  bytes per token): for each group a reader takes rows of, the window being read and the next one, and
+  while the budget has room, the first parts its next micro-batches need of the windows after those;
+  the parts of the reader's next micro-batches are read ahead by `read_threads` threads, and only those (a
   reader never reads a part its own rows do not touch). So `window_parts = budget // (2 * largest
   part)`, shared by the G groups; a budget smaller than two parts, or than one part a group, is refused. A split
   that holds under half of a part's bytes (the eval split) reads just its samples' byte ranges of
@@ -77,7 +78,8 @@ The contract (tests/test_stream.py holds the engine to it):
   (Icechunk must not be forked; memory stores and several-teacher streams cannot be sent). Each worker
   reads the parts its own steps touch: with G a multiple of world size x micro-batch x W, a step's rows
   come from groups no other step of its round touches, so the W workers of a rank read disjoint parts;
-  with fewer groups they read most of their rank's parts W times. The parent's stream does not
+  with fewer groups they read most of their rank's parts W times (worker 0 warns). `loader_workers=W`
+  makes that multiple the default G. The parent's stream does not
   see the workers' progress: every batch carries `data_state`, the `state_dict()` after it, which
   `load_state_dict` resumes from.
 - **Prefetch.** A background thread builds up to `prefetch` micro-batches ahead and asks for the parts
@@ -96,6 +98,7 @@ The contract (tests/test_stream.py holds the engine to it):
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Generator, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Protocol
@@ -144,14 +147,15 @@ class Source(Protocol):
 class _Parts:
     """The parts a stream holds, read by a pool of threads; `want` starts reads, `get` waits for them."""
 
-    def __init__(self, read, *, threads: int, warm=None):
+    def __init__(self, read, *, sizes: np.ndarray, threads: int, warm=None):
         self._read, self._warm = read, warm
-        self._threads = threads
+        self._sizes, self._threads = sizes, threads
         self._futures: dict[int, Future] = {}
         self._warmed: set[int] = set()
         self._pool: ThreadPoolExecutor | None = None
         self.reads = 0  # parts read (or being read): how often each part was fetched, for tests and benchmarks
-        self.peak = 0  # the most parts held (read, or being read) at once: what the memory budget bounds
+        self.peak = 0  # the most parts held (read, or being read) at once
+        self.peak_bytes = 0  # the most bytes held at once (`sizes`, in memory once read): what the budget bounds
 
     def want(self, codes) -> None:
         if self._pool is None:
@@ -161,6 +165,7 @@ class _Parts:
                 self._futures[code] = self._pool.submit(self._read, code)
                 self.reads += 1
         self.peak = max(self.peak, len(self._futures))
+        self.peak_bytes = max(self.peak_bytes, int(self._sizes[list(self._futures)].sum()))
 
     def warm(self, codes) -> None:
         """Warm parts that are neither held nor being read (once each), on the reader threads after
@@ -217,7 +222,7 @@ class Stream(torch.utils.data.IterableDataset):
         self._plans: dict[int, EpochPlan] = {}
         part_bytes = source.part_bytes()
         self._reads = part_bytes is not None  # live mode reads nothing: one group, the order of before
-        self._set_groups(spec.reader_groups or world_size)
+        self._set_groups(spec.reader_groups or spec.default_reader_groups())
         self.memory_budget = parse_bytes(
             spec.memory_budget if spec.memory_budget is not None else DEFAULT_MEMORY_BUDGET,
             name="memory budget (--memory-budget)",
@@ -229,8 +234,11 @@ class Stream(torch.utils.data.IterableDataset):
         self._parts = (
             None
             if part_bytes is None
-            else _Parts(source.read_part, threads=spec.read_threads, warm=getattr(source, "warm_part", None))
+            else _Parts(
+                source.read_part, sizes=part_bytes, threads=spec.read_threads, warm=getattr(source, "warm_part", None)
+            )
         )
+        self._part_bytes = part_bytes
         self._held: dict[int, tuple[int, int, list[int]]] = {}  # group -> (epoch, window, parts held for it)
         self._epoch, self._rows = 0, 0  # the consumer's position: what has been yielded
         self._generation = 0
@@ -257,6 +265,12 @@ class Stream(torch.utils.data.IterableDataset):
     def peak_parts_held(self) -> int:
         """The most parts held in memory at once so far (read, or being read)."""
         return 0 if self._parts is None else self._parts.peak
+
+    @property
+    def peak_bytes_held(self) -> int:
+        """The most bytes of parts held in memory at once so far (`Source.part_bytes`): at most the
+        memory budget when the stream reads in windows."""
+        return 0 if self._parts is None else self._parts.peak_bytes
 
     def _set_groups(self, groups: int) -> None:
         """Deal the samples to `groups` reader groups (the eval split, and a source with nothing to read:
@@ -360,6 +374,7 @@ class Stream(torch.utils.data.IterableDataset):
     # -- iteration -----------------------------------------------------------------------------------
 
     def __iter__(self) -> Iterator[PackedBatch]:
+        self._warn_if_workers_overlap()
         self._stop_worker()
         self._generation += 1
         generation = self._generation
@@ -448,6 +463,20 @@ class Stream(torch.utils.data.IterableDataset):
         info = torch.utils.data.get_worker_info()
         return (0, 1) if info is None else (info.id, info.num_workers)
 
+    def _warn_if_workers_overlap(self) -> None:
+        """In DataLoader worker 0 of several: say so when the workers will read the same parts (the
+        reader groups are not a multiple of world size x micro_batch x workers), and what to pass."""
+        worker, workers = self._worker_slice()
+        needed = self.world_size * self.micro_batch * workers
+        if worker != 0 or workers == 1 or self.split != "train" or not self._reads or self.reader_groups % needed == 0:
+            return
+        warnings.warn(
+            f"the {workers} DataLoader workers of each rank read most of its parts each (about {workers}x): "
+            f"{self.reader_groups} reader groups are not a multiple of world size x micro_batch x workers "
+            f"({needed}); pass loader_workers={workers} (or reader_groups={needed})",
+            stacklevel=3,
+        )
+
     def __exit__(self, *exc) -> None:
         self.close()
 
@@ -502,16 +531,21 @@ class Stream(torch.utils.data.IterableDataset):
             return
         part = np.concatenate([p for _, p, _ in needs])
         assert self._parts is not None  # a source with parts (`_build`)
-        if plan.windowed:
-            held = self._hold(epoch, plan, [(g, int(w[0])) for g, _, w in needs if len(w)])
-            part = part[np.isin(part, held)]
         _, at = np.unique(part, return_index=True)
-        self._parts.want(part[np.sort(at)].tolist())
+        part = part[np.sort(at)]  # each part once, in the order first needed
+        if plan.windowed:
+            part = self._hold(epoch, plan, [(g, int(w[0])) for g, _, w in needs if len(w)], wanted=part)
+        self._parts.want(part.tolist())
 
-    def _hold(self, epoch: int, plan: EpochPlan, windows: list[tuple[int, int]]) -> list[int]:
+    def _hold(self, epoch: int, plan: EpochPlan, windows: list[tuple[int, int]], *, wanted: np.ndarray) -> np.ndarray:
         """Hold each group's window (the earliest of `windows` asked for it) and its next; let go of the
         parts of windows before. In memory: two windows of each group this reader takes rows of, which
-        the budget bounds (`group_window_parts`). Returns the parts held."""
+        the budget bounds (`group_window_parts`), and, while the budget has room, the parts of later
+        windows that `wanted` (parts in the order needed) asks for first: a batch that crosses into the
+        window after next then finds its part read, instead of waiting for a read begun only when the
+        stream reached the window before (which made reading and decoding take turns). Returns the
+        parts of `wanted` held."""
+        assert self._parts is not None and self._part_bytes is not None  # windows: a source with parts
         moved = False
         earliest: dict[int, int] = {}
         for g, window in windows:  # in the order needed: a group's first is its earliest
@@ -526,11 +560,13 @@ class Stream(torch.utils.data.IterableDataset):
             if window + 2 < group.n_windows:  # the window after those: its manifests, not its bytes (the budget)
                 assert self._parts is not None
                 self._parts.warm(group.parts_of_window(window + 2).tolist())
-        held = sorted({p for _, _, parts in self._held.values() for p in parts})
+        held = {p for _, _, parts in self._held.values() for p in parts}
+        room = self.memory_budget - int(self._part_bytes[sorted(held)].sum())
+        ahead = wanted[~np.isin(wanted, list(held))]
+        ahead = ahead[: int(np.searchsorted(np.cumsum(self._part_bytes[ahead]), room, side="right"))]
         if moved:
-            assert self._parts is not None  # windows are held only for a source with parts
-            self._parts.keep_only(set(held))
-        return held
+            self._parts.keep_only(held | set(ahead.tolist()))
+        return wanted[np.isin(wanted, list(held)) | np.isin(wanted, ahead)]
 
     def unreadable(self, row: int, error: Exception, *, part: str | None = None) -> None:
         """A sample that cannot be used: raise, or (on_error="skip") count it and go on."""
