@@ -220,6 +220,7 @@ class Stream(torch.utils.data.IterableDataset):
         self.seed, self.split, self.prefetch, self.on_error = spec.seed, split, spec.prefetch, spec.on_error
         self.n_samples = len(self.table.sample_ids)
         self._plans: dict[int, EpochPlan] = {}
+        self._needs_of_step: dict[tuple[int, int], list] = {}  # (epoch, step's first row) -> `_needs`
         part_bytes = source.part_bytes()
         self._reads = part_bytes is not None  # live mode reads nothing: one group, the order of before
         self._set_groups(spec.reader_groups or spec.default_reader_groups())
@@ -288,6 +289,7 @@ class Stream(torch.utils.data.IterableDataset):
         else:
             self.steps_per_epoch = self.rows_per_epoch // block
         self._plans.clear()
+        self._needs_of_step.clear()
         self._check_size()
 
     def _packed_rows(self, tokens: int) -> int:
@@ -521,12 +523,7 @@ class Stream(torch.utils.data.IterableDataset):
         step = self.world_size * self.micro_batch
         _, workers = self._worker_slice()
         stop = min(row0 + (LOOKAHEAD_BATCHES + 1) * step * workers, self.rows_per_epoch)
-        first, count = self.rank * self.micro_batch, self.micro_batch
-        needs = [
-            (g, *plan.groups[g].needs(j0, j0 + n))
-            for r in range(row0, stop, step * workers)  # one step per batch
-            for g, j0, n, _ in plan.block_runs(r, step, first=first, count=count)
-        ]
+        needs = [need for r in range(row0, stop, step * workers) for need in self._needs(epoch, plan, r)]
         if not needs:
             return
         part = np.concatenate([p for _, p, _ in needs])
@@ -536,6 +533,20 @@ class Stream(torch.utils.data.IterableDataset):
         if plan.windowed:
             part = self._hold(epoch, plan, [(g, int(w[0])) for g, _, w in needs if len(w)], wanted=part)
         self._parts.want(part.tolist())
+
+    def _needs(self, epoch: int, plan: EpochPlan, row0: int) -> list[tuple[int, np.ndarray, np.ndarray]]:
+        """(group, parts, windows) this reader's micro-batch of the step at `row0` needs (`GroupPlan.needs`),
+        kept for the steps read ahead: each step is asked for by the `LOOKAHEAD_BATCHES` builds before it."""
+        key = (epoch, row0)
+        if key not in self._needs_of_step:
+            for old in [k for k in self._needs_of_step if k < key]:  # steps built already
+                del self._needs_of_step[old]
+            step, first = self.world_size * self.micro_batch, self.rank * self.micro_batch
+            self._needs_of_step[key] = [
+                (g, *plan.groups[g].needs(j0, j0 + n))
+                for g, j0, n, _ in plan.block_runs(row0, step, first=first, count=self.micro_batch)
+            ]
+        return self._needs_of_step[key]
 
     def _hold(self, epoch: int, plan: EpochPlan, windows: list[tuple[int, int]], *, wanted: np.ndarray) -> np.ndarray:
         """Hold each group's window (the earliest of `windows` asked for it) and its next; let go of the
