@@ -92,6 +92,28 @@ def test_codes_are_sorted_and_delta_coded_per_position():
     np.testing.assert_array_equal(first, expected_first)
 
 
+@pytest.mark.parametrize("vocab", [1000, 151_936])  # uint16 and uint32 gaps
+def test_decode_entries_is_the_running_sum_and_the_grid_in_one_pass(vocab):
+    # The stream's decode (one numba pass, int64 ids) against the definition: per position, the running
+    # sum of the gaps is the code, the id order maps code -> id, the grid maps code -> log-probability.
+    samples = random_samples(["a", "b", "c"], vocab=vocab, k=16)
+    params = CodecParams()
+    code_of_id = np.random.default_rng(0).permutation(vocab).astype(np.uint32)
+    enc = codec.encode(samples, params=params, code_of_id=code_of_id, vocab_size=vocab)
+    offsets = samples.entry_offsets
+    ids, logprobs = codec.decode_entries(
+        enc.entry_codes, enc.entry_logprobs, offsets, id_of_code=codec.invert_permutation(code_of_id), params=params
+    )
+    assert ids.dtype == np.int64 and logprobs.dtype == np.float32
+    codes = np.concatenate([np.cumsum(enc.entry_codes[a:b], dtype=np.int64) for a, b in zip(offsets[:-1], offsets[1:])])
+    np.testing.assert_array_equal(ids, codec.invert_permutation(code_of_id)[codes])
+    np.testing.assert_array_equal(logprobs, dequantize(enc.entry_logprobs, params=params))
+    by_position = [np.sort(ids[a:b]) for a, b in zip(offsets[:-1], offsets[1:])]
+    expected = [np.sort(samples.entry_ids[a:b]) for a, b in zip(offsets[:-1], offsets[1:])]
+    for got, want in zip(by_position, expected):  # the entries' ids themselves, in code order
+        np.testing.assert_array_equal(got, want)
+
+
 def test_frequency_order_is_a_permutation_with_frequent_ids_first():
     ids = np.array([7, 7, 7, 3, 3, 9])
     code = codec.frequency_id_order(ids, vocab_size=12)
