@@ -17,10 +17,13 @@ One store is one Icechunk repository (plus the Parquet indexes beside it, `index
     /teachers/<name>/parts/<part>/students/<s>/groups     int32 [4 G]  alignment groups (t0, t1, s0, s1)
     /teachers/<name>/parts/<part>/students/<s>/loss_mask  uint8 [N]    chat data: student tokens in the completion
 
-A part's arrays are stored one of two ways (`TeacherMeta.part_layout`): since store format 3 packed, as
-`parts/<part>/packed`, one uint8 array of one chunk (one object) that holds every array's shards end to
-end, its attribute `MEMBERS` saying where each array's shards lie and each array's own zarr.json
-(`packed.py` presents them as ordinary Zarr arrays again); before, one sharded Zarr array per name.
+A part's arrays are stored one of three ways (`TeacherMeta.part_layout`, `TeacherMeta.packs`): since
+store format 3 packed, as `parts/<part>/packed`, one uint8 array of one chunk (one object) that holds
+every array's shards end to end, its attribute `MEMBERS` saying where each array's shards lie and each
+array's own zarr.json (`packed.py` presents them as ordinary Zarr arrays again); since format 4 the
+part's student-token arrays are members too, named by their path in the part (`student_arrays`:
+`students/<s>/ids`, ...), so no `students` group is written; in format 3 they are arrays of their own
+under `students/<s>/`; before format 3 every array is one sharded Zarr array of its own.
 
 A part's arrays (`PART_ARRAYS`) run along one of three axes (`AXIS`): a sample of T tokens has T
 elements on the token axis, T - 1 on the position axis (position t predicts token t + 1) and one per
@@ -121,6 +124,18 @@ def part_students_path(teacher: str, part: str) -> str:
 def part_student_path(teacher: str, part: str, student: str) -> str:
     """One student tokenizer's arrays of a part (`STUDENT_IDS`, `STUDENT_GROUPS`, `STUDENT_LOSS_MASK`)."""
     return f"{part_students_path(teacher, part)}/{student}"
+
+
+def student_arrays(student: str, *, chat: bool) -> tuple[str, ...]:
+    """One student tokenizer's arrays of a part, as paths in the part (`part_student_path` relative to
+    `part_path`): ids, groups, and loss_mask for chat data. Also their member names in a packed part."""
+    names = (STUDENT_IDS, STUDENT_GROUPS) + ((STUDENT_LOSS_MASK,) if chat else ())
+    return tuple(f"{STUDENTS}/{student}/{name}" for name in names)
+
+
+def is_student_array(name: str) -> bool:
+    """Whether a part's array (its path in the part) is a student tokenizer's."""
+    return name.startswith(f"{STUDENTS}/")
 
 
 def in_a_part(path: str) -> bool:

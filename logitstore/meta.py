@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from logitstore import layout
 from logitstore.errors import (
     InvalidSampleError,
 )
@@ -22,12 +23,15 @@ from logitstore.sparsity import Sparsity, SparsityError
 # 3: teachers registered since store each part as one object, its arrays packed into one Zarr array
 # (`layout.PACKED`; `TeacherMeta.part_layout`): one request per part on object storage instead of one
 # per array. Teachers registered before keep one object per array and read as before.
+# 4: teachers registered since pack a part's student-token arrays (cross-tokenizer) into that one object
+# too ("packed+students"): a cross-tokenizer part is one object. Format-3 teachers keep their student
+# arrays one object each and read as before.
 
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 WRITER = "logitstore 0.1.0"
 DEFAULT_BRANCH = "main"
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # teachers, student tokenizers, tags and branches
-PART_LAYOUTS = ("packed", "arrays")  # `TeacherMeta.part_layout`
+PART_LAYOUTS = ("packed+students", "packed", "arrays")  # `TeacherMeta.part_layout`, newest first
 SNAPSHOT_ID = re.compile(r"[0-9A-Z]{20}")  # Icechunk's snapshot ids: 20 Crockford base32 characters
 
 
@@ -59,9 +63,11 @@ class TeacherMeta:
     engine: str | None = None
     dtype: str | None = None
     engine_version: str | None = None
-    # How a part's arrays lie in storage (`layout.PART_LAYOUTS`): "packed" (one object per part, store
-    # format 3) or "arrays" (one Zarr array, so one object, per array; teachers written before format 3).
-    part_layout: str = "packed"
+    # How a part's arrays lie in storage (`PART_LAYOUTS`): "packed+students" (one object per part, its
+    # student-token arrays included; store format 4), "packed" (the teacher's own arrays in one object,
+    # each student-token array an object of its own; format 3) or "arrays" (one Zarr array, so one
+    # object, per array; teachers written before format 3). `packs` says where one array lies.
+    part_layout: str = "packed+students"
 
     def __post_init__(self) -> None:
         if not NAME.fullmatch(self.name):
@@ -113,12 +119,22 @@ class TeacherMeta:
     @property
     def format(self) -> int:
         """The store format this teacher needs a reader to know (see `FORMAT_VERSION`)."""
-        return 3 if self.part_layout == "packed" else 2 if self.values == "logprobs" else 1
+        return {"packed+students": 4, "packed": 3}.get(self.part_layout) or (2 if self.values == "logprobs" else 1)
 
     @property
     def packed(self) -> bool:
-        """Each part is one object (`layout.PACKED`), not one per array."""
-        return self.part_layout == "packed"
+        """Each part's own arrays are one object (`layout.PACKED`), not one per array."""
+        return self.part_layout != "arrays"
+
+    @property
+    def packed_students(self) -> bool:
+        """Each part's student-token arrays are members of its one object too (store format 4)."""
+        return self.part_layout == "packed+students"
+
+    def packs(self, name: str) -> bool:
+        """Whether a part's array `name` (its path in the part: `layout.PART_ARRAYS`, or a student
+        tokenizer's `layout.student_arrays`) lies in the part's packed object."""
+        return self.packed_students if layout.is_student_array(name) else self.packed
 
     @property
     def student_names(self) -> list[str]:

@@ -1,11 +1,12 @@
-"""A packed part (store format 3) seen as ordinary Zarr arrays again: `PackedStore`.
+"""A packed part (store format 3 and 4) seen as ordinary Zarr arrays again: `PackedStore`.
 
 Since format 3 a part's arrays are one object: `parts/<part>/packed`, a uint8 Zarr array of one
 chunk that holds every array's shards end to end (`rawwrite.pack`). On object storage that is one
 request per part instead of one per array (7-8), which is what a reader on S3 pays per part. Its
 attribute `layout.MEMBERS` keeps, for each array, the zarr.json it would have as an array of its own
 and where its shards lie in the packed chunk, so nothing about the arrays themselves changed: their
-bytes are the same shards, with the same codecs and checksums.
+bytes are the same shards, with the same codecs and checksums. Since format 4 a cross-tokenizer
+teacher's student-token arrays are members too, named by their path in the part (`students/<s>/ids`).
 
 `PackedStore` is a read-only Zarr store whose keys are those arrays' keys (`<name>/zarr.json`,
 `<name>/c/<shard>`): a shard is a byte range of the packed chunk, so Zarr's own sharded reads (the
@@ -61,15 +62,13 @@ class PackedStore(Store):
         return hash((id(self._store), self._path))
 
     async def get(self, key: str, prototype: BufferPrototype, byte_range: ByteRequest | None = None) -> Buffer | None:
-        name, _, rest = key.partition("/")
+        name, shard = _split_key(key)
         if name not in self._members:
             return None
-        if rest == "zarr.json":
+        if shard is None:
             document = json.dumps(self._members[name]["zarr"]).encode()
             return prototype.buffer.from_bytes(document if byte_range is None else _cut(document, byte_range))
-        if not rest.startswith("c/") or not rest[2:].isdigit():
-            return None
-        where = member_range(self._members, name, int(rest[2:]))
+        where = member_range(self._members, name, shard)
         if where is None:
             return None
         offset, length = where
@@ -128,6 +127,15 @@ class PackedStore(Store):
             if child not in seen:
                 seen.add(child)
                 yield child
+
+
+def _split_key(key: str) -> tuple[str, int | None]:
+    """(member, shard number) of a chunk's key, (member, None) of a zarr.json's; ("", None) for any other.
+    A member's name may hold slashes (a student tokenizer's arrays: `students/<s>/ids`)."""
+    if key.endswith("/zarr.json"):
+        return key[: -len("/zarr.json")], None
+    name, _, shard = key.rpartition("/c/")
+    return (name, int(shard)) if shard.isdigit() else ("", None)
 
 
 def _bounds(byte_range: ByteRequest | None, length: int) -> tuple[int, int]:

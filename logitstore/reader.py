@@ -14,11 +14,13 @@ caller (the trainer's stream) never names a path, an array or a Zarr internal.
   are listed in `PartData.damaged`, never raised: the caller decides (`--on-error`). An outage
   (`StorageError`) is never damage: it is raised.
 - **Student tokens** (cross-tokenizer teachers): a reader made for one student tokenizer also reads
-  each part's student ids and groups (damage there stops the read: no per-sample recovery).
+  each part's student ids and groups (damage there stops the read: no per-sample recovery); since
+  store format 4 they are members of the part's packed object, read whole in the same request.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -33,7 +35,7 @@ from logitstore import codec, layout, packed
 from logitstore.bounded import read_errors
 from logitstore.codec import EncodedSamples
 from logitstore.errors import DamagedDataError, StorageError
-from logitstore.layout import array_at, read_values
+from logitstore.layout import read_values
 from logitstore.rawread import read_packed, read_whole
 from logitstore.samples import SparseSamples
 from logitstore.version import StoreVersion
@@ -143,6 +145,11 @@ class PartReader:
         self.sampled, self.packed = meta.sampled, meta.packed
         self.masked = meta.loss_mask is not None  # chat data: a per-token loss_mask in every part
         self.names = layout.part_arrays(sampled=self.sampled, chat=self.masked)
+        # The student tokenizer's arrays (paths in the part), read whole with the part's own where they
+        # lie alike: members of its packed object (store format 4: one request) or arrays of their own
+        # (before format 3). Format 3 packs the part's own arrays only: its student arrays come apart.
+        self.student_names = () if student is None else layout.student_arrays(student, chat=self.masked)
+        self.together = bool(self.student_names) and meta.packs(self.student_names[0]) == self.packed
         # Here, not lazily in threads; int32 as the decode kernel takes it (no copy per batch).
         self.id_of_code = view.id_of_code(teacher).astype(np.int32)
         self.id_bytes = codec.id_dtype(meta.vocab_size).itemsize
@@ -176,16 +183,21 @@ class PartReader:
         rows = self.rows.in_part(code)
         part = self.rows.parts[code]
         damaged: dict[int, Exception] = {}
+        students = None
         try:
             with read_errors(f"part {part} of teacher {self.teacher!r}"):
-                arrays = self._whole(part) if self.whole[code] else self._ranges(part, rows)
+                if self.whole[code]:
+                    arrays, students = self._whole(part)
+                else:
+                    arrays = self._ranges(part, rows)
         except StorageError:
             raise
         except DamagedDataError:  # one bad chunk: read sample by sample to lose only its samples
             arrays, damaged = self._by_sample(part, rows)
         entry_cum = np.concatenate([[0], np.cumsum(arrays.n_entries, dtype=np.int64)])
         damaged.update(self._check(arrays, entry_cum, rows, skip=damaged))
-        students = None if self.student is None else self._student_arrays(part)
+        if self.student is not None and students is None:
+            students = self._student_arrays(part)
         return PartData(arrays=arrays, entry_cum=entry_cum, damaged=damaged, students=students)
 
     def warm(self, code: int) -> None:
@@ -194,18 +206,29 @@ class PartReader:
         effort, for parts the memory budget does not let the caller read yet: a failure is left to the read."""
         if not (self.packed and self.whole[code]):
             return
-        path = layout.packed_path(self.teacher, self.rows.parts[code])
-        with contextlib.suppress(StorageError, DamagedDataError):
-            sync(self.view.root.store.exists(packed.chunk_key(path)))
-
-    def _whole(self, part: str) -> EncodedSamples:
+        part = self.rows.parts[code]
+        paths = [layout.packed_path(self.teacher, part)]
+        if not self.together:  # store format 3: the student arrays are arrays of their own, each its manifest
+            paths += [f"{layout.part_path(self.teacher, part)}/{name}" for name in self.student_names]
         store = self.view.root.store
-        if self.packed:  # store format 3: one object, one request
-            arrays = read_packed(store, layout.packed_path(self.teacher, part), list(self.names), params=self.params)
+
+        async def every() -> None:
+            await asyncio.gather(*(store.exists(packed.chunk_key(path)) for path in paths))
+
+        with contextlib.suppress(StorageError, DamagedDataError):
+            sync(every())
+
+    def _whole(self, part: str) -> tuple[EncodedSamples, tuple | None]:
+        """The part's arrays, and the student tokenizer's where they come in the same request (else None)."""
+        store = self.view.root.store
+        names = [*self.names, *(self.student_names if self.together else ())]
+        if self.packed:  # store format 3 and 4: one object, one request
+            arrays = read_packed(store, layout.packed_path(self.teacher, part), names, params=self.params)
         else:
             base = layout.part_path(self.teacher, part)
-            arrays = read_whole(store, [f"{base}/{name}" for name in self.names], params=self.params)
-        return EncodedSamples(**dict(zip(self.names, arrays)))
+            arrays = read_whole(store, [f"{base}/{name}" for name in names], params=self.params)
+        n = len(self.names)
+        return EncodedSamples(**dict(zip(self.names, arrays[:n]))), tuple(arrays[n:]) or None
 
     def _ranges(self, part: str, rows: np.ndarray) -> EncodedSamples:
         """Just these rows' elements, at their places in zero-filled full-length arrays (np.zeros maps
@@ -246,12 +269,12 @@ class PartReader:
         return EncodedSamples(**arrays), damaged
 
     def _student_arrays(self, part: str) -> tuple:
-        """(ids, groups), and the loss mask for chat data, of the part's tokens of the student tokenizer."""
+        """(ids, groups), and the loss mask for chat data, of the part's tokens of the student tokenizer,
+        read on their own (format 3: objects of their own; or the part read in ranges or after damage)."""
         assert self.student is not None  # a reader made for a student tokenizer
         base = layout.part_student_path(self.teacher, part, self.student)
-        names = (layout.STUDENT_IDS, layout.STUDENT_GROUPS) + ((layout.STUDENT_LOSS_MASK,) if self.masked else ())
         with read_errors(f"the student tokens in {base}"):  # damage stops the run too; no per-sample skip here
-            return tuple(read_values(array_at(self.view.root, f"{base}/{name}")) for name in names)
+            return tuple(read_values(self.view.array(self.teacher, part, name)) for name in self.student_names)
 
     # -- checks ----------------------------------------------------------------------------------------
 

@@ -23,7 +23,7 @@ import zarr
 from logitstore import layout
 from logitstore.errors import StorageError
 from logitstore.index import sample_hashes
-from logitstore.layout import array_at, group_at, read_values
+from logitstore.layout import group_at, read_values
 from logitstore.samples import StudentTokens
 from logitstore.version import StoreVersion, slice_row
 from logitstore.zarr_codec import as_codes
@@ -149,14 +149,15 @@ def _read_part(version: StoreVersion, teacher: str, part: str) -> dict[str, np.n
 def _student_tokens(version: StoreVersion, row: dict) -> list[StudentTokens]:
     """The row's student ids and groups for each of its teacher's student tokenizers, in order."""
     out = []
-    for k, name in enumerate(version.teachers[row["teacher"]].student_names):
-        base = layout.part_student_path(row["teacher"], row["part"], name)
+    meta = version.teachers[row["teacher"]]
+    array = lambda name: version.array(row["teacher"], row["part"], name)
+    for k, student in enumerate(meta.student_names):
         s0, n, g0, g = (row[c][k] for c in ("student_start", "n_student_tokens", "group_start", "n_groups"))
-        ids = read_values(array_at(version.root, f"{base}/{layout.STUDENT_IDS}"), slice(s0, s0 + n))
-        groups = read_values(array_at(version.root, f"{base}/{layout.STUDENT_GROUPS}"), slice(4 * g0, 4 * (g0 + g)))
-        has_mask = layout.STUDENT_LOSS_MASK in group_at(version.root, base)
-        mask_path = f"{base}/{layout.STUDENT_LOSS_MASK}"
-        mask = read_values(array_at(version.root, mask_path), slice(s0, s0 + n)) if has_mask else None
+        # chat data holds a loss mask per student tokenizer (the writer refuses it otherwise)
+        ids_name, groups_name, *mask_name = layout.student_arrays(student, chat=meta.loss_mask is not None)
+        ids = read_values(array(ids_name), slice(s0, s0 + n))
+        groups = read_values(array(groups_name), slice(4 * g0, 4 * (g0 + g)))
+        mask = read_values(array(mask_name[0]), slice(s0, s0 + n)) if mask_name else None
         if len(ids) != n or len(groups) != 4 * g or (mask is not None and len(mask) != n):
             raise IndexError("index points outside the stored student arrays")
         out.append(

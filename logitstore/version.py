@@ -178,10 +178,11 @@ class StoreVersion:
         return self._packed[(teacher, part)]
 
     def array(self, teacher: str, part: str, name: str) -> zarr.Array:
-        """One array of a part (a view of its bytes in the packed object, for a packed part)."""
+        """One array of a part, `name` its path in the part (`layout.PART_ARRAYS`, `layout.student_arrays`):
+        a view of its bytes in the packed object where the teacher's layout packs it."""
         key = (teacher, part, name)
         if key not in self._arrays:
-            if self.teachers[teacher].packed:
+            if self.teachers[teacher].packs(name):
                 self._arrays[key] = zarr.open_array(self.packed_store(teacher, part), path=name, mode="r")
             else:
                 self._arrays[key] = array_at(self.root, f"{layout.part_path(teacher, part)}/{name}")
@@ -238,11 +239,12 @@ class StoreVersion:
         k = self.teachers[teacher].student_names.index(student)
         r = self.index.slice(self.row_of(sample_id, teacher=teacher), 1).to_pylist()[0]
         base = layout.part_student_path(teacher, r["part"], student)
+        ids_name, groups_name = layout.student_arrays(student, chat=False)
         with read_errors(f"student tokens of sample {sample_id!r} ({base})"):
             s0, n = r["student_start"][k], r["n_student_tokens"][k]
             g0, g = r["group_start"][k], r["n_groups"][k]
-            ids = read_values(array_at(self.root, f"{base}/{layout.STUDENT_IDS}"), slice(s0, s0 + n))
-            groups = read_values(array_at(self.root, f"{base}/{layout.STUDENT_GROUPS}"), slice(4 * g0, 4 * (g0 + g)))
+            ids = read_values(self.array(teacher, r["part"], ids_name), slice(s0, s0 + n))
+            groups = read_values(self.array(teacher, r["part"], groups_name), slice(4 * g0, 4 * (g0 + g)))
             groups = groups.reshape(-1, 4)
         return ids.astype(np.int64), groups.astype(np.int64)
 

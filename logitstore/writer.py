@@ -412,16 +412,15 @@ class PartWriter:
         # time (see rawwrite.py): compression runs in threads while this one hashes the index rows.
         arrays = {f"{path}/{name}": values for name, values in enc.arrays().items()}
         for st, info in zip(ordered, meta.students):
-            base = layout.part_student_path(teacher, part, info["name"])
-            arrays[f"{base}/{layout.STUDENT_IDS}"] = st.ids.astype(np.int32)
-            arrays[f"{base}/{layout.STUDENT_GROUPS}"] = st.groups.astype(np.int32).reshape(-1)
             if (st.loss_mask is not None) != (meta.loss_mask is not None):
                 raise InvalidSampleError(
                     f"student tokens of {info['name']!r}: loss_mask must be "
                     f"{'given' if meta.loss_mask else 'absent'} for this teacher"
                 )
-            if st.loss_mask is not None:
-                arrays[f"{base}/{layout.STUDENT_LOSS_MASK}"] = st.loss_mask.astype(np.uint8)
+            values = [st.ids.astype(np.int32), st.groups.astype(np.int32).reshape(-1)]
+            values += [] if st.loss_mask is None else [st.loss_mask.astype(np.uint8)]
+            names = layout.student_arrays(info["name"], chat=st.loss_mask is not None)
+            arrays.update({f"{path}/{name}": v for name, v in zip(names, values, strict=True)})
         grids = {f"{path}/{name}": meta.grid for name in layout.GRID_ARRAYS}
         pending = rawwrite.encode_arrays(
             {key: (values, layout.array_kwargs(values, grid=grids.get(key))) for key, values in arrays.items()}
@@ -437,10 +436,10 @@ class PartWriter:
         )
         encoded = pending.result()
         documents, objects = {}, {}
-        if meta.packed:  # store format 3: the part's own arrays as one object (`packed.py`)
-            prefix = f"{path}/"
-            own = {key: encoded.pop(key) for key in list(encoded) if key.count("/") == prefix.count("/")}
-            blob, members = rawwrite.pack({key[len(prefix) :]: a for key, a in own.items()})
+        if meta.packed:  # store format 3 and 4: the part as one object (`packed.py`)
+            in_part = {key: key[len(path) + 1 :] for key in encoded}  # the arrays' paths in the part
+            own = {in_part[key]: encoded.pop(key) for key in list(encoded) if meta.packs(in_part[key])}
+            blob, members = rawwrite.pack(own)
             packed_path = layout.packed_path(teacher, part)
             documents[f"{packed_path}/zarr.json"] = rawwrite.packed_document(len(blob), members)
             if blob:
@@ -448,7 +447,7 @@ class PartWriter:
         stored = sum(a.nbytes for a in encoded.values()) + sum(len(b) for b in (*documents.values(), *objects.values()))
         attrs = {"samples": len(samples), "tokens": int(samples.n_tokens.sum()), "stored_bytes": stored}
         documents[f"{path}/zarr.json"] = rawwrite.group_document(attrs)
-        if ordered:
+        if ordered and not meta.packed_students:  # their arrays lie in groups of their own (format 3)
             documents[f"{layout.part_students_path(teacher, part)}/zarr.json"] = rawwrite.group_document({})
             documents.update(
                 {

@@ -15,6 +15,7 @@ import logitstore
 from logitstore import chat
 from logitstore.cli.app import BUILD_FLAGS, EVAL_FLAGS, TRAIN_FLAGS, app
 from logitstore.data import SAMPLE_CHAT
+from logitstore.layout import student_arrays
 from logitstore.meta import TeacherMeta
 from logitstore.pipelines.teacher import describe_teacher
 from logitstore.sparsity import Sparsity
@@ -281,9 +282,9 @@ def test_the_mask_travels_through_the_cross_tokenizer_alignment(gpt2_tokenizer_d
     teacher, gpt2 = view.teacher_name(None), AutoTokenizer.from_pretrained(gpt2_tokenizer_dir)
     masks = {}
     for row in view.index.to_pylist():
-        base = f"teachers/{teacher}/parts/{row['part']}/students/gpt2"
         s0, n = row["student_start"][0], row["n_student_tokens"][0]
-        ids, mask = view.root[f"{base}/ids"][s0 : s0 + n], view.root[f"{base}/loss_mask"][s0 : s0 + n]
+        ids_name, _, mask_name = student_arrays("gpt2", chat=True)
+        ids, mask = (view.array(teacher, row["part"], name)[s0 : s0 + n] for name in (ids_name, mask_name))
         masks[row["sample_id"]] = mask
         sample = view.sample(row["sample_id"])
         runs = lambda tok, i, m: [tok.decode(i[a:b].tolist()) for a, b in _runs(m)]

@@ -58,6 +58,41 @@ def test_a_part_read_whole_takes_one_object_request(proxy, part_layout):
             assert set(first) <= {"manifests", "chunks"} and again == {"chunks": first["chunks"]}
 
 
+@pytest.mark.parametrize("part_layout", ["packed+students", "packed"])
+def test_a_cross_tokenizer_part_read_whole_takes_one_object_request(proxy, part_layout):
+    """Store format 4: a cross-tokenizer part's student arrays are in its one object, so a reader of
+    the student's tokens reads the part whole in one GET (and its manifest, the first time, or once
+    warmed). Format 3: each student array is an object of its own, with a manifest of its own."""
+    from tests.test_students import STUDENT, TEACHER, cross_store
+
+    uri = f"s3://logitstore-test/requests-{uuid.uuid4().hex[:12]}"
+    cross_store(uri, n=24, parts=3, part_layout=part_layout)
+    view = Store.open(uri).read()
+    rows = TeacherRows.of(view, teacher=TEACHER, student=STUDENT)
+    reader = PartReader(view, teacher=TEACHER, rows=rows, student=STUDENT)
+    own = 1 if part_layout == "packed+students" else 1 + len(reader.student_names)  # manifests per part
+    for code in range(3):
+        proxy.requests.clear()
+        assert reader.read(code).students is not None
+        first = gets(proxy)
+        proxy.requests.clear()
+        reader.read(code)
+        again = gets(proxy)
+        if part_layout == "packed+students":
+            assert first == {"manifests": 1, "chunks": 1} and again == {"chunks": 1}
+        else:  # the student arrays' chunks, under 512 bytes here, lie inline in their manifests
+            assert first["manifests"] == own and again["chunks"] >= 1
+    view = Store.open(uri).read()  # a new session: no manifest cached
+    view.id_of_code(TEACHER)
+    fresh = PartReader(view, teacher=TEACHER, rows=rows, student=STUDENT)
+    proxy.requests.clear()
+    fresh.warm(0)
+    assert gets(proxy) == {"manifests": own}  # every manifest the read needs, and no chunk
+    proxy.requests.clear()
+    fresh.read(0)
+    assert "manifests" not in gets(proxy)
+
+
 def read_under_latency(proxy: FaultProxy, make, *, parts: int, **kw) -> None:
     """A store of `parts` parts on S3, read one epoch by `make` (a stream factory) without latency and
     then with 50 ms before every request: the same batches. The proxy then holds the delayed read's

@@ -485,7 +485,7 @@ def test_a_store_written_in_format_2_streams_as_the_same_samples_written_now(tmp
     old = Store.open(str(tmp_path / "old")).read()
     assert json_attr(old.root, "logitstore")["format"] == 2 and not old.teachers["teacher-a"].packed
     new = build_store(str(tmp_path / "new"), n=30, parts=3)
-    assert json_attr(new.root, "logitstore")["format"] == 3 and new.teachers["teacher-a"].packed
+    assert json_attr(new.root, "logitstore")["format"] == 4 and new.teachers["teacher-a"].packed
     make = windowed if windows else stream
     a, b = make(old, seq_len=64), make(new, seq_len=64)
     for x, y in zip(take(a, a.steps_per_epoch), take(b, b.steps_per_epoch), strict=True):

@@ -197,6 +197,12 @@ class MixedSource:
         """Per source, {own part: PartData} (with a cross source's student tokens)."""
         return [{c: reader.read(c) for c in self._own_parts(i, code)} for i, reader in enumerate(self._readers)]
 
+    def warm_part(self, code: int) -> None:
+        """Warm what `read_part(code)` will read: each source's own parts (`PartReader.warm`)."""
+        for i, reader in enumerate(self._readers):
+            for c in self._own_parts(i, code):
+                reader.warm(c)
+
     # -- a batch -----------------------------------------------------------------------------------
 
     def build(self, pieces: Pieces, parts: dict[int, list], *, stream: BatchContext) -> PackedBatch:
