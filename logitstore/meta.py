@@ -11,7 +11,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from logitstore import layout
 from logitstore.errors import (
     InvalidSampleError,
 )
@@ -134,6 +133,8 @@ class TeacherMeta:
     def packs(self, name: str) -> bool:
         """Whether a part's array `name` (its path in the part: `layout.PART_ARRAYS`, or a student
         tokenizer's `layout.student_arrays`) lies in the part's packed object."""
+        from logitstore import layout  # here: layout imports the codec (numba), which the CLI's start-up must not
+
         return self.packed_students if layout.is_student_array(name) else self.packed
 
     @property
