@@ -45,12 +45,7 @@ def test_a_part_read_whole_takes_one_object_request(proxy, part_layout):
     reader = PartReader(view, teacher="teacher-a", rows=TeacherRows.of(view, teacher="teacher-a"))
     arrays = len(reader.names)  # six for a top-k teacher
     for code in range(3):
-        proxy.requests.clear()
-        reader.read(code)
-        first = gets(proxy)
-        proxy.requests.clear()
-        reader.read(code)
-        again = gets(proxy)
+        first, again = twice(proxy, lambda code=code: reader.read(code))
         if part_layout == "packed":
             assert first == {"manifests": 1, "chunks": 1} and again == {"chunks": 1}
         else:  # an array's chunk under 512 bytes lies inline in its manifest (Icechunk's default)
@@ -72,12 +67,8 @@ def test_a_cross_tokenizer_part_read_whole_takes_one_object_request(proxy, part_
     reader = PartReader(view, teacher=TEACHER, rows=rows, student=STUDENT)
     own = 1 if part_layout == "packed+students" else 1 + len(reader.student_names)  # manifests per part
     for code in range(3):
-        proxy.requests.clear()
+        first, again = twice(proxy, lambda code=code: reader.read(code))
         assert reader.read(code).students is not None
-        first = gets(proxy)
-        proxy.requests.clear()
-        reader.read(code)
-        again = gets(proxy)
         if part_layout == "packed+students":
             assert first == {"manifests": 1, "chunks": 1} and again == {"chunks": 1}
         else:  # the student arrays' chunks, under 512 bytes here, lie inline in their manifests
@@ -91,6 +82,16 @@ def test_a_cross_tokenizer_part_read_whole_takes_one_object_request(proxy, part_
     proxy.requests.clear()
     fresh.read(0)
     assert "manifests" not in gets(proxy)
+
+
+def twice(proxy: FaultProxy, read) -> tuple[dict, dict]:
+    """The requests of `read()` done twice: (the first time's, the second time's), counted by kind."""
+    counts = []
+    for _ in range(2):
+        proxy.requests.clear()
+        read()
+        counts.append(gets(proxy))
+    return counts[0], counts[1]
 
 
 def read_under_latency(proxy: FaultProxy, make, *, parts: int, **kw) -> None:
