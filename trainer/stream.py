@@ -97,6 +97,7 @@ The contract (tests/test_stream.py holds the engine to it):
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import warnings
 from collections.abc import Generator, Iterator
@@ -469,7 +470,7 @@ class Stream(torch.utils.data.IterableDataset):
         """In DataLoader worker 0 of several: say so when the workers will read the same parts (the
         reader groups are not a multiple of world size x micro_batch x workers), and what to pass."""
         worker, workers = self._worker_slice()
-        needed = self.world_size * self.micro_batch * workers
+        needed = dataclasses.replace(self.spec, loader_workers=workers).default_reader_groups()
         if worker != 0 or workers == 1 or self.split != "train" or not self._reads or self.reader_groups % needed == 0:
             return
         warnings.warn(
@@ -569,7 +570,6 @@ class Stream(torch.utils.data.IterableDataset):
             self._held[g] = (epoch, window, np.concatenate([group.parts_of_window(window), after]).tolist())
             moved = True
             if window + 2 < group.n_windows:  # the window after those: its manifests, not its bytes (the budget)
-                assert self._parts is not None
                 self._parts.warm(group.parts_of_window(window + 2).tolist())
         held = {p for _, _, parts in self._held.values() for p in parts}
         room = self.memory_budget - int(self._part_bytes[sorted(held)].sum())
