@@ -171,7 +171,7 @@ def checked_members(document: dict, *, names: Iterable[str], where: str) -> dict
     except (KeyError, TypeError, IndexError, ValueError) as e:
         raise ValueError(f"{where}/zarr.json holds no member table ({type(e).__name__})") from None
     if missing := [name for name in names if name not in members]:
-        raise ValueError(f"the member table of {where} lists no {', '.join(missing)}")
+        raise ValueError(f"{where} holds no {', '.join(missing)} in its member table")
     spans: list[tuple[int, int]] = []
     lengths: dict[str, dict[int, str]] = {}  # axis -> {length: a member of that length}
     for name, member in members.items():  # a few members per part

@@ -243,8 +243,9 @@ class StoreWriter:
             if in_txn:
                 raise DuplicateSampleError(f"sample id {in_txn[0]!r} written twice in one transaction")
             return list(range(len(sample_ids)))
-        stored = {**self._base_keys, **self._new_sources(teacher, in_txn)}
         keys = [(teacher, sample_ids[i]) for i in dup]
+        stored = {key: self._base_keys[key] for key in keys if key in self._base_keys}
+        stored.update(self._new_sources(teacher, in_txn))
         left_out, changed = self._stored_already(keys, [sources[i] for i in dup], stored=stored)
         self._count_left_out(left_out, changed)
         return [i for i in range(len(sample_ids)) if (teacher, sample_ids[i]) not in left_out]
@@ -263,6 +264,7 @@ class StoreWriter:
         ]
         if changed and self.on_changed == "error":
             (teacher, sample_id), was, now = changed[0]
+            assert was is not None and now is not None, "compared above"
             raise ChangedTextError(teacher=teacher, sample_id=sample_id, stored=was, new=now, count=len(changed))
         replaced = {key for key, _, _ in changed} if self.on_changed == "replace" else set()
         return {key for key in keys if key not in replaced}, [sid for (_, sid), _, _ in changed]
@@ -276,8 +278,8 @@ class StoreWriter:
         """Source hashes of samples staged in this transaction (a duplicate within it is rare: read on demand)."""
         if not sample_ids:
             return {}
-        rows = pa.concat_tables(self._new_rows)
-        return {key: value for key, value in _sources(rows).items() if key[0] == teacher and key[1] in set(sample_ids)}
+        wanted = {(teacher, sid) for sid in sample_ids}
+        return {key: value for key, value in _sources(pa.concat_tables(self._new_rows)).items() if key in wanted}
 
     # -- commit ----------------------------------------------------------------------------------
 

@@ -341,7 +341,7 @@ def _process(
 ) -> None:
     try:
         _merge_units(store, cfg, head, rest, executor, summary, progress, stored=stored)
-    except ChangedTextError as e:  # the planner refused what it saw: this, another build committed since
+    except ChangedTextError as e:  # the planner met what the branch held; the writer, what a build added since
         raise BuildError(changed_text(e.sample_id, stored=e.stored, new=e.new, concurrent=True)) from None
 
 

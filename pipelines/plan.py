@@ -181,10 +181,11 @@ def _replace(doc, stored: StoredDocuments, cfg: PlanConfig) -> None:
 
 
 def changed_text(
-    sample_id: str, *, stored: str | None, new: str | None, row: int | None = None, concurrent=False
+    sample_id: str, *, stored: str | None, new: str | None, row: int | None = None, concurrent: bool = False
 ) -> str:
-    """The one line for a document stored under its id with other text: found in the branch when the
-    build planned it, or (`concurrent`) in what another build committed while this one ran."""
+    """The one line for a document stored under its id with other text (`sample_id`: the document's id or
+    one of its windows'): found in the branch when the build planned it, or (`concurrent`) in what
+    another build committed while this one ran."""
     doc = inputs.document_ids(pa.array([sample_id], pa.string()))[0].as_py()
     where = "" if row is None else f" (input row {row})"
     when = ", by another build while this one ran" if concurrent else ""

@@ -206,7 +206,7 @@ def test_the_member_table_checks_and_what_they_cost(template):
     fails("data type 'int64'", tail__data_type="int64")
     fails("position axis two lengths", tail__shape=[members["tail"]["zarr"]["shape"][0] + 1])
     fails("shards listed", tail__objects=[tail, None])
-    with pytest.raises(ValueError, match="lists no tail"):
+    with pytest.raises(ValueError, match="holds no tail"):
         packed.checked_members(
             {"shape": [size], "attributes": {layout.MEMBERS: {k: v for k, v in members.items() if k != "tail"}}},
             names=names,
