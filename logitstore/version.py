@@ -27,7 +27,7 @@ from logitstore.location import Location
 # 2: teachers registered since hold their log-probability arrays as float32 through the grid codec
 # (`zarr_codec.py`; `TeacherMeta.values`); format-1 teachers keep plain uint16 codes and read as before.
 from logitstore.meta import TeacherMeta
-from logitstore.packed import PackedStore, members_of
+from logitstore.packed import PackedStore, array_members
 from logitstore.samples import SparseSamples
 from logitstore.zarr_codec import as_codes
 
@@ -173,7 +173,9 @@ class StoreVersion:
         """A packed part's arrays as a Zarr store of their own (store format 3, `packed.py`)."""
         if (teacher, part) not in self._packed:
             path = layout.packed_path(teacher, part)
-            members = members_of(dict(array_at(self.root, path).attrs))
+            meta = self.teachers[teacher]
+            names = layout.part_arrays(sampled=meta.sampled, chat=meta.loss_mask is not None)
+            members = array_members(array_at(self.root, path), names=names, where=path)
             self._packed[(teacher, part)] = PackedStore(self.root.store, path=path, members=members)
         return self._packed[(teacher, part)]
 

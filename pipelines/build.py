@@ -28,11 +28,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
+import pyarrow as pa
 from tqdm import tqdm
 
 from logitstore import codec
 from logitstore.ahead import read_ahead
-from logitstore.errors import ConflictError
+from logitstore.errors import ChangedTextError, ConflictError
 from logitstore.meta import DEFAULT_BRANCH, TeacherMeta
 from logitstore.pipelines import inputs
 from logitstore.pipelines.config import BuildConfig, BuildError
@@ -41,6 +42,7 @@ from logitstore.pipelines.plan import (
     Planned,
     StoredDocuments,
     StudentSide,
+    changed_text,
     check_teacher_fits,
     load_student_tokenizers,
     plan_units,
@@ -337,7 +339,14 @@ def _process(
     *,
     stored: StoredDocuments,
 ) -> None:
-    writer = store.writer(branch=cfg.branch, on_duplicate="skip")
+    try:
+        _merge_units(store, cfg, head, rest, executor, summary, progress, stored=stored)
+    except ChangedTextError as e:  # the planner met what the branch held; the writer, what a build added since
+        raise BuildError(changed_text(e.sample_id, stored=e.stored, new=e.new, concurrent=True)) from None
+
+
+def _merge_units(store, cfg, head, rest, executor, summary, progress: Progress, *, stored: StoredDocuments) -> None:
+    writer = _writer(store, cfg)
     last_commit = time.monotonic()
     units = read_ahead(itertools.chain(head, rest), depth=PLAN_AHEAD, name="logitstore-plan")
     try:
@@ -348,7 +357,7 @@ def _process(
             progress.update(tokens=unit.n_tokens, samples=len(unit.sample_ids), documents=unit.documents_read)
             if time.monotonic() - last_commit >= cfg.commit_every:
                 _commit(writer, cfg, summary, final=False)
-                writer = store.writer(branch=cfg.branch, on_duplicate="skip")
+                writer = _writer(store, cfg)
                 last_commit = time.monotonic()
     except (inputs.DataError, BuildError):
         _commit(writer, cfg, summary, final=False)  # a bad row further on keeps the units computed before it
@@ -357,6 +366,14 @@ def _process(
         units.close()  # stops the planner thread
     writer.remove(summary.teacher, stored.take_removals())  # replaced documents no later unit carried
     _commit(writer, cfg, summary, final=True)
+
+
+def _writer(store: Store, cfg: BuildConfig):
+    """A transaction of the build: what the branch holds with the same text is left out (a resumed or
+    concurrent build of the same data), and a document it holds with other text, stored before this
+    build looked or by a concurrent build since, meets `--on-duplicate` (the planner's rule for the
+    former, `StoredDocuments.changed`, is the writer's for both)."""
+    return store.writer(branch=cfg.branch, on_duplicate="skip", on_changed=cfg.on_duplicate)
 
 
 # Units planned ahead of the teacher by a background thread. Planning reads and tokenizes documents 256
@@ -383,6 +400,7 @@ def _count_commit(summary: BuildSummary, writer) -> None:
     summary.tokens += result.tokens
     summary.stored_bytes += result.stored_bytes
     summary.already_stored += result.dropped
+    summary.changed += len(set(inputs.document_ids(pa.array(result.changed, pa.string())).to_pylist()))
     summary.commits += result.committed
 
 

@@ -22,7 +22,7 @@ from logitstore import chat
 from logitstore.data import SAMPLE_CHAT
 from logitstore.errors import LogitstoreError
 from logitstore.location import Location
-from logitstore.meta import DEFAULT_BRANCH, NAME
+from logitstore.meta import DEFAULT_BRANCH, NAME, ON_DUPLICATE
 from logitstore.options import group, option, to_values
 from logitstore.pipelines.engines import VLLM_OUTPUTS, engine_class, engine_names
 from logitstore.sparsity import PANEL as SPARSITY
@@ -33,7 +33,6 @@ if TYPE_CHECKING:  # pyarrow (0.3 s): `DataSource.source` imports it when the bu
 
 DEFAULT_STORE = "logitstore-store"  # `BuildConfig.store` from Python; the CLI asks for --store
 DTYPES = ("auto", "float32", "bfloat16", "float16")  # the teacher's weights; auto: bf16 on GPU, fp32 on CPU
-ON_DUPLICATE = ("error", "replace", "skip")  # a document stored before under its id, with other text
 
 DATA, TEACHER, STORE, OUTPUT = "Data", "Teacher", "Store", "Output"
 PANELS = (DATA, TEACHER, SPARSITY, STORE, OUTPUT)  # the order `build --help` lists them

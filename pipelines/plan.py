@@ -177,10 +177,21 @@ def _replace(doc, stored: StoredDocuments, cfg: PlanConfig) -> None:
     if cfg.on_duplicate == "replace":
         stored.forget(doc.id)
         return
-    was = stored.source_of[doc.id] or "windows of mixed sources"
-    raise BuildError(
-        f"document {doc.id!r} (input row {doc.row}) is stored with other text (source hash {was}, "
-        f"now {doc.source_hash}); pass --on-duplicate replace to recompute it, or skip to keep the stored one"
+    raise BuildError(changed_text(doc.id, stored=stored.source_of[doc.id], new=doc.source_hash, row=doc.row))
+
+
+def changed_text(
+    sample_id: str, *, stored: str | None, new: str | None, row: int | None = None, concurrent: bool = False
+) -> str:
+    """The one line for a document stored under its id with other text (`sample_id`: the document's id or
+    one of its windows'): found in the branch when the build planned it, or (`concurrent`) in what
+    another build committed while this one ran."""
+    doc = inputs.document_ids(pa.array([sample_id], pa.string()))[0].as_py()
+    where = "" if row is None else f" (input row {row})"
+    when = ", by another build while this one ran" if concurrent else ""
+    return (
+        f"document {doc!r}{where} is stored with other text{when} (source hash {stored or 'windows of mixed sources'}, "
+        f"now {new}); pass --on-duplicate replace to recompute it, or skip to keep the stored one"
     )
 
 
@@ -194,12 +205,14 @@ def _check_token_ids(doc, token_ids: np.ndarray, *, vocab_size: int | None) -> N
 
 
 def _unless_stored(unit: Unit, stored: StoredDocuments, summary: PlanCounts, planned: Planned) -> Iterator[Unit]:
-    """The unit, unless the branch holds all of its samples; it carries the removals queued so far."""
+    """The unit, unless the branch holds all of its samples; it carries the removals queued so far. A
+    unit skipped here counts as already stored; of a unit computed, the writer leaves out (and counts)
+    what the branch holds by the time it is merged (`StoreWriter`'s on_duplicate="skip")."""
     known = sum(sid in stored.sample_ids for sid in unit.sample_ids)
-    summary.already_stored += known
     if known == len(unit.sample_ids):
+        summary.already_stored += known
         planned.tokens -= unit.n_tokens  # stored: nothing to compute
-    if known < len(unit.sample_ids):
+    else:
         unit.replaces = stored.take_removals()
         yield unit
 
