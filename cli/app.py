@@ -150,6 +150,10 @@ def show(
         return
     tokens = obj.get("tokens") or [str(t) for t in obj["input_ids"]]
     typer.echo(f"sample {obj['sample_id']}: {len(obj['input_ids'])} tokens (teacher {obj['teacher']})")
+    if "answer" in obj:
+        a, g = obj["answer"], obj["answer"]["generation"]
+        who = g.get("generator", {}).get("name", "?") + (f", round {g['round']}" if g.get("round") is not None else "")
+        typer.echo(f"answer {a['sample']} to prompt {a['prompt_id']!r} by {who}: {a['text']!r}")
     for k, pos in enumerate(obj["positions"]):
         t = first + k
         names = obj.get("entry_tokens", [None] * len(obj["positions"]))[k] or [str(i) for i in pos["ids"]]
@@ -346,7 +350,8 @@ def build(
         return
     # The input before anything heavy (torch, a teacher, a store): a wrong path or column shows in ~1 s.
     source = DataSource(values["data"], values["split"], values["data_config"]).source()
-    check_input(source, **{k: values[k] for k in ("text_column", "id_column", "ids_column", "chat_column")})
+    columns = ("text_column", "id_column", "ids_column", "chat_column", "prompt_column")
+    check_input(source, **{k: values[k] for k in columns})
     cfg = from_values(BuildConfig, values)
     if dry_run:
         _print_estimates(cfg, teachers, json_out=json_out)
@@ -366,6 +371,12 @@ def build(
             + (f", changed {summary.changed} ({cfg.on_duplicate})" if summary.changed else "")
             + (f", no assistant tokens {summary.no_completion}" if summary.no_completion else "")
             + (f", tool calls the template drops {summary.tool_calls}" if summary.tool_calls else "")
+            + (
+                f"; generated {summary.answers:,} answers to {summary.prompts:,} prompts, "
+                f"{summary.generated_tokens:,} tokens, {summary.answers_cut:,} cut at --generate {cfg.generate}"
+                if cfg.generate
+                else ""
+            )
         )
 
 
