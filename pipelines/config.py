@@ -247,8 +247,12 @@ class BuildConfig(PlanConfig):
         help="Who writes the answers: a model folder or Hub id with the teacher's tokenizer, e.g. a logitstore train run's RUN/final (default: the teacher).",
     )
     samples_per_prompt: int = option(1, panel=GENERATION, help="Answers per prompt, keyed PROMPTID/g0, /g1, ...")
-    generation_temperature: float = option(1.0, panel=GENERATION, help="Sampling temperature of the answers (0: greedy).")
-    generation_top_p: float = option(1.0, panel=GENERATION, help="Nucleus sampling of the answers: the top-p share of probability.")
+    generation_temperature: float = option(
+        1.0, panel=GENERATION, help="Sampling temperature of the answers (0: greedy)."
+    )
+    generation_top_p: float = option(
+        1.0, panel=GENERATION, help="Nucleus sampling of the answers: the top-p share of probability."
+    )
     # the on-policy round these answers belong to, recorded with them
     generation_round: int | None = option(
         None, name="round", panel=GENERATION, help="The on-policy round the answers belong to (recorded with them)."

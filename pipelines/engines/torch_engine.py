@@ -228,7 +228,9 @@ class Generator:
         order = np.argsort(-lengths, kind="stable")
         out: list[np.ndarray] = [np.empty(0, dtype=np.int64)] * len(prompts)
         for rows in token_budget_batches(lengths[order] + max_new_tokens, order, budget=self.batch_tokens):
-            answers = self._batch([prompts[i] for i in rows], [seeds[i] for i in rows], max_new_tokens, temperature, top_p)
+            answers = self._batch(
+                [prompts[i] for i in rows], [seeds[i] for i in rows], max_new_tokens, temperature, top_p
+            )
             for i, answer in zip(rows.tolist(), answers):
                 out[i] = answer
         return out
