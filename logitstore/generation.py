@@ -44,7 +44,7 @@ def generation_id(record: dict) -> str:
 def answer_source_hash(prompt_hash: str, generation: str) -> str:
     """An answer's source hash (32 characters, as a text's): its generation's id, then a hash of the
     prompt's source hash and that id."""
-    tail = hashlib.sha256(f"{prompt_hash}/{generation}".encode()).hexdigest()[:19]
+    tail = hashlib.sha256(f"{prompt_hash}/{generation}".encode()).hexdigest()[:18]
     return f"g{generation}-{tail}"
 
 

@@ -100,15 +100,12 @@ class Generation:
     # -- prompts ------------------------------------------------------------------------------------
 
     def prompt_tokens(self, tokenizer, docs: list[Document]) -> list[np.ndarray]:
-        """Each prompt's teacher tokens; an empty prompt, a conversation that does not end with a user
-        turn, or a prompt with no room for `--generate` tokens in `--max-length` is refused, naming its row."""
+        """Each prompt's teacher tokens; a conversation that does not end with a user turn, or a prompt
+        with no room for `--generate` tokens in `--max-length`, is refused, naming its row."""
         if self.cfg.chat_column:
             texts = [self._chat_prompt(tokenizer, doc) for doc in docs]
             encoded = [ids for ids, _ in align.encode_with_byte_ends(tokenizer, texts, add_special_tokens=False)]
-        else:
-            for doc in docs:
-                if not (doc.text or "").strip():
-                    raise BuildError(f"prompt {doc.id!r} (input row {doc.row}) is empty (--prompt-column)")
+        else:  # an empty prompt is refused where it is read (`inputs`: an empty text column)
             encoded = tokenizer([doc.text for doc in docs])["input_ids"]
         room = self.cfg.max_length - self.cfg.generate
         out = []
