@@ -268,6 +268,22 @@ def _describe(spec: TeacherSpec) -> TeacherInfo:
     )
 
 
+def model_stop_ids(spec: TeacherSpec) -> list[int]:
+    """The ids that end a model's answers, from its generation config (`generation_config.json`), else
+    its model config's `eos_token_id`: what `build --generate` stops at when the engine loads the model
+    itself (vLLM)."""
+    from transformers import GenerationConfig
+
+    from logitstore.pipelines.engines import stop_token_ids
+
+    kwargs = {"gguf_file": spec.gguf_file} if spec.gguf_file else {}
+    try:
+        generation = GenerationConfig.from_pretrained(spec.path)
+    except OSError:  # no generation_config.json: the model config's eos_token_id
+        generation = None
+    return stop_token_ids(generation, AutoConfig.from_pretrained(spec.path, **kwargs))
+
+
 def _load_model_and_tokenizer(spec: TeacherSpec, *, dtype: torch.dtype):
     hf_logging.disable_progress_bar()  # per-tensor bars would drown the build's own progress
 

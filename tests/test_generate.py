@@ -5,6 +5,7 @@ resumed or killed build generating no answer twice."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -163,7 +164,11 @@ def test_chat_prompts_are_answered_after_the_generation_prompt(tiny_teacher, tmp
     [
         ([{"id": "a", "prompt": "Hello"}], ["--generate", "0"], "--generate must be at least 1"),
         ([{"id": "a", "text": "Hello"}], ["--generate", "4"], "no column 'prompt' (--prompt-column)"),
-        ([{"id": "a", "prompt": "Hi"}, {"id": "b", "prompt": " "}], ["--generate", "4"], "row 1, document 'b': text column 'prompt' is empty"),
+        (
+            [{"id": "a", "prompt": "Hi"}, {"id": "b", "prompt": " "}],
+            ["--generate", "4"],
+            "row 1, document 'b': text column 'prompt' is empty",
+        ),
         ([{"id": "a", "prompt": "one two three four five six"}], ["--generate", "28"], "'a' (input row 0) has"),
         ([{"id": "a", "prompt": "Hi"}], ["--generate", "4", "--generator", "/no/such/model"], "--generator"),
     ],
@@ -226,3 +231,55 @@ def test_a_trained_student_generates_and_the_store_records_its_run(twice, prompt
     assert view.generations()[summary["generation"]["id"]]["generator"]["step"] == 5
     assert answers(tmp_path / "student") != answers(store)
     assert os.path.isdir(run / "final") and sys.executable
+
+
+def test_two_on_policy_rounds_train_on_each_new_version_and_the_run_records_both(prompts, tmp_path):
+    from logitstore.trainer import checkpoint
+
+    store, run = tmp_path / "onpolicy", tmp_path / "run"
+    args = ["rounds", "--prompts", prompts, "--prompt-column", "prompt", "--store", store, "--out", run]
+    sizes = ["--rounds", 2, "--steps-per-round", 2, "--generate", 8, "--max-length", 64, "--seq-len", 64]
+    result = CliRunner().invoke(app, [*map(str, [*args, *sizes, "--micro-batch", 2]), "--json"])
+    assert result.exit_code == 0, result.stderr + result.stdout
+    first, second = json.loads(result.stdout)
+    versions = [first["version"], second["version"]]
+    assert versions[0] != versions[1] and second["train"]["step"] == 4
+    state = checkpoint.train_state(checkpoint.latest(run))
+    assert (state["step"], state["snapshot"], state["versions"]) == (4, versions[1], versions)
+    lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [s["versions"] for s in lines if s.get("event") == "start"] == [versions[:1], versions]
+    assert [(r["step"], r["version"]) for r in lines if "step" in r] == [
+        (1, versions[0]),
+        (2, versions[0]),
+        (3, versions[1]),
+        (4, versions[1]),
+    ]
+    record = second["build"]["generation"]
+    assert (record["round"], record["generator"]["run"], record["generator"]["step"]) == (2, str(run.resolve()), 2)
+    view = logitstore.open(str(store), "round-2")  # round 2's answers replaced round 1's
+    assert set(view.index["sample_id"].to_pylist()) == {f"{p}/g0" for p in PROMPTS}
+    assert {generation_of(h) for h in view.index["source_hash"].to_pylist()} == {record["id"]}
+    assert len(logitstore.open(str(store), "round-1").generations()) == 1 and len(view.generations()) == 2
+
+
+def test_vllm_generation_plans_one_seeded_request_per_answer():
+    """vLLM's generator, as far as it runs without vLLM: its engine arguments and its requests."""
+    from logitstore.pipelines.engines.vllm_engine import CPU, CUDA, plan_generation, sampling_arguments
+
+    seeds = [seed_of(3, "a", 0), seed_of(3, "a", 1)]
+    requests = sampling_arguments(seeds, max_new_tokens=16, temperature=0.7, top_p=0.9, stop_ids=[2])
+    assert [r["seed"] for r in requests] == seeds and seeds[0] != seeds[1]
+    assert requests[0] == {
+        "n": 1,
+        "max_tokens": 16,
+        "temperature": 0.7,
+        "top_p": 0.9,
+        "seed": seeds[0],
+        "stop_token_ids": [2],
+        "detokenize": False,
+    }
+    common = dict(model="m", dtype="bfloat16", tensor_parallel=1, max_length=2048, batch_tokens=8192)
+    gpu = plan_generation(**common, platform=CUDA).llm
+    assert (gpu["max_model_len"], gpu["max_num_batched_tokens"], gpu["gpu_memory_utilization"]) == (2048, 8192, 0.4)
+    cpu = plan_generation(**common, platform=dataclasses.replace(CPU, kv_cache_bytes=1 << 30)).llm
+    assert cpu["enforce_eager"] and cpu["kv_cache_memory_bytes"] == 1 << 30 and "gpu_memory_utilization" not in cpu
