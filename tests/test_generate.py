@@ -223,7 +223,7 @@ def test_a_trained_student_generates_and_the_store_records_its_run(twice, prompt
 
     (store, _), _ = twice
     run = tmp_path / "run"
-    launch(TrainConfig.from_flags(store=str(store), out=str(run), steps=5, seq_len=64, micro_batch=2, eval_fraction=0))
+    launch(TrainConfig.from_flags(store=str(store), out=str(run), steps=5, seq_len=32, micro_batch=1, eval_fraction=0))
     summary = build(generate_args(tmp_path / "student", prompts, "--seed", 7, "--generator", run / "final"))
     generator = summary["generation"]["generator"]
     assert (generator["run"], generator["step"], generator["source"]) == (str(run.resolve()), 5, str(run / "final"))
@@ -238,8 +238,8 @@ def test_two_on_policy_rounds_train_on_each_new_version_and_the_run_records_both
 
     store, run = tmp_path / "onpolicy", tmp_path / "run"
     args = ["rounds", "--prompts", prompts, "--prompt-column", "prompt", "--store", store, "--out", run]
-    sizes = ["--rounds", 2, "--steps-per-round", 2, "--generate", 8, "--max-length", 64, "--seq-len", 64]
-    result = CliRunner().invoke(app, [*map(str, [*args, *sizes, "--micro-batch", 2]), "--json"])
+    sizes = ["--rounds", 2, "--steps-per-round", 2, "--generate", 8, "--max-length", 64, "--seq-len", 32]
+    result = CliRunner().invoke(app, [*map(str, [*args, *sizes, "--micro-batch", 1]), "--json"])
     assert result.exit_code == 0, result.stderr + result.stdout
     first, second = json.loads(result.stdout)
     versions = [first["version"], second["version"]]
