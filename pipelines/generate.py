@@ -62,7 +62,7 @@ class Generation:
 
     def __init__(self, cfg: BuildConfig, *, teacher, engine: str):
         assert cfg.generate is not None, "a Generation is made for build --generate"
-        self.cfg, self.teacher = cfg, teacher
+        self.cfg, self.teacher, self.max_new_tokens = cfg, teacher, cfg.generate
         self.spec, generator = _describe_generator(cfg.generator, teacher=teacher)
         self.record = {
             "generator": generator,
@@ -107,7 +107,7 @@ class Generation:
             encoded = [ids for ids, _ in align.encode_with_byte_ends(tokenizer, texts, add_special_tokens=False)]
         else:  # an empty prompt is refused where it is read (`inputs`: an empty text column)
             encoded = tokenizer([doc.text for doc in docs])["input_ids"]
-        room = self.cfg.max_length - self.cfg.generate
+        room = self.cfg.max_length - self.max_new_tokens
         out = []
         for doc, ids in zip(docs, encoded):
             if len(ids) > room:
@@ -155,13 +155,13 @@ class Generation:
         answers = generator.generate(
             [prompt for _, prompt in wanted],
             seeds,
-            max_new_tokens=cfg.generate,
+            max_new_tokens=self.max_new_tokens,
             temperature=cfg.generation_temperature,
             top_p=cfg.generation_top_p,
         )
         stop = np.asarray(generator.stop_ids, dtype=np.int64)
         lengths = np.array([len(a) for a in answers], dtype=np.int64)
-        cut = sum(1 for a in answers if len(a) >= cfg.generate and not np.isin(a[-1:], stop).any())
+        cut = sum(1 for a in answers if len(a) >= self.max_new_tokens and not np.isin(a[-1:], stop).any())
         self.generated.tokens += int(lengths.sum())
         self.generated.seconds += time.perf_counter() - started
         counts.answers += len(answers)
