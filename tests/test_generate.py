@@ -260,6 +260,11 @@ def test_two_on_policy_rounds_train_on_each_new_version_and_the_run_records_both
     assert set(view.index["sample_id"].to_pylist()) == {f"{p}/g0" for p in PROMPTS}
     assert {generation_of(h) for h in view.index["source_hash"].to_pylist()} == {record["id"]}
     assert len(logitstore.open(str(store), "round-1").generations()) == 1 and len(view.generations()) == 2
+    resume = ["train", "--out", str(run), "--resume", "--new-version"]
+    refused = CliRunner().invoke(app, resume)
+    assert refused.exit_code == 2 and "give --version" in refused.stderr
+    refused = CliRunner().invoke(app, [*resume, "--version", "round-1"])  # the run is at step 4 already
+    assert refused.exit_code == 2 and "larger --steps" in refused.stderr
 
 
 def test_vllm_generation_plans_one_seeded_request_per_answer():

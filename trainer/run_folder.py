@@ -121,6 +121,8 @@ def _resume_plan(out: Path, marker: dict, cfg: TrainConfig) -> RunPlan:
     state = checkpoint.train_state(resume_from) if resume_from is not None else {}
     snapshot = state.get("snapshot", marker["snapshot"])
     versions = tuple(state.get("versions") or ([snapshot] if snapshot is not None else []))
+    if cfg.output.new_version and cfg.data.version is None:
+        raise TrainConfigError("--new-version continues the run on the version --version names; give --version")
     if snapshot is not None and cfg.data.version is not None:
         requested = _check_version(out, cfg, snapshot)
         if requested != snapshot:
