@@ -500,14 +500,18 @@ def eval_(
 @user_errors
 def rounds(
     store: Annotated[str, typer.Option(help="Store of the rounds' answers; each round's version is tagged round-R.")],
-    out: Annotated[str, typer.Option(help="The run folder every round trains in (OUT/final generates the next round).")],
+    out: Annotated[
+        str, typer.Option(help="The run folder every round trains in (OUT/final generates the next round).")
+    ],
     prompts: Annotated[str, typer.Option(help="The prompts (any input build --data reads).")],
     rounds: Annotated[int, typer.Option(help="Rounds to run: build, tag, train.")],
     steps_per_round: Annotated[int, typer.Option(help="Optimizer steps each round adds to the run.")],
     generate: Annotated[int, typer.Option(help="New tokens per answer at most (build --generate).")] = 256,
     prompt_column: Annotated[Optional[str], typer.Option(help="Column of plain-text prompts.")] = None,
     chat_column: Annotated[Optional[str], typer.Option(help="Column of conversations ending with a user turn.")] = None,
-    teacher: Annotated[Optional[str], typer.Option(help="The teacher that scores (and writes round 1's answers).")] = None,
+    teacher: Annotated[
+        Optional[str], typer.Option(help="The teacher that scores (and writes round 1's answers).")
+    ] = None,
     student: Annotated[Optional[str], typer.Option(help="The student to train (train --student).")] = None,
     samples_per_prompt: Annotated[int, typer.Option(help="Answers per prompt.")] = 1,
     generation_temperature: Annotated[float, typer.Option(help="Sampling temperature of the answers.")] = 1.0,
@@ -549,7 +553,9 @@ def rounds(
         _print_json(done)
         return
     for r in done:
-        typer.echo(f"round {r['round']}: version {r['version']} (tag round-{r['round']}), step {r['train'].get('step')}")
+        typer.echo(
+            f"round {r['round']}: version {r['version']} (tag round-{r['round']}), step {r['train'].get('step')}"
+        )
 
 
 @app.callback(invoke_without_command=True)

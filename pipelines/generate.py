@@ -37,6 +37,10 @@ from logitstore.pipelines.engines import generator_class
 from logitstore.pipelines.inputs import Document
 from logitstore.pipelines.workers import worker_settings
 
+# Prompts per generator call at most: a larger group lets the generator sort more prompts by length, and
+# each answer waits for its group's longest.
+PROMPT_GROUP = 64
+
 
 class GenerationCounts(Protocol):
     """What generation adds to the build's summary."""
@@ -80,6 +84,14 @@ class Generation:
     @property
     def id(self) -> str:
         return self.record["id"]
+
+    @property
+    def prompts_per_call(self) -> int:
+        """Prompts answered by one generator call: enough for a teacher batch or a unit, whichever is
+        larger, at the longest a sample may be (so the first unit comes after one call, and a killed
+        build loses at most about a unit of answers); at most `PROMPT_GROUP`."""
+        per_prompt = self.cfg.max_length * self.cfg.samples_per_prompt
+        return max(1, min(PROMPT_GROUP, max(self.cfg.batch_tokens, self.cfg.unit_tokens) // per_prompt))
 
     def generator(self):
         if self._generator is None:

@@ -181,11 +181,6 @@ def plan_units(
         yield from _unless_stored(pending, stored, summary, planned)
 
 
-# Prompts read and answered at a time: one generator call, batched inside by token budget (a larger
-# group lets the generator sort more prompts by length; each answer waits for its group's longest).
-PROMPT_GROUP = 64
-
-
 def _plan_answers(
     cfg: PlanConfig, tokenizer, generation: Generation, *, stored: StoredDocuments, summary, planned: Planned
 ) -> Iterator[Unit]:
@@ -194,7 +189,7 @@ def _plan_answers(
     generated, then the rest are generated and planned as one-window samples."""
     pending = Unit(index=0)
     seen: set[str] = set()
-    for doc_batch in _batched(cfg.documents(), PROMPT_GROUP, max_chars=TOKENIZE_CHARS):
+    for doc_batch in _batched(cfg.documents(), generation.prompts_per_call, max_chars=TOKENIZE_CHARS):
         pending.documents_read += len(doc_batch)
         planned.documents += len(doc_batch)
         wanted = []

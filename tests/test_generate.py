@@ -198,7 +198,9 @@ def test_a_killed_build_resumes_and_answers_every_prompt_once(tiny_teacher, tmp_
     prompts = {f"p{i}": f"Prompt number {i} asks" for i in range(24)}
     data = write_prompts(tmp_path / "p.jsonl", prompts)
     store = tmp_path / "s"
-    args = [*generate_args(store, data, "--unit-tokens", 40, "--commit-every", 0.01, teacher=tiny_teacher)]
+    # one prompt per generator call (batches and units of 64 tokens at most): the kill lands mid-generation
+    limits = ["--unit-tokens", 40, "--batch-tokens", 64, "--commit-every", 0.01]
+    args = generate_args(store, data, *limits, teacher=tiny_teacher)
     child = subprocess.Popen([*CLI, *args[:-1]], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 240
