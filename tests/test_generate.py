@@ -235,6 +235,7 @@ def test_a_trained_student_generates_and_the_store_records_its_run(twice, prompt
     assert os.path.isdir(run / "final") and sys.executable
 
 
+@pytest.mark.slow
 def test_two_on_policy_rounds_train_on_each_new_version_and_the_run_records_both(prompts, tmp_path):
     from logitstore.trainer import checkpoint
 
