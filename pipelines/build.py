@@ -169,7 +169,7 @@ def run_build(cfg: BuildConfig, *, log: Callable[[str], None] | None = None) -> 
     """Run the whole build; returns the summary. Raises `LogitstoreError`s for user errors."""
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     if cfg.generate and cfg.generator is None and cfg.engine == "torch":
-        from logitstore.pipelines.engines.torch_engine import shared_teachers
+        from logitstore.pipelines.engines.torch_engine import shared_teachers  # torch: only a torch build needs it
 
         with shared_teachers():  # the teacher generates and scores: one load for both
             return _run_build(cfg, log=log)

@@ -191,7 +191,7 @@ def _prompt_and_sample(sample_id: str) -> tuple[str, int]:
 
 def _describe_generator(generator: str | None, *, teacher) -> tuple:
     """(the generator's `TeacherSpec`, what the store records of it): the teacher's, or the model's."""
-    from logitstore.pipelines.teacher import describe_teacher
+    from logitstore.pipelines.teacher import describe_teacher  # torch (2.7 s): build imports this module early
 
     if generator is None:
         info = teacher

