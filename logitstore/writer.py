@@ -30,6 +30,7 @@ from logitstore.errors import (
     InvalidSampleError,
     LogitstoreError,
 )
+from logitstore.generation import GENERATIONS_ATTR
 from logitstore.grid import CodecParams
 
 # 2: teachers registered since hold their log-probability arrays as float32 through the grid codec
@@ -134,6 +135,14 @@ class StoreWriter:
             write_array(sub, layout.VOCAB_MAP, np.asarray(st.vocab_map, dtype=np.int32))
         self.teachers[meta.name] = meta
         return meta
+
+    def record_generation(self, teacher: str, record: dict) -> None:
+        """Keep a generation's record (`logitstore.generation`) on the teacher's group, once: a record
+        already there is not written again, so checkpoint commits do not touch the group."""
+        group = group_at(self.root, layout.teacher_path(teacher))
+        known = json_attr(group, GENERATIONS_ATTR) if GENERATIONS_ATTR in group.attrs else {}
+        if record["id"] not in known:
+            group.attrs[GENERATIONS_ATTR] = {**known, record["id"]: record}
 
     # -- samples -----------------------------------------------------------------------------------
 

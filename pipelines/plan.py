@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import pyarrow as pa
@@ -25,6 +25,9 @@ from logitstore.pipelines.config import BuildError, PlanConfig
 from logitstore.pipelines.workers import Unit
 from logitstore.sparsity import Sparsity
 from logitstore.tokenizer_io import load_tokenizer, parse_tokenizer_spec, tokenizer_hash
+
+if TYPE_CHECKING:
+    from logitstore.pipelines.generate import Generated, Generation
 
 
 class PlanCounts(Protocol):
@@ -42,6 +45,7 @@ class _Uncounted:
     """Counts nobody reads (live mode plans without a summary)."""
 
     skipped = no_completion = tool_calls = duplicates = already_stored = changed = 0
+    prompts = answers = generated_tokens = answers_cut = 0
 
 
 def check_teacher_fits(info, *, sparsity: Sparsity, max_length: int) -> None:
@@ -109,14 +113,19 @@ def plan_units(
     students: Sequence[StudentSide] = (),
     vocab_size: int | None = None,
     planned: Planned | None = None,
+    generation: Generation | None = None,
 ) -> Iterator[Unit]:
     """Units of about `unit_tokens` tokens in input order, skipping units already stored. A long
     document's windows fill as many units as they need, so commits keep coming. What was left out is
     counted in `counts` (the build's summary); `planned` counts the documents read and the tokens of
-    their windows still to compute, as they are read (the build's progress)."""
+    their windows still to compute, as they are read (the build's progress). With `generation`, the
+    documents are prompts and the samples their generated answers (`_plan_answers`)."""
     stored = stored if stored is not None else StoredDocuments()
     summary = counts if counts is not None else _Uncounted()
     planned = planned if planned is not None else Planned()
+    if generation is not None:
+        yield from _plan_answers(cfg, tokenizer, generation, stored=stored, summary=summary, planned=planned)
+        return
     pending = Unit(index=0)
     seen: set[str] = set()
     drop_tool_calls = bool(cfg.chat_column) and not chat.renders_tool_calls(tokenizer)
@@ -168,6 +177,44 @@ def plan_units(
                 if pending.n_tokens >= cfg.unit_tokens:
                     yield from _unless_stored(pending, stored, summary, planned)
                     pending = Unit(index=pending.index + 1)
+    if pending.sample_ids:
+        yield from _unless_stored(pending, stored, summary, planned)
+
+
+def _plan_answers(
+    cfg: PlanConfig, tokenizer, generation: Generation, *, stored: StoredDocuments, summary, planned: Planned
+) -> Iterator[Unit]:
+    """Units of generated answers: each prompt's answer documents (`PROMPTID/gN`) are checked against
+    the store (stored: skipped; stored by another generation: `--on-duplicate`) before any is
+    generated, then the rest are generated and planned as one-window samples."""
+    pending = Unit(index=0)
+    seen: set[str] = set()
+    for doc_batch in _batched(cfg.documents(), generation.prompts_per_call, max_chars=TOKENIZE_CHARS):
+        pending.documents_read += len(doc_batch)
+        planned.documents += len(doc_batch)
+        wanted = []
+        for doc, prompt in zip(doc_batch, generation.prompt_tokens(tokenizer, doc_batch)):
+            if doc.id in seen:
+                summary.duplicates += 1
+                continue
+            seen.add(doc.id)
+            summary.prompts += 1
+            for answer in generation.answer_documents(doc):
+                if stored.changed(answer):
+                    summary.changed += 1
+                    if cfg.on_duplicate == "skip":
+                        continue
+                    _replace(answer, stored, cfg)
+                elif answer.id in stored.sample_ids:
+                    summary.already_stored += 1
+                    continue
+                wanted.append((answer, prompt))
+        for answer, tokens, mask in generation.answer(wanted, counts=summary):
+            planned.tokens += len(tokens)
+            pending.add(answer.id, tokens, answer.source_hash, loss_mask=mask)
+            if pending.n_tokens >= cfg.unit_tokens:
+                yield from _unless_stored(pending, stored, summary, planned)
+                pending = Unit(index=pending.index + 1)
     if pending.sample_ids:
         yield from _unless_stored(pending, stored, summary, planned)
 
@@ -354,3 +401,4 @@ class Planned:
 
     documents: int = 0
     tokens: int = 0
+    generated: Generated | None = None  # build --generate: the answers' tokens and the seconds they took
