@@ -19,6 +19,13 @@ An engine is one module in this folder, `<name>_engine.py`, defining `Engine`, a
                             and interruption (`pipelines/workers.py`): a process left behind would keep a
                             GPU's memory, or hang the build's exit waiting for it
 
+Optional, where an engine has them (the server engine):
+
+    settled(settings, spec) -> (Sparsity, note | None)  classmethod, after `check`: the sparsity the build
+                            stores (the server's K where no sparsity flag was given) and a line said at start
+    recorded(settings, spec) -> dict    classmethod: more of `TeacherMeta`'s fields to record (`server`)
+    .take_skips(sample_ids) -> Counter  samples it left out of `compute`, by reason (counted in the summary)
+
 So adding an engine is one new file: the registry finds modules by name (`engine_names`) and imports
 one only when asked for it (`engine_class`), which keeps `logitstore --help` from importing vLLM.
 """
