@@ -6,7 +6,8 @@ What answers a completion is a `Scorer`: `torch_scorer(teacher)` runs a real tea
 engine's own top-k forward pass (one unpadded prompt at a time), so a build against this server can be
 compared entry for entry with `--engine torch`; `benchmarks/server.py` replays answers rendered once.
 
-Faults (`Faults`), each on the next N completion requests: `500` (then it recovers), `drop` (the
+Faults (`Faults`), each on the next N completion requests: `ok` (an answer: lets the client's preflight
+probe through), `500` (then it recovers), `drop` (the
 connection closes without an answer), `hang` (no answer for `hang_s`, past a client's timeout),
 `malformed` (JSON cut short); `down_after(n)`: after n more answers every request is dropped (a replica
 gone); `refuse_if(prompt)`: a 400 for the prompts it picks. The server's answers to `/v1/models` and
@@ -117,7 +118,7 @@ class Faults:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def next(self, n: int, action: str) -> None:
-        assert action in ("500", "drop", "hang", "malformed"), action
+        assert action in ("ok", "500", "drop", "hang", "malformed"), action
         with self.lock:
             self.queue.extend([action] * n)
 
@@ -163,7 +164,7 @@ class OpenAIServer:
         self.tokenize, self.version = tokenize, version
         self.faults = Faults()
         self.completions = 0  # completion requests answered with 200
-        self.headers_seen: list[dict] = []  # every request's headers (what a client sent)
+        self.keys_seen: list[str | None] = []  # every request's Authorization header (what a client sent)
         server = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -204,7 +205,7 @@ class OpenAIServer:
     def _handle(self, handler, method: str) -> None:
         length = int(handler.headers.get("Content-Length") or 0)
         body = handler.rfile.read(length) if length else b""
-        self.headers_seen.append(dict(handler.headers))
+        self.keys_seen.append(handler.headers.get("Authorization"))
         if self.api_key is not None and handler.headers.get("Authorization") != f"Bearer {self.api_key}":
             return _send(handler, 401, {"error": "Unauthorized"})
         path = handler.path.split("?")[0]

@@ -113,8 +113,9 @@ _preflights: dict[tuple, ServedTeacher] = {}  # by (urls, teacher, K asked, defa
 _preflights_lock = threading.Lock()
 
 
-def preflight(settings, spec, *, default_k: bool = False) -> ServedTeacher:
-    """Checks every replica (module docstring) and returns what the build records; one line on failure."""
+def preflight(settings, spec, *, default_k: bool = False, fresh: bool = False) -> ServedTeacher:
+    """Checks every replica (module docstring) and returns what the build records; one line on failure.
+    Asked again with the same settings, the answer of the last check (`fresh`: ask the servers again)."""
     if not settings.server_urls:
         raise ServerError("--engine server needs --server-url URL (repeat it for several replicas)")
     sparsity = settings.sparsity
@@ -128,18 +129,21 @@ def preflight(settings, spec, *, default_k: bool = False) -> ServedTeacher:
             "--engine server selects entries at --temperature 1 only: a server's prompt log-probabilities are at "
             "temperature 1"
         )
-    key = (tuple(settings.server_urls), spec, sparsity.k, default_k)
+    # with the default, K is asked as DEFAULT_K whatever the settings carry (the settled K, once settled)
+    k = DEFAULT_K if default_k else sparsity.k
+    key = (tuple(settings.server_urls), api_key(settings), spec, k, default_k)
     with _preflights_lock:
+        if fresh:
+            _preflights.pop(key, None)
         if key not in _preflights:
             import httpx  # here: `build --help` and the other engines never load it
 
             with httpx.Client(timeout=CHECK_TIMEOUT_S, headers=_headers(api_key(settings))) as client:
-                served = [_check_replica(client, url, spec, k=sparsity.k, default_k=default_k) for url in key[0]]
-            k = min(s.k for s in served)
+                served = [_check_replica(client, url, spec, k=k, default_k=default_k) for url in key[0]]
             _preflights[key] = ServedTeacher(
                 model=served[0].model,
                 version=served[0].version,
-                k=k,
+                k=min(s.k for s in served),
                 max_model_len=min((s.max_model_len for s in served if s.max_model_len), default=None),
                 urls=key[0],
             )
@@ -166,9 +170,11 @@ def _check_replica(client, url: str, spec, *, k: int, default_k: bool) -> Served
     model = str(card["id"])
     version = _version(client, url)
     probe = _check_tokenizer(client, url, model, spec)
-    k = _check_k(client, url, model, probe, k=k, default_k=default_k)
     limit = card.get("max_model_len")
-    return ServedTeacher(model, version, k, int(limit) if isinstance(limit, int) else None, (url,))
+    limit = int(limit) if isinstance(limit, int) else None
+    probe = probe[: max(2, limit - 1)] if limit else probe  # the prompt and its one generated token fit
+    k = _check_k(client, url, model, probe, k=k, default_k=default_k)
+    return ServedTeacher(model, version, k, limit, (url,))
 
 
 def _same_model(card: dict, spec) -> bool:
@@ -499,7 +505,7 @@ class Engine:
 
     @classmethod
     def check(cls, settings, spec) -> None:
-        preflight(settings, spec, default_k=settings.default_sparsity)
+        preflight(settings, spec, default_k=settings.default_sparsity, fresh=True)
 
     @classmethod
     def resolved_dtype(cls, settings) -> str:
