@@ -4,7 +4,8 @@ extension, in vLLM's JSON shape (`render_completion`), with faults a test switch
 
 What answers a completion is a `Scorer`: `torch_scorer(teacher)` runs a real teacher through the torch
 engine's own top-k forward pass (one unpadded prompt at a time), so a build against this server can be
-compared entry for entry with `--engine torch`; `benchmarks/server.py` replays answers rendered once.
+compared entry for entry with `--engine torch`; `benchmarks/server.py` replays answers rendered once
+(`replay(prompt, k) -> bytes`), so the server costs next to nothing.
 
 Faults (`Faults`), each on the next N completion requests: `ok` (an answer: lets the client's preflight
 probe through), `500` (then it recovers), `drop` (the
@@ -151,7 +152,8 @@ class OpenAIServer:
         self,
         *,
         model: str,
-        scorer: Scorer,
+        scorer: Scorer | None = None,
+        replay: Callable[[list[int], int], bytes] | None = None,
         tokenizer=None,
         max_logprobs: int = 20,
         max_model_len: int | None = None,
@@ -159,7 +161,8 @@ class OpenAIServer:
         tokenize: bool = True,
         version: str = VERSION,
     ):
-        self.model, self.scorer, self.tokenizer = model, scorer, tokenizer
+        assert (scorer is None) != (replay is None), "a scorer, or answers rendered before (replay)"
+        self.model, self.scorer, self.replay, self.tokenizer = model, scorer, replay, tokenizer
         self.max_logprobs, self.max_model_len, self.api_key = max_logprobs, max_model_len, api_key
         self.tokenize, self.version = tokenize, version
         self.faults = Faults()
@@ -216,7 +219,9 @@ class OpenAIServer:
             return _send(handler, 200, {"version": self.version})
         if method == "POST" and path == "/tokenize" and self.tokenize and self.tokenizer is not None:
             request = orjson.loads(body)
-            tokens = self.tokenizer.encode(request["prompt"], add_special_tokens=request.get("add_special_tokens", True))
+            tokens = self.tokenizer.encode(
+                request["prompt"], add_special_tokens=request.get("add_special_tokens", True)
+            )
             return _send(handler, 200, {"tokens": tokens, "count": len(tokens), "max_model_len": self.max_model_len})
         if method == "POST" and path == "/v1/completions":
             return self._complete(handler, orjson.loads(body))
@@ -242,6 +247,10 @@ class OpenAIServer:
             return _send(handler, 400, _error("this prompt is refused", 400))
         if self.max_model_len is not None and len(prompt) + request.get("max_tokens", 16) > self.max_model_len:
             return _send(handler, 400, _error(f"This model's maximum context length is {self.max_model_len}", 400))
+        if self.replay is not None:
+            self.completions += 1
+            return _send_bytes(handler, 200, self.replay(list(prompt), k or 0))
+        assert self.scorer is not None
         scores = self.scorer(np.asarray(prompt), max(k or 0, 1))
         if k == 0:
             scores = Scores(scores.ids[:, :0], scores.logprobs[:, :0], scores.target_logprob, scores.target_rank)

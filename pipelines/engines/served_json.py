@@ -77,6 +77,7 @@ def parse_prompt_logprobs(body: bytes) -> FlatPromptLogprobs:
 _LOGPROB = np.frombuffer(b"logprob", dtype=np.uint8)
 _RANK = np.frombuffer(b"rank", dtype=np.uint8)
 _NULL = np.frombuffer(b"null", dtype=np.uint8)
+_POW10 = np.array([10.0**e for e in range(23)])
 
 
 @numba.njit(cache=True, nogil=True)
@@ -167,10 +168,18 @@ def _number(data, i):
             i += 1
         exponent += esign * e
     value = float(mantissa)
-    if exponent < 0:
-        value = value / 10.0 ** (-exponent) if exponent >= -308 else value / 10.0**308 / 10.0 ** (-exponent - 308)
-    elif exponent > 0:
-        value = value * 10.0**exponent
+    if -22 <= exponent < 0:  # powers of ten to 1e22 are exact doubles: one rounding
+        value = value / _POW10[-exponent]
+    elif 0 < exponent <= 22:
+        value = value * _POW10[exponent]
+    elif exponent != 0:
+        value = (
+            value * 10.0**exponent
+            if exponent > 0
+            else value / 10.0**308 / 10.0 ** (-exponent - 308)
+            if exponent < -308
+            else value / 10.0 ** (-exponent)
+        )
     return sign * value, i
 
 
