@@ -90,9 +90,8 @@ def serve(teacher: str, k: int, length: int, distinct: int, ready) -> None:
 
 
 def stand_in_teacher(folder: Path) -> str:
-    from logitstore.pipelines.teacher import describe_teacher
-
     import tests.conftest as conftest  # save_tiny_llama: a 1-layer Llama folder (never loaded by the build)
+    from logitstore.pipelines.teacher import describe_teacher
 
     path = folder / "stand-in"
     conftest.save_tiny_llama(path, describe_teacher(None).tokenizer, vocab_size=VOCAB)
@@ -116,9 +115,7 @@ def main() -> None:
         teacher = stand_in_teacher(folder)
         context = multiprocessing.get_context("spawn")
         ready = context.Queue()
-        server = context.Process(
-            target=serve, args=(teacher, args.k, args.length, args.distinct, ready), daemon=True
-        )
+        server = context.Process(target=serve, args=(teacher, args.k, args.length, args.distinct, ready), daemon=True)
         server.start()
         url, answer_bytes = ready.get(timeout=600)
         rows = prompts(args.samples, length=args.length, distinct=args.distinct)
