@@ -332,3 +332,15 @@ def test_the_api_key_is_sent_and_written_nowhere(servers, tiny_teacher, data, tm
 
 def test_credentials_are_stripped_from_recorded_urls():
     assert strip_credentials("https://u:p@host:8443/v1/?token=x#f") == "https://host:8443/v1"
+
+
+def test_a_dry_run_times_the_server_and_writes_nothing(servers, tiny_teacher, data, tmp_path):
+    server = servers[0]
+    before = server.completions
+    args = ["--engine", "server", "--server-url", server.url, "--top-k", 8, "--dry-run"]
+    result = build(tmp_path / "s", data, tiny_teacher, *args)
+    assert result.exit_code == 0, result.output
+    (estimate,) = summary(result)["teachers"]
+    assert estimate["measured_tokens"] > 0 and estimate["teacher_tokens_per_second"] > 0
+    assert estimate["sparsity"]["k"] == 8 and server.completions > before + 1
+    assert not (tmp_path / "s").exists()
