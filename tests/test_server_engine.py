@@ -344,3 +344,28 @@ def test_a_dry_run_times_the_server_and_writes_nothing(servers, tiny_teacher, da
     assert estimate["measured_tokens"] > 0 and estimate["teacher_tokens_per_second"] > 0
     assert estimate["sparsity"]["k"] == 8 and server.completions > before + 1
     assert not (tmp_path / "s").exists()
+
+
+def test_without_tokenize_the_echoed_ids_check_the_tokenizer(servers, tiny_teacher, gpt2_tokenizer_dir):
+    """A server without /tokenize: the ids a text prompt echoes (prompt_logprobs 0) are compared instead."""
+    from transformers import AutoTokenizer
+
+    from logitstore.pipelines.engines.server_engine import ServerError, preflight
+    from logitstore.pipelines.teacher import resolve_teacher
+    from logitstore.pipelines.workers import WorkerSettings
+    from logitstore.sparsity import Sparsity
+
+    server = servers[0]
+    server.tokenize = False
+    spec = resolve_teacher(tiny_teacher)
+    settings = WorkerSettings(spec, "cpu", "auto", Sparsity(k=8), 8192, 0, engine="server", server_urls=(server.url,))
+    try:
+        assert preflight(settings, spec, fresh=True).k == 8
+        server.tokenizer, mine = AutoTokenizer.from_pretrained(gpt2_tokenizer_dir), server.tokenizer
+        try:
+            with pytest.raises(ServerError, match="tokenizes a probe text otherwise"):
+                preflight(settings, spec, fresh=True)
+        finally:
+            server.tokenizer = mine
+    finally:
+        server.tokenize = True

@@ -189,8 +189,7 @@ class OpenAIServer:
 
     @property
     def url(self) -> str:
-        host, port = self._http.server_address[:2]
-        return f"http://{host}:{port}"
+        return f"http://127.0.0.1:{self._http.server_address[1]}"
 
     def close(self) -> None:
         self._http.shutdown()

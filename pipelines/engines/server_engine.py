@@ -235,8 +235,9 @@ def _check_tokenizer(client, url: str, model: str, spec) -> list[int]:
         theirs = _json(response.content, url, "/tokenize").get("tokens")
         ours = tokenizer.encode(PROBE_TEXT, add_special_tokens=False)
     else:  # no /tokenize: the ids of a text prompt, echoed in its prompt log-probabilities
-        theirs = _echoed_ids(client, url, model)
+        theirs, whole = _echoed_ids(client, url, model)
         ours = tokenizer.encode(PROBE_TEXT)
+        ours = ours if whole else ours[1:]  # without its token ids, the first (null) position is unknown
     if list(theirs or []) != list(ours):
         raise ServerError(
             f"--server-url {strip_credentials(url)} tokenizes a probe text otherwise than the teacher's tokenizer "
@@ -245,7 +246,8 @@ def _check_tokenizer(client, url: str, model: str, spec) -> list[int]:
     return list(ours)
 
 
-def _echoed_ids(client, url: str, model: str) -> list[int]:
+def _echoed_ids(client, url: str, model: str) -> tuple[list[int], bool]:
+    """The probe's ids as the server made them, and whether the first is among them."""
     body = {"model": model, "prompt": PROBE_TEXT, "max_tokens": 1, "prompt_logprobs": 0, "return_token_ids": True}
     response = _request(client, "POST", url, "/v1/completions", json=body)
     if response.status_code != 200:
@@ -255,11 +257,10 @@ def _echoed_ids(client, url: str, model: str) -> list[int]:
         )
     choice = (_json(response.content, url, "/v1/completions").get("choices") or [{}])[0]
     if choice.get("prompt_token_ids"):
-        return list(choice["prompt_token_ids"])
+        return list(choice["prompt_token_ids"]), True
     entries = choice.get("prompt_logprobs") or []
-    # prompt_logprobs 0: each position holds the prompt token alone (the first is null, and unknown)
-    first = [] if not entries or entries[0] is not None else [None]
-    return first + [int(next(iter(e))) for e in entries[1:] if e]
+    # prompt_logprobs 0: each position holds the prompt token alone; the first position is null
+    return [int(next(iter(e))) for e in entries[1:] if e], False
 
 
 def _check_k(client, url: str, model: str, probe: list[int], *, k: int, default_k: bool) -> int:
@@ -438,7 +439,8 @@ class Replicas:
         replica.failures = 0
         return Answer(replica.url, status, reason=_error_message(response.content))
 
-    async def _failed(self, replica: Replica, error: str) -> None:
+    async def _failed(self, replica: Replica, error: str) -> Answer | None:
+        """None (retry), after counting the failure against the replica and setting it aside at the limit."""
         replica.failures += 1
         replica.last_error = error
         if replica.failures >= SET_ASIDE_AFTER and not replica.set_aside:
@@ -465,7 +467,7 @@ class Replicas:
 
         async def close_clients():
             for replica in self.replicas:
-                await replica.client.aclose()  # type: ignore[attr-defined]
+                await replica.client.aclose()
 
         try:
             asyncio.run_coroutine_threadsafe(close_clients(), self.loop).result(timeout=10)
