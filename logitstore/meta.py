@@ -71,6 +71,10 @@ class TeacherMeta:
     # each student-token array an object of its own; format 3) or "arrays" (one Zarr array, so one
     # object, per array; teachers written before format 3). `packs` says where one array lies.
     part_layout: str = "packed+students"
+    # A teacher behind a server (`--engine server`): {"model", "version", "k", "urls"} (the served model's
+    # name, the server's /version, the prompt log-probabilities asked, the URLs less any credentials).
+    # None otherwise, and then left out of the JSON, so readers that predate it read every other store.
+    server: dict | None = None
 
     def __post_init__(self) -> None:
         if not NAME.fullmatch(self.name):
@@ -97,7 +101,7 @@ class TeacherMeta:
             "dtype": self.dtype,
             "engine_version": self.engine_version,
             "part_layout": self.part_layout,
-        }
+        } | ({"server": dict(self.server)} if self.server is not None else {})
 
     @classmethod
     def from_json(cls, meta: dict) -> TeacherMeta:

@@ -69,10 +69,11 @@ class Group:
     exclude: tuple[str, ...] = ()
 
 
-def option(default: Any = MISSING, *, default_factory: Any = MISSING, **flag: Any) -> Any:
+def option(default: Any = MISSING, *, default_factory: Any = MISSING, repr: bool = True, **flag: Any) -> Any:
     """A dataclass field that is a flag: `option(256, help="Tokens per packed row.", panel="Data")`.
-    Keywords other than the defaults are `Flag`'s. Typed `Any`, as `dataclasses.field` is for checkers."""
-    return field(default=default, default_factory=default_factory, metadata={KEY: Flag(**flag)})
+    Keywords other than the defaults and `repr` (False: a secret, left out of the config's repr) are
+    `Flag`'s. Typed `Any`, as `dataclasses.field` is for checkers."""
+    return field(default=default, default_factory=default_factory, repr=repr, metadata={KEY: Flag(**flag)})
 
 
 def group(of: type, *, default: Any = MISSING, default_factory: Any = MISSING, **how: Any) -> Any:

@@ -37,7 +37,7 @@ from logitstore.errors import ChangedTextError, ConflictError
 from logitstore.meta import DEFAULT_BRANCH, TeacherMeta
 from logitstore.pipelines import inputs
 from logitstore.pipelines.config import BuildConfig, BuildError
-from logitstore.pipelines.engines import engine_class
+from logitstore.pipelines.engines import EngineError, engine_class
 from logitstore.pipelines.generate import Generation
 from logitstore.pipelines.plan import (
     Planned,
@@ -67,6 +67,8 @@ class BuildSummary:
     tool_calls: int = 0  # conversations with tool calls that the teacher's chat template does not render (skipped)
     duplicates: int = 0  # documents whose id appeared earlier in the input
     already_stored: int = 0  # samples committed by an earlier (interrupted) run of the build
+    refused: int = 0  # samples the teacher's server refused (a 4xx for that request; --engine server)
+    too_long: int = 0  # samples longer than the teacher's server takes (its max_model_len; --engine server)
     changed: int = 0  # documents stored before with other text: replaced or kept, by --on-duplicate
     seconds: float = 0.0
     tokens_per_second: float = 0.0
@@ -110,6 +112,7 @@ class BuildPlan:
     started: float
     planned: Planned  # what the planner has read so far (the progress clock reads it)
     generation: Generation | None = None  # build --generate: the generator, loaded by the planner
+    notes: list[str] = field(default_factory=list)  # the engine's lines said at start (the server's K)
 
     def read_first(self) -> Unit | None:
         """Read the first unit: the input's first documents tokenized and checked (bad input fails here)."""
@@ -132,6 +135,12 @@ def plan_build(cfg: BuildConfig, *, read_first: bool = True) -> BuildPlan:
     check_teacher_fits(info, sparsity=_sparsity(cfg), max_length=cfg.max_length)
     engine, settings = engine_class(cfg.engine), worker_settings(cfg, teacher_spec=info.spec)
     engine.check(settings, info.spec)  # e.g. vLLM missing, or no GPU: one line, before anything is written
+    notes = []
+    if hasattr(engine, "settled"):  # the server engine's K follows the server's maximum where none was asked
+        # set on the caller's config too: run_build's executor and the dry run's read it from there
+        cfg.sparsity, note = engine.settled(settings, info.spec)
+        settings = worker_settings(cfg, teacher_spec=info.spec)
+        notes += [note] if note else []
     students = load_student_tokenizers(cfg.student_tokenizers, teacher=info)
     # The store (and a new branch) is made only with the first commit: a build that fails before leaves
     # no empty store or branch behind.
@@ -143,6 +152,7 @@ def plan_build(cfg: BuildConfig, *, read_first: bool = True) -> BuildPlan:
         engine=engine.name,
         dtype=engine.resolved_dtype(settings),
         engine_version=engine.version(),
+        **(engine.recorded(settings, info.spec) if hasattr(engine, "recorded") else {}),
     )
     summary = BuildSummary(teacher=meta.name)
     stored = _stored_documents(store, cfg, meta, students)
@@ -161,7 +171,9 @@ def plan_build(cfg: BuildConfig, *, read_first: bool = True) -> BuildPlan:
         planned=planned,
         generation=generation,
     )
-    plan = BuildPlan(info, meta, store, stored, students, summary, units, None, ids_from, start, planned, generation)
+    plan = BuildPlan(
+        info, meta, store, stored, students, summary, units, None, ids_from, start, planned, generation, notes
+    )
     if read_first:
         plan.read_first()
     return plan
@@ -181,6 +193,8 @@ def run_build(cfg: BuildConfig, *, log: Callable[[str], None] | None = None) -> 
 def _run_build(cfg: BuildConfig, *, log: Callable[[str], None]) -> BuildSummary:
     plan = plan_build(cfg, read_first=False)
     log(f"build: sample ids are {plan.ids_from}")
+    for note in plan.notes:
+        log(f"build: {note}")
     # on its clock from here, also while the first unit's documents are read and tokenized (a long one: minutes)
     progress = Progress(cfg, log=log, planned=plan.planned)
     store = plan.store
@@ -220,6 +234,7 @@ def _compute(plan: BuildPlan, cfg: BuildConfig, first: Unit, progress: Progress)
                 store, cfg, meta, plan.info, first, samples, summary, students=plan.students
             ):
                 head = []
+                _count_skips(summary, first)
                 progress.update(tokens=first.n_tokens, samples=len(first.sample_ids), documents=first.documents_read)
             _process(store, cfg, head, plan.units, executor, summary, progress, stored=plan.stored)
             progress.finish()
@@ -267,6 +282,8 @@ def run_builds(
         total.samples += p.samples
         total.tokens += p.tokens
         total.already_stored += p.already_stored
+        total.refused += p.refused
+        total.too_long += p.too_long
         total.changed += p.changed
         total.seconds += p.seconds
         total.commits += p.commits
@@ -382,13 +399,15 @@ def _merge_units(store, cfg, head, rest, executor, summary, progress: Progress, 
         for written, unit in executor.map(units, writer_for=lambda: writer, max_in_flight=2 * cfg.workers):  # noqa: B023
             writer.remove(summary.teacher, unit.replaces)  # the changed documents' old windows
             writer.merge(written)  # the summary counts what each commit holds (`_count_commit`)
+            _count_skips(summary, unit)
             progress.update(tokens=unit.n_tokens, samples=len(unit.sample_ids), documents=unit.documents_read)
             if time.monotonic() - last_commit >= cfg.commit_every:
                 _commit(writer, cfg, summary, final=False)
                 writer = _writer(store, cfg)
                 last_commit = time.monotonic()
-    except (inputs.DataError, BuildError):
-        _commit(writer, cfg, summary, final=False)  # a bad row further on keeps the units computed before it
+    except (inputs.DataError, BuildError, EngineError):
+        # a bad row further on, or the teacher's server gone: the units computed before it are kept
+        _commit(writer, cfg, summary, final=False)
         raise
     finally:
         units.close()  # stops the planner thread
@@ -419,6 +438,12 @@ def _commit(writer, cfg: BuildConfig, summary: BuildSummary, *, final: bool) -> 
     message = cfg.message or f"build: teacher {summary.teacher}"
     writer.commit(message if final else f"{message} (checkpoint, {summary.samples} samples before it)")
     _count_commit(summary, writer)
+
+
+def _count_skips(summary: BuildSummary, unit: Unit) -> None:
+    """Samples the engine left out of a merged unit (the server engine's refusals and too long samples)."""
+    summary.refused += unit.skips.get("refused", 0)
+    summary.too_long += unit.skips.get("too_long", 0)
 
 
 def _count_commit(summary: BuildSummary, writer) -> None:

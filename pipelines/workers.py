@@ -59,6 +59,8 @@ class Unit:
     replaces: list[str] = field(default_factory=list)
     # per sample id: uint8 [tokens], 1 for completion tokens (chat data only; `logitstore.chat`)
     loss_masks: dict[str, np.ndarray] = field(default_factory=dict)
+    # samples the engine could not compute, by reason (the server engine: "refused", "too_long"); counted
+    skips: dict[str, int] = field(default_factory=dict)
 
     def add(
         self,
@@ -93,6 +95,12 @@ class WorkerSettings:
     tensor_parallel: int = 1  # GPUs per engine (the vLLM engine)
     max_length: int = 1024  # the longest sample, tokens
     vllm_output: str = "hidden"  # the vLLM engine's output: final hidden states, or its prompt log-probabilities
+    # the server engine: replicas, key (never in a repr), requests in flight per replica, request timeout
+    server_urls: tuple[str, ...] = ()
+    server_api_key: str | None = field(default=None, repr=False)
+    server_concurrency: int = 64
+    server_timeout: float = 600.0
+    default_sparsity: bool = False  # no sparsity flag given: the engine may settle the default (the server's K)
 
 
 class TeacherWorker:
@@ -128,6 +136,8 @@ class TeacherWorker:
         samples = self.engine.compute(
             unit.sample_ids, unit.tokens, seed=unit_seed(self.settings.seed, unit), keep=keep, on_batch=self.on_batch
         )
+        if hasattr(self.engine, "take_skips"):  # an engine that may leave samples out says which and why
+            unit.skips = dict(self.engine.take_skips(unit.sample_ids))
         if not unit.loss_masks:
             return samples
         samples.loss_mask = np.concatenate([unit.loss_masks[sid] for sid in samples.sample_ids])
@@ -367,6 +377,11 @@ def worker_settings(cfg, *, teacher_spec) -> WorkerSettings:
         tensor_parallel=cfg.tensor_parallel,
         max_length=cfg.max_length,
         vllm_output=cfg.vllm_output,
+        server_urls=cfg.server_urls,
+        server_api_key=cfg.server_api_key,
+        server_concurrency=cfg.server_concurrency,
+        server_timeout=cfg.server_timeout,
+        default_sparsity=cfg.default_sparsity,
     )
 
 

@@ -552,7 +552,7 @@ def test_teacher_rejects_rows_that_are_not_token_ids(fake_vllm, row):
 def test_the_engine_registry_finds_one_module_per_engine():
     from logitstore.pipelines.engines import engine_class, engine_names
 
-    assert engine_names() == ["torch", "vllm"]
+    assert engine_names() == ["server", "torch", "vllm"]
     assert engine_class("vllm") is Engine and engine_class("torch").name == "torch"
-    with pytest.raises(LogitstoreError, match="--engine must be one of torch, vllm, got 'tpu'"):
+    with pytest.raises(LogitstoreError, match="--engine must be one of server, torch, vllm, got 'tpu'"):
         engine_class("tpu")

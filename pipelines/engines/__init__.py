@@ -31,6 +31,13 @@ beside it, a class with:
                             unless cut; `seeds`: one 32-bit seed per prompt, which alone decides its draws
     .close()                as the engine's
 
+Optional, where an engine has them (the server engine):
+
+    settled(settings, spec) -> (Sparsity, note | None)  classmethod, after `check`: the sparsity the build
+                            stores (the server's K where no sparsity flag was given) and a line said at start
+    recorded(settings, spec) -> dict    classmethod: more of `TeacherMeta`'s fields to record (`server`)
+    .take_skips(sample_ids) -> Counter  samples it left out of `compute`, by reason (counted in the summary)
+
 So adding an engine is one new file: the registry finds modules by name (`engine_names`) and imports
 one only when asked for it (`engine_class`), which keeps `logitstore --help` from importing vLLM.
 """

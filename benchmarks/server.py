@@ -1,0 +1,171 @@
+"""`build --engine server`'s own cost: tokens/s a client process requests, parses, converts, encodes and writes,
+against a replaying server that answers at once with vLLM-shaped answers rendered before the clock starts.
+
+The teacher is a stand-in folder: SmolLM2's tokenizer and a config of vocabulary 151,936 (Qwen's), whose
+weights no build loads (the server engine describes the teacher, never runs it). The answers are synthetic
+in vLLM's exact JSON (`logitstore.testing.openai_server.render_completion`): per position a Zipf-like top-K
+over the 151,936 ids (distinct, spread over the vocabulary), the prompt token first with its rank, inside the
+top-K at ~40% of positions, and decoded tokens of a few characters, some escaped. The server runs in a process
+of its own, so its threads do not share the client's GIL; on a 2-core machine it takes about one core.
+
+    python benchmarks/server.py --k 20 --samples 512 --length 1024
+    python benchmarks/server.py --k 64 --samples 512 --length 1024
+
+Prints one JSON line per run: build tokens/s (the whole `run_build`, from reading the input to the last
+commit, after a first small build has paid the one-time costs: imports, compiled kernels), the bytes of JSON
+read, and the parse-and-convert rate alone on one answer (no HTTP, no writes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+VOCAB = 151_936
+NAMES = ["Ġthe", "Ġof", ",", "\n", 'Ġ"', "\\", "ing", "Ġdistillation", "Ġ東京", "é", "Ġ{", "}\n"]
+
+
+def synthetic_answer(prompt: list[int], *, k: int, seed: int) -> bytes:
+    from logitstore.testing.openai_server import Scores, render_completion
+
+    rng = np.random.default_rng(seed)
+    positions = len(prompt) - 1
+    # Zipf-like top-K: log p_r = -s * log(r + c) - log Z, a sharpness per position (peaked to flat)
+    s = rng.uniform(0.6, 2.5, (positions, 1))
+    ranks = np.arange(1, k + 2)[None, :]
+    logits = -s * np.log(ranks + 0.5) + rng.normal(0, 0.02, (positions, k + 1))
+    logits = np.sort(logits, axis=1)[:, ::-1]
+    logz = np.log(np.exp(logits).sum(axis=1, keepdims=True) + rng.uniform(0.05, 3.0, (positions, 1)))
+    logprobs = (logits - logz).astype(np.float32)
+    base = rng.integers(0, VOCAB, (positions, 1))
+    ids = (base + np.arange(k + 1)[None, :] * 7919) % VOCAB  # distinct per row
+    targets = np.asarray(prompt[1:])
+    inside = rng.random(positions) < 0.4
+    slot = rng.integers(0, k, positions)
+    clash = (ids[:, :k] == targets[:, None]).any(axis=1)
+    inside &= ~clash
+    ids[inside, slot[inside]] = targets[inside]
+    ids[~inside & ~clash, k] = targets[~inside & ~clash]  # outside: the (k+1)-th
+    rank = np.where(inside | clash, np.argmax(ids[:, :k] == targets[:, None], axis=1) + 1, k + 1 + 17)
+    target_lp = logprobs[np.arange(positions), np.where(inside | clash, rank - 1, k)]
+    scores = Scores(ids[:, :k], logprobs[:, :k], target_lp, rank)
+    return render_completion(prompt, scores, model="stand-in", decode=lambda xs: [NAMES[x % len(NAMES)] for x in xs])
+
+
+def prompts(n: int, *, length: int, distinct: int) -> list[list[int]]:
+    rng = np.random.default_rng(0)
+    # token ids the stand-in's tokenizer has (its tokenizer is SmolLM2's: 49,152)
+    return [rng.integers(0, 49_152, length).tolist() for _ in range(min(n, distinct))]
+
+
+def serve(teacher: str, k: int, length: int, distinct: int, ready) -> None:
+    """The replaying server (in its own process): answers rendered once, looked up by the prompt's head."""
+    from transformers import AutoTokenizer
+
+    from logitstore.testing.openai_server import OpenAIServer
+
+    answers = {}
+    for i, prompt in enumerate(prompts(distinct, length=length, distinct=distinct)):
+        answers[tuple(prompt[:16])] = synthetic_answer(prompt, k=k, seed=i)
+    probe_k = {}
+
+    def replay(prompt: list[int], asked: int) -> bytes:
+        found = answers.get(tuple(prompt[:16]))
+        if found is not None:
+            return found
+        if (len(prompt), asked) not in probe_k:  # the preflight's probe
+            probe_k[(len(prompt), asked)] = synthetic_answer(prompt, k=max(asked, 1), seed=0)
+        return probe_k[(len(prompt), asked)]
+
+    tokenizer = AutoTokenizer.from_pretrained(teacher)
+    server = OpenAIServer(model="stand-in", replay=replay, tokenizer=tokenizer, max_logprobs=64, max_model_len=8192)
+    ready.put((server.url, sum(len(a) for a in answers.values()) / len(answers)))
+    while True:
+        time.sleep(3600)
+
+
+def stand_in_teacher(folder: Path) -> str:
+    import tests.conftest as conftest  # save_tiny_llama: a 1-layer Llama folder (never loaded by the build)
+    from logitstore.pipelines.teacher import describe_teacher
+
+    path = folder / "stand-in"
+    conftest.save_tiny_llama(path, describe_teacher(None).tokenizer, vocab_size=VOCAB)
+    return str(path)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--k", type=int, default=20)
+    parser.add_argument("--samples", type=int, default=512)
+    parser.add_argument("--length", type=int, default=1024)
+    parser.add_argument("--distinct", type=int, default=32, help="distinct prompts (answers held by the server)")
+    args = parser.parse_args()
+
+    from logitstore.pipelines.build import BuildConfig, run_build
+    from logitstore.pipelines.engines.server_engine import served_to_sparse
+    from logitstore.sparsity import SparsityFlags
+
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        teacher = stand_in_teacher(folder)
+        context = multiprocessing.get_context("spawn")
+        ready = context.Queue()
+        server = context.Process(target=serve, args=(teacher, args.k, args.length, args.distinct, ready), daemon=True)
+        server.start()
+        url, answer_bytes = ready.get(timeout=600)
+        rows = prompts(args.samples, length=args.length, distinct=args.distinct)
+        data = folder / "ids.jsonl"
+        with data.open("w") as out:
+            for i in range(args.samples):
+                out.write(json.dumps({"id": f"s{i}", "ids": rows[i % len(rows)]}) + "\n")
+        body = synthetic_answer(rows[0], k=args.k, seed=0)
+        served_to_sparse(body, np.asarray(rows[0]), k=args.k, vocab_size=VOCAB)  # compiled before the clocks
+        start, n = time.perf_counter(), 0
+        while time.perf_counter() - start < 2:
+            served_to_sparse(body, np.asarray(rows[0]), k=args.k, vocab_size=VOCAB)
+            n += 1
+        parse_rate = n * (args.length - 1) / (time.perf_counter() - start)
+        config = dict(
+            data=str(data),
+            id_column="id",
+            ids_column="ids",
+            teacher=teacher,
+            max_length=args.length,
+            engine="server",
+            server_urls=(url,),
+            sparsity=SparsityFlags(top_k=args.k),
+            progress=False,
+        )
+        # one-time costs off the clock (torch's and transformers' imports, the kernels' cache): a first build
+        run_build(BuildConfig(store=str(folder / "warm-up"), limit=16, **config), log=lambda _: None)
+        cfg = BuildConfig(
+            store=str(folder / "store"),
+            **config,
+        )
+        summary = run_build(cfg, log=lambda _: None)
+        server.terminate()
+        print(
+            json.dumps(
+                {
+                    "k": args.k,
+                    "samples": summary.samples,
+                    "tokens": summary.tokens,
+                    "seconds": round(summary.seconds, 2),
+                    "build_tokens_per_s": round(summary.tokens_per_second),
+                    "answer_mb_per_s": round(answer_bytes * summary.samples / summary.seconds / 1e6, 1),
+                    "answer_bytes_per_token": round(answer_bytes / args.length),
+                    "parse_convert_tokens_per_s": round(parse_rate),
+                    "bytes_per_token_stored": round(summary.bytes_per_token or 0, 1),
+                }
+            )
+        )
+
+
+if __name__ == "__main__":
+    main()

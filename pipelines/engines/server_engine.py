@@ -1,0 +1,630 @@
+"""The server engine (`--engine server --server-url URL ...`): the teacher runs behind vLLM's OpenAI-compatible
+server (or any server that speaks its `/v1/completions` with `prompt_logprobs`), one or several replicas.
+
+Each sample is one request: the prompt as token ids, `prompt_logprobs: K` (vLLM's extension) and one generated
+token. The answer's per-position top-K (and the prompt token, added where it is outside them) is read straight
+into arrays (`served_json`) and converted by the vLLM engine's own conversion (`vllm_engine.entries_to_sparse`):
+the same ids, log-probabilities, target and tail (1 - sum of the top-K) as `--engine vllm --vllm-output
+logprobs`, then the torch engine's selection (`sparsify.to_samples`: top-k, or top-p cut from the K).
+
+Before anything is written (`check`, through `preflight`): every replica answers `/v1/models` with the
+teacher's model, tokenizes a probe text as the local tokenizer does (`/tokenize`, else the ids a text prompt
+echoes), and takes K prompt log-probabilities (a larger K is refused naming `vllm serve --max-logprobs`; with
+no --top-k/--top-p the build takes K = min(64, the server's maximum)).
+
+Requests (`Replicas`): an asyncio loop in a thread of its own, an httpx client per replica, at most
+`--server-concurrency` requests in flight on each, a new request to the live replica with the least
+outstanding work (prompt tokens in flight). Timeouts, refused or dropped connections, 429 and 5xx are
+retried with backoff, `ATTEMPTS` times at most; a replica that fails `SET_ASIDE_AFTER` times in a row is set
+aside and the others carry on; with none left every request fails with `ServerOutage` (exit 2, after the
+build commits what it finished). Any other 4xx refuses that one sample, counted (`skips`). The unit's
+threads parse the answers (the kernel releases the GIL), so the loop only moves bytes.
+
+The API key (`--server-api-key` or `LOGITSTORE_SERVER_API_KEY`) goes into each request's header and nowhere
+else: not the settings' repr, the teacher's metadata, a message or a log line.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import random
+import re
+import sys
+import threading
+import urllib.parse
+from collections import Counter
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import numpy as np
+import orjson
+
+from logitstore.pipelines.engines import EngineError
+from logitstore.pipelines.engines.served_json import MISSING_RANK, MalformedResponse, parse_prompt_logprobs
+from logitstore.samples import SparseSamples, concat
+from logitstore.sparsity import Sparsity
+
+API_KEY_VARIABLE = "LOGITSTORE_SERVER_API_KEY"
+DEFAULT_K = 64  # with no --top-k/--top-p: K = min(this, the server's maximum)
+ATTEMPTS = 6  # tries of one request over the replicas before the build stops
+SET_ASIDE_AFTER = 3  # failures in a row after which a replica is set aside for the rest of the build
+BACKOFF_S = 0.2  # the first retry's wait; doubled each time, with jitter, at most BACKOFF_MAX_S
+BACKOFF_MAX_S = 5.0
+CHECK_TIMEOUT_S = 30.0  # preflight requests (the probe is a few tokens)
+PROBE_TEXT = "Distillation stores a teacher's next-token distributions: 3.14, naïve café, 東京, \t<tags>."
+# vLLM's refusal of too many prompt log-probabilities ("Requested prompt logprobs of 64, which is greater
+# than max allowed: 20"); the number at its end is the server's --max-logprobs
+MAX_ALLOWED = re.compile(r"greater than max allowed:?\s*(-?\d+)", re.IGNORECASE)
+
+
+class ServerError(EngineError):
+    """The server cannot serve this build: unreachable, a wrong key or model, another tokenizer, a K above
+    its maximum, or an answer that is not a completion with prompt log-probabilities."""
+
+
+class ServerOutage(ServerError):
+    """No replica is left: the build commits what it finished and stops; the same command resumes."""
+
+
+def api_key(settings) -> str | None:
+    return settings.server_api_key or os.environ.get(API_KEY_VARIABLE) or None
+
+
+def strip_credentials(url: str) -> str:
+    """The URL less any user, password, query and fragment: what the teacher's metadata records."""
+    parts = urllib.parse.urlsplit(url)
+    host = parts.hostname or ""
+    netloc = f"{host}:{parts.port}" if parts.port else host
+    return urllib.parse.urlunsplit((parts.scheme, netloc, parts.path.rstrip("/"), "", ""))
+
+
+def _base(url: str) -> str:
+    """The server's root: URLs are given with or without a trailing /v1."""
+    url = url.rstrip("/")
+    return url[: -len("/v1")] if url.endswith("/v1") else url
+
+
+# -- preflight -------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ServedTeacher:
+    """What the preflight learned of the replicas (the first one's answers, the others checked alike)."""
+
+    model: str  # the served model's name, which every request names
+    version: str  # the server's /version ("unknown" where it has none)
+    k: int  # prompt log-probabilities asked per position
+    max_model_len: int | None  # the longest prompt + generated token it takes (None: not said)
+    urls: tuple[str, ...]  # as given (credentials included: for requests only)
+
+    def record(self) -> dict:
+        """The teacher metadata's `server` field: nothing secret."""
+        return {
+            "model": self.model,
+            "version": self.version,
+            "k": self.k,
+            "urls": [strip_credentials(u) for u in self.urls],
+        }
+
+
+_preflights: dict[tuple, ServedTeacher] = {}  # by (urls, teacher, K asked, default): one per build
+_preflights_lock = threading.Lock()
+
+
+def preflight(settings, spec, *, default_k: bool = False, fresh: bool = False) -> ServedTeacher:
+    """Checks every replica (module docstring) and returns what the build records; one line on failure.
+    Asked again with the same settings, the answer of the last check (`fresh`: ask the servers again)."""
+    if not settings.server_urls:
+        raise ServerError("--engine server needs --server-url URL (repeat it for several replicas)")
+    sparsity = settings.sparsity
+    if sparsity.sampled:
+        raise ServerError(
+            "--engine server cannot store --sample entries: a server returns the top-K prompt log-probabilities "
+            "only, not the whole distribution to draw from; use --top-k or --top-p"
+        )
+    if sparsity.temperature != 1:
+        raise ServerError(
+            "--engine server selects entries at --temperature 1 only: a server's prompt log-probabilities are at "
+            "temperature 1"
+        )
+    # with the default, K is asked as DEFAULT_K whatever the settings carry (the settled K, once settled)
+    k = DEFAULT_K if default_k else sparsity.k
+    key = (tuple(settings.server_urls), api_key(settings), spec, k, default_k)
+    with _preflights_lock:
+        if fresh:
+            _preflights.pop(key, None)
+        if key not in _preflights:
+            import httpx  # here: `build --help` and the other engines never load it
+
+            with httpx.Client(timeout=CHECK_TIMEOUT_S, headers=_headers(api_key(settings))) as client:
+                served = [_check_replica(client, url, spec, k=k, default_k=default_k) for url in key[0]]
+            _preflights[key] = ServedTeacher(
+                model=served[0].model,
+                version=served[0].version,
+                k=min(s.k for s in served),
+                max_model_len=min((s.max_model_len for s in served if s.max_model_len), default=None),
+                urls=key[0],
+            )
+        return _preflights[key]
+
+
+def _headers(key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
+def _check_replica(client, url: str, spec, *, k: int, default_k: bool) -> ServedTeacher:
+    shown = strip_credentials(url)
+    models = _get_json(client, url, "/v1/models")
+    cards = models.get("data") if isinstance(models, dict) else None
+    if not isinstance(cards, list):
+        raise ServerError(f"--server-url {shown}: /v1/models did not answer a list of models")
+    card = next((c for c in cards if isinstance(c, dict) and _same_model(c, spec)), None)
+    if card is None:
+        names = ", ".join(str(c.get("id")) for c in cards if isinstance(c, dict)) or "none"
+        raise ServerError(
+            f"--server-url {shown} serves {names}, not the teacher {spec.name!r} (--teacher names the model "
+            "whose tokenizer logitstore uses: the served model's id or folder name must be its name)"
+        )
+    model = str(card["id"])
+    version = _version(client, url)
+    probe = _check_tokenizer(client, url, model, spec)
+    limit = card.get("max_model_len")
+    limit = int(limit) if isinstance(limit, int) else None
+    probe = probe[: max(2, limit - 1)] if limit else probe  # the prompt and its one generated token fit
+    k = _check_k(client, url, model, probe, k=k, default_k=default_k)
+    return ServedTeacher(model, version, k, limit, (url,))
+
+
+def _same_model(card: dict, spec) -> bool:
+    names = {spec.name.lower(), spec.path.name.lower()}
+    for value in (card.get("id"), card.get("root")):
+        if isinstance(value, str) and value.rstrip("/").rsplit("/", 1)[-1].lower() in names:
+            return True
+    return False
+
+
+def _request(client, method: str, url: str, path: str, **kwargs):
+    import httpx
+
+    shown = strip_credentials(url)
+    try:
+        response = client.request(method, _base(url) + path, **kwargs)
+    except httpx.HTTPError as error:
+        raise ServerError(f"--server-url {shown}: cannot reach the server ({type(error).__name__}: {error})") from None
+    if response.status_code in (401, 403):
+        raise ServerError(
+            f"--server-url {shown} refused the API key (HTTP {response.status_code}): set --server-api-key or "
+            f"{API_KEY_VARIABLE} to the server's key"
+        )
+    return response
+
+
+def _get_json(client, url: str, path: str):
+    response = _request(client, "GET", url, path)
+    if response.status_code != 200:
+        raise ServerError(f"--server-url {strip_credentials(url)}: {path} answered HTTP {response.status_code}")
+    return _json(response.content, url, path)
+
+
+def _json(content: bytes, url: str, path: str):
+    try:
+        return orjson.loads(content)
+    except orjson.JSONDecodeError:
+        raise ServerError(f"--server-url {strip_credentials(url)}: {path} answered malformed JSON") from None
+
+
+def _version(client, url: str) -> str:
+    response = _request(client, "GET", url, "/version")
+    if response.status_code != 200:
+        return "unknown"
+    answer = _json(response.content, url, "/version")
+    return str(answer.get("version", "unknown")) if isinstance(answer, dict) else "unknown"
+
+
+def _check_tokenizer(client, url: str, model: str, spec) -> list[int]:
+    """The probe's ids as the server makes them equal the local tokenizer's; returns them."""
+    from logitstore.pipelines.teacher import describe_teacher
+
+    tokenizer = describe_teacher(spec).tokenizer
+    response = _request(
+        client, "POST", url, "/tokenize", json={"model": model, "prompt": PROBE_TEXT, "add_special_tokens": False}
+    )
+    if response.status_code == 200:
+        theirs = _json(response.content, url, "/tokenize").get("tokens")
+        ours = tokenizer.encode(PROBE_TEXT, add_special_tokens=False)
+    else:  # no /tokenize: the ids of a text prompt, echoed in its prompt log-probabilities
+        theirs, whole = _echoed_ids(client, url, model)
+        ours = tokenizer.encode(PROBE_TEXT)
+        ours = ours if whole else ours[1:]  # without its token ids, the first (null) position is unknown
+    if list(theirs or []) != list(ours):
+        raise ServerError(
+            f"--server-url {strip_credentials(url)} tokenizes a probe text otherwise than the teacher's tokenizer "
+            f"({len(theirs or [])} ids against {len(ours)}): it serves another model or tokenizer than --teacher"
+        )
+    return list(ours)
+
+
+def _echoed_ids(client, url: str, model: str) -> tuple[list[int], bool]:
+    """The probe's ids as the server made them, and whether the first is among them."""
+    body = {"model": model, "prompt": PROBE_TEXT, "max_tokens": 1, "prompt_logprobs": 0, "return_token_ids": True}
+    response = _request(client, "POST", url, "/v1/completions", json=body)
+    if response.status_code != 200:
+        raise ServerError(
+            f"--server-url {strip_credentials(url)}: neither /tokenize nor a text completion answered "
+            f"(HTTP {response.status_code}), so its tokenizer cannot be checked"
+        )
+    choice = (_json(response.content, url, "/v1/completions").get("choices") or [{}])[0]
+    if choice.get("prompt_token_ids"):
+        return list(choice["prompt_token_ids"]), True
+    entries = choice.get("prompt_logprobs") or []
+    # prompt_logprobs 0: each position holds the prompt token alone; the first position is null
+    return [int(next(iter(e))) for e in entries[1:] if e], False
+
+
+def _check_k(client, url: str, model: str, probe: list[int], *, k: int, default_k: bool) -> int:
+    """K, or the server's maximum below it where the build took the default; checks the answer parses."""
+    body = {"model": model, "prompt": probe, "max_tokens": 1, "prompt_logprobs": k, "temperature": 1.0}
+    response = _request(client, "POST", url, "/v1/completions", json=body)
+    shown = strip_credentials(url)
+    if response.status_code == 400:
+        found = MAX_ALLOWED.search(response.text)
+        if found is None:
+            raise ServerError(f"--server-url {shown} refused {k} prompt log-probabilities: {response.text[:200]}")
+        most = int(found.group(1))
+        if not default_k:
+            raise ServerError(
+                f"--top-k {k} is above {shown}'s maximum of {most} prompt log-probabilities: lower --top-k, or "
+                f"start the server with vllm serve --max-logprobs {k} (or more)"
+            )
+        return _check_k(client, url, model, probe, k=min(DEFAULT_K, most), default_k=False)
+    if response.status_code != 200:
+        raise ServerError(f"--server-url {shown}: /v1/completions answered HTTP {response.status_code}")
+    try:
+        served_to_sparse(response.content, np.asarray(probe), k=k, vocab_size=1 << 62)
+    except (MalformedResponse, EngineError) as error:
+        raise ServerError(f"--server-url {shown}: {error}") from None
+    return k
+
+
+# -- answers ---------------------------------------------------------------------------------------------
+
+
+def served_to_sparse(body: bytes, tokens: np.ndarray, *, k: int, vocab_size: int) -> dict[str, np.ndarray]:
+    """One answer's prompt log-probabilities as the sparse top-k arrays (`vllm_engine`'s module docstring),
+    through the vLLM engine's conversion; `MalformedResponse` or `VllmEngineError` where it cannot be."""
+    from logitstore.pipelines.engines.vllm_engine import entries_to_sparse
+
+    flat = parse_prompt_logprobs(body)
+    if flat.positions != len(tokens):
+        raise MalformedResponse(f"{flat.positions} prompt_logprobs entries for a {len(tokens)}-token prompt")
+    if len(flat.null_at) != 1 or flat.null_at[0] != 0:
+        raise MalformedResponse("prompt_logprobs must be null at the first position only")
+    targets = np.asarray(tokens, dtype=np.int64)[1:]
+    counts = np.diff(flat.starts)[1:]
+    rows = np.repeat(np.arange(len(targets)), counts)
+    is_target = flat.ids == targets[rows]
+    first = np.full(len(targets), -1, dtype=np.int64)
+    hits = np.flatnonzero(is_target)
+    first[rows[hits][::-1]] = hits[::-1]  # each row's first entry that is its prompt token
+    if (first < 0).any():
+        t = int(np.flatnonzero(first < 0)[0])
+        raise MalformedResponse(f"prompt_logprobs entry {t + 1} lacks the prompt token {int(targets[t])}")
+    target_lp = flat.logprobs[first].astype(np.float64)
+    rank = flat.ranks[first]
+    if (rank == MISSING_RANK).any():  # V1's convention: entries at least as likely, itself included
+        at_least = np.bincount(rows, weights=flat.logprobs >= np.repeat(flat.logprobs[first], counts))
+        rank = np.where(rank == MISSING_RANK, at_least.astype(np.int64), rank)
+    return entries_to_sparse(
+        targets,
+        flat.ids,
+        flat.logprobs.astype(np.float64),
+        counts,
+        target_lp,
+        rank > k,
+        k=k,
+        vocab_size=vocab_size,
+    )
+
+
+# -- requests --------------------------------------------------------------------------------------------
+
+
+@dataclass(eq=False)
+class Replica:
+    url: str
+    client: object
+    in_flight: int = 0
+    outstanding: int = 0  # prompt tokens in flight
+    failures: int = 0  # in a row
+    set_aside: bool = False
+    last_error: str = ""
+
+
+@dataclass(frozen=True)
+class Answer:
+    """A request's end: the answer's bytes (status 200), or a refusal of the sample (another 4xx)."""
+
+    url: str
+    status: int
+    body: bytes = b""
+    reason: str = ""
+
+
+@dataclass
+class Replicas:
+    """The replicas' request pool (module docstring): `submit` from any thread, a `Future` of an `Answer`."""
+
+    urls: tuple[str, ...]
+    key: str | None
+    concurrency: int
+    timeout: float
+    log: object = None  # a callable told when a replica is set aside
+    loop: asyncio.AbstractEventLoop = field(init=False)
+    replicas: list[Replica] = field(init=False, default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="logitstore-server", daemon=True)
+        self._thread.start()
+        self._ready.wait()
+
+    def _run(self) -> None:
+        import httpx
+
+        asyncio.set_event_loop(self.loop)
+        limits = httpx.Limits(max_connections=self.concurrency, max_keepalive_connections=self.concurrency)
+        timeout = httpx.Timeout(self.timeout, connect=min(self.timeout, CHECK_TIMEOUT_S))
+        self.replicas = [
+            Replica(url, httpx.AsyncClient(headers=_headers(self.key), limits=limits, timeout=timeout))
+            for url in self.urls
+        ]
+        self._free = asyncio.Condition()
+        self._ready.set()
+        self.loop.run_forever()
+
+    def submit(self, body: bytes, *, tokens: int) -> Future:
+        return asyncio.run_coroutine_threadsafe(self._request(body, tokens), self.loop)
+
+    async def _request(self, body: bytes, tokens: int) -> Answer:
+        for attempt in range(ATTEMPTS):
+            replica = await self._take(tokens)
+            answer = await self._send(replica, body)
+            await self._give_back(replica, tokens)
+            if answer is not None:
+                return answer
+            await asyncio.sleep(min(BACKOFF_MAX_S, BACKOFF_S * 2**attempt) * (0.5 + random.random()))
+        raise self._outage(f"a request failed {ATTEMPTS} times")
+
+    async def _take(self, tokens: int) -> Replica:
+        async with self._free:
+            while True:
+                live = [r for r in self.replicas if not r.set_aside]
+                if not live:
+                    raise self._outage("every replica was set aside")
+                open_ = [r for r in live if r.in_flight < self.concurrency]
+                if open_:
+                    replica = min(open_, key=lambda r: (r.outstanding, r.in_flight))
+                    replica.in_flight += 1
+                    replica.outstanding += tokens
+                    return replica
+                await self._free.wait()
+
+    async def _give_back(self, replica: Replica, tokens: int) -> None:
+        async with self._free:
+            replica.in_flight -= 1
+            replica.outstanding -= tokens
+            self._free.notify_all()
+
+    async def _send(self, replica: Replica, body: bytes) -> Answer | None:
+        """The answer, or None after a failure worth retrying (counted against the replica)."""
+        import httpx
+
+        try:
+            response = await replica.client.post(  # type: ignore[attr-defined]
+                _base(replica.url) + "/v1/completions", content=body, headers={"Content-Type": "application/json"}
+            )
+        except httpx.HTTPError as error:
+            return await self._failed(replica, f"{type(error).__name__}: {error}".rstrip(": "))
+        status = response.status_code
+        if status == 200:
+            replica.failures = 0
+            return Answer(replica.url, status, response.content)
+        if status in (401, 403):
+            raise ServerError(f"--server-url {strip_credentials(replica.url)} refused the API key (HTTP {status})")
+        if status >= 500 or status in (408, 429):
+            return await self._failed(replica, f"HTTP {status}")
+        replica.failures = 0
+        return Answer(replica.url, status, reason=_error_message(response.content))
+
+    async def _failed(self, replica: Replica, error: str) -> Answer | None:
+        """None (retry), after counting the failure against the replica and setting it aside at the limit."""
+        replica.failures += 1
+        replica.last_error = error
+        if replica.failures >= SET_ASIDE_AFTER and not replica.set_aside:
+            replica.set_aside = True
+            if self.log is not None:
+                self.log(  # type: ignore[operator]
+                    f"build: --server-url {strip_credentials(replica.url)} set aside after {replica.failures} "
+                    f"failures in a row ({error}); {sum(not r.set_aside for r in self.replicas)} replica(s) left"
+                )
+            async with self._free:
+                self._free.notify_all()
+        return None
+
+    def _outage(self, why: str) -> ServerOutage:
+        errors = "; ".join(f"{strip_credentials(r.url)}: {r.last_error or 'ok'}" for r in self.replicas)
+        return ServerOutage(
+            f"the teacher's server is unreachable ({why}: {errors}); the finished work is committed, run the same "
+            "command again to resume"
+        )
+
+    def close(self) -> None:
+        if not self.loop.is_running():
+            return
+
+        async def close_clients():
+            for replica in self.replicas:
+                await replica.client.aclose()
+
+        try:
+            asyncio.run_coroutine_threadsafe(close_clients(), self.loop).result(timeout=10)
+        except Exception:  # a client that cannot close cleanly is dropped with the loop
+            pass
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=10)
+
+
+def _error_message(content: bytes) -> str:
+    try:
+        answer = orjson.loads(content)
+    except orjson.JSONDecodeError:
+        return content[:200].decode(errors="replace")
+    if isinstance(answer, dict):
+        error = answer.get("error", answer.get("message", answer))
+        if isinstance(error, dict):
+            error = error.get("message", error)
+        return str(error)[:200]
+    return str(answer)[:200]
+
+
+# -- the engine ------------------------------------------------------------------------------------------
+
+
+SKIP_REASONS = ("refused", "too_long")  # why a sample was not stored: a 4xx for it, longer than the server takes
+
+
+class Engine:
+    """The server engine behind the engine interface (`pipelines/engines/__init__.py`)."""
+
+    name = "server"
+
+    @classmethod
+    def samples(cls, settings) -> bool:
+        return False  # top-K prompt log-probabilities only: the default is top-K
+
+    @classmethod
+    def check(cls, settings, spec) -> None:
+        preflight(settings, spec, default_k=settings.default_sparsity, fresh=True)
+
+    @classmethod
+    def resolved_dtype(cls, settings) -> str:
+        return "served"  # the server's own; not known to the client
+
+    @classmethod
+    def gpus_per_worker(cls, settings) -> int:
+        return 0
+
+    @classmethod
+    def version(cls) -> str:
+        import httpx
+
+        return f"httpx {httpx.__version__}, orjson {orjson.__version__}"
+
+    @classmethod
+    def settled(cls, settings, spec) -> tuple[Sparsity, str | None]:
+        """The sparsity at the K the servers take (module docstring), and the line the build starts with."""
+        served = preflight(settings, spec, default_k=settings.default_sparsity)
+        sparsity = dataclasses.replace(settings.sparsity, k=served.k)
+        note = (
+            f"--engine server: {sparsity.describe()} from {len(served.urls)} replica(s) of {served.model} "
+            f"(server {served.version})"
+        )
+        if settings.default_sparsity:
+            note += f"; no --top-k given: K = min({DEFAULT_K}, the server's maximum) = {served.k}"
+        return sparsity, note
+
+    @classmethod
+    def recorded(cls, settings, spec) -> dict:
+        """The teacher metadata's `server` field (`ServedTeacher.record`: no key, no credentials)."""
+        return {"server": preflight(settings, spec, default_k=settings.default_sparsity).record()}
+
+    def __init__(self, settings, *, lock: threading.Lock, log=None):
+        from logitstore.pipelines.teacher import describe_teacher
+
+        self.settings, self.spec = settings, settings.teacher_spec
+        self.vocab_size = describe_teacher(self.spec).vocab_size
+        self.served = preflight(settings, self.spec, default_k=settings.default_sparsity)
+        if self.served.k != settings.sparsity.k:  # `settled` ran in the driver: the settings carry the K
+            raise ServerError(
+                f"the server's K changed since the build started ({settings.sparsity.k} -> {self.served.k})"
+            )
+        log = log or (lambda message: print(message, file=sys.stderr, flush=True))
+        self.skips: dict[str, str] = {}  # sample id -> a `SKIP_REASONS`, until the worker takes it
+        self.replicas: Replicas | None = Replicas(
+            urls=self.served.urls,
+            key=api_key(settings),
+            concurrency=settings.server_concurrency,
+            timeout=settings.server_timeout,
+            log=log,
+        )
+
+    def compute(
+        self, sample_ids: list[str], tokens: list[np.ndarray], *, seed: int, keep: list | None = None, on_batch=None
+    ) -> SparseSamples:
+        """Every position of every sample that the server answers (the worker applies `keep`); refused and
+        too long samples are left out, their reasons in `skips`."""
+        assert self.replicas is not None, "the engine is closed"
+        from logitstore.pipelines.engines.vllm_engine import _row_samples
+
+        limit = self.served.max_model_len
+        sent = []
+        for sid, row in zip(sample_ids, tokens):
+            if limit is not None and len(row) + 1 > limit:  # the prompt and the one token it generates
+                self.skips[sid] = "too_long"
+                continue
+            body = orjson.dumps(
+                {
+                    "model": self.served.model,
+                    "prompt": np.asarray(row, dtype=np.int64).tolist(),
+                    "max_tokens": 1,
+                    "prompt_logprobs": self.served.k,
+                    "temperature": 1.0,
+                }
+            )
+            sent.append((sid, row, self.replicas.submit(body, tokens=len(row))))
+        parts = []
+        try:
+            for sid, row, future in sent:
+                answer = future.result()
+                if answer.status != 200:
+                    self.skips[sid] = "refused"
+                    continue
+                try:
+                    arrays = served_to_sparse(answer.body, row, k=self.served.k, vocab_size=self.vocab_size)
+                except (MalformedResponse, EngineError) as error:
+                    raise ServerError(
+                        f"--server-url {strip_credentials(answer.url)}: malformed answer: {error}"
+                    ) from None
+                parts.append(_row_samples(sid, np.asarray(row), arrays, self.settings.sparsity))
+                if on_batch is not None:
+                    on_batch(len(row))
+        finally:
+            for _, _, future in sent:
+                future.cancel()
+        return concat(parts) if parts else _empty(self.settings.sparsity)
+
+    def take_skips(self, sample_ids: list[str]) -> Counter:
+        """How many of these samples were skipped, by reason (forgotten here)."""
+        return Counter(self.skips.pop(sid) for sid in sample_ids if sid in self.skips)
+
+    def close(self) -> None:
+        replicas, self.replicas = self.replicas, None
+        if replicas is not None:
+            replicas.close()
+
+
+def _empty(sparsity) -> SparseSamples:
+    return SparseSamples(
+        sample_ids=[],
+        n_tokens=np.zeros(0, dtype=np.int64),
+        input_ids=np.zeros(0, dtype=np.int64),
+        n_entries=np.zeros(0, dtype=np.int64),
+        entry_ids=np.zeros(0, dtype=np.int64),
+        entry_logprobs=np.zeros(0, dtype=np.float32),
+        tail=np.zeros(0, dtype=np.float32),
+        target_logprobs=np.zeros(0, dtype=np.float32),
+        entry_counts=None,
+    )

@@ -1,0 +1,371 @@
+"""`build --engine server`: a teacher behind an OpenAI-compatible server (`logitstore/testing/openai_server.py`,
+which answers as vLLM's does from a teacher run through the torch engine), on 127.0.0.1.
+
+The equality with `--engine torch` runs the real default teacher; the faults, refusals and the key run the
+tiny random teacher (what they test is the client, not the model). Servers are shared per module and their
+faults cleared between tests; builds stay at a few hundred tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from logitstore.cli.app import app
+from logitstore.pipelines.engines.served_json import MalformedResponse, parse_prompt_logprobs
+from logitstore.pipelines.engines.server_engine import served_to_sparse, strip_credentials
+from logitstore.pipelines.engines.vllm_engine import prompt_logprobs_to_sparse
+from logitstore.store import Store
+from logitstore.testing.openai_server import OpenAIServer, Scores, render_completion, torch_scorer
+from tests.conftest import sample_corpus_head
+
+KEY = "sk-logitstore-test-4f1c9a"
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> Path:
+    return sample_corpus_head(tmp_path_factory.mktemp("server-data") / "docs.jsonl", docs=3, chars=240)
+
+
+def _teacher(path):
+    from logitstore.pipelines.engines.torch_engine import load_teacher_once
+    from logitstore.pipelines.teacher import resolve_teacher
+
+    spec = resolve_teacher(path)
+    return spec, load_teacher_once(spec, "cpu", "float32")
+
+
+@pytest.fixture(scope="module")
+def real_data(tmp_path_factory) -> Path:
+    """Four windows: the real teacher is the slow part here."""
+    return sample_corpus_head(tmp_path_factory.mktemp("server-real") / "docs.jsonl", docs=2, chars=150)
+
+
+@pytest.fixture(scope="module")
+def real_server():
+    """The real default teacher behind the server."""
+    spec, teacher = _teacher(None)
+    with OpenAIServer(model=spec.name, scorer=torch_scorer(teacher), tokenizer=teacher.tokenizer, max_logprobs=32) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def tiny_servers(tiny_teacher):
+    """Three replicas of the tiny teacher, the first with a key (`KEY`) and a small max_model_len."""
+    spec, teacher = _teacher(tiny_teacher)
+    scorer = torch_scorer(teacher)
+    servers = [
+        OpenAIServer(model=spec.name, scorer=scorer, tokenizer=teacher.tokenizer, max_logprobs=20) for _ in range(3)
+    ]
+    yield servers
+    for server in servers:
+        server.close()
+
+
+@pytest.fixture
+def servers(tiny_servers):
+    for server in tiny_servers:
+        server.faults.clear()
+        server.api_key, server.max_model_len = None, None
+    yield tiny_servers
+    for server in tiny_servers:
+        server.faults.clear()
+
+
+def build(store, data, teacher, *args, env=None):
+    common = ["--store", str(store), "--data", str(data), "--id-column", "id", "--max-length", "32"]
+    result = CliRunner().invoke(
+        app,
+        ["build", *common, "--unit-tokens", "64", "--teacher", str(teacher), "--json", *map(str, args)],
+        env=env,
+    )
+    return result
+
+
+def summary(result) -> dict:
+    text = result.stdout
+    return json.loads(text[text.index("{") :])
+
+
+def errors(result) -> list[str]:
+    return [line for line in result.output.splitlines() if line.startswith("error")]
+
+
+def stored(store) -> dict[str, str]:
+    index = Store.open(str(store)).read().index
+    return dict(zip(index["sample_id"].to_pylist(), index["content_hash"].to_pylist()))
+
+
+@pytest.fixture(scope="module")
+def tiny_reference(tiny_teacher, data, tmp_path_factory):
+    """The tiny teacher's top-20 entries from the torch engine, one unpadded sample per batch."""
+    store = tmp_path_factory.mktemp("server-ref") / "torch"
+    result = build(store, data, tiny_teacher, "--top-k", 20, "--batch-tokens", 2)
+    assert result.exit_code == 0, result.output
+    return store
+
+
+def assert_entries_equal(store, reference) -> None:
+    """Each sample `store` holds has the reference's tokens and entries, decoded, equal entries in id order
+    (the bytes differ where the first unit differs: its entries order the codec's ids, which order ties)."""
+    got, want = Store.open(str(store)).read(), Store.open(str(reference)).read()
+    for sample_id in got.index["sample_id"].to_pylist():
+        a, b = got.sample(sample_id), want.sample(sample_id)
+        for name in ("input_ids", "n_entries", "target_logprobs", "tail"):
+            assert np.array_equal(getattr(a, name), getattr(b, name)), (sample_id, name)
+        ga, gb = (np.lexsort((x.entry_ids, np.repeat(np.arange(len(x.n_entries)), x.n_entries))) for x in (a, b))
+        assert np.array_equal(a.entry_ids[ga], b.entry_ids[gb]), sample_id
+        assert np.array_equal(a.entry_logprobs[ga], b.entry_logprobs[gb]), sample_id
+
+
+# -- what is stored --------------------------------------------------------------------------------------
+
+
+def test_a_server_build_stores_what_the_torch_engine_stores(real_server, real_data, tmp_path):
+    """The real teacher at top-16: every sample's stored bytes (its content hash) equal the torch engine's,
+    and the teacher's metadata records the server (engine, served model, /version, K, URLs less credentials)."""
+    torch_store, server_store = tmp_path / "torch", tmp_path / "server"
+    assert build(torch_store, real_data, "default", "--top-k", 16, "--batch-tokens", 2).exit_code == 0
+    url = real_server.url.replace("http://", "http://user:secret@")
+    result = build(server_store, real_data, "default", "--engine", "server", "--server-url", url, "--top-k", 16)
+    assert result.exit_code == 0, result.output
+    hashes = stored(server_store)
+    assert len(hashes) >= 3 and hashes == stored(torch_store)
+    meta = next(iter(Store.open(str(server_store)).read().teachers.values()))
+    assert (meta.engine, meta.sparsity.k) == ("server", 16)
+    assert meta.server == {
+        "model": real_server.model,
+        "version": real_server.version,
+        "k": 16,
+        "urls": [real_server.url],
+    }
+    assert summary(result)["refused"] == 0
+
+
+def test_served_answers_parse_as_the_dict_form_converts():
+    """The compiled reader gives the vLLM engine's conversion of the same answer read by orjson, with
+    escaped and odd tokens, spacing, and prompt tokens inside and outside the top-k; broken bytes are refused."""
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(0, 1000, 40).tolist()
+    logits = rng.normal(size=(39, 1000)) * 3
+    logprobs = (logits - np.logaddexp.reduce(logits, axis=1, keepdims=True)).astype(np.float32)
+    order = np.argsort(-logprobs, axis=1, kind="stable")[:, :8]
+    targets = np.array(prompt[1:])
+    rank = (logprobs > logprobs[np.arange(39), targets][:, None]).sum(axis=1) + 1
+    scores = Scores(order, np.take_along_axis(logprobs, order, 1), logprobs[np.arange(39), targets], rank)
+    names = ['"q"', "\\", "é\n", "{}", "\u2028", "", " ", "a,b:c"]
+    body = render_completion(prompt, scores, model="m", decode=lambda ids: [names[i % len(names)] for i in ids])
+    import orjson
+
+    entries = orjson.loads(body)["choices"][0]["prompt_logprobs"]
+
+    class Item:
+        def __init__(self, d):
+            self.logprob, self.rank = d["logprob"], d["rank"]
+
+    as_dicts = [None] + [{int(k): Item(v) for k, v in e.items()} for e in entries[1:]]
+    want = prompt_logprobs_to_sparse(prompt, as_dicts, k=8, vocab_size=1000)
+    for variant in (body, body.replace(b":", b" : ").replace(b",", b" ,\n ")):
+        got = served_to_sparse(variant, np.array(prompt), k=8, vocab_size=1000)
+        for name in want:
+            assert np.array_equal(got[name], want[name]), name
+    flat = parse_prompt_logprobs(body)
+    assert flat.positions == 40 and list(flat.null_at) == [0]
+    for broken in (body[: len(body) // 2], body.replace(b'"logprob"', b'"logprop"'), b'{"choices": []}'):
+        with pytest.raises(MalformedResponse):
+            served_to_sparse(broken, np.array(prompt), k=8, vocab_size=1000)
+
+
+# -- refusals before anything is written -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "case, args, message",
+    [
+        ("wrong model", [], "serves other-model, not the teacher"),
+        ("tokenizer", [], "tokenizes a probe text otherwise"),
+        ("k", ["--top-k", 24], "vllm serve --max-logprobs 24"),
+        ("key", [], "refused the API key"),
+        ("unreachable", [], "cannot reach the server"),
+        ("sample", ["--sample", 16], "cannot store --sample entries"),
+        ("temperature", ["--top-k", 8, "--temperature", 2], "--temperature 1 only"),
+    ],
+)
+def test_what_the_server_cannot_serve_is_refused_in_one_line(
+    case, args, message, servers, tiny_teacher, data, tmp_path, gpt2_tokenizer_dir
+):
+    server = servers[0]
+    url = server.url
+    if case == "wrong model":
+        server.model, restore = "other-model", server.model
+    if case == "tokenizer":
+        from transformers import AutoTokenizer
+
+        server.tokenizer, restore = AutoTokenizer.from_pretrained(gpt2_tokenizer_dir), server.tokenizer
+    if case == "key":
+        server.api_key = KEY
+    if case == "unreachable":
+        url = "http://127.0.0.1:9"
+    try:
+        result = build(tmp_path / "s", data, tiny_teacher, "--engine", "server", "--server-url", url, *args)
+    finally:
+        if case == "wrong model":
+            server.model = restore
+        if case == "tokenizer":
+            server.tokenizer = restore
+    assert result.exit_code == 2, result.output
+    assert len(errors(result)) == 1 and message in errors(result)[0], result.output
+    assert "Traceback" not in result.output and not (tmp_path / "s").exists()
+
+
+# -- faults ----------------------------------------------------------------------------------------------
+
+
+def test_replicas_that_fail_drop_or_hang_are_retried_and_the_build_equals_the_clean_one(
+    servers, tiny_teacher, tiny_reference, data, tmp_path
+):
+    """One replica drops every connection (and is set aside), one answers 500 twice then recovers, one hangs
+    past the timeout once: the build completes with every sample, as the torch engine stores them. No
+    --top-k: K = min(64, the servers' maximum of 20), said at start."""
+    dropping, failing, hanging = servers
+    for server in servers:  # the preflight's two probes (K = 64 refused, then K = 20) get through
+        server.faults.next(2, "ok")
+    dropping.faults.down_after(2)
+    failing.faults.next(2, "500")
+    hanging.faults.hang_s = 3
+    hanging.faults.next(1, "hang")
+    urls = [a for s in servers for a in ("--server-url", s.url)]
+    result = build(tmp_path / "s", data, tiny_teacher, "--engine", "server", *urls, "--server-timeout", 1)
+    assert result.exit_code == 0, result.output
+    assert "K = min(64, the server's maximum) = 20" in result.output
+    assert f"{dropping.url} set aside after 3 failures in a row" in result.output
+    assert not failing.faults.queue and not hanging.faults.queue  # each fault was met
+    assert stored(tmp_path / "s") == stored(tiny_reference)
+
+
+def test_with_every_replica_gone_the_build_commits_stops_and_resumes(
+    servers, tiny_teacher, tiny_reference, data, tmp_path
+):
+    """Both replicas go down mid-build: one line, exit 2, the commits made stay readable; the same command
+    then completes, nothing stored twice, equal to the uninterrupted build."""
+    two = servers[:2]
+    for server in two:
+        server.faults.down_after(4)
+    urls = [a for s in two for a in ("--server-url", s.url)]
+    args = ["--engine", "server", *urls, "--top-k", 20, "--commit-every", 0.001, "--server-timeout", 2]
+    result = build(tmp_path / "s", data, tiny_teacher, *args)
+    assert result.exit_code == 2, result.output
+    assert len(errors(result)) == 1 and "run the same command again to resume" in errors(result)[0]
+    first = stored(tmp_path / "s")
+    assert 0 < len(first) < len(stored(tiny_reference))
+    assert all(stored(tiny_reference)[s] == h for s, h in first.items())
+    for server in two:
+        server.faults.clear()
+    again = build(tmp_path / "s", data, tiny_teacher, *args)
+    assert again.exit_code == 0, again.output
+    index = Store.open(str(tmp_path / "s")).read().index["sample_id"].to_pylist()
+    assert len(index) == len(set(index)) and stored(tmp_path / "s") == stored(tiny_reference)
+
+
+def test_a_sample_the_server_refuses_is_counted_and_the_rest_stored(
+    servers, tiny_teacher, tiny_reference, data, tmp_path
+):
+    server = servers[0]
+    seen: list = []
+
+    def refuse(prompt):  # the first sample's request (the first of all is the preflight's probe)
+        seen.append(list(prompt))
+        return len(seen) > 1 and list(prompt) == seen[1]
+
+    server.faults.refuse_if(refuse)
+    result = build(tmp_path / "s", data, tiny_teacher, "--engine", "server", "--server-url", server.url, "--top-k", 20)
+    assert result.exit_code == 0, result.output
+    assert summary(result)["refused"] == 1
+    assert len(stored(tmp_path / "s")) == len(stored(tiny_reference)) - 1
+    assert_entries_equal(tmp_path / "s", tiny_reference)
+
+
+def test_a_malformed_answer_is_one_line_naming_the_url(servers, tiny_teacher, data, tmp_path):
+    server = servers[0]
+    server.faults.next(1, "ok")  # the preflight's probe
+    server.faults.next(1, "malformed")
+    result = build(tmp_path / "s", data, tiny_teacher, "--engine", "server", "--server-url", server.url, "--top-k", 8)
+    assert result.exit_code == 2, result.output
+    assert len(errors(result)) == 1 and f"--server-url {server.url}: malformed answer" in errors(result)[0]
+
+
+def test_samples_longer_than_the_server_takes_are_skipped_and_counted(servers, tiny_teacher, data, tmp_path):
+    server = servers[0]
+    server.max_model_len = 30  # a 32-token window and its generated token do not fit
+    result = build(tmp_path / "s", data, tiny_teacher, "--engine", "server", "--server-url", server.url, "--top-k", 8)
+    assert result.exit_code == 0, result.output
+    counts = summary(result)
+    assert counts["too_long"] > 0 and counts["samples"] > 0
+
+
+# -- the key ---------------------------------------------------------------------------------------------
+
+
+def test_the_api_key_is_sent_and_written_nowhere(servers, tiny_teacher, data, tmp_path):
+    """From the variable and from the flag: every request carries it; the store, the output and
+    --print-config never hold it."""
+    server = servers[0]
+    server.api_key = KEY
+    seen = len(server.keys_seen)
+    args = ["--engine", "server", "--server-url", server.url, "--top-k", 8]
+    result = build(tmp_path / "s", data, tiny_teacher, *args, env={"LOGITSTORE_SERVER_API_KEY": KEY})
+    assert result.exit_code == 0, result.output
+    assert server.keys_seen[seen:] and all(key == f"Bearer {KEY}" for key in server.keys_seen[seen:])
+    printed = build(tmp_path / "p", data, tiny_teacher, *args, "--server-api-key", KEY, "--print-config")
+    assert printed.exit_code == 0, printed.output
+    for text in (result.output, printed.output):
+        assert KEY not in text
+    for root, _, files in os.walk(tmp_path):
+        for name in files:
+            assert KEY.encode() not in (Path(root) / name).read_bytes(), name
+
+
+def test_credentials_are_stripped_from_recorded_urls():
+    assert strip_credentials("https://u:p@host:8443/v1/?token=x#f") == "https://host:8443/v1"
+
+
+def test_a_dry_run_times_the_server_and_writes_nothing(servers, tiny_teacher, data, tmp_path):
+    server = servers[0]
+    before = server.completions
+    args = ["--engine", "server", "--server-url", server.url, "--top-k", 8, "--dry-run"]
+    result = build(tmp_path / "s", data, tiny_teacher, *args)
+    assert result.exit_code == 0, result.output
+    (estimate,) = summary(result)["teachers"]
+    assert estimate["measured_tokens"] > 0 and estimate["teacher_tokens_per_second"] > 0
+    assert estimate["sparsity"]["k"] == 8 and server.completions > before + 1
+    assert not (tmp_path / "s").exists()
+
+
+def test_without_tokenize_the_echoed_ids_check_the_tokenizer(servers, tiny_teacher, gpt2_tokenizer_dir):
+    """A server without /tokenize: the ids a text prompt echoes (prompt_logprobs 0) are compared instead."""
+    from transformers import AutoTokenizer
+
+    from logitstore.pipelines.engines.server_engine import ServerError, preflight
+    from logitstore.pipelines.teacher import resolve_teacher
+    from logitstore.pipelines.workers import WorkerSettings
+    from logitstore.sparsity import Sparsity
+
+    server = servers[0]
+    server.tokenize = False
+    spec = resolve_teacher(tiny_teacher)
+    settings = WorkerSettings(spec, "cpu", "auto", Sparsity(k=8), 8192, 0, engine="server", server_urls=(server.url,))
+    try:
+        assert preflight(settings, spec, fresh=True).k == 8
+        server.tokenizer, mine = AutoTokenizer.from_pretrained(gpt2_tokenizer_dir), server.tokenizer
+        try:
+            with pytest.raises(ServerError, match="tokenizes a probe text otherwise"):
+                preflight(settings, spec, fresh=True)
+        finally:
+            server.tokenizer = mine
+    finally:
+        server.tokenize = True
