@@ -25,9 +25,9 @@ from pathlib import Path
 from logitstore.options import dump
 from logitstore.store import Store
 from logitstore.trainer import checkpoint
-from logitstore.trainer.config import RUN_CONFIG, TrainConfig, TrainConfigError, kept_values
+from logitstore.trainer.config import RUN_CONFIG, RUN_MARKER, TrainConfig, TrainConfigError, kept_values
 
-MARKER = "logitstore-run.json"
+MARKER = RUN_MARKER
 _FORMAT = {"format": "logitstore-run", "format_version": 1}
 # Everything a run writes into --out, and so everything --force may remove.
 _RUN_ENTRIES = re.compile(
