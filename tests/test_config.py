@@ -13,8 +13,8 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from logitstore.cli.app import app
 from logitstore import options
+from logitstore.cli.app import app
 from logitstore.options import declared, from_values, to_values
 from logitstore.pipelines.config import BuildConfig
 from logitstore.trainer.config import TrainConfig

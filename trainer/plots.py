@@ -84,7 +84,7 @@ def run_sections(out: Path, *, note: Callable[[str], None] = _stderr_note) -> li
     start = _start(records)
     rows = [r for r in records if "step" in r]
     last = rows[-1] if rows else {}
-    evaluated = next((r for r in reversed(rows) if "eval_kl" in r), {})
+    evaluated: dict = next((r for r in reversed(rows) if "eval_kl" in r), {})
     table = [
         ["", ""],
         ["run folder", str(out)],
