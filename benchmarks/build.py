@@ -19,12 +19,21 @@ Two teachers, side by side:
 
     python benchmarks/build.py                              # sampled-16, CPU teacher, stand-ins at 250k and 1M tokens/s
     python benchmarks/build.py --top-k 64 --device cuda --tokens 65536
+
+`--generate N` measures `build --generate N` instead: `--prompts` prompts (the sample corpus's documents
+cut to `--prompt-chars`) answered by the teacher itself. The engine alone is the same generator on the
+same prompts and seeds (`Generation.answer`, timed around `generate` only), then the teacher's forward
+passes over the answered samples, batched as the build batches them; the build is `run_build`. Store
+side: build / (generation + forward) - 1.
+
+    python benchmarks/build.py --generate 64 --prompts 32
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import tempfile
 import time
@@ -39,6 +48,7 @@ from logitstore.pipelines import teacher as teacher_module
 from logitstore.pipelines.build import BuildConfig, BuildSummary, run_build
 from logitstore.pipelines.engines import token_budget_batches
 from logitstore.pipelines.engines.torch_engine import load_teacher_once, shared_teachers
+from logitstore.pipelines.generate import Generation
 from logitstore.pipelines.plan import plan_units
 from logitstore.pipelines.teacher import SparseBatch, describe_teacher
 from logitstore.pipelines.workers import unit_seed
@@ -88,10 +98,11 @@ def forward(model, ids: torch.Tensor, mask: torch.Tensor, sparsity: Sparsity, ge
     return teacher_module.sparse_topk_forward(model, ids, mask, k=sparsity.k, temperature=sparsity.temperature)
 
 
-def batches(cfg: BuildConfig, tokenizer) -> list[tuple[int, list]]:
-    """Per unit, in the build's order: its sampling seed and the (ids, mask) of each batch the build runs."""
+def batches(cfg: BuildConfig, tokenizer, *, generation: Generation | None = None) -> list[tuple[int, list]]:
+    """Per unit, in the build's order: its sampling seed and the (ids, mask) of each batch the build runs
+    (with `generation`: the answers it generates, as the build's planner does)."""
     out = []
-    for unit in plan_units(cfg, tokenizer, counts=BuildSummary()):
+    for unit in plan_units(cfg, tokenizer, counts=BuildSummary(), generation=generation):
         lengths = np.array([len(t) for t in unit.tokens])
         order = np.argsort(-lengths, kind="stable")
         unit_batches = []
@@ -248,6 +259,52 @@ def write_alone(
     return best, int(samples.n_tokens.sum())
 
 
+def prompts_file(path: Path, *, prompts: int, chars: int) -> Path:
+    """`prompts` prompts: the sample corpus's documents cut to `chars` characters, under new ids when repeated."""
+    docs = [json.loads(line) for line in SAMPLE_CORPUS.read_text().splitlines()]
+    rows = [
+        {"id": f"{docs[i % len(docs)]['id']}~{i}", "prompt": docs[i % len(docs)]["text"][:chars]}
+        for i in range(prompts)
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def generation_benchmark(args, info, model) -> None:
+    """`--generate N`: generated tokens/s of the engine alone, and what the whole build adds to it."""
+    best = {"generate": float("inf"), "forward": float("inf"), "build": float("inf")}
+    with tempfile.TemporaryDirectory() as tmp:
+        data = prompts_file(Path(tmp) / "prompts.jsonl", prompts=args.prompts, chars=args.prompt_chars)
+        for r in range(args.repeats):
+            cfg = dataclasses.replace(
+                config(args, store=str(Path(tmp) / f"store-{r}"), data=data),
+                prompt_column="prompt",
+                generate=args.generate,
+            )
+            generation = Generation(cfg, teacher=info, engine="torch")
+            generation.generator()  # loaded (shared with the teacher) before any clock runs
+            planned = batches(cfg, info.tokenizer, generation=generation)
+            generated = generation.generated
+            generation.close()
+            forward_s, _ = forward_only(model, planned, args.sparsity)
+            summary = run_build(cfg, log=lambda _: None)
+            assert summary.generated_tokens == generated.tokens, "the build generated what the engine alone did"
+            best["generate"] = min(best["generate"], generated.seconds)
+            best["forward"] = min(best["forward"], forward_s)
+            best["build"] = min(best["build"], summary.seconds)
+    engine = best["generate"] + best["forward"]
+    print(
+        f"build --generate {args.generate}: {args.prompts} prompts of {args.prompt_chars} characters, "
+        f"{generated.tokens:,} tokens generated, {summary.tokens:,} tokens scored ({args.sparsity.mode}), "
+        f"{args.device}; best of {args.repeats}"
+    )
+    print(
+        f"generation alone  {best['generate']:7.2f} s  {generated.tokens / best['generate']:8,.0f} generated tokens/s"
+    )
+    print(f"teacher forward   {best['forward']:7.2f} s  {summary.tokens / best['forward']:8,.0f} tokens/s")
+    print(f"whole build       {best['build']:7.2f} s  store side {best['build'] / engine - 1:+.1%} (target < +5%)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=8192, help="tokens for the real teacher (default 8192)")
@@ -269,8 +326,15 @@ def main() -> None:
     group.add_argument("--top-k", type=int, default=None)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--generate", type=int, default=None, help="measure build --generate N instead")
+    parser.add_argument("--prompts", type=int, default=32, help="with --generate: prompts (default 32)")
+    parser.add_argument("--prompt-chars", type=int, default=200, help="with --generate: characters per prompt")
     args = parser.parse_args()
     args.sparsity = Sparsity(k=args.top_k) if args.top_k else Sparsity(mode="sampled", n=args.sample or 16)
+    if args.generate:
+        info = describe_teacher(None)
+        generation_benchmark(args, info, load_teacher_once(info.spec, args.device, "auto").model)
+        return
     sparsity_name = f"top-{args.top_k}" if args.top_k else f"sampled-{args.sparsity.n}"
 
     info = describe_teacher(None)

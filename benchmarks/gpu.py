@@ -110,7 +110,11 @@ MEAN_ERROR = {"float32": 0.03, "bfloat16": 0.1}  # mean |d log p| of entries >= 
 TOP1_AGREEMENT = {"float32": 0.999, "bfloat16": 0.98}  # positions whose top-1 is the reference's (ties count)
 TAIL_ERROR = {"float32": 1e-3, "bfloat16": 0.005}  # mean |d tail mass|
 STEP_LOSS_RTOL = {"cpu": 1e-4, "cuda": 1e-2}  # first-step loss vs the CPU fp32 step (bf16 under FSDP2 on CUDA)
-LIVE_LOSS_RTOL = {"cpu": 1e-4, "cuda": 1e-3}  # live vs store losses (CUDA: atomics in backward are not bit-exact)
+LIVE_LOSS_RTOL = {"cpu": 1e-4, "cuda": 1e-3}  # live vs store first loss: same weights, same teacher distributions
+# Live vs store over the first steps. The two teachers' fp32 values round to the grid from different batch
+# shapes, so a few entries differ by a step, and bf16 steps on CUDA (non-deterministic atomics in backward)
+# amplify that over updates at lr 5e-3: on an H200 the first loss agreed to 1e-6 and step 10 drifted by 1.5%.
+LIVE_TRAJECTORY_RTOL = {"cpu": 1e-4, "cuda": 5e-2}
 TRAINER_LOSS_TOL = {"cpu": ("abs", 1e-3), "cuda": ("rel", 1e-2)}  # Trainer rounds to 4 digits; bf16 autocast on CUDA
 ATTENTION_RTOL = 1e-3  # fp32 segment vs eager, relative to the largest value (or gradient)
 HEAD_RTOL = {"float32": 1e-4, "bfloat16": 2e-2}  # chunked head vs full fp32 logits: loss, and gradients by norm
@@ -306,7 +310,8 @@ class Run:
         def make() -> dict:
             s = self.shapes
             flags = dict(steps=1, micro_batch=s.check_micro_batch, eval_fraction=0.0)
-            device_run = self.train("first-step", **flags)
+            # Its own cache entry: a failed CPU reference must not rerun the device step into the same --out.
+            device_run = self.once("first-step-device", lambda: self.train("first-step", **flags))
             cpu_out = self.tmp / "first-step-cpu"
             cli_train(self.train_flags(**flags), out=cpu_out)
             return {"device": device_run["records"][0]["loss"], "cpu": metrics(cpu_out)[0]["loss"]}
@@ -335,7 +340,9 @@ def cli_train(flags: dict, *, out: Path) -> None:
     for name, value in flags.items():
         args += [f"--{name.replace('_', '-')}", str(value)]
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
-    done = subprocess.run(args, capture_output=True, text=True, env=env)
+    # cwd outside the checkout: `python -m` puts the cwd first on sys.path, where the source folder
+    # `logitstore/` (without the installed package's pipelines/trainer/cli mapping) would shadow the install.
+    done = subprocess.run(args, capture_output=True, text=True, env=env, cwd=out.parent)
     if done.returncode != 0:
         raise RuntimeError(f"logitstore train (CPU reference) failed: {done.stderr.strip()[-2000:]}")
 
@@ -419,6 +426,7 @@ class Report:
                 "tail_error": TAIL_ERROR,
                 "step_loss_rtol": STEP_LOSS_RTOL,
                 "live_loss_rtol": LIVE_LOSS_RTOL,
+                "live_trajectory_rtol": LIVE_TRAJECTORY_RTOL,
                 "trainer_loss_tol": TRAINER_LOSS_TOL,
                 "attention_rtol": ATTENTION_RTOL,
                 "head_rtol": HEAD_RTOL,
@@ -539,7 +547,9 @@ def compare_stores(reference: str, uri: str, *, shift: float = 0.0) -> dict:
         vocab = int(max(a.entry_ids.max(), b.entry_ids.max())) + 1
         shared, ia, ib = np.intersect1d(a_pos * vocab + a.entry_ids, b_pos * vocab + b.entry_ids, return_indices=True)
         delta = np.abs(a_lp[ia] - b.entry_logprobs[ib])
-        is_fine = a_lp[ia] >= codec.coarse_below
+        # An entry is on the fine grid only where both stores rounded it there: one just above the boundary
+        # in one store and just below in the other is one coarse step apart, the coarse grid's rounding.
+        is_fine = np.minimum(a_lp[ia], b.entry_logprobs[ib]) >= codec.coarse_below
         fine.append(delta[is_fine])
         coarse.append(delta[~is_fine])
         top1.append(_top1_agrees(a_pos, a.entry_ids, a_lp, b_pos, b.entry_ids, b.entry_logprobs, len(a.n_entries)))
@@ -1026,12 +1036,20 @@ def section_live(run: Run, record: dict) -> None:
     )
     transport = "cuda_ipc" if run.cuda else "shared_memory"
     check(record, "transport", first["live_transport"], transport, first["live_transport"] == transport)
+    first_rel = abs(live_losses[0] - store_losses[0]) / abs(store_losses[0])
+    check(
+        record,
+        "first loss: live vs store",
+        first_rel,
+        LIVE_LOSS_RTOL[run.device],
+        first_rel <= LIVE_LOSS_RTOL[run.device],
+    )
     check(
         record,
         f"first {len(live_losses)} losses: live vs store",
         rel,
-        LIVE_LOSS_RTOL[run.device],
-        rel <= LIVE_LOSS_RTOL[run.device] and len(live_losses) == s.live_steps,
+        LIVE_TRAJECTORY_RTOL[run.device],
+        rel <= LIVE_TRAJECTORY_RTOL[run.device] and len(live_losses) == s.live_steps,
     )
     check(record, "nothing left in /dev/shm", leaked, "[]", not leaked)
     check(record, "the teacher process is gone", teacher_alive, False, not teacher_alive)

@@ -46,7 +46,7 @@ VersionOpt = Annotated[Optional[str], typer.Option("--version", help="Version id
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON.")]
 
 # The order commands are listed in --help: the order of use.
-COMMAND_ORDER = ("build", "train", "eval", "info", "ls", "show", "report", "diff", "log", "tag", "verify")
+COMMAND_ORDER = ("build", "train", "eval", "rounds", "info", "ls", "show", "report", "diff", "log", "tag", "verify")
 
 
 def user_errors(fn):
@@ -161,6 +161,10 @@ def show(
         return
     tokens = obj.get("tokens") or [str(t) for t in obj["input_ids"]]
     typer.echo(f"sample {obj['sample_id']}: {len(obj['input_ids'])} tokens (teacher {obj['teacher']})")
+    if "answer" in obj:
+        a, g = obj["answer"], obj["answer"]["generation"]
+        who = g.get("generator", {}).get("name", "?") + (f", round {g['round']}" if g.get("round") is not None else "")
+        typer.echo(f"answer {a['sample']} to prompt {a['prompt_id']!r} by {who}: {a['text']!r}")
     for k, pos in enumerate(obj["positions"]):
         t = first + k
         names = obj.get("entry_tokens", [None] * len(obj["positions"]))[k] or [str(i) for i in pos["ids"]]
@@ -370,7 +374,8 @@ def build(
         return
     # The input before anything heavy (torch, a teacher, a store): a wrong path or column shows in ~1 s.
     source = DataSource(values["data"], values["split"], values["data_config"]).source()
-    check_input(source, **{k: values[k] for k in ("text_column", "id_column", "ids_column", "chat_column")})
+    columns = ("text_column", "id_column", "ids_column", "chat_column", "prompt_column")
+    check_input(source, **{k: values[k] for k in columns})
     cfg = from_values(BuildConfig, values)
     if dry_run:
         _print_estimates(cfg, teachers, json_out=json_out)
@@ -390,6 +395,12 @@ def build(
             + (f", changed {summary.changed} ({cfg.on_duplicate})" if summary.changed else "")
             + (f", no assistant tokens {summary.no_completion}" if summary.no_completion else "")
             + (f", tool calls the template drops {summary.tool_calls}" if summary.tool_calls else "")
+            + (
+                f"; generated {summary.answers:,} answers to {summary.prompts:,} prompts, "
+                f"{summary.generated_tokens:,} tokens, {summary.answers_cut:,} cut at --generate {cfg.generate}"
+                if cfg.generate
+                else ""
+            )
         )
 
 
@@ -515,6 +526,68 @@ def eval_(
         typer.echo(
             f"held-out KL to the teacher {result['kl']:.4f} nats/token, CE {result['ce']:.4f} "
             f"(version {values['version'] or 'main'} = {result['version']})"  # the name the user gave, and its snapshot
+        )
+
+
+@app.command(cls=Command)
+@user_errors
+def rounds(
+    store: Annotated[str, typer.Option(help="Store of the rounds' answers; each round's version is tagged round-R.")],
+    out: Annotated[
+        str, typer.Option(help="The run folder every round trains in (OUT/final generates the next round).")
+    ],
+    prompts: Annotated[str, typer.Option(help="The prompts (any input build --data reads).")],
+    rounds: Annotated[int, typer.Option(help="Rounds to run: build, tag, train.")],
+    steps_per_round: Annotated[int, typer.Option(help="Optimizer steps each round adds to the run.")],
+    generate: Annotated[int, typer.Option(help="New tokens per answer at most (build --generate).")] = 256,
+    prompt_column: Annotated[Optional[str], typer.Option(help="Column of plain-text prompts.")] = None,
+    chat_column: Annotated[Optional[str], typer.Option(help="Column of conversations ending with a user turn.")] = None,
+    teacher: Annotated[
+        Optional[str], typer.Option(help="The teacher that scores (and writes round 1's answers).")
+    ] = None,
+    student: Annotated[Optional[str], typer.Option(help="The student to train (train --student).")] = None,
+    samples_per_prompt: Annotated[int, typer.Option(help="Answers per prompt.")] = 1,
+    generation_temperature: Annotated[float, typer.Option(help="Sampling temperature of the answers.")] = 1.0,
+    generation_top_p: Annotated[float, typer.Option(help="Nucleus sampling of the answers.")] = 1.0,
+    seed: Annotated[int, typer.Option(help="Round R samples with seed + R.")] = 0,
+    max_length: Annotated[int, typer.Option(help="Prompt and answer, teacher tokens at most.")] = 1024,
+    seq_len: Annotated[int, typer.Option(help="train --seq-len.")] = 256,
+    micro_batch: Annotated[int, typer.Option(help="train --micro-batch.")] = 8,
+    json_out: JsonOpt = False,
+) -> None:
+    """On-policy distillation in rounds: the student of round R-1 answers the prompts, the teacher scores the answers, the student trains on them (docs/train.md 'On-policy rounds')."""
+    from logitstore.cli.rounds import Rounds, run_rounds
+
+    if rounds < 1 or steps_per_round < 1:
+        raise LogitstoreError("--rounds and --steps-per-round must be at least 1")
+    done = run_rounds(
+        Rounds(
+            store=store,
+            out=out,
+            prompts=prompts,
+            rounds=rounds,
+            steps_per_round=steps_per_round,
+            generate=generate,
+            prompt_column=prompt_column,
+            chat_column=chat_column,
+            teacher=teacher,
+            student=student,
+            samples_per_prompt=samples_per_prompt,
+            generation_temperature=generation_temperature,
+            generation_top_p=generation_top_p,
+            seed=seed,
+            max_length=max_length,
+            seq_len=seq_len,
+            micro_batch=micro_batch,
+        ),
+        log=lambda line: typer.echo(line, err=True),
+    )
+    if json_out:
+        _print_json(done)
+        return
+    for r in done:
+        typer.echo(
+            f"round {r['round']}: version {r['version']} (tag round-{r['round']}), step {r['train'].get('step')}"
         )
 
 

@@ -70,11 +70,13 @@ def icechunk_failure(what: str, e: BaseException) -> LogitstoreError:
 
 def read_failure(what: str, e: BaseException) -> LogitstoreError:
     """The one-line error for a failed read of stored bytes. An object that the snapshot lists but
-    storage does not have (a chunk file deleted on disk, a 404 NoSuchKey on S3) is lost data:
-    `DamagedDataError` (exit 1; `verify` names its samples, `--on-error skip` trains without them), not
-    an outage that a retry could fix. Anything else as `icechunk_failure` (unreachable stays an outage)."""
-    if any(re.search(sign, str(e)) for sign in MISSING_SIGNS):
-        return DamagedDataError(f"{what}: a stored object is missing, its data is lost ({root_cause(e)})")
+    storage does not have (a chunk file deleted on disk, a 404 NoSuchKey on S3), or holds shorter than
+    the version says (a range past its end: emptied or cut short), is lost data: `DamagedDataError`
+    (exit 1; `verify` names its samples, `--on-error skip` trains without them), not an outage that a
+    retry could fix. Anything else as `icechunk_failure` (unreachable stays an outage)."""
+    lost = next((what_is_lost for signs, what_is_lost in LOST if any(re.search(s, str(e)) for s in signs)), None)
+    if lost is not None:
+        return DamagedDataError(f"{what}: {lost} ({root_cause(e)})")
     return icechunk_failure(what, e)
 
 
@@ -91,6 +93,14 @@ def _read_failure(where: str, what: str, e: BaseException) -> LogitstoreError:
 # NotFound (local disk, and the other object_store backends) and the S3 client's NoSuchKey (the code S3 and
 # S3-compatible services give a GET of a missing key). Collected by deleting chunk files and objects.
 MISSING_SIGNS = (r"Object at location \S+ not found", r"\bNoSuchKey\b")
+# How it says that an object is shorter than a range the version asks of it: object_store's range error
+# (local disk; an empty file or a link to /dev/zero reads as 0 bytes long) and S3's 416 InvalidRange (a
+# range that starts past the object's end; one that ends past it comes back short, and its checksum fails).
+SHORT_SIGNS = (r"Wanted range starting at \d+, but object was only \d+ bytes long", r"\bInvalidRange\b")
+LOST = (
+    (MISSING_SIGNS, "a stored object is missing, its data is lost"),
+    (SHORT_SIGNS, "a stored object is shorter than the version says, its data is lost"),
+)
 
 
 # How Icechunk 1.1 says that a file it read does not parse (a ref, a snapshot), as opposed to failing

@@ -117,6 +117,13 @@ def render(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]
     return text, spans
 
 
+def render_prompt(tokenizer, messages: list[dict]) -> str:
+    """A conversation to answer, rendered with the template's generation prompt (what an answer follows)."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ChatError("the teacher's tokenizer has no chat template; --chat-column needs one")
+    return _apply(tokenizer, messages, generation_prompt=True)
+
+
 def _apply(tokenizer, messages: list[dict], *, generation_prompt: bool) -> str:
     try:
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)

@@ -68,6 +68,19 @@ class ConflictError(LogitstoreError):
     """Another writer committed to the branch first and the two changes cannot be merged."""
 
 
+class ChangedTextError(ConflictError):
+    """A write holds a sample id that the branch holds with other text (their source hashes differ):
+    stored before the write began, or committed by a concurrent writer meanwhile."""
+
+    def __init__(self, *, teacher: str, sample_id: str, stored: str, new: str, count: int):
+        self.teacher, self.sample_id, self.stored, self.new, self.count = teacher, sample_id, stored, new, count
+        more = f" (and {count - 1} more)" if count > 1 else ""
+        super().__init__(
+            f"sample {sample_id!r} of teacher {teacher!r} is stored with other text (source hash {stored}, "
+            f"now {new}){more}; pass on_changed='replace' or 'skip'"
+        )
+
+
 class StorageError(LogitstoreError):
     """The storage backend is unreachable, times out or refuses the credentials: an outage. Nothing is
     wrong with the data; the command can be run again (a build or a training run resumes)."""

@@ -56,6 +56,9 @@ def sample_as_json(
         vocab = {int(i): tokenizer.decode([int(i)]) for i in np.unique(np.concatenate([s.input_ids, ids]))}
         out["tokens"] = [vocab[int(t)] for t in s.input_ids]
         out["entry_tokens"] = [[vocab[i] for i in pos["ids"]] for pos in positions]
+    answer = view.answer(sample_id, teacher=teacher)
+    if answer is not None:  # a generated answer (build --generate): its text and what wrote it
+        out["answer"] = answer
     if student_tokenizer is not None:
         student_ids, groups = view.student_tokens(sample_id, teacher=teacher, student=student_tokenizer)
         out["student_tokenizer"] = student_tokenizer

@@ -70,6 +70,28 @@ AXIS = {
     "entry_counts": "entry",
 }
 
+# The Zarr data types a part's arrays are stored as (`codec.EncodedSamples`): token ids and entry codes
+# in 16 or 32 bits by the vocabulary; log-probabilities float32 through the grid codec (uint16 codes
+# before store format 2); a student tokenizer's ids and groups int32, its loss mask uint8.
+DATA_TYPES = {
+    "input_ids": ("uint16", "uint32"),
+    "n_entries": ("uint16",),
+    "entry_codes": ("uint16", "uint32"),
+    "entry_logprobs": ("float32", "uint16"),
+    "tail": ("float32", "uint16"),
+    "target_logprobs": ("float32", "uint16"),
+    "entry_counts": ("uint16",),
+    "loss_mask": ("uint8",),
+}
+STUDENT_DATA_TYPES = {"ids": ("int32",), "groups": ("int32",), "loss_mask": ("uint8",)}
+
+
+def data_types(name: str) -> tuple[str, ...]:
+    """The data types a part's array (its path in the part) may be stored as."""
+    if is_student_array(name):
+        return STUDENT_DATA_TYPES.get(name.rsplit("/", 1)[-1], ())
+    return DATA_TYPES.get(name, ())
+
 
 # A packed part (store format 3): the one array holding the part's arrays, and its attribute that says
 # where: {name: {"zarr": the array's zarr.json, "objects": [[offset, length] or null per shard]}}.

@@ -29,6 +29,10 @@ from logitstore.sparsity import Sparsity, SparsityError
 FORMAT_VERSION = 4
 WRITER = "logitstore 0.1.0"
 DEFAULT_BRANCH = "main"
+# What a write does with a sample id the branch holds (`StoreWriter`'s on_duplicate and on_changed), and a
+# build with a document stored under its id with other text (`--on-duplicate`): refuse, replace, or keep.
+ON_DUPLICATE = ("error", "replace", "skip")
+RUN_MARKER = "logitstore-run.json"  # marks a `logitstore train` run's folder (trainer/run_folder.py)
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # teachers, student tokenizers, tags and branches
 PART_LAYOUTS = ("packed+students", "packed", "arrays")  # `TeacherMeta.part_layout`, newest first
 SNAPSHOT_ID = re.compile(r"[0-9A-Z]{20}")  # Icechunk's snapshot ids: 20 Crockford base32 characters

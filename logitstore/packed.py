@@ -21,6 +21,7 @@ import asyncio
 import json
 from collections.abc import AsyncIterator, Iterable
 
+import numpy as np
 from zarr.abc.store import ByteRequest, OffsetByteRequest, RangeByteRequest, Store, SuffixByteRequest
 from zarr.core.buffer import Buffer, BufferPrototype
 
@@ -156,6 +157,75 @@ def _cut(data: bytes, byte_range: ByteRequest) -> bytes:
     return data[start:stop]
 
 
-def members_of(attrs: dict) -> dict:
-    """A packed array's member table, from its attributes."""
-    return dict(attrs[layout.MEMBERS])
+def checked_members(document: dict, *, names: Iterable[str], where: str) -> dict:
+    """A packed array's member table, from its zarr.json (`shape` and `attributes` are what it reads),
+    checked against what its arrays must be before any of them is read: every array of `names` held;
+    each member a 1-D array of a data type its name allows, with no more shards than its shape has; the
+    part's arrays of one axis (`layout.AXIS`) of one length; every shard a range of whole bytes inside
+    the object, no two overlapping. A table that fails (a tampered or buggy commit) raises `ValueError`,
+    which `read_errors` makes damage of the part's samples. Runs once per part opened: a loop over its
+    few members and one sort of its few shards' ranges (~30 us for a part of 8 arrays)."""
+    try:
+        members = dict(document["attributes"][layout.MEMBERS])
+        size = _whole_number(document["shape"][0])
+    except (KeyError, TypeError, IndexError, ValueError) as e:
+        raise ValueError(f"{where}/zarr.json holds no member table ({type(e).__name__})") from None
+    if missing := [name for name in names if name not in members]:
+        raise ValueError(f"{where} holds no {', '.join(missing)} in its member table")
+    spans: list[tuple[int, int]] = []
+    lengths: dict[str, dict[int, str]] = {}  # axis -> {length: a member of that length}
+    for name, member in members.items():  # a few members per part
+        try:
+            length, held = _member(name, member)
+        except (KeyError, TypeError, IndexError, ValueError) as e:
+            raise ValueError(f"the member table of {where} is damaged at {name} ({e or type(e).__name__})") from None
+        spans += held
+        if name in layout.AXIS:
+            lengths.setdefault(layout.AXIS[name], {})[length] = name
+    if disagree := next((axis for axis, seen in lengths.items() if len(seen) > 1), None):
+        pair = ", ".join(f"{name} of {n}" for n, name in sorted(lengths[disagree].items()))
+        raise ValueError(f"the member table of {where} gives the {disagree} axis two lengths ({pair})")
+    _check_spans(np.array(spans, dtype=np.int64).reshape(-1, 2), size=size, where=where)
+    return members
+
+
+def array_members(array, *, names: Iterable[str], where: str) -> dict:
+    """`checked_members` of an opened packed array (a `zarr.Array`)."""
+    return checked_members({"shape": list(array.shape), "attributes": dict(array.attrs)}, names=names, where=where)
+
+
+def _member(name: str, member: dict) -> tuple[int, list[tuple[int, int]]]:
+    """A member's length and its shards' (offset, length), checked (ValueError names what is wrong)."""
+    meta = member["zarr"]
+    if not isinstance(meta["shape"], list) or len(meta["shape"]) != 1:
+        raise ValueError(f"shape {meta['shape']!r} is not 1-D")
+    length = _whole_number(meta["shape"][0])
+    if meta["data_type"] not in layout.data_types(name):
+        raise ValueError(f"data type {meta['data_type']!r} is not one of {layout.data_types(name)}")
+    per_object = _whole_number(meta["chunk_grid"]["configuration"]["chunk_shape"][0])
+    objects = member["objects"]
+    if not isinstance(objects, list) or len(objects) > -(-length // max(per_object, 1)):
+        raise ValueError(f"{len(objects)} shards listed for {length} elements")
+    if any(not isinstance(o, list) or len(o) != 2 for o in objects if o is not None):
+        raise ValueError("a shard is not [offset, length]")
+    held = [(_whole_number(o[0]), _whole_number(o[1])) for o in objects if o is not None]
+    if any(n == 0 for _, n in held):  # a shard holds at least its index and checksum
+        raise ValueError("a shard of 0 bytes")
+    return length, held
+
+
+def _whole_number(value) -> int:
+    """A non-negative integer of the JSON (not a bool, a float or a string)."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"{value!r} is not a non-negative integer")
+    return value
+
+
+def _check_spans(spans: np.ndarray, *, size: int, where: str) -> None:
+    """Shards' [offset, offset + length) inside an object of `size` bytes and disjoint (vectorised)."""
+    ends = spans[:, 0] + spans[:, 1]
+    if len(spans) and int(ends.max()) > size:
+        raise ValueError(f"the member table of {where} puts a shard past the object's {size} bytes")
+    order = np.argsort(spans[:, 0], kind="stable")
+    if np.any(spans[order[1:], 0] < ends[order[:-1]]):
+        raise ValueError(f"the member table of {where} puts two shards on the same bytes")

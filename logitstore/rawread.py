@@ -67,13 +67,11 @@ def read_packed(store, path: str, names: list[str], *, params: CodecParams) -> l
     document, chunk = _get_many(
         store, [f"{path}/zarr.json", packed.chunk_key(path)], what=f"reading {packed.chunk_key(path)}"
     )
-    try:  # the snapshot lists the part: a missing or unreadable document is damage (a ValueError)
-        members = packed.members_of(json.loads(document.to_bytes())["attributes"])
-    except (AttributeError, KeyError, TypeError) as e:
-        raise ValueError(f"{path}/zarr.json holds no member table ({type(e).__name__})") from None
+    # the snapshot lists the part: a missing or unreadable document, or a member table that disagrees
+    # with its arrays, is damage (a ValueError)
+    metadata = json.loads(document.to_bytes()) if document is not None else None
+    members = packed.checked_members(metadata if isinstance(metadata, dict) else {}, names=names, where=path)
     data = np.zeros(0, np.uint8) if chunk is None else np.asarray(chunk.as_numpy_array()).view(np.uint8).reshape(-1)
-    if missing := [name for name in names if name not in members]:
-        raise ValueError(f"{path} holds no {', '.join(missing)}")
     layouts = {name: _layout(members[name]["zarr"]) for name in names}
     if any(layout is None for layout in layouts.values()):
         return read_whole(packed.PackedStore(store, path=path, members=members), names, params=params)
@@ -81,10 +79,8 @@ def read_packed(store, path: str, names: list[str], *, params: CodecParams) -> l
     for name in names:  # a few arrays per part
         layout = layouts[name]
         assert layout is not None  # checked above
-        if len(members[name]["objects"]) > layout.n_objects:
-            raise ValueError(f"the member table of {path} lists more shards of {name} than it holds")
         spans = [packed.member_range(members, name, i) for i in range(layout.n_objects)]
-        if any(s is not None and s[0] + s[1] > len(data) for s in spans):
+        if any(s is not None and s[0] + s[1] > len(data) for s in spans):  # the object is shorter than its table
             raise ValueError(f"{name} lies beyond the end of {packed.chunk_key(path)}")
         out.append(layout.decode([None if s is None else data[s[0] : s[0] + s[1]] for s in spans]))
     return out

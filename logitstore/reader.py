@@ -195,6 +195,8 @@ class PartReader:
         except DamagedDataError:  # one bad chunk: read sample by sample to lose only its samples
             arrays, damaged = self._by_sample(part, rows)
         entry_cum = np.concatenate([[0], np.cumsum(arrays.n_entries, dtype=np.int64)])
+        if len(damaged) == len(rows):  # nothing of the part is usable: nothing to check or to add
+            return PartData(arrays=arrays, entry_cum=entry_cum, damaged=damaged)
         damaged.update(self._check(arrays, entry_cum, rows, skip=damaged))
         if self.student is not None and students is None:
             students = self._student_arrays(part)
@@ -248,13 +250,12 @@ class PartReader:
         return EncodedSamples(**out)
 
     def _by_sample(self, part: str, rows: np.ndarray) -> tuple[EncodedSamples, dict[int, Exception]]:
-        arrays = {
-            name: np.zeros(
-                self.view.array(self.teacher, part, name).shape[0],
-                dtype=_stored_dtype(self.view.array(self.teacher, part, name)),
-            )
-            for name in self.names
-        }
+        try:
+            with read_errors(f"part {part} of teacher {self.teacher!r}"):
+                found = {name: self.view.array(self.teacher, part, name) for name in self.names}
+        except DamagedDataError as e:  # the part's own metadata (its member table): every sample is lost
+            return self._lost(rows), {row: e for row in rows.tolist()}
+        arrays = {name: np.zeros(array.shape[0], dtype=_stored_dtype(array)) for name, array in found.items()}
         damaged: dict[int, Exception] = {}
         for row in rows.tolist():  # one step per sample, only for a part with a damaged chunk
             try:
@@ -267,6 +268,13 @@ class PartReader:
             except Exception as e:
                 damaged[row] = e
         return EncodedSamples(**arrays), damaged
+
+    def _lost(self, rows: np.ndarray) -> EncodedSamples:
+        """Zeros in place of a part's arrays whose every sample is damaged, long enough for these rows'
+        ranges (np.zeros maps no page it does not touch); only the entry counts are read from them."""
+        by_axis = self.rows.spans(rows)
+        ends = {axis: int(stops.max(initial=0)) for axis, (_, stops) in by_axis.items()}
+        return EncodedSamples(**{name: np.zeros(ends[layout.AXIS[name]], np.uint16) for name in self.names})
 
     def _student_arrays(self, part: str) -> tuple:
         """(ids, groups), and the loss mask for chat data, of the part's tokens of the student tokenizer,

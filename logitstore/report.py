@@ -106,7 +106,8 @@ def teacher_stats(view: StoreVersion, teacher: str) -> TeacherStats:
         with read_errors(f"part {part} of teacher {teacher!r}"):
             attrs = view.part_group(teacher, part).attrs
             stats.parts.append((part, int(cast(int, attrs["tokens"])), int(cast(int, attrs["stored_bytes"]))))
-        _fold_part(stats, data.arrays, view.id_of_code(teacher), rows=usable, table=rows)
+        if len(usable):  # a part whose every sample is damaged (e.g. its object emptied) adds nothing
+            _fold_part(stats, data.arrays, view.id_of_code(teacher), rows=usable, table=rows)
     return stats
 
 
@@ -206,7 +207,8 @@ def plot_entropy_and_tail(stats: TeacherStats) -> bytes:
     left.set_xlim(0, edges[np.flatnonzero(stats.entropy)[-1] + 1] if stats.entropy.any() else edges[-1])
     left.legend()
     right.stairs(stats.tail, TAIL_BINS, fill=True, color="tab:orange")
-    right.set_yscale("log")
+    if stats.tail.any():  # no position left (every sample damaged): a log axis of nothing only warns
+        right.set_yscale("log")
     right.set(xlabel="tail mass (probability not in the entries)", ylabel="positions", title="tail mass")
     return _png(fig)
 

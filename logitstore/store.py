@@ -207,12 +207,14 @@ class Store:
     def read(self, version: str | None = None) -> StoreVersion:
         return StoreVersion(self, self.resolve(version))
 
-    def writer(self, *, branch: str = DEFAULT_BRANCH, on_duplicate: str = "error") -> StoreWriter:
+    def writer(
+        self, *, branch: str = DEFAULT_BRANCH, on_duplicate: str = "error", on_changed: str = "error"
+    ) -> StoreWriter:
         with storage_errors(f"cannot write to {self.location.uri}"):
             branches = self.repo.list_branches()
         if branch not in branches:
             raise VersionNotFoundError(f"{self.location.uri} has no branch {branch!r}; create it first")
-        return StoreWriter(self, branch=branch, on_duplicate=on_duplicate)
+        return StoreWriter(self, branch=branch, on_duplicate=on_duplicate, on_changed=on_changed)
 
     def index_key(self, snapshot_id: str) -> str | None:
         with storage_errors(f"store {self.location.uri}"):

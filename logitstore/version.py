@@ -21,13 +21,14 @@ from logitstore.errors import (
     SampleNotFoundError,
     VersionNotFoundError,
 )
+from logitstore.generation import GENERATIONS_ATTR, generation_of, parse_answer_id
 from logitstore.layout import array_at, group_at, json_attr, read_values, root_attrs
 from logitstore.location import Location
 
 # 2: teachers registered since hold their log-probability arrays as float32 through the grid codec
 # (`zarr_codec.py`; `TeacherMeta.values`); format-1 teachers keep plain uint16 codes and read as before.
 from logitstore.meta import TeacherMeta
-from logitstore.packed import PackedStore, members_of
+from logitstore.packed import PackedStore, array_members
 from logitstore.samples import SparseSamples
 from logitstore.zarr_codec import as_codes
 
@@ -92,6 +93,7 @@ class StoreVersion:
                     "engine": meta.engine,
                     "dtype": meta.dtype,
                     "engine_version": meta.engine_version,
+                    "generations": list(self.generations(name).values()),
                 }
             )
         return {
@@ -173,7 +175,9 @@ class StoreVersion:
         """A packed part's arrays as a Zarr store of their own (store format 3, `packed.py`)."""
         if (teacher, part) not in self._packed:
             path = layout.packed_path(teacher, part)
-            members = members_of(dict(array_at(self.root, path).attrs))
+            meta = self.teachers[teacher]
+            names = layout.part_arrays(sampled=meta.sampled, chat=meta.loss_mask is not None)
+            members = array_members(array_at(self.root, path), names=names, where=path)
             self._packed[(teacher, part)] = PackedStore(self.root.store, path=path, members=members)
         return self._packed[(teacher, part)]
 
@@ -247,6 +251,33 @@ class StoreVersion:
             groups = read_values(self.array(teacher, r["part"], groups_name), slice(4 * g0, 4 * (g0 + g)))
             groups = groups.reshape(-1, 4)
         return ids.astype(np.int64), groups.astype(np.int64)
+
+    def generations(self, teacher: str | None = None) -> dict[str, dict]:
+        """The generations whose answers the teacher's samples hold (`build --generate`), by id: the
+        generator, engine, sampling settings, seed and round (`logitstore.generation`)."""
+        group = group_at(self.root, layout.teacher_path(self.teacher_name(teacher)))
+        return json_attr(group, GENERATIONS_ATTR) if GENERATIONS_ATTR in group.attrs else {}
+
+    def answer(self, sample_id: str, *, teacher: str | None = None) -> dict | None:
+        """A generated answer (`build --generate`): `{"prompt_id", "sample", "token_ids", "text",
+        "prompt_text", "generation"}` (texts where the store keeps the teacher's tokenizer), or None for
+        a sample that is no answer."""
+        row = self.index.slice(self.row_of(sample_id, teacher=teacher), 1).to_pylist()[0]
+        generation, key = generation_of(row["source_hash"]), parse_answer_id(sample_id)
+        if generation is None or key is None:
+            return None
+        s = self.sample(sample_id, teacher=teacher)
+        mask = np.asarray(s.loss_mask, dtype=bool) if s.loss_mask is not None else np.zeros(len(s.input_ids), bool)
+        tokenizer = self.tokenizer(row["teacher"])
+        decode = (lambda ids: tokenizer.decode(ids.tolist(), skip_special_tokens=False)) if tokenizer else None
+        return {
+            "prompt_id": key[0],
+            "sample": key[1],
+            "token_ids": s.input_ids[mask].tolist(),
+            "text": decode(s.input_ids[mask]) if decode else None,
+            "prompt_text": decode(s.input_ids[~mask]) if decode else None,
+            "generation": self.generations(row["teacher"]).get(generation, {"id": generation}),
+        }
 
     def tokenizer(self, teacher: str | None = None):
         """The teacher's `tokenizers.Tokenizer` if the store keeps one, else None."""

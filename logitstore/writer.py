@@ -8,7 +8,7 @@ import contextlib
 import secrets
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import icechunk
 import numpy as np
@@ -23,19 +23,21 @@ from logitstore.bounded import (
     storage_errors,
 )
 from logitstore.errors import (
+    ChangedTextError,
     ConflictError,
     DuplicateSampleError,
     IncompatibleStoreError,
     InvalidSampleError,
     LogitstoreError,
 )
+from logitstore.generation import GENERATIONS_ATTR
 from logitstore.grid import CodecParams
 
 # 2: teachers registered since hold their log-probability arrays as float32 through the grid codec
 # (`zarr_codec.py`; `TeacherMeta.values`); format-1 teachers keep plain uint16 codes and read as before.
 from logitstore.layout import array_at, group_at, json_attr, read_values
 from logitstore.location import commit_lock
-from logitstore.meta import FORMAT_VERSION, WRITER, StudentTokenizer, TeacherMeta, mismatch_message, now
+from logitstore.meta import FORMAT_VERSION, ON_DUPLICATE, WRITER, StudentTokenizer, TeacherMeta, mismatch_message, now
 from logitstore.samples import SparseSamples, StudentTokens, concat
 from logitstore.version import StoreHandle, read_teachers
 
@@ -46,27 +48,36 @@ class StoreWriter:
 
     `on_duplicate` decides what happens to a sample id the branch already holds for that teacher:
     "error" (default) refuses the write, "replace" makes the new sample win, "skip" keeps the old one
-    and drops the new (what a resumed build wants).
+    and drops the new (what a resumed build wants). With "skip", `on_changed` decides for a duplicate
+    stored with other text (both source hashes known, and different): "error" (default) raises
+    `ChangedTextError`, "skip" keeps the stored one (`CommitResult.changed`), "replace" makes the new one
+    win. The same rule holds for samples the base version holds and for samples a concurrent writer
+    committed first (found when `commit` rebases onto it).
     """
 
-    def __init__(self, store: StoreHandle, *, branch: str, on_duplicate: str):
-        if on_duplicate not in ("error", "replace", "skip"):
-            raise ValueError(f"on_duplicate must be 'error', 'replace' or 'skip', got {on_duplicate!r}")
+    def __init__(self, store: StoreHandle, *, branch: str, on_duplicate: str, on_changed: str = "error"):
+        for name, value in (("on_duplicate", on_duplicate), ("on_changed", on_changed)):
+            if value not in ON_DUPLICATE:
+                raise ValueError(f"{name} must be 'error', 'replace' or 'skip', got {value!r}")
         self.store = store
         self.branch = branch
         self.on_duplicate = on_duplicate
+        self.on_changed = on_changed
         with storage_errors(f"cannot write to {store.location.uri}"):
             self.session = store.repo.writable_session(branch)
             self.root = zarr.open_group(self.session.store, mode="r+")
         self.base_snapshot = self.session.snapshot_id
         self.teachers = read_teachers(self.root)
-        self._base_keys = _keys(store.read_index(self.base_snapshot))
+        # (teacher, sample id) -> source hash of what the base version holds, less what `remove` drops
+        self._base_keys = _sources(store.read_index(self.base_snapshot))
         self._new_rows: list[pa.Table] = []
         self._new_keys: set[tuple[str, str]] = set()
         self._committed: str | None = None
         self._fork_source: icechunk.Session | None = None
         self._added_teachers: list[str] = []
         self._removed: set[tuple[str, str]] = set()
+        self._dropped = 0  # samples left out as stored already with the same text (at write, merge or commit)
+        self._changed: list[str] = []  # sample ids stored with other text, left out or replaced (`on_changed`)
         self._part_bytes: dict[tuple[str, str], int] = {}  # (teacher, part) -> compressed bytes, parts staged
         self.result: CommitResult | None = None  # what `commit` made visible
         # Each teacher's id order (`code_of_id`), shared by every part writer and fork of this writer:
@@ -125,6 +136,14 @@ class StoreWriter:
         self.teachers[meta.name] = meta
         return meta
 
+    def record_generation(self, teacher: str, record: dict) -> None:
+        """Keep a generation's record (`logitstore.generation`) on the teacher's group, once: a record
+        already there is not written again, so checkpoint commits do not touch the group."""
+        group = group_at(self.root, layout.teacher_path(teacher))
+        known = json_attr(group, GENERATIONS_ATTR) if GENERATIONS_ATTR in group.attrs else {}
+        if record["id"] not in known:
+            group.attrs[GENERATIONS_ATTR] = {**known, record["id"]: record}
+
     # -- samples -----------------------------------------------------------------------------------
 
     def write(
@@ -138,7 +157,7 @@ class StoreWriter:
         """Encode and stage `samples` as one new part. Returns how many samples were staged."""
         if teacher not in self.teachers:
             raise LogitstoreError(f"teacher {teacher!r} is not in the store; add_teacher first")
-        keep = self._apply_duplicate_rule(teacher, samples.sample_ids)
+        keep = self._apply_duplicate_rule(teacher, samples.sample_ids, source_hashes or [None] * len(samples))
         if not keep:
             return 0
         if len(keep) < len(samples):
@@ -184,7 +203,7 @@ class StoreWriter:
         rows = written.rows
         if rows.num_rows:
             teacher = rows["teacher"][0].as_py()
-            keep = self._apply_duplicate_rule(teacher, rows["sample_id"].to_pylist())
+            keep = self._apply_duplicate_rule(teacher, rows["sample_id"].to_pylist(), rows["source_hash"].to_pylist())
             rows = rows.take(pa.array(keep, type=pa.int64()))  # typed: an empty list would be null-typed
         if not rows.num_rows:
             return 0
@@ -197,8 +216,9 @@ class StoreWriter:
     def remove(self, teacher: str, sample_ids: list[str]) -> None:
         """Drop these samples of the base version from the index at commit (their parts stay, unreferenced:
         older versions still read them). A removed id may then be written again in this transaction."""
-        removed = {(teacher, sid) for sid in sample_ids} & self._base_keys
-        self._base_keys -= removed
+        removed = {(teacher, sid) for sid in sample_ids} & self._base_keys.keys()
+        for key in removed:
+            del self._base_keys[key]
         self._removed |= removed
 
     @property
@@ -212,7 +232,8 @@ class StoreWriter:
         if rows.num_rows:
             self._part_bytes[(rows["teacher"][0].as_py(), rows["part"][0].as_py())] = stored_bytes
 
-    def _apply_duplicate_rule(self, teacher: str, sample_ids: list[str]) -> list[int]:
+    def _apply_duplicate_rule(self, teacher: str, sample_ids: list[str], sources: list[str | None]) -> list[int]:
+        """Which of these samples to stage, by `on_duplicate` and, for one stored with other text, `on_changed`."""
         dup = [
             i
             for i, sid in enumerate(sample_ids)
@@ -226,13 +247,48 @@ class StoreWriter:
                 f"{len(dup)} sample id(s) already stored for teacher {teacher!r}, e.g. {first}; "
                 "pass on_duplicate='replace' or 'skip'"
             )
+        in_txn = [sample_ids[i] for i in dup if (teacher, sample_ids[i]) in self._new_keys]
         if self.on_duplicate == "replace":
-            in_txn = [sample_ids[i] for i in dup if (teacher, sample_ids[i]) in self._new_keys]
             if in_txn:
                 raise DuplicateSampleError(f"sample id {in_txn[0]!r} written twice in one transaction")
             return list(range(len(sample_ids)))
-        dup_set = set(dup)
-        return [i for i in range(len(sample_ids)) if i not in dup_set]
+        keys = [(teacher, sample_ids[i]) for i in dup]
+        stored = {key: self._base_keys[key] for key in keys if key in self._base_keys}
+        stored.update(self._new_sources(teacher, in_txn))
+        left_out, changed = self._stored_already(keys, [sources[i] for i in dup], stored=stored)
+        self._count_left_out(left_out, changed)
+        return [i for i in range(len(sample_ids)) if (teacher, sample_ids[i]) not in left_out]
+
+    def _stored_already(
+        self, keys: list[tuple[str, str]], sources: list[str | None], *, stored: dict[tuple[str, str], str | None]
+    ) -> tuple[set[tuple[str, str]], list[str]]:
+        """Of these duplicates (on_duplicate="skip"), the ones to leave out: those stored with the same
+        text (or a text of unknown source), and those stored with other text unless `on_changed` is
+        "replace"; and the sample ids of those stored with other text. One rule for the base version's
+        samples and for a concurrent writer's."""
+        changed = [
+            (key, stored[key], new)
+            for key, new in zip(keys, sources)
+            if stored[key] is not None and new is not None and stored[key] != new
+        ]
+        if changed and self.on_changed == "error":
+            (teacher, sample_id), was, now = changed[0]
+            assert was is not None and now is not None, "compared above"
+            raise ChangedTextError(teacher=teacher, sample_id=sample_id, stored=was, new=now, count=len(changed))
+        replaced = {key for key, _, _ in changed} if self.on_changed == "replace" else set()
+        return {key for key in keys if key not in replaced}, [sid for (_, sid), _, _ in changed]
+
+    def _count_left_out(self, left_out: set[tuple[str, str]], changed: list[str]) -> None:
+        """Count once what a write, a merge or the commit that succeeds left out or replaced."""
+        self._dropped += len(left_out) - (len(changed) if self.on_changed == "skip" else 0)
+        self._changed += changed
+
+    def _new_sources(self, teacher: str, sample_ids: list[str]) -> dict[tuple[str, str], str | None]:
+        """Source hashes of samples staged in this transaction (a duplicate within it is rare: read on demand)."""
+        if not sample_ids:
+            return {}
+        wanted = {(teacher, sid) for sid in sample_ids}
+        return {key: value for key, value in _sources(pa.concat_tables(self._new_rows)).items() if key in wanted}
 
     # -- commit ----------------------------------------------------------------------------------
 
@@ -243,17 +299,19 @@ class StoreWriter:
         assert self._committed is None, "a StoreWriter commits once"
         if not self.session.has_uncommitted_changes:
             if not self._removed:  # e.g. every sample skipped as already stored
-                return self._nothing_to_commit(dropped=0)
+                return self._nothing_to_commit()
             self._record_removal()  # Icechunk commits only a changed tree
         new_rows = pa.concat_tables(self._new_rows) if self._new_rows else index.empty_index()
         for _ in range(max_attempts):
             base = self.store.read_index(self.session.snapshot_id)
-            merged, kept = self._merge(base, new_rows)
+            attempt = self._merge(base, new_rows)
+            merged, kept = attempt.index, attempt.kept
             self._drop_parts_without_rows(staged=new_rows, kept=kept)
             if not kept.num_rows and not self._removed and not self._added_teachers:
                 # a concurrent writer committed every sample first: no commit of orphaned parts
                 self.session.discard_changes()
-                return self._nothing_to_commit(dropped=new_rows.num_rows)
+                self._count_left_out(attempt.left_out, attempt.changed)
+                return self._nothing_to_commit()
             key = index.write_index(self.store.blobs, merged)
             meta = {
                 "index": key,
@@ -265,26 +323,30 @@ class StoreWriter:
             try:
                 with storage_errors(f"cannot commit to {self.store.location.uri}"), commit_lock(self.store.location):
                     self._committed = self.session.commit(message, metadata={"logitstore": meta})
-                self.result = self._result(self._committed, kept=kept, staged=new_rows)
+                self._count_left_out(attempt.left_out, attempt.changed)
+                self.result = self._result(self._committed, kept=kept)
                 return self._committed
             except icechunk.ConflictError:
                 self._rebase()
         raise ConflictError(f"branch {self.branch!r} kept moving; gave up after {max_attempts} attempts")
 
-    def _result(self, version: str, *, kept: pa.Table, staged: pa.Table) -> CommitResult:
+    def _result(self, version: str, *, kept: pa.Table) -> CommitResult:
         parts = set(zip(kept["teacher"].to_pylist(), kept["part"].to_pylist()))
         return CommitResult(
             version=version,
             samples=kept.num_rows,
             tokens=int(pc.sum(kept["n_tokens"]).as_py() or 0),
             stored_bytes=sum(self._part_bytes.get(p, 0) for p in parts),
-            dropped=staged.num_rows - kept.num_rows,
+            dropped=self._dropped,
+            changed=list(self._changed),
             removed=len(self._removed),
         )
 
-    def _nothing_to_commit(self, *, dropped: int) -> str:
+    def _nothing_to_commit(self) -> str:
         self._committed = self.session.snapshot_id
-        self.result = CommitResult(version=self._committed, dropped=dropped, committed=False)
+        self.result = CommitResult(
+            version=self._committed, dropped=self._dropped, changed=list(self._changed), committed=False
+        )
         return self._committed
 
     def _drop_parts_without_rows(self, *, staged: pa.Table, kept: pa.Table) -> None:
@@ -319,19 +381,34 @@ class StoreWriter:
                 f"paths ({', '.join(paths[:5])}); nothing of this write was committed"
             ) from None
 
-    def _merge(self, base: pa.Table, new_rows: pa.Table) -> tuple[pa.Table, pa.Table]:
+    def _merge(self, base: pa.Table, new_rows: pa.Table) -> _Merged:
         """The branch's new index, and the rows of this write it holds (with on_duplicate="skip", less
-        those a concurrent writer committed first)."""
+        those a concurrent writer committed first, by the rule `write` and `merge` apply to the base's)."""
         present = _keys(base) - self._removed  # what the branch holds and this write does not remove
-        clash = present & _keys(new_rows) - self._base_keys  # ids a concurrent writer added meanwhile
+        clash = present & _keys(new_rows) - self._base_keys.keys()  # ids a concurrent writer added meanwhile
         if clash and self.on_duplicate == "error":
             raise ConflictError(f"a concurrent write added sample(s) {sorted(clash)[:3]} that this write also holds")
-        new_keys = _keys(new_rows)
-        if self.on_duplicate == "skip":
-            new_rows = new_rows.filter(pc.invert(_key_mask(new_rows, present)))
-            new_keys = _keys(new_rows)
-        kept = base.filter(pc.invert(_key_mask(base, new_keys | self._removed)))
-        return pa.concat_tables([kept, new_rows]), new_rows
+        left_out: set[tuple[str, str]] = set()
+        changed: list[str] = []
+        if clash and self.on_duplicate == "skip":
+            ours = new_rows.filter(_key_mask(new_rows, clash))
+            keys = list(zip(ours["teacher"].to_pylist(), ours["sample_id"].to_pylist()))
+            theirs = _sources(base.filter(_key_mask(base, clash)))
+            left_out, changed = self._stored_already(keys, ours["source_hash"].to_pylist(), stored=theirs)
+            new_rows = new_rows.filter(pc.invert(_key_mask(new_rows, left_out)))
+        kept = base.filter(pc.invert(_key_mask(base, _keys(new_rows) | self._removed)))
+        return _Merged(pa.concat_tables([kept, new_rows]), new_rows, left_out, changed)
+
+
+@dataclass
+class _Merged:
+    """A commit attempt's index: the branch's new index, the rows of this write it holds, and what it
+    leaves out of this write as a concurrent writer's (counted once the attempt commits)."""
+
+    index: pa.Table
+    kept: pa.Table
+    left_out: set[tuple[str, str]]
+    changed: list[str]
 
 
 @dataclass
@@ -343,7 +420,10 @@ class CommitResult:
     samples: int = 0  # index rows this commit added
     tokens: int = 0
     stored_bytes: int = 0  # compressed bytes of the parts it holds
-    dropped: int = 0  # staged samples a concurrent writer committed first (on_duplicate="skip")
+    dropped: int = 0  # samples left out as stored already with the same text (on_duplicate="skip")
+    changed: list[str] = field(
+        default_factory=list
+    )  # sample ids left out as stored with other text (on_changed="skip")
     removed: int = 0  # samples it dropped from the index (`remove`)
     committed: bool = True  # False: nothing was left to commit, and no commit was made
 
@@ -483,6 +563,12 @@ def _new_part_name() -> str:
 
 def _keys(table: pa.Table) -> set[tuple[str, str]]:
     return set(zip(table["teacher"].to_pylist(), table["sample_id"].to_pylist()))
+
+
+def _sources(table: pa.Table) -> dict[tuple[str, str], str | None]:
+    """(teacher, sample id) -> source hash, of index rows."""
+    keys = zip(table["teacher"].to_pylist(), table["sample_id"].to_pylist())
+    return dict(zip(keys, table["source_hash"].to_pylist()))
 
 
 def _key_mask(table: pa.Table, keys: set[tuple[str, str]]) -> pa.Array:

@@ -28,19 +28,22 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
+import pyarrow as pa
 from tqdm import tqdm
 
 from logitstore import codec
 from logitstore.ahead import read_ahead
-from logitstore.errors import ConflictError
+from logitstore.errors import ChangedTextError, ConflictError
 from logitstore.meta import DEFAULT_BRANCH, TeacherMeta
 from logitstore.pipelines import inputs
 from logitstore.pipelines.config import BuildConfig, BuildError
 from logitstore.pipelines.engines import engine_class
+from logitstore.pipelines.generate import Generation
 from logitstore.pipelines.plan import (
     Planned,
     StoredDocuments,
     StudentSide,
+    changed_text,
     check_teacher_fits,
     load_student_tokenizers,
     plan_units,
@@ -73,6 +76,12 @@ class BuildSummary:
     commits: int = 0
     stored_bytes: int = 0  # compressed bytes of the parts this run wrote
     teachers: list = field(default_factory=list)  # each teacher's own summary (one with one --teacher)
+    # build --generate: prompts read, answers generated (this run), their tokens, answers cut at --generate
+    prompts: int = 0
+    answers: int = 0
+    generated_tokens: int = 0
+    answers_cut: int = 0
+    generation: dict | None = None  # what wrote the answers (`Generation.record`), stored with them
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -100,6 +109,7 @@ class BuildPlan:
     ids_from: str
     started: float
     planned: Planned  # what the planner has read so far (the progress clock reads it)
+    generation: Generation | None = None  # build --generate: the generator, loaded by the planner
 
     def read_first(self) -> Unit | None:
         """Read the first unit: the input's first documents tokenized and checked (bad input fails here)."""
@@ -129,7 +139,7 @@ def plan_build(cfg: BuildConfig, *, read_first: bool = True) -> BuildPlan:
     sparsity = _sparsity(cfg)
     meta = info.store_meta(
         sparsity,
-        loss_mask=cfg.train_on if cfg.chat_column else None,
+        loss_mask=cfg.train_on if cfg.chat_column or cfg.generate else None,
         engine=engine.name,
         dtype=engine.resolved_dtype(settings),
         engine_version=engine.version(),
@@ -137,6 +147,10 @@ def plan_build(cfg: BuildConfig, *, read_first: bool = True) -> BuildPlan:
     summary = BuildSummary(teacher=meta.name)
     stored = _stored_documents(store, cfg, meta, students)
     planned = Planned()
+    generation = Generation(cfg, teacher=info, engine=engine.name) if cfg.generate else None
+    if generation is not None:
+        summary.generation = generation.record
+        planned.generated = generation.generated
     units = plan_units(
         cfg,
         info.tokenizer,
@@ -145,8 +159,9 @@ def plan_build(cfg: BuildConfig, *, read_first: bool = True) -> BuildPlan:
         students=students,
         vocab_size=info.vocab_size,
         planned=planned,
+        generation=generation,
     )
-    plan = BuildPlan(info, meta, store, stored, students, summary, units, None, ids_from, start, planned)
+    plan = BuildPlan(info, meta, store, stored, students, summary, units, None, ids_from, start, planned, generation)
     if read_first:
         plan.read_first()
     return plan
@@ -155,6 +170,15 @@ def plan_build(cfg: BuildConfig, *, read_first: bool = True) -> BuildPlan:
 def run_build(cfg: BuildConfig, *, log: Callable[[str], None] | None = None) -> BuildSummary:
     """Run the whole build; returns the summary. Raises `LogitstoreError`s for user errors."""
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+    if cfg.generate and cfg.generator is None and cfg.engine == "torch":
+        from logitstore.pipelines.engines.torch_engine import shared_teachers  # torch: only a torch build needs it
+
+        with shared_teachers():  # the teacher generates and scores: one load for both
+            return _run_build(cfg, log=log)
+    return _run_build(cfg, log=log)
+
+
+def _run_build(cfg: BuildConfig, *, log: Callable[[str], None]) -> BuildSummary:
     plan = plan_build(cfg, read_first=False)
     log(f"build: sample ids are {plan.ids_from}")
     # on its clock from here, also while the first unit's documents are read and tokenized (a long one: minutes)
@@ -171,6 +195,8 @@ def run_build(cfg: BuildConfig, *, log: Callable[[str], None] | None = None) -> 
             store = _compute(plan, cfg, first, progress)
     finally:
         progress.close()
+        if plan.generation is not None:
+            plan.generation.close()
     summary = plan.summary
     # Nothing to write makes nothing: no store, no branch (version None in the summary).
     summary.version = store.read(cfg.branch).snapshot_id if store and cfg.branch in store.branches() else None
@@ -210,6 +236,8 @@ def run_builds(
     The summary adds the teachers up; `teachers` holds each one's own summary."""
     from logitstore.pipelines.teacher import describe_teacher  # torch and transformers: 2.7 s, after the input checks
 
+    if cfg.generate and len(teachers) > 1:
+        raise BuildError("--generate scores its answers with one --teacher per build; run one build per teacher")
     if len(teachers) <= 1:
         summary = run_build(dataclasses.replace(cfg, teacher=teachers[0] if teachers else cfg.teacher), log=log)
         summary.teachers = [summary.own_json()]  # the same fields as with several teachers
@@ -315,6 +343,8 @@ def _add_teacher_with_first_unit(
             students=registrations,
         )
         writer.merge(write_unit(writer.part_writer(), unit, samples, teacher=meta.name))
+        if summary.generation is not None:
+            writer.record_generation(meta.name, summary.generation)
         try:
             writer.commit(cfg.message or f"build: teacher {meta.name} (first unit)")
         except ConflictError:
@@ -337,7 +367,14 @@ def _process(
     *,
     stored: StoredDocuments,
 ) -> None:
-    writer = store.writer(branch=cfg.branch, on_duplicate="skip")
+    try:
+        _merge_units(store, cfg, head, rest, executor, summary, progress, stored=stored)
+    except ChangedTextError as e:  # the planner met what the branch held; the writer, what a build added since
+        raise BuildError(changed_text(e.sample_id, stored=e.stored, new=e.new, concurrent=True)) from None
+
+
+def _merge_units(store, cfg, head, rest, executor, summary, progress: Progress, *, stored: StoredDocuments) -> None:
+    writer = _writer(store, cfg)
     last_commit = time.monotonic()
     units = read_ahead(itertools.chain(head, rest), depth=PLAN_AHEAD, name="logitstore-plan")
     try:
@@ -348,7 +385,7 @@ def _process(
             progress.update(tokens=unit.n_tokens, samples=len(unit.sample_ids), documents=unit.documents_read)
             if time.monotonic() - last_commit >= cfg.commit_every:
                 _commit(writer, cfg, summary, final=False)
-                writer = store.writer(branch=cfg.branch, on_duplicate="skip")
+                writer = _writer(store, cfg)
                 last_commit = time.monotonic()
     except (inputs.DataError, BuildError):
         _commit(writer, cfg, summary, final=False)  # a bad row further on keeps the units computed before it
@@ -357,6 +394,14 @@ def _process(
         units.close()  # stops the planner thread
     writer.remove(summary.teacher, stored.take_removals())  # replaced documents no later unit carried
     _commit(writer, cfg, summary, final=True)
+
+
+def _writer(store: Store, cfg: BuildConfig):
+    """A transaction of the build: what the branch holds with the same text is left out (a resumed or
+    concurrent build of the same data), and a document it holds with other text, stored before this
+    build looked or by a concurrent build since, meets `--on-duplicate` (the planner's rule for the
+    former, `StoredDocuments.changed`, is the writer's for both)."""
+    return store.writer(branch=cfg.branch, on_duplicate="skip", on_changed=cfg.on_duplicate)
 
 
 # Units planned ahead of the teacher by a background thread. Planning reads and tokenizes documents 256
@@ -369,6 +414,8 @@ PLAN_AHEAD = 32
 def _commit(writer, cfg: BuildConfig, summary: BuildSummary, *, final: bool) -> None:
     if not writer.has_changes:
         return
+    if summary.generation is not None:
+        writer.record_generation(summary.teacher, summary.generation)
     message = cfg.message or f"build: teacher {summary.teacher}"
     writer.commit(message if final else f"{message} (checkpoint, {summary.samples} samples before it)")
     _count_commit(summary, writer)
@@ -383,6 +430,7 @@ def _count_commit(summary: BuildSummary, writer) -> None:
     summary.tokens += result.tokens
     summary.stored_bytes += result.stored_bytes
     summary.already_stored += result.dropped
+    summary.changed += len(set(inputs.document_ids(pa.array(result.changed, pa.string())).to_pylist()))
     summary.commits += result.committed
 
 
@@ -487,9 +535,15 @@ class Progress:
             waiting = (
                 "; the teacher's first batch is not done yet" if documents else "; reading and tokenizing the input"
             )
+        generated = self.planned.generated
+        answers = (
+            f", {generated.tokens:,} tokens generated ({generated.tokens / generated.seconds:,.0f} tokens/s)"
+            if generated is not None and generated.seconds
+            else ""
+        )
         return (
             f"build: {self._done():,}{of} tokens, {self.samples:,} samples written, {documents:,} documents read, "
-            f"{rate:,.0f} tokens/s{eta}{waiting}"
+            f"{rate:,.0f} tokens/s{answers}{eta}{waiting}"
         )
 
     def finish(self) -> None:

@@ -22,7 +22,7 @@ from logitstore import chat
 from logitstore.data import SAMPLE_CHAT
 from logitstore.errors import LogitstoreError
 from logitstore.location import Location
-from logitstore.meta import DEFAULT_BRANCH, NAME
+from logitstore.meta import DEFAULT_BRANCH, NAME, ON_DUPLICATE
 from logitstore.options import group, option, to_values
 from logitstore.pipelines.engines import VLLM_OUTPUTS, engine_class, engine_names
 from logitstore.sparsity import PANEL as SPARSITY
@@ -33,10 +33,9 @@ if TYPE_CHECKING:  # pyarrow (0.3 s): `DataSource.source` imports it when the bu
 
 DEFAULT_STORE = "logitstore-store"  # `BuildConfig.store` from Python; the CLI asks for --store
 DTYPES = ("auto", "float32", "bfloat16", "float16")  # the teacher's weights; auto: bf16 on GPU, fp32 on CPU
-ON_DUPLICATE = ("error", "replace", "skip")  # a document stored before under its id, with other text
 
-DATA, TEACHER, STORE, OUTPUT = "Data", "Teacher", "Store", "Output"
-PANELS = (DATA, TEACHER, SPARSITY, STORE, OUTPUT)  # the order `build --help` lists them
+DATA, TEACHER, STORE, OUTPUT, GENERATION = "Data", "Teacher", "Store", "Output", "Generation"
+PANELS = (DATA, TEACHER, SPARSITY, GENERATION, STORE, OUTPUT)  # the order `build --help` lists them
 
 
 class BuildError(LogitstoreError):
@@ -82,6 +81,7 @@ class Columns(TypedDict):
     id_column: str | None
     ids_column: str | None
     chat_column: str | None
+    prompt_column: str | None
 
 
 @dataclass
@@ -112,6 +112,12 @@ class PlanConfig:
         panel=DATA,
         help="Column of conversations (lists of {role, content}), rendered with the teacher's chat template; the assistant's tokens are the completion (docs/build.md 'Chat data').",
     )
+    # prompts to answer (build --generate): plain text, one prompt per row
+    prompt_column: str | None = option(
+        None,
+        panel=GENERATION,
+        help="With --generate: column of plain-text prompts to answer (or --chat-column: conversations ending with a user turn).",
+    )
     max_length: int = option(
         1024,
         panel=DATA,
@@ -137,6 +143,7 @@ class PlanConfig:
             id_column=self.id_column,
             ids_column=self.ids_column,
             chat_column=self.chat_column,
+            prompt_column=self.prompt_column,
         )
 
     def documents(self) -> Iterator[Document]:
@@ -227,6 +234,29 @@ class BuildConfig(PlanConfig):
         help="Chat data: store teacher entries for the completion only (saves bytes and teacher work) or for prompt+completion.",
     )
 
+    # build --generate N: answers of up to N tokens, written by --generator, then scored (pipelines/generate.py)
+    generate: int | None = option(
+        None,
+        panel=GENERATION,
+        help="Generate answers of up to N new tokens to each prompt (--prompt-column or --chat-column) and score prompt and answer; only the answer is supervised (docs/build.md 'Generated data').",
+    )
+    generator: str | None = option(
+        None,
+        panel=GENERATION,
+        help="Who writes the answers: a model folder or Hub id with the teacher's tokenizer, e.g. a logitstore train run's RUN/final (default: the teacher).",
+    )
+    samples_per_prompt: int = option(1, panel=GENERATION, help="Answers per prompt, keyed PROMPTID/g0, /g1, ...")
+    generation_temperature: float = option(
+        1.0, panel=GENERATION, help="Sampling temperature of the answers (0: greedy)."
+    )
+    generation_top_p: float = option(
+        1.0, panel=GENERATION, help="Nucleus sampling of the answers: the top-p share of probability."
+    )
+    # the on-policy round these answers belong to, recorded with them
+    generation_round: int | None = option(
+        None, name="round", panel=GENERATION, help="The on-policy round the answers belong to (recorded with them)."
+    )
+
     def __post_init__(self) -> None:
         if self.data is None and self.chat_column:  # the shipped chat sample, as the text sample corpus for text
             self.data = str(SAMPLE_CHAT)
@@ -278,12 +308,41 @@ class BuildConfig(PlanConfig):
                 self.train_on in chat.TRAIN_ON,
                 f"--train-on must be one of {', '.join(chat.TRAIN_ON)}, got {self.train_on!r}",
             ),
+            *self._generation_checks(),
             (
-                self.chat_column is not None or self.train_on == "completion",
+                self.chat_column is not None or self.generate is not None or self.train_on == "completion",
                 "--train-on applies to chat data (--chat-column); a plain text store supervises every token",
             ),
             (
                 not (self.chat_column and self.ids_column),
                 "--chat-column and --ids-column exclude each other: conversations are rendered by the chat template",
             ),
+        ]
+
+    def _generation_checks(self) -> list[tuple[bool, str]]:
+        if self.generate is None:
+            named = [f for f, v in [("--prompt-column", self.prompt_column), ("--generator", self.generator)] if v]
+            return [(not named, f"{', '.join(named)} applies to build --generate N")]
+        prompts = [f for f, v in [("--prompt-column", self.prompt_column), ("--chat-column", self.chat_column)] if v]
+        return [
+            (self.generate >= 1, f"--generate must be at least 1 new token, got {self.generate}"),
+            (len(prompts) == 1, "--generate reads prompts from one column: give --prompt-column or --chat-column"),
+            (
+                self.generate < self.max_length,
+                f"--generate {self.generate} leaves no room for a prompt in --max-length {self.max_length}",
+            ),
+            (self.samples_per_prompt >= 1, f"--samples-per-prompt must be at least 1, got {self.samples_per_prompt}"),
+            (
+                self.generation_temperature >= 0,
+                f"--generation-temperature must be at least 0, got {self.generation_temperature}",
+            ),
+            (
+                0 < self.generation_top_p <= 1,
+                f"--generation-top-p must be in (0, 1], got {self.generation_top_p}",
+            ),
+            (
+                not (self.ids_column or self.student_tokenizers),
+                "--generate takes text prompts and the teacher's tokenizer: not --ids-column or --student-tokenizer",
+            ),
+            (self.generation_round is None or self.generation_round >= 0, "--round must be at least 0"),
         ]

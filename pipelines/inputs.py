@@ -120,6 +120,7 @@ class _Columns:
     ids: str | None
     id_automatic: bool = False  # `id` is AUTO_ID_COLUMN, read where a file has it
     chat: str | None = None  # the conversations' column (--chat-column): then text and ids are None
+    text_option: str = "--text-column"  # the flag that named `text` (--prompt-column for prompts to answer)
 
     def roles(self) -> dict[str, str]:
         """Column name -> the option that named it, for the columns to read. The automatic id column is
@@ -127,7 +128,7 @@ class _Columns:
         id_option = _AUTOMATIC if self.id_automatic else "--id-column"
         named = [
             (self.id, id_option),
-            (self.text, "--text-column"),
+            (self.text, self.text_option),
             (self.ids, "--ids-column"),
             (self.chat, "--chat-column"),
         ]
@@ -206,12 +207,18 @@ def check_input(
     id_column: str | None = None,
     ids_column: str | None = None,
     chat_column: str | None = None,
+    prompt_column: str | None = None,
 ) -> str:
     """Read the first rows of the first file, as `read_documents` will, and return where document ids
     come from ("the input's 'id' column", or "content hashes"). Raises `DataError` for a missing path,
     a missing column or bad first rows: what a build checks before it loads a model."""
     columns = _effective_columns(
-        data, text_column=text_column, id_column=id_column, ids_column=ids_column, chat_column=chat_column
+        data,
+        text_column=text_column,
+        id_column=id_column,
+        ids_column=ids_column,
+        chat_column=chat_column,
+        prompt_column=prompt_column,
     )
     _root, files = _resolve(data if data is not None else default_input(chat=bool(chat_column)))
     if not files:
@@ -234,6 +241,7 @@ def read_documents(
     id_column: str | None = None,
     ids_column: str | None = None,
     chat_column: str | None = None,
+    prompt_column: str | None = None,
     batch_rows: int = 1024,
 ) -> Iterator[Document]:
     """Stream the documents of `data` (a file, a folder, a `save_to_disk` folder, or None for the
@@ -243,7 +251,12 @@ def read_documents(
     if batch_rows < 1:
         raise ValueError(f"batch_rows must be >= 1, got {batch_rows}")
     columns = _effective_columns(
-        data, text_column=text_column, id_column=id_column, ids_column=ids_column, chat_column=chat_column
+        data,
+        text_column=text_column,
+        id_column=id_column,
+        ids_column=ids_column,
+        chat_column=chat_column,
+        prompt_column=prompt_column,
     )
     _root, files = _resolve(data if data is not None else default_input(chat=bool(chat_column)))
     return _iter_documents(files, columns, batch_rows)
@@ -338,8 +351,11 @@ def _arrow_file_rows(f) -> int:
 # Arguments and paths
 
 
-def _effective_columns(data, *, text_column, id_column, ids_column, chat_column=None) -> _Columns:
-    """Resolve the column options: ids win over text; the sample corpus has an `id` column."""
+def _effective_columns(data, *, text_column, id_column, ids_column, chat_column=None, prompt_column=None) -> _Columns:
+    """Resolve the column options: ids win over text; the sample corpus has an `id` column; prompts to
+    answer (`build --generate`) are read as text from their own column."""
+    if prompt_column:
+        return _Columns(text=prompt_column, ids=None, text_option="--prompt-column", **_id_column(id_column))
     if chat_column:
         if ids_column:
             raise DataError(

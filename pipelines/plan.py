@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import pyarrow as pa
@@ -25,6 +25,9 @@ from logitstore.pipelines.config import BuildError, PlanConfig
 from logitstore.pipelines.workers import Unit
 from logitstore.sparsity import Sparsity
 from logitstore.tokenizer_io import load_tokenizer, parse_tokenizer_spec, tokenizer_hash
+
+if TYPE_CHECKING:
+    from logitstore.pipelines.generate import Generated, Generation
 
 
 class PlanCounts(Protocol):
@@ -42,6 +45,7 @@ class _Uncounted:
     """Counts nobody reads (live mode plans without a summary)."""
 
     skipped = no_completion = tool_calls = duplicates = already_stored = changed = 0
+    prompts = answers = generated_tokens = answers_cut = 0
 
 
 def check_teacher_fits(info, *, sparsity: Sparsity, max_length: int) -> None:
@@ -109,14 +113,19 @@ def plan_units(
     students: Sequence[StudentSide] = (),
     vocab_size: int | None = None,
     planned: Planned | None = None,
+    generation: Generation | None = None,
 ) -> Iterator[Unit]:
     """Units of about `unit_tokens` tokens in input order, skipping units already stored. A long
     document's windows fill as many units as they need, so commits keep coming. What was left out is
     counted in `counts` (the build's summary); `planned` counts the documents read and the tokens of
-    their windows still to compute, as they are read (the build's progress)."""
+    their windows still to compute, as they are read (the build's progress). With `generation`, the
+    documents are prompts and the samples their generated answers (`_plan_answers`)."""
     stored = stored if stored is not None else StoredDocuments()
     summary = counts if counts is not None else _Uncounted()
     planned = planned if planned is not None else Planned()
+    if generation is not None:
+        yield from _plan_answers(cfg, tokenizer, generation, stored=stored, summary=summary, planned=planned)
+        return
     pending = Unit(index=0)
     seen: set[str] = set()
     drop_tool_calls = bool(cfg.chat_column) and not chat.renders_tool_calls(tokenizer)
@@ -172,15 +181,64 @@ def plan_units(
         yield from _unless_stored(pending, stored, summary, planned)
 
 
+def _plan_answers(
+    cfg: PlanConfig, tokenizer, generation: Generation, *, stored: StoredDocuments, summary, planned: Planned
+) -> Iterator[Unit]:
+    """Units of generated answers: each prompt's answer documents (`PROMPTID/gN`) are checked against
+    the store (stored: skipped; stored by another generation: `--on-duplicate`) before any is
+    generated, then the rest are generated and planned as one-window samples."""
+    pending = Unit(index=0)
+    seen: set[str] = set()
+    for doc_batch in _batched(cfg.documents(), generation.prompts_per_call, max_chars=TOKENIZE_CHARS):
+        pending.documents_read += len(doc_batch)
+        planned.documents += len(doc_batch)
+        wanted = []
+        for doc, prompt in zip(doc_batch, generation.prompt_tokens(tokenizer, doc_batch)):
+            if doc.id in seen:
+                summary.duplicates += 1
+                continue
+            seen.add(doc.id)
+            summary.prompts += 1
+            for answer in generation.answer_documents(doc):
+                if stored.changed(answer):
+                    summary.changed += 1
+                    if cfg.on_duplicate == "skip":
+                        continue
+                    _replace(answer, stored, cfg)
+                elif answer.id in stored.sample_ids:
+                    summary.already_stored += 1
+                    continue
+                wanted.append((answer, prompt))
+        for answer, tokens, mask in generation.answer(wanted, counts=summary):
+            planned.tokens += len(tokens)
+            pending.add(answer.id, tokens, answer.source_hash, loss_mask=mask)
+            if pending.n_tokens >= cfg.unit_tokens:
+                yield from _unless_stored(pending, stored, summary, planned)
+                pending = Unit(index=pending.index + 1)
+    if pending.sample_ids:
+        yield from _unless_stored(pending, stored, summary, planned)
+
+
 def _replace(doc, stored: StoredDocuments, cfg: PlanConfig) -> None:
     """A document stored with other text: its stored ids queued for removal (--on-duplicate replace), or the error."""
     if cfg.on_duplicate == "replace":
         stored.forget(doc.id)
         return
-    was = stored.source_of[doc.id] or "windows of mixed sources"
-    raise BuildError(
-        f"document {doc.id!r} (input row {doc.row}) is stored with other text (source hash {was}, "
-        f"now {doc.source_hash}); pass --on-duplicate replace to recompute it, or skip to keep the stored one"
+    raise BuildError(changed_text(doc.id, stored=stored.source_of[doc.id], new=doc.source_hash, row=doc.row))
+
+
+def changed_text(
+    sample_id: str, *, stored: str | None, new: str | None, row: int | None = None, concurrent: bool = False
+) -> str:
+    """The one line for a document stored under its id with other text (`sample_id`: the document's id or
+    one of its windows'): found in the branch when the build planned it, or (`concurrent`) in what
+    another build committed while this one ran."""
+    doc = inputs.document_ids(pa.array([sample_id], pa.string()))[0].as_py()
+    where = "" if row is None else f" (input row {row})"
+    when = ", by another build while this one ran" if concurrent else ""
+    return (
+        f"document {doc!r}{where} is stored with other text{when} (source hash {stored or 'windows of mixed sources'}, "
+        f"now {new}); pass --on-duplicate replace to recompute it, or skip to keep the stored one"
     )
 
 
@@ -194,12 +252,14 @@ def _check_token_ids(doc, token_ids: np.ndarray, *, vocab_size: int | None) -> N
 
 
 def _unless_stored(unit: Unit, stored: StoredDocuments, summary: PlanCounts, planned: Planned) -> Iterator[Unit]:
-    """The unit, unless the branch holds all of its samples; it carries the removals queued so far."""
+    """The unit, unless the branch holds all of its samples; it carries the removals queued so far. A
+    unit skipped here counts as already stored; of a unit computed, the writer leaves out (and counts)
+    what the branch holds by the time it is merged (`StoreWriter`'s on_duplicate="skip")."""
     known = sum(sid in stored.sample_ids for sid in unit.sample_ids)
-    summary.already_stored += known
     if known == len(unit.sample_ids):
+        summary.already_stored += known
         planned.tokens -= unit.n_tokens  # stored: nothing to compute
-    if known < len(unit.sample_ids):
+    else:
         unit.replaces = stored.take_removals()
         yield unit
 
@@ -341,3 +401,4 @@ class Planned:
 
     documents: int = 0
     tokens: int = 0
+    generated: Generated | None = None  # build --generate: the answers' tokens and the seconds they took

@@ -25,13 +25,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 from transformers.utils import logging as hf_logging
 
 from logitstore.errors import LogitstoreError
 from logitstore.hub import is_hub_id, local_folder, repo_name
 from logitstore.meta import TeacherMeta
+from logitstore.pipelines.engines import stop_token_ids
 from logitstore.pipelines.head import OutputHead
 from logitstore.sparsity import Sparsity
 from logitstore.tokenizer_io import tokenizer_hash
@@ -266,6 +267,18 @@ def _describe(spec: TeacherSpec) -> TeacherInfo:
         tokenizer_hash=tokenizer_hash(tokenizer),
         max_positions=int(max_positions) if max_positions else None,
     )
+
+
+def model_stop_ids(spec: TeacherSpec) -> list[int]:
+    """The ids that end a model's answers, from its generation config (`generation_config.json`), else
+    its model config's `eos_token_id`: what `build --generate` stops at when the engine loads the model
+    itself (vLLM)."""
+    kwargs = {"gguf_file": spec.gguf_file} if spec.gguf_file else {}
+    try:
+        generation = GenerationConfig.from_pretrained(spec.path)
+    except OSError:  # no generation_config.json: the model config's eos_token_id
+        generation = None
+    return stop_token_ids(generation, AutoConfig.from_pretrained(spec.path, **kwargs))
 
 
 def _load_model_and_tokenizer(spec: TeacherSpec, *, dtype: torch.dtype):

@@ -88,3 +88,60 @@ def test_stream_benchmark_simulates_a_cluster_of_ranks(tmp_path):
     assert all(math.isfinite(r) and r > 0 for r in result["read_tokens_per_second"])
     assert 0.9 <= result["cluster_read_amplification"] <= 1.3
     assert result["epoch_fraction"] == 1.0 and "cluster read amplification" in out.stderr
+
+
+NAMED = Path(__file__).parents[1] / "benchmarks" / "named_arrays.py"
+
+
+def test_named_arrays_by_virtual_reference_hold_what_the_store_format_docs_say(tmp_path):
+    """`benchmarks/named_arrays.py --grid-as-codes` on local disk: a packed part's arrays named by
+    Icechunk virtual references, read by plain Zarr with logitstore blocked, equal what logitstore
+    reads (the grid-coded ones as their codes) once the reader authorizes the container, and not
+    before; not after the store moves; and they survive Icechunk's garbage collection
+    (docs/store-format.md, "Named arrays")."""
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(NAMED),
+            "--tokens",
+            "3000",
+            "--parts",
+            "2",
+            "--where",
+            "local",
+            "--grid-as-codes",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    local = json.loads(out.stdout.strip().splitlines()[-1])["local"]
+    authorized, unauthorized = local["plain_zarr_named_authorized"], local["plain_zarr_named_unauthorized"]
+    assert set(authorized) >= {"input_ids", "n_entries", "entry_codes", "entry_logprobs", "tail", "target_logprobs"}
+    assert set(authorized.values()) == {"equal"}, authorized
+    # Icechunk wraps its messages at a width, with "|" at each line's start: words may fall on either side
+    words = [" ".join(result.replace("|", " ").split()) for result in unauthorized.values()]
+    assert all("authorize the virtual chunk container" in w for w in words), unauthorized
+    assert local["named"]["manifests"] > local["format4"]["manifests"]
+    assert local["gc"] == {"chunks_deleted": 0, "part_objects_left": 2, "named_reads_after_gc": True}
+    assert "error" in local["moved"]["authorized_at_new_place"]["input_ids"]
+
+
+def test_zarr_cannot_find_the_grid_codec_without_logitstore():
+    """The grid codec is found through logitstore's entry point: where the package cannot be imported,
+    Zarr has no codec for the log-probability arrays (docs/store-format.md, "Named arrays")."""
+    blocked = (
+        "import sys\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] == 'logitstore':\n"
+        "            raise ModuleNotFoundError(name)\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "from zarr.registry import get_codec_class\n"
+        "get_codec_class('logitstore.logprob_grid')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", blocked], capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0 and "ModuleNotFoundError: logitstore" in out.stderr, out.stderr[-2000:]

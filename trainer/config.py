@@ -279,6 +279,12 @@ class OutputConfig:
         panel=OUTPUT,
         help="Continue from the newest complete checkpoint in --out, with the configuration the run kept there, on the store snapshot it pinned (a finished run: nothing to do).",
     )
+    # continue a run on another store version (on-policy rounds): its samples are new data
+    new_version: bool = option(
+        False,
+        panel=OUTPUT,
+        help="With --resume and --version: continue the run (student, optimizer, step) on this other store version, its samples as new data (the data position starts over); the run records each version it read (docs/train.md 'On-policy rounds').",
+    )
     force: bool = option(
         False,
         panel=OUTPUT,
@@ -293,6 +299,7 @@ class OutputConfig:
 
     def __post_init__(self) -> None:
         _check([(not (self.resume and self.force), "--resume and --force exclude each other")])
+        _check([(self.resume or not self.new_version, "--new-version continues a run: it needs --resume")])
 
         check_sinks(self.report_to)
 
@@ -491,6 +498,7 @@ class TrainConfig:
             "steps",
             "resume",
             "force",
+            "new_version",
             "nproc",
             "log_every",
             "eval_every",
@@ -529,15 +537,14 @@ def _renamed() -> dict[str, tuple[str, str]]:
 # -- the configuration a run folder keeps -------------------------------------------------------------
 
 RUN_CONFIG = "config.yaml"  # in --out: the configuration the run runs with (`run_folder.claim` writes it)
-RUN_MARKER = "logitstore-run.json"  # in --out: the run's format, identity and snapshot (`run_folder`)
 # Left to the command that resumes: what it does to the folder, and the version (a resumed run reads
 # the snapshot its run pinned; a branch named when it started may name another one now).
-_NOT_KEPT = ("resume", "force", "version")
+_NOT_KEPT = ("resume", "force", "version", "new_version")
 
 
 def kept_values(cfg: TrainConfig) -> dict[str, Any]:
     """What `RUN_CONFIG` holds: the run's flags, as `--config` takes them."""
-    return {k: v for k, v in to_values(cfg).items() if k not in ("resume", "force")}
+    return {k: v for k, v in to_values(cfg).items() if k not in ("resume", "force", "new_version")}
 
 
 def read_kept(out: str | None) -> dict[str, Any] | None:

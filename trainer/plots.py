@@ -16,7 +16,7 @@ from pathlib import Path
 
 from logitstore.errors import LogitstoreError
 from logitstore.files import replace_file
-from logitstore.trainer.config import RUN_MARKER
+from logitstore.meta import RUN_MARKER
 
 FIGURE_SIZE = (12.0, 7.0)  # inches at DPI 100: 1200 x 700 pixels
 DPI = 100

@@ -22,10 +22,11 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from logitstore.meta import RUN_MARKER
 from logitstore.options import dump
 from logitstore.store import Store
 from logitstore.trainer import checkpoint
-from logitstore.trainer.config import RUN_CONFIG, RUN_MARKER, TrainConfig, TrainConfigError, kept_values
+from logitstore.trainer.config import RUN_CONFIG, TrainConfig, TrainConfigError, kept_values
 
 MARKER = RUN_MARKER
 _FORMAT = {"format": "logitstore-run", "format_version": 1}
@@ -49,6 +50,9 @@ class RunPlan:
     replace: bool = False  # --force on a marked folder: the old run's entries go when the run claims it
     finished: dict | None = None  # a resumed run that already finished: its final metrics
     made: bool = False  # `plan` made the folder: a start that fails before any write takes it away again
+    # the store versions the run has read, in order (with --new-version, the new one last)
+    versions: tuple[str, ...] = ()
+    new_data: bool = False  # --new-version: the checkpoint's data position is not the new version's
 
     @property
     def resume_step(self) -> int:
@@ -116,13 +120,28 @@ def _resume_plan(out: Path, marker: dict, cfg: TrainConfig) -> RunPlan:
     resume_from = checkpoint.latest(out)
     state = checkpoint.train_state(resume_from) if resume_from is not None else {}
     snapshot = state.get("snapshot", marker["snapshot"])
+    versions = tuple(state.get("versions") or ([snapshot] if snapshot is not None else []))
+    if cfg.output.new_version and cfg.data.version is None:
+        raise TrainConfigError("--new-version continues the run on the version --version names; give --version")
     if snapshot is not None and cfg.data.version is not None:
-        _check_version(out, cfg, snapshot)
+        requested = _check_version(out, cfg, snapshot)
+        if requested != snapshot:
+            return _new_version_plan(out, cfg, resume_from, step=state.get("step", 0), versions=(*versions, requested))
     finished = None
     # A run finishes by exporting final/ last, and a run that continues removes the old final/ first.
     if resume_from is not None and state["step"] >= cfg.schedule.steps and (out / "final").is_dir():
         finished = json.loads((out / "final_metrics.json").read_text())
-    return RunPlan(out, resume_from=resume_from, snapshot=snapshot, finished=finished)
+    return RunPlan(out, resume_from=resume_from, snapshot=snapshot, finished=finished, versions=versions)
+
+
+def _new_version_plan(out: Path, cfg: TrainConfig, resume_from: Path | None, *, step: int, versions: tuple) -> RunPlan:
+    """`--resume --new-version`: the run's checkpoint continues on the version requested (the last of
+    `versions`), whose samples are new data: the stream starts at its beginning."""
+    if step >= cfg.schedule.steps:
+        raise TrainConfigError(
+            f"--out {out} is at step {step}; to train on version {versions[-1]} give a larger --steps"
+        )
+    return RunPlan(out, resume_from=resume_from, snapshot=versions[-1], versions=versions, new_data=True)
 
 
 def _check_identity(out: Path, previous: dict, cfg: TrainConfig) -> None:
@@ -134,15 +153,18 @@ def _check_identity(out: Path, previous: dict, cfg: TrainConfig) -> None:
         )
 
 
-def _check_version(out: Path, cfg: TrainConfig, snapshot: str) -> None:
-    """--version with --resume must name the snapshot the run reads (a tag, a branch still there, the id)."""
+def _check_version(out: Path, cfg: TrainConfig, snapshot: str) -> str:
+    """--version with --resume names the snapshot the run reads (a tag, a branch still there, the id),
+    or with --new-version another one, which it returns."""
     assert cfg.data.store is not None  # a pinned snapshot and --version: a store run (live mode has neither)
     requested = Store.open(cfg.data.store).resolve(cfg.data.version)
-    if requested != snapshot:
+    if requested != snapshot and not cfg.output.new_version:
         raise TrainConfigError(
             f"--out {out} trains on version {snapshot}, but --version {cfg.data.version} is {requested}; "
-            "leave out --version to resume, or use a new --out"
+            "leave out --version to resume, add --new-version to continue the run on that version as new data, "
+            "or use a new --out"
         )
+    return requested
 
 
 def claim(plan: RunPlan, cfg: TrainConfig, *, snapshot: str | None) -> None:

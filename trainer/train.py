@@ -89,18 +89,20 @@ def preflight(cfg: TrainConfig, plan: run_folder.RunPlan, *, world_size: int) ->
     if cfg.live is not None:
         return None
     signal = StoreSignal(cfg)
-    check_streams(signal, cfg, world_size=world_size, resume_from=plan.resume_from)
+    check_streams(signal, cfg, world_size=world_size, resume_from=plan.resume_from, new_data=plan.new_data)
     return signal
 
 
-def check_streams(signal: StoreSignal | LiveSignal, cfg: TrainConfig, *, world_size: int, resume_from) -> None:
+def check_streams(
+    signal: StoreSignal | LiveSignal, cfg: TrainConfig, *, world_size: int, resume_from, new_data: bool = False
+) -> None:
     """Make (and close) the streams a rank will make: --train-on against the store, the memory budget
     against the parts, a split too small for one micro-batch per rank, a resumed run's data position.
     Reads no part and computes nothing."""
     splits = ["train", "eval"] if cfg.schedule.eval_every else ["train"]  # without it, an empty eval is a note
     for split in splits:
         with signal.stream(cfg, rank=0, world_size=world_size, split=split) as stream:
-            if split == "train" and resume_from is not None:
+            if split == "train" and resume_from is not None and not new_data:
                 stream.load_state_dict(checkpoint.train_state(resume_from)["data"])
 
 
@@ -200,8 +202,10 @@ def _train(cfg: TrainConfig, plan: run_folder.RunPlan, *, cuda: bool, signal: St
     # launching process that is also this rank.
     if signal is None:
         signal = LiveSignal(cfg) if cfg.live is not None else StoreSignal(cfg)
-        check_streams(signal, cfg, world_size=world, resume_from=plan.resume_from)
+        check_streams(signal, cfg, world_size=world, resume_from=plan.resume_from, new_data=plan.new_data)
     teacher = signal.teacher
+    # the store versions this run has read: the ones before a --new-version, then this one
+    versions = list(plan.versions) if signal.snapshot in plan.versions else [*plan.versions, signal.snapshot]
 
     model, _tokenizer = build_student(cfg.student.student, vocab_size=signal.vocab_size, seed=cfg.student.seed)
     # Only now, with store and student accepted, does the run take --out: a failed start leaves it as it was.
@@ -219,7 +223,8 @@ def _train(cfg: TrainConfig, plan: run_folder.RunPlan, *, cuda: bool, signal: St
     if resumed_from is not None:
         state = checkpoint.load(resumed_from, model=model, optimizer=optimizer)
         step = state["step"]
-        stream.load_state_dict(state["data"])
+        if not plan.new_data:  # a new version's samples are new data: its stream starts at its beginning
+            stream.load_state_dict(state["data"])
         torch.set_rng_state(torch.tensor(state["rng"], dtype=torch.uint8))
     resumed_step = step
 
@@ -228,6 +233,7 @@ def _train(cfg: TrainConfig, plan: run_folder.RunPlan, *, cuda: bool, signal: St
         "event": "start",
         "store": cfg.data.store,
         "version": signal.version,
+        "versions": [v for v in versions if v is not None],
         "teacher": teacher,
         "teachers": [{"name": s.name, "weight": s.weight, "student_tokenizer": s.student} for s in signal.sources],
         "student": cfg.student.student,
@@ -280,11 +286,19 @@ def _train(cfg: TrainConfig, plan: run_folder.RunPlan, *, cuda: bool, signal: St
                 and step < cfg.schedule.steps
             ):
                 checkpoint.save(
-                    out, step=step, model=model, optimizer=optimizer, train_state=_train_state(step, stream, signal)
+                    out,
+                    step=step,
+                    model=model,
+                    optimizer=optimizer,
+                    train_state=_train_state(step, stream, signal, versions=versions),
                 )
         if step > resumed_step:  # a resumed run at or past --steps holds its last checkpoint already
             checkpoint.save(
-                out, step=step, model=model, optimizer=optimizer, train_state=_train_state(step, stream, signal)
+                out,
+                step=step,
+                model=model,
+                optimizer=optimizer,
+                train_state=_train_state(step, stream, signal, versions=versions),
             )
         if rank == 0:
             (out / "final_metrics.json").write_text(json.dumps(record))
@@ -437,12 +451,13 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return cfg.optim.lr * (cfg.optim.min_lr_ratio + (1 - cfg.optim.min_lr_ratio) * cosine)
 
 
-def _train_state(step: int, stream, signal) -> dict:
+def _train_state(step: int, stream, signal, *, versions: list) -> dict:
     return {
         "step": step,
         "data": stream.state_dict(),
         "rng": torch.get_rng_state().tolist(),
         "snapshot": signal.snapshot,
+        "versions": [v for v in versions if v is not None],  # every store version the run has read
     }
 
 

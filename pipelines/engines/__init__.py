@@ -19,6 +19,18 @@ An engine is one module in this folder, `<name>_engine.py`, defining `Engine`, a
                             and interruption (`pipelines/workers.py`): a process left behind would keep a
                             GPU's memory, or hang the build's exit waiting for it
 
+An engine that can also write answers (`build --generate`, `pipelines/generate.py`) defines `Generator`
+beside it, a class with:
+
+    Generator(settings, spec=, shares_teacher=)  loads the generator `spec` (a `TeacherSpec`) with the
+                            build's device, dtype, batch budget; `shares_teacher`: it is the teacher,
+                            whose loaded weights it may share with the engine
+    .stop_ids: list[int]    the tokens that end an answer (the model's generation config)
+    .generate(prompts, seeds, *, max_new_tokens, temperature, top_p) -> list[np.ndarray]
+                            each prompt's answer: at most max_new_tokens ids, ending with a stop token
+                            unless cut; `seeds`: one 32-bit seed per prompt, which alone decides its draws
+    .close()                as the engine's
+
 So adding an engine is one new file: the registry finds modules by name (`engine_names`) and imports
 one only when asked for it (`engine_class`), which keeps `logitstore --help` from importing vLLM.
 """
@@ -55,6 +67,14 @@ def engine_class(name: str):
     if name not in engine_names():
         raise EngineError(f"--engine must be one of {', '.join(engine_names())}, got {name!r}")
     return importlib.import_module(f"{__name__}.{name}{SUFFIX}").Engine
+
+
+def generator_class(name: str):
+    """The `Generator` class of engine `name`: what writes answers for `build --generate`."""
+    module = importlib.import_module(f"{__name__}.{engine_class(name).name}{SUFFIX}")
+    if not hasattr(module, "Generator"):
+        raise EngineError(f"--engine {name} cannot generate answers (--generate); use --engine torch or vllm")
+    return module.Generator
 
 
 def is_out_of_memory(error: BaseException) -> bool:
@@ -98,6 +118,23 @@ def halving_on_oom(
             halving_on_oom(run, sample_ids[half:], tokens[half:], halves[1], on_oom=on_oom),
         ]
     )
+
+
+def stop_token_ids(generation_config, config) -> list[int]:
+    """The ids that end an answer: the generation config's `eos_token_id` (one id or a list), else the
+    model config's."""
+    eos = getattr(generation_config, "eos_token_id", None)
+    if eos is None:
+        eos = getattr(config, "eos_token_id", None)
+    ids = [eos] if isinstance(eos, int) else list(eos or ())
+    return sorted({int(i) for i in ids})
+
+
+def cut_at_stop(row: np.ndarray, stop_ids: Sequence[int]) -> np.ndarray:
+    """An answer up to and with its first stop token (what follows is padding); whole if none."""
+    row = np.asarray(row, dtype=np.int64)
+    hits = np.flatnonzero(np.isin(row, np.asarray(stop_ids, dtype=np.int64)))
+    return row[: hits[0] + 1] if len(hits) else row
 
 
 def token_budget_batches(sorted_lengths: np.ndarray, order: np.ndarray, *, budget: int):

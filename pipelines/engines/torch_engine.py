@@ -19,7 +19,13 @@ import numpy as np
 import torch
 import transformers
 
-from logitstore.pipelines.engines import EngineError, halving_on_oom, token_budget_batches
+from logitstore.pipelines.engines import (
+    EngineError,
+    cut_at_stop,
+    halving_on_oom,
+    stop_token_ids,
+    token_budget_batches,
+)
 from logitstore.pipelines.sparsify import to_samples
 from logitstore.pipelines.teacher import Teacher, TeacherForward, load_teacher, sampled_forward, sparse_topk_forward
 from logitstore.samples import SparseSamples, concat
@@ -186,3 +192,120 @@ def load_teacher_once(spec, device: str, dtype: str):
         _shared.clear()
         _shared[key] = teacher
     return teacher
+
+
+# -- generation (`build --generate`) ----------------------------------------------------------------
+
+
+class Generator:
+    """Answers by Hugging Face `generate` on this process's device: prompts left-padded and batched by
+    token budget (prompt plus `max_new_tokens` per row), longest first.
+
+    Sampling is the Gumbel-max trick over noise that is a hash of (the answer's seed, the step, the
+    token id) (`seeded_uniform`): `generate` runs greedy over the tempered, top-p-cut logits plus that
+    noise, which draws from the same distribution as multinomial sampling, with no random state shared
+    between rows. So an answer depends on its seed and its prompt only: the same seed gives the same
+    answer in any batch, up to the float rounding of the logits themselves, which padding and batch
+    shape can move (a near-tie can then flip). Temperature 0 is greedy decoding."""
+
+    def __init__(self, settings, *, spec, shares_teacher: bool):
+        device, dtype = resolved_device(settings.device), dtype_for(settings.dtype, settings.device)
+        if shares_teacher:  # inside `shared_teachers()`, the teacher's engine and this share one load
+            self.teacher: Teacher | None = load_teacher_once(spec, device, dtype)
+        else:
+            self.teacher = load_teacher(spec, device=device, dtype=getattr(torch, dtype))
+        model = self.teacher.model
+        self.stop_ids = stop_token_ids(model.generation_config, model.config)
+        if not self.stop_ids:
+            raise EngineError(f"generator {spec.name!r}: its generation config names no eos_token_id to stop at")
+        self.batch_tokens = settings.batch_tokens
+
+    def generate(
+        self, prompts: list[np.ndarray], seeds: list[int], *, max_new_tokens: int, temperature: float, top_p: float
+    ) -> list[np.ndarray]:
+        assert self.teacher is not None, "the generator is closed"
+        lengths = np.array([len(p) for p in prompts], dtype=np.int64)
+        order = np.argsort(-lengths, kind="stable")
+        out: list[np.ndarray] = [np.empty(0, dtype=np.int64)] * len(prompts)
+        for rows in token_budget_batches(lengths[order] + max_new_tokens, order, budget=self.batch_tokens):
+            answers = self._batch(
+                [prompts[i] for i in rows], [seeds[i] for i in rows], max_new_tokens, temperature, top_p
+            )
+            for i, answer in zip(rows.tolist(), answers):
+                out[i] = answer
+        return out
+
+    def _batch(self, prompts, seeds, max_new_tokens: int, temperature: float, top_p: float) -> list[np.ndarray]:
+        assert self.teacher is not None, "the generator is closed"
+        model = self.teacher.model
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), self.stop_ids[0], dtype=torch.long)
+        mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for row, prompt in enumerate(prompts):  # one copy per prompt (left padding)
+            ids[row, width - len(prompt) :] = torch.from_numpy(np.asarray(prompt, dtype=np.int64))
+            mask[row, width - len(prompt) :] = 1
+        sampler = SeededSampler(seeds, width=width, temperature=temperature, top_p=top_p, device=model.device)
+        config = transformers.GenerationConfig(
+            max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=self.stop_ids, pad_token_id=self.stop_ids[0]
+        )
+        with torch.inference_mode():
+            generated = model.generate(
+                input_ids=ids.to(model.device),
+                attention_mask=mask.to(model.device),
+                generation_config=config,
+                logits_processor=transformers.LogitsProcessorList([sampler]),
+            )
+        new = generated[:, width:].cpu().numpy()
+        return [cut_at_stop(row, self.stop_ids) for row in new]
+
+    def close(self) -> None:
+        self.teacher = None
+        _free_cache()
+
+
+class SeededSampler(transformers.LogitsProcessor):
+    """Turns greedy decoding into sampling at `temperature` within the top-`top_p` nucleus: the scores
+    become tempered logits (outside the nucleus -inf) plus Gumbel noise from each row's seed and the step."""
+
+    def __init__(self, seeds: list[int], *, width: int, temperature: float, top_p: float, device):
+        self.seeds = torch.tensor(seeds, dtype=torch.int64, device=device)
+        self.width, self.temperature, self.top_p = width, temperature, top_p
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self.temperature == 0:
+            return scores
+        logits = scores.float() / self.temperature
+        if self.top_p < 1:
+            logits = nucleus(logits, top_p=self.top_p)
+        step = input_ids.shape[1] - self.width
+        uniform = seeded_uniform(self.seeds, step=step, vocab=logits.shape[-1])
+        return logits + (-torch.log(-torch.log(uniform))).float()
+
+
+def nucleus(logits: torch.Tensor, *, top_p: float) -> torch.Tensor:
+    """`logits` with every id outside the smallest set whose probability reaches `top_p` at -inf (the
+    most likely id always stays)."""
+    ordered, order = torch.sort(logits, dim=-1, descending=True)
+    probs = torch.softmax(ordered, dim=-1)
+    outside = torch.cumsum(probs, dim=-1) - probs >= top_p  # the mass before an id already reaches top_p
+    return logits.scatter(-1, order, ordered.masked_fill(outside, float("-inf")))
+
+
+_M32 = 0xFFFFFFFF
+_MIX = 0x45D9F3B  # a 32-bit integer hash's multiplier: products stay below 2**59, inside int64
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A bijection of 32-bit values (in int64), each output bit depending on every input bit."""
+    x = (((x >> 16) ^ x) * _MIX) & _M32
+    x = (((x >> 16) ^ x) * _MIX) & _M32
+    return (x >> 16) ^ x
+
+
+def seeded_uniform(seeds: torch.Tensor, *, step: int, vocab: int) -> torch.Tensor:
+    """float64 [rows, vocab] in (0, 1): a hash of (row's seed, step, token id), the same on any device
+    and in any batch. 32 bits per draw: each id's Gumbel noise has 2**32 levels."""
+    base = _mix32((seeds & _M32) ^ ((step * 0x9E3779B9) & _M32))
+    ids = torch.arange(vocab, dtype=torch.int64, device=seeds.device)
+    x = _mix32(_mix32(base[:, None] ^ ids[None, :]) ^ base[:, None])
+    return (x.double() + 0.5) / 2.0**32

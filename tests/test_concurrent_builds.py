@@ -1,0 +1,164 @@
+"""Concurrent writers of the same sample ids with other text: a write meets the rule a later build
+meets (`stored with other text`), whether the branch held the ids when it began or a concurrent writer
+committed them while it ran, and its summary counts what happened.
+
+Library writers on synthetic samples on local disk and S3 (moto) show the rule at both places a write
+meets stored ids (merge and commit); builds of the tiny teacher show what `build` does with it."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import uuid
+from pathlib import Path
+
+import pytest
+
+from benchmarks.synthetic import random_samples
+from logitstore.errors import ChangedTextError
+from logitstore.pipelines import build as build_module
+from logitstore.pipelines.build import BuildConfig, run_build
+from logitstore.pipelines.inputs import text_hash
+from logitstore.store import Store
+from logitstore.verify import verify
+from tests.test_safety import build, index_of, jsonl, one_line_error, write_store
+
+IDS = ["new-0", "new-1"]
+
+
+@pytest.fixture(params=["local", "s3"])
+def uri(request, tmp_path) -> str:
+    if request.param == "s3":
+        request.getfixturevalue("s3_endpoint")
+        return f"s3://logitstore-test/{uuid.uuid4().hex[:12]}"
+    return str(tmp_path / "store")
+
+
+def stage(writer, text: str) -> None:
+    """Stage the two samples as written by a build's worker (a fork), with `text` as their source."""
+    samples = random_samples(IDS, seed=len(text), max_tokens=30, k=8)
+    written = writer.fork().write(samples, teacher="teacher-a", source_hashes=[text] * len(IDS))
+    writer.merge(written)
+
+
+def sources(store: Store) -> dict[str, str | None]:
+    index = store.read().index
+    return dict(zip(index["sample_id"].to_pylist(), index["source_hash"].to_pylist()))
+
+
+def test_a_concurrent_commit_of_the_same_ids_with_other_text_is_refused_at_commit(uri):
+    store = write_store(uri, n=3)
+    first, second = (store.writer(on_duplicate="skip") for _ in range(2))  # both on the same base
+    stage(first, "text-a")
+    stage(second, "text-b")
+    first.commit("first")
+    tip = store.resolve()
+    with pytest.raises(ChangedTextError, match="'new-0' of teacher 'teacher-a' is stored with other text") as e:
+        second.commit("second")  # was: its samples dropped as "already stored", nothing said
+    assert (e.value.stored, e.value.new, e.value.count) == ("text-a", "text-b", 2)
+    assert e.value.exit_code == 2
+    assert store.resolve() == tip and sources(store)["new-0"] == "text-a"
+    assert verify(store.read()).unreferenced == {}
+
+
+def test_the_same_rule_holds_for_ids_the_base_version_holds(uri):
+    store = write_store(uri, n=3)
+    with store.writer(on_duplicate="skip") as first:
+        stage(first, "text-a")
+        first.commit("first")
+    later = store.writer(on_duplicate="skip")  # begins after the first committed: meets them at merge
+    with pytest.raises(ChangedTextError, match="stored with other text"):
+        stage(later, "text-b")
+    same = store.writer(on_duplicate="skip")
+    stage(same, "text-a")  # the same text: stored already, left out and counted
+    assert not same.has_changes
+    same.commit("nothing")
+    assert same.result is not None and (same.result.committed, same.result.dropped) == (False, 2)
+
+
+@pytest.mark.parametrize("on_changed", ["skip", "replace"])
+def test_a_concurrent_commit_with_other_text_is_kept_or_replaced_as_asked(tmp_path, on_changed):
+    store = write_store(str(tmp_path / "store"), n=3)
+    first = store.writer(on_duplicate="skip")
+    second = store.writer(on_duplicate="skip", on_changed=on_changed)
+    stage(first, "text-a")
+    stage(second, "text-b")
+    first.commit("first")
+    second.commit("second")
+    result = second.result
+    assert result is not None
+    if on_changed == "skip":
+        assert (result.committed, result.samples, result.dropped, result.changed) == (False, 0, 0, IDS)
+        assert sources(store)["new-0"] == "text-a"
+    else:
+        assert (result.committed, result.samples, result.dropped, result.changed) == (True, 2, 0, IDS)
+        assert sources(store)["new-0"] == sources(store)["new-1"] == "text-b"
+    assert store.read().index.num_rows == 5 and verify(store.read()).ok
+
+
+# -- builds ------------------------------------------------------------------------------------------
+
+
+DOCS = ["d0", "d1"]
+TEXT_A = "The first build's text of this document, about foxes and dogs."
+TEXT_B = "The second build's text of this document, about cats and birds."
+
+
+@pytest.fixture(scope="module")
+def holds_the_teacher(tiny_teacher, tmp_path_factory) -> Path:
+    """A store that holds the teacher (one other document), copied by each test."""
+    folder = tmp_path_factory.mktemp("seed")
+    data = jsonl(folder / "seed.jsonl", [{"id": "seed", "text": TEXT_A}])
+    assert build(tiny_teacher, folder / "store", data).exit_code == 0
+    return folder / "store"
+
+
+@pytest.fixture
+def seeded(tiny_teacher, holds_the_teacher, tmp_path):
+    """The store, and this test's build of the documents with TEXT_B, before whose commit another
+    build (run then, in this process) commits them with TEXT_A."""
+    store = tmp_path / "store"
+    shutil.copytree(holds_the_teacher, store)
+    other = BuildConfig(
+        store=str(store),
+        teacher=tiny_teacher,
+        data=str(jsonl(tmp_path / "a.jsonl", [{"id": d, "text": TEXT_A} for d in DOCS])),
+        id_column="id",
+        max_length=32,
+        unit_tokens=64,
+        progress=False,
+    )
+    commit = build_module._commit
+    ran: list = []
+
+    def commit_after_the_other_build(writer, *args, **kwargs):
+        if not ran:
+            ran.append(None)  # the other build's commits pass through here too
+            ran[0] = run_build(other, log=lambda _: None)
+        return commit(writer, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(build_module, "_commit", commit_after_the_other_build)
+        yield store, jsonl(tmp_path / "b.jsonl", [{"id": d, "text": TEXT_B} for d in DOCS])
+    assert ran and ran[0].samples == len(DOCS), "the other build stored the documents first"
+
+
+def test_a_build_whose_documents_another_build_stored_with_other_text_meanwhile_exits_2(tiny_teacher, seeded):
+    store, data = seeded
+    error = one_line_error(build(tiny_teacher, store, data), 2)  # was: exit 0, its text never stored
+    assert "document 'd0' is stored with other text, by another build while this one ran" in error, error
+    assert "--on-duplicate replace" in error
+    assert {h for s, (_, h) in index_of(store).items() if s != "seed"} == {text_hash(TEXT_A)}
+
+
+@pytest.mark.parametrize("on_duplicate", ["skip", "replace"])
+def test_a_concurrent_build_with_other_text_keeps_or_replaces_and_counts_it(tiny_teacher, seeded, on_duplicate):
+    store, data = seeded
+    result = build(tiny_teacher, store, data, "--on-duplicate", on_duplicate)
+    assert result.exit_code == 0, result.stderr
+    summary = json.loads(result.stdout)
+    assert (summary["changed"], summary["already_stored"]) == (2, 0)  # was: changed 0, nothing counted
+    kept = {"skip": TEXT_A, "replace": TEXT_B}[on_duplicate]
+    assert summary["samples"] == (0 if on_duplicate == "skip" else 2)
+    assert {h for s, (_, h) in index_of(store).items() if s != "seed"} == {text_hash(kept)}
+    assert verify(Store.open(str(store)).read()).ok
