@@ -26,11 +26,11 @@ import typer
 from typer.models import CommandInfo
 
 from logitstore.cli.flags import Command, ConfigOpt, Given, Group, PrintConfigOpt, pick, resolve, takes
-from logitstore.errors import INTERRUPTED, LogitstoreError
-from logitstore.options import declared, dump, from_values, to_values
+from logitstore.errors import INTERRUPTED, LogitstoreError, capped
+from logitstore.options import OptionError, declared, dump, from_values, in_range, to_values
 from logitstore.pipelines.config import PANELS as BUILD_PANELS
 from logitstore.pipelines.config import BuildConfig, DataSource
-from logitstore.trainer.config import PANELS, TrainConfig, read_kept
+from logitstore.trainer.config import PANELS, TrainConfig, TrainConfigError, missing_kept, read_kept
 
 app = typer.Typer(
     name="logitstore",
@@ -50,22 +50,33 @@ COMMAND_ORDER = ("build", "train", "eval", "rounds", "info", "ls", "show", "repo
 
 
 def user_errors(fn):
-    """Print a LogitstoreError as one line and exit with its code (2; 1 for damaged data); anything
-    else is a bug and keeps its traceback. A reader of the output that went away (`| head`) ends the
-    command as interrupted (typer itself would exit 1, the code for damaged data)."""
+    """Print a LogitstoreError as one line (`capped`: whatever it quotes) and exit with its code (2; 1 for
+    damaged data); anything else is a bug and keeps its traceback. An integer flag is checked first
+    (`in_range`; typer takes any). A reader of the output that went away (`| head`) ends the command as
+    interrupted (typer itself would exit 1, the code for damaged data)."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
+            _check_integers(kwargs)
             return fn(*args, **kwargs)
         except LogitstoreError as e:
-            typer.echo(f"error: {e}", err=True)
+            typer.echo(f"error: {capped(str(e))}", err=True)
             raise typer.Exit(e.exit_code) from None
         except BrokenPipeError:
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the flush at exit must not fail again
             raise typer.Exit(INTERRUPTED) from None
 
     return wrapper
+
+
+def _check_integers(flags: dict) -> None:
+    for name, value in flags.items():
+        if isinstance(value, int) and not isinstance(value, bool):
+            try:
+                in_range(value)
+            except ValueError as e:
+                raise OptionError(f"--{name.replace('_', '-')} {e}") from None
 
 
 def _open(store: str, *, create: bool = False):
@@ -170,23 +181,36 @@ def report(
     store: Annotated[str, typer.Argument(help="Store location (as for info), or a training run's --out folder.")],
     version: VersionOpt = None,
     out: Annotated[
-        str,
-        typer.Option(help="The report: .html (one file, pictures inline) or .md (pictures in NAME_files/)."),
-    ] = "report.html",
+        Optional[str],
+        typer.Option(
+            help="The report: .html (one file, pictures inline) or .md (pictures in NAME_files/). Default for a "
+            "store: report.html; for a run folder: its training.png, drawn in the folder."
+        ),
+    ] = None,
 ) -> None:
     """A one-page report with plots of a version (per teacher: entries, entropy, tail mass, values on the
-    grid, bytes per part, top-1 agreement, odd samples); of a run folder, its training.png."""
+    grid, bytes per part, top-1 agreement, odd samples); of a run folder, its training curves."""
     from pathlib import Path
 
-    if (Path(store) / "metrics.jsonl").is_file():  # a run folder: its curves, drawn now (also mid-run)
-        from logitstore.trainer.plots import plot_metrics
+    from logitstore.report import check_out
+    from logitstore.trainer.plots import is_run_folder
 
-        typer.echo(f"wrote {plot_metrics(Path(store))}")
+    if is_run_folder(Path(store)):  # its curves, drawn now (also mid-run)
+        from logitstore.report import write_page
+        from logitstore.trainer.plots import plot_metrics, run_sections
+
+        if version is not None:
+            raise LogitstoreError(f"--version names a store version; {store} is a training run's folder")
+        if out is None:
+            typer.echo(f"wrote {plot_metrics(Path(store))}")
+            return
+        page = check_out(Path(out))
+        typer.echo(f"wrote {write_page(run_sections(Path(store)), page)}")
         return
-    from logitstore.report import check_format, write_report
+    from logitstore.report import write_report
 
-    path = check_format(Path(out))
-    typer.echo(f"wrote {write_report(_open(store).read(version), path, store=store)}")
+    page = check_out(Path(out or "report.html"))  # before the store is read
+    typer.echo(f"wrote {write_report(_open(store).read(version), page, store=store)}")
 
 
 @app.command(name="ls", cls=Command)
@@ -441,7 +465,7 @@ def train(
     given: Given,
 ) -> None:
     """Train a student from a store version with FSDP2; no teacher runs."""
-    cfg = from_values(TrainConfig, _train_values(given, config=config))  # checked before torch loads
+    cfg = _train_config(given, config=config)  # checked before torch loads
     if print_config:
         typer.echo(dump(to_values(cfg), command="train"), nl=False)
         return
@@ -458,14 +482,23 @@ def train(
     )
 
 
-def _train_values(given: Given, *, config: str | None) -> dict:
-    """`train`'s values; with --resume, over the configuration the run kept in its folder (so resuming
-    needs --out and --resume only; a flag that changes the run's identity is refused as before)."""
+def _train_config(given: Given, *, config: str | None) -> TrainConfig:
+    """`train`'s configuration; with --resume, over the configuration the run kept in its folder (so
+    resuming needs --out and --resume only; a flag that changes the run's identity is refused as before).
+    A folder that keeps none resumes from the options given, and if they make no run, says so."""
     values = resolve(TRAIN_FLAGS, given, config=config, command="train")
-    kept = read_kept(values["out"]) if values["resume"] else None
-    if kept is None:
-        return values
-    return resolve(TRAIN_FLAGS, given, config=config, command="train", base=kept)
+    if not values["resume"]:
+        return from_values(TrainConfig, values)
+    kept = read_kept(values["out"])
+    if kept is not None:
+        return from_values(TrainConfig, resolve(TRAIN_FLAGS, given, config=config, command="train", base=kept))
+    try:
+        return from_values(TrainConfig, values)
+    except TrainConfigError as e:
+        raise TrainConfigError(
+            f"--out {values['out']} keeps no run configuration to resume from ({missing_kept(values['out'])}); "
+            f"give the run's options as at its start: {e}"
+        ) from None
 
 
 @app.command(name="eval", cls=Command)

@@ -74,10 +74,12 @@ class Group(typer.core.TyperGroup):
 @dataclass(frozen=True)
 class Given:
     """A command's declared flags as typer parsed them: every value (the default where not given) and
-    the names given on the command line."""
+    the names given on the command line; and the names of the command's own options, which a config
+    file cannot set (`--config`, `--json`)."""
 
     values: dict[str, Any]
     named: frozenset[str]
+    command_line_only: frozenset[str] = frozenset()
 
     def on_command_line(self) -> dict[str, Any]:
         return {name: value for name, value in self.values.items() if name in self.named}
@@ -93,12 +95,13 @@ def takes(flags: Sequence[Declared], *, panels: Sequence[str] = ()) -> Callable:
         params = [_parameter(d) for d in flags] + [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in own[:-1]]
         params.sort(key=lambda p: _rank(_panel(p), panels))
         context = inspect.Parameter("ctx", inspect.Parameter.KEYWORD_ONLY, annotation=typer.Context)
+        command_line_only = frozenset(_flag_name(p) for p in own[:-1])
 
         @functools.wraps(fn)
         def command(ctx: typer.Context, **kwargs: Any) -> Any:
             values = {d.name: kwargs.pop(d.name) for d in flags}
             named = frozenset(name for name in values if _on_command_line(ctx, name))
-            return fn(**kwargs, given=Given(values, named))
+            return fn(**kwargs, given=Given(values, named, command_line_only))
 
         command.__signature__ = inspect.Signature([context, *params])  # type: ignore[attr-defined]
         return command
@@ -119,7 +122,7 @@ def resolve(
     values = {d.name: d.default for d in flags}
     values.update(base or {})
     if config is not None:
-        values.update(read_file(config, flags, command=command))
+        values.update(read_file(config, flags, command=command, command_line_only=given.command_line_only))
     values.update(given.on_command_line())
     missing = [d.dashed for d in flags if d.flag.required and values[d.name] is None]
     if missing:
@@ -161,6 +164,14 @@ def _parameter(d: Declared) -> inspect.Parameter:
     default = (list(d.default) or None) if many and d.default is not None else d.default
     annotation = Annotated[cli_type | None if optional or many else cli_type, option]  # type: ignore[valid-type]
     return inspect.Parameter(d.name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=annotation)
+
+
+def _flag_name(param: inspect.Parameter) -> str:
+    """A command's own option as a config file would name it: `json` for `json_out` (`--json`)."""
+    info = next((a for a in typing.get_args(param.annotation)[1:] if hasattr(a, "param_decls")), None)
+    decls = [] if info is None else [info.default, *info.param_decls]  # typer: the first name is `default`
+    dashed = next((d for d in decls if isinstance(d, str) and d.startswith("--")), None)
+    return param.name if dashed is None else dashed[2:].replace("-", "_")
 
 
 def _panel(param: inspect.Parameter) -> str | None:

@@ -12,14 +12,13 @@ One tiny interface, three backends (local disk, S3, process memory), one conform
 from __future__ import annotations
 
 import contextlib
-import os
-import tempfile
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from pathlib import Path
 
 from logitstore.errors import StorageError
+from logitstore.files import replace_file
 from logitstore.limits import StorageLimits
 
 
@@ -53,20 +52,7 @@ class LocalBlobs(BlobStore):
         target = self.root / key
         with _disk_errors(f"cannot write {target}"):
             target.parent.mkdir(parents=True, exist_ok=True)
-            # Write-then-rename: a crash leaves a stray temp file, never a truncated object.
-            fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".tmp-")
-            try:
-                with os.fdopen(fd, "wb") as f:
-                    f.write(data)
-                    f.flush()
-                    os.fsync(f.fileno())
-                os.chmod(
-                    tmp, 0o666 & ~_umask()
-                )  # mkstemp makes 0600; other readers of a shared store need the usual mode
-                os.replace(tmp, target)
-            except BaseException:
-                Path(tmp).unlink(missing_ok=True)
-                raise
+            replace_file(target, data)  # a crash leaves a stray temp file, never a truncated object
 
     def get(self, key: str) -> bytes:
         try:
@@ -98,15 +84,6 @@ def _disk_errors(what: str) -> Iterator[None]:
         raise
     except OSError as e:
         raise StorageError(f"{what}: {e.strerror or e}") from None
-
-
-def _umask() -> int:
-    """The process umask, read without changing it (os.umask would set it, racing other threads)."""
-    try:
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1], 8) for line in f if line.startswith("Umask:"))
-    except (OSError, StopIteration):
-        return 0o022
 
 
 class MemoryBlobs(BlobStore):

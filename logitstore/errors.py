@@ -2,13 +2,40 @@
 
 Anything that is *not* a `LogitstoreError` is a bug in logitstore and keeps its traceback.
 
+What an error quotes is bounded here: a value from a config file by `quoted` (YAML aliases make a list
+of a billion items from ten lines, and its full repr would cost as much), and the line the CLI prints
+by `capped`, whatever it holds (an input row's id, a path).
+
 The exit codes, one table for every command (docs/exit-codes.md):
 """
+
+import reprlib
 
 OK = 0  # the command did what was asked
 DAMAGED = 1  # stored data is damaged or lost (`DamagedDataError`); rerunning will not help
 USAGE_OR_OUTAGE = 2  # a user error (flags, paths, input) or a storage outage; fix, or run again later
 INTERRUPTED = 130  # Ctrl-C (SIGINT), or the reader of the output went away (`| head`)
+
+QUOTED_CHARACTERS = 200  # of one value an error message quotes
+LINE_CHARACTERS = 1000  # of the line the CLI prints for an error
+_QUOTE = reprlib.Repr()
+_QUOTE.maxlevel, _QUOTE.maxlist, _QUOTE.maxtuple, _QUOTE.maxdict = 3, 8, 8, 8
+_QUOTE.maxstring = _QUOTE.maxother = QUOTED_CHARACTERS
+
+
+def quoted(value: object) -> str:
+    """`repr(value)` for an error message: nested and long values elided, at most `QUOTED_CHARACTERS`,
+    at a cost that does not grow with the value."""
+    return capped(_QUOTE.repr(value), limit=QUOTED_CHARACTERS)
+
+
+def capped(text: str, *, limit: int = LINE_CHARACTERS) -> str:
+    """`text`, or its start and end with the middle left out when it is longer than `limit`."""
+    if len(text) <= limit:
+        return text
+    gap = f" ... [{len(text) - limit:,} characters left out] ... "
+    head = (limit - len(gap)) * 3 // 4
+    return text[:head] + gap + text[len(text) - (limit - len(gap) - head) :]
 
 
 class LogitstoreError(Exception):

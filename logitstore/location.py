@@ -34,8 +34,15 @@ if "ICECHUNK_LOG" not in os.environ:
 
 
 def _folder_path(path: Path, *, text: str) -> str:
-    """A local store is a folder: a regular file there (or on the way there) is refused in one line
-    here, before a model loads; Icechunk's local storage would panic on it ("File exists")."""
+    """A local store is a folder: a regular file there (or on the way there), or a symbolic link that
+    leads back to itself, is refused in one line here, before a model loads; Icechunk's local storage
+    would panic on it ("File exists")."""
+    try:
+        path = path.resolve()
+    except RuntimeError:  # a symbolic link loop (Python 3.13 raises OSError ELOOP instead)
+        raise StoreNotFoundError(f"{text} is a symbolic link that leads back to itself, not a store folder") from None
+    except OSError as e:
+        raise StoreNotFoundError(f"{text} cannot be resolved: {e.strerror or e}") from None
     for at in (path, *path.parents):
         if at.exists():
             if not at.is_dir():
@@ -74,7 +81,7 @@ class Location:
             )
         # a URL: "file:///data/my%20store" is the folder "/data/my store"
         path = Path(unquote(parsed.path)) if parsed.scheme == "file" else Path(text).expanduser()
-        return cls(text, "file", _folder_path(path.resolve(), text=text))
+        return cls(text, "file", _folder_path(path, text=text))
 
     @property
     def bucket(self) -> str:

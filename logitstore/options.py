@@ -24,14 +24,14 @@ import difflib
 import sys
 import tomllib
 import typing
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import MISSING, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from logitstore.errors import LogitstoreError
+from logitstore.errors import LogitstoreError, quoted
 
 KEY = "logitstore.option"  # the field metadata key
 FIELD_DEFAULT: Any = object()  # `Flag.cli_default` when the flag's default is the field's
@@ -207,21 +207,21 @@ def _coerce(value_type: Any, value: Any, choices: tuple[str, ...] | None) -> Any
         items = value if isinstance(value, list) else [value]
         return [_coerce(args[0], item, choices) for item in items]
     if choices is not None and value not in choices:
-        raise ValueError(f"{value!r} is not one of {', '.join(choices)}")
+        raise ValueError(f"{quoted(value)} is not one of {', '.join(choices)}")
     return _scalar(value_type, value)
 
 
 def _scalar(value_type: Any, value: Any) -> Any:
     if value_type is bool:
         if not isinstance(value, bool):
-            raise ValueError(f"expected true or false, got {value!r}")
+            raise ValueError(f"expected true or false, got {quoted(value)}")
         return value
     if isinstance(value, bool) or isinstance(value, (list, dict)) or value is None:
-        raise ValueError(f"expected {getattr(value_type, '__name__', value_type)}, got {value!r}")
+        raise ValueError(f"expected {getattr(value_type, '__name__', value_type)}, got {quoted(value)}")
     if value_type is int:
         if isinstance(value, float) and not value.is_integer():
-            raise ValueError(f"expected an integer, got {value!r}")
-        return int(value) if not isinstance(value, str) else int(value.replace("_", ""))
+            raise ValueError(f"expected an integer, got {quoted(value)}")
+        return in_range(int(value) if not isinstance(value, str) else int(value.replace("_", "")))
     if value_type is float:
         return float(value)
     if value_type is str:
@@ -229,13 +229,24 @@ def _scalar(value_type: Any, value: Any) -> Any:
     raise TypeError(f"a flag of type {value_type} cannot come from a config file")
 
 
+def in_range(value: int) -> int:
+    """`value` if a 64-bit integer holds it (what numpy, Arrow and the C library take as a count or an
+    index): every integer option, on the command line or in a file, is one."""
+    if not -(2**63) <= value < 2**63:
+        raise ValueError(f"{value} is out of range (at most {2**63 - 1})")
+    return value
+
+
 # -- config files ---------------------------------------------------------------------------------------
 
 
-def read_file(path: str | Path, flags: Sequence[Declared], *, command: str) -> dict[str, Any]:
+def read_file(
+    path: str | Path, flags: Sequence[Declared], *, command: str, command_line_only: Iterable[str] = ()
+) -> dict[str, Any]:
     """The values a config file sets, by flag name: YAML (.yaml, .yml, .json) or TOML (.toml), one mapping
-    whose keys are flag names (`seq_len` or `seq-len`). A key no flag of `logitstore {command}` has, or a
-    value of the wrong type, is one line naming it (`OptionError`)."""
+    whose keys are flag names (`seq_len` or `seq-len`), each once. A key no flag of `logitstore {command}`
+    has, one of its `command_line_only` options (`--json`, `--config`: what the command does, not what
+    it computes), a key given twice or a value of the wrong type is one line naming it (`OptionError`)."""
     path = Path(path)
     where = f"--config {path}"
     data = _parse(path, where=where)
@@ -243,14 +254,39 @@ def read_file(path: str | Path, flags: Sequence[Declared], *, command: str) -> d
     out = {}
     for key, value in data.items():
         name = str(key).replace("-", "_")
+        dashed = "--" + name.replace("_", "-")
+        if name in command_line_only:
+            raise OptionError(
+                f"{where}: {quoted(key)} is not allowed in a config file ({dashed} is a command-line flag)"
+            )
         if name not in by_name:
             near = difflib.get_close_matches(name, by_name, n=1)
             hint = f" (did you mean {near[0]!r}?)" if near else ""
-            raise OptionError(
-                f"{where}: unknown key {key!r}: `logitstore {command}` has no --{name.replace('_', '-')}{hint}"
-            )
+            raise OptionError(f"{where}: unknown key {quoted(key)}: `logitstore {command}` has no {dashed}{hint}")
         out[name] = coerce(by_name[name], value, where=where)
     return out
+
+
+class _DuplicateKey(Exception):
+    def __init__(self, key: Any, lines: tuple[int, int]):
+        self.key, self.lines = key, lines
+
+
+class _Loader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key given twice in one mapping (PyYAML keeps the last one)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *base` may repeat keys: the mapping's own win
+                continue
+            key = self.construct_object(key_node, deep=deep)
+            line = key_node.start_mark.line + 1
+            if isinstance(key, Hashable) and key in seen:
+                raise _DuplicateKey(key, (seen[key], line))
+            if isinstance(key, Hashable):
+                seen[key] = line
+        return super().construct_mapping(node, deep=deep)
 
 
 def _parse(path: Path, *, where: str) -> dict:
@@ -261,11 +297,17 @@ def _parse(path: Path, *, where: str) -> dict:
         text = path.read_text(encoding="utf-8")
     except OSError as e:
         raise OptionError(f"{where}: cannot be read ({e.strerror or e})") from None
+    except UnicodeDecodeError as e:
+        raise OptionError(f"{where}: not UTF-8 text (byte {e.start})") from None
     try:
-        data = tomllib.loads(text) if suffix == ".toml" else yaml.safe_load(text)
+        data = tomllib.loads(text) if suffix == ".toml" else yaml.load(text, Loader=_Loader)  # noqa: S506 - safe
     except (tomllib.TOMLDecodeError, yaml.YAMLError) as e:
         first = " ".join(str(e).split())  # one line
         raise OptionError(f"{where}: not valid {'TOML' if suffix == '.toml' else 'YAML'}: {first}") from None
+    except _DuplicateKey as e:
+        raise OptionError(
+            f"{where}: key {quoted(e.key)} is given twice (lines {e.lines[0]} and {e.lines[1]})"
+        ) from None
     if data is None:
         return {}
     if not isinstance(data, dict):

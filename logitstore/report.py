@@ -12,8 +12,11 @@ global backend is chosen for a program that imports this module.
 from __future__ import annotations
 
 import base64
+import hashlib
 import html
 import io
+import shutil
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import cast
@@ -26,6 +29,7 @@ from logitstore import codec
 from logitstore.bounded import read_errors
 from logitstore.codec import EncodedSamples
 from logitstore.errors import LogitstoreError
+from logitstore.files import replace_file
 from logitstore.grid import Q_MAX
 from logitstore.meta import TeacherMeta
 from logitstore.reader import PartReader, TeacherRows
@@ -322,16 +326,26 @@ def _sample_table(stats: TeacherStats, sums: np.ndarray, *, highest: bool) -> li
     return rows
 
 
-def check_format(out: Path) -> Path:
-    """`out` if it names a format `write_report` writes (checked before a store is opened)."""
+def check_out(out: Path) -> Path:
+    """`out` if it names a format `write_page` writes and a place it can be written: checked before a
+    store is read, so a refusal costs nothing."""
     if out.suffix not in FORMATS:
         raise ReportError(f"--out {out}: name a .html or .md file")
+    if out.is_dir():
+        raise ReportError(f"--out {out} is a folder; name a .html or .md file")
+    at = next(p for p in out.parents if p.exists())
+    if not at.is_dir():
+        raise ReportError(f"--out {out} lies under {at}, which is a file, not a folder")
+    try:
+        with tempfile.TemporaryFile(dir=at):  # os.access misses read-only mounts for root
+            pass
+    except OSError as e:
+        raise ReportError(f"--out {out} cannot be written in {at}: {e.strerror or e}") from None
     return out
 
 
 def write_report(view: StoreVersion, out: Path, *, store: str) -> Path:
     """The report of `view` as `out` (.html or .md); returns its path."""
-    check_format(out)
     info = view.info()
     bpt = info["bytes_per_token"]
     head = Section(
@@ -350,11 +364,36 @@ def write_report(view: StoreVersion, out: Path, *, store: str) -> Path:
     sections = [head]
     for name in sorted(view.teachers):
         sections += teacher_sections(teacher_stats(view, name))
-    out.parent.mkdir(parents=True, exist_ok=True)
-    if out.suffix == ".html":
-        out.write_text(_html(sections))
-    else:
-        out.write_text(_markdown(sections, out))
+    return write_page(sections, out)
+
+
+def write_page(sections: list[Section], out: Path) -> Path:
+    """`sections` as the page `out`: .html, one file with the pictures inline, or .md with its pictures in
+    `<name>_files/` beside it. Either replaces what an earlier report left there whole: the page is
+    renamed into place, and the pictures, named by their content, are written before it and the old ones
+    removed after it, so a crash at any point leaves a page whose pictures are all there (at worst a
+    few unreferenced pictures, which the next report removes)."""
+    check_out(out)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        if out.suffix == ".html":
+            replace_file(out, _html(sections).encode())
+            return out
+        folder = out.with_name(f"{out.stem}_files")
+        text, pictures = _markdown(sections, folder.name)
+        folder.mkdir(exist_ok=True)
+        for name, image in pictures.items():
+            replace_file(folder / name, image)
+        replace_file(out, text.encode())
+        for entry in folder.iterdir():
+            if entry.name in pictures:
+                continue
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry)
+            else:
+                entry.unlink()
+    except OSError as e:
+        raise ReportError(f"--out {out} cannot be written: {e.strerror or e}") from None
     return out
 
 
@@ -375,10 +414,10 @@ def _html(sections: list[Section]) -> str:
     return f"<!doctype html><html><head><meta charset='utf-8'><title>logitstore report</title><style>{style}</style></head><body>\n{chr(10).join(body)}\n</body></html>\n"
 
 
-def _markdown(sections: list[Section], out: Path) -> str:
-    folder = out.with_name(f"{out.stem}_files")
-    folder.mkdir(exist_ok=True)
+def _markdown(sections: list[Section], folder: str) -> tuple[str, dict[str, bytes]]:
+    """The Markdown page and its pictures by file name (in `folder`, beside the page)."""
     lines: list[str] = []
+    pictures: dict[str, bytes] = {}
     for number, s in enumerate(sections):
         lines += [f"{'#' * s.level} {s.title}", ""]
         if s.text:
@@ -388,7 +427,9 @@ def _markdown(sections: list[Section], out: Path) -> str:
             lines += ["| " + " | ".join(c.replace("|", "\\|") for c in r) + " |" for r in s.table[1:]]
             lines.append("")
         if s.image is not None:
-            name = f"{number:02d}.png"  # in the order of the sections
-            (folder / name).write_bytes(s.image)
-            lines += [f"![{s.title}]({folder.name}/{name})", ""]
-    return "\n".join(lines)
+            # in the order of the sections, and by content: a new report never overwrites a picture the
+            # old page still shows
+            name = f"{number:02d}-{hashlib.sha256(s.image).hexdigest()[:12]}.png"
+            pictures[name] = s.image
+            lines += [f"![{s.title}]({folder}/{name})", ""]
+    return "\n".join(lines), pictures

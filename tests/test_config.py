@@ -13,6 +13,7 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
+from logitstore import options
 from logitstore.cli.app import app
 from logitstore.options import declared, from_values, to_values
 from logitstore.pipelines.config import BuildConfig
@@ -159,6 +160,45 @@ def test_a_bad_config_file_is_one_line_naming_the_key(tmp_path, text, message):
     result = runner.invoke(app, ["train", "--config", str(path), "--store", "s", "--out", "o"])
     assert result.exit_code == 2 and result.stderr.startswith(f"error: --config {path}: {message}"), result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
+
+
+def one_line(result, code: int = 2) -> str:
+    assert result.exit_code == code and len(result.stderr.strip().splitlines()) == 1, (result.exit_code, result.stderr)
+    return result.stderr.strip()
+
+
+@pytest.mark.parametrize(
+    ("key", "flag"),
+    [("json", "--json"), ("dry_run", "--dry-run"), ("print-config", "--print-config"), ("config", "--config")],
+)
+def test_a_command_line_flag_in_a_config_file_is_refused_as_such(tmp_path, key, flag):
+    path = tmp_path / "build.yaml"
+    path.write_text(f"store: ./store\n{key}: true\n")
+    error = one_line(runner.invoke(app, ["build", "--config", str(path), "--print-config"]))
+    assert error == f"error: --config {path}: {key!r} is not allowed in a config file ({flag} is a command-line flag)"
+
+
+@pytest.mark.parametrize("suffix", [".yaml", ".json"])
+def test_a_key_given_twice_is_refused_naming_it(tmp_path, suffix):
+    path = tmp_path / f"train{suffix}"
+    path.write_text("lr: 0.001\nsteps: 5\nlr: 0.1\n" if suffix == ".yaml" else '{"lr": 0.001,\n"lr": 0.1}\n')
+    error = one_line(
+        runner.invoke(app, ["train", "--config", str(path), "--store", "s", "--out", "o", "--print-config"])
+    )
+    assert error.endswith("key 'lr' is given twice (lines 1 and 3)" if suffix == ".yaml" else "(lines 1 and 2)"), error
+    merged = tmp_path / "merged.yaml"  # a merge key's values may be given again: the mapping's own win
+    merged.write_text("base: &base {lr: 0.001, steps: 5}\nrun:\n  <<: *base\n  lr: 0.1\n")
+    assert yaml.load(merged.read_text(), Loader=options._Loader)["run"] == {"lr": 0.1, "steps": 5}
+
+
+def test_a_billion_laughs_config_is_one_short_line(tmp_path):
+    levels = ["- &l0 [lol, lol, lol, lol, lol, lol, lol, lol, lol]"]
+    # 9**6 items from six lines (a real attack nests deeper: the cost of quoting it whole grows 9x a line)
+    levels += [f"- &l{i} [{', '.join([f'*l{i - 1}'] * 9)}]" for i in range(1, 6)]
+    path = tmp_path / "laughs.yaml"
+    path.write_text("seq_len:\n" + "\n".join(levels) + "\n")
+    error = one_line(runner.invoke(app, ["train", "--config", str(path), "--store", "s", "--out", "o"]))
+    assert error.startswith(f"error: --config {path}: seq_len: expected int, got [[") and len(error) < 400, error
 
 
 def test_a_required_flag_may_come_from_the_file_and_missing_is_one_line(tmp_path):

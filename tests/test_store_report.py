@@ -7,6 +7,7 @@ import base64
 import json
 import re
 import struct
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,6 +15,7 @@ from typer.testing import CliRunner
 
 from benchmarks.synthetic import random_samples
 from logitstore.cli.app import app
+from logitstore.files import replace_file
 from logitstore.report import DPI, FIGURE_SIZE, teacher_sections, teacher_stats
 from logitstore.store import Store
 from tests.test_store import teacher, write
@@ -170,3 +172,44 @@ def test_report_leaves_out_and_counts_damaged_samples(tmp_path):
         result.exit_code == 0
         and f"| samples left out as damaged (see verify) | {len(damaged)} |" in (tmp_path / "r.md").read_text()
     )
+
+
+def test_out_that_cannot_be_written_is_one_line_before_the_store_is_read(store, tmp_path):
+    (tmp_path / "file").write_text("")
+    for out, problem in (
+        (tmp_path / "file" / "r.html", f"lies under {tmp_path / 'file'}, which is a file, not a folder"),
+        (Path("/proc/r.md"), "cannot be written in /proc"),
+    ):
+        result = CliRunner().invoke(app, ["report", store, "--out", str(out)])
+        assert result.exit_code == 2 and result.stderr.startswith(f"error: --out {out} {problem}"), result.stderr
+        assert len(result.stderr.splitlines()) == 1
+
+
+def pictures_of(page: Path) -> set[str]:
+    return {Path(link).name for link in re.findall(r"!\[[^]]*\]\(([^)]+)\)", page.read_text())}
+
+
+def test_a_markdown_report_replaces_the_last_one_whole(store, tmp_path, monkeypatch):
+    out = tmp_path / "d" / "r.md"
+    folder = out.with_name("r_files")
+    first = Store.open(store).log()[-2].id  # teacher-a alone: half the pictures of the tip's report
+    assert CliRunner().invoke(app, ["report", store, "--out", str(out)]).exit_code == 0
+    two_teachers = pictures_of(out)
+    assert CliRunner().invoke(app, ["report", store, "--version", first, "--out", str(out)]).exit_code == 0
+    assert len(pictures_of(out)) == len(two_teachers) // 2
+    assert {p.name for p in folder.iterdir()} == pictures_of(out)  # was: the first report's pictures stayed
+
+    # A report that fails while writing leaves the last one whole: its page, and every picture it shows.
+    before = out.read_text(), {p.name: p.read_bytes() for p in folder.iterdir()}
+    import logitstore.report
+
+    def fail_at_the_page(target: Path, data: bytes) -> None:
+        if target == out:
+            raise OSError(28, "No space left on device")
+        replace_file(target, data)
+
+    monkeypatch.setattr(logitstore.report, "replace_file", fail_at_the_page)
+    result = CliRunner().invoke(app, ["report", store, "--out", str(out)])
+    assert result.exit_code == 2 and "No space left on device" in result.stderr
+    assert out.read_text() == before[0]
+    assert all((folder / name).read_bytes() == data for name, data in before[1].items())

@@ -548,10 +548,20 @@ def kept_values(cfg: TrainConfig) -> dict[str, Any]:
 
 
 def read_kept(out: str | None) -> dict[str, Any] | None:
-    """The configuration the run in `out` kept (None: no run, or one from before runs kept it), without
-    what a resuming command decides (`_NOT_KEPT`)."""
+    """The configuration the run in `out` kept (None: no run, or one from before runs kept it, or its
+    file is gone: `missing_kept` says which), without what a resuming command decides (`_NOT_KEPT`)."""
     path = Path(out or "") / RUN_CONFIG
     if out is None or not path.is_file():
         return None
     kept = read_file(path, declared(TrainConfig), command="train")
     return {k: v for k, v in kept.items() if k not in _NOT_KEPT}
+
+
+def missing_kept(out: str) -> str:
+    """Why `read_kept(out)` found no configuration, in words."""
+    path = Path(out) / RUN_CONFIG
+    if not Path(out).is_dir():
+        return "no such folder"
+    if path.exists():
+        return f"its {RUN_CONFIG} is not a file"
+    return f"no {RUN_CONFIG} in it"

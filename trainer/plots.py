@@ -1,27 +1,131 @@
-"""Training curves as a PNG beside metrics.jsonl, for people who would rather look than parse; drawn at
-the end of a run, and any time by `logitstore report OUT`."""
+"""A run folder's report: training curves drawn from metrics.jsonl, for people who would rather look
+than parse. `plot_metrics` draws OUT/training.png at the end of a run and for `logitstore report OUT`;
+`run_sections` makes the page `logitstore report OUT --out FILE` writes (the store report's writers).
+
+metrics.jsonl is read by `read_metrics`: a run killed mid-write leaves its last line cut short, which
+is left out with a note; any other line that is not a JSON record is one line naming it.
+"""
 
 from __future__ import annotations
 
+import io
 import json
+import sys
+from collections.abc import Callable
 from pathlib import Path
+
+from logitstore.errors import LogitstoreError
+from logitstore.files import replace_file
+from logitstore.meta import RUN_MARKER
 
 FIGURE_SIZE = (12.0, 7.0)  # inches at DPI 100: 1200 x 700 pixels
 DPI = 100
+METRICS = "metrics.jsonl"
 
 
-def plot_metrics(out: Path) -> Path:
-    """Write OUT/training.png: the loss parts with the held-out KL and CE at every evaluation, the learning
+class RunFolderError(LogitstoreError):
+    """A run folder whose metrics cannot be read."""
+
+
+def is_run_folder(path: Path) -> bool:
+    """A training run's folder: it holds metrics or the marker a run writes."""
+    return (path / METRICS).is_file() or (path / RUN_MARKER).is_file()
+
+
+def _stderr_note(message: str) -> None:
+    print(f"note: {message}", file=sys.stderr, flush=True)
+
+
+def read_metrics(out: Path, *, note: Callable[[str], None] = _stderr_note) -> list[dict]:
+    """The records of OUT/metrics.jsonl; a last line cut short is left out, and said to `note`."""
+    path = out / METRICS
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise RunFolderError(
+            f"{out} is a training run's folder without {METRICS}: its run logged nothing yet"
+        ) from None
+    except OSError as e:
+        raise RunFolderError(f"{path} cannot be read: {e.strerror or e}") from None
+    *lines, last = data.split(b"\n")  # `last` is empty when the file ends its last line
+    records = [_record(line, path=path, number=n) for n, line in enumerate(lines, 1) if line.strip()]
+    if last.strip():
+        try:
+            records.append(_record(last, path=path, number=len(lines) + 1))
+        except RunFolderError:
+            note(f"{path}: its last line is cut short (the run stopped while writing it); left out")
+    return records
+
+
+def _record(line: bytes, *, path: Path, number: int) -> dict:
+    try:
+        record = json.loads(line.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise RunFolderError(f"{path} line {number}: not UTF-8 text (byte {e.start})") from None
+    except ValueError:
+        raise RunFolderError(f"{path} line {number}: not a JSON record") from None
+    if not isinstance(record, dict):
+        raise RunFolderError(f"{path} line {number}: not a JSON record")
+    return record
+
+
+def plot_metrics(out: Path, *, note: Callable[[str], None] = _stderr_note) -> Path:
+    """Write OUT/training.png (`draw_metrics`)."""
+    path = out / "training.png"
+    replace_file(path, draw_metrics(read_metrics(out, note=note)))
+    return path
+
+
+def run_sections(out: Path, *, note: Callable[[str], None] = _stderr_note) -> list:
+    """The run's page: what it trains and where it stands, then its curves."""
+    from logitstore.report import Section
+
+    records = read_metrics(out, note=note)
+    start = _start(records)
+    rows = [r for r in records if "step" in r]
+    last = rows[-1] if rows else {}
+    evaluated: dict = next((r for r in reversed(rows) if "eval_kl" in r), {})
+    table = [
+        ["", ""],
+        ["run folder", str(out)],
+        ["store", str(start.get("store") or "(live teacher)")],
+        ["version", str(start.get("version") or "-")],
+        ["teachers", _teachers(start)],
+        ["student", str(start.get("student", "-"))],
+        ["last step logged", str(last.get("step", "-"))],
+        ["loss at that step", _number(last.get("loss"))],
+        ["held-out KL to the teacher (last evaluation)", _number(evaluated.get("eval_kl"))],
+    ]
+    return [
+        Section("logitstore run report", level=1, table=table),
+        Section("Training curves", level=2, image=draw_metrics(records)),
+    ]
+
+
+def _start(records: list[dict]) -> dict:
+    """The last start record (a resumed run logs one more)."""
+    return next((r for r in reversed(records) if r.get("event") == "start"), {})
+
+
+def _teachers(start: dict) -> str:
+    return ", ".join(t["name"] for t in start.get("teachers") or []) or start.get("teacher") or "-"
+
+
+def _number(value) -> str:
+    return "-" if value is None else f"{value:.4f}"
+
+
+def draw_metrics(records: list[dict]) -> bytes:
+    """The curves as a PNG: the loss parts with the held-out KL and CE at every evaluation, the learning
     rate, the gradient norm and the throughput per step, titled with the run's store, version, teacher
-    and student (from metrics.jsonl's start record)."""
+    and student (from the start record)."""
     # Here, not at the top: 0.5 s at the start of every rank (train.py imports this module) for one plot
     # that rank 0 draws at the end. Figure, not pyplot: no global backend for the program drawing it.
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
 
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     rows = [r for r in records if "step" in r]
-    start: dict = next((r for r in reversed(records) if r.get("event") == "start"), {})
+    start = _start(records)
     fig = Figure(figsize=FIGURE_SIZE)
     (ax_loss, ax_lr), (ax_grad, ax_speed) = fig.subplots(2, 2)
     curves = (("loss", "loss (train)"), ("kd", "KD (train)"), ("ce", "CE (train)"))
@@ -43,9 +147,9 @@ def plot_metrics(out: Path) -> Path:
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole
     fig.suptitle(_title(start))
     fig.tight_layout()
-    path = out / "training.png"
-    fig.savefig(path, dpi=DPI)
-    return path
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=DPI)
+    return buffer.getvalue()
 
 
 def _line(ax, rows: list[dict], key: str, *, label: str | None = None, marker: str | None = None) -> None:
@@ -56,8 +160,7 @@ def _line(ax, rows: list[dict], key: str, *, label: str | None = None, marker: s
 
 def _title(start: dict) -> str:
     """store, version, teacher(s), student: what the curves are of."""
-    teachers = ", ".join(t["name"] for t in start.get("teachers") or []) or start.get("teacher") or "-"
     return (
-        f"store {start.get('store') or '(live)'} @ {start.get('version') or '-'}  |  teacher {teachers}  |  "
+        f"store {start.get('store') or '(live)'} @ {start.get('version') or '-'}  |  teacher {_teachers(start)}  |  "
         f"student {start.get('student', '-')}"
     )

@@ -45,6 +45,7 @@ from logitstore.trainer.objective import all_reduce_mean, batch_loss, held_out_m
 from logitstore.trainer.plots import plot_metrics
 from logitstore.trainer.report import open_sinks
 from logitstore.trainer.spec import StreamConfigError
+from logitstore.trainer.stopping import interrupted_once, stopping_ranks
 from logitstore.trainer.stream import store_stream
 
 # -- launching -----------------------------------------------------------------------------------
@@ -115,28 +116,42 @@ def check_student_fits(cfg: TrainConfig) -> None:
 
 def _spawn(cfg: TrainConfig, plan: run_folder.RunPlan) -> None:
     """`cfg.student.nproc` processes; a rank's LogitstoreError comes back through a queue and is raised here, so
-    the command prints one line and exits with its code (the parent sees only an exit status)."""
+    the command prints one line and exits with its code (the parent sees only an exit status). SIGINT and
+    SIGTERM to this process stop the ranks first (`stopping.stopping_ranks`)."""
 
     errors = mp.get_context("spawn").SimpleQueue()
     # torch logs a warning for each rank it ends after another failed; the one line below says it all
     logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
-    try:
-        with environment(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port())):  # what the ranks inherit
-            mp.start_processes(_spawned, args=(cfg, plan, errors), nprocs=cfg.student.nproc, start_method="spawn")
-    except mp.ProcessExitedException as e:
-        if not errors.empty():
-            raise errors.get() from None
-        if e.signal_name == "SIGINT":  # Ctrl-C reached a rank first: interrupted, as in this process
-            raise KeyboardInterrupt from None
-        if e.signal_name:  # killed from outside (kill -9, the OOM killer): no bug, and nothing half-written counts
-            raise LogitstoreError(
-                f"rank {e.error_index} (pid {e.error_pid}) was killed by {e.signal_name}; run the same command with "
-                "--resume to continue from the last checkpoint"
-            ) from None
-        raise  # a bug, whose traceback the rank printed
+    with stopping_ranks() as stops:
+        try:
+            with environment(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port())):  # what the ranks inherit
+                context = mp.start_processes(
+                    _spawned, args=(cfg, plan, errors), nprocs=cfg.student.nproc, start_method="spawn", join=False
+                )
+            stops.watch(context.processes)
+            while not context.join():
+                pass
+        except (mp.ProcessExitedException, mp.ProcessRaisedException) as e:
+            if stops.signum is None:  # a stopped rank's exit says nothing the signal did not
+                _raise_rank_failure(e, errors)
+        stops.end()
+
+
+def _raise_rank_failure(e: mp.ProcessExitedException | mp.ProcessRaisedException, errors) -> None:
+    if not errors.empty():
+        raise errors.get() from None
+    if isinstance(e, mp.ProcessExitedException) and e.signal_name == "SIGINT":  # Ctrl-C reached a rank first
+        raise KeyboardInterrupt from None
+    if isinstance(e, mp.ProcessExitedException) and e.signal_name:  # killed from outside (kill -9, the OOM killer)
+        raise LogitstoreError(
+            f"rank {e.error_index} (pid {e.error_pid}) was killed by {e.signal_name}; run the same command with "
+            "--resume to continue from the last checkpoint"
+        ) from None
+    raise e  # a bug, whose traceback the rank printed
 
 
 def _spawned(rank: int, cfg: TrainConfig, plan: run_folder.RunPlan, errors) -> None:
+    interrupted_once()
     world = str(cfg.student.nproc)
     try:
         with environment(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=world, LOCAL_WORLD_SIZE=world):
