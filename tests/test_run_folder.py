@@ -22,7 +22,7 @@ from logitstore.cli.app import app
 from logitstore.meta import TeacherMeta
 from logitstore.sparsity import Sparsity
 from logitstore.store import Store
-from logitstore.trainer.config import RUN_CONFIG, TrainConfig
+from logitstore.trainer.config import PER_COMMAND, RUN_CONFIG, TrainConfig
 from logitstore.trainer.run_folder import MARKER
 from logitstore.trainer.train import launch
 from tests.conftest import CLI
@@ -152,7 +152,7 @@ def test_a_run_keeps_its_configuration_and_resume_starts_from_it(store, tmp_path
     kept = yaml.safe_load((out / RUN_CONFIG).read_text())
     assert kept["store"] == store and kept["lr"] == 5e-3 and kept["seq_len"] == 32 and "resume" not in kept
     again = yaml.safe_load(train("--config", out / RUN_CONFIG, "--print-config").stdout)  # what --config takes
-    assert {k: v for k, v in again.items() if k not in ("resume", "force")} == kept
+    assert {k: v for k, v in again.items() if k not in PER_COMMAND} == kept
     error = one_line_error(train("--out", out, "--resume", "--steps", 2, "--lr", "1e-2"))
     assert "holds a run with another configuration (lr)" in error  # the kept configuration, then the flags
     result = train("--out", out, "--resume", "--steps", 2)  # no --store, no other flag: the run's own

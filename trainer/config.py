@@ -539,12 +539,14 @@ def _renamed() -> dict[str, tuple[str, str]]:
 RUN_CONFIG = "config.yaml"  # in --out: the configuration the run runs with (`run_folder.claim` writes it)
 # Left to the command that resumes: what it does to the folder, and the version (a resumed run reads
 # the snapshot its run pinned; a branch named when it started may name another one now).
-_NOT_KEPT = ("resume", "force", "version", "new_version")
+# What one command does to its run folder, never written to it.
+PER_COMMAND = ("resume", "force", "new_version")
+_NOT_KEPT = (*PER_COMMAND, "version")
 
 
 def kept_values(cfg: TrainConfig) -> dict[str, Any]:
     """What `RUN_CONFIG` holds: the run's flags, as `--config` takes them."""
-    return {k: v for k, v in to_values(cfg).items() if k not in ("resume", "force", "new_version")}
+    return {k: v for k, v in to_values(cfg).items() if k not in PER_COMMAND}
 
 
 def read_kept(out: str | None) -> dict[str, Any] | None:
