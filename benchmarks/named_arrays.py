@@ -171,7 +171,7 @@ def name_parts(place: Place, parts: list[str], *, grid_as_codes: bool) -> str:
         path = layout.packed_path(TEACHER, part)
         packed_array = zarr.open_array(store, path=path, mode="r")
         blob = bytes(np.asarray(packed_array[:]))
-        members = packed.members_of(dict(packed_array.attrs))
+        members = dict(packed_array.attrs[layout.MEMBERS])
         key = f"{PARTS_PREFIX}/{TEACHER}/{part}"
         place.put(key, blob)
         url = place.prefix_url + key
@@ -312,9 +312,8 @@ def run(place: Place, args, *, python: str, proxy=None) -> dict:
     named = name_parts(place, parts, grid_as_codes=args.grid_as_codes)
     repo = place.repository(authorize=True)
     one = parts[0]
-    members = packed.members_of(
-        dict(zarr.open_array(repo.readonly_session(branch="main").store, path=layout.packed_path(TEACHER, one)).attrs)
-    )
+    main_store = repo.readonly_session(branch="main").store
+    members = dict(zarr.open_array(main_store, path=layout.packed_path(TEACHER, one)).attrs[layout.MEMBERS])
     names = list(members)
     blob_sizes = [len(place.get(f"{PARTS_PREFIX}/{TEACHER}/{p}")) for p in parts]
     out = {

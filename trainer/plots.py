@@ -78,7 +78,7 @@ def plot_metrics(out: Path, *, note: Callable[[str], None] = _stderr_note) -> Pa
 
 def run_sections(out: Path, *, note: Callable[[str], None] = _stderr_note) -> list:
     """The run's page: what it trains and where it stands, then its curves."""
-    from logitstore.report import Section
+    from logitstore.report import Section  # with it the codec (numba) and matplotlib: a run page only
 
     records = read_metrics(out, note=note)
     start = _start(records)

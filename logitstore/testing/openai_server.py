@@ -2,7 +2,7 @@
 and benchmarks: `/v1/models`, `/version`, `/tokenize` and `/v1/completions` with vLLM's `prompt_logprobs`
 extension, in vLLM's JSON shape (`render_completion`), with faults a test switches on.
 
-What answers a completion is a `Scorer`: `torch_scorer(teacher)` runs a real teacher through the torch
+What answers a completion is a `Scorer`: the tests' `torch_scorer(teacher)` runs a real teacher through the torch
 engine's own top-k forward pass (one unpadded prompt at a time), so a build against this server can be
 compared entry for entry with `--engine torch`; `benchmarks/server.py` replays answers rendered once
 (`replay(prompt, k) -> bytes`), so the server costs next to nothing.
@@ -42,30 +42,6 @@ class Scores:
 
 
 Scorer = Callable[[np.ndarray, int], Scores]
-
-
-def torch_scorer(teacher) -> Scorer:
-    """A loaded `Teacher` through the torch engine's top-k forward pass, one prompt of shape [1, T] at a
-    time (what `--engine torch --batch-tokens 2` computes). The rank of a prompt token outside the top-k
-    is given as k + 1: only "inside or outside" matters to a client."""
-    import torch
-
-    from logitstore.pipelines.teacher import TeacherForward, sparse_topk_forward
-
-    forward = TeacherForward.of_model(teacher.model)
-    lock = threading.Lock()  # one forward pass at a time: the server answers from several threads
-
-    def score(tokens: np.ndarray, k: int) -> Scores:
-        ids = torch.as_tensor(np.asarray(tokens, dtype=np.int64))[None]
-        with lock, torch.inference_mode():
-            batch = sparse_topk_forward(forward, ids, torch.ones_like(ids), k=k)
-        top = batch.ids[0].numpy()
-        targets = np.asarray(tokens[1:])
-        inside = top == targets[:, None]
-        rank = np.where(inside.any(axis=1), inside.argmax(axis=1) + 1, k + 1)
-        return Scores(top, batch.logprobs[0].numpy(), batch.target_logprob[0].numpy(), rank)
-
-    return score
 
 
 def render_completion(prompt: list[int], scores: Scores, *, model: str, decode: Callable | None = None) -> bytes:

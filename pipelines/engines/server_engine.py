@@ -38,6 +38,7 @@ from collections import Counter
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
+import httpx
 import numpy as np
 import orjson
 
@@ -136,8 +137,6 @@ def preflight(settings, spec, *, default_k: bool = False, fresh: bool = False) -
         if fresh:
             _preflights.pop(key, None)
         if key not in _preflights:
-            import httpx  # here: `build --help` and the other engines never load it
-
             with httpx.Client(timeout=CHECK_TIMEOUT_S, headers=_headers(api_key(settings))) as client:
                 served = [_check_replica(client, url, spec, k=k, default_k=default_k) for url in key[0]]
             _preflights[key] = ServedTeacher(
@@ -186,8 +185,6 @@ def _same_model(card: dict, spec) -> bool:
 
 
 def _request(client, method: str, url: str, path: str, **kwargs):
-    import httpx
-
     shown = strip_credentials(url)
     try:
         response = client.request(method, _base(url) + path, **kwargs)
@@ -225,7 +222,9 @@ def _version(client, url: str) -> str:
 
 def _check_tokenizer(client, url: str, model: str, spec) -> list[int]:
     """The probe's ids as the server makes them equal the local tokenizer's; returns them."""
-    from logitstore.pipelines.teacher import describe_teacher
+    from logitstore.pipelines.teacher import (
+        describe_teacher,
+    )  # torch comes with it: the preflight imports this module before a build loads torch
 
     tokenizer = describe_teacher(spec).tokenizer
     response = _request(
@@ -294,7 +293,9 @@ def _check_k(client, url: str, model: str, probe: list[int], *, k: int, default_
 def served_to_sparse(body: bytes, tokens: np.ndarray, *, k: int, vocab_size: int) -> dict[str, np.ndarray]:
     """One answer's prompt log-probabilities as the sparse top-k arrays (`vllm_engine`'s module docstring),
     through the vLLM engine's conversion; `MalformedResponse` or `VllmEngineError` where it cannot be."""
-    from logitstore.pipelines.engines.vllm_engine import entries_to_sparse
+    from logitstore.pipelines.engines.vllm_engine import (
+        entries_to_sparse,
+    )  # torch comes with it: the preflight imports this module before a build loads torch
 
     flat = parse_prompt_logprobs(body)
     if flat.positions != len(tokens):
@@ -372,8 +373,6 @@ class Replicas:
         self._ready.wait()
 
     def _run(self) -> None:
-        import httpx
-
         asyncio.set_event_loop(self.loop)
         limits = httpx.Limits(max_connections=self.concurrency, max_keepalive_connections=self.concurrency)
         timeout = httpx.Timeout(self.timeout, connect=min(self.timeout, CHECK_TIMEOUT_S))
@@ -420,8 +419,6 @@ class Replicas:
 
     async def _send(self, replica: Replica, body: bytes) -> Answer | None:
         """The answer, or None after a failure worth retrying (counted against the replica)."""
-        import httpx
-
         try:
             response = await replica.client.post(  # type: ignore[attr-defined]
                 _base(replica.url) + "/v1/completions", content=body, headers={"Content-Type": "application/json"}
@@ -519,8 +516,6 @@ class Engine:
 
     @classmethod
     def version(cls) -> str:
-        import httpx
-
         return f"httpx {httpx.__version__}, orjson {orjson.__version__}"
 
     @classmethod
@@ -542,7 +537,9 @@ class Engine:
         return {"server": preflight(settings, spec, default_k=settings.default_sparsity).record()}
 
     def __init__(self, settings, *, lock: threading.Lock, log=None):
-        from logitstore.pipelines.teacher import describe_teacher
+        from logitstore.pipelines.teacher import (
+            describe_teacher,
+        )  # torch comes with it: the preflight imports this module before a build loads torch
 
         self.settings, self.spec = settings, settings.teacher_spec
         self.vocab_size = describe_teacher(self.spec).vocab_size
@@ -567,7 +564,9 @@ class Engine:
         """Every position of every sample that the server answers (the worker applies `keep`); refused and
         too long samples are left out, their reasons in `skips`."""
         assert self.replicas is not None, "the engine is closed"
-        from logitstore.pipelines.engines.vllm_engine import _row_samples
+        from logitstore.pipelines.engines.vllm_engine import (
+            row_samples,
+        )  # torch comes with it: the preflight imports this module before a build loads torch
 
         limit = self.served.max_model_len
         sent = []
@@ -598,7 +597,7 @@ class Engine:
                     raise ServerError(
                         f"--server-url {strip_credentials(answer.url)}: malformed answer: {error}"
                     ) from None
-                parts.append(_row_samples(sid, np.asarray(row), arrays, self.settings.sparsity))
+                parts.append(row_samples(sid, np.asarray(row), arrays, self.settings.sparsity))
                 if on_batch is not None:
                     on_batch(len(row))
         finally:

@@ -682,7 +682,7 @@ class Engine:
         with self.lock:
             rows = self._runner.forward(tokens)
         return concat(
-            [_row_samples(sid, t, row, self.settings.sparsity) for sid, t, row in zip(sample_ids, tokens, rows)]
+            [row_samples(sid, t, row, self.settings.sparsity) for sid, t, row in zip(sample_ids, tokens, rows)]
         )
 
 
@@ -709,7 +709,7 @@ def _check_head(spec) -> None:
     logit_transforms(AutoConfig.from_pretrained(spec.path, **kwargs))
 
 
-def _row_samples(sample_id: str, tokens: np.ndarray, row: dict, sparsity) -> SparseSamples:
+def row_samples(sample_id: str, tokens: np.ndarray, row: dict, sparsity) -> SparseSamples:
     """One request's arrays through the torch engine's selection (`to_samples`): top-k or top-p."""
     batch = SparseBatch(**{name: torch.from_numpy(array[None]) for name, array in row.items()})
     return to_samples(
