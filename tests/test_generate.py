@@ -20,6 +20,7 @@ from typer.testing import CliRunner
 
 import logitstore
 from logitstore.cli.app import app
+from logitstore.errors import StoreNotFoundError
 from logitstore.generation import answer_source_hash, generation_of, parse_answer_id, seed_of
 from logitstore.pipelines.engines import cut_at_stop, stop_token_ids
 from logitstore.pipelines.engines.torch_engine import nucleus, seeded_uniform
@@ -193,6 +194,15 @@ def test_a_generator_that_cannot_load_writes_nothing(tiny_teacher, tmp_path):
     assert not (tmp_path / "s").exists()
 
 
+def stored_rows(store) -> int:
+    """The rows the store's main branch holds; 0 while the build is still creating the store (its folder
+    can exist before the repository does)."""
+    try:
+        return logitstore.open(str(store)).index.num_rows if Store.open(str(store)).branches() else 0
+    except StoreNotFoundError:
+        return 0
+
+
 @pytest.mark.slow
 def test_a_killed_build_resumes_and_answers_every_prompt_once(tiny_teacher, tmp_path):
     prompts = {f"p{i}": f"Prompt number {i} asks" for i in range(24)}
@@ -205,7 +215,7 @@ def test_a_killed_build_resumes_and_answers_every_prompt_once(tiny_teacher, tmp_
     try:
         deadline = time.monotonic() + 240
         while time.monotonic() < deadline and child.poll() is None:  # until a checkpoint holds some answers
-            if store.exists() and Store.open(str(store)).branches() and logitstore.open(str(store)).index.num_rows:
+            if stored_rows(store):
                 break
             time.sleep(0.2)
         child.send_signal(signal.SIGKILL)
