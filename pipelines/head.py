@@ -138,20 +138,23 @@ def load_head(spec, *, device: str | torch.device, dtype: torch.dtype) -> Output
 
     The parameter's names come from the model class built on the meta device (no memory): the head's own
     name and, when tied, the input embedding's, since tied checkpoints store only that one. Teachers in
-    other formats (GGUF, .bin) load whole on the CPU and keep the head (costs the model's load once)."""
+    other formats (.bin) load whole on the CPU and keep the head (costs the model's load once); a GGUF
+    teacher reads its head from its converted folder (`teacher.loadable`)."""
     # transformers' Auto classes: 2-3 s to import, and only this path needs them
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    kwargs = {"gguf_file": spec.gguf_file} if spec.gguf_file else {}
-    config = AutoConfig.from_pretrained(spec.path, **kwargs)
+    from logitstore.pipelines.teacher import loadable  # the teacher module imports this one
+
+    path, kwargs = loadable(spec)
+    config = AutoConfig.from_pretrained(path, **kwargs)
     transforms = logit_transforms(config)  # refused before any weight is read
     tensors = None
-    if not spec.gguf_file:
+    if not kwargs:
         with torch.device("meta"):
             skeleton = AutoModelForCausalLM.from_config(config)
-        tensors = _head_tensors(Path(spec.path), skeleton)
+        tensors = _head_tensors(Path(path), skeleton)
     if tensors is None:
-        model = AutoModelForCausalLM.from_pretrained(spec.path, dtype=dtype, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
         head = OutputHead.of_model(model)
         return OutputHead(linear=head.linear.to(device).requires_grad_(False), transforms=transforms)
     weight, bias = tensors

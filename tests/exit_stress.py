@@ -81,4 +81,8 @@ if __name__ == "__main__":
     spec = json.loads(open(sys.argv[1]).read())
     for module in spec["imports"]:  # starts no thread that a fork would lose: BLAS and allocator pools only
         importlib.import_module(module)
+    if "numba" in sys.modules:  # what a command's first cached kernel loads: numba's implementations (~1.4 s)
+        from numba.core.registry import cpu_target
+
+        cpu_target.target_context.refresh()
     print(json.dumps(failures_of(spec)))

@@ -177,7 +177,15 @@ def test_every_command_that_touches_a_store_exits_0_in_200_runs(tiny_teacher, tm
     }
     # What the commands import, imported once before the forks; torch only where the commands need it
     # (a process with torch and transformers loaded takes seconds longer to tear down).
-    store_modules = ["logitstore.cli.app", "logitstore.store", "logitstore.verify", "logitstore.inspect"]
+    # pandas: what pyarrow imports on its first conversion of Python objects; numba: the kernels' compiler
+    store_modules = [
+        "pandas",
+        "numba",
+        "logitstore.cli.app",
+        "logitstore.store",
+        "logitstore.verify",
+        "logitstore.inspect",
+    ]
     torch_modules = [
         *store_modules,
         "logitstore.pipelines.build",

