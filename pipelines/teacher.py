@@ -272,13 +272,18 @@ def _describe(spec: TeacherSpec) -> TeacherInfo:
 def model_stop_ids(spec: TeacherSpec) -> list[int]:
     """The ids that end a model's answers, from its generation config (`generation_config.json`), else
     its model config's `eos_token_id`: what `build --generate` stops at when the engine loads the model
-    itself (vLLM)."""
+    itself (vLLM) or a server runs it."""
+    return list(_model_stop_ids(spec))
+
+
+@functools.lru_cache(maxsize=4)  # a GGUF's config is read from the whole file: ~10 s for the default teacher
+def _model_stop_ids(spec: TeacherSpec) -> tuple[int, ...]:
     kwargs = {"gguf_file": spec.gguf_file} if spec.gguf_file else {}
     try:
         generation = GenerationConfig.from_pretrained(spec.path)
     except OSError:  # no generation_config.json: the model config's eos_token_id
         generation = None
-    return stop_token_ids(generation, AutoConfig.from_pretrained(spec.path, **kwargs))
+    return tuple(stop_token_ids(generation, AutoConfig.from_pretrained(spec.path, **kwargs)))
 
 
 def _load_model_and_tokenizer(spec: TeacherSpec, *, dtype: torch.dtype):
