@@ -8,8 +8,9 @@ kept for the answer's positions only, through the chat data's machinery (`Teache
 "completion").
 
 The generator is the teacher itself (nothing given), or a model (a folder, a Hub id, a `logitstore
-train` run's `RUN/final`), run by the build's engine (`engines.generator_class`), with the teacher's
-tokenizer: a generator whose tokenizer differs is refused (cross-tokenizer answers are not aligned
+train` run's `RUN/final`), run by the build's engine (`engines.generator_class`), or a served model
+(`--generator-url`: the server engine's `Generator`, checked here before anything is written), with the
+teacher's tokenizer: a generator whose tokenizer differs is refused (cross-tokenizer answers are not aligned
 yet). It runs in the planner (`plan.plan_units`), ahead of the teacher, on the answers the branch does
 not hold: what is stored, by id, is skipped before anything is generated, so a resumed build
 generates no answer twice.
@@ -23,7 +24,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -71,7 +72,7 @@ class Generation:
             self.spec, generator = teacher.spec, _describe_served(cfg, teacher=teacher)
         else:
             self.spec, generator = _describe_generator(cfg.generator, teacher=teacher)
-        self.record = {
+        self.record: dict[str, Any] = {
             "generator": generator,
             "engine": engine,
             "max_new_tokens": cfg.generate,

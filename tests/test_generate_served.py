@@ -9,6 +9,7 @@ import json
 import os
 import threading
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -17,15 +18,19 @@ from typer.testing import CliRunner
 import logitstore
 from logitstore.cli.app import app
 from logitstore.pipelines.engines import cut_at_stop
-from logitstore.pipelines.engines.server_engine import answer_top_logprobs, generation_request
+from logitstore.pipelines.engines.server_engine import (
+    PROBE_TEXT,
+    answer_logprobs_are_raw,
+    answer_top_logprobs,
+    generation_request,
+)
 from logitstore.pipelines.engines.torch_engine import Generator, load_teacher_once
 from logitstore.pipelines.teacher import resolve_teacher
 from logitstore.pipelines.workers import WorkerSettings
 from logitstore.sparsity import Sparsity
-from logitstore.store import Store
 from logitstore.testing.openai_server import Generate, OpenAIServer, Scores, render_generation
-from tests.test_generate import PROMPTS, write_prompts
-from tests.test_server_engine import KEY, torch_scorer
+from tests.test_generate import PROMPTS, answers, write_prompts
+from tests.test_server_engine import KEY, stored, torch_scorer
 
 N = 8  # --generate: answers of up to 8 tokens keep each build to seconds on the real teacher
 
@@ -83,16 +88,6 @@ def summary(result) -> dict:
     return json.loads(result.stdout[result.stdout.index("{") :])
 
 
-def answers(store) -> dict[str, list[int]]:
-    view = logitstore.open(str(store))
-    return {sid: view.answer(sid)["token_ids"] for sid in view.index["sample_id"].to_pylist()}
-
-
-def content_hashes(store) -> dict[str, str]:
-    index = Store.open(str(store)).read().index
-    return dict(zip(index["sample_id"].to_pylist(), index["content_hash"].to_pylist()))
-
-
 @pytest.fixture(scope="module")
 def served_teacher(server, prompts, tmp_path_factory):
     """The teacher on the server answers its prompts; the requests it took while building."""
@@ -123,7 +118,7 @@ def test_a_served_teacher_scores_its_answers_in_the_generating_request(served_te
     url = server.url.replace("http://", "http://user:secret@")  # recorded without its credentials
     local = summary(build(torch_store, prompts, "--generator-url", url, "--batch-tokens", 2))
     assert answers(torch_store) == answers(store)
-    assert content_hashes(torch_store) == content_hashes(store)  # bit-equal entries, one sample per batch
+    assert stored(torch_store) == stored(store)  # bit-equal entries, one sample per batch
     generator = local["generation"]["generator"]
     assert generator["server"] == {"model": server.model, "version": server.version, "urls": [server.url]}
     assert (generator["name"], generator["source"], generator["content_hash"]) == (server.model, None, None)
@@ -179,3 +174,18 @@ def test_answer_top_logprobs_read_as_the_dict_form_says():
     assert flat.starts.tolist() == [0, 3, 7, 10]  # 9 and 11 in their top-3 (3 keys), 3 outside it (4 keys)
     assert flat.ids.tolist() == [9, 1, 2, 3, 1, 2, 4, 11, 0, 1]
     assert flat.logprobs.tolist()[3:7] == [-3.5, -0.5, -1.5, -2.5]
+
+
+def test_processed_answer_logprobs_are_found_before_they_are_stored(server):
+    """A server that sends the answer's log-probabilities tempered (vLLM --logprobs-mode processed_logprobs)
+    is found by the generator's check, which then scores answers by a second request."""
+    settings = SimpleNamespace(server_urls=(server.url,), server_api_key=None)
+    probe = server.tokenizer.encode(PROBE_TEXT, add_special_tokens=False)
+    check = dict(k=8, temperature=0.7, top_p=1.0)
+    assert answer_logprobs_are_raw(settings, server.model, probe, **check)
+    server.logprobs_mode = "processed_logprobs"
+    try:
+        assert not answer_logprobs_are_raw(settings, server.model, probe, **check)
+        assert answer_logprobs_are_raw(settings, server.model, probe, **{**check, "temperature": 1.0})
+    finally:
+        server.logprobs_mode = "raw_logprobs"

@@ -213,6 +213,8 @@ class OpenAIServer:
         assert (scorer is None) != (replay is None), "a scorer, or answers rendered before (replay)"
         self.model, self.scorer, self.replay, self.tokenizer = model, scorer, replay, tokenizer
         self.generate, self.stop_ids = generate, stop_ids  # generation requests; the model's stop tokens
+        # vLLM's --logprobs-mode: "processed_logprobs" sends the answer's log-probabilities at its temperature
+        self.logprobs_mode = "raw_logprobs"
         self.max_logprobs, self.max_model_len, self.api_key = max_logprobs, max_model_len, api_key
         self.tokenize, self.version = tokenize, version
         self.faults = Faults()
@@ -325,6 +327,12 @@ class OpenAIServer:
         scores = None
         if asked and self.scorer is not None:
             scores = self.scorer(np.asarray([*prompt, *answer]), max(1, *asked))
+            temperature = request.get("temperature", 1.0)
+            if self.logprobs_mode != "raw_logprobs" and temperature > 0:  # the answer's, tempered (roughly)
+                rows = slice(len(prompt) - 1, None)
+                logprobs, target = scores.logprobs.copy(), scores.target_logprob.copy()
+                logprobs[rows], target[rows] = logprobs[rows] / temperature, target[rows] / temperature
+                scores = Scores(scores.ids, logprobs, target, scores.target_rank)
         decode = self.tokenizer.convert_ids_to_tokens if self.tokenizer is not None else None
         body = render_generation(
             prompt, answer, model=self.model, request=request, finish_reason=finish, scores=scores, decode=decode

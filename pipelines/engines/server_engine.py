@@ -60,6 +60,7 @@ SET_ASIDE_AFTER = 3  # failures in a row after which a replica is set aside for 
 BACKOFF_S = 0.2  # the first retry's wait; doubled each time, with jitter, at most BACKOFF_MAX_S
 BACKOFF_MAX_S = 5.0
 CHECK_TIMEOUT_S = 30.0  # preflight requests (the probe is a few tokens)
+JSON = {"Content-Type": "application/json"}
 PROBE_TEXT = "Distillation stores a teacher's next-token distributions: 3.14, naïve café, 東京, \t<tags>."
 # vLLM's refusal of too many prompt log-probabilities ("Requested prompt logprobs of 64, which is greater
 # than max allowed: 20"); the number at its end is the server's --max-logprobs
@@ -688,9 +689,7 @@ def _check_generator(client, url: str, spec) -> ServedGenerator:
     body = generation_request(
         names[0], probe, seed=0, max_new_tokens=2, temperature=1.0, top_p=1.0, stop_ids=[], k=None
     )
-    response = _request(
-        client, "POST", url, "/v1/completions", content=body, headers={"Content-Type": "application/json"}
-    )
+    response = _request(client, "POST", url, "/v1/completions", content=body, headers=JSON)
     if response.status_code != 200:
         raise ServerError(
             f"--server-url {shown} refused a generation request (HTTP {response.status_code}): "
@@ -752,7 +751,7 @@ def answer_ids(body: bytes) -> np.ndarray:
     found = _TOKEN_IDS.search(body)
     if found is None:
         raise MalformedResponse(
-            "the answer has no token_ids: the server must return them (vLLM's return_token_ids, vLLM 0.10.2 or later)"
+            "the answer has no token_ids: the server must return them (a vLLM that takes return_token_ids)"
         )
     text = found.group(1).strip()
     return np.array(text.split(b","), dtype=np.int64) if text else np.zeros(0, dtype=np.int64)
@@ -824,6 +823,44 @@ class _HandOver:
 HAND_OVER = _HandOver()
 
 
+def answer_logprobs_are_raw(
+    settings, model: str, probe: list[int], *, k: int, temperature: float, top_p: float
+) -> bool:
+    """Whether the server's answer log-probabilities are the model's own at these sampling settings (vLLM's
+    default `--logprobs-mode raw_logprobs`), as its prompt log-probabilities always are: a short answer's
+    first position against the same position scored as a prompt, on the first replica. At temperature 1
+    and top-p 1 (the other settings pinned off) every mode gives the model's own."""
+    if temperature == 1 and top_p == 1:
+        return True
+    url = settings.server_urls[0]
+    asked = generation_request(
+        model, probe, seed=0, max_new_tokens=2, temperature=temperature, top_p=top_p, stop_ids=[], k=k
+    )
+    with httpx.Client(timeout=CHECK_TIMEOUT_S, headers=_headers(api_key(settings))) as client:
+        answer = _request(client, "POST", url, "/v1/completions", content=asked, headers=JSON)
+        first = int(answer_ids(answer.content)[0]) if answer.status_code == 200 else None
+        if first is None:
+            return False
+        scored = _request(
+            client,
+            "POST",
+            url,
+            "/v1/completions",
+            headers=JSON,
+            content=orjson.dumps({"model": model, "prompt": [*probe, first], "max_tokens": 1, "prompt_logprobs": k}),
+        )
+    if scored.status_code != 200:
+        return False
+    ids = answer_ids(answer.content)
+    generated, prompted = answer_top_logprobs(answer.content, positions=len(ids)), parse_prompt_logprobs(scored.content)
+    theirs = dict(
+        zip(generated.ids[: generated.starts[1]].tolist(), generated.logprobs[: generated.starts[1]].tolist())
+    )
+    ours = dict(zip(prompted.ids[prompted.starts[-2] :].tolist(), prompted.logprobs[prompted.starts[-2] :].tolist()))
+    common = theirs.keys() & ours.keys()
+    return bool(common) and max(abs(theirs[i] - ours[i]) for i in common) < 1e-3
+
+
 class Generator:
     """Answers from a served model (`pipelines/engines/__init__.py`'s generator interface): the
     `--generator-url` replicas (`settings.server_urls`), or, with `shares_teacher`, the teacher's own
@@ -839,11 +876,13 @@ class Generator:
 
         self.stop_ids = model_stop_ids(spec)  # the teacher's tokenizer: its stop tokens
         self.k: int | None = None
+        self.settings, self.spec, self._checked = settings, spec, shares_teacher
         if shares_teacher:
             teacher = preflight(settings, spec, default_k=settings.default_sparsity)
             self.model, urls, self.k = teacher.model, teacher.urls, teacher.k
             self.vocab_size = describe_teacher(spec).vocab_size
             self.flag = "--server-url"
+            self._checked = False  # whether answers' log-probabilities are the model's: at the first answers
         else:
             served = generator_preflight(settings, spec)
             self.model, urls, self.flag = served.model, served.urls, "--generator-url"
@@ -859,6 +898,8 @@ class Generator:
         self, prompts: list[np.ndarray], seeds: list[int], *, max_new_tokens: int, temperature: float, top_p: float
     ) -> list[np.ndarray]:
         assert self.replicas is not None, "the generator is closed"
+        if not self._checked:
+            self._check_answer_logprobs(temperature=temperature, top_p=top_p)
         futures = []
         for prompt, seed in zip(prompts, seeds):
             body = generation_request(
@@ -877,6 +918,29 @@ class Generator:
         finally:
             for future in futures:
                 future.cancel()
+
+    def _check_answer_logprobs(self, *, temperature: float, top_p: float) -> None:
+        """Answers are scored in their request only where the server sends the model's own log-probabilities
+        for them; else (vLLM's --logprobs-mode processed_*) a second request scores each, said once."""
+        from logitstore.pipelines.teacher import describe_teacher  # torch: loaded by the build by now
+
+        assert self.k is not None, "only the teacher scores its own answers"
+        probe = describe_teacher(self.spec).tokenizer.encode(PROBE_TEXT, add_special_tokens=False)
+        try:
+            raw = answer_logprobs_are_raw(
+                self.settings, self.model, probe, k=self.k, temperature=temperature, top_p=top_p
+            )
+        except MalformedResponse:
+            raw = False
+        if not raw:
+            self.k = None
+            print(
+                "build: the teacher's server sends processed log-probabilities for answers (vLLM --logprobs-mode "
+                "processed_*), not the model's own: each answer is scored by a second request",
+                file=sys.stderr,
+                flush=True,
+            )
+        self._checked = True
 
     def _answer(self, prompt: np.ndarray, answer: Answer) -> np.ndarray:
         shown = strip_credentials(answer.url)
