@@ -876,7 +876,7 @@ class Generator:
 
         self.stop_ids = model_stop_ids(spec)  # the teacher's tokenizer: its stop tokens
         self.k: int | None = None
-        self.settings, self.spec, self._checked = settings, spec, shares_teacher
+        self.settings, self.spec, self._checked = settings, spec, True
         if shares_teacher:
             teacher = preflight(settings, spec, default_k=settings.default_sparsity)
             self.model, urls, self.k = teacher.model, teacher.urls, teacher.k
