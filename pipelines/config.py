@@ -269,6 +269,13 @@ class BuildConfig(PlanConfig):
         panel=GENERATION,
         help="Who writes the answers: a model folder or Hub id with the teacher's tokenizer, e.g. a logitstore train run's RUN/final (default: the teacher).",
     )
+    # a served generator (`engines/server_engine.py`'s `Generator`): its replicas; --server-api-key is its key too
+    generator_urls: tuple[str, ...] = option(
+        (),
+        name="generator_url",
+        panel=GENERATION,
+        help="Who writes the answers: a vLLM (or OpenAI-compatible) server serving one model with the teacher's tokenizer, e.g. http://host:8001. Repeat it for several replicas; --server-api-key is its key too.",
+    )
     samples_per_prompt: int = option(1, panel=GENERATION, help="Answers per prompt, keyed PROMPTID/g0, /g1, ...")
     generation_temperature: float = option(
         1.0, panel=GENERATION, help="Sampling temperature of the answers (0: greedy)."
@@ -357,7 +364,8 @@ class BuildConfig(PlanConfig):
 
     def _generation_checks(self) -> list[tuple[bool, str]]:
         if self.generate is None:
-            named = [f for f, v in [("--prompt-column", self.prompt_column), ("--generator", self.generator)] if v]
+            given = [("--prompt-column", self.prompt_column), ("--generator", self.generator)]
+            named = [f for f, v in [*given, ("--generator-url", self.generator_urls)] if v]
             return [(not named, f"{', '.join(named)} applies to build --generate N")]
         prompts = [f for f, v in [("--prompt-column", self.prompt_column), ("--chat-column", self.chat_column)] if v]
         return [
@@ -381,4 +389,13 @@ class BuildConfig(PlanConfig):
                 "--generate takes text prompts and the teacher's tokenizer: not --ids-column or --student-tokenizer",
             ),
             (self.generation_round is None or self.generation_round >= 0, "--round must be at least 0"),
+            (
+                not (self.generator and self.generator_urls),
+                "--generator and --generator-url each name the generator: give one",
+            ),
+            (
+                self.engine != "server" or not self.generator,
+                "--engine server generates with the served teacher itself or a served model (--generator-url); a "
+                "--generator model runs on --engine torch or vllm",
+            ),
         ]

@@ -8,8 +8,9 @@ kept for the answer's positions only, through the chat data's machinery (`Teache
 "completion").
 
 The generator is the teacher itself (nothing given), or a model (a folder, a Hub id, a `logitstore
-train` run's `RUN/final`), run by the build's engine (`engines.generator_class`), with the teacher's
-tokenizer: a generator whose tokenizer differs is refused (cross-tokenizer answers are not aligned
+train` run's `RUN/final`), run by the build's engine (`engines.generator_class`), or a served model
+(`--generator-url`: the server engine's `Generator`, checked here before anything is written), with the
+teacher's tokenizer: a generator whose tokenizer differs is refused (cross-tokenizer answers are not aligned
 yet). It runs in the planner (`plan.plan_units`), ahead of the teacher, on the answers the branch does
 not hold: what is stored, by id, is skipped before anything is generated, so a resumed build
 generates no answer twice.
@@ -23,7 +24,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -67,8 +68,11 @@ class Generation:
     def __init__(self, cfg: BuildConfig, *, teacher, engine: str):
         assert cfg.generate is not None, "a Generation is made for build --generate"
         self.cfg, self.teacher, self.max_new_tokens = cfg, teacher, cfg.generate
-        self.spec, generator = _describe_generator(cfg.generator, teacher=teacher)
-        self.record = {
+        if cfg.generator_urls:  # checked now, before anything is written: one line and exit 2 on failure
+            self.spec, generator = teacher.spec, _describe_served(cfg, teacher=teacher)
+        else:
+            self.spec, generator = _describe_generator(cfg.generator, teacher=teacher)
+        self.record: dict[str, Any] = {
             "generator": generator,
             "engine": engine,
             "max_new_tokens": cfg.generate,
@@ -95,11 +99,16 @@ class Generation:
 
     def generator(self):
         if self._generator is None:
-            settings = worker_settings(self.cfg, teacher_spec=self.spec)
+            cfg = self.cfg
+            settings = worker_settings(cfg, teacher_spec=self.spec)
+            engine = "server" if cfg.generator_urls else cfg.engine
+            if cfg.generator_urls:
+                settings = dataclasses.replace(settings, server_urls=cfg.generator_urls)
+            # the teacher's loaded weights (or its server's answers' scores) are shared with an engine in
+            # this process only
+            shares = cfg.generator is None and not cfg.generator_urls and cfg.workers == 1 and not cfg.ray_address
             try:
-                self._generator = generator_class(self.cfg.engine)(
-                    settings, spec=self.spec, shares_teacher=self.cfg.generator is None
-                )
+                self._generator = generator_class(engine)(settings, spec=self.spec, shares_teacher=shares)
             except (LogitstoreError, OSError, ValueError, RuntimeError) as e:
                 raise BuildError(f"generator {self.spec.name!r} cannot load: {_one_line(e)}") from None
         return self._generator
@@ -215,6 +224,24 @@ def _describe_generator(generator: str | None, *, teacher) -> tuple:
         "step": step,
     }
     return info.spec, recorded
+
+
+def _describe_served(cfg: BuildConfig, *, teacher) -> dict:
+    """What the store records of a served generator (`--generator-url`), after its preflight: the served
+    model's name and the server, the URLs without credentials; the key is in no record."""
+    from logitstore.pipelines.engines.server_engine import generator_preflight
+
+    settings = dataclasses.replace(worker_settings(cfg, teacher_spec=teacher.spec), server_urls=cfg.generator_urls)
+    served = generator_preflight(settings, teacher.spec)
+    return {
+        "name": served.model,
+        "source": None,
+        "content_hash": None,
+        "tokenizer_hash": teacher.tokenizer_hash,  # the preflight found the server tokenizes as the teacher
+        "run": None,
+        "step": None,
+        "server": served.record(),
+    }
 
 
 def _run_and_step(folder: Path) -> tuple[str | None, int | None]:

@@ -280,7 +280,7 @@ def _describe(spec: TeacherSpec) -> TeacherInfo:
 def model_stop_ids(spec: TeacherSpec) -> list[int]:
     """The ids that end a model's answers, from its generation config (`generation_config.json`), else
     its model config's `eos_token_id`: what `build --generate` stops at when the engine loads the model
-    itself (vLLM)."""
+    itself (vLLM) or a server runs it."""
     path, kwargs = loadable(spec)
     try:
         generation = GenerationConfig.from_pretrained(path)

@@ -2,7 +2,12 @@
 and benchmarks: `/v1/models`, `/version`, `/tokenize` and `/v1/completions` with vLLM's `prompt_logprobs`
 extension, in vLLM's JSON shape (`render_completion`), with faults a test switches on.
 
-What answers a completion is a `Scorer`: the tests' `torch_scorer(teacher)` runs a real teacher through the torch
+A generation request (`max_tokens` > 1) is answered by a `Generate` callable (the tests' `torch_generator`:
+the real teacher through the torch engine's seeded sampler, so one seed gives one answer), in vLLM's shape
+(`render_generation`: `token_ids` with `return_token_ids`, the answer's top-K as `logprobs` keyed
+`token_id:ID` with `return_tokens_as_token_ids`, the prompt's as `prompt_logprobs`).
+
+What answers a scoring completion is a `Scorer`: the tests' `torch_scorer(teacher)` runs a real teacher through the torch
 engine's own top-k forward pass (one unpadded prompt at a time), so a build against this server can be
 compared entry for entry with `--engine torch`; `benchmarks/server.py` replays answers rendered once
 (`replay(prompt, k) -> bytes`), so the server costs next to nothing.
@@ -42,13 +47,19 @@ class Scores:
 
 
 Scorer = Callable[[np.ndarray, int], Scores]
+# a generation request's answer: (prompt ids, the request's JSON) -> the answer's ids, ending with a stop token
+# of the request's `stop_token_ids` or the model's unless cut at `max_tokens`
+Generate = Callable[[list[int], dict], list[int]]
 
 
-def render_completion(prompt: list[int], scores: Scores, *, model: str, decode: Callable | None = None) -> bytes:
-    """A `/v1/completions` answer as vLLM writes it: entry 0 null, then per position a dict keyed by token id
-    (the prompt token first, with its vocabulary rank, then the top-k by rank; a prompt token inside the
-    top-k keeps its first place), each `{"logprob", "rank", "decoded_token"}`."""
-    decode = decode or (lambda ids: [f"<{i}>" for i in ids])
+def _default_decode(ids: list[int]) -> list[str]:
+    return [f"<{i}>" for i in ids]
+
+
+def _prompt_entries(prompt: list[int], scores: Scores, decode: Callable) -> list:
+    """vLLM's `prompt_logprobs`: entry 0 null, then per position a dict keyed by token id (the prompt token
+    first, with its vocabulary rank, then the top-k by rank; a prompt token inside the top-k keeps its first
+    place), each `{"logprob", "rank", "decoded_token"}`."""
     entries: list = [None]
     for t in range(len(prompt) - 1):
         row_ids = scores.ids[t].tolist()
@@ -63,25 +74,85 @@ def render_completion(prompt: list[int], scores: Scores, *, model: str, decode: 
         for r, (i, lp, name) in enumerate(zip(row_ids, scores.logprobs[t].tolist(), names[1:])):
             entry.setdefault(str(i), {"logprob": lp, "rank": r + 1, "decoded_token": name})
         entries.append(entry)
+    return entries
+
+
+def _completion(model: str, choice: dict, *, prompt_tokens: int, completion_tokens: int) -> bytes:
+    usage = {
+        "prompt_tokens": prompt_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "completion_tokens": completion_tokens,
+    }
     return orjson.dumps(
         {
             "id": "cmpl-logitstore-test",
             "object": "text_completion",
             "created": int(time.time()),
             "model": model,
-            "choices": [
-                {
-                    "index": 0,
-                    "text": "",
-                    "logprobs": None,
-                    "finish_reason": "length",
-                    "stop_reason": None,
-                    "prompt_logprobs": entries,
-                }
-            ],
-            "usage": {"prompt_tokens": len(prompt), "total_tokens": len(prompt) + 1, "completion_tokens": 1},
+            "choices": [{"index": 0, **choice}],
+            "usage": usage,
         }
     )
+
+
+def render_completion(prompt: list[int], scores: Scores, *, model: str, decode: Callable | None = None) -> bytes:
+    """A `/v1/completions` answer to a scoring request (one generated token) as vLLM writes it, with its
+    `prompt_logprobs` (`_prompt_entries`)."""
+    entries = _prompt_entries(prompt, scores, decode or _default_decode)
+    choice = {"text": "", "logprobs": None, "finish_reason": "length", "stop_reason": None, "prompt_logprobs": entries}
+    return _completion(model, choice, prompt_tokens=len(prompt), completion_tokens=1)
+
+
+def render_generation(
+    prompt: list[int],
+    answer: list[int],
+    *,
+    model: str,
+    request: dict,
+    finish_reason: str,
+    scores: Scores | None = None,
+    decode: Callable | None = None,
+) -> bytes:
+    """A `/v1/completions` answer to a generation request as vLLM writes it: the answer's text, with
+    `return_token_ids` its `token_ids` (and `prompt_token_ids`), with `logprobs: K` the OpenAI-style
+    `logprobs` of the answer's positions (`top_logprobs`: the chosen token first, then the top-K by rank,
+    at most K + 1 keys, each `token_id:ID` with `return_tokens_as_token_ids`, else the decoded token),
+    with `prompt_logprobs` those of the prompt. `scores`: of prompt + answer, position t predicting token t+1."""
+    decode = decode or _default_decode
+    choice: dict = {"text": "".join(decode(answer)), "logprobs": None, "finish_reason": finish_reason}
+    choice["stop_reason"] = answer[-1] if finish_reason == "stop" and answer else None
+    if request.get("logprobs") is not None:
+        assert scores is not None, "logprobs need the scores of prompt + answer"
+        key = (lambda i, name: f"token_id:{i}") if request.get("return_tokens_as_token_ids") else (lambda i, n: n)
+        tokens, token_logprobs, top, offsets, offset = [], [], [], [], 0
+        for j, token in enumerate(answer):
+            t = len(prompt) - 1 + j
+            row_ids = scores.ids[t, : request["logprobs"]].tolist()
+            names = decode([token, *row_ids])
+            entry = {key(token, names[0]): float(scores.target_logprob[t])}
+            for i, lp, name in zip(row_ids, scores.logprobs[t].tolist(), names[1:]):
+                entry.setdefault(key(i, name), lp)
+            tokens.append(key(token, names[0]))
+            token_logprobs.append(float(scores.target_logprob[t]))
+            top.append(entry)
+            offsets.append(offset)
+            offset += len(names[0])
+        choice["logprobs"] = {
+            "text_offset": offsets,
+            "token_logprobs": token_logprobs,
+            "tokens": tokens,
+            "top_logprobs": top,
+        }
+    if request.get("prompt_logprobs") is not None:
+        assert scores is not None, "prompt_logprobs need the scores of the prompt"
+        k = request["prompt_logprobs"]
+        prompt_scores = Scores(scores.ids[:, :k], scores.logprobs[:, :k], scores.target_logprob, scores.target_rank)
+        choice["prompt_logprobs"] = _prompt_entries(prompt, prompt_scores, decode)
+    else:
+        choice["prompt_logprobs"] = None
+    if request.get("return_token_ids"):
+        choice["prompt_token_ids"], choice["token_ids"] = list(prompt), list(answer)
+    return _completion(model, choice, prompt_tokens=len(prompt), completion_tokens=len(answer))
 
 
 @dataclass
@@ -136,13 +207,19 @@ class OpenAIServer:
         api_key: str | None = None,
         tokenize: bool = True,
         version: str = VERSION,
+        generate: Generate | None = None,
+        stop_ids: tuple[int, ...] = (),
     ):
         assert (scorer is None) != (replay is None), "a scorer, or answers rendered before (replay)"
         self.model, self.scorer, self.replay, self.tokenizer = model, scorer, replay, tokenizer
+        self.generate, self.stop_ids = generate, stop_ids  # generation requests; the model's stop tokens
+        # vLLM's --logprobs-mode: "processed_logprobs" sends the answer's log-probabilities at its temperature
+        self.logprobs_mode = "raw_logprobs"
         self.max_logprobs, self.max_model_len, self.api_key = max_logprobs, max_model_len, api_key
         self.tokenize, self.version = tokenize, version
         self.faults = Faults()
         self.completions = 0  # completion requests answered with 200
+        self.generations = 0  # of which generation requests (max_tokens > 1)
         self.keys_seen: list[str | None] = []  # every request's Authorization header (what a client sent)
         server = self
 
@@ -222,6 +299,8 @@ class OpenAIServer:
             return _send(handler, 400, _error("this prompt is refused", 400))
         if self.max_model_len is not None and len(prompt) + request.get("max_tokens", 16) > self.max_model_len:
             return _send(handler, 400, _error(f"This model's maximum context length is {self.max_model_len}", 400))
+        if request.get("max_tokens", 16) > 1:
+            return self._generate(handler, list(prompt), request, action)
         if self.replay is not None:
             self.completions += 1
             return _send_bytes(handler, 200, self.replay(list(prompt), k or 0))
@@ -235,6 +314,34 @@ class OpenAIServer:
             answer = answer[: len(answer) // 2]
         self.completions += 1
         _send_bytes(handler, 200, answer)
+
+    def _generate(self, handler, prompt: list[int], request: dict, action: str | None) -> None:
+        """A generation request (`max_tokens` > 1), answered by `generate`, scored by `scorer` where
+        `logprobs` or `prompt_logprobs` ask for it."""
+        if self.generate is None:
+            return _send(handler, 400, _error("this server does not generate (max_tokens must be 1)", 400))
+        answer = self.generate(prompt, request)
+        stops = set(request.get("stop_token_ids") or []) | set(self.stop_ids)
+        finish = "stop" if answer and answer[-1] in stops else "length"
+        asked = [k for k in (request.get("logprobs"), request.get("prompt_logprobs")) if k is not None]
+        scores = None
+        if asked and self.scorer is not None:
+            scores = self.scorer(np.asarray([*prompt, *answer]), max(1, *asked))
+            temperature = request.get("temperature", 1.0)
+            if self.logprobs_mode != "raw_logprobs" and temperature > 0:  # the answer's, tempered (roughly)
+                rows = slice(len(prompt) - 1, None)
+                logprobs, target = scores.logprobs.copy(), scores.target_logprob.copy()
+                logprobs[rows], target[rows] = logprobs[rows] / temperature, target[rows] / temperature
+                scores = Scores(scores.ids, logprobs, target, scores.target_rank)
+        decode = self.tokenizer.convert_ids_to_tokens if self.tokenizer is not None else None
+        body = render_generation(
+            prompt, answer, model=self.model, request=request, finish_reason=finish, scores=scores, decode=decode
+        )
+        if action == "malformed":
+            body = body[: len(body) // 2]
+        self.completions += 1
+        self.generations += 1
+        _send_bytes(handler, 200, body)
 
 
 def _error(message: str, code: int) -> dict:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
 import os
 import random
 import re
@@ -42,8 +43,13 @@ import httpx
 import numpy as np
 import orjson
 
-from logitstore.pipelines.engines import EngineError
-from logitstore.pipelines.engines.served_json import MISSING_RANK, MalformedResponse, parse_prompt_logprobs
+from logitstore.pipelines.engines import EngineError, cut_at_stop
+from logitstore.pipelines.engines.served_json import (
+    MISSING_RANK,
+    FlatPromptLogprobs,
+    MalformedResponse,
+    parse_prompt_logprobs,
+)
 from logitstore.samples import SparseSamples, concat
 from logitstore.sparsity import Sparsity
 
@@ -54,6 +60,7 @@ SET_ASIDE_AFTER = 3  # failures in a row after which a replica is set aside for 
 BACKOFF_S = 0.2  # the first retry's wait; doubled each time, with jitter, at most BACKOFF_MAX_S
 BACKOFF_MAX_S = 5.0
 CHECK_TIMEOUT_S = 30.0  # preflight requests (the probe is a few tokens)
+JSON = {"Content-Type": "application/json"}
 PROBE_TEXT = "Distillation stores a teacher's next-token distributions: 3.14, naïve café, 東京, \t<tags>."
 # vLLM's refusal of too many prompt log-probabilities ("Requested prompt logprobs of 64, which is greater
 # than max allowed: 20"); the number at its end is the server's --max-logprobs
@@ -293,11 +300,15 @@ def _check_k(client, url: str, model: str, probe: list[int], *, k: int, default_
 def served_to_sparse(body: bytes, tokens: np.ndarray, *, k: int, vocab_size: int) -> dict[str, np.ndarray]:
     """One answer's prompt log-probabilities as the sparse top-k arrays (`vllm_engine`'s module docstring),
     through the vLLM engine's conversion; `MalformedResponse` or `VllmEngineError` where it cannot be."""
+    return flat_to_sparse(parse_prompt_logprobs(body), tokens, k=k, vocab_size=vocab_size)
+
+
+def flat_to_sparse(flat: FlatPromptLogprobs, tokens: np.ndarray, *, k: int, vocab_size: int) -> dict[str, np.ndarray]:
+    """`served_to_sparse` of prompt log-probabilities already read into flat arrays."""
     from logitstore.pipelines.engines.vllm_engine import (
         entries_to_sparse,
     )  # torch comes with it: the preflight imports this module before a build loads torch
 
-    flat = parse_prompt_logprobs(body)
     if flat.positions != len(tokens):
         raise MalformedResponse(f"{flat.positions} prompt_logprobs entries for a {len(tokens)}-token prompt")
     if len(flat.null_at) != 1 or flat.null_at[0] != 0:
@@ -569,8 +580,14 @@ class Engine:
         )  # torch comes with it: the preflight imports this module before a build loads torch
 
         limit = self.served.max_model_len
-        sent = []
+        sent, parts = [], []
         for sid, row in zip(sample_ids, tokens):
+            arrays = HAND_OVER.take(row)  # scored by the request that generated it (`Generator`)
+            if arrays is not None:
+                parts.append(row_samples(sid, np.asarray(row), arrays, self.settings.sparsity))
+                if on_batch is not None:
+                    on_batch(len(row))
+                continue
             if limit is not None and len(row) + 1 > limit:  # the prompt and the one token it generates
                 self.skips[sid] = "too_long"
                 continue
@@ -584,7 +601,6 @@ class Engine:
                 }
             )
             sent.append((sid, row, self.replicas.submit(body, tokens=len(row))))
-        parts = []
         try:
             for sid, row, future in sent:
                 answer = future.result()
@@ -627,3 +643,321 @@ def _empty(sparsity) -> SparseSamples:
         target_logprobs=np.zeros(0, dtype=np.float32),
         entry_counts=None,
     )
+
+
+# -- generation (`build --generate`) ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ServedGenerator:
+    """What the preflight learned of a served generator (`--generator-url`)."""
+
+    model: str
+    version: str
+    urls: tuple[str, ...]  # as given (credentials included: for requests only)
+
+    def record(self) -> dict:
+        """The generation record's `server` field: nothing secret."""
+        return {"model": self.model, "version": self.version, "urls": [strip_credentials(u) for u in self.urls]}
+
+
+def generator_preflight(settings, spec) -> ServedGenerator:
+    """Checks every `--generator-url` replica (`settings.server_urls`) as the teacher's are checked: reachable,
+    serving one model (the same on each), tokenizing as the teacher's tokenizer `spec` does, and answering
+    a seeded generation request with its token ids; one line on failure, naming --generator-url."""
+    try:
+        with httpx.Client(timeout=CHECK_TIMEOUT_S, headers=_headers(api_key(settings))) as client:
+            served = [_check_generator(client, url, spec) for url in settings.server_urls]
+    except ServerError as error:  # the checks shared with the teacher's name its flag
+        raise ServerError(str(error).replace("--server-url", "--generator-url", 1)) from None
+    models = sorted({s.model for s in served})
+    if len(models) > 1:
+        raise ServerError(f"the --generator-url replicas serve different models ({', '.join(models)})")
+    return ServedGenerator(served[0].model, served[0].version, tuple(settings.server_urls))
+
+
+def _check_generator(client, url: str, spec) -> ServedGenerator:
+    shown = strip_credentials(url)
+    models = _get_json(client, url, "/v1/models")
+    cards = models.get("data") if isinstance(models, dict) else None
+    names = [str(c["id"]) for c in cards or [] if isinstance(c, dict) and "id" in c]
+    if len(names) != 1:
+        raise ServerError(
+            f"--server-url {shown} serves {', '.join(names) or 'no model'}: a generator's server must serve one model"
+        )
+    probe = _check_tokenizer(client, url, names[0], spec)
+    body = generation_request(
+        names[0], probe, seed=0, max_new_tokens=2, temperature=1.0, top_p=1.0, stop_ids=[], k=None
+    )
+    response = _request(client, "POST", url, "/v1/completions", content=body, headers=JSON)
+    if response.status_code != 200:
+        raise ServerError(
+            f"--server-url {shown} refused a generation request (HTTP {response.status_code}): "
+            f"{_error_message(response.content)}"
+        )
+    try:
+        answer_ids(response.content)
+    except MalformedResponse as error:
+        raise ServerError(f"--server-url {shown}: {error}") from None
+    return ServedGenerator(names[0], _version(client, url), (url,))
+
+
+def generation_request(
+    model: str,
+    prompt,
+    *,
+    seed: int,
+    max_new_tokens: int,
+    temperature: float,
+    top_p: float,
+    stop_ids: list[int],
+    k: int | None,
+) -> bytes:
+    """One answer's `/v1/completions` request: the prompt as token ids, its own seed (n = 1: each answer
+    is one request, so answer g1 does not depend on how many answers a prompt has), the answer's ids back
+    (`return_token_ids`). Every sampling setting a server could default from the model's generation config
+    (top-k, min-p, penalties) is pinned to "off", so the flags alone decide the draws. With `k`, the top-k
+    of every position in the same request: the prompt's as `prompt_logprobs`, the answer's as `logprobs`
+    keyed `token_id:ID` (`return_tokens_as_token_ids`)."""
+    body = {
+        "model": model,
+        "prompt": np.asarray(prompt, dtype=np.int64).tolist(),
+        "max_tokens": max_new_tokens,
+        "temperature": temperature,
+        "top_p": top_p,
+        "top_k": -1,
+        "min_p": 0.0,
+        "repetition_penalty": 1.0,
+        "presence_penalty": 0.0,
+        "frequency_penalty": 0.0,
+        "seed": seed,
+        "n": 1,
+        "stop_token_ids": list(stop_ids),
+        "return_token_ids": True,
+    }
+    if k is not None:
+        body.update(logprobs=k, prompt_logprobs=k, return_tokens_as_token_ids=True)
+    return orjson.dumps(body)
+
+
+_TOKEN_IDS = re.compile(rb'"token_ids"\s*:\s*\[([-0-9,\s]*)\]')
+_TOP_LOGPROBS = re.compile(rb'"top_logprobs"\s*:\s*\[([^\]]*)\]')
+# one entry of an answer position's top log-probabilities; the `{` marks a position's first entry
+_TOP_ENTRY = re.compile(rb'(\{?)\s*"token_id:(-?\d+)"\s*:\s*([-+0-9.eE]+|NaN|-?Infinity)')
+
+
+def answer_ids(body: bytes) -> np.ndarray:
+    """The answer's token ids (`token_ids` of the first choice: vLLM's `return_token_ids`)."""
+    found = _TOKEN_IDS.search(body)
+    if found is None:
+        raise MalformedResponse(
+            "the answer has no token_ids: the server must return them (a vLLM that takes return_token_ids)"
+        )
+    text = found.group(1).strip()
+    return np.array(text.split(b","), dtype=np.int64) if text else np.zeros(0, dtype=np.int64)
+
+
+def answer_top_logprobs(body: bytes, *, positions: int) -> FlatPromptLogprobs:
+    """The answer positions' top log-probabilities (`logprobs.top_logprobs`, keys `token_id:ID`) as flat
+    arrays in the shape of `served_json`'s: one regular-expression pass and numpy, no object per entry
+    but the matched bytes. Ranks are not sent: `MISSING_RANK`."""
+    found = _TOP_LOGPROBS.search(body)
+    if found is None:
+        raise MalformedResponse("the answer has no logprobs.top_logprobs keyed token_id:ID")
+    entries = np.array(_TOP_ENTRY.findall(found.group(1)), dtype=bytes).reshape(-1, 3)
+    first = np.flatnonzero(entries[:, 0] == b"{")
+    if len(first) != positions or (positions and first[0] != 0):
+        raise MalformedResponse(f"{len(first)} top_logprobs positions for a {positions}-token answer")
+    return FlatPromptLogprobs(
+        starts=np.append(first, len(entries)).astype(np.int64),
+        ids=entries[:, 1].astype(np.int64),
+        logprobs=entries[:, 2].astype(np.float64).astype(np.float32),
+        ranks=np.full(len(entries), MISSING_RANK, dtype=np.int64),
+        null_at=np.zeros(0, dtype=np.int64),
+    )
+
+
+def scored_answer(body: bytes, prompt: np.ndarray, answer: np.ndarray, *, k: int, vocab_size: int) -> dict:
+    """The sparse arrays of prompt + answer from the generating request alone: the prompt's positions
+    from `prompt_logprobs`, the answer's from `logprobs`, put end to end as one prompt's entries (what a
+    second request scoring prompt + answer would answer) and converted as any served answer."""
+    prompt_part = parse_prompt_logprobs(body)
+    answer_part = answer_top_logprobs(body, positions=len(answer))
+    flat = FlatPromptLogprobs(
+        starts=np.concatenate([prompt_part.starts[:-1], answer_part.starts + prompt_part.starts[-1]]),
+        ids=np.concatenate([prompt_part.ids, answer_part.ids]),
+        logprobs=np.concatenate([prompt_part.logprobs, answer_part.logprobs]),
+        ranks=np.concatenate([prompt_part.ranks, answer_part.ranks]),
+        null_at=prompt_part.null_at,
+    )
+    return flat_to_sparse(flat, np.concatenate([prompt, answer]), k=k, vocab_size=vocab_size)
+
+
+class _HandOver:
+    """Answers scored in their generating request, by the digest of prompt + answer tokens, until the
+    engine's `compute` takes them: the planner's generator and the in-process executor's engine share
+    this process (one build at a time). What is never taken (a sample already stored, a dry run) goes when
+    the generator closes."""
+
+    def __init__(self) -> None:
+        self._arrays: dict[bytes, dict] = {}
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def key(tokens) -> bytes:
+        return hashlib.sha256(np.asarray(tokens, dtype=np.int64).tobytes()).digest()
+
+    def put(self, tokens, arrays: dict) -> None:
+        with self._lock:
+            self._arrays[self.key(tokens)] = arrays
+
+    def take(self, tokens) -> dict | None:
+        with self._lock:
+            return self._arrays.pop(self.key(tokens), None)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._arrays.clear()
+
+
+HAND_OVER = _HandOver()
+
+
+def answer_logprobs_are_raw(
+    settings, model: str, probe: list[int], *, k: int, temperature: float, top_p: float
+) -> bool:
+    """Whether the server's answer log-probabilities are the model's own at these sampling settings (vLLM's
+    default `--logprobs-mode raw_logprobs`), as its prompt log-probabilities always are: a short answer's
+    first position against the same position scored as a prompt, on the first replica. At temperature 1
+    and top-p 1 (the other settings pinned off) every mode gives the model's own."""
+    if temperature == 1 and top_p == 1:
+        return True
+    url = settings.server_urls[0]
+    asked = generation_request(
+        model, probe, seed=0, max_new_tokens=2, temperature=temperature, top_p=top_p, stop_ids=[], k=k
+    )
+    with httpx.Client(timeout=CHECK_TIMEOUT_S, headers=_headers(api_key(settings))) as client:
+        answer = _request(client, "POST", url, "/v1/completions", content=asked, headers=JSON)
+        first = int(answer_ids(answer.content)[0]) if answer.status_code == 200 else None
+        if first is None:
+            return False
+        scored = _request(
+            client,
+            "POST",
+            url,
+            "/v1/completions",
+            headers=JSON,
+            content=orjson.dumps({"model": model, "prompt": [*probe, first], "max_tokens": 1, "prompt_logprobs": k}),
+        )
+    if scored.status_code != 200:
+        return False
+    ids = answer_ids(answer.content)
+    generated, prompted = answer_top_logprobs(answer.content, positions=len(ids)), parse_prompt_logprobs(scored.content)
+    theirs = dict(
+        zip(generated.ids[: generated.starts[1]].tolist(), generated.logprobs[: generated.starts[1]].tolist())
+    )
+    ours = dict(zip(prompted.ids[prompted.starts[-2] :].tolist(), prompted.logprobs[prompted.starts[-2] :].tolist()))
+    common = theirs.keys() & ours.keys()
+    return bool(common) and max(abs(theirs[i] - ours[i]) for i in common) < 1e-3
+
+
+class Generator:
+    """Answers from a served model (`pipelines/engines/__init__.py`'s generator interface): the
+    `--generator-url` replicas (`settings.server_urls`), or, with `shares_teacher`, the teacher's own
+    replicas, whose generating request also returns the top-K of every position (`scored_answer`),
+    handed to the engine's `compute` in this process (`HAND_OVER`) so no second request scores it. One
+    request per answer through the engine's `Replicas` (retries, replicas set aside, `ServerOutage`)."""
+
+    def __init__(self, settings, *, spec, shares_teacher: bool):
+        from logitstore.pipelines.teacher import (
+            describe_teacher,
+            model_stop_ids,
+        )  # torch comes with it: the preflight imports this module before a build loads torch
+
+        self.stop_ids = model_stop_ids(spec)  # the teacher's tokenizer: its stop tokens
+        self.k: int | None = None
+        self.settings, self.spec, self._checked = settings, spec, True
+        if shares_teacher:
+            teacher = preflight(settings, spec, default_k=settings.default_sparsity)
+            self.model, urls, self.k = teacher.model, teacher.urls, teacher.k
+            self.vocab_size = describe_teacher(spec).vocab_size
+            self.flag = "--server-url"
+            self._checked = False  # whether answers' log-probabilities are the model's: at the first answers
+        else:
+            served = generator_preflight(settings, spec)
+            self.model, urls, self.flag = served.model, served.urls, "--generator-url"
+        self.replicas: Replicas | None = Replicas(
+            urls=urls,
+            key=api_key(settings),
+            concurrency=settings.server_concurrency,
+            timeout=settings.server_timeout,
+            log=lambda message: print(message, file=sys.stderr, flush=True),
+        )
+
+    def generate(
+        self, prompts: list[np.ndarray], seeds: list[int], *, max_new_tokens: int, temperature: float, top_p: float
+    ) -> list[np.ndarray]:
+        assert self.replicas is not None, "the generator is closed"
+        if not self._checked:
+            self._check_answer_logprobs(temperature=temperature, top_p=top_p)
+        futures = []
+        for prompt, seed in zip(prompts, seeds):
+            body = generation_request(
+                self.model,
+                prompt,
+                seed=seed,
+                max_new_tokens=max_new_tokens,
+                temperature=temperature,
+                top_p=top_p,
+                stop_ids=self.stop_ids,
+                k=self.k,
+            )
+            futures.append(self.replicas.submit(body, tokens=len(prompt) + max_new_tokens))
+        try:
+            return [self._answer(np.asarray(prompt), future.result()) for prompt, future in zip(prompts, futures)]
+        finally:
+            for future in futures:
+                future.cancel()
+
+    def _check_answer_logprobs(self, *, temperature: float, top_p: float) -> None:
+        """Answers are scored in their request only where the server sends the model's own log-probabilities
+        for them; else (vLLM's --logprobs-mode processed_*) a second request scores each, said once."""
+        from logitstore.pipelines.teacher import describe_teacher  # torch: loaded by the build by now
+
+        assert self.k is not None, "only the teacher scores its own answers"
+        probe = describe_teacher(self.spec).tokenizer.encode(PROBE_TEXT, add_special_tokens=False)
+        try:
+            raw = answer_logprobs_are_raw(
+                self.settings, self.model, probe, k=self.k, temperature=temperature, top_p=top_p
+            )
+        except MalformedResponse:
+            raw = False
+        if not raw:
+            self.k = None
+            print(
+                "build: the teacher's server sends processed log-probabilities for answers (vLLM --logprobs-mode "
+                "processed_*), not the model's own: each answer is scored by a second request",
+                file=sys.stderr,
+                flush=True,
+            )
+        self._checked = True
+
+    def _answer(self, prompt: np.ndarray, answer: Answer) -> np.ndarray:
+        shown = strip_credentials(answer.url)
+        if answer.status != 200:
+            raise ServerError(f"{self.flag} {shown} refused a generation request: {answer.reason}")
+        try:
+            ids = answer_ids(answer.body)
+            cut = cut_at_stop(ids, self.stop_ids)
+            if self.k is not None and len(cut) == len(ids):
+                arrays = scored_answer(answer.body, prompt, ids, k=self.k, vocab_size=self.vocab_size)
+                HAND_OVER.put(np.concatenate([prompt, ids]), arrays)
+        except (MalformedResponse, EngineError) as error:
+            raise ServerError(f"{self.flag} {shown}: malformed generation answer: {error}") from None
+        return cut
+
+    def close(self) -> None:
+        HAND_OVER.clear()
+        replicas, self.replicas = self.replicas, None
+        if replicas is not None:
+            replicas.close()
