@@ -351,3 +351,17 @@ def test_what_the_served_teacher_cannot_serve_is_refused_before_the_run_folder(
     assert result.exit_code == 2, result.output
     assert len(errors) == 1 and message in errors[0], result.output
     assert "Traceback" not in result.output and not (tmp_path / "run").exists()
+
+
+def test_a_sample_the_server_refuses_stops_the_run_in_one_line_naming_it(tiny_teacher, tiny_server, corpus, tmp_path):
+    """A live batch cannot go without one of its samples: the run stops at once, exit 2, naming the sample
+    (a build would skip and count it). The server refuses every whole 128-token window, not the preflight's probe."""
+    tiny_server.faults.refuse_if(lambda prompt: len(prompt) == 128)
+    try:
+        result = served_run(tiny_teacher, corpus, tmp_path / "run", "--top-k", 16, server=tiny_server)
+    finally:
+        tiny_server.faults.clear()
+    errors = [line for line in result.output.splitlines() if line.startswith("error")]
+    assert result.exit_code == 2, result.output
+    assert len(errors) == 1 and re.search(r"left out sample '[^']+' \(128 tokens; \d+ refused", errors[0]), errors
+    assert "Traceback" not in result.output

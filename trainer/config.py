@@ -314,13 +314,13 @@ def _live_flag(d):
 
 @dataclass
 class LiveConfig:
-    """What `--live-teacher` needs: build's teacher, data and sparsity options."""
+    """What `--live-teacher` needs: build's teacher, data, sparsity and engine options."""
 
     teacher: str | None = option(  # None or "default": the default teacher
         None,
         name="live_teacher",
         panel=LIVE,
-        help="Live mode instead of --store: run this teacher (what build --teacher takes, or 'default') beside the trainer, handing over by shared memory.",
+        help="Live mode instead of --store: run this teacher (what build --teacher takes, or 'default') beside the trainer, handing over by shared memory (with --engine server: the teacher a server serves, asked by each rank).",
     )
     data: str | None = option(
         None, panel=LIVE, help="Live mode: the data, as build --data (default: the shipped corpus)."

@@ -26,7 +26,8 @@ TRL: `logitstore.trainer.hf_trl.DistillationSFTTrainer` (`pip install 'logitstor
 
 Live teacher: `DistillationTrainer(model, args, live=LiveConfig(teacher=..., data=...))` instead of
 `store=`: the teacher runs in a process beside each rank (`trainer/live.py`, shared memory on CPU, CUDA
-IPC on GPU) and the batches are those a store built from the same data would give. The teacher process
+IPC on GPU), or is asked by the rank itself where it runs behind a server (`LiveConfig.engine_options`,
+`--engine server`), and the batches are those a store built from the same data would give. The teacher process
 starts with the first batch and stops on `trainer.close()` (or at the end of a `with` block, or when
 this process exits). `DistillationSFTTrainer` reads stores only.
 
