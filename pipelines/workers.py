@@ -372,16 +372,12 @@ def worker_settings(cfg, *, teacher_spec) -> WorkerSettings:
         sparsity=cfg.sparsity,
         batch_tokens=cfg.batch_tokens,
         seed=cfg.seed,
-        engine=cfg.engine,
         entries_for=cfg.train_on,
         tensor_parallel=cfg.tensor_parallel,
         max_length=cfg.max_length,
         vllm_output=cfg.vllm_output,
-        server_urls=cfg.server_urls,
-        server_api_key=cfg.server_api_key,
-        server_concurrency=cfg.server_concurrency,
-        server_timeout=cfg.server_timeout,
         default_sparsity=cfg.default_sparsity,
+        **cfg.engine_settings(),
     )
 
 

@@ -13,14 +13,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from typer.testing import CliRunner
 
+from logitstore.cli.app import app
 from logitstore.pipelines.build import BuildConfig, run_build
+from logitstore.pipelines.engines.server_engine import API_KEY_VARIABLE
 from logitstore.samples import SparseSamples
 from logitstore.sparsity import Sparsity
 from logitstore.trainer.config import LiveConfig, TrainConfig
 from logitstore.trainer.live import LiveTeacher, _allocate_ring, _write_slot
 from logitstore.trainer.train import launch
-from tests.conftest import CLI, sample_corpus_head
+from tests.conftest import CLI, sample_corpus_head, serve_teacher
 
 COMMON = dict(seq_len=64, micro_batch=2, warmup_steps=2, lr=5e-3, eval_fraction=0.2)
 
@@ -250,3 +253,115 @@ def test_live_flags_make_a_live_config_only_with_a_live_teacher():
     assert (cfg.teacher, cfg.text_column, cfg.max_length, cfg.sparsity) == (None, "text", 64, Sparsity(k=8))
     with pytest.raises(LiveTeacherError, match="--max-length, --temperature only apply with --live-teacher"):
         LiveConfig.from_flags(None, max_length=64, temperature=2.0)
+
+
+# -- a teacher behind a server (`--engine server`): the rank sends the requests itself -----------------
+
+KEY = "sk-logitstore-live-7d2e"
+FIRST_STEP = dict(COMMON, eval_fraction=0.0)  # the first step's loss and no held-out pass: seconds, not a minute
+
+
+@pytest.fixture(scope="module")
+def tiny_server(tiny_teacher):
+    """The tiny teacher behind the test server (`logitstore/testing/openai_server.py`), top-20 at most."""
+    with serve_teacher(tiny_teacher, max_logprobs=20) as server:
+        yield server
+
+
+def served_run(tiny_teacher, corpus: Path, out: Path, *extra, server=None, env=None):
+    """`train --live-teacher` on the tiny teacher, one step; behind `server` when given."""
+    live = ["--live-teacher", tiny_teacher, "--data", corpus, "--id-column", "id", "--max-length", 128]
+    served = ["--engine", "server", "--server-url", server.url] if server is not None else []
+    common = [f"--{k.replace('_', '-')}={v}" for k, v in FIRST_STEP.items()]
+    args = ["train", *served, *live, "--out", out, "--steps", 1, *common, *extra]
+    return CliRunner().invoke(app, [str(a) for a in args], env=env)
+
+
+def test_a_served_live_teacher_trains_as_a_store_of_the_same_teacher(tiny_teacher, tiny_server, corpus, tmp_path):
+    """`train --live-teacher T --engine server`: the rank sends the requests (no teacher process) and the
+    losses equal those of a store built by the torch engine from the same teacher at the same --top-k,
+    one unpadded sample per batch (what the server's scorer computes). The server wants a key, given by
+    the variable: it is sent, and lands nowhere in the run folder or the output."""
+    store = str(tmp_path / "store")
+    build = BuildConfig(
+        store=store,
+        data=str(corpus),
+        id_column="id",
+        max_length=128,
+        teacher=tiny_teacher,
+        sparsity=Sparsity(k=16),
+        batch_tokens=2,
+        progress=False,
+    )
+    run_build(build, log=lambda _: None)
+    launch(TrainConfig.from_flags(store=store, out=str(tmp_path / "store-run"), steps=1, **FIRST_STEP))
+    tiny_server.api_key = KEY
+    try:
+        seen = len(tiny_server.keys_seen)
+        key = {API_KEY_VARIABLE: KEY}
+        result = served_run(tiny_teacher, corpus, tmp_path / "run", "--top-k", 16, server=tiny_server, env=key)
+        printed = served_run(
+            tiny_teacher,
+            corpus,
+            tmp_path / "p",
+            "--top-k",
+            16,
+            "--server-api-key",
+            KEY,
+            "--print-config",
+            server=tiny_server,
+        )
+    finally:
+        tiny_server.api_key = None
+    assert result.exit_code == 0, result.output
+    assert len(tiny_server.keys_seen) > seen + 2 and set(tiny_server.keys_seen[seen:]) == {f"Bearer {KEY}"}
+    np.testing.assert_allclose(losses(tmp_path / "run"), losses(tmp_path / "store-run"), rtol=1e-6)
+    first = header(tmp_path / "run")
+    assert (first["live_engine"], first["live_transport"], first["live_teacher_pid"]) == ("server", "in_rank", None)
+    assert printed.exit_code == 0 and "server_url" in printed.output, printed.output
+    for text in (result.output, printed.output):
+        assert KEY not in text
+    for root, _, files in os.walk(tmp_path / "run"):
+        for name in files:
+            assert KEY.encode() not in (Path(root) / name).read_bytes(), name
+
+
+@pytest.mark.parametrize(
+    "case, args, message",
+    [
+        ("wrong model", ["--top-k", 16], "serves other-model, not the teacher"),
+        ("k", ["--top-k", 24], "vllm serve --max-logprobs 24"),
+        ("sample", ["--sample", 16], "cannot store --sample entries"),
+        ("engine", ["--engine", "vllm"], "--engine vllm does not run in live mode"),
+    ],
+)
+def test_what_the_served_teacher_cannot_serve_is_refused_before_the_run_folder(
+    case, args, message, tiny_teacher, tiny_server, corpus, tmp_path
+):
+    """One line, exit 2, and no run folder: the preflight runs before the run takes --out."""
+    if case == "wrong model":
+        tiny_server.model, restore = "other-model", tiny_server.model
+    try:
+        server = None if case == "engine" else tiny_server
+        result = served_run(tiny_teacher, corpus, tmp_path / "run", *args, server=server)
+    finally:
+        if case == "wrong model":
+            tiny_server.model = restore
+    errors = [line for line in result.output.splitlines() if line.startswith("error")]
+    assert result.exit_code == 2, result.output
+    assert len(errors) == 1 and message in errors[0], result.output
+    assert "Traceback" not in result.output and not (tmp_path / "run").exists()
+
+
+def test_a_sample_the_server_refuses_stops_the_run_in_one_line_naming_it(tiny_teacher, tiny_server, corpus, tmp_path):
+    """A live batch cannot go without one of its samples: the run stops at once, exit 2, naming the sample
+    (a build would skip and count it). The server refuses every whole 128-token window, not the preflight's probe."""
+    tiny_server.faults.refuse_if(lambda prompt: len(prompt) == 128)
+    try:
+        result = served_run(tiny_teacher, corpus, tmp_path / "run", "--top-k", 16, server=tiny_server)
+    finally:
+        tiny_server.faults.clear()
+    errors = [line for line in result.output.splitlines() if line.startswith("error")]
+    assert result.exit_code == 2, result.output
+    assert len(errors) == 1 and re.search(r"left out sample '[^']+' \(128 tokens; \d+ refused", errors[0]), errors
+    assert "Traceback" not in result.output

@@ -10,57 +10,26 @@ from __future__ import annotations
 
 import json
 import os
-import threading
 from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 from typer.testing import CliRunner
 
 from logitstore.cli.app import app
 from logitstore.pipelines.engines.served_json import MalformedResponse, parse_prompt_logprobs
 from logitstore.pipelines.engines.server_engine import served_to_sparse, strip_credentials
 from logitstore.pipelines.engines.vllm_engine import prompt_logprobs_to_sparse
-from logitstore.pipelines.teacher import TeacherForward, sparse_topk_forward
 from logitstore.store import Store
-from logitstore.testing.openai_server import OpenAIServer, Scorer, Scores, render_completion
-from tests.conftest import sample_corpus_head
+from logitstore.testing.openai_server import OpenAIServer, Scores, render_completion
+from tests.conftest import sample_corpus_head, scoring_teacher, serve_teacher, torch_scorer
 
 KEY = "sk-logitstore-test-4f1c9a"
-
-
-def torch_scorer(teacher) -> Scorer:
-    """A loaded `Teacher` through the torch engine's top-k forward pass, one prompt of shape [1, T] at a
-    time (what `--engine torch --batch-tokens 2` computes). The rank of a prompt token outside the top-k
-    is given as k + 1: only "inside or outside" matters to a client."""
-    forward = TeacherForward.of_model(teacher.model)
-    lock = threading.Lock()  # one forward pass at a time: the server answers from several threads
-
-    def score(tokens: np.ndarray, k: int) -> Scores:
-        ids = torch.as_tensor(np.asarray(tokens, dtype=np.int64))[None]
-        with lock, torch.inference_mode():
-            batch = sparse_topk_forward(forward, ids, torch.ones_like(ids), k=k)
-        top = batch.ids[0].numpy()
-        targets = np.asarray(tokens[1:])
-        inside = top == targets[:, None]
-        rank = np.where(inside.any(axis=1), inside.argmax(axis=1) + 1, k + 1)
-        return Scores(top, batch.logprobs[0].numpy(), batch.target_logprob[0].numpy(), rank)
-
-    return score
 
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory) -> Path:
     return sample_corpus_head(tmp_path_factory.mktemp("server-data") / "docs.jsonl", docs=3, chars=240)
-
-
-def _teacher(path):
-    from logitstore.pipelines.engines.torch_engine import load_teacher_once
-    from logitstore.pipelines.teacher import resolve_teacher
-
-    spec = resolve_teacher(path)
-    return spec, load_teacher_once(spec, "cpu", "float32")
 
 
 @pytest.fixture(scope="module")
@@ -72,15 +41,14 @@ def real_data(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def real_server():
     """The real default teacher behind the server."""
-    spec, teacher = _teacher(None)
-    with OpenAIServer(model=spec.name, scorer=torch_scorer(teacher), tokenizer=teacher.tokenizer, max_logprobs=32) as s:
+    with serve_teacher(None, max_logprobs=32) as s:
         yield s
 
 
 @pytest.fixture(scope="module")
 def tiny_servers(tiny_teacher):
     """Three replicas of the tiny teacher, the first with a key (`KEY`) and a small max_model_len."""
-    spec, teacher = _teacher(tiny_teacher)
+    spec, teacher = scoring_teacher(tiny_teacher)
     scorer = torch_scorer(teacher)
     servers = [
         OpenAIServer(model=spec.name, scorer=scorer, tokenizer=teacher.tokenizer, max_logprobs=20) for _ in range(3)

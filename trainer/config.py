@@ -28,7 +28,8 @@ from typing import Any
 
 from logitstore.chat import TRAIN_ON
 from logitstore.errors import LogitstoreError
-from logitstore.options import KEY, Flag, declared, group, option, read_file, to_values
+from logitstore.options import KEY, Flag, declared, from_values, group, option, read_file, to_values
+from logitstore.pipelines.config import EngineOptions
 from logitstore.sizes import parse_bytes
 from logitstore.sparsity import Sparsity, SparsityFlags, default_sparsity
 from logitstore.trainer.report import check_sinks
@@ -305,21 +306,21 @@ class OutputConfig:
 
 
 def _live_flag(d):
-    """A sparsity flag as `train --live-teacher` offers it: build's meaning, None when not given."""
-    default = f" (default {d.default})" if d.default is not None else ""
+    """A build flag (sparsity, engine) as `train --live-teacher` offers it: build's meaning, None when not given."""
+    default = f" (default {d.default})" if d.default not in (None, ()) else ""
     flag = dataclasses.replace(d.flag, panel=LIVE, help=f"Live mode: as build {d.dashed}{default}.")
     return dataclasses.replace(d, flag=flag, default=None)
 
 
 @dataclass
 class LiveConfig:
-    """What `--live-teacher` needs: build's teacher, data and sparsity options."""
+    """What `--live-teacher` needs: build's teacher, data, sparsity and engine options."""
 
     teacher: str | None = option(  # None or "default": the default teacher
         None,
         name="live_teacher",
         panel=LIVE,
-        help="Live mode instead of --store: run this teacher (what build --teacher takes, or 'default') beside the trainer, handing over by shared memory.",
+        help="Live mode instead of --store: run this teacher (what build --teacher takes, or 'default') beside the trainer, handing over by shared memory (with --engine server: the teacher a server serves, asked by each rank).",
     )
     data: str | None = option(
         None, panel=LIVE, help="Live mode: the data, as build --data (default: the shipped corpus)."
@@ -333,10 +334,16 @@ class LiveConfig:
     )
     # None: `sparsity.default_sparsity()`, as build and the CLI
     sparsity: Sparsity | None = group(SparsityFlags, default=None, adjust=_live_flag, exclude=("value_grid",))
+    # build's --engine and the server engine's flags: which engine runs the teacher, and where live mode runs
+    # it (`trainer/live.py`: a teacher process per rank, or the rank itself for a teacher behind a server)
+    engine_options: EngineOptions = group(EngineOptions, default_factory=EngineOptions, adjust=_live_flag)
     batch_tokens: int = 8192
     device: str = "auto"
     dtype: str = "auto"
     quantize: bool = True
+    # no --top-k/--top-p/--sample was given: the engine's default applies (`live.settle`: sampled 16 for the
+    # torch engine, the server's K for a served teacher), as in build
+    default_sparsity: bool = False
 
     @classmethod
     def from_flags(cls, live_teacher: str | None, **flags: Any) -> LiveConfig | None:
@@ -354,7 +361,14 @@ class LiveConfig:
         sparsity_flags = {
             name: given.pop(name) for name in ("top_k", "top_p", "sample", "temperature") if name in given
         }
-        return cls(teacher=live_teacher, sparsity=SparsityFlags(**sparsity_flags).resolve(default_sparsity()), **given)
+        engine_flags = {d.name: given.pop(d.name) for d in declared(EngineOptions) if d.name in given}
+        return cls(
+            teacher=live_teacher,
+            sparsity=SparsityFlags(**sparsity_flags).resolve(default_sparsity()),
+            default_sparsity=not {"top_k", "top_p", "sample"} & set(sparsity_flags),
+            engine_options=from_values(EngineOptions, engine_flags),
+            **given,
+        )
 
     @classmethod
     def from_values(cls, values: dict[str, Any]) -> LiveConfig | None:
@@ -371,15 +385,28 @@ class LiveConfig:
         values = to_values(live)
         values.update(dataclasses.asdict(SparsityFlags.of(live.sparsity)))
         values.pop("value_grid")
+        if live.default_sparsity:  # not settled yet (`live.settle`): the engine's default, asked again
+            values.update(top_k=None, top_p=None, sample=None)
         return {**values, "live_teacher": live.teacher or "default"}
 
     def __post_init__(self) -> None:
         if self.teacher == "default":
             self.teacher = None
         if self.sparsity is None:  # the one default, as `train --live-teacher` without sparsity flags
-            self.sparsity = default_sparsity()
+            self.sparsity, self.default_sparsity = default_sparsity(), True
         if self.max_length < 2:
             raise LiveTeacherError(f"--max-length must be at least 2, got {self.max_length}")
+        _check(self.engine_options.engine_checks(), LiveTeacherError)
+
+    def identity(self) -> dict:
+        """What a resumed live run must match: not the engine's replicas, key, concurrency or timeout (a
+        served teacher may come back elsewhere; the key is never written), nor whether the sparsity was
+        the default (the run folder keeps the sparsity it settled on)."""
+        out = dataclasses.asdict(self)
+        del out["engine_options"], out["default_sparsity"]
+        if self.engine_options.engine != EngineOptions.engine:  # the default left out: older live runs still resume
+            out["engine"] = self.engine_options.engine
+        return out
 
 
 _GROUPS = {
@@ -516,7 +543,7 @@ class TrainConfig:
         for name in _GROUPS:
             flat.update(dataclasses.asdict(getattr(self, name)))
         flat["loss"], flat["kd_temperature"] = flat.pop("kind"), flat.pop("temperature")
-        flat["store"], flat["live"] = self.data.store, None if self.live is None else dataclasses.asdict(self.live)
+        flat["store"], flat["live"] = self.data.store, None if self.live is None else self.live.identity()
         if flat["train_on"] == "completion":  # the default is left out: runs from before the flag still resume
             del flat["train_on"]
         return {k: v for k, v in flat.items() if k not in skip}

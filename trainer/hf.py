@@ -26,7 +26,8 @@ TRL: `logitstore.trainer.hf_trl.DistillationSFTTrainer` (`pip install 'logitstor
 
 Live teacher: `DistillationTrainer(model, args, live=LiveConfig(teacher=..., data=...))` instead of
 `store=`: the teacher runs in a process beside each rank (`trainer/live.py`, shared memory on CPU, CUDA
-IPC on GPU) and the batches are those a store built from the same data would give. The teacher process
+IPC on GPU), or is asked by the rank itself where it runs behind a server (`LiveConfig.engine_options`,
+`--engine server`), and the batches are those a store built from the same data would give. The teacher process
 starts with the first batch and stops on `trainer.close()` (or at the end of a `with` block, or when
 this process exits). `DistillationSFTTrainer` reads stores only.
 
@@ -52,7 +53,7 @@ from logitstore.errors import LogitstoreError
 from logitstore.trainer.attention import ATTENTION
 from logitstore.trainer.attention import register as register_attention
 from logitstore.trainer.config import LiveConfig, LossConfig
-from logitstore.trainer.live import LiveTeacher, live_stream, plan_live_samples
+from logitstore.trainer.live import InRankTeacher, LiveTeacher, live_stream, plan_live_samples, settle, start_teacher
 from logitstore.trainer.objective import batch_loss, held_out_metrics, student_outputs
 from logitstore.trainer.run_folder import write_atomic
 from logitstore.trainer.spec import StreamSpec
@@ -213,13 +214,13 @@ class LiveData:
     serves this rank until `close()`. Same order and batches as a store built from the same data."""
 
     def __init__(self, live: LiveConfig, *, seq_len: int, micro_batch: int):
-        self.live, self.seq_len, self.micro_batch = live, seq_len, micro_batch
-        self.samples = plan_live_samples(live)
-        self.client: LiveTeacher | None = None
+        self.live, self.seq_len, self.micro_batch = settle(live), seq_len, micro_batch
+        self.samples = plan_live_samples(self.live)
+        self.client: LiveTeacher | InRankTeacher | None = None
 
     def stream(self, spec: StreamSpec, *, args):
         if self.client is None:  # slots sized for the larger of the train and eval micro-batches
-            self.client = LiveTeacher(self.live, micro_batch=self.micro_batch, seq_len=self.seq_len)
+            self.client = start_teacher(self.live, micro_batch=self.micro_batch, seq_len=self.seq_len)
         placed = dataclasses.replace(spec, rank=args.process_index, world_size=args.world_size)
         return live_stream(self.samples, self.client, placed)
 

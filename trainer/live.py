@@ -2,10 +2,14 @@
 shared memory instead of the store. Everything after the hand-over is the store path's: the same
 `PackedBatch`, loss, checkpoints and metrics.
 
-Processes. Each trainer rank starts one teacher process (spawn start method), so on a GPU node each
+Processes. The engine (`--engine`, the build's registry) says where it runs (its `live` attribute). The
+torch engine: each trainer rank starts one teacher process (spawn start method), so on a GPU node each
 GPU holds its rank's student and a teacher (documented: "one teacher per rank"). The teacher loads the
 model once, then answers requests: "the whole samples with these token ids" -> sparse entries, tail
-and target log-probabilities (`pipelines.workers.TeacherWorker.compute`, the build's own code).
+and target log-probabilities (`answer`: `pipelines.workers.TeacherWorker.compute`, the build's own code).
+A teacher behind a server (`--engine server`) holds no model: the rank calls the same `answer` itself
+(`InRankTeacher`), and the server engine sends the requests to the replicas. `settle` makes the engine's
+refusals (the server's preflight) and fixes the sparsity before the run takes --out.
 
 Data. The trainer plans the samples itself, exactly as `logitstore build` would (same reader, same
 tokenizer, same windows and ids), and orders, splits, packs and shards them with the stream engine's
@@ -33,12 +37,14 @@ synchronises its stream before announcing a slot, the trainer copies the slot ou
 
 Faults. The trainer waits on the ready queue in short polls and checks the teacher process between
 them: if it died, the run stops with `LiveTeacherError` naming its exit code (no hang). The teacher
-polls its requests the same way and exits when the trainer's process is gone.
+polls its requests the same way and exits when the trainer's process is gone. A sample the engine
+leaves out (a served teacher's refusal) stops the run in one line naming it (`answer`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import glob
 import hashlib
 import os
@@ -54,10 +60,12 @@ import torch.multiprocessing as mp
 
 from logitstore import codec
 from logitstore.pipelines.config import PlanConfig
+from logitstore.pipelines.engines import engine_class, engine_names
 from logitstore.pipelines.plan import check_teacher_fits, plan_units
 from logitstore.pipelines.teacher import describe_teacher, resolve_teacher
 from logitstore.pipelines.workers import TeacherWorker, Unit, WorkerSettings
 from logitstore.samples import SparseSamples, concat
+from logitstore.sparsity import default_sparsity
 from logitstore.trainer.batch import assemble
 from logitstore.trainer.config import LiveConfig, LiveTeacherError
 from logitstore.trainer.order import SplitTable, is_eval_sample
@@ -66,6 +74,51 @@ from logitstore.trainer.stream import Stream
 
 RING_SLOTS = 2
 POLL_SECONDS = 0.2
+
+
+# -- the engine: settled before the run takes --out --------------------------------------------------
+
+
+def worker_settings(cfg: LiveConfig) -> WorkerSettings:
+    """The build's worker settings for live mode's teacher (seed 0: sampled draws are seeded per request)."""
+    assert cfg.sparsity is not None  # LiveConfig.__post_init__ sets the default
+    return WorkerSettings(
+        teacher_spec=resolve_teacher(cfg.teacher),
+        device=cfg.device,
+        dtype=cfg.dtype,
+        sparsity=cfg.sparsity,
+        batch_tokens=cfg.batch_tokens,
+        seed=0,
+        max_length=cfg.max_length,
+        default_sparsity=cfg.default_sparsity,
+        **cfg.engine_options.engine_settings(),
+    )
+
+
+def settle(cfg: LiveConfig, *, log=None) -> LiveConfig:
+    """`cfg` with its engine's refusals made (one line: for a served teacher the preflight, i.e. reachable,
+    the teacher's model and tokenizer, K within the server's maximum) and its sparsity fixed: the engine's
+    default where no --top-k/--top-p/--sample was given (sampled 16 for the torch engine, top-K at the
+    server's K, as build). Run before the run takes --out, so a refusal leaves nothing behind; `log` is
+    told the engine's line (the server's K)."""
+    engine = engine_class(cfg.engine_options.engine)
+    if getattr(engine, "live", None) not in LIVE_TEACHERS:
+        runs = [name for name in engine_names() if getattr(engine_class(name), "live", None) in LIVE_TEACHERS]
+        raise LiveTeacherError(f"--engine {engine.name} does not run in live mode; live mode runs {', '.join(runs)}")
+    settings = worker_settings(cfg)
+    if cfg.default_sparsity:
+        assert cfg.sparsity is not None  # LiveConfig.__post_init__ sets the default
+        default = default_sparsity(engine_samples=engine.samples(settings))
+        default = dataclasses.replace(default, temperature=cfg.sparsity.temperature, grid=cfg.sparsity.grid)
+        cfg = dataclasses.replace(cfg, sparsity=default)
+        settings = worker_settings(cfg)
+    engine.check(settings, settings.teacher_spec)
+    if hasattr(engine, "settled"):  # the server engine: K follows the server's maximum where none was asked
+        sparsity, note = engine.settled(settings, settings.teacher_spec)
+        cfg = dataclasses.replace(cfg, sparsity=sparsity)
+        if note and log is not None:
+            log(note)
+    return dataclasses.replace(cfg, default_sparsity=False)  # settled: the run folder keeps this sparsity
 
 
 # -- planning: the samples a build would write -------------------------------------------------------
@@ -153,19 +206,8 @@ def teacher_main(cfg: LiveConfig, capacity: tuple[int, int], requests, ready, ac
 
 
 def _serve(cfg: LiveConfig, capacity: tuple[int, int], requests, ready, acks, parent_pid: int) -> None:
-    sparsity = cfg.sparsity
-    assert sparsity is not None  # LiveConfig.__post_init__ sets the default
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
-    worker = TeacherWorker(
-        WorkerSettings(
-            teacher_spec=resolve_teacher(cfg.teacher),
-            device=cfg.device,
-            dtype=cfg.dtype,
-            sparsity=sparsity,
-            batch_tokens=cfg.batch_tokens,
-            seed=0,
-        )
-    )
+    worker = TeacherWorker(worker_settings(cfg))
     try:
         _answer(worker, cfg, capacity, requests, ready, acks, parent_pid)
     finally:
@@ -178,9 +220,6 @@ def _answer(worker: TeacherWorker, cfg: LiveConfig, capacity: tuple[int, int], r
     ring = _allocate_ring(*capacity, device=device, sampled=sparsity.sampled)
     ready.put(("ring", ring))  # exported once; the producer keeps these tensors alive until it exits
     free = list(range(RING_SLOTS))
-    vocab = worker.engine.vocab_size
-    params = sparsity.grid
-    order = codec.identity_order(vocab).astype(np.int64)
     while True:
         try:
             request = requests.get(timeout=POLL_SECONDS * 5)
@@ -191,12 +230,7 @@ def _answer(worker: TeacherWorker, cfg: LiveConfig, capacity: tuple[int, int], r
         if request is None:
             return
         seq, tokens = request
-        ids = [f"{seq}:{i}" for i in range(len(tokens))]
-        samples = worker.compute(Unit(index=seq, sample_ids=ids, tokens=list(tokens), n_tokens=sum(map(len, tokens))))
-        samples = _in_request_order(samples, ids)
-        if cfg.quantize:  # the store's value grid, so live and store runs see the same values
-            enc = codec.encode(samples, params=params, code_of_id=order, vocab_size=vocab)
-            samples = codec.decode(enc, params=params, id_of_code=order, n_tokens=samples.n_tokens)
+        samples = answer(worker, tokens, seq=seq, quantize=cfg.quantize)
         while not free:
             free.append(acks.get())
         slot = free.pop(0)
@@ -209,6 +243,37 @@ def _answer(worker: TeacherWorker, cfg: LiveConfig, capacity: tuple[int, int], r
                 free.append(acks.get_nowait())
             except queue.Empty:
                 break
+
+
+def answer(
+    worker: TeacherWorker, tokens: list[np.ndarray], *, seq: int, quantize: bool, names: list[str] | None = None
+) -> SparseSamples:
+    """The teacher's sparse distributions of whole samples in request order (the build's
+    `TeacherWorker.compute`), through the store's codec where `quantize` (the store's value grid, so live
+    and store runs see the same values). A sample the engine leaves out (a served teacher's refusal, or one
+    longer than the server takes) stops the run in one line naming it (`names`: the samples' ids): its
+    batch is packed already, and training on it without its teacher signal would make a run that a store
+    of the same data does not."""
+    ids = [f"{seq}:{i}" for i in range(len(tokens))]
+    unit = Unit(index=seq, sample_ids=ids, tokens=list(tokens), n_tokens=sum(map(len, tokens)))
+    samples = worker.compute(unit)
+    if unit.skips:
+        missing = sorted(set(ids) - set(samples.sample_ids), key=ids.index)
+        i = ids.index(missing[0])
+        reasons = ", ".join(f"{n} {reason}" for reason, n in sorted(unit.skips.items()))
+        raise LiveTeacherError(
+            f"the live teacher left out sample {(names or ids)[i]!r} ({len(tokens[i])} tokens; {reasons} in its "
+            "batch): a live batch cannot go without its teacher signal, so the run stops. For a served teacher "
+            "that is the server's refusal or a sample above its max_model_len (lower --max-length); fix it and "
+            "continue with --resume"
+        )
+    samples = _in_request_order(samples, ids)
+    if quantize:
+        vocab, params = worker.engine.vocab_size, worker.settings.sparsity.grid
+        order = codec.identity_order(vocab).astype(np.int64)
+        enc = codec.encode(samples, params=params, code_of_id=order, vocab_size=vocab)
+        samples = codec.decode(enc, params=params, id_of_code=order, n_tokens=samples.n_tokens)
+    return samples
 
 
 def _in_request_order(samples: SparseSamples, ids: list[str]) -> SparseSamples:
@@ -288,8 +353,9 @@ class LiveTeacher:
         """ "cuda_ipc" when the teacher's ring lives on a GPU, else "shared_memory"."""
         return "cuda_ipc" if self.ring[0]["tail"].is_cuda else "shared_memory"
 
-    def compute(self, tokens: list[np.ndarray]) -> SparseSamples:
-        """The teacher's sparse distributions of whole samples, in the order given."""
+    def compute(self, tokens: list[np.ndarray], *, names: list[str] | None = None) -> SparseSamples:
+        """The teacher's sparse distributions of whole samples, in the order given (`names`: their ids, for
+        messages; the torch engine leaves no sample out)."""
         assert self.requests is not None and self.acks is not None, "the live teacher is closed"
         with self._lock:  # one request in flight per teacher; the train and eval streams share it
             self._seq += 1
@@ -352,6 +418,42 @@ class LiveTeacher:
         remove_process_shm(pid)  # the teacher is gone: whatever it left in /dev/shm is garbage
 
 
+class InRankTeacher:
+    """A teacher that holds no model (`--engine server`): the rank calls the engine itself, through the same
+    `answer` as a teacher process, so a live batch is made as the process's is; no process, ring or
+    shared memory. Thread-safe: the train and eval streams share it."""
+
+    pid = None  # no teacher process
+    transport = "in_rank"
+
+    def __init__(self, cfg: LiveConfig, *, micro_batch: int, seq_len: int):
+        self.cfg = cfg
+        self.worker: TeacherWorker | None = TeacherWorker(worker_settings(cfg))
+        self._lock = threading.Lock()
+        self._seq = 0
+
+    def compute(self, tokens: list[np.ndarray], *, names: list[str] | None = None) -> SparseSamples:
+        assert self.worker is not None, "the live teacher is closed"
+        with self._lock:
+            self._seq += 1
+            return answer(self.worker, tokens, seq=self._seq, quantize=self.cfg.quantize, names=names)
+
+    def close(self) -> None:
+        worker, self.worker = self.worker, None
+        if worker is not None:
+            worker.close()
+
+
+# where live mode runs an engine (its `live` attribute, `pipelines/engines/__init__.py`)
+LIVE_TEACHERS: dict[str, type[LiveTeacher] | type[InRankTeacher]] = {"process": LiveTeacher, "rank": InRankTeacher}
+
+
+def start_teacher(cfg: LiveConfig, *, micro_batch: int, seq_len: int) -> LiveTeacher | InRankTeacher:
+    """Live mode's teacher for one rank, where its engine runs (`cfg`: settled, `settle`)."""
+    where = engine_class(cfg.engine_options.engine).live
+    return LIVE_TEACHERS[where](cfg, micro_batch=micro_batch, seq_len=seq_len)
+
+
 def remove_process_shm(pid: int) -> None:
     """Remove the /dev/shm files named after process `pid`: the CUDA driver's `cuda.shm.<uid>.<pid hex>.<n>`
     and PyTorch's CUDA IPC reference counters `torch_<pid>_<n>_<n>`. A process that exported CUDA
@@ -371,7 +473,9 @@ class LiveSource:
     split, ordered, packed and sharded as a store's (one window: the global shuffle), and computed
     whole by the teacher process for each micro-batch, then cut into its pieces."""
 
-    def __init__(self, samples: LiveSamples, teacher: LiveTeacher | None, *, split: str, eval_fraction: float):
+    def __init__(
+        self, samples: LiveSamples, teacher: LiveTeacher | InRankTeacher | None, *, split: str, eval_fraction: float
+    ):
         keep = [
             i
             for i, sid in enumerate(samples.sample_ids)  # one step per sample, at start
@@ -397,7 +501,7 @@ class LiveSource:
         assert self.teacher is not None, "a live stream without its teacher only checks sizes (`check_streams`)"
         rows, where = np.unique(pieces.row, return_inverse=True)
         assert self.teacher is not None, "a live stream without its teacher is for checks only"
-        whole = self.teacher.compute([self._tokens[r] for r in rows])
+        whole = self.teacher.compute([self._tokens[r] for r in rows], names=[self.table.sample_ids[r] for r in rows])
         decoded = whole.cut(where.reshape(-1), pieces.a, pieces.b)
         return assemble(
             pieces,
@@ -411,7 +515,7 @@ class LiveSource:
         )
 
 
-def live_stream(samples: LiveSamples, teacher: LiveTeacher | None, spec: StreamSpec) -> Stream:
+def live_stream(samples: LiveSamples, teacher: LiveTeacher | InRankTeacher | None, spec: StreamSpec) -> Stream:
     """The stream engine over live mode: same order, packing, sharding and resume state as a store run
     on the same samples, batches from the live teacher (`spec.teacher`, `memory_budget`, `on_error` and
     `train_on` do not apply: nothing is read, and the teacher computes what it is asked)."""

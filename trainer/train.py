@@ -14,6 +14,7 @@ already names rank and world size and the same code runs. CPU uses gloo, CUDA us
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -38,7 +39,7 @@ from logitstore.pipelines.teacher import describe_teacher
 from logitstore.store import Store
 from logitstore.trainer import checkpoint, run_folder
 from logitstore.trainer.config import TrainConfig, TrainConfigError
-from logitstore.trainer.live import LiveTeacher, live_stream, plan_live_samples
+from logitstore.trainer.live import InRankTeacher, LiveTeacher, live_stream, plan_live_samples, settle, start_teacher
 from logitstore.trainer.mixing import Source, resolve_sources, student_vocabulary
 from logitstore.trainer.model import apply_levers, build_student, shard, student_max_positions, student_tokenizer_hash
 from logitstore.trainer.objective import all_reduce_mean, batch_loss, held_out_metrics, student_outputs
@@ -54,6 +55,8 @@ from logitstore.trainer.stream import store_stream
 def launch(cfg: TrainConfig) -> dict:
     """Run training on `cfg.student.nproc` processes (or under torchrun); returns rank 0's final metrics."""
     check_student_fits(cfg)  # before any process starts, like every other configuration error
+    if cfg.live is not None:  # the engine's refusals (a served teacher's preflight) before --out is touched
+        cfg = dataclasses.replace(cfg, live=settle(cfg.live, log=lambda line: print(line, file=sys.stderr)))
     plan = run_folder.plan(cfg)
     try:
         return _launch(cfg, plan)
@@ -392,7 +395,8 @@ class StoreSignal:
 
 
 class LiveSignal:
-    """Live mode (`--live-teacher`): a teacher process beside this rank, handing over by shared memory."""
+    """Live mode (`--live-teacher`): a teacher process beside this rank, handing over by shared memory, or
+    for a teacher behind a server the rank's own requests (`live.start_teacher`)."""
 
     kind = "live"
 
@@ -412,16 +416,21 @@ class LiveSignal:
         )
         self.snapshot = None  # no store: nothing to pin
         self.sources = [Source(self.teacher, 1.0, None)]
-        self.client: LiveTeacher | None = None
+        self.engine = cfg.live.engine_options.engine
+        self.client: LiveTeacher | InRankTeacher | None = None
 
     def start(self, cfg: TrainConfig) -> None:
         assert cfg.live is not None  # chosen for live mode only
-        self.client = LiveTeacher(cfg.live, micro_batch=cfg.data.micro_batch, seq_len=cfg.data.seq_len)
+        self.client = start_teacher(cfg.live, micro_batch=cfg.data.micro_batch, seq_len=cfg.data.seq_len)
 
     def header(self) -> dict:
         if self.client is None:
-            return {"live_teacher_pid": None}
-        return {"live_teacher_pid": self.client.pid, "live_transport": self.client.transport}
+            return {"live_teacher_pid": None, "live_engine": self.engine}
+        return {
+            "live_teacher_pid": self.client.pid,
+            "live_transport": self.client.transport,
+            "live_engine": self.engine,
+        }
 
     def stream(self, cfg: TrainConfig, *, rank: int, world_size: int, split: str):
         """The live stream; before `start` (no teacher yet), one that checks sizes and cannot be iterated."""

@@ -38,6 +38,11 @@ Optional, where an engine has them (the server engine):
     recorded(settings, spec) -> dict    classmethod: more of `TeacherMeta`'s fields to record (`server`)
     .take_skips(sample_ids) -> Counter  samples it left out of `compute`, by reason (counted in the summary)
 
+Where live mode (`train --live-teacher`, `trainer/live.py`) runs an engine, as a class attribute `live`:
+"process" (a teacher process beside each trainer rank, handing over by shared memory or CUDA IPC: the
+torch engine) or "rank" (the rank calls it itself: the server engine, which holds no model). An engine
+without it is refused in live mode.
+
 So adding an engine is one new file: the registry finds modules by name (`engine_names`) and imports
 one only when asked for it (`engine_class`), which keeps `logitstore --help` from importing vLLM.
 """

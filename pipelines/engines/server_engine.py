@@ -508,6 +508,7 @@ class Engine:
     """The server engine behind the engine interface (`pipelines/engines/__init__.py`)."""
 
     name = "server"
+    live = "rank"  # live mode: the trainer's rank sends the requests itself (no model to hold)
 
     @classmethod
     def samples(cls, settings) -> bool:

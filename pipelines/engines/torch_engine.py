@@ -44,6 +44,7 @@ def dtype_for(dtype: str, device: str) -> str:
 
 class Engine:
     name = "torch"
+    live = "process"  # live mode: a teacher process per rank holds the model
 
     @classmethod
     def samples(cls, settings) -> bool:
