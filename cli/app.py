@@ -30,7 +30,7 @@ from logitstore.errors import INTERRUPTED, LogitstoreError, capped
 from logitstore.options import OptionError, declared, dump, from_values, in_range, to_values
 from logitstore.pipelines.config import PANELS as BUILD_PANELS
 from logitstore.pipelines.config import BuildConfig, DataSource
-from logitstore.trainer.config import PANELS, TrainConfig, TrainConfigError, missing_kept, read_kept
+from logitstore.trainer.config import LIVE, PANELS, TrainConfig, TrainConfigError, missing_kept, read_kept
 
 app = typer.Typer(
     name="logitstore",
@@ -435,6 +435,15 @@ def _print_estimates(cfg, teachers: list, *, json_out: bool) -> None:
 
 
 TRAIN_FLAGS = declared(TrainConfig)
+# live mode as a switch: the teacher is --live-teacher's, else the default one
+LiveOpt = Annotated[
+    bool,
+    typer.Option(
+        "--live",
+        help="Live mode: --live-teacher's teacher, else the default one (as --live-teacher default).",
+        rich_help_panel=LIVE,
+    ),
+]
 EVAL_FLAGS = pick(
     TRAIN_FLAGS,
     {
@@ -461,11 +470,12 @@ def train(
     json_out: Annotated[
         bool, typer.Option("--json", help="Print machine-readable JSON.", rich_help_panel="Output")
     ] = False,
+    live: LiveOpt = False,
     *,
     given: Given,
 ) -> None:
     """Train a student from a store version with FSDP2; no teacher runs."""
-    cfg = _train_config(given, config=config)  # checked before torch loads
+    cfg = _train_config(given, config=config, live=live)  # checked before torch loads
     if print_config:
         typer.echo(dump(to_values(cfg), command="train"), nl=False)
         return
@@ -482,16 +492,17 @@ def train(
     )
 
 
-def _train_config(given: Given, *, config: str | None) -> TrainConfig:
+def _train_config(given: Given, *, config: str | None, live: bool = False) -> TrainConfig:
     """`train`'s configuration; with --resume, over the configuration the run kept in its folder (so
     resuming needs --out and --resume only; a flag that changes the run's identity is refused as before).
     A folder that keeps none resumes from the options given, and if they make no run, says so."""
-    values = resolve(TRAIN_FLAGS, given, config=config, command="train")
+    values = _live_switch(resolve(TRAIN_FLAGS, given, config=config, command="train"), live=live)
     if not values["resume"]:
         return from_values(TrainConfig, values)
     kept = read_kept(values["out"])
     if kept is not None:
-        return from_values(TrainConfig, resolve(TRAIN_FLAGS, given, config=config, command="train", base=kept))
+        kept_values = resolve(TRAIN_FLAGS, given, config=config, command="train", base=kept)
+        return from_values(TrainConfig, _live_switch(kept_values, live=live))
     try:
         return from_values(TrainConfig, values)
     except TrainConfigError as e:
@@ -499,6 +510,13 @@ def _train_config(given: Given, *, config: str | None) -> TrainConfig:
             f"--out {values['out']} keeps no run configuration to resume from ({missing_kept(values['out'])}); "
             f"give the run's options as at its start: {e}"
         ) from None
+
+
+def _live_switch(values: dict, *, live: bool) -> dict:
+    """`--live` is `--live-teacher default` where no --live-teacher is given."""
+    if live and values["live_teacher"] is None:
+        return {**values, "live_teacher": "default"}
+    return values
 
 
 @app.command(name="eval", cls=Command)

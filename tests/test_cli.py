@@ -91,6 +91,7 @@ def test_verify_whole_store(store):
         ),
         (["train", "--out", "/tmp/never"], "exactly one of --store and --live-teacher"),
         (["train", "--store", "{store}", "--live-teacher", "default", "--out", "/tmp/never"], "exactly one of"),
+        (["train", "--store", "{store}", "--live", "--out", "/tmp/never"], "exactly one of"),
         (["train", "--live-teacher", "default", "--version", "v1", "--out", "/tmp/never"], "no --teacher-weight"),
         (
             ["train", "--live-teacher", "default", "--top-p", "0.9", "--sample", "4", "--out", "/tmp/never"],
@@ -104,6 +105,12 @@ def test_user_errors_are_one_line(store, args, message):
     assert result.stderr.startswith("error: ") and message in result.stderr
     assert "Traceback" not in result.stderr + result.stdout and len(result.stderr.strip().splitlines()) == 1
     assert Store.open(store).resolve() == before
+
+
+def test_live_is_live_teacher_default_unless_a_live_teacher_is_named(tmp_path):
+    for args, teacher in [([], "default"), (["--live-teacher", "./my-teacher"], "./my-teacher")]:
+        result = CliRunner().invoke(app, ["train", "--live", *args, "--out", str(tmp_path / "o"), "--print-config"])
+        assert result.exit_code == 0 and f"\nlive_teacher: {teacher}\n" in result.output, result.output
 
 
 def test_unreachable_s3_endpoint_fails_fast(monkeypatch):

@@ -29,8 +29,9 @@ from logitstore.pipelines.teacher import resolve_teacher
 from logitstore.pipelines.workers import WorkerSettings
 from logitstore.sparsity import Sparsity
 from logitstore.testing.openai_server import Generate, OpenAIServer, Scores, render_generation
+from tests.conftest import torch_scorer
 from tests.test_generate import PROMPTS, answers, write_prompts
-from tests.test_server_engine import KEY, stored, torch_scorer
+from tests.test_server_engine import KEY, stored
 
 N = 8  # --generate: answers of up to 8 tokens keep each build to seconds on the real teacher
 

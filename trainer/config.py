@@ -443,7 +443,7 @@ class TrainConfig:
                     not (self.schedule.eval_every and d.eval_fraction == 0),
                     "--eval-every needs a held-out split: --eval-fraction > 0",
                 ),
-                ((self.live is None) == bool(d.store), "give exactly one of --store and --live-teacher"),
+                ((self.live is None) == bool(d.store), "give exactly one of --store and --live-teacher (or --live)"),
                 (
                     self.live is None or not (d.teacher_weights or d.student_tokenizer or d.version),
                     "--live-teacher takes one teacher with the student's tokenizer: no --teacher-weight, "
