@@ -336,7 +336,7 @@ def served_to_sparse(body: bytes, tokens: np.ndarray, *, k: int, vocab_size: int
 @dataclass(eq=False)
 class Replica:
     url: str
-    client: object
+    client: aiohttp.ClientSession
     in_flight: int = 0
     outstanding: int = 0  # prompt tokens in flight
     failures: int = 0  # in a row
@@ -428,10 +428,10 @@ class Replicas:
     async def _send(self, replica: Replica, body: bytes) -> Answer | None:
         """The answer, or None after a failure worth retrying (counted against the replica)."""
         try:
-            async with replica.client.post(_base(replica.url) + "/v1/completions", data=body) as response:  # type: ignore[attr-defined]
+            async with replica.client.post(_base(replica.url) + "/v1/completions", data=body) as response:
                 status = response.status
                 content = await response.read()
-        except (aiohttp.ClientError, asyncio.TimeoutError) as error:
+        except (TimeoutError, aiohttp.ClientError) as error:
             return await self._failed(replica, f"{type(error).__name__}: {error}".rstrip(": "))
         if status == 200:
             replica.failures = 0
@@ -471,7 +471,7 @@ class Replicas:
 
         async def close_clients():
             for replica in self.replicas:
-                await replica.client.close()  # type: ignore[attr-defined]
+                await replica.client.close()
 
         try:
             asyncio.run_coroutine_threadsafe(close_clients(), self.loop).result(timeout=10)
