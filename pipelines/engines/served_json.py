@@ -103,13 +103,19 @@ def _expect(data, i, byte):
 
 
 @numba.njit(cache=True, nogil=True)
-def _word(data, i, word):
-    if i + len(word) > len(data):
-        return -(i + 1)
+def _at(data, i, word):
+    """Whether `word`'s bytes are at i."""
+    if i < 0 or i + len(word) > len(data):
+        return False
     for j in range(len(word)):
         if data[i + j] != word[j]:
-            return -(i + 1)
-    return i + len(word)
+            return False
+    return True
+
+
+@numba.njit(cache=True, nogil=True)
+def _word(data, i, word):
+    return i + len(word) if _at(data, i, word) else -(i + 1)
 
 
 @numba.njit(cache=True, nogil=True)
@@ -129,6 +135,24 @@ def _skip_string(data, i):
 
 
 @numba.njit(cache=True, nogil=True)
+def _digits(data, i, mantissa, exponent, shift):
+    """(next byte, mantissa, exponent) past the digits at i: 18 significant ones at most (a mantissa below
+    10**17 takes one more: a bound on the value, not a count per digit, keeps the loop to one multiply-add).
+    Each digit taken moves the exponent by `shift` (0 before the point, -1 after), each dropped by one more."""
+    while i < len(data):
+        d = np.int64(data[i]) - 48
+        if d < 0 or d > 9:
+            break
+        if mantissa < _MANTISSA_FULL:
+            mantissa = mantissa * 10 + d
+            exponent += shift
+        else:
+            exponent += shift + 1
+        i += 1
+    return i, mantissa, exponent
+
+
+@numba.njit(cache=True, nogil=True)
 def _number(data, i):
     """(value, next byte) of a JSON number, or -Infinity/Infinity/NaN as Python's json writes them."""
     n = len(data)
@@ -141,30 +165,10 @@ def _number(data, i):
         return (sign * np.inf, j) if j <= n else (0.0, -(i + 1))
     if i < n and data[i] == 78:  # NaN
         return (np.nan, i + 3) if i + 3 <= n else (0.0, -(i + 1))
-    # 18 significant digits at most (a mantissa below 10**17 takes one more): a bound on the value, not a
-    # count per digit, keeps the loop to one multiply-add
-    mantissa = 0
-    exponent = 0
     start = i
-    while i < n:
-        d = np.int64(data[i]) - 48
-        if d < 0 or d > 9:
-            break
-        if mantissa < _MANTISSA_FULL:
-            mantissa = mantissa * 10 + d
-        else:
-            exponent += 1
-        i += 1
+    i, mantissa, exponent = _digits(data, i, 0, 0, 0)
     if i < n and data[i] == 46:  # .
-        i += 1
-        while i < n:
-            d = np.int64(data[i]) - 48
-            if d < 0 or d > 9:
-                break
-            if mantissa < _MANTISSA_FULL:
-                mantissa = mantissa * 10 + d
-                exponent -= 1
-            i += 1
+        i, mantissa, exponent = _digits(data, i + 1, mantissa, exponent, -1)
     if i == start:
         return 0.0, -(i + 1)
     if i < n and (data[i] == 101 or data[i] == 69):  # e E
@@ -214,22 +218,7 @@ def _skip_value(data, i):
 
 @numba.njit(cache=True, nogil=True)
 def _key_is(data, start, end, word):
-    if end - start != len(word):
-        return False
-    for j in range(len(word)):
-        if data[start + j] != word[j]:
-            return False
-    return True
-
-
-@numba.njit(cache=True, nogil=True)
-def _at(data, i, word):
-    if i < 0 or i + len(word) > len(data):
-        return False
-    for j in range(len(word)):
-        if data[i + j] != word[j]:
-            return False
-    return True
+    return end - start == len(word) and _at(data, start, word)
 
 
 @numba.njit(cache=True, nogil=True)
