@@ -381,9 +381,9 @@ class Replicas:
         self.loop.run_forever()
 
     async def _session(self) -> aiohttp.ClientSession:
-        # aiohttp reads a body through its C parser (llhttp) into one buffer: a 1.5 MB answer costs the loop
-        # ~4 ms of CPU where httpx over h11 took ~16 ms (benchmarks/server.py), which capped a client near
-        # 30k tokens/s. The timeouts are httpx's: connecting, then each read, not the whole answer.
+        # aiohttp reads a body through its C parser (llhttp): a 1.5 MB answer costs the loop ~2.6 ms of CPU
+        # where httpx over h11 took ~10.7 ms, the largest share of a served build's client (docs/benchmarks.md).
+        # The timeouts are httpx's: connecting, then each read, not the whole answer.
         return aiohttp.ClientSession(
             headers={**_headers(self.key), "Content-Type": "application/json"},
             connector=aiohttp.TCPConnector(limit=self.concurrency, limit_per_host=0),
