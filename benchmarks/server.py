@@ -13,7 +13,9 @@ of its own, so its threads do not share the client's GIL; on a 2-core machine it
 
 Prints one JSON line per run: build tokens/s (the whole `run_build`, from reading the input to the last
 commit, after a first small build has paid the one-time costs: imports, compiled kernels), the bytes of JSON
-read, and the parse-and-convert rate alone on one answer (no HTTP, no writes).
+read, the parse-and-convert rate alone on one answer (no HTTP, no writes), the cores the client and the
+server kept busy, the build's tokens per CPU-second of the client (its cost, which other work on the machine
+changes far less than the wall clock) and the 1-minute load average at the end.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -90,6 +93,12 @@ def serve(teacher: str, k: int, length: int, distinct: int, ready) -> None:
         time.sleep(3600)
 
 
+def _cpu_seconds(pid: int) -> float:
+    """User and system CPU time of a process so far (Linux's /proc), all its threads."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def stand_in_teacher(folder: Path) -> str:
     import tests.conftest as conftest  # save_tiny_llama: a 1-layer Llama folder (never loaded by the build)
     from logitstore.pipelines.teacher import describe_teacher
@@ -148,7 +157,9 @@ def main() -> None:
             store=str(folder / "store"),
             **config,
         )
+        client_cpu, server_cpu = time.process_time(), _cpu_seconds(server.pid)
         summary = run_build(cfg, log=lambda _: None)
+        client_cpu, server_cpu = time.process_time() - client_cpu, _cpu_seconds(server.pid) - server_cpu
         server.terminate()
         print(
             json.dumps(
@@ -162,6 +173,12 @@ def main() -> None:
                     "answer_bytes_per_token": round(answer_bytes / args.length),
                     "parse_convert_tokens_per_s": round(parse_rate),
                     "bytes_per_token_stored": round(summary.bytes_per_token or 0, 1),
+                    # what the build took of the CPU, whatever else runs: a machine shared with other work
+                    # slows the wall clock, much less these
+                    "client_cores": round(client_cpu / summary.seconds, 2),
+                    "server_cores": round(server_cpu / summary.seconds, 2),
+                    "tokens_per_client_cpu_s": round(summary.tokens / client_cpu),
+                    "load_1min": round(os.getloadavg()[0], 1),
                 }
             )
         )

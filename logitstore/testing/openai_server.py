@@ -235,7 +235,7 @@ class OpenAIServer:
             def do_POST(self):
                 server._handle(self, "POST")
 
-        self._http = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._http = _Listener(("127.0.0.1", 0), Handler)
         self._http.daemon_threads = True
         self._thread = threading.Thread(target=self._http.serve_forever, name="openai-server", daemon=True)
         self._thread.start()
@@ -342,6 +342,12 @@ class OpenAIServer:
         self.completions += 1
         self.generations += 1
         _send_bytes(handler, 200, body)
+
+
+class _Listener(ThreadingHTTPServer):
+    # the standard library's backlog of 5 overflows when a client opens its pool of 64 connections at once: the
+    # kernel then drops or resets some of them, which a client reads as a dead replica
+    request_queue_size = 1024
 
 
 def _error(message: str, code: int) -> dict:

@@ -78,6 +78,12 @@ _LOGPROB = np.frombuffer(b"logprob", dtype=np.uint8)
 _RANK = np.frombuffer(b"rank", dtype=np.uint8)
 _NULL = np.frombuffer(b"null", dtype=np.uint8)
 _POW10 = np.array([10.0**e for e in range(23)])
+_MANTISSA_FULL = 10**17
+# vLLM's own entry, compact and in its field order: read by the fast path in `_entry`, anything else by the
+# general one
+_FAST_LOGPROB = np.frombuffer(b'"logprob":', dtype=np.uint8)
+_FAST_RANK = np.frombuffer(b',"rank":', dtype=np.uint8)
+_FAST_DECODED = np.frombuffer(b',"decoded_token":"', dtype=np.uint8)
 
 
 @numba.njit(cache=True, nogil=True)
@@ -97,13 +103,19 @@ def _expect(data, i, byte):
 
 
 @numba.njit(cache=True, nogil=True)
-def _word(data, i, word):
-    if i + len(word) > len(data):
-        return -(i + 1)
+def _at(data, i, word):
+    """Whether `word`'s bytes are at i."""
+    if i < 0 or i + len(word) > len(data):
+        return False
     for j in range(len(word)):
         if data[i + j] != word[j]:
-            return -(i + 1)
-    return i + len(word)
+            return False
+    return True
+
+
+@numba.njit(cache=True, nogil=True)
+def _word(data, i, word):
+    return i + len(word) if _at(data, i, word) else -(i + 1)
 
 
 @numba.njit(cache=True, nogil=True)
@@ -123,6 +135,24 @@ def _skip_string(data, i):
 
 
 @numba.njit(cache=True, nogil=True)
+def _digits(data, i, mantissa, exponent, shift):
+    """(next byte, mantissa, exponent) past the digits at i: 18 significant ones at most (a mantissa below
+    10**17 takes one more: a bound on the value, not a count per digit, keeps the loop to one multiply-add).
+    Each digit taken moves the exponent by `shift` (0 before the point, -1 after), each dropped by one more."""
+    while i < len(data):
+        d = np.int64(data[i]) - 48
+        if d < 0 or d > 9:
+            break
+        if mantissa < _MANTISSA_FULL:
+            mantissa = mantissa * 10 + d
+            exponent += shift
+        else:
+            exponent += shift + 1
+        i += 1
+    return i, mantissa, exponent
+
+
+@numba.njit(cache=True, nogil=True)
 def _number(data, i):
     """(value, next byte) of a JSON number, or -Infinity/Infinity/NaN as Python's json writes them."""
     n = len(data)
@@ -135,25 +165,10 @@ def _number(data, i):
         return (sign * np.inf, j) if j <= n else (0.0, -(i + 1))
     if i < n and data[i] == 78:  # NaN
         return (np.nan, i + 3) if i + 3 <= n else (0.0, -(i + 1))
-    mantissa = 0
-    digits = 0
-    exponent = 0
     start = i
-    while i < n and 48 <= data[i] <= 57:
-        if digits < 18:
-            mantissa = mantissa * 10 + (data[i] - 48)
-            digits += mantissa > 0
-        else:
-            exponent += 1
-        i += 1
+    i, mantissa, exponent = _digits(data, i, 0, 0, 0)
     if i < n and data[i] == 46:  # .
-        i += 1
-        while i < n and 48 <= data[i] <= 57:
-            if digits < 18:
-                mantissa = mantissa * 10 + (data[i] - 48)
-                digits += mantissa > 0
-                exponent -= 1
-            i += 1
+        i, mantissa, exponent = _digits(data, i + 1, mantissa, exponent, -1)
     if i == start:
         return 0.0, -(i + 1)
     if i < n and (data[i] == 101 or data[i] == 69):  # e E
@@ -203,12 +218,34 @@ def _skip_value(data, i):
 
 @numba.njit(cache=True, nogil=True)
 def _key_is(data, start, end, word):
-    if end - start != len(word):
-        return False
-    for j in range(len(word)):
-        if data[start + j] != word[j]:
-            return False
-    return True
+    return end - start == len(word) and _at(data, start, word)
+
+
+@numba.njit(cache=True, nogil=True)
+def _fast_fields(data, i, logprobs, ranks, e):
+    """An entry's fields as vLLM writes them (`{"logprob":N,"rank":N,"decoded_token":"..."}`, i just past
+    the brace): the byte after the closing brace, or -1 for anything else (the general path reads it). Half
+    the cost of reading each key as a string and comparing it."""
+    if not _at(data, i, _FAST_LOGPROB):
+        return -1
+    logprob, i = _number(data, i + len(_FAST_LOGPROB))
+    if not _at(data, i, _FAST_RANK):
+        return -1
+    i += len(_FAST_RANK)
+    if i >= len(data) or not 48 <= data[i] <= 57:  # null, or not a plain count
+        return -1
+    rank = 0
+    while i < len(data) and 48 <= data[i] <= 57:
+        rank = rank * 10 + (np.int64(data[i]) - 48)
+        i += 1
+    if not _at(data, i, _FAST_DECODED):
+        return -1
+    i = _skip_string(data, i + len(_FAST_DECODED) - 1)
+    if i < 0 or i >= len(data) or data[i] != 125:
+        return -1
+    logprobs[e] = logprob
+    ranks[e] = rank
+    return i + 1
 
 
 @numba.njit(cache=True, nogil=True)
@@ -232,6 +269,9 @@ def _entry(data, i, ids, logprobs, ranks, e):
     if i < 0:
         return i
     ids[e] = token
+    j = _fast_fields(data, i, logprobs, ranks, e)
+    if j >= 0:
+        return j
     logprobs[e] = np.nan
     ranks[e] = MISSING_RANK
     have_logprob = False

@@ -12,7 +12,7 @@ teacher's model, tokenizes a probe text as the local tokenizer does (`/tokenize`
 echoes), and takes K prompt log-probabilities (a larger K is refused naming `vllm serve --max-logprobs`; with
 no --top-k/--top-p the build takes K = min(64, the server's maximum)).
 
-Requests (`Replicas`): an asyncio loop in a thread of its own, an httpx client per replica, at most
+Requests (`Replicas`): an asyncio loop in a thread of its own, an aiohttp session per replica, at most
 `--server-concurrency` requests in flight on each, a new request to the live replica with the least
 outstanding work (prompt tokens in flight). Timeouts, refused or dropped connections, 429 and 5xx are
 retried with backoff, `ATTEMPTS` times at most; a replica that fails `SET_ASIDE_AFTER` times in a row is set
@@ -39,6 +39,7 @@ from collections import Counter
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
+import aiohttp
 import httpx
 import numpy as np
 import orjson
@@ -346,7 +347,7 @@ def flat_to_sparse(flat: FlatPromptLogprobs, tokens: np.ndarray, *, k: int, voca
 @dataclass(eq=False)
 class Replica:
     url: str
-    client: object
+    client: aiohttp.ClientSession
     in_flight: int = 0
     outstanding: int = 0  # prompt tokens in flight
     failures: int = 0  # in a row
@@ -385,15 +386,22 @@ class Replicas:
 
     def _run(self) -> None:
         asyncio.set_event_loop(self.loop)
-        limits = httpx.Limits(max_connections=self.concurrency, max_keepalive_connections=self.concurrency)
-        timeout = httpx.Timeout(self.timeout, connect=min(self.timeout, CHECK_TIMEOUT_S))
-        self.replicas = [
-            Replica(url, httpx.AsyncClient(headers=_headers(self.key), limits=limits, timeout=timeout))
-            for url in self.urls
-        ]
+        self.replicas = [Replica(url, self.loop.run_until_complete(self._session())) for url in self.urls]
         self._free = asyncio.Condition()
         self._ready.set()
         self.loop.run_forever()
+
+    async def _session(self) -> aiohttp.ClientSession:
+        # aiohttp reads a body through its C parser (llhttp): a 1.5 MB answer costs the loop ~2.6 ms of CPU
+        # where httpx over h11 took ~10.7 ms, the largest share of a served build's client (docs/benchmarks.md).
+        # The timeouts are httpx's: connecting, then each read, not the whole answer.
+        return aiohttp.ClientSession(
+            headers={**_headers(self.key), "Content-Type": "application/json"},
+            connector=aiohttp.TCPConnector(limit=self.concurrency, limit_per_host=0),
+            timeout=aiohttp.ClientTimeout(
+                total=None, sock_connect=min(self.timeout, CHECK_TIMEOUT_S), sock_read=self.timeout
+            ),
+        )
 
     def submit(self, body: bytes, *, tokens: int) -> Future:
         return asyncio.run_coroutine_threadsafe(self._request(body, tokens), self.loop)
@@ -431,21 +439,20 @@ class Replicas:
     async def _send(self, replica: Replica, body: bytes) -> Answer | None:
         """The answer, or None after a failure worth retrying (counted against the replica)."""
         try:
-            response = await replica.client.post(  # type: ignore[attr-defined]
-                _base(replica.url) + "/v1/completions", content=body, headers={"Content-Type": "application/json"}
-            )
-        except httpx.HTTPError as error:
+            async with replica.client.post(_base(replica.url) + "/v1/completions", data=body) as response:
+                status = response.status
+                content = await response.read()
+        except (TimeoutError, aiohttp.ClientError) as error:
             return await self._failed(replica, f"{type(error).__name__}: {error}".rstrip(": "))
-        status = response.status_code
         if status == 200:
             replica.failures = 0
-            return Answer(replica.url, status, response.content)
+            return Answer(replica.url, status, content)
         if status in (401, 403):
             raise ServerError(f"--server-url {strip_credentials(replica.url)} refused the API key (HTTP {status})")
         if status >= 500 or status in (408, 429):
             return await self._failed(replica, f"HTTP {status}")
         replica.failures = 0
-        return Answer(replica.url, status, reason=_error_message(response.content))
+        return Answer(replica.url, status, reason=_error_message(content))
 
     async def _failed(self, replica: Replica, error: str) -> Answer | None:
         """None (retry), after counting the failure against the replica and setting it aside at the limit."""
@@ -475,7 +482,7 @@ class Replicas:
 
         async def close_clients():
             for replica in self.replicas:
-                await replica.client.aclose()
+                await replica.client.close()
 
         try:
             asyncio.run_coroutine_threadsafe(close_clients(), self.loop).result(timeout=10)
@@ -528,7 +535,7 @@ class Engine:
 
     @classmethod
     def version(cls) -> str:
-        return f"httpx {httpx.__version__}, orjson {orjson.__version__}"
+        return f"aiohttp {aiohttp.__version__}, orjson {orjson.__version__}"
 
     @classmethod
     def settled(cls, settings, spec) -> tuple[Sparsity, str | None]:

@@ -344,8 +344,19 @@ def _top_k_kernel(ids, lps, starts, kept, top_ids, top_lps):
 
 
 def _tail(top_lps: np.ndarray) -> np.ndarray:
-    # 1 - sum(p) = -expm1(log(sum(p))): no cancellation in the subtraction itself.
-    return np.clip(-np.expm1(np.logaddexp.reduce(top_lps, axis=-1)), 0.0, 1.0)
+    # 1 - sum(p) = -expm1(log(sum(p))): no cancellation in the subtraction itself. The log of the sum is
+    # taken past each row's largest value: one exp per entry, where logaddexp's reduction (an exp and a
+    # log1p per entry, one entry at a time) took ~5% of a top-64 served build's CPU.
+    if top_lps.shape[-1] == 0:
+        return np.ones(top_lps.shape[:-1])
+    largest = top_lps.argmax(axis=-1)[..., None]
+    top = np.take_along_axis(top_lps, largest, axis=-1)
+    top = np.where(np.isfinite(top), top, 0.0)  # a row of -inf: its sum is 0, its tail 1
+    others = np.exp(top_lps - top)
+    np.put_along_axis(others, largest, 0.0, axis=-1)  # log(1 + the others): exact for a tail near 0
+    with np.errstate(divide="ignore"):
+        log_sum = np.where(np.isfinite(top_lps).any(axis=-1), np.log1p(others.sum(axis=-1)) + top[..., 0], -np.inf)
+    return np.clip(-np.expm1(log_sum), 0.0, 1.0)
 
 
 # --------------------------------------------------------------------------- platform and plan
