@@ -5,7 +5,8 @@ job runs them in their own virtualenv (`scripts/vllm_env.sh`).
 The teacher is a random 2-layer Llama with SmolLM2's tokenizer and head size 32 (hidden 128, 4 heads): vLLM's CPU
 attention takes head sizes 32, 64, ... only. Each vLLM build starts an engine (~40-60 s on 2 cores), so the
 tests are few and each checks several things. Builds run as a user runs them, `python -m logitstore.cli.app`
-in a child process, whose processes (vLLM's engine core and its worker) are watched with psutil.
+in a child process, whose processes (vLLM's engine core and its worker) are watched with psutil. One test
+serves the teacher with vLLM's own OpenAI-compatible server for `--engine server`.
 """
 
 from __future__ import annotations
