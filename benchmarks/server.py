@@ -16,6 +16,19 @@ commit, after a first small build has paid the one-time costs: imports, compiled
 read, the parse-and-convert rate alone on one answer (no HTTP, no writes), the cores the client and the
 server kept busy, the build's tokens per CPU-second of the client (its cost, which other work on the machine
 changes far less than the wall clock) and the 1-minute load average at the end.
+
+`--vllm-ratio`: the same model through a real vLLM server against vLLM in the build's process, on vLLM's CPU
+build (run by the vLLM virtualenv's python, `scripts/vllm_env.sh`):
+
+    VLLM_CPU_KVCACHE_SPACE=1 ~/.cache/logitstore/venv-vllm/bin/python benchmarks/server.py --vllm-ratio \
+        --k 16 --samples 64 --length 128
+
+The teacher is the vLLM tests' random 2-layer Llama (head size 32, SmolLM2's tokenizer), or `--teacher`. One
+`vllm serve` replica (vLLM's server module: the CPU build has no working `vllm` command) and one in-process
+`--engine vllm --vllm-output logprobs` engine are both started before the clock; then, in alternating rounds,
+each engine's `compute` runs the same units (16 samples of random ids each, `OVERLAP` units in flight as in a
+build's worker). Prints per engine the best round's tokens/s, and the ratio server / in-process. The store's
+writes, the same for both engines, are left out (the first mode measures the server build's own).
 """
 
 from __future__ import annotations
@@ -24,12 +37,19 @@ import argparse
 import json
 import multiprocessing
 import os
+import signal
+import socket
+import subprocess
+import sys
 import tempfile
 import time
+import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # tests/, after the installed logitstore: its helpers
 VOCAB = 151_936
 NAMES = ["Ġthe", "Ġof", ",", "\n", 'Ġ"', "\\", "ing", "Ġdistillation", "Ġ東京", "é", "Ġ{", "}\n"]
 
@@ -114,7 +134,13 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=512)
     parser.add_argument("--length", type=int, default=1024)
     parser.add_argument("--distinct", type=int, default=32, help="distinct prompts (answers held by the server)")
+    parser.add_argument("--vllm-ratio", action="store_true", help="a real vLLM server against vLLM in-process")
+    parser.add_argument("--teacher", help="--vllm-ratio: a model folder (default: a random head-size-32 Llama)")
+    parser.add_argument("--rounds", type=int, default=2, help="--vllm-ratio: rounds per engine (the best counts)")
     args = parser.parse_args()
+    if args.vllm_ratio:
+        vllm_ratio(args)
+        return
 
     from logitstore.pipelines.build import BuildConfig, run_build
     from logitstore.pipelines.engines.server_engine import served_to_sparse
@@ -182,6 +208,156 @@ def main() -> None:
                 }
             )
         )
+
+
+UNIT_SAMPLES = 16  # --vllm-ratio: samples per unit
+
+
+def vllm_ratio(args) -> None:
+    import concurrent.futures
+    import functools
+    import threading
+
+    from logitstore.pipelines.build import BuildConfig
+    from logitstore.pipelines.engines import engine_class
+    from logitstore.pipelines.teacher import describe_teacher
+    from logitstore.pipelines.workers import OVERLAP, worker_settings
+    from logitstore.sparsity import SparsityFlags
+
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        teacher = args.teacher or tiny_vllm_teacher(folder)
+        vocab = describe_teacher(teacher).vocab_size
+        rng = np.random.default_rng(0)
+        rows = [rng.integers(0, vocab, args.length) for _ in range(args.samples)]
+        units = [
+            ([f"s{j}" for j in range(i, i + UNIT_SAMPLES)], rows[i : i + UNIT_SAMPLES])
+            for i in range(0, args.samples, UNIT_SAMPLES)
+        ]
+        server = start_vllm_server(teacher, folder / "server.log", max_model_len=args.length + 1, max_logprobs=args.k)
+        engines = {}
+        try:
+            wait_ready(server, folder / "server.log")
+            common = dict(
+                store=str(folder / "unused"),
+                data=str(folder / "unused.jsonl"),
+                teacher=teacher,
+                max_length=args.length,
+                dtype="float32",
+                sparsity=SparsityFlags(top_k=args.k),
+            )
+            started = {}
+            for name, extra in [("server", {"server_urls": (server.url,)}), ("vllm", {"vllm_output": "logprobs"})]:
+                cfg = BuildConfig(engine=name, **common, **extra)
+                info = describe_teacher(cfg.teacher)
+                settings = worker_settings(cfg, teacher_spec=info.spec)
+                engine_class(name).check(settings, info.spec)
+                clock = time.perf_counter()
+                engines[name] = engine_class(name)(settings, lock=threading.Lock())
+                started[name] = time.perf_counter() - clock
+            runs = {name: functools.partial(_compute_all, engine, units) for name, engine in engines.items()}
+            runs["server_fetch"] = functools.partial(_fetch_all, engines["server"], units)
+            rates: dict[str, list[float]] = {name: [] for name in runs}
+            with concurrent.futures.ThreadPoolExecutor(OVERLAP) as pool:
+                for engine in engines.values():  # one unit each first: compiled kernels, warm caches
+                    engine.compute(*units[0], seed=0)
+                for _ in range(args.rounds):
+                    for name, run in runs.items():
+                        clock = time.perf_counter()
+                        run(pool=pool)
+                        rates[name].append(args.samples * args.length / (time.perf_counter() - clock))
+        finally:
+            for engine in engines.values():
+                engine.close()
+            server.stop()
+        best = {name: max(r) for name, r in rates.items()}
+        print(
+            json.dumps(
+                {
+                    "k": args.k,
+                    "samples": args.samples,
+                    "length": args.length,
+                    "tokens": args.samples * args.length,
+                    "server_tokens_per_s": round(best["server"]),
+                    "vllm_tokens_per_s": round(best["vllm"]),
+                    "server_fetch_tokens_per_s": round(best["server_fetch"]),
+                    "ratio": round(best["server"] / best["vllm"], 3),
+                    "rounds": {name: [round(r) for r in rates[name]] for name in rates},
+                    "engine_start_s": {name: round(s, 1) for name, s in started.items()},
+                }
+            )
+        )
+
+
+def _compute_all(engine, units, *, pool) -> None:
+    """Every unit through the engine's `compute`, `OVERLAP` at once (a build's in-process worker)."""
+    done = list(pool.map(lambda unit: engine.compute(*unit, seed=0), units))
+    assert sum(len(d.sample_ids) for d in done) == sum(len(ids) for ids, _ in units)
+
+
+def _fetch_all(engine, units, *, pool) -> None:
+    """The server engine's requests alone, every sample in flight, answers not parsed: what the server and
+    HTTP sustain without the client's conversion."""
+    import orjson
+
+    served = engine.served
+    futures = []
+    for _, rows in units:
+        for row in rows:
+            body = {"model": served.model, "prompt": row.tolist(), "max_tokens": 1, "prompt_logprobs": served.k}
+            futures.append(engine.replicas.submit(orjson.dumps(body), tokens=len(row)))
+    assert all(f.result().status == 200 for f in futures)
+
+
+def tiny_vllm_teacher(folder: Path) -> str:
+    """The vLLM tests' teacher: a random 2-layer Llama, head size 32 (vLLM's CPU attention takes 32, 64, ...)."""
+    import tests.conftest as conftest
+    from logitstore.pipelines.teacher import describe_teacher
+
+    path = folder / "llama-head32"
+    shape = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2)
+    tokenizer = describe_teacher(None).tokenizer
+    conftest.save_tiny_llama(path, tokenizer, num_hidden_layers=2, max_position_embeddings=2048, **shape)
+    return str(path)
+
+
+@dataclass
+class VllmServer:
+    process: subprocess.Popen
+    url: str
+
+    def stop(self) -> None:
+        """SIGKILL to its process group: the API server, its engine core and worker."""
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.process.wait()
+
+
+def start_vllm_server(teacher: str, log: Path, *, max_model_len: int, max_logprobs: int) -> VllmServer:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", teacher, "--host", "127.0.0.1"]
+    command += ["--port", str(port), "--dtype", "float32", "--enforce-eager", "--max-model-len", str(max_model_len)]
+    command += ["--max-logprobs", str(max_logprobs), "--no-enable-prefix-caching"]
+    with log.open("w") as out:
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    return VllmServer(process, f"http://127.0.0.1:{port}")
+
+
+def wait_ready(server: VllmServer, log: Path, *, timeout: float = 600) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if server.process.poll() is not None:
+            raise SystemExit(f"vllm serve ended at start:\n{log.read_text()[-3000:]}")
+        try:
+            with urllib.request.urlopen(server.url + "/v1/models", timeout=5):
+                return
+        except OSError:
+            time.sleep(1)
+    raise SystemExit(f"vllm serve not ready after {timeout} s")
 
 
 if __name__ == "__main__":

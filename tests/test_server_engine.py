@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 
 from logitstore.cli.app import app
 from logitstore.pipelines.engines.served_json import MalformedResponse, parse_prompt_logprobs
-from logitstore.pipelines.engines.server_engine import served_to_sparse, strip_credentials
+from logitstore.pipelines.engines.server_engine import MAX_ALLOWED, served_to_sparse, strip_credentials
 from logitstore.pipelines.engines.vllm_engine import prompt_logprobs_to_sparse
 from logitstore.store import Store
 from logitstore.testing.openai_server import OpenAIServer, Scores, render_completion
@@ -172,6 +172,39 @@ def test_served_answers_parse_as_the_dict_form_converts():
     for broken in (body[: len(body) // 2], body.replace(b'"logprob"', b'"logprop"'), b'{"choices": []}'):
         with pytest.raises(MalformedResponse):
             served_to_sparse(broken, np.array(prompt), k=8, vocab_size=1000)
+
+
+# vLLM 0.32.0's own answer (`vllm serve` on vLLM's CPU build, the vLLM tests' random Llama) to prompt
+# [12, 400, 3000] with prompt_logprobs 2: the prompt tokens are outside the top 2 (ranks 29,750 and 2,939)
+VLLM_ANSWER = (
+    b'{"id":"cmpl-84b134ab69740da7","object":"text_completion","created":1795761306,"model":"/tmp/vs/l'
+    b'lama-head32","choices":[{"index":0,"text":" division","logprobs":null,"finish_reason":"length","'
+    b'stop_reason":null,"token_ids":null,"prompt_logprobs":[null,{"400":{"logprob":-10.887408256530762'
+    b',"rank":29750,"decoded_token":"ld"},"5687":{"logprob":-9.642197608947754,"rank":1,"decoded_token'
+    b'":" circumstances"},"18837":{"logprob":-9.851057052612305,"rank":2,"decoded_token":"kernel"}},{"'
+    b'3000":{"logprob":-10.476804733276367,"rank":2939,"decoded_token":" Pre"},"44470":{"logprob":-9.8'
+    b'38800430297852,"rank":1,"decoded_token":"odendron"},"24667":{"logprob":-9.918940544128418,"rank"'
+    b':2,"decoded_token":" honored"}}],"prompt_token_ids":null,"routed_experts":null}],"service_tier":'
+    b'null,"system_fingerprint":"vllm-0.32.0-08eed915","usage":{"prompt_tokens":3,"total_tokens":4,"co'
+    b'mpletion_tokens":1,"prompt_tokens_details":null,"completion_tokens_details":null},"kv_transfer_p'
+    b'arams":null,"ec_transfer_params":null,"metrics":null}'
+)
+# and its refusal of a K above --max-logprobs (HTTP 400)
+VLLM_REFUSAL = (
+    b'{"error":{"message":"Requested prompt logprobs of 64, which is greater than max allowed: 32 (parameter=prompt_'
+    b'logprobs, value=64)","type":"BadRequestError","param":"prompt_logprobs","code":400}}'
+)
+
+
+def test_a_real_vllm_answer_and_refusal_are_read():
+    """The bytes vLLM's server sent: the top-2 ids and log-probabilities in rank order, the prompt tokens'
+    log-probabilities from outside the top 2, the tail as 1 - their sum; the refusal names the maximum."""
+    got = served_to_sparse(VLLM_ANSWER, np.array([12, 400, 3000]), k=2, vocab_size=49_152)
+    assert got["ids"].tolist() == [[5687, 18837], [44470, 24667]]
+    np.testing.assert_allclose(got["logprobs"], [[-9.642198, -9.851057], [-9.838800, -9.918941]], rtol=1e-6)
+    np.testing.assert_allclose(got["target_logprob"], [-10.887408, -10.476805], rtol=1e-6)
+    np.testing.assert_allclose(got["tail"], 1 - np.exp(got["logprobs"]).sum(axis=1), rtol=1e-6)
+    assert MAX_ALLOWED.search(json.loads(VLLM_REFUSAL)["error"]["message"]).group(1) == "32"
 
 
 # -- refusals before anything is written -----------------------------------------------------------------

