@@ -229,6 +229,7 @@ def _describe_generator(generator: str | None, *, teacher) -> tuple:
 def _describe_served(cfg: BuildConfig, *, teacher) -> dict:
     """What the store records of a served generator (`--generator-url`), after its preflight: the served
     model's name and the server, the URLs without credentials; the key is in no record."""
+    # engines load on use (their registry): only a served generator needs this one, with its HTTP clients
     from logitstore.pipelines.engines.server_engine import generator_preflight
 
     settings = dataclasses.replace(worker_settings(cfg, teacher_spec=teacher.spec), server_urls=cfg.generator_urls)

