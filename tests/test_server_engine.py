@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -18,7 +19,13 @@ from typer.testing import CliRunner
 
 from logitstore.cli.app import app
 from logitstore.pipelines.engines.served_json import MalformedResponse, parse_prompt_logprobs
-from logitstore.pipelines.engines.server_engine import MAX_ALLOWED, served_to_sparse, strip_credentials
+from logitstore.pipelines.engines.server_engine import (
+    MAX_ALLOWED,
+    ServerError,
+    check_one_credential,
+    served_to_sparse,
+    strip_credentials,
+)
 from logitstore.pipelines.engines.vllm_engine import prompt_logprobs_to_sparse
 from logitstore.store import Store
 from logitstore.testing.openai_server import OpenAIServer, Scores, render_completion
@@ -376,7 +383,7 @@ def test_without_tokenize_the_echoed_ids_check_the_tokenizer(servers, tiny_teach
     """A server without /tokenize: the ids a text prompt echoes (prompt_logprobs 0) are compared instead."""
     from transformers import AutoTokenizer
 
-    from logitstore.pipelines.engines.server_engine import ServerError, preflight
+    from logitstore.pipelines.engines.server_engine import preflight
     from logitstore.pipelines.teacher import resolve_teacher
     from logitstore.pipelines.workers import WorkerSettings
     from logitstore.sparsity import Sparsity
@@ -395,3 +402,14 @@ def test_without_tokenize_the_echoed_ids_check_the_tokenizer(servers, tiny_teach
             server.tokenizer = mine
     finally:
         server.tokenize = True
+
+
+def test_a_url_with_a_password_and_an_api_key_is_one_line_before_any_request(monkeypatch):
+    settings = SimpleNamespace(
+        server_urls=("http://127.0.0.1:9", "http://me:secret@127.0.0.1:9/v1"), server_api_key=None
+    )
+    check_one_credential(settings)  # basic auth alone is the URL's
+    monkeypatch.setenv("LOGITSTORE_SERVER_API_KEY", KEY)
+    with pytest.raises(ServerError, match="--server-url http://127.0.0.1:9/v1 carries a user and password") as error:
+        check_one_credential(settings)
+    assert "secret" not in str(error.value) and KEY not in str(error.value)

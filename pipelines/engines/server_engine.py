@@ -89,6 +89,19 @@ def strip_credentials(url: str) -> str:
     return urllib.parse.urlunsplit((parts.scheme, netloc, parts.path.rstrip("/"), "", ""))
 
 
+def check_one_credential(settings, *, flag: str = "--server-url") -> None:
+    """A URL's user:password is HTTP basic auth, and the API key a bearer header: both would be one
+    Authorization header (the HTTP clients refuse, or let one replace the other), so a request has one."""
+    if api_key(settings) is None:
+        return
+    for url in settings.server_urls:
+        if urllib.parse.urlsplit(url).username is not None:
+            raise ServerError(
+                f"{flag} {strip_credentials(url)} carries a user and password, and an API key is given too "
+                f"(--server-api-key or {API_KEY_VARIABLE}): give one of them"
+            )
+
+
 def _base(url: str) -> str:
     """The server's root: URLs are given with or without a trailing /v1."""
     url = url.rstrip("/")
@@ -127,6 +140,7 @@ def preflight(settings, spec, *, default_k: bool = False, fresh: bool = False) -
     Asked again with the same settings, the answer of the last check (`fresh`: ask the servers again)."""
     if not settings.server_urls:
         raise ServerError("--engine server needs --server-url URL (repeat it for several replicas)")
+    check_one_credential(settings)
     sparsity = settings.sparsity
     if sparsity.sampled:
         raise ServerError(
@@ -673,6 +687,7 @@ def generator_preflight(settings, spec) -> ServedGenerator:
     """Checks every `--generator-url` replica (`settings.server_urls`) as the teacher's are checked: reachable,
     serving one model (the same on each), tokenizing as the teacher's tokenizer `spec` does, and answering
     a seeded generation request with its token ids; one line on failure, naming --generator-url."""
+    check_one_credential(settings, flag="--generator-url")
     try:
         with httpx.Client(timeout=CHECK_TIMEOUT_S, headers=_headers(api_key(settings))) as client:
             served = [_check_generator(client, url, spec) for url in settings.server_urls]
