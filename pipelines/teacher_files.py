@@ -38,7 +38,7 @@ class TeacherSpec:
 def loadable(spec: TeacherSpec) -> tuple[Path, dict]:
     """Where transformers loads `spec` from, and the arguments that say how. A GGUF teacher loads from its
     converted folder (`converted_folder`), made on first use: transformers reads a GGUF file's tokenizer
-    and dequantizes its tensors in Python, ~30 s for the 92 MB default teacher on 2 cores against ~1 s
+    and dequantizes its tensors in Python, ~55 s for the 92 MB default teacher on 2 cores against ~1.3 s
     for the same model as safetensors. Where the cache cannot be written, from the GGUF file itself."""
     if not spec.gguf_file:
         return spec.path, {}
