@@ -43,6 +43,7 @@ import numpy as np
 import torch
 
 from logitstore.data import SAMPLE_CORPUS
+from logitstore.format.sparsity import Sparsity
 from logitstore.pipelines import build as build_module
 from logitstore.pipelines import teacher as teacher_module
 from logitstore.pipelines.build import BuildConfig, BuildSummary, run_build
@@ -52,7 +53,6 @@ from logitstore.pipelines.generate import Generation
 from logitstore.pipelines.plan import plan_units
 from logitstore.pipelines.teacher import SparseBatch, describe_teacher
 from logitstore.pipelines.workers import unit_seed
-from logitstore.sparsity import Sparsity
 
 
 def corpus(path: Path, *, tokens: int, tokenizer, chars: int | None = None) -> int:
@@ -221,10 +221,10 @@ def write_alone(
 ) -> tuple[float, int]:
     """(best seconds, tokens) of `PartWriter.write` of one unit of the stand-in's samples (selected by the
     build's `to_samples`) into a store: encode, compress, hash, store, in this process."""
-    from logitstore import codec
+    from logitstore.format import codec
+    from logitstore.format.samples import concat
     from logitstore.pipelines.sparsify import to_samples
-    from logitstore.samples import concat
-    from logitstore.store import Store
+    from logitstore.store.store import Store
 
     standin = StandIn(pool, rate=float("inf"))
     seed, unit_batches = planned[0]

@@ -17,11 +17,11 @@ import zarr
 from synthetic import random_samples
 from zarr.storage import WrapperStore
 
-from logitstore import codec
-from logitstore.layout import CHUNK_BYTES, CHUNKS_PER_SHARD
-from logitstore.meta import TeacherMeta
-from logitstore.sparsity import Sparsity
-from logitstore.store import Store
+from logitstore.format import codec
+from logitstore.format.layout import CHUNK_BYTES, CHUNKS_PER_SHARD
+from logitstore.format.sparsity import Sparsity
+from logitstore.store.meta import TeacherMeta
+from logitstore.store.store import Store
 
 
 class CountingStore(WrapperStore):

@@ -29,13 +29,13 @@ import numpy as np
 import torch
 from _timing import timed  # benchmarks/ is on sys.path when a script here runs
 
-from logitstore import codec
-from logitstore.grid import CodecParams
-from logitstore.layout import BLOSC_LEVEL, CHUNK_BYTES
-from logitstore.meta import TeacherMeta
-from logitstore.samples import SparseSamples
-from logitstore.sparsity import Sparsity
-from logitstore.store import Store
+from logitstore.format import codec
+from logitstore.format.grid import CodecParams
+from logitstore.format.layout import BLOSC_LEVEL, CHUNK_BYTES
+from logitstore.format.samples import SparseSamples
+from logitstore.format.sparsity import Sparsity
+from logitstore.store.meta import TeacherMeta
+from logitstore.store.store import Store
 
 numcodecs.blosc.set_nthreads(1)
 torch.set_num_threads(2)

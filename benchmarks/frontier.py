@@ -47,9 +47,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from logitstore import codec
 from logitstore.data import SAMPLE_CORPUS
-from logitstore.grid import GRIDS, CodecParams
+from logitstore.format import codec
+from logitstore.format.grid import GRIDS, CodecParams
+from logitstore.format.samples import concat
+from logitstore.format.sparsity import Sparsity
 from logitstore.pipelines.engines.torch_engine import load_teacher_once, shared_teachers
 from logitstore.pipelines.head import OutputHead
 from logitstore.pipelines.sparsify import to_samples
@@ -63,17 +65,15 @@ from logitstore.pipelines.teacher import (
     resolve_teacher,
     sample_chunk,
 )
-from logitstore.samples import concat
-from logitstore.sparsity import Sparsity
-from logitstore.store import Store
+from logitstore.store.store import Store
+from logitstore.streaming.order import is_eval_sample
+from logitstore.streaming.spec import StreamSpec
+from logitstore.streaming.stream import store_stream
 from logitstore.trainer.config import LiveConfig, LossConfig, TrainConfig
 from logitstore.trainer.live import plan_live_samples
 from logitstore.trainer.losses import distill_loss
 from logitstore.trainer.model import build_student
 from logitstore.trainer.objective import sparse_targets, student_outputs
-from logitstore.trainer.order import is_eval_sample
-from logitstore.trainer.spec import StreamSpec
-from logitstore.trainer.stream import store_stream
 from logitstore.trainer.train import lr_at
 
 FP16_GRID = GRIDS["fine"]  # finer than fp16 below -1 nat

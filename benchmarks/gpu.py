@@ -76,18 +76,18 @@ from transformers import PreTrainedTokenizerFast
 
 import build as build_benchmark  # benchmarks/build.py, beside this file: its corpus of N tokens
 from logitstore.data import SAMPLE_CORPUS
+from logitstore.format.sparsity import Sparsity
 from logitstore.pipelines.build import BuildConfig, run_build
 from logitstore.pipelines.engines.torch_engine import load_teacher_once, shared_teachers
 from logitstore.pipelines.teacher import describe_teacher, resolve_teacher
-from logitstore.sparsity import Sparsity
-from logitstore.store import Store
+from logitstore.store.store import Store
+from logitstore.streaming.spec import StreamSpec
+from logitstore.streaming.stream import store_stream
 from logitstore.trainer.attention import ATTENTION, plan_segments
 from logitstore.trainer.config import LiveConfig, LossConfig, TrainConfig
 from logitstore.trainer.losses import chunked_distill_loss, distill_loss
 from logitstore.trainer.model import build_student
 from logitstore.trainer.objective import sparse_targets
-from logitstore.trainer.spec import StreamSpec
-from logitstore.trainer.stream import store_stream
 from logitstore.trainer.train import launch
 
 REPO = Path(__file__).resolve().parents[1]

@@ -18,8 +18,8 @@ import tempfile
 from pathlib import Path
 
 from logitstore.data import SAMPLE_CORPUS
+from logitstore.format.sparsity import Sparsity
 from logitstore.pipelines.build import BuildConfig, run_build
-from logitstore.sparsity import Sparsity
 from logitstore.trainer.config import LiveConfig, TrainConfig
 from logitstore.trainer.train import launch
 

@@ -44,11 +44,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.synthetic import random_samples  # noqa: E402
-from logitstore import codec, layout, packed  # noqa: E402
-from logitstore.location import Location  # noqa: E402
-from logitstore.meta import Sparsity, TeacherMeta  # noqa: E402
-from logitstore.store import Store  # noqa: E402
-from logitstore.zarr_codec import as_codes  # noqa: E402
+from logitstore.format import codec, layout  # noqa: E402
+from logitstore.format.zarr_codec import as_codes  # noqa: E402
+from logitstore.storage import packed  # noqa: E402
+from logitstore.storage.location import Location  # noqa: E402
+from logitstore.store.meta import Sparsity, TeacherMeta  # noqa: E402
+from logitstore.store.store import Store  # noqa: E402
 
 # Random logits over the full 49,152 ids cost minutes to draw; entry ids are what change with the vocabulary,
 # and the question here is the per-part overhead of each layout, not the codec's bytes per token.

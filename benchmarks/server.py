@@ -142,9 +142,9 @@ def main() -> None:
         vllm_ratio(args)
         return
 
+    from logitstore.format.sparsity import SparsityFlags
     from logitstore.pipelines.build import BuildConfig, run_build
     from logitstore.pipelines.engines.server_engine import served_to_sparse
-    from logitstore.sparsity import SparsityFlags
 
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
@@ -218,11 +218,11 @@ def vllm_ratio(args) -> None:
     import functools
     import threading
 
+    from logitstore.format.sparsity import SparsityFlags
     from logitstore.pipelines.build import BuildConfig
     from logitstore.pipelines.engines import engine_class
     from logitstore.pipelines.teacher import describe_teacher
     from logitstore.pipelines.workers import OVERLAP, worker_settings
-    from logitstore.sparsity import SparsityFlags
 
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)

@@ -59,11 +59,11 @@ import zarr
 from zarr.storage import WrapperStore
 
 import logitstore
-from logitstore.meta import TeacherMeta
-from logitstore.samples import SparseSamples
+from logitstore.format.samples import SparseSamples
+from logitstore.format.sparsity import Sparsity
 from logitstore.sizes import format_bytes, parse_bytes
-from logitstore.sparsity import Sparsity
-from logitstore.store import Store
+from logitstore.store.meta import TeacherMeta
+from logitstore.store.store import Store
 
 TEACHER = "bench"
 # Targets of issue 14, on a 2-core machine with one reader process.

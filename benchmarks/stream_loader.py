@@ -1,7 +1,7 @@
 """The stream read in the consumer's process against a `torch.utils.data.DataLoader` with worker
 processes, side by side in one run (alternating, best of `--repeats`).
 
-Worker w of W yields the steps w, w + W, ... (trainer/stream.py, "DataLoader workers"), so both ways
+Worker w of W yields the steps w, w + W, ... (logitstore/streaming/stream.py, "DataLoader workers"), so both ways
 yield the same batches; this measures what the processes cost or gain. It reads a store written by
 `benchmarks/stream.py --store PATH` (any store works), one epoch per run, timed after the first batch
 (worker start-up excluded), no model in the loop.

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from logitstore.samples import SparseSamples
+from logitstore.format.samples import SparseSamples
 
 
 def random_samples(

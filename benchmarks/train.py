@@ -36,12 +36,12 @@ from torch.distributed.device_mesh import init_device_mesh
 from logitstore.data import SAMPLE_CORPUS
 from logitstore.pipelines.build import BuildConfig, run_build
 from logitstore.pipelines.engines.torch_engine import load_teacher_once, shared_teachers
-from logitstore.store import Store
+from logitstore.store.store import Store
+from logitstore.streaming.spec import StreamSpec
+from logitstore.streaming.stream import store_stream
 from logitstore.trainer.config import LossConfig
 from logitstore.trainer.model import build_student, shard
 from logitstore.trainer.objective import batch_loss, student_outputs
-from logitstore.trainer.spec import StreamSpec
-from logitstore.trainer.stream import store_stream
 
 
 def small_store(tmp: Path, *, tokens: int) -> str:

@@ -93,12 +93,12 @@ def _measure_steps(path: str, *, seq_len: int, store: str, steps: int) -> dict:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from logitstore.store import Store
+    from logitstore.store.store import Store
+    from logitstore.streaming.spec import StreamSpec
+    from logitstore.streaming.stream import store_stream
     from logitstore.trainer.config import LossConfig
     from logitstore.trainer.model import build_student, shard
     from logitstore.trainer.objective import batch_loss, student_outputs
-    from logitstore.trainer.spec import StreamSpec
-    from logitstore.trainer.stream import store_stream
 
     os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29600 + seq_len % 97))
     dist.init_process_group("gloo")
@@ -156,8 +156,9 @@ def _measure_loss(path: str) -> dict:
     """The loss alone at P = TOKENS_PER_STEP positions, hidden 256, sampled-16 targets: value and
     gradients, the head applied in chunks (new) or as one [P, V] matmul (old). Peak RSS over the
     process's RSS before the call."""
+    from logitstore.streaming.targets import SparseTargets
     from logitstore.trainer.config import LossConfig
-    from logitstore.trainer.losses import SparseTargets, chunked_distill_loss, distill_loss
+    from logitstore.trainer.losses import chunked_distill_loss, distill_loss
 
     P, d, per = TOKENS_PER_STEP, 256, 12
     hidden = torch.randn(P, d, requires_grad=True)

@@ -75,9 +75,9 @@ def run_variant(teacher: str, variant: str, sparsity: str, *, tokens: int, max_l
     """One engine in this process: construct, compute every unit, close. Seconds of each."""
     import numpy as np
 
+    from logitstore.format.sparsity import Sparsity
     from logitstore.pipelines.teacher import resolve_teacher
     from logitstore.pipelines.workers import TeacherWorker, WorkerSettings
-    from logitstore.sparsity import Sparsity
 
     engine, output = VARIANTS[variant]
     rows = [np.asarray(w, dtype=np.int64) for w in windows(Path(teacher), tokens=tokens, max_length=max_length)]

@@ -80,7 +80,7 @@ def _check_integers(flags: dict) -> None:
 
 
 def _open(store: str, *, create: bool = False):
-    from logitstore.store import Store
+    from logitstore.store.store import Store
 
     return Store.open(store, create=create)
 
@@ -135,7 +135,7 @@ def show(
     json_out: JsonOpt = False,
 ) -> None:
     """A sample's tokens and, per position, its entries (highest probability first), tail and target."""
-    from logitstore.inspect import parse_positions, position_slice, sample_as_json
+    from logitstore.store.show import parse_positions, position_slice, sample_as_json
 
     start, stop = parse_positions(positions) if positions is not None else (None, None)
     view = _open(store).read(version)
@@ -192,11 +192,11 @@ def report(
     grid, bytes per part, top-1 agreement, odd samples); of a run folder, its training curves."""
     from pathlib import Path
 
-    from logitstore.report import check_out
+    from logitstore.store.report import check_out
     from logitstore.trainer.plots import is_run_folder
 
     if is_run_folder(Path(store)):  # its curves, drawn now (also mid-run)
-        from logitstore.report import write_page
+        from logitstore.store.report import write_page
         from logitstore.trainer.plots import plot_metrics, run_sections
 
         if version is not None:
@@ -207,7 +207,7 @@ def report(
         page = check_out(Path(out))
         typer.echo(f"wrote {write_page(run_sections(Path(store)), page)}")
         return
-    from logitstore.report import write_report
+    from logitstore.store.report import write_report
 
     page = check_out(Path(out or "report.html"))  # before the store is read
     typer.echo(f"wrote {write_report(_open(store).read(version), page, store=store)}")
@@ -222,7 +222,7 @@ def ls(
     json_out: JsonOpt = False,
 ) -> None:
     """The stored samples: id, tokens and teacher, in the order they were written."""
-    from logitstore.inspect import list_samples
+    from logitstore.store.show import list_samples
 
     view = _open(store).read(version)
     rows = list_samples(view, limit=limit)
@@ -280,7 +280,7 @@ def diff(
     json_out: JsonOpt = False,
 ) -> None:
     """Samples added, removed and changed between two versions."""
-    from logitstore.index import diff_indexes
+    from logitstore.store.index import diff_indexes
 
     s = _open(store)
     changes = diff_indexes(s.read_index(s.resolve(a)), s.read_index(s.resolve(b)))
@@ -297,7 +297,7 @@ def diff(
 @user_errors
 def verify(store: StoreArg, version: VersionOpt = None, json_out: JsonOpt = False) -> None:
     """Read every chunk of a version; exit 1 and list the damaged samples if any."""
-    from logitstore.verify import verify as run_verify
+    from logitstore.store.verify import verify as run_verify
 
     report = run_verify(_open(store).read(version))
     if json_out:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from logitstore.errors import VersionNotFoundError
-from logitstore.meta import RUN_MARKER
+from logitstore.store.meta import RUN_MARKER
 
 
 @dataclass(frozen=True)
@@ -50,7 +50,7 @@ def run_rounds(r: Rounds, *, log) -> list[dict]:
     """Every round: build, tag, train. Returns each round's `{"round", "version", "build", "train"}`."""
     from logitstore.pipelines.build import run_builds
     from logitstore.pipelines.config import BuildConfig
-    from logitstore.store import Store
+    from logitstore.store.store import Store
     from logitstore.trainer.config import TrainConfig
     from logitstore.trainer.train import launch
 

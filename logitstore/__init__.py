@@ -23,14 +23,13 @@ import inspect
 import typing
 
 # The stream's options: a dataclass without torch or numpy (a few milliseconds), so `help(logitstore.stream)`
-# lists them from their one definition. The package's front door is the one module of logitstore/ that
-# names the trainer.
-from logitstore.trainer.spec import StreamSpec
+# lists them from their one definition.
+from logitstore.streaming.spec import StreamSpec
 
 
 def open(uri: str, version: str | None = None):  # noqa: A001 - the API reads as logitstore.open
     """A read-only view of one version (a tag, a branch, a snapshot id; default: the tip of main)."""
-    from logitstore.store import Store  # on first use: see the module's docstring
+    from logitstore.store.store import Store  # on first use: see the module's docstring
 
     return Store.open(uri).read(version)
 
@@ -38,14 +37,14 @@ def open(uri: str, version: str | None = None):  # noqa: A001 - the API reads as
 def stream(view, **options):
     """Packed micro-batches of `seq_len` tokens from a version: an iterable of `PackedBatch` with
     `state_dict()`, `load_state_dict()` and `close()` (also a context manager). The options are the
-    fields of `logitstore.trainer.spec.StreamSpec` (the signature above; what each means is its
+    fields of `logitstore.streaming.spec.StreamSpec` (the signature above; what each means is its
     docstring): `rank` and `world_size` default to `torch.distributed`'s when it is initialised, else 0
     and 1; `memory_budget` (bytes, or a string such as "512MB" or "2GiB"; default 4 GiB) bounds the
     stored data held in memory and so the shuffle window (see "Streaming" in docs/train.md); for chat
     data, `train_on="completion"` keeps only the positions that predict the assistant's tokens;
     `reader_groups` (default: the world size) deals the parts to groups so that ranks read disjoint parts;
     `loader_workers=W` for a DataLoader of W workers makes them read disjoint parts too."""
-    from logitstore.trainer.stream import store_stream  # on first use: see the module's docstring
+    from logitstore.streaming.stream import store_stream  # on first use: see the module's docstring
 
     return store_stream(view, StreamSpec(**options))
 

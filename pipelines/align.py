@@ -74,7 +74,7 @@ from itertools import chain
 import numba
 import numpy as np
 
-from logitstore.tokenizer_io import TokenizerError, is_raw_tokenizer, require_fast
+from logitstore.text.tokenizer_io import TokenizerError, is_raw_tokenizer, require_fast
 
 __all__ = ["align_groups", "encode_with_byte_ends", "token_byte_strings", "vocab_map", "window_groups"]
 

@@ -31,10 +31,10 @@ import numpy as np
 import pyarrow as pa
 from tqdm import tqdm
 
-from logitstore import codec
 from logitstore.ahead import read_ahead
 from logitstore.errors import ChangedTextError, ConflictError
-from logitstore.meta import DEFAULT_BRANCH, TeacherMeta
+from logitstore.format import codec
+from logitstore.format.sparsity import Sparsity
 from logitstore.pipelines import inputs
 from logitstore.pipelines.config import BuildConfig, BuildError
 from logitstore.pipelines.engines import EngineError, engine_class
@@ -49,8 +49,8 @@ from logitstore.pipelines.plan import (
     plan_units,
 )
 from logitstore.pipelines.workers import Unit, interrupted_on_sigterm, make_executor, worker_settings, write_unit
-from logitstore.sparsity import Sparsity
-from logitstore.store import Store
+from logitstore.store.meta import DEFAULT_BRANCH, TeacherMeta
+from logitstore.store.store import Store
 
 if TYPE_CHECKING:  # teacher.py imports torch (2.7 s): run_build imports it after the input checks
     from logitstore.pipelines.teacher import TeacherInfo

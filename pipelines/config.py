@@ -19,15 +19,15 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypedDict
 
-from logitstore import chat
 from logitstore.data import SAMPLE_CHAT
 from logitstore.errors import LogitstoreError
-from logitstore.location import Location
-from logitstore.meta import DEFAULT_BRANCH, NAME, ON_DUPLICATE
+from logitstore.format.sparsity import PANEL as SPARSITY
+from logitstore.format.sparsity import Sparsity, SparsityFlags, default_sparsity
 from logitstore.options import group, option, to_values
 from logitstore.pipelines.engines import VLLM_OUTPUTS, engine_class, engine_names
-from logitstore.sparsity import PANEL as SPARSITY
-from logitstore.sparsity import Sparsity, SparsityFlags, default_sparsity
+from logitstore.storage.location import Location
+from logitstore.store.meta import DEFAULT_BRANCH, NAME, ON_DUPLICATE
+from logitstore.text import chat
 
 if TYPE_CHECKING:  # pyarrow (0.3 s): `DataSource.source` imports it when the build reads its input
     from logitstore.pipelines.inputs import Document, HubDataset

@@ -22,12 +22,12 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from logitstore import codec
-from logitstore.meta import DEFAULT_BRANCH
+from logitstore.format import codec
 from logitstore.pipelines import inputs
 from logitstore.pipelines.build import BuildConfig, BuildPlan, plan_build
 from logitstore.pipelines.workers import Unit, make_executor, write_unit
-from logitstore.store import Store
+from logitstore.store.meta import DEFAULT_BRANCH
+from logitstore.store.store import Store
 
 # The first documents up to this size (characters; token ids for pre-tokenized input) are tokenized, about
 # 1M tokens (seconds with a fast tokenizer); the rest of the input is scaled by its size.

@@ -3,7 +3,7 @@
 A prompt (`--prompt-column`: plain text, tokenized as text input is; `--chat-column`: a conversation
 that ends with a user turn, rendered by the teacher's chat template with its generation prompt)
 becomes `--samples-per-prompt` answers, each a sample `PROMPTID/gN` of the prompt's tokens then the
-answer's (`logitstore.generation`), whose loss mask marks the answer alone: the teacher's entries are
+answer's (`logitstore.store.generation`), whose loss mask marks the answer alone: the teacher's entries are
 kept for the answer's positions only, through the chat data's machinery (`TeacherMeta.loss_mask`
 "completion").
 
@@ -28,15 +28,15 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from logitstore import chat
 from logitstore.errors import LogitstoreError
-from logitstore.generation import answer_id, answer_source_hash, generation_id, seed_of
-from logitstore.meta import RUN_MARKER
 from logitstore.pipelines import align
 from logitstore.pipelines.config import BuildConfig, BuildError
 from logitstore.pipelines.engines import generator_class
 from logitstore.pipelines.inputs import Document
 from logitstore.pipelines.workers import worker_settings
+from logitstore.store.generation import answer_id, answer_source_hash, generation_id, seed_of
+from logitstore.store.meta import RUN_MARKER
+from logitstore.text import chat
 
 # Prompts per generator call at most: a larger group lets the generator sort more prompts by length, and
 # each answer waits for its group's longest.

@@ -29,7 +29,7 @@ from `id_column` (strings or integers, converted to `str`); with no `id_column` 
 named `id` in any file that has one (`AUTO_ID_COLUMN`); else, and with `id_column=""`, they are
 content hashes: the text's for text input, the token ids' for pre-tokenized input.
 Chat input reads `chat_column` (`build --chat-column messages`): a list of `{"role", "content"}`
-messages per row, or its JSON text (CSV); `logitstore.chat` checks and later renders it, and its
+messages per row, or its JSON text (CSV); `logitstore.text.chat` checks and later renders it, and its
 content hash is the conversation's canonical JSON's.
 
 Errors are `DataError`s naming the file and the problem. Path and argument errors raise when
@@ -57,10 +57,10 @@ import pyarrow.json as pa_json
 import pyarrow.parquet as pq
 from pyarrow import csv as pa_csv
 
-from logitstore.chat import as_messages, conversation_hash_text, message_problem
 from logitstore.data import SAMPLE_CORPUS, default_input
 from logitstore.errors import LogitstoreError
-from logitstore.samples import CONTROL_CHARACTERS
+from logitstore.format.samples import CONTROL_CHARACTERS
+from logitstore.text.chat import as_messages, conversation_hash_text, message_problem
 
 FORMATS: dict[str, str] = {
     ".jsonl": "jsonl",

@@ -2,7 +2,7 @@
 
 `plan_units` reads the input (`inputs.read_documents`), tokenizes each batch of documents with the
 teacher's tokenizer (and every student tokenizer, aligned to it: `align.py`; chat data through the
-chat template: `logitstore.chat`), cuts each document into windows (`inputs.window`) and groups their
+chat template: `logitstore.text.chat`), cuts each document into windows (`inputs.window`) and groups their
 samples into units of about `unit_tokens` tokens in input order, leaving out units the branch already
 holds (`StoredDocuments`). The build driver (`build.py`) runs a teacher over the units and writes them;
 live mode (`trainer/live.py`) plans the same samples and hands them to a teacher beside the trainer.
@@ -18,13 +18,13 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from logitstore import chat
-from logitstore.meta import StudentTokenizer
+from logitstore.format.sparsity import Sparsity
 from logitstore.pipelines import align, inputs
 from logitstore.pipelines.config import BuildError, PlanConfig
 from logitstore.pipelines.workers import Unit
-from logitstore.sparsity import Sparsity
-from logitstore.tokenizer_io import load_tokenizer, parse_tokenizer_spec, tokenizer_hash
+from logitstore.store.meta import StudentTokenizer
+from logitstore.text import chat
+from logitstore.text.tokenizer_io import load_tokenizer, parse_tokenizer_spec, tokenizer_hash
 
 if TYPE_CHECKING:
     from logitstore.pipelines.generate import Generated, Generation
@@ -277,7 +277,7 @@ def _tokenize(tokenizer, docs: list) -> list[_Tokenized]:
 
 
 def _tokenize_chat(tokenizer, docs: list, students: Sequence[StudentSide] = ()) -> list[_Tokenized]:
-    """Conversations rendered by the teacher's chat template: ids and the loss mask (`logitstore.chat`),
+    """Conversations rendered by the teacher's chat template: ids and the loss mask (`logitstore.text.chat`),
     and per student tokenizer its ids, the groups and its own mask of the same spans: a student token
     is supervised iff its bytes lie inside an assistant span."""
     rendered = []

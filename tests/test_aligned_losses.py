@@ -8,7 +8,8 @@ import math
 import pytest
 import torch
 
-from logitstore.trainer.aligned_losses import AlignedTargets, aligned_kd
+from logitstore.streaming.targets import AlignedTargets
+from logitstore.trainer.aligned_losses import aligned_kd
 
 VT, VS, N_MAPPED = 12, 10, 7  # teacher vocabulary, student vocabulary, tokens in the exact map
 P = 10

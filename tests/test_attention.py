@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
+from logitstore.streaming.batch import PackedBatch
 from logitstore.trainer.attention import ATTENTION, AttentionError, plan_segments, register, segment_attention
-from logitstore.trainer.batch import PackedBatch
 
 
 def packed(lengths_per_row: list[list[int]], *, vocab: int, seed: int = 0):

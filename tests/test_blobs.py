@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from logitstore.location import Location
+from logitstore.storage.location import Location
 
 
 @pytest.fixture

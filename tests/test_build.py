@@ -15,12 +15,12 @@ import torch
 from typer.testing import CliRunner
 
 from logitstore.cli.app import app
-from logitstore.grid import GRIDS
+from logitstore.format.grid import GRIDS
+from logitstore.format.sparsity import Sparsity
 from logitstore.pipelines.build import BuildConfig, run_build
 from logitstore.pipelines.engines.torch_engine import load_teacher_once
 from logitstore.pipelines.teacher import resolve_teacher
-from logitstore.sparsity import Sparsity
-from logitstore.store import Store
+from logitstore.store.store import Store
 from tests.conftest import CLI, sample_corpus_head, without_progress
 
 MAX_LENGTH = 64

@@ -12,14 +12,14 @@ import pytest
 from typer.testing import CliRunner
 
 import logitstore
-from logitstore import chat
 from logitstore.cli.app import BUILD_FLAGS, EVAL_FLAGS, TRAIN_FLAGS, app
 from logitstore.data import SAMPLE_CHAT
-from logitstore.layout import student_arrays
-from logitstore.meta import TeacherMeta
+from logitstore.format.layout import student_arrays
+from logitstore.format.sparsity import Sparsity
 from logitstore.pipelines.teacher import describe_teacher
-from logitstore.sparsity import Sparsity
-from logitstore.store import Store
+from logitstore.store.meta import TeacherMeta
+from logitstore.store.store import Store
+from logitstore.text import chat
 
 runner = CliRunner()
 CONVERSATION = [
@@ -259,11 +259,11 @@ def test_the_mask_travels_through_the_cross_tokenizer_alignment(gpt2_tokenizer_d
     text is the teacher's, and the stream supervises exactly the student positions before them."""
     from transformers import AutoTokenizer
 
+    from logitstore.format.sparsity import Sparsity
     from logitstore.pipelines.build import BuildConfig, run_build
-    from logitstore.sparsity import Sparsity
+    from logitstore.streaming.spec import StreamSpec
+    from logitstore.streaming.stream import store_stream
     from logitstore.trainer.config import TrainConfig
-    from logitstore.trainer.spec import StreamSpec
-    from logitstore.trainer.stream import store_stream
     from logitstore.trainer.train import plan_sources
 
     store = str(tmp_path / "s")
@@ -308,8 +308,7 @@ def test_the_mask_travels_through_the_cross_tokenizer_alignment(gpt2_tokenizer_d
 def test_targets_at_kept_positions_drop_partly_kept_groups():
     import torch
 
-    from logitstore.trainer.aligned_losses import AlignedTargets
-    from logitstore.trainer.losses import SparseTargets
+    from logitstore.streaming.targets import AlignedTargets, SparseTargets
 
     t = lambda *x, dt=torch.long: torch.tensor(x, dtype=dt)
     aligned = AlignedTargets(

@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from benchmarks.synthetic import random_samples
 from logitstore.cli.app import app
-from logitstore.store import Store
+from logitstore.store.store import Store
 from tests.conftest import CLI, run_in_child, sample_corpus_head
 from tests.test_store import write
 
@@ -165,11 +165,11 @@ def test_a_missing_data_file_fails_before_torch_loads_and_creates_no_store(tmp_p
 
 
 def test_help_groups_options_shows_choices_and_lists_commands_in_order_of_use():
-    from logitstore import chat
     from logitstore.cli import app as cli
-    from logitstore.grid import GRIDS
+    from logitstore.format.grid import GRIDS
     from logitstore.pipelines.config import DTYPES, ON_DUPLICATE
     from logitstore.pipelines.engines import VLLM_OUTPUTS, engine_names
+    from logitstore.text import chat
     from logitstore.trainer.config import KINDS, ON_ERROR
 
     wide = {"COLUMNS": "200"}  # so no choice list is wrapped

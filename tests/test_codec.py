@@ -8,9 +8,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from benchmarks.synthetic import random_samples
-from logitstore import codec
-from logitstore.codec import dequantize, quantize
-from logitstore.grid import GRIDS, Q_MAX, CodecParams
+from logitstore.format import codec
+from logitstore.format.codec import dequantize, quantize
+from logitstore.format.grid import GRIDS, Q_MAX, CodecParams
 from tests.conftest import assert_samples_close
 
 PARAMS = CodecParams()

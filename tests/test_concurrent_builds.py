@@ -19,8 +19,8 @@ from logitstore.errors import ChangedTextError
 from logitstore.pipelines import build as build_module
 from logitstore.pipelines.build import BuildConfig, run_build
 from logitstore.pipelines.inputs import text_hash
-from logitstore.store import Store
-from logitstore.verify import verify
+from logitstore.store.store import Store
+from logitstore.store.verify import verify
 from tests.test_safety import build, index_of, jsonl, one_line_error, write_store
 
 IDS = ["new-0", "new-1"]

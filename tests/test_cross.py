@@ -13,10 +13,10 @@ import torch
 from typer.testing import CliRunner
 
 from logitstore.cli.app import app
+from logitstore.format.sparsity import Sparsity
 from logitstore.pipelines.build import BuildConfig, run_build, run_builds
 from logitstore.pipelines.config import BuildError
-from logitstore.sparsity import Sparsity
-from logitstore.store import Store
+from logitstore.store.store import Store
 from logitstore.trainer.config import TrainConfig
 from logitstore.trainer.train import launch
 from tests.conftest import sample_corpus_head, without_progress
@@ -182,13 +182,13 @@ def test_a_student_with_an_unknown_tokenizer_is_refused(store, tmp_path):
 
 def test_same_tokenizer_signal_through_the_mixed_path_equals_the_single_teacher_path(store):
     """The mixed source with one same-tokenizer teacher gives the batches and loss of the store source."""
+    from logitstore.streaming.mixing import MixedSource, Source
+    from logitstore.streaming.spec import StreamSpec
+    from logitstore.streaming.stream import Stream, store_stream
     from logitstore.trainer.config import LossConfig
     from logitstore.trainer.losses import distill_loss
-    from logitstore.trainer.mixing import MixedSource, Source
     from logitstore.trainer.objective import StudentOutputs, mixed_loss
     from logitstore.trainer.objective import sparse_targets as _targets
-    from logitstore.trainer.spec import StreamSpec
-    from logitstore.trainer.stream import Stream, store_stream
 
     view = Store.open(store).read()
     teacher = view.teacher_name(None)
@@ -216,11 +216,11 @@ def test_same_tokenizer_signal_through_the_mixed_path_equals_the_single_teacher_
 def test_cross_tokenizer_loss_in_chunks_equals_the_loss_in_one_piece(store):
     """The chunked head on aligned targets (chunks that never split a many-token group) gives the value
     and gradients of the whole [P, V] logits at once, in training and in evaluation."""
+    from logitstore.streaming.spec import StreamSpec
+    from logitstore.streaming.stream import store_stream
     from logitstore.trainer.aligned_losses import aligned_kd
     from logitstore.trainer.config import LossConfig
     from logitstore.trainer.objective import StudentOutputs, _whole_groups, mixed_loss
-    from logitstore.trainer.spec import StreamSpec
-    from logitstore.trainer.stream import store_stream
     from logitstore.trainer.train import plan_sources
 
     view = Store.open(store).read()

@@ -19,10 +19,11 @@ import numpy as np
 import pytest
 import zarr
 
-from logitstore import layout, packed
 from logitstore.errors import DamagedDataError
-from logitstore.reader import PartReader, TeacherRows
-from logitstore.store import Store
+from logitstore.format import layout
+from logitstore.storage import packed
+from logitstore.store.reader import PartReader, TeacherRows
+from logitstore.store.store import Store
 from tests.test_faults import trainer_view
 from tests.test_safety import one_line_error, run
 
@@ -107,8 +108,8 @@ def assert_damage_of(uri: str, part: str, ids: list[str], *, why: str) -> None:
 
 def stream_skips(view, *, on_error: str) -> int:
     """Samples the trainer's stream leaves out over one epoch."""
-    from logitstore.trainer.spec import StreamSpec
-    from logitstore.trainer.stream import store_stream
+    from logitstore.streaming.spec import StreamSpec
+    from logitstore.streaming.stream import store_stream
 
     spec = StreamSpec(seq_len=32, micro_batch=4, rank=0, world_size=1, seed=1, on_error=on_error, eval_fraction=0)
     stream = store_stream(view, spec)

@@ -80,10 +80,10 @@ def test_a_transform_logitstore_does_not_know_is_refused():
 def test_close_gives_the_torch_engines_teacher_back(tiny_teacher, monkeypatch):
     """Outside `shared_teachers()` the engine holds the only reference to its teacher: close() lets it go
     (and a closed engine refuses to compute)."""
+    from logitstore.format.sparsity import default_sparsity
     from logitstore.pipelines.engines import torch_engine
     from logitstore.pipelines.teacher import resolve_teacher
     from logitstore.pipelines.workers import WorkerSettings
-    from logitstore.sparsity import default_sparsity
 
     monkeypatch.setattr(torch_engine, "_shared", None)  # the tests' shared teacher cache, off for this one
     settings = WorkerSettings(

@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 from logitstore.cli.app import app
 from logitstore.pipelines import estimate
 from logitstore.pipelines.build import BuildConfig
-from logitstore.store import Store
+from logitstore.store.store import Store
 from tests.conftest import sample_corpus_head, small_build
 
 

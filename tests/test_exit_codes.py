@@ -16,8 +16,8 @@ import pytest
 
 from benchmarks.synthetic import random_samples
 from logitstore.errors import InvalidSampleError
-from logitstore.store import Store
-from logitstore.verify import verify
+from logitstore.store.store import Store
+from logitstore.store.verify import verify
 from tests.conftest import CLI, run_in_child, sample_corpus_head, small_build
 from tests.test_faults import trainer_view
 from tests.test_safety import LONG, OTHER, build, index_of, jsonl, one_line_error, run, write_store
@@ -60,8 +60,8 @@ def delete_largest_chunk(uri: str) -> None:
 
 @pytest.mark.parametrize("backend", ["local", "s3"])
 def test_a_missing_chunk_is_damage_that_verify_names_and_train_can_skip(backend, tmp_path, request):
-    from logitstore.trainer.spec import StreamSpec
-    from logitstore.trainer.stream import store_stream
+    from logitstore.streaming.spec import StreamSpec
+    from logitstore.streaming.stream import store_stream
 
     if backend == "s3":
         request.getfixturevalue("s3_endpoint")
@@ -126,7 +126,7 @@ import asyncio, sys
 import icechunk
 from zarr.core.buffer import default_buffer_prototype
 from zarr.core.sync import sync
-import logitstore.bounded  # what every logitstore process imports: it registers bounded.settle at exit
+import logitstore.storage.bounded  # what every logitstore process imports: it registers bounded.settle at exit
 
 store = icechunk.Repository.open(icechunk.local_filesystem_storage(sys.argv[1])).readonly_session(branch="main").store
 
@@ -182,9 +182,9 @@ def test_every_command_that_touches_a_store_exits_0_in_200_runs(tiny_teacher, tm
         "pandas",
         "numba",
         "logitstore.cli.app",
-        "logitstore.store",
-        "logitstore.verify",
-        "logitstore.inspect",
+        "logitstore.store.store",
+        "logitstore.store.verify",
+        "logitstore.store.show",
     ]
     torch_modules = [
         *store_modules,
@@ -334,7 +334,7 @@ def test_tool_calls_are_rendered_by_a_template_that_reads_them_or_skipped_and_co
 
     from transformers import AutoTokenizer
 
-    from logitstore import chat
+    from logitstore.text import chat
 
     null_content = [{**m, "content": None} if m.get("tool_calls") else m for m in TOOL_CHAT]  # OpenAI's form
     rows = [{"id": "tool", "messages": TOOL_CHAT}, {"id": "null", "messages": null_content}]

@@ -20,18 +20,18 @@ import pytest
 from typer.testing import CliRunner
 
 from benchmarks.synthetic import random_samples
-from logitstore import codec
-from logitstore.bounded import run, storage_errors
 from logitstore.cli.app import app
 from logitstore.errors import LogitstoreError, StorageError
-from logitstore.limits import StorageLimits
-from logitstore.meta import TeacherMeta
-from logitstore.sparsity import Sparsity
-from logitstore.store import Store
-from logitstore.trainer.mixing import Source
-from logitstore.trainer.spec import StreamSpec
-from logitstore.trainer.stream import store_stream
-from logitstore.verify import verify
+from logitstore.format import codec
+from logitstore.format.sparsity import Sparsity
+from logitstore.storage.bounded import run, storage_errors
+from logitstore.storage.limits import StorageLimits
+from logitstore.store.meta import TeacherMeta
+from logitstore.store.store import Store
+from logitstore.store.verify import verify
+from logitstore.streaming.mixing import Source
+from logitstore.streaming.spec import StreamSpec
+from logitstore.streaming.stream import store_stream
 from tests.conftest import small_build, without_progress
 from tests.faultproxy import FaultProxy
 from tests.test_store import VOCAB, assert_matches, teacher, write
@@ -241,7 +241,7 @@ def test_outage_in_the_data_stream_stops_it_and_skips_nothing(proxy, uri, kind, 
     args = dict(seq_len=32, micro_batch=4, rank=0, world_size=1, seed=1, prefetch=1, on_error="skip")
     if kind == "packed":
         view, sources = trainer_view(uri), None
-    else:  # two teachers of one tokenizer: the reads of trainer/mixing.py
+    else:  # two teachers of one tokenizer: the reads of logitstore/streaming/mixing.py
         view = trainer_view(uri, teachers=("teacher-a", "teacher-b"))
         sources = [Source("teacher-a", 0.5, None), Source("teacher-b", 0.5, None)]
     # A budget of two parts: windows of one part, so the stream keeps reading from storage, as on a

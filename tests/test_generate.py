@@ -21,11 +21,11 @@ from typer.testing import CliRunner
 import logitstore
 from logitstore.cli.app import app
 from logitstore.errors import StoreNotFoundError
-from logitstore.generation import answer_source_hash, generation_of, parse_answer_id, seed_of
 from logitstore.pipelines.engines import cut_at_stop, stop_token_ids
 from logitstore.pipelines.engines.torch_engine import nucleus, seeded_uniform
 from logitstore.pipelines.teacher import describe_teacher
-from logitstore.store import Store
+from logitstore.store.generation import answer_source_hash, generation_of, parse_answer_id, seed_of
+from logitstore.store.store import Store
 
 from .conftest import CLI
 

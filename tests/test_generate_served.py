@@ -17,6 +17,7 @@ from typer.testing import CliRunner
 
 import logitstore
 from logitstore.cli.app import app
+from logitstore.format.sparsity import Sparsity
 from logitstore.pipelines.engines import cut_at_stop
 from logitstore.pipelines.engines.server_engine import (
     PROBE_TEXT,
@@ -27,7 +28,6 @@ from logitstore.pipelines.engines.server_engine import (
 from logitstore.pipelines.engines.torch_engine import Generator, load_teacher_once
 from logitstore.pipelines.teacher import resolve_teacher
 from logitstore.pipelines.workers import WorkerSettings
-from logitstore.sparsity import Sparsity
 from logitstore.testing.openai_server import Generate, OpenAIServer, Scores, render_generation
 from tests.conftest import torch_scorer
 from tests.test_generate import PROMPTS, answers, write_prompts

@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 
 from logitstore.cli.app import app
 from logitstore.pipelines.inputs import DataError, HubDataset, dataset_source, read_documents
-from logitstore.store import Store
+from logitstore.store.store import Store
 from tests.conftest import without_progress
 
 

@@ -28,7 +28,7 @@ def cache(tmp_path_factory):
     """A tiny Llama with the default teacher's tokenizer as `testorg/tiny-llama`, GPT-2's tokenizer as
     `openai-community/gpt2`."""
     from logitstore.pipelines.teacher import describe_teacher
-    from logitstore.tokenizer_io import gpt2_tokenizer
+    from logitstore.text.tokenizer_io import gpt2_tokenizer
 
     cache = tmp_path_factory.mktemp("hf") / "hub"
     tokenizer = describe_teacher(None).tokenizer
@@ -48,9 +48,9 @@ def offline(cache, monkeypatch):
 
 
 def test_hub_ids_resolve_from_the_cache_offline(offline):
-    from logitstore.hub import is_hub_id
     from logitstore.pipelines.teacher import resolve_teacher
-    from logitstore.tokenizer_io import load_tokenizer
+    from logitstore.text.hub import is_hub_id
+    from logitstore.text.tokenizer_io import load_tokenizer
 
     spec = resolve_teacher("testorg/tiny-llama")
     assert (spec.name, spec.kind, spec.path.name) == ("tiny-llama", "hf_dir", COMMIT)
@@ -112,7 +112,7 @@ def test_build_and_eval_take_hub_ids(offline, tmp_path):
     ],
 )
 def test_an_id_not_cached_offline_is_one_line(offline, tmp_path, args):
-    from logitstore.store import Store
+    from logitstore.store.store import Store
 
     store = str(tmp_path / "store")
     Store.open(store, create=True)

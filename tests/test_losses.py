@@ -8,8 +8,9 @@ import math
 import pytest
 import torch
 
+from logitstore.streaming.targets import SparseTargets
 from logitstore.trainer.config import KINDS, LossConfig
-from logitstore.trainer.losses import SparseTargets, ce_term, distill_loss, kd_term
+from logitstore.trainer.losses import ce_term, distill_loss, kd_term
 
 V, P, K = 40, 7, 5
 TINY = 1e-30

@@ -8,10 +8,10 @@ import pytest
 import zarr
 from zarr.codecs import BloscCodec, Crc32cCodec
 
-from logitstore import rawread
-from logitstore.layout import GRID_ARRAYS
-from logitstore.store import Store
-from logitstore.zarr_codec import as_codes
+from logitstore.format.layout import GRID_ARRAYS
+from logitstore.format.zarr_codec import as_codes
+from logitstore.storage import rawread
+from logitstore.store.store import Store
 from tests.test_safety import flip_chunk_of, write_store
 
 

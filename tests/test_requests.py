@@ -10,8 +10,8 @@ from urllib.parse import urlparse
 
 import pytest
 
-from logitstore.reader import PartReader, TeacherRows
-from logitstore.store import Store
+from logitstore.store.reader import PartReader, TeacherRows
+from logitstore.store.store import Store
 from tests.faultproxy import FaultProxy
 from tests.test_stream import assert_same, build_store, stream, take, windowed
 

@@ -17,11 +17,11 @@ import yaml
 from typer.testing import CliRunner
 
 from benchmarks.synthetic import random_samples
-from logitstore import codec
 from logitstore.cli.app import app
-from logitstore.meta import TeacherMeta
-from logitstore.sparsity import Sparsity
-from logitstore.store import Store
+from logitstore.format import codec
+from logitstore.format.sparsity import Sparsity
+from logitstore.store.meta import TeacherMeta
+from logitstore.store.store import Store
 from logitstore.trainer.config import PER_COMMAND, RUN_CONFIG, TrainConfig
 from logitstore.trainer.run_folder import MARKER
 from logitstore.trainer.train import launch

@@ -18,13 +18,13 @@ import pytest
 from typer.testing import CliRunner
 
 from benchmarks.synthetic import random_samples
-from logitstore import codec
 from logitstore.cli.app import app
 from logitstore.errors import DamagedDataError
-from logitstore.meta import TeacherMeta
-from logitstore.sparsity import Sparsity
-from logitstore.store import Store
-from logitstore.verify import verify
+from logitstore.format import codec
+from logitstore.format.sparsity import Sparsity
+from logitstore.store.meta import TeacherMeta
+from logitstore.store.store import Store
+from logitstore.store.verify import verify
 from tests.conftest import CLI, small_build, without_progress
 
 VOCAB = 1000
@@ -298,7 +298,7 @@ def test_merging_a_part_whose_samples_are_all_stored_adds_nothing(tmp_path):
 
 CREATE_AT = """
 import sys, time
-from logitstore.store import Store
+from logitstore.store.store import Store
 start = float(sys.argv[1])
 for i, uri in enumerate(sys.argv[2:]):  # both processes open store i at the same moment
     while time.time() < start + 0.3 * i:

@@ -27,7 +27,7 @@ from logitstore.pipelines.engines.server_engine import (
     strip_credentials,
 )
 from logitstore.pipelines.engines.vllm_engine import prompt_logprobs_to_sparse
-from logitstore.store import Store
+from logitstore.store.store import Store
 from logitstore.testing.openai_server import OpenAIServer, Scores, render_completion
 from tests.conftest import sample_corpus_head, scoring_teacher, serve_teacher, torch_scorer
 
@@ -383,10 +383,10 @@ def test_without_tokenize_the_echoed_ids_check_the_tokenizer(servers, tiny_teach
     """A server without /tokenize: the ids a text prompt echoes (prompt_logprobs 0) are compared instead."""
     from transformers import AutoTokenizer
 
+    from logitstore.format.sparsity import Sparsity
     from logitstore.pipelines.engines.server_engine import preflight
     from logitstore.pipelines.teacher import resolve_teacher
     from logitstore.pipelines.workers import WorkerSettings
-    from logitstore.sparsity import Sparsity
 
     server = servers[0]
     server.tokenize = False

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
+from logitstore.format.sparsity import DEFAULT_SAMPLED, DEFAULT_TOPK, Sparsity, default_sparsity
 from logitstore.pipelines.sparsify import to_samples
 from logitstore.pipelines.teacher import SparseBatch
-from logitstore.sparsity import DEFAULT_SAMPLED, DEFAULT_TOPK, Sparsity, default_sparsity
 
 V, K = 50, 10
 
@@ -78,8 +78,8 @@ def test_bad_sparsity_names_the_flag(bad):
 
 
 def test_the_cli_default_is_sampled_except_where_probabilities_are_needed():
-    from logitstore.sparsity import SparsityError
-    from logitstore.sparsity import sparsity_from_flags as _sparsity
+    from logitstore.format.sparsity import SparsityError
+    from logitstore.format.sparsity import sparsity_from_flags as _sparsity
 
     assert DEFAULT_SAMPLED == Sparsity(mode="sampled", n=16) and DEFAULT_TOPK == Sparsity(k=64)
     assert default_sparsity() == DEFAULT_SAMPLED
@@ -109,8 +109,8 @@ def test_one_default_for_the_cli_the_build_and_live_mode():
 
 
 def test_sparsity_round_trips_through_teacher_metadata_with_its_grid():
-    from logitstore.grid import GRIDS
-    from logitstore.sparsity import SparsityError, sparsity_from_flags
+    from logitstore.format.grid import GRIDS
+    from logitstore.format.sparsity import SparsityError, sparsity_from_flags
 
     for setting in (
         Sparsity(k=8),

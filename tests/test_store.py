@@ -7,7 +7,6 @@ import json
 import pytest
 
 from benchmarks.synthetic import random_samples
-from logitstore import codec
 from logitstore.errors import (
     ConflictError,
     DuplicateSampleError,
@@ -17,13 +16,14 @@ from logitstore.errors import (
     StoreNotFoundError,
     VersionNotFoundError,
 )
-from logitstore.grid import CodecParams
-from logitstore.index import diff_indexes
-from logitstore.meta import TeacherMeta
-from logitstore.packed import PackedStore, array_members
-from logitstore.sparsity import Sparsity
-from logitstore.store import Store
-from logitstore.verify import verify
+from logitstore.format import codec
+from logitstore.format.grid import CodecParams
+from logitstore.format.sparsity import Sparsity
+from logitstore.storage.packed import PackedStore, array_members
+from logitstore.store.index import diff_indexes
+from logitstore.store.meta import TeacherMeta
+from logitstore.store.store import Store
+from logitstore.store.verify import verify
 from tests.conftest import assert_samples_close
 
 VOCAB = 1000
@@ -271,9 +271,9 @@ def test_a_part_is_written_as_zarr_writes_it_byte_for_byte(tmp_path, case):
     import numpy as np
     import zarr
 
-    from logitstore.meta import StudentTokenizer
-    from logitstore.samples import StudentTokens, concat
-    from logitstore.writer import write_array
+    from logitstore.format.samples import StudentTokens, concat
+    from logitstore.store.meta import StudentTokenizer
+    from logitstore.store.writer import write_array
 
     samples = random_samples([f"d{i}" for i in range(12)], k=8)
     students, registered = None, []
@@ -306,7 +306,7 @@ def test_a_part_is_written_as_zarr_writes_it_byte_for_byte(tmp_path, case):
                 vocab_map=np.arange(VOCAB, dtype=np.int32) % 7,
             )
         ]
-    from logitstore.layout import GRID_ARRAYS
+    from logitstore.format.layout import GRID_ARRAYS
 
     meta = {
         "a format-1 teacher": dataclasses.replace(teacher(), values="codes", part_layout="arrays"),

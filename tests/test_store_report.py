@@ -16,8 +16,8 @@ from typer.testing import CliRunner
 from benchmarks.synthetic import random_samples
 from logitstore.cli.app import app
 from logitstore.files import replace_file
-from logitstore.report import DPI, FIGURE_SIZE, teacher_sections, teacher_stats
-from logitstore.store import Store
+from logitstore.store.report import DPI, FIGURE_SIZE, teacher_sections, teacher_stats
+from logitstore.store.store import Store
 from tests.test_store import teacher, write
 
 SECTIONS = [
@@ -201,14 +201,14 @@ def test_a_markdown_report_replaces_the_last_one_whole(store, tmp_path, monkeypa
 
     # A report that fails while writing leaves the last one whole: its page, and every picture it shows.
     before = out.read_text(), {p.name: p.read_bytes() for p in folder.iterdir()}
-    import logitstore.report
+    import logitstore.store.report
 
     def fail_at_the_page(target: Path, data: bytes) -> None:
         if target == out:
             raise OSError(28, "No space left on device")
         replace_file(target, data)
 
-    monkeypatch.setattr(logitstore.report, "replace_file", fail_at_the_page)
+    monkeypatch.setattr(logitstore.store.report, "replace_file", fail_at_the_page)
     result = CliRunner().invoke(app, ["report", store, "--out", str(out)])
     assert result.exit_code == 2 and "No space left on device" in result.stderr
     assert out.read_text() == before[0]

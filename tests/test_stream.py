@@ -1,4 +1,4 @@
-"""The stream engine (trainer/stream.py) against its contract: determinism, rank sharding, resumption,
+"""The stream engine (logitstore/streaming/stream.py) against its contract: determinism, rank sharding, resumption,
 the window shuffle and its memory budget, packing against the store's own decoding, the train/eval
 split, errors and damaged data."""
 
@@ -21,17 +21,17 @@ import torch
 
 import logitstore
 from benchmarks.synthetic import random_samples
-from logitstore import codec
 from logitstore.errors import DamagedDataError, LogitstoreError
-from logitstore.layout import json_attr
-from logitstore.meta import TeacherMeta
-from logitstore.sparsity import Sparsity
-from logitstore.store import Store
-from logitstore.trainer.batch import PackedBatch
-from logitstore.trainer.order import is_eval_sample
-from logitstore.trainer.spec import StreamConfigError, StreamSpec
-from logitstore.trainer.stream import Stream, store_stream
-from logitstore.verify import verify
+from logitstore.format import codec
+from logitstore.format.layout import json_attr
+from logitstore.format.sparsity import Sparsity
+from logitstore.store.meta import TeacherMeta
+from logitstore.store.store import Store
+from logitstore.store.verify import verify
+from logitstore.streaming.batch import PackedBatch
+from logitstore.streaming.order import is_eval_sample
+from logitstore.streaming.spec import StreamConfigError, StreamSpec
+from logitstore.streaming.stream import Stream, store_stream
 
 VOCAB = 1000
 SEQ, MB = 32, 2
@@ -660,7 +660,7 @@ def test_the_python_api_lists_the_streams_options_from_their_one_definition():
     import inspect
     import pydoc
 
-    from logitstore.trainer.spec import StreamSpec
+    from logitstore.streaming.spec import StreamSpec
 
     parameters = inspect.signature(logitstore.stream).parameters
     fields = dataclasses.fields(StreamSpec)

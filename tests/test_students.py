@@ -12,15 +12,15 @@ import pytest
 import torch
 from zarr.core.sync import sync
 
-from logitstore import layout
-from logitstore.layout import json_attr
-from logitstore.reader import PartReader
-from logitstore.store import Store
-from logitstore.trainer.batch import PackedBatch
-from logitstore.trainer.mixing import resolve_sources, student_vocabulary
-from logitstore.trainer.spec import StreamSpec
-from logitstore.trainer.stream import Stream, store_stream
-from logitstore.verify import verify
+from logitstore.format import layout
+from logitstore.format.layout import json_attr
+from logitstore.store.reader import PartReader
+from logitstore.store.store import Store
+from logitstore.store.verify import verify
+from logitstore.streaming.batch import PackedBatch
+from logitstore.streaming.mixing import resolve_sources, student_vocabulary
+from logitstore.streaming.spec import StreamSpec
+from logitstore.streaming.stream import Stream, store_stream
 from tests.data.make_format3_students_store import STUDENT, TEACHER, cross_batches, register
 from tests.test_stream import take
 

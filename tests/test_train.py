@@ -24,7 +24,7 @@ COMMON = dict(seq_len=64, micro_batch=2, warmup_steps=2, lr=5e-3, eval_fraction=
 @pytest.fixture(scope="module")
 def store(tmp_path_factory) -> str:
     """~3k teacher tokens of the sample corpus, distilled by the default teacher (top-16)."""
-    from logitstore.sparsity import Sparsity
+    from logitstore.format.sparsity import Sparsity
 
     data = sample_corpus_head(tmp_path_factory.mktemp("data") / "corpus.jsonl", docs=12, chars=1200)
     uri = str(tmp_path_factory.mktemp("store") / "store")
@@ -158,7 +158,7 @@ def test_bad_train_input_is_one_clear_line(store, tmp_path):
 
 def test_eval_on_a_store_of_three_samples_and_an_empty_split(tmp_path):
     # Three short samples pack into fewer rows than one micro-batch: eval pads its last row and step.
-    from logitstore.sparsity import Sparsity
+    from logitstore.format.sparsity import Sparsity
 
     data = tmp_path / "three.jsonl"
     data.write_text(

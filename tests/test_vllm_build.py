@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from logitstore.store import Store
+from logitstore.store.store import Store
 
 from .conftest import CLI, sample_corpus_head, save_tiny_llama
 

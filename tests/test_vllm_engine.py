@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from logitstore.errors import LogitstoreError
+from logitstore.format.sparsity import Sparsity
 from logitstore.pipelines.engines import vllm_engine
 from logitstore.pipelines.engines.vllm_engine import (
     CPU,
@@ -31,7 +32,6 @@ from logitstore.pipelines.engines.vllm_engine import (
 )
 from logitstore.pipelines.teacher import SparseBatch, sparse_topk_forward
 from logitstore.pipelines.workers import WorkerSettings, worker_devices
-from logitstore.sparsity import Sparsity
 
 VOCAB = 100
 T = 12

@@ -15,11 +15,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from logitstore import codec
-from logitstore.grid import GRIDS, Q_MAX
-from logitstore.layout import GRID_ARRAYS
-from logitstore.store import Store
-from logitstore.zarr_codec import as_codes
+from logitstore.format import codec
+from logitstore.format.grid import GRIDS, Q_MAX
+from logitstore.format.layout import GRID_ARRAYS
+from logitstore.format.zarr_codec import as_codes
+from logitstore.store.store import Store
 from tests.test_store import random_samples, teacher, write
 
 

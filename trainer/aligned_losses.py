@@ -75,13 +75,12 @@ masses below 1e-30 clamped to log(1e-30), which keeps 0 * log 0 terms at 0 and g
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
+from logitstore.streaming.targets import AlignedTargets
 from logitstore.trainer.config import is_real
 from logitstore.trainer.losses import (
     LOG_TINY,
@@ -93,76 +92,6 @@ from logitstore.trainer.losses import (
 )
 
 _LN2 = math.log(2.0)
-
-
-@dataclass
-class AlignedTargets:
-    """A cross-tokenizer teacher's signal on P student positions."""
-
-    target_ids: Tensor  # [P] long: the student's actual next token
-    exact_pos: Tensor  # [P1] long in [0, P): positions at 1:1 groups (same bytes, same preceding text)
-    entry_ids: Tensor  # [E] long: the student id of each teacher entry (exact vocabulary map), -1 if none
-    entry_logprobs: Tensor  # [E] float: the teacher's full-vocabulary log-softmax at temperature 1 (quantized)
-    entry_pos: Tensor  # [E] long in [0, P1), non-decreasing
-    tail: Tensor  # [P1] float: teacher mass outside its stored entries
-    chain_teacher_logprob: Tensor  # [G] float: teacher log-prob of a many-token group's exact bytes
-    chain_pos: Tensor  # [C] long in [0, P): student positions whose target log-probs sum to the group's
-    chain_group: Tensor  # [C] long in [0, G), non-decreasing
-    weight: Tensor | None = None  # [P] float per-position weight (several teachers mixed), None = 1
-
-    @property
-    def n_positions(self) -> int:
-        return int(self.target_ids.shape[0])
-
-    def cut(self, a: int, b: int) -> AlignedTargets:
-        """These targets at positions [a, b), renumbered from 0: a chunk of the head's positions, which
-        holds whole many-token groups (`objective._whole_groups` chooses the cuts)."""
-        keep = (self.exact_pos >= a) & (self.exact_pos < b)
-        new_index = torch.cumsum(keep.long(), 0) - 1  # exact position i -> its index in the chunk
-        entries = keep[self.entry_pos]
-        chain = (self.chain_pos >= a) & (self.chain_pos < b)
-        groups, chain_group = torch.unique(self.chain_group[chain], return_inverse=True)
-        return dataclasses.replace(
-            self,
-            target_ids=self.target_ids[a:b],
-            exact_pos=self.exact_pos[keep] - a,
-            tail=self.tail[keep],
-            entry_ids=self.entry_ids[entries],
-            entry_logprobs=self.entry_logprobs[entries],
-            entry_pos=new_index[self.entry_pos[entries]],
-            chain_teacher_logprob=self.chain_teacher_logprob[groups],
-            chain_pos=self.chain_pos[chain] - a,
-            chain_group=chain_group.reshape(-1),
-            weight=None if self.weight is None else self.weight[a:b],
-        )
-
-    def restrict(self, keep: Tensor) -> AlignedTargets:
-        """These targets at the student positions where `keep` [P] (bool) holds, renumbered (chat data's
-        completion). A many-token group stays only if all its positions stay: its log-probability is a sum
-        over all of them."""
-        new_index = torch.cumsum(keep.long(), 0) - 1
-        exact = keep[self.exact_pos]
-        exact_index = torch.cumsum(exact.long(), 0) - 1
-        entries = exact[self.entry_pos]
-        n_groups = self.chain_teacher_logprob.shape[0]
-        dropped = torch.zeros(n_groups, dtype=torch.long).index_add_(
-            0, self.chain_group, (~keep[self.chain_pos]).long()
-        )
-        groups = dropped == 0
-        links = groups[self.chain_group]
-        return dataclasses.replace(
-            self,
-            target_ids=self.target_ids[keep],
-            exact_pos=new_index[self.exact_pos[exact]],
-            entry_ids=self.entry_ids[entries],
-            entry_logprobs=self.entry_logprobs[entries],
-            entry_pos=exact_index[self.entry_pos[entries]],
-            tail=self.tail[exact],
-            chain_teacher_logprob=self.chain_teacher_logprob[groups],
-            chain_pos=new_index[self.chain_pos[links]],
-            chain_group=(torch.cumsum(groups.long(), 0) - 1)[self.chain_group[links]],
-            weight=None if self.weight is None else self.weight[keep],
-        )
 
 
 def aligned_kd(

@@ -1,7 +1,7 @@
 """Attention over packed rows without an L x L mask.
 
 A packed row holds several *segments* (samples, or fragments of one cut at a row boundary); position ids
-restart at 0 at each (`trainer/stream.py`), and a token may attend only to the tokens before it in its
+restart at 0 at each (`logitstore/streaming/stream.py`), and a token may attend only to the tokens before it in its
 own segment. The eager path built that as a dense [B, 1, L, L] mask: 256 MB per row at L = 8192 before
 attention even starts, and O(L^2) work whatever the segments. Here the segments are cut out of the
 flattened [B * L] tokens and attended to on their own with `scaled_dot_product_attention(is_causal=True)`

@@ -26,14 +26,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from logitstore.chat import TRAIN_ON
 from logitstore.errors import LogitstoreError
+from logitstore.format.sparsity import Sparsity, SparsityFlags, default_sparsity
 from logitstore.options import KEY, Flag, declared, from_values, group, option, read_file, to_values
 from logitstore.pipelines.config import EngineOptions
 from logitstore.sizes import parse_bytes
-from logitstore.sparsity import Sparsity, SparsityFlags, default_sparsity
+from logitstore.streaming.spec import DEFAULT_MEMORY_BUDGET, ON_ERROR, StreamSpec
+from logitstore.text.chat import TRAIN_ON
 from logitstore.trainer.report import check_sinks
-from logitstore.trainer.spec import DEFAULT_MEMORY_BUDGET, ON_ERROR, StreamSpec
 
 EVAL_ONLY = "-"  # the `out` of a configuration that only evaluates (`logitstore eval`): it writes nothing
 KINDS = ("forward_kl", "topk_renorm", "reverse_kl", "jsd")  # the distillation losses (`losses.py`)

@@ -50,14 +50,14 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, TrainOutput, get_l
 
 import logitstore
 from logitstore.errors import LogitstoreError
+from logitstore.streaming.spec import StreamSpec
+from logitstore.streaming.stream import store_stream
 from logitstore.trainer.attention import ATTENTION
 from logitstore.trainer.attention import register as register_attention
 from logitstore.trainer.config import LiveConfig, LossConfig
 from logitstore.trainer.live import InRankTeacher, LiveTeacher, live_stream, plan_live_samples, settle, start_teacher
 from logitstore.trainer.objective import batch_loss, held_out_metrics, student_outputs
 from logitstore.trainer.run_folder import write_atomic
-from logitstore.trainer.spec import StreamSpec
-from logitstore.trainer.stream import store_stream
 
 # The mixin's methods call Trainer's (`self.args`, `super().train`): the type checker sees it as a Trainer,
 # while at run time it stays a plain class placed before the Trainer class it is mixed into.

@@ -13,7 +13,7 @@ refusals (the server's preflight) and fixes the sparsity before the run takes --
 
 Data. The trainer plans the samples itself, exactly as `logitstore build` would (same reader, same
 tokenizer, same windows and ids), and orders, splits, packs and shards them with the stream engine's
-rules (`trainer/stream.py`, `LiveSource`: sorted by id, permuted by seed, split by id hash). The batch
+rules (`logitstore/streaming/stream.py`, `LiveSource`: sorted by id, permuted by seed, split by id hash). The batch
 order is therefore a function of the sample ids and the seed only: a live run and a run on a store built from the same data and options
 see the same batches. The teacher never reorders: it computes what it is asked, in request order.
 
@@ -58,19 +58,19 @@ import numpy as np
 import torch
 import torch.multiprocessing as mp
 
-from logitstore import codec
+from logitstore.format import codec
+from logitstore.format.samples import SparseSamples, concat
+from logitstore.format.sparsity import default_sparsity
 from logitstore.pipelines.config import PlanConfig
 from logitstore.pipelines.engines import engine_class, engine_names
 from logitstore.pipelines.plan import check_teacher_fits, plan_units
 from logitstore.pipelines.teacher import describe_teacher, resolve_teacher
 from logitstore.pipelines.workers import TeacherWorker, Unit, WorkerSettings
-from logitstore.samples import SparseSamples, concat
-from logitstore.sparsity import default_sparsity
-from logitstore.trainer.batch import assemble
+from logitstore.streaming.batch import assemble
+from logitstore.streaming.order import SplitTable, is_eval_sample
+from logitstore.streaming.spec import StreamSpec
+from logitstore.streaming.stream import Stream
 from logitstore.trainer.config import LiveConfig, LiveTeacherError
-from logitstore.trainer.order import SplitTable, is_eval_sample
-from logitstore.trainer.spec import StreamSpec
-from logitstore.trainer.stream import Stream
 
 RING_SLOTS = 2
 POLL_SECONDS = 0.2
@@ -469,7 +469,7 @@ def remove_process_shm(pid: int) -> None:
 
 
 class LiveSource:
-    """Live mode as a source of the stream engine (`trainer/stream.py`): the planned samples of one
+    """Live mode as a source of the stream engine (`logitstore/streaming/stream.py`): the planned samples of one
     split, ordered, packed and sharded as a store's (one window: the global shuffle), and computed
     whole by the teacher process for each micro-batch, then cut into its pieces."""
 

@@ -66,14 +66,13 @@ terms at 0 and gradients finite.
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 from torch import Tensor
 
+from logitstore.streaming.targets import SparseTargets
 from logitstore.trainer.config import LossConfig, LossConfigError
 
 TINY = 1e-30
@@ -82,58 +81,6 @@ LOG_TINY = math.log(TINY)
 # finite, so a position whose entries cover the whole vocabulary gives a finite logsumexp and a
 # finite (zero) gradient instead of exp(-inf - -inf) = NaN.
 MASKED_LOGIT = -1e30
-
-
-@dataclass
-class SparseTargets:
-    """The teacher's side of one micro-batch, flattened over its P supervised positions (E entries)."""
-
-    entry_ids: Tensor  # [E] long: teacher entry token ids
-    entry_logprobs: Tensor  # [E] float: full-vocabulary log-softmax at temperature 1 (quantized)
-    entry_pos: Tensor  # [E] long: position in [0, P) of each entry, non-decreasing
-    tail: Tensor  # [P] float: teacher mass outside the stored entries
-    target_ids: Tensor  # [P] long: the actual next token
-    target_logprobs: Tensor  # [P] float: teacher log-prob of the actual next token
-    entry_counts: Tensor | None = None  # [E] float: draws per entry (sampled stores only)
-    n_draws: int | None = None  # draws per position (sampled stores only)
-    weight: Tensor | None = None  # [P] float: per-position weight of the KD term (None = 1)
-
-    @property
-    def n_positions(self) -> int:
-        return int(self.tail.shape[0])
-
-    def cut(self, a: int, b: int, *, entries: tuple[int, int]) -> SparseTargets:
-        """Positions [a, b) and their entries [e0, e1) (`entries`: `position_slicer` finds them), renumbered
-        from 0: a chunk of the head's positions."""
-        e0, e1 = entries
-        return SparseTargets(
-            entry_ids=self.entry_ids[e0:e1],
-            entry_logprobs=self.entry_logprobs[e0:e1],
-            entry_pos=self.entry_pos[e0:e1] - a,
-            tail=self.tail[a:b],
-            target_ids=self.target_ids[a:b],
-            target_logprobs=self.target_logprobs[a:b],
-            entry_counts=None if self.entry_counts is None else self.entry_counts[e0:e1],
-            n_draws=self.n_draws,
-            weight=None if self.weight is None else self.weight[a:b],
-        )
-
-    def restrict(self, keep: Tensor) -> SparseTargets:
-        """These targets at the positions where `keep` [P] (bool) holds, renumbered (chat data's completion)."""
-        entries = keep[self.entry_pos]
-        new_index = torch.cumsum(keep.long(), 0) - 1
-        pick = lambda x: None if x is None else x[keep]
-        return dataclasses.replace(
-            self,
-            entry_ids=self.entry_ids[entries],
-            entry_logprobs=self.entry_logprobs[entries],
-            entry_pos=new_index[self.entry_pos[entries]],
-            tail=self.tail[keep],
-            target_ids=self.target_ids[keep],
-            target_logprobs=self.target_logprobs[keep],
-            weight=pick(self.weight),
-            entry_counts=None if self.entry_counts is None else self.entry_counts[entries],
-        )
 
 
 def distill_loss(student_logits: Tensor, targets: SparseTargets, cfg: LossConfig) -> tuple[Tensor, dict[str, float]]:

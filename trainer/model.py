@@ -17,8 +17,8 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from logitstore.errors import LogitstoreError
-from logitstore.hub import is_hub_id, local_folder
-from logitstore.tokenizer_io import tokenizer_hash
+from logitstore.text.hub import is_hub_id, local_folder
+from logitstore.text.tokenizer_io import tokenizer_hash
 from logitstore.trainer.attention import ATTENTION
 from logitstore.trainer.attention import register as register_attention
 

@@ -24,12 +24,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from logitstore.trainer.aligned_losses import AlignedTargets, aligned_kd
+from logitstore.streaming.batch import on_device
+from logitstore.streaming.targets import AlignedTargets, SparseTargets
+from logitstore.trainer.aligned_losses import aligned_kd
 from logitstore.trainer.attention import plan_segments
-from logitstore.trainer.batch import on_device
 from logitstore.trainer.losses import (
     LossConfig,
-    SparseTargets,
     ce_term,
     chunk_bounds,
     chunk_positions,

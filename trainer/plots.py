@@ -16,7 +16,7 @@ from pathlib import Path
 
 from logitstore.errors import LogitstoreError
 from logitstore.files import replace_file
-from logitstore.meta import RUN_MARKER
+from logitstore.store.meta import RUN_MARKER
 
 FIGURE_SIZE = (12.0, 7.0)  # inches at DPI 100: 1200 x 700 pixels
 DPI = 100
@@ -78,7 +78,7 @@ def plot_metrics(out: Path, *, note: Callable[[str], None] = _stderr_note) -> Pa
 
 def run_sections(out: Path, *, note: Callable[[str], None] = _stderr_note) -> list:
     """The run's page: what it trains and where it stands, then its curves."""
-    from logitstore.report import Section  # with it the codec (numba) and matplotlib: a run page only
+    from logitstore.store.report import Section  # with it the codec (numba) and matplotlib: a run page only
 
     records = read_metrics(out, note=note)
     start = _start(records)

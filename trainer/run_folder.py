@@ -22,9 +22,9 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from logitstore.meta import RUN_MARKER
 from logitstore.options import dump
-from logitstore.store import Store
+from logitstore.store.meta import RUN_MARKER
+from logitstore.store.store import Store
 from logitstore.trainer import checkpoint
 from logitstore.trainer.config import RUN_CONFIG, TrainConfig, TrainConfigError, kept_values
 

@@ -36,18 +36,18 @@ from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 from logitstore.environment import environment
 from logitstore.errors import LogitstoreError
 from logitstore.pipelines.teacher import describe_teacher
-from logitstore.store import Store
+from logitstore.store.store import Store
+from logitstore.streaming.mixing import Source, resolve_sources, student_vocabulary
+from logitstore.streaming.spec import StreamConfigError
+from logitstore.streaming.stream import store_stream
 from logitstore.trainer import checkpoint, run_folder
 from logitstore.trainer.config import TrainConfig, TrainConfigError
 from logitstore.trainer.live import InRankTeacher, LiveTeacher, live_stream, plan_live_samples, settle, start_teacher
-from logitstore.trainer.mixing import Source, resolve_sources, student_vocabulary
 from logitstore.trainer.model import apply_levers, build_student, shard, student_max_positions, student_tokenizer_hash
 from logitstore.trainer.objective import all_reduce_mean, batch_loss, held_out_metrics, student_outputs
 from logitstore.trainer.plots import plot_metrics
 from logitstore.trainer.report import open_sinks
-from logitstore.trainer.spec import StreamConfigError
 from logitstore.trainer.stopping import interrupted_once, stopping_ranks
-from logitstore.trainer.stream import store_stream
 
 # -- launching -----------------------------------------------------------------------------------
 
@@ -346,7 +346,7 @@ def _train_step(model, optimizer, batches, cfg: TrainConfig, device) -> tuple[di
 
 
 def plan_sources(view, cfg: TrainConfig):
-    """The run's teacher sources and the student's vocabulary (see `trainer/mixing.py`)."""
+    """The run's teacher sources and the student's vocabulary (see `logitstore/streaming/mixing.py`)."""
 
     weights = cfg.data.teacher_weights or {view.teacher_name(cfg.data.teacher): 1.0}
     vocab = student_vocabulary(

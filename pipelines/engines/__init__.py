@@ -56,7 +56,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from logitstore.errors import LogitstoreError
-from logitstore.samples import SparseSamples, concat
+from logitstore.format.samples import SparseSamples, concat
 
 SUFFIX = "_engine"
 VLLM_OUTPUTS = (

@@ -44,6 +44,8 @@ import httpx
 import numpy as np
 import orjson
 
+from logitstore.format.samples import SparseSamples, concat
+from logitstore.format.sparsity import Sparsity
 from logitstore.pipelines.engines import EngineError, cut_at_stop
 from logitstore.pipelines.engines.served_json import (
     MISSING_RANK,
@@ -51,8 +53,6 @@ from logitstore.pipelines.engines.served_json import (
     MalformedResponse,
     parse_prompt_logprobs,
 )
-from logitstore.samples import SparseSamples, concat
-from logitstore.sparsity import Sparsity
 
 API_KEY_VARIABLE = "LOGITSTORE_SERVER_API_KEY"
 DEFAULT_K = 64  # with no --top-k/--top-p: K = min(this, the server's maximum)

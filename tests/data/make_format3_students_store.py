@@ -13,11 +13,11 @@ import sys
 import numpy as np
 
 from benchmarks.synthetic import random_samples
-from logitstore import codec
-from logitstore.meta import StudentTokenizer, TeacherMeta
-from logitstore.samples import SparseSamples, StudentTokens, row_offsets
-from logitstore.sparsity import Sparsity
-from logitstore.store import Store
+from logitstore.format import codec
+from logitstore.format.samples import SparseSamples, StudentTokens, row_offsets
+from logitstore.format.sparsity import Sparsity
+from logitstore.store.meta import StudentTokenizer, TeacherMeta
+from logitstore.store.store import Store
 
 VOCAB, STUDENT_VOCAB = 1000, 500
 TEACHER, STUDENT = "teacher-a", "s"
@@ -74,7 +74,7 @@ def register(store: Store, batches, **meta_fields) -> None:
 
 
 if __name__ == "__main__":
-    from logitstore.meta import FORMAT_VERSION
+    from logitstore.store.meta import FORMAT_VERSION
 
     assert FORMAT_VERSION == 3, FORMAT_VERSION
     register(Store.open(sys.argv[1], create=True), cross_batches())

@@ -18,14 +18,6 @@ import icechunk
 import pyarrow as pa
 import zarr
 
-from logitstore import index, layout
-from logitstore.bounded import (
-    BoundedRepository,
-    create_repository,
-    open_repository,
-    repository_exists,
-    storage_errors,
-)
 from logitstore.errors import (
     DamagedDataError,
     IncompatibleStoreError,
@@ -33,11 +25,20 @@ from logitstore.errors import (
     StoreNotFoundError,
     VersionNotFoundError,
 )
-from logitstore.layout import root_attrs
-from logitstore.location import Location, commit_lock
-from logitstore.meta import DEFAULT_BRANCH, FORMAT_VERSION, NAME, SNAPSHOT_ID, WRITER, VersionInfo, now
-from logitstore.version import StoreVersion
-from logitstore.writer import StoreWriter
+from logitstore.format import layout
+from logitstore.format.layout import root_attrs
+from logitstore.storage.bounded import (
+    BoundedRepository,
+    create_repository,
+    open_repository,
+    repository_exists,
+    storage_errors,
+)
+from logitstore.storage.location import Location, commit_lock
+from logitstore.store import index
+from logitstore.store.meta import DEFAULT_BRANCH, FORMAT_VERSION, NAME, SNAPSHOT_ID, WRITER, VersionInfo, now
+from logitstore.store.version import StoreVersion
+from logitstore.store.writer import StoreWriter
 
 
 class Store:

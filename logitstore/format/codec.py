@@ -29,8 +29,8 @@ import numba
 import numpy as np
 
 from logitstore.errors import InvalidSampleError
-from logitstore.grid import Q_MAX, CodecParams
-from logitstore.samples import SparseSamples, row_offsets
+from logitstore.format.grid import Q_MAX, CodecParams
+from logitstore.format.samples import SparseSamples, row_offsets
 
 
 @dataclass

@@ -17,7 +17,7 @@ import re
 from tokenizers import ByteLevelBPETokenizer, Tokenizer
 
 from logitstore.errors import LogitstoreError
-from logitstore.hub import is_hub_id, local_folder
+from logitstore.text.hub import is_hub_id, local_folder
 
 FLAG = "--student-tokenizer"
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")

@@ -31,11 +31,11 @@ from numcodecs import blosc
 from zarr.core.buffer import default_buffer_prototype
 from zarr.core.sync import sync
 
-from logitstore import packed
-from logitstore.bounded import BoundedStore
-from logitstore.grid import CodecParams
-from logitstore.zarr_codec import NAME as GRID_CODEC
-from logitstore.zarr_codec import as_codes
+from logitstore.format.grid import CodecParams
+from logitstore.format.zarr_codec import NAME as GRID_CODEC
+from logitstore.format.zarr_codec import as_codes
+from logitstore.storage import packed
+from logitstore.storage.bounded import BoundedStore
 
 _EMPTY = 2**64 - 1  # an inner chunk never written (all fill value)
 _PLAIN = ({"name": "bytes", "configuration": {"endian": "little"}}, "blosc", {"name": "crc32c"})

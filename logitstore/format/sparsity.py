@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from logitstore.errors import LogitstoreError
-from logitstore.grid import GRIDS, CodecParams
+from logitstore.format.grid import GRIDS, CodecParams
 from logitstore.options import option
 
 MODES = ("topk", "topp", "sampled")

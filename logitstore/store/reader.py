@@ -31,15 +31,16 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from zarr.core.sync import sync
 
-from logitstore import codec, layout, packed
-from logitstore.bounded import read_errors
-from logitstore.codec import EncodedSamples
 from logitstore.errors import DamagedDataError, StorageError
-from logitstore.layout import read_values
-from logitstore.rawread import read_packed, read_whole
-from logitstore.samples import SparseSamples
-from logitstore.version import StoreVersion
-from logitstore.zarr_codec import as_codes
+from logitstore.format import codec, layout
+from logitstore.format.codec import EncodedSamples
+from logitstore.format.layout import read_values
+from logitstore.format.samples import SparseSamples
+from logitstore.format.zarr_codec import as_codes
+from logitstore.storage import packed
+from logitstore.storage.bounded import read_errors
+from logitstore.storage.rawread import read_packed, read_whole
+from logitstore.store.version import StoreVersion
 
 # Read through a gap of at most this many elements rather than issue another request (sliced reads):
 # on object storage a request costs more than a few KB of extra bytes.

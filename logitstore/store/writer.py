@@ -16,12 +16,6 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import zarr
 
-from logitstore import codec, index, layout, packed, rawwrite
-from logitstore.bounded import (
-    bounded_store,
-    read_errors,
-    storage_errors,
-)
 from logitstore.errors import (
     ChangedTextError,
     ConflictError,
@@ -30,16 +24,32 @@ from logitstore.errors import (
     InvalidSampleError,
     LogitstoreError,
 )
-from logitstore.generation import GENERATIONS_ATTR
-from logitstore.grid import CodecParams
+from logitstore.format import codec, layout
+from logitstore.format.grid import CodecParams
 
 # 2: teachers registered since hold their log-probability arrays as float32 through the grid codec
 # (`zarr_codec.py`; `TeacherMeta.values`); format-1 teachers keep plain uint16 codes and read as before.
-from logitstore.layout import array_at, group_at, json_attr, read_values
-from logitstore.location import commit_lock
-from logitstore.meta import FORMAT_VERSION, ON_DUPLICATE, WRITER, StudentTokenizer, TeacherMeta, mismatch_message, now
-from logitstore.samples import SparseSamples, StudentTokens, concat
-from logitstore.version import StoreHandle, read_teachers
+from logitstore.format.layout import array_at, group_at, json_attr, read_values
+from logitstore.format.samples import SparseSamples, StudentTokens, concat
+from logitstore.storage import packed, rawwrite
+from logitstore.storage.bounded import (
+    bounded_store,
+    read_errors,
+    storage_errors,
+)
+from logitstore.storage.location import commit_lock
+from logitstore.store import index
+from logitstore.store.generation import GENERATIONS_ATTR
+from logitstore.store.meta import (
+    FORMAT_VERSION,
+    ON_DUPLICATE,
+    WRITER,
+    StudentTokenizer,
+    TeacherMeta,
+    mismatch_message,
+    now,
+)
+from logitstore.store.version import StoreHandle, read_teachers
 
 
 class StoreWriter:
@@ -137,7 +147,7 @@ class StoreWriter:
         return meta
 
     def record_generation(self, teacher: str, record: dict) -> None:
-        """Keep a generation's record (`logitstore.generation`) on the teacher's group, once: a record
+        """Keep a generation's record (`logitstore.store.generation`) on the teacher's group, once: a record
         already there is not written again, so checkpoint commits do not touch the group."""
         group = group_at(self.root, layout.teacher_path(teacher))
         known = json_attr(group, GENERATIONS_ATTR) if GENERATIONS_ATTR in group.attrs else {}

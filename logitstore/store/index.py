@@ -36,10 +36,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from logitstore.blobs import BlobStore
-from logitstore.codec import EncodedSamples
 from logitstore.errors import DamagedDataError
-from logitstore.samples import StudentTokens
+from logitstore.format.codec import EncodedSamples
+from logitstore.format.samples import StudentTokens
+from logitstore.storage.blobs import BlobStore
 
 SCHEMA = pa.schema(
     [

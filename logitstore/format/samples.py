@@ -12,7 +12,7 @@ token t + 1.
     entry_counts     [E] or None    draws per entry (sampled stores only)
     tail             [P]            probability mass outside the stored entries
     target_logprobs  [P]            log-probability of the actual next token, stored or not
-    loss_mask        [sum T_s] or None   1 for completion tokens (chat data, `logitstore.chat`);
+    loss_mask        [sum T_s] or None   1 for completion tokens (chat data, `logitstore.text.chat`);
                                     None for plain text, where every token is supervised
 """
 

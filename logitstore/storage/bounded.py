@@ -38,7 +38,7 @@ from zarr.core.sync import sync
 from zarr.storage import WrapperStore
 
 from logitstore.errors import DamagedDataError, LogitstoreError, StorageError
-from logitstore.limits import StorageLimits
+from logitstore.storage.limits import StorageLimits
 
 # How a panic in Icechunk's Rust code reaches Python: PyO3's `PanicException` (a `BaseException`) from a
 # blocking call, `RustPanic` from an awaited one. Neither can be imported (each extension has its own).

@@ -7,7 +7,7 @@ import re
 import numpy as np
 
 from logitstore.errors import LogitstoreError
-from logitstore.version import StoreVersion
+from logitstore.store.version import StoreVersion
 
 
 def sample_as_json(

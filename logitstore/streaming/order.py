@@ -1,6 +1,6 @@
 """The stream's order: which samples a split holds, in which order an epoch visits them (the window
 shuffle over parts), and how the packed token stream is cut into rows, all without reading data.
-The rules are the stream's contract (`trainer/stream.py`); `EpochPlan` is one epoch of them.
+The rules are the stream's contract (`logitstore/streaming/stream.py`); `EpochPlan` is one epoch of them.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from logitstore.sizes import format_bytes
-from logitstore.trainer.spec import StreamConfigError
+from logitstore.streaming.spec import StreamConfigError
 
 _WINDOW_STREAM = 2**32  # the RNG stream of the part permutation, apart from the windows' 0, 1, ...
 _GROUP_STREAM = 2**32 + 1  # the RNG stream that deals parts to reader groups (once per run)

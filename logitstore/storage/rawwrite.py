@@ -38,8 +38,8 @@ from zarr.core.group import GroupMetadata
 from zarr.core.metadata import ArrayV3Metadata
 from zarr.core.sync import sync
 
-from logitstore.layout import MEMBERS
-from logitstore.zarr_codec import LogprobGrid
+from logitstore.format.layout import MEMBERS
+from logitstore.format.zarr_codec import LogprobGrid
 
 _EMPTY = np.uint64(2**64 - 1)  # the shard index's offset and length of an inner chunk not written
 # Threads that compress a part's inner chunks: a 16k-token part at top-64 has ~25 of 256 KiB.

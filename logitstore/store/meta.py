@@ -14,8 +14,8 @@ import numpy as np
 from logitstore.errors import (
     InvalidSampleError,
 )
-from logitstore.grid import CodecParams
-from logitstore.sparsity import Sparsity, SparsityError
+from logitstore.format.grid import CodecParams
+from logitstore.format.sparsity import Sparsity, SparsityError
 
 # 2: teachers registered since hold their log-probability arrays as float32 through the grid codec
 # (`zarr_codec.py`; `TeacherMeta.values`); format-1 teachers keep plain uint16 codes and read as before.
@@ -53,7 +53,7 @@ class TeacherMeta:
     # Student tokenizers, fixed with the teacher: ({"name", "tokenizer_hash", "vocab_size"}, ...) in the
     # order of the index's per-student list columns.
     students: tuple = ()
-    # Chat data (`logitstore.chat`): None for plain text; else every part holds a per-token `loss_mask`
+    # Chat data (`logitstore.text.chat`): None for plain text; else every part holds a per-token `loss_mask`
     # and this says which positions hold teacher entries: "completion" or "prompt+completion" (all).
     loss_mask: str | None = None
     # How the log-probability arrays are declared to Zarr: "logprobs" (float32 through the grid codec,
@@ -141,7 +141,9 @@ class TeacherMeta:
     def packs(self, name: str) -> bool:
         """Whether a part's array `name` (its path in the part: `layout.PART_ARRAYS`, or a student
         tokenizer's `layout.student_arrays`) lies in the part's packed object."""
-        from logitstore import layout  # here: layout imports the codec (numba), which the CLI's start-up must not
+        from logitstore.format import (
+            layout,  # here: layout imports the codec (numba), which the CLI's start-up must not
+        )
 
         return self.packed_students if layout.is_student_array(name) else self.packed
 

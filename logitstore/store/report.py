@@ -25,16 +25,16 @@ import numpy as np
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from logitstore import codec
-from logitstore.bounded import read_errors
-from logitstore.codec import EncodedSamples
 from logitstore.errors import LogitstoreError
 from logitstore.files import replace_file
-from logitstore.grid import Q_MAX
-from logitstore.meta import TeacherMeta
-from logitstore.reader import PartReader, TeacherRows
-from logitstore.samples import ranges, row_offsets
-from logitstore.version import StoreVersion
+from logitstore.format import codec
+from logitstore.format.codec import EncodedSamples
+from logitstore.format.grid import Q_MAX
+from logitstore.format.samples import ranges, row_offsets
+from logitstore.storage.bounded import read_errors
+from logitstore.store.meta import TeacherMeta
+from logitstore.store.reader import PartReader, TeacherRows
+from logitstore.store.version import StoreVersion
 
 FORMATS = (".html", ".md")
 FIGURE_SIZE = (8.0, 3.2)  # inches, at DPI: every picture is 800 x 320 pixels

@@ -20,13 +20,13 @@ import numpy as np
 import pyarrow.compute as pc
 import zarr
 
-from logitstore import layout
 from logitstore.errors import StorageError
-from logitstore.index import sample_hashes
-from logitstore.layout import group_at, read_values
-from logitstore.samples import StudentTokens
-from logitstore.version import StoreVersion, slice_row
-from logitstore.zarr_codec import as_codes
+from logitstore.format import layout
+from logitstore.format.layout import group_at, read_values
+from logitstore.format.samples import StudentTokens
+from logitstore.format.zarr_codec import as_codes
+from logitstore.store.index import sample_hashes
+from logitstore.store.version import StoreVersion, slice_row
 
 
 @dataclass

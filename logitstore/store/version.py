@@ -12,25 +12,25 @@ import pyarrow.compute as pc
 import zarr
 from tokenizers import Tokenizer
 
-from logitstore import codec, layout
-from logitstore.blobs import BlobStore
-from logitstore.bounded import BoundedRepository, read_errors, storage_errors
-from logitstore.codec import EncodedSamples
 from logitstore.errors import (
     LogitstoreError,
     SampleNotFoundError,
     VersionNotFoundError,
 )
-from logitstore.generation import GENERATIONS_ATTR, generation_of, parse_answer_id
-from logitstore.layout import array_at, group_at, json_attr, read_values, root_attrs
-from logitstore.location import Location
+from logitstore.format import codec, layout
+from logitstore.format.codec import EncodedSamples
+from logitstore.format.layout import array_at, group_at, json_attr, read_values, root_attrs
+from logitstore.format.samples import SparseSamples
+from logitstore.format.zarr_codec import as_codes
+from logitstore.storage.blobs import BlobStore
+from logitstore.storage.bounded import BoundedRepository, read_errors, storage_errors
+from logitstore.storage.location import Location
+from logitstore.storage.packed import PackedStore, array_members
+from logitstore.store.generation import GENERATIONS_ATTR, generation_of, parse_answer_id
 
 # 2: teachers registered since hold their log-probability arrays as float32 through the grid codec
 # (`zarr_codec.py`; `TeacherMeta.values`); format-1 teachers keep plain uint16 codes and read as before.
-from logitstore.meta import TeacherMeta
-from logitstore.packed import PackedStore, array_members
-from logitstore.samples import SparseSamples
-from logitstore.zarr_codec import as_codes
+from logitstore.store.meta import TeacherMeta
 
 
 class StoreHandle(Protocol):
@@ -254,7 +254,7 @@ class StoreVersion:
 
     def generations(self, teacher: str | None = None) -> dict[str, dict]:
         """The generations whose answers the teacher's samples hold (`build --generate`), by id: the
-        generator, engine, sampling settings, seed and round (`logitstore.generation`)."""
+        generator, engine, sampling settings, seed and round (`logitstore.store.generation`)."""
         group = group_at(self.root, layout.teacher_path(self.teacher_name(teacher)))
         return json_attr(group, GENERATIONS_ATTR) if GENERATIONS_ATTR in group.attrs else {}
 

@@ -23,7 +23,7 @@ Rules (documented in docs/train.md):
 - Metrics: `signal_share` is the share of supervised student positions that received a term from at
   least one teacher; `exact_share` the share at 1:1 groups or from same-tokenizer teachers.
 
-`MixedSource` is a source of the stream engine (`trainer/stream.py`) with another way to build a
+`MixedSource` is a source of the stream engine (`logitstore/streaming/stream.py`) with another way to build a
 batch: each sample of the batch is decoded whole from every source's parts in memory (a sample cut
 across two rows is decoded twice), turned into student-position signals with numpy, then cut into the
 batch's pieces. Nothing loops per token or entry in Python; the loops are per piece and per source.
@@ -36,16 +36,16 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from logitstore.chat import supervised_positions
 from logitstore.errors import LogitstoreError
-from logitstore.reader import PartReader, TeacherRows
-from logitstore.samples import SparseSamples
-from logitstore.samples import ranges as _ranges
-from logitstore.trainer.aligned_losses import AlignedTargets
-from logitstore.trainer.batch import BatchContext, PackedBatch, layout, sparse_targets_of
-from logitstore.trainer.order import Pieces, SplitTable
-from logitstore.trainer.store_source import check_train_on, split_rows
-from logitstore.version import StoreVersion
+from logitstore.format.samples import SparseSamples
+from logitstore.format.samples import ranges as _ranges
+from logitstore.store.reader import PartReader, TeacherRows
+from logitstore.store.version import StoreVersion
+from logitstore.streaming.batch import BatchContext, PackedBatch, layout, sparse_targets_of
+from logitstore.streaming.order import Pieces, SplitTable
+from logitstore.streaming.store_source import check_train_on, split_rows
+from logitstore.streaming.targets import AlignedTargets
+from logitstore.text.chat import supervised_positions
 
 
 class TeacherSourceError(LogitstoreError, ValueError):
@@ -145,7 +145,7 @@ class _SourceTable:
 
 
 class MixedSource:
-    """Several sources for the stream engine (`trainer/stream.py`); same contract (order, packing,
+    """Several sources for the stream engine (`logitstore/streaming/stream.py`); same contract (order, packing,
     sharding, resume), with lengths in the student's tokens and `PackedBatch.signals` instead of the
     single-teacher targets. A *part* here is a part of the first source; reading it reads, for every
     source, the parts of its own that hold those samples (one each when the teachers were built from

@@ -27,8 +27,8 @@ from zarr.core.common import parse_named_configuration
 from zarr.core.dtype import UInt16
 from zarr.registry import register_codec
 
-from logitstore.codec import dequantize, quantize
-from logitstore.grid import CodecParams
+from logitstore.format.codec import dequantize, quantize
+from logitstore.format.grid import CodecParams
 
 NAME = "logitstore.logprob_grid"
 _GRID = ("fine_step", "coarse_step", "coarse_below")  # the grid's numbers, in the order they are written

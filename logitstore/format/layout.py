@@ -38,12 +38,12 @@ import numpy as np
 import zarr
 from zarr.codecs import BloscCodec, Crc32cCodec
 
-from logitstore.zarr_codec import LogprobGrid
+from logitstore.format.zarr_codec import LogprobGrid
 
 if TYPE_CHECKING:  # annotations only
     import icechunk
 
-    from logitstore.grid import CodecParams
+    from logitstore.format.grid import CodecParams
 
 TEACHERS, PARTS, STUDENTS = "teachers", "parts", "students"  # the groups that hold teachers, parts, students
 

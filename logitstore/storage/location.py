@@ -21,9 +21,9 @@ from urllib.parse import unquote, urlparse
 
 import icechunk
 
-from logitstore.blobs import BlobStore, LocalBlobs, MemoryBlobs, S3Blobs
 from logitstore.errors import StorageError, StoreNotFoundError
-from logitstore.limits import StorageLimits
+from logitstore.storage.blobs import BlobStore, LocalBlobs, MemoryBlobs, S3Blobs
+from logitstore.storage.limits import StorageLimits
 
 INDEX_PREFIX = "logitstore-index"
 

@@ -25,7 +25,7 @@ import numpy as np
 from zarr.abc.store import ByteRequest, OffsetByteRequest, RangeByteRequest, Store, SuffixByteRequest
 from zarr.core.buffer import Buffer, BufferPrototype
 
-from logitstore import layout
+from logitstore.format import layout
 
 
 def chunk_key(path: str) -> str:

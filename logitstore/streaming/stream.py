@@ -110,13 +110,13 @@ import torch
 from logitstore.ahead import read_ahead
 from logitstore.errors import DamagedDataError, StorageError
 from logitstore.sizes import format_bytes, parse_bytes
-from logitstore.store import Store
-from logitstore.trainer.batch import BatchContext, PackedBatch
-from logitstore.trainer.mixing import MixedSource
-from logitstore.trainer.order import EpochPlan, Pieces, SplitTable, deal_samples, group_window_parts, window_parts
-from logitstore.trainer.spec import DEFAULT_MEMORY_BUDGET, StreamConfigError, StreamSpec
-from logitstore.trainer.store_source import StoreSource
-from logitstore.version import StoreVersion
+from logitstore.store.store import Store
+from logitstore.store.version import StoreVersion
+from logitstore.streaming.batch import BatchContext, PackedBatch
+from logitstore.streaming.mixing import MixedSource
+from logitstore.streaming.order import EpochPlan, Pieces, SplitTable, deal_samples, group_window_parts, window_parts
+from logitstore.streaming.spec import DEFAULT_MEMORY_BUDGET, StreamConfigError, StreamSpec
+from logitstore.streaming.store_source import StoreSource
 
 LOOKAHEAD_BATCHES = 8  # micro-batches ahead whose parts are asked for: work for every reader thread
 
@@ -599,7 +599,7 @@ class Stream(torch.utils.data.IterableDataset):
 
 def store_stream(view: StoreVersion, spec: StreamSpec, *, sources: list | None = None) -> Stream:
     """The stream of a store version: one teacher (`spec.teacher`, or the version's only one), or several
-    or cross-tokenizer teachers (`sources`, `trainer/mixing.py`)."""
+    or cross-tokenizer teachers (`sources`, `logitstore/streaming/mixing.py`)."""
     split, eval_fraction, train_on = spec.split, spec.eval_fraction, spec.train_on
     source: Source
     if sources is not None and (len(sources) > 1 or sources[0].cross):

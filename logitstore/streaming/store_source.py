@@ -1,17 +1,17 @@
 """One teacher of a store version as a source of the stream engine: `StoreSource` reads its parts
-with the store's part reader (`logitstore/reader.py`) and lays decoded pieces out in batches.
+with the store's part reader (`logitstore/store/reader.py`) and lays decoded pieces out in batches.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from logitstore.chat import TRAIN_ON
-from logitstore.reader import PartData, PartReader, TeacherRows
-from logitstore.trainer.batch import BatchContext, PackedBatch, assemble
-from logitstore.trainer.order import Pieces, SplitTable, in_split
-from logitstore.trainer.spec import StreamConfigError
-from logitstore.version import StoreVersion
+from logitstore.store.reader import PartData, PartReader, TeacherRows
+from logitstore.store.version import StoreVersion
+from logitstore.streaming.batch import BatchContext, PackedBatch, assemble
+from logitstore.streaming.order import Pieces, SplitTable, in_split
+from logitstore.streaming.spec import StreamConfigError
+from logitstore.text.chat import TRAIN_ON
 
 
 def split_rows(view: StoreVersion, *, teacher: str, split: str, eval_fraction: float, student: str | None = None):

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from logitstore.errors import StorageError
 from logitstore.files import replace_file
-from logitstore.limits import StorageLimits
+from logitstore.storage.limits import StorageLimits
 
 
 class BlobStore(ABC):

@@ -10,11 +10,10 @@ import numba
 import numpy as np
 import torch
 
-from logitstore.chat import supervised_positions
-from logitstore.samples import SparseSamples, ranges
-from logitstore.trainer.aligned_losses import AlignedTargets
-from logitstore.trainer.losses import SparseTargets
-from logitstore.trainer.order import Pieces
+from logitstore.format.samples import SparseSamples, ranges
+from logitstore.streaming.order import Pieces
+from logitstore.streaming.targets import AlignedTargets, SparseTargets
+from logitstore.text.chat import supervised_positions
 
 
 @dataclass
@@ -37,7 +36,7 @@ class PackedBatch:
     # (sample id, first token of the fragment in the sample, flat start b*L + t, length) per segment,
     # in row-major order: for logging and tests; skipped fragments are absent.
     segments: list[tuple[str, int, int, int]] = field(default_factory=list)
-    # A mix of teachers (`trainer/mixing.py`: several, or cross-tokenizer ones): the counts behind its
+    # A mix of teachers (`logitstore/streaming/mixing.py`: several, or cross-tokenizer ones): the counts behind its
     # metrics (each teacher's share of the positions); empty for one teacher's batch.
     signal_counts: dict = field(default_factory=dict)
     # The stream's `state_dict()` once this batch is consumed: resume point for a loop that reads the
