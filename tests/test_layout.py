@@ -250,3 +250,126 @@ def test_the_readme_counts_the_slow_tests_pytest_deselects():
         cwd=ROOT,
     ).stdout
     assert words.index(said) == sum("::" in line for line in listed.splitlines())
+
+
+# The library's rooms, lowest first: a module imports only from its own room and the rooms before it. The
+# ground floor is logitstore/'s top-level modules (errors, files, options, ...).
+ROOMS = ("ground", "text", "format", "storage", "store", "streaming", "testing")
+
+
+def _room(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) >= 2 and parts[1] in ROOMS else "ground"
+
+
+def test_imports_between_the_librarys_rooms_point_down():
+    found = [
+        f"{name} ({_room(name)}) imports {target} ({_room(target)})"
+        for name, targets in sorted(_import_graph().items())
+        if name.startswith("logitstore.")
+        and not name.startswith(("logitstore.pipelines", "logitstore.trainer", "logitstore.cli"))
+        for target in sorted(targets)
+        if target.startswith("logitstore.") and ROOMS.index(_room(target)) > ROOMS.index(_room(name))
+    ]
+    assert not found, "\n".join(found)
+
+
+def test_at_most_twelve_modules_at_the_librarys_top_level():
+    top = sorted(p.name for p in (ROOT / "logitstore").glob("*.py"))
+    assert len(top) <= 12, f"{len(top)} modules at the top of logitstore/, put some in a room: {top}"
+
+
+def _source_files():
+    """Every module of the package and scripts/ (benchmarks/ and tests/ may hold long scripts and suites)."""
+    for folder in ("logitstore", "pipelines", "trainer", "cli", "scripts"):
+        yield from sorted((ROOT / folder).rglob("*.py"))
+
+
+def test_no_module_is_over_600_lines():
+    long = [f"{p.relative_to(ROOT)}: {n}" for p in _source_files() if (n := len(p.read_text().splitlines())) > 600]
+    assert not long, "split these by job:\n" + "\n".join(long)
+
+
+def test_no_class_name_is_defined_twice():
+    where: dict[str, list[str]] = {}
+    for path, _ in _package_modules():
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.ClassDef):
+                where.setdefault(node.name, []).append(str(path.relative_to(ROOT)))
+    twice = {name: paths for name, paths in where.items() if len(paths) > 1}
+    assert not twice, "one meaning per name:\n" + "\n".join(f"{n}: {', '.join(p)}" for n, p in sorted(twice.items()))
+
+
+def test_no_module_shadows_the_standard_library():
+    shadows = [
+        str(p.relative_to(ROOT))
+        for folder in ("logitstore", "pipelines", "trainer", "cli")
+        for p in sorted((ROOT / folder).rglob("*"))
+        if (p.suffix == ".py" and p.stem in sys.stdlib_module_names)
+        or (p.is_dir() and p.name in sys.stdlib_module_names and (p / "__init__.py").exists())
+    ]
+    assert not shadows, "rename these, they shadow the standard library's modules:\n" + "\n".join(shadows)
+
+
+def _imports_of(path: Path) -> list[tuple[int, str]]:
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            found.append((node.lineno, node.module or ""))
+    return found
+
+
+def test_tests_and_benchmarks_share_tooling_only_through_logitstore_testing():
+    """Test and benchmark helpers live in logitstore/testing; no test imports another test module (its
+    conftest included), no benchmark imports a test, and nothing edits sys.path to reach them."""
+    found = []
+    for folder in ("tests", "benchmarks"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            rel = path.relative_to(ROOT)
+            found += [
+                f"{rel}:{line} imports {module}"
+                for line, module in _imports_of(path)
+                if module.split(".")[0] in ("tests", "benchmarks")
+            ]
+    for path in [*(ROOT / "tests").rglob("*.py"), *(ROOT / "benchmarks").rglob("*.py"), *_source_files()]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (
+                isinstance(node, ast.Attribute)
+                and node.attr == "path"
+                and isinstance(node.value, ast.Name)
+                and node.value.id == "sys"
+            ):
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno} uses sys.path")
+    assert not found, "\n".join(found)
+
+
+def test_the_streams_defaults_are_written_once():
+    """`eval_fraction` and `train_on` take their default from one place (the stream's spec); every other
+    signature or config field that has them refers to it."""
+    literal: dict[str, list[str]] = {"eval_fraction": [], "train_on": []}
+
+    def note(name: str, default: ast.expr | None, where: str) -> None:
+        if name in literal and isinstance(default, ast.Constant):
+            literal[name].append(where)
+
+    for path, _ in _package_modules():
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            where = f"{path.relative_to(ROOT)}:{node.__dict__.get('lineno')}"
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                args = node.args
+                positional = args.posonlyargs + args.args
+                for arg, default in zip(positional[len(positional) - len(args.defaults) :], args.defaults):
+                    note(arg.arg, default, where)
+                for arg, kw_default in zip(args.kwonlyargs, args.kw_defaults):
+                    note(arg.arg, kw_default, where)
+            elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+                value = node.value
+                if isinstance(value, ast.Call) and value.args:  # option(0.05, ...)/field(default=...)
+                    value = value.args[0]
+                elif isinstance(value, ast.Call):
+                    value = next((k.value for k in value.keywords if k.arg == "default"), None)
+                note(node.target.id, value, where)
+    assert all(len(places) == 1 for places in literal.values()), literal
