@@ -89,7 +89,7 @@ def config(args, *, store: str, data: Path) -> BuildConfig:
 
 
 def forward(model, ids: torch.Tensor, mask: torch.Tensor, sparsity: Sparsity, generator) -> SparseBatch:
-    """The teacher's forward pass as the torch engine runs it (`engines/torch_engine.py`) (looked up at call time, so a
+    """The teacher's forward pass as the torch engine runs it (`pipelines/engines/torch_engine.py`) (looked up at call time, so a
     stand-in patched into the module runs here too)."""
     if sparsity.mode == "sampled":
         return teacher_module.sampled_forward(

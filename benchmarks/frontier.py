@@ -20,16 +20,14 @@ build per variant would cost ~2 minutes of CPU each). Stores are written by `Sto
 ~16k tokens, as the build writes them.
 
 Data: the sample corpus, documents split into train and held-out by a hash of their id. Decode speed is
-`codec.decode` of each variant's samples on one core, into the arrays the loss consumes.
-
-Writes `results/frontier.md` (the table), `results/frontier.png` (held-out KL against bytes/token, log
-x-axis) and `results/frontier.json` beside this script, or under `--out`.
+`codec.decode` of each variant's samples on one core, into the arrays the loss consumes. Everything runs
+on the CPU (teacher, students, dense evaluation). Writes `results/frontier.md` (the table),
+`results/frontier.png` (held-out KL against bytes/token, log x-axis) and `results/frontier.json` beside
+this script, or under `--out`.
 
     python benchmarks/frontier.py              # default teacher, llama-tiny, 60 steps of 2 x 256 tokens, ~17 minutes on 2 CPU cores
     python benchmarks/frontier.py --quick      # a tiny budget; the test suite runs this
     python benchmarks/frontier.py --steps 2000 --student llama-small --docs 72
-
-Everything runs on the CPU (teacher, students, dense evaluation); there is no --device yet.
 """
 
 from __future__ import annotations

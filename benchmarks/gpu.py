@@ -1,10 +1,10 @@
-"""One command that proves the GPU paths (issue 28): run it first whenever a GPU is lent.
+"""One command that proves the GPU paths: run it first whenever a GPU is lent.
 
     python benchmarks/gpu.py --out DIR            # on a GPU machine: every section, ~5-8 min on one H100
     python benchmarks/gpu.py --smoke --out DIR    # the same code on CPU at toy shapes (the test suite runs it)
     python benchmarks/gpu.py --sections train,live
 
-It writes `gpu-<device>-<date>.json` and `.md` under `--out` (default benchmarks/results/), after every
+It writes `gpu-<device>-<date>.json` and `.md` under `--out` (default benchmarks/results/) after every
 section (a run cut off keeps what it measured), and exits 1 when a check fails (0 when all pass). Each
 section runs the project's own code: `run_build` (what `logitstore build` calls), `launch` (what
 `logitstore train` calls), the `logitstore train` command itself in a child process for the CPU reference,
@@ -12,39 +12,13 @@ section runs the project's own code: `run_build` (what `logitstore build` calls)
 own helpers (tests/test_live.py). A section that raises is recorded with its traceback and counts as a
 failed check; the next section still runs.
 
-Sections and their checks (bounds are stated next to each value in the JSON):
-
-  build    the torch engine on the device, bf16 and fp32, default sparsity, >= 200k tokens: tokens/s.
-           Against a CPU fp32 build of ~2k tokens in the same run (top-64): top-1 agreement, max |d log p|
-           on shared entries (two independent roundings to the value grid, one step, plus the dtype's
-           error: BUILD_ERROR), mean |d log p| (MEAN_ERROR), target and tail differences.
-  oom      a build whose --batch-tokens does not fit: on CUDA under a memory limit set with
-           torch.cuda.set_per_process_memory_fraction (1.5x what a batch that fits peaked at); on CPU
-           (--smoke) the limit is emulated by a hook that raises torch.OutOfMemoryError for batches
-           above it. Hooks on the teacher's decoder count forward passes begun and finished: some
-           ran out of memory, the largest that finished is at most half the batch asked for (the
-           batch halved: engines.halving_on_oom), and the build stores every token with the same
-           entries as a build whose batches fit.
-  train    `logitstore train` (launch) with the student (smollm2-135m, seq 2048, bf16 under FSDP2, one
-           rank) from the bf16 store at a --memory-budget of 1/10 of its stored bytes: tokens/s, MFU,
-           data-wait share, peak memory; seq 512x16 vs 8192x1 (equal tokens per step); the first-step
-           loss against `logitstore train` on the CPU (fp32, a child process with no GPU visible);
-           segment attention vs the eager block-causal mask (values and gradients, on a real batch);
-           the chunked head in bf16 vs the full fp32 logits; --compile and --activation-checkpointing.
-  live     live mode (CUDA IPC on a GPU, shared memory on CPU), the teacher in fp32: the first 10
-           losses equal the store run's on the same data; the teacher process is gone (and holds no
-           GPU memory, by NVML) and nothing new is left in /dev/shm.
-  trainer  logitstore.trainer.hf.DistillationTrainer, 20 steps: its first loss equals `logitstore train`'s.
-  vllm     only where `import vllm` works (it does not on the device image: its wheel is far over what
-           a transfer carries); records whether it was.
-
-MFU = F * tokens/s / peak, F = 6 N + 12 L d T FLOPs per token (PaLM's appendix B, nanoGPT's
-estimate_mfu): N all parameters (the tied embedding once: it is the head's matmul), L layers, d the
-attention width (heads x head size), T the sequence length; the attention term counts full (not
-causal, not per-segment) attention, the convention. Peak: the device's dense bf16 FLOP/s from its data
-sheet (PEAK_BF16; H100 SXM 989 TFLOP/s); unknown devices and the CPU record no MFU.
-
-Targets (recorded in the JSON with whether they were met, never asserted): TARGETS.
+Sections: build (the torch engine in bf16 and fp32 against a CPU fp32 build), oom (a build whose
+--batch-tokens does not fit, under a memory limit; on CPU a hook emulates it), train (`logitstore train`
+with smollm2-135m under FSDP2: throughput, MFU, the CPU's first-step loss, segment attention, the
+chunked head, the levers), live (CUDA IPC), trainer (`DistillationTrainer`) and vllm (where `import
+vllm` works). Each check's bound stands next to its value in the JSON. What each section checks, the
+MFU formula (`PEAK_BF16`) and the targets (`TARGETS`, recorded with whether they were met, never
+asserted): docs/benchmarks.md, "GPU acceptance".
 """
 
 from __future__ import annotations
@@ -103,7 +77,7 @@ PLANTS = ("build-reference", "train-reference")  # --plant: a wrong reference, t
 # Dense bf16 FLOP/s from the data sheets, by a piece of the device's name (first match wins).
 PEAK_BF16 = (("H100 PCIe", 756e12), ("H100", 989e12), ("H200", 989e12), ("GH200", 989e12), ("A100", 312e12))
 # Numerical bounds beyond the value grid's rounding, by the teacher's or student's dtype (nats, or relative).
-# Calibrated for bf16 on the default teacher, CPU bf16 vs CPU fp32 on 2,552 positions (2026-11-25): top-1
+# Calibrated for bf16 on the default teacher, CPU bf16 vs CPU fp32 on 2,552 positions: top-1
 # 0.996, max |d log p| 0.60 (>= -5) and 1.0 (< -5), mean 0.052, mean |d tail| 0.0016; bounds ~2x that.
 BUILD_ERROR = {"float32": 2e-3, "bfloat16": 1.0}  # max |d log p| of a stored entry beyond one grid step
 MEAN_ERROR = {"float32": 0.03, "bfloat16": 0.1}  # mean |d log p| of entries >= -5, the grid's rounding included

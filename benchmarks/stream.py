@@ -1,5 +1,4 @@
-"""Streaming throughput of `logitstore.stream` (issue 14): write, read, decode floor and read amplification,
-side by side in one run.
+"""Streaming throughput of `logitstore.stream`: write, read, decode floor and read amplification, in one run.
 
 Writes a synthetic store through the real writer (`StoreWriter`, one `write` per part of ~16k tokens,
 the build's unit, a commit every N parts), then reads it back through the public API only
@@ -7,31 +6,28 @@ the build's unit, a commit every N parts), then reads it back through the public
 
   write_tokens_per_second   encode + write + commit through `StoreWriter` (data generation excluded)
   read_tokens_per_second    one whole epoch from storage, the memory budget at most 1/10 of the store
-  decode_tokens_per_second  the same batches again from a stream whose budget holds the whole store,
-                            after a warm-up pass over them: decode + pack only, the floor any reader
-                            pays (best of 3 passes)
+  decode_tokens_per_second  the same batches from a stream holding the whole store, after a warm-up
+                            pass: decode + pack only, the floor any reader pays (best of 3 passes)
   read_amplification        bytes fetched from storage during the epoch / the store's compressed bytes
                             (`view.info()["stored_bytes"]`), scaled to one epoch; `requests` beside it
   first_batch_seconds       from creating the stream to its first batch
-  stored_bytes              compressed bytes of the parts
 
-Bytes and requests are counted by a Zarr `WrapperStore` put under `view.root` before the stream is made:
-every array read goes through it (Icechunk's own manifest and snapshot fetches do not, and are not
-counted). With `--store s3://bucket/prefix` the store lives on a moto S3 server that this script starts
+Bytes and requests are counted by a Zarr `WrapperStore` under `view.root`: every array read goes through
+it (Icechunk's own manifest and snapshot fetches do not, and are not counted). With `--store s3://bucket/prefix` the store lives on a moto S3 server that this script starts
 on 127.0.0.1 in its own process (so it does not share the reader's GIL) and stops at exit. With
 `--workers N`, N reader processes each read their own rows (rank i of world size N) at the same time;
 tokens/s are summed over ranks and divided by the slowest rank's time.
 
     python benchmarks/stream.py                                    # 2M tokens, sampled-16, vocab 49,152, local
     python benchmarks/stream.py --mode topk --k 64 --vocab 151936
-    python benchmarks/stream.py --store s3://bench/stream --json --out benchmarks/results/stream-s3.json
+    python benchmarks/stream.py --store s3://bench/stream --json --out benchmarks/results/stream-s3-sampled16-packed-part.json
     python benchmarks/stream.py --quick --json                     # a smoke run, seconds
     python benchmarks/stream.py --store s3://bench/stream --latency-ms 50   # 50 ms before every S3 request
 
 With `--latency-ms MS` (S3 only) the readers reach moto through a proxy in a process of its own
 (`tests/faultproxy.py`) that holds every request MS milliseconds before passing it on: object storage's
-first-byte latency, which moto on loopback lacks. The write goes to moto directly. `--part-layout arrays`
-writes parts as before store format 3 (one object per array), to measure the same code on both layouts.
+first-byte latency, which moto on loopback lacks; the write goes to moto directly. `--part-layout arrays`
+writes parts one object per array (store format 2's layout), to measure one reader on both layouts.
 """
 
 from __future__ import annotations
@@ -66,7 +62,7 @@ from logitstore.store.meta import TeacherMeta
 from logitstore.store.store import Store
 
 TEACHER = "bench"
-# Targets of issue 14, on a 2-core machine with one reader process.
+# The reader's targets, on a 2-core machine with one reader process.
 TARGETS = {
     "read_local": 1_000_000,
     "read_s3": 500_000,
@@ -662,7 +658,7 @@ def latency_proxy(latency_ms: float | None, log):
             proc.kill()
 
 
-# -- --world-size: a cluster's ranks, simulated in this process (issue 32) --------------------------------
+# -- --world-size: a cluster's ranks, simulated in this process ----------------------------------------
 
 
 def world_run(args, *, base: ReadJob, view, info: dict, log) -> dict:

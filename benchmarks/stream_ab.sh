@@ -1,21 +1,22 @@
 #!/usr/bin/env bash
 # benchmarks/stream.py for two installs of logitstore, alternating on one machine (these machines are
 # noisy: compare pairs run back to back, not runs of different days), printing each pair's read ratio.
-#   BEFORE_PYTHON=/path/to/venv-of-the-old-commit/bin/python bash benchmarks/stream_ab.sh [OUT_DIR]
-# AFTER_PYTHON defaults to `python`. Each run writes OUT_DIR/stream-decode-<case>-{before,after}.json.
+#   BEFORE_PYTHON=/path/to/venv-of-the-baseline/bin/python BEFORE_LABEL=... AFTER_LABEL=... bash benchmarks/stream_ab.sh [OUT_DIR]
+# AFTER_PYTHON defaults to `python`. The labels name the two code variants (default `before` and `after`);
+# each run writes OUT_DIR/stream-<case>-<label>.json, so the file says what it measured.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 out="$(realpath "${1:-$here/results}")"
 before="${BEFORE_PYTHON:?set BEFORE_PYTHON to the python of the install to compare against}"
 after="${AFTER_PYTHON:-python}"
+before_label="${BEFORE_LABEL:-before}"
+after_label="${AFTER_LABEL:-after}"
 cd "$(mktemp -d)"  # away from a checkout, so each python imports its own install
 pair() { # case, then benchmarks/stream.py's arguments
   local case=$1; shift
-  for variant in before after; do
-    local py=$before; [ $variant = after ] && py=$after
-    "$py" "$here/stream.py" "$@" --json --label $variant --out "$out/stream-decode-$case-$variant.json" >/dev/null
-  done
-  python - "$out/stream-decode-$case-before.json" "$out/stream-decode-$case-after.json" "$case" <<'PY'
+  "$before" "$here/stream.py" "$@" --json --label "$before_label" --out "$out/stream-$case-$before_label.json" >/dev/null
+  "$after" "$here/stream.py" "$@" --json --label "$after_label" --out "$out/stream-$case-$after_label.json" >/dev/null
+  python - "$out/stream-$case-$before_label.json" "$out/stream-$case-$after_label.json" "$case" <<'PY'
 import json, sys
 b, a = (json.load(open(f)) for f in sys.argv[1:3])
 print(f"{sys.argv[3]}: read {b['read_tokens_per_second']:,.0f} -> {a['read_tokens_per_second']:,.0f} tokens/s "
@@ -23,7 +24,7 @@ print(f"{sys.argv[3]}: read {b['read_tokens_per_second']:,.0f} -> {a['read_token
       f"{b['decode_tokens_per_second']:,.0f} -> {a['decode_tokens_per_second']:,.0f}")
 PY
 }
-pair top64-1 --mode topk --k 64 --vocab 151936
-pair top64-2 --mode topk --k 64 --vocab 151936
-pair s16-local
-pair s3-50 --store s3://bench/stream --latency-ms 50
+pair local-top64-run1 --mode topk --k 64 --vocab 151936
+pair local-top64-run2 --mode topk --k 64 --vocab 151936
+pair local-sampled16
+pair s3-latency50-sampled16 --store s3://bench/stream --latency-ms 50

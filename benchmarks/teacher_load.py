@@ -1,8 +1,8 @@
 """What loading a GGUF teacher costs, from the file against its converted folder (`teacher_files.loadable`).
 
 Every process that loads the default teacher (a build's driver and workers, live mode's teacher, the tests'
-child processes) used to read the GGUF file: transformers parses its tokenizer and dequantizes its tensors in
-Python. The converted folder (fp32 safetensors, written once) holds the same values. This times, alternating
+child processes) would otherwise read the GGUF file: transformers parses its tokenizer and dequantizes its
+tensors in Python. The converted folder (fp32 safetensors, written once) holds the same values. This times, alternating
 in one run, the tokenizer and config (`describe`) and the whole model (`load`) both ways, and checks that the
 two models give the same logits.
 

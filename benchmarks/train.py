@@ -8,11 +8,11 @@
     python benchmarks/train.py                       # builds a small store with the default teacher first
     python benchmarks/train.py --store STORE --steps 40
 
-`--scaling` (issue 16) measures the step itself at long sequences instead: `llama-small` (vocabulary
-49,152, sampled-16 synthetic store of 200k tokens in samples of up to 1,024) at --seq-len 512, 2048 and
-8192 with the same 8,192 tokens per step, today's path (segment attention, chunked loss from the hidden
-states) against the path it replaced (eager attention with a dense [B, 1, L, L] block-causal mask, the
-full [B, L, V] logits cast to fp32 before the loss). Each configuration runs in its own process, so its
+`--scaling` measures the step itself at long sequences instead: `llama-small` (vocabulary 49,152,
+sampled-16 synthetic store of 200k tokens in samples of up to 1,024) at --seq-len 512, 2048 and 8192 with
+the same 8,192 tokens per step, the trainer's step (segment attention, chunked loss from the hidden
+states; `new`) against a reference step without them (eager attention with a dense [B, 1, L, L]
+block-causal mask, the full [B, L, V] logits cast to fp32 before the loss; `old`). Each configuration runs in its own process, so its
 peak RSS is its own; the loss alone is measured the same way (P = 8,192 positions, d = 256). Prints a
 table, writes benchmarks/results/train-scaling.{json,md}.
 
@@ -81,7 +81,7 @@ def run_steps(model, optimizer, batches, *, teacher_model=None) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--scaling", action="store_true", help="the long-sequence table (issue 16)")
+    parser.add_argument("--scaling", action="store_true", help="the long-sequence table")
     parser.add_argument("--measure", help=argparse.SUPPRESS)  # one configuration of --scaling, in its own process
     parser.add_argument("--store")
     parser.add_argument("--student", default="llama-small")

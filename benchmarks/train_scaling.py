@@ -1,5 +1,5 @@
-"""`python benchmarks/train.py --scaling`: the student's step at long sequences, today's path against the
-path it replaced, at the same tokens per step. See benchmarks/train.py's docstring for the shapes.
+"""`python benchmarks/train.py --scaling`: the student's step at long sequences, the trainer's step (segment
+attention, chunked head) against one with a dense mask and full logits, at the same tokens per step. See benchmarks/train.py's docstring for the shapes.
 
 Each configuration runs in a process of its own (`train.py --measure PATH:SEQ`), so the peak RSS it
 reports (`ru_maxrss`) is its own: the model, the optimizer state, the stream's buffers and the step.
@@ -24,7 +24,7 @@ SEQ_LENS = (512, 2048, 8192)
 VOCAB = 49_152
 STUDENT = "llama-small"
 RESULTS = Path(__file__).parent / "results"
-# Issue 16's targets: memory at 8192 <= 1.5x at 512, tokens/s at 8192 >= 80% of 512, loss memory <= 1/8.
+# Targets: memory at 8192 <= 1.5x at 512, tokens/s at 8192 >= 80% of 512, loss memory <= 1/8.
 TARGETS = {"memory_8192_over_512": 1.5, "speed_8192_over_512": 0.8, "loss_memory_ratio": 1 / 8}
 
 

@@ -14,7 +14,7 @@ Three transforms, each chosen by measurement on the default teacher (`benchmarks
    needs 108.0 (benchmarks/codec.py).
    Values are stored in id order: pairing ids with values costs ~37 bytes/position whichever of the
    two is stored in sorted order, and sorted ids are the cheaper half.
-3. Zstd (in Zarr's codec chain, see `store.py`) on top of every array.
+3. Zstd (in Zarr's codec chain, `layout.array_kwargs`) on top of every array.
 
 Entries come back in code order, not rank order; sort by log-probability if you need ranks.
 Encode and decode are vectorised numpy plus numba kernels; nothing loops per token in Python.
@@ -78,8 +78,8 @@ def _grid(params: CodecParams) -> tuple[float, float, float, float]:
 
 @numba.njit(cache=True, nogil=True, inline="always")
 def _quantize_one(value, fine_step, coarse_step, split, fine_levels):
-    # The two-slope grid in float64, element by element: one pass where numpy's np.where version made
-    # eight (18 ms for 1M top-64 entries against ~2 ms). Same arithmetic, so the same codes:
+    # The two-slope grid in float64, element by element: one pass where numpy's np.where takes eight
+    # (~2 ms for 1M top-64 entries against 18 ms). Same arithmetic, so the same codes:
     # nats below certainty (a hair above 0 rounds to 0), minus infinity -> Q_MAX, NaN -> 0, and
     # finite values past the grid's floor take its last finite code.
     x = -np.float64(value)
@@ -193,7 +193,7 @@ def decode(enc: EncodedSamples, *, params: CodecParams, id_of_code: np.ndarray, 
 
 # Positions with at most this many entries sort by insertion (no allocation, few compares on
 # nearly sorted input); longer ones by numba's in-place quicksort. At top-64, insertion sorting
-# every position takes 20 ms per 1M entries where the quicksort took 40 ms.
+# every position takes 20 ms per 1M entries where the quicksort takes 40 ms.
 _INSERTION_SORT_MAX = 64
 
 
@@ -217,8 +217,8 @@ def _encode_entries_kernel(
     # log-probabilities (quantized) and counts in that order. Sorting keys of (code << 32 | entry)
     # sorts by code, then by input order among equal codes, so the order is that of a stable sort.
     # A zero gap after the first entry is a duplicate token id: returns the first such entry, or -1.
-    # One kernel where numpy needed a gather, a global argsort and copies per array: 3 ms for 16k
-    # tokens at sampled-16 (12 ms before), 20 ms at top-64 (75 ms).
+    # One kernel where numpy needs a gather, a global argsort and copies per array: 3 ms for 16k
+    # tokens at sampled-16 (numpy: 12 ms), 20 ms at top-64 (numpy: 75 ms).
     duplicate = -1
     low = np.uint64(0xFFFFFFFF)
     for p in range(len(offsets) - 1):
@@ -265,8 +265,8 @@ def _undelta_kernel(deltas, offsets, id_of_code, out):
 def _decode_entries_kernel(deltas, codes, offsets, id_of_code, table, ids_out, logprobs_out):
     # The entries' two arrays without the GIL, so the stream's reader threads keep decompressing
     # while a batch decodes: a top-64 batch's 1M entries in ~3 ms, where the numpy passes (undelta,
-    # table gather, int64 copy) took ~8 ms holding the GIL for most of it. Two loops, not one: fused,
-    # the loop ran 2x slower (6.9 ms), and a signed running sum cost another 20%.
+    # table gather, int64 copy) take ~8 ms holding the GIL for most of it. Two loops, not one: fused,
+    # the loop runs 2x slower (6.9 ms), and a signed running sum costs another 20%.
     for p in range(len(offsets) - 1):
         code = np.uint64(0)
         for e in range(offsets[p], offsets[p + 1]):

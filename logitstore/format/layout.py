@@ -1,7 +1,7 @@
 """Where a store keeps what: the one place that spells its paths, its array names and the axis each
 part array runs along. Every module that reads or writes the tree asks here.
 
-One store is one Icechunk repository (plus the Parquet indexes beside it, `index.py`):
+One store is one Icechunk repository (plus the Parquet indexes beside it, `store/index.py`):
 
     /                                   attrs["logitstore"]: format version, creation time, writer
     /teachers/<name>/                   attrs["logitstore_teacher"]: `TeacherMeta` (hashes, vocab, sparsity, codec)
@@ -20,14 +20,14 @@ One store is one Icechunk repository (plus the Parquet indexes beside it, `index
 A part's arrays are stored one of three ways (`TeacherMeta.part_layout`, `TeacherMeta.packs`): since
 store format 3 packed, as `parts/<part>/packed`, one uint8 array of one chunk (one object) that holds
 every array's shards end to end, its attribute `MEMBERS` saying where each array's shards lie and each
-array's own zarr.json (`packed.py` presents them as ordinary Zarr arrays again); since format 4 the
+array's own zarr.json (`storage/packed.py` presents them as ordinary Zarr arrays again); since format 4 the
 part's student-token arrays are members too, named by their path in the part (`student_arrays`:
 `students/<s>/ids`, ...), so no `students` group is written; in format 3 they are arrays of their own
 under `students/<s>/`; before format 3 every array is one sharded Zarr array of its own.
 
 A part's arrays (`PART_ARRAYS`) run along one of three axes (`AXIS`): a sample of T tokens has T
 elements on the token axis, T - 1 on the position axis (position t predicts token t + 1) and one per
-stored entry on the entry axis; the index rows (`index.py`) give each sample's start on each axis.
+stored entry on the entry axis; the index rows (`store/index.py`) give each sample's start on each axis.
 """
 
 from __future__ import annotations
@@ -129,7 +129,7 @@ def part_path(teacher: str, part: str) -> str:
 
 
 def packed_path(teacher: str, part: str) -> str:
-    """A packed part's one array (store format 3, `packed.py`)."""
+    """A packed part's one array (store format 3, `storage/packed.py`)."""
     return f"{part_path(teacher, part)}/{PACKED}"
 
 

@@ -92,7 +92,7 @@ class Sparsity:
 # draws per position, the smallest variant of benchmarks/frontier.py whose student matched (in fact beat)
 # top-64 fp16 entries, at ~21 bytes/token (docs: "Choosing a budget"). Top-64 where the teacher's
 # probabilities of the entries themselves are needed: cross-tokenizer alignment, and engines that
-# cannot draw exactly (none today: the vLLM engine draws through its hidden-state output).
+# cannot draw exactly (none does: the vLLM engine draws through its hidden-state output).
 DEFAULT_SAMPLED = Sparsity(mode="sampled", n=16)
 DEFAULT_TOPK = Sparsity(k=64)
 

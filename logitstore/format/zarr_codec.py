@@ -9,8 +9,8 @@ last as the log of the tail mass) declare `data_type: float32` and put this code
 
 so `zarr.open_array(...)[:]` decodes the codes to float32 log-probabilities (each within the grid's
 error bound of the teacher's value; -inf for a mass of zero), and writing float32 through Zarr
-quantizes them. The stored bytes are the same uint16 codes as before: logitstore's own readers
-(`rawread.py`) still take the codes without decoding them twice.
+quantizes them. The stored bytes are uint16 codes either way: logitstore's own readers
+(`storage/rawread.py`) take the codes without decoding them twice.
 
 Zarr finds the codec through the `zarr.codecs` entry point that installing logitstore registers
 (`pyproject.toml`), without `import logitstore`; importing this module registers it too.
@@ -78,7 +78,7 @@ class LogprobGrid(ArrayArrayCodec):
 def as_codes(values: np.ndarray, params: CodecParams) -> np.ndarray:
     """What logitstore decodes, from an array read through Zarr: float32 log-probabilities (this codec)
     re-quantized, which gives the stored codes back exactly (tested for every code); any other array
-    (codes of older teachers, ids, counts) as it is."""
+    (codes of format-1 teachers, ids, counts) as it is."""
     return quantize(values, params=params) if values.dtype == np.float32 else values
 
 

@@ -106,7 +106,7 @@ LOST = (
 # How Icechunk 1.1 says that a file it read does not parse (a ref, a snapshot), as opposed to failing
 # to reach it; collected by damaging snapshot files (flipped bytes, cut short, replaced). Icechunk
 # cannot open a repository whose main ref is damaged, whatever version is asked for, and its snapshot
-# files carry no checksum: about 1 flipped byte in 10 went unnoticed in that experiment.
+# files carry no checksum: about 1 flipped byte in 10 goes unnoticed.
 DAMAGE_SIGNS = (
     "Invalid Icechunk metadata file",
     "cannot serialize ref json",
@@ -364,8 +364,8 @@ def open_repository(storage: icechunk.Storage, *, where: str, limits: StorageLim
 # the callback and then writes the loop's wake-up byte with the GIL released. The awaiting code can resume
 # (and the command end) before that thread has the GIL back. If the interpreter is finalizing by then,
 # CPython 3.11 ends the thread with pthread_exit, whose forced unwind cannot pass its Rust frames: the
-# process aborts (SIGABRT, exit 134) after a command that succeeded (seen: 4 `tag` runs in 100 with four
-# at once on 2 cores; the core dump's aborting thread was in `pyo3_async_runtimes::set_result`). So
+# process aborts (SIGABRT, exit 134) after a command that succeeded (about 4 `tag` runs in 100 with four
+# at once on 2 cores; the core dump's aborting thread is in `pyo3_async_runtimes::set_result`). So
 # logitstore does not let the interpreter finalize while Icechunk may still enter Python: at exit (atexit
 # runs before finalization, while such threads can still take the GIL) it waits until no request is
 # pending on Zarr's event loop (a `gather` that failed leaves its siblings running) and no thread that

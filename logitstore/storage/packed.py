@@ -4,7 +4,7 @@ Since format 3 a part's arrays are one object: `parts/<part>/packed`, a uint8 Za
 chunk that holds every array's shards end to end (`rawwrite.pack`). On object storage that is one
 request per part instead of one per array (7-8), which is what a reader on S3 pays per part. Its
 attribute `layout.MEMBERS` keeps, for each array, the zarr.json it would have as an array of its own
-and where its shards lie in the packed chunk, so nothing about the arrays themselves changed: their
+and where its shards lie in the packed chunk, so the arrays themselves are as they would be alone: their
 bytes are the same shards, with the same codecs and checksums. Since format 4 a cross-tokenizer
 teacher's student-token arrays are members too, named by their path in the part (`students/<s>/ids`).
 

@@ -4,17 +4,17 @@ Why not plain Zarr: reading one part's arrays through zarr-python costs ~20 ms h
 requests, each through its async codec pipeline and shard-index logic), which caps one reader process
 at ~0.6M tokens/s whatever the storage. Here a packed part (store format 3, `packed.py`) costs one
 round of requests on Zarr's event loop (its document, from Icechunk's snapshot, and its one chunk:
-one request to storage), an older part two rounds (the arrays' `zarr.json`, then every chunk or
-shard object whole); then a decode in the calling thread (Blosc and CRC32C release the GIL, so reader
+one request to storage), a part of one object per array two (the arrays' `zarr.json`, then every
+chunk or shard object whole); then a decode in the calling thread (Blosc and CRC32C release the GIL, so reader
 threads decode in parallel), each chunk decompressed straight into its place in the output array.
 
 What it reads: exactly the arrays logitstore writes (`writer.write_array`): 1-D, little-endian, codecs
 `bytes -> blosc -> crc32c`, sharded (`sharding_indexed`, index at the end, `bytes -> crc32c`) or not;
-for the log-probability arrays of format-2 teachers, the grid codec first (`zarr_codec.py`), whose
+for the log-probability arrays of format-2 teachers, the grid codec first (`format/zarr_codec.py`), whose
 uint16 codes it returns undecoded (logitstore's decoder takes codes).
 Anything else `read_arrays` leaves to Zarr (it returns None), and `read_whole` reads it through Zarr's
 asynchronous API instead (`read_packed` likewise, over `packed.PackedStore`). Every chunk's CRC32C is checked (a
-mismatch raises `ValueError`, as Zarr does, which `store.read_errors` turns into `DamagedDataError`);
+mismatch raises `ValueError`, as Zarr does, which `bounded.read_errors` turns into `DamagedDataError`);
 the store's Zarr store is used for the requests, so timeouts and error mapping (`bounded.py`) hold.
 `tests/test_rawread.py` checks it against Zarr on every array of real and synthetic stores.
 """
@@ -72,17 +72,17 @@ def read_packed(store, path: str, names: list[str], *, params: CodecParams) -> l
     metadata = json.loads(document.to_bytes()) if document is not None else None
     members = packed.checked_members(metadata if isinstance(metadata, dict) else {}, names=names, where=path)
     data = np.zeros(0, np.uint8) if chunk is None else np.asarray(chunk.as_numpy_array()).view(np.uint8).reshape(-1)
-    layouts = {name: _layout(members[name]["zarr"]) for name in names}
-    if any(layout is None for layout in layouts.values()):
+    stored = {name: _stored_array(members[name]["zarr"]) for name in names}
+    if any(array is None for array in stored.values()):
         return read_whole(packed.PackedStore(store, path=path, members=members), names, params=params)
     out = []
     for name in names:  # a few arrays per part
-        layout = layouts[name]
-        assert layout is not None  # checked above
-        spans = [packed.member_range(members, name, i) for i in range(layout.n_objects)]
+        array = stored[name]
+        assert array is not None  # checked above
+        spans = [packed.member_range(members, name, i) for i in range(array.n_objects)]
         if any(s is not None and s[0] + s[1] > len(data) for s in spans):  # the object is shorter than its table
             raise ValueError(f"{name} lies beyond the end of {packed.chunk_key(path)}")
-        out.append(layout.decode([None if s is None else data[s[0] : s[0] + s[1]] for s in spans]))
+        out.append(array.decode([None if s is None else data[s[0] : s[0] + s[1]] for s in spans]))
     return out
 
 
@@ -90,13 +90,13 @@ def read_arrays(store, paths: list[str]) -> list[np.ndarray] | None:
     """The whole 1-D arrays at `paths` of a Zarr v3 store, or None if any of them is not laid out as
     logitstore writes it (then read them with Zarr). One hand-over to Zarr's event loop per round."""
     metadata = _get_many(store, [f"{p}/zarr.json" for p in paths], what=f"reading the metadata of {paths[0]} and more")
-    found = [_layout(json.loads(b.to_bytes())) if b is not None else None for b in metadata]
-    layouts = [layout for layout in found if layout is not None]
-    if len(layouts) < len(found):
+    found = [_stored_array(json.loads(b.to_bytes())) if b is not None else None for b in metadata]
+    stored = [array for array in found if array is not None]
+    if len(stored) < len(found):
         return None
-    keys = [[f"{p}/c/{i}" for i in range(layout.n_objects)] for p, layout in zip(paths, layouts)]
+    keys = [[f"{p}/c/{i}" for i in range(array.n_objects)] for p, array in zip(paths, stored)]
     fetched = iter(_get_many(store, [k for ks in keys for k in ks], what=f"reading {paths[0]} and more"))
-    return [layout.decode([_bytes(next(fetched)) for _ in ks]) for layout, ks in zip(layouts, keys)]
+    return [array.decode([_bytes(next(fetched)) for _ in ks]) for array, ks in zip(stored, keys)]
 
 
 def _bytes(buffer) -> bytes | None:
@@ -116,8 +116,8 @@ def _get_many(store, keys: list[str], *, what: str) -> list:
     return sync(every())
 
 
-class _Layout:
-    """A 1-D array's shape, dtype, and how its objects hold its chunks."""
+class _StoredArray:
+    """What reading a stored 1-D array needs: its length, dtype, and how its objects hold its chunks."""
 
     def __init__(
         self, *, length: int, dtype: np.dtype, object_shape: int, chunk_shape: int, sharded: bool, fill_value: int
@@ -128,7 +128,7 @@ class _Layout:
 
     def decode(self, objects: list) -> np.ndarray:
         """The array from its objects (None: never written), each chunk decompressed straight into its
-        place in the output: no concatenation, which cost as much as the decompression itself."""
+        place in the output: no concatenation, which costs as much as the decompression itself."""
         out = np.empty(self.n_objects * self.object_shape, dtype=self.dtype)
         for i, data in enumerate(objects):  # one step per object: one or a few per array
             place = out[i * self.object_shape : (i + 1) * self.object_shape]
@@ -174,8 +174,8 @@ def _checked(data) -> np.ndarray:
     return body
 
 
-def _layout(meta: dict) -> _Layout | None:
-    """The layout of a logitstore array, from its zarr.json; None for anything else."""
+def _stored_array(meta: dict) -> _StoredArray | None:
+    """What reading a logitstore array needs, from its zarr.json; None for any other array."""
     try:
         if meta.get("zarr_format") != 3 or meta.get("node_type") != "array" or len(meta["shape"]) != 1:
             return None
@@ -198,7 +198,7 @@ def _layout(meta: dict) -> _Layout | None:
                 fill = 0
             if not (index_ok and _plain(inner) and isinstance(fill, int)):
                 return None
-            return _Layout(
+            return _StoredArray(
                 length=meta["shape"][0],
                 dtype=dtype,
                 object_shape=object_shape,
@@ -207,7 +207,7 @@ def _layout(meta: dict) -> _Layout | None:
                 fill_value=fill,
             )
         if _plain(codecs) and isinstance(fill, int):
-            return _Layout(
+            return _StoredArray(
                 length=meta["shape"][0],
                 dtype=dtype,
                 object_shape=object_shape,

@@ -1,9 +1,9 @@
 """A new part's arrays, written without zarr-python's per-array machinery: the build's hot path.
 
-Why not plain Zarr: writing one 16k-token part through zarr-python cost ~50 ms of overhead here beyond
+Why not plain Zarr: writing one 16k-token part through zarr-python costs ~50 ms of overhead here beyond
 the compression itself (per array: existence checks, its parents' documents, one hand-over to Zarr's
 event loop for creating it and one for writing it, then its shard through the async codec pipeline),
-which capped one process at ~190k tokens/s at sampled-16. Here a part costs its compression (inner
+which caps one process at ~190k tokens/s at sampled-16. Here a part costs its compression (inner
 chunks spread over a few threads: Blosc and CRC32C release the GIL) and two concurrent rounds of
 requests on Zarr's event loop: every metadata document, then every shard.
 
@@ -70,10 +70,10 @@ class PendingArrays:
 
     def result(self) -> dict[str, EncodedArray]:
         out = {}
-        for path, (document, layout, chunks) in self._parts.items():
+        for path, (document, chunking, chunks) in self._parts.items():
             shards: dict[int, bytes] = {}
-            for shard_number, shard_chunks in enumerate(_batches(chunks, layout.chunks_per_shard)):
-                blob = _shard([c.result() for c in shard_chunks], layout.chunks_per_shard)
+            for shard_number, shard_chunks in enumerate(_batches(chunks, chunking.chunks_per_shard)):
+                blob = _shard([c.result() for c in shard_chunks], chunking.chunks_per_shard)
                 if blob is not None:
                     shards[shard_number] = blob
             out[path] = EncodedArray(document=document, shards=shards)
@@ -158,16 +158,18 @@ def write_objects(
 
 
 @dataclasses.dataclass(frozen=True)
-class _Layout:
+class _Chunking:
+    """How a new array is cut into inner chunks and shards, and how each chunk is compressed."""
+
     chunk: int  # elements per inner chunk
     chunks_per_shard: int
     blosc: Blosc
     fill_value: int
 
 
-def _start(values: np.ndarray, create_kwargs: dict) -> tuple[bytes, _Layout, list[Future]]:
+def _start(values: np.ndarray, create_kwargs: dict) -> tuple[bytes, _Chunking, list[Future]]:
     values = np.ascontiguousarray(values, dtype=np.asarray(values).dtype.newbyteorder("<"))
-    metadata, layout = _template(**_template_key(values, create_kwargs))
+    metadata, chunking = _template(**_template_key(values, create_kwargs))
     document = (
         dataclasses.replace(metadata, shape=(len(values),))
         .to_buffer_dict(default_buffer_prototype())["zarr.json"]
@@ -175,15 +177,15 @@ def _start(values: np.ndarray, create_kwargs: dict) -> tuple[bytes, _Layout, lis
     )
     pool = _threads()
     chunks = []
-    for start in range(0, len(values), layout.chunk):  # one step per 256 KiB inner chunk
-        chunks.append(pool.submit(_chunk, values[start : start + layout.chunk], layout))
+    for start in range(0, len(values), chunking.chunk):  # one step per 256 KiB inner chunk
+        chunks.append(pool.submit(_chunk, values[start : start + chunking.chunk], chunking))
     # Zarr writes whole shards: inner chunks past the array's end (in its last shard) hold only the
     # fill value and are left out like any such chunk.
-    return document, layout, chunks
+    return document, chunking, chunks
 
 
 def _template_key(values: np.ndarray, kwargs: dict) -> dict:
-    # A grid-coded array (`zarr_codec.py`) is declared float32 and written from its uint16 codes.
+    # A grid-coded array (`format/zarr_codec.py`) is declared float32 and written from its uint16 codes.
     filters = kwargs.get("filters") or []
     stored = np.dtype(np.uint16) if filters else np.dtype(kwargs["dtype"]).newbyteorder("<")
     if tuple(kwargs["shape"]) != values.shape or stored != values.dtype:
@@ -245,19 +247,21 @@ def _template(*, dtype: str, chunk: int, shard: int, blosc: str, crc: str, fill_
         }
     )
     # Chunks are encoded from the stored values: for a grid-coded array, codes, whose fill (0.0) is code 0.
-    return metadata, _Layout(
+    return metadata, _Chunking(
         chunk=chunk, chunks_per_shard=shard // chunk, blosc=codec, fill_value=0 if grid else fill_value
     )
 
 
-def _chunk(values: np.ndarray, layout: _Layout) -> bytes | None:
+def _chunk(values: np.ndarray, chunking: _Chunking) -> bytes | None:
     """One inner chunk: padded with the fill value to full size, Blosc, CRC32C appended; None when it
     holds only the fill value (Zarr does not store such a chunk)."""
-    if not values.any() if layout.fill_value == 0 else (values == layout.fill_value).all():
+    if not values.any() if chunking.fill_value == 0 else (values == chunking.fill_value).all():
         return None
-    if len(values) < layout.chunk:
-        values = np.concatenate([values, np.full(layout.chunk - len(values), layout.fill_value, dtype=values.dtype)])
-    blob = layout.blosc.encode(values.view(np.uint8))
+    if len(values) < chunking.chunk:
+        values = np.concatenate(
+            [values, np.full(chunking.chunk - len(values), chunking.fill_value, dtype=values.dtype)]
+        )
+    blob = chunking.blosc.encode(values.view(np.uint8))
     return blob + google_crc32c.value(blob).to_bytes(4, "little")
 
 

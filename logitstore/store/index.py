@@ -21,8 +21,8 @@ Per student tokenizer of the teacher (list columns, one element per name in the 
     n_groups         list<int32>  alignment groups of the sample
     group_start      list<int64>  first row (of 4 int32) in the part's students/<name>/groups
 
-`content_hash` covers the student arrays too. Indexes written before these columns existed read
-with empty lists.
+`content_hash` covers the student arrays too. An index without these columns (written by a
+logitstore without cross-tokenizer support) reads as empty lists.
 """
 
 from __future__ import annotations
@@ -160,7 +160,7 @@ def read_index(blobs: BlobStore, key: str | None) -> pa.Table:
     if not key.startswith(hashlib.sha256(data).hexdigest()[:40]):
         raise DamagedDataError(f"the sample index {blobs.url(key)} is damaged (its checksum does not match its name)")
     table = pq.ParquetFile(pa.BufferReader(_arrow_owned(data))).read(use_threads=False)
-    for name in STUDENT_COLUMNS:  # indexes from before cross-tokenizer support
+    for name in STUDENT_COLUMNS:  # an index without the per-student columns: no student tokenizer
         if name not in table.column_names:
             table = table.append_column(name, pa.array([[]] * table.num_rows, type=SCHEMA.field(name).type))
     return table.select(SCHEMA.names).cast(SCHEMA)
@@ -169,8 +169,8 @@ def read_index(blobs: BlobStore, key: str | None) -> pa.Table:
 def _arrow_owned(data: bytes) -> pa.Buffer:
     """`data` copied into memory Arrow owns. Parquet read from Python bytes (a `BytesIO`, `py_buffer`) leaves
     buffers that hold the bytes object, and Arrow's thread pool may drop the last of them after the command
-    returned: taking the GIL while Python finalizes kills that C++ thread and aborts the process (`ls` exited
-    134, "terminate called without an active exception", in ~2 runs of 100; tests/test_exit_codes.py). One
+    returned: taking the GIL while Python finalizes kills that C++ thread and aborts the process (`ls` exits
+    134, "terminate called without an active exception", in ~2 runs of 100 without the copy). One
     copy of the index (kilobytes to a few MB) is the cost."""
     sink = pa.BufferOutputStream()
     sink.write(data)

@@ -1,6 +1,6 @@
 """What a store records: its format version and writer, the names it accepts, and the metadata of its
 teachers, student tokenizers and versions. `store.py` (the repository), `version.py` (reading one
-version) and `writer.py` (writing parts) build on it; where things lie in the tree is `layout.py`.
+version) and `writer.py` (writing parts) build on it; where things lie in the tree is `format/layout.py`.
 """
 
 from __future__ import annotations
@@ -17,14 +17,14 @@ from logitstore.errors import (
 from logitstore.format.grid import CodecParams
 from logitstore.format.sparsity import Sparsity, SparsityError
 
-# 2: teachers registered since hold their log-probability arrays as float32 through the grid codec
-# (`zarr_codec.py`; `TeacherMeta.values`); format-1 teachers keep plain uint16 codes and read as before.
-# 3: teachers registered since store each part as one object, its arrays packed into one Zarr array
-# (`layout.PACKED`; `TeacherMeta.part_layout`): one request per part on object storage instead of one
-# per array. Teachers registered before keep one object per array and read as before.
-# 4: teachers registered since pack a part's student-token arrays (cross-tokenizer) into that one object
-# too ("packed+students"): a cross-tokenizer part is one object. Format-3 teachers keep their student
-# arrays one object each and read as before.
+# 2: a teacher of this format or later holds its log-probability arrays as float32 through the grid codec
+# (`format/zarr_codec.py`; `TeacherMeta.values`); a format-1 teacher holds plain uint16 codes, read as stored.
+# 3: a teacher of this format or later stores each part as one object, its arrays packed into one Zarr
+# array (`layout.PACKED`; `TeacherMeta.part_layout`): one request per part on object storage instead of
+# one per array. A teacher of an earlier format keeps one object per array, read as stored.
+# 4: a teacher of this format packs a part's student-token arrays (cross-tokenizer) into that one object
+# too ("packed+students"): a cross-tokenizer part is one object. A format-3 teacher keeps its student
+# arrays one object each, read as stored.
 
 FORMAT_VERSION = 4
 WRITER = "logitstore 0.1.0"
@@ -61,7 +61,8 @@ class TeacherMeta:
     # The bytes stored are the same uint16 codes either way.
     values: str = "logprobs"
     # What computed the entries (`pipelines/engines/`): the engine's name, the teacher's dtype there and
-    # the engine's package version. None for teachers written before they were recorded. Parts from
+    # the engine's package version. None where the metadata does not record them (stores of earlier
+    # logitstore versions). Parts from
     # another engine or dtype are refused (their values differ by more than the grid's bound).
     engine: str | None = None
     dtype: str | None = None
@@ -73,7 +74,8 @@ class TeacherMeta:
     part_layout: str = "packed+students"
     # A teacher behind a server (`--engine server`): {"model", "version", "k", "urls"} (the served model's
     # name, the server's /version, the prompt log-probabilities asked, the URLs less any credentials).
-    # None otherwise, and then left out of the JSON, so readers that predate it read every other store.
+    # None otherwise, and then left out of the JSON, so readers that do not know the field read every other
+    # store.
     server: dict | None = None
 
     def __post_init__(self) -> None:
@@ -161,7 +163,7 @@ class TeacherMeta:
         return all(getattr(self, k) == getattr(other, k) for k in keys) and self.same_computation(other)
 
     def same_computation(self, other: TeacherMeta) -> bool:
-        """Same engine and dtype, where both say (teachers from before these were recorded say neither)."""
+        """Same engine and dtype, where both say (metadata that does not record them says neither)."""
         return all(
             getattr(self, k) is None or getattr(other, k) is None or getattr(self, k) == getattr(other, k)
             for k in ("engine", "dtype")

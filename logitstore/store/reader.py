@@ -3,10 +3,10 @@
 A reader serves a set of a teacher's index rows (`TeacherRows`, e.g. one split of the samples) part
 by part: `read(part)` holds the part's stored arrays in memory (`PartData`), and `samples(...)` cuts
 token ranges of any rows out of the parts held and decodes them in one `codec.decode` call. Its
-caller (the trainer's stream) never names a path, an array or a Zarr internal.
+caller (the stream, `logitstore.streaming`) never names a path, an array or a Zarr internal.
 
-- **Whole or ranges.** A part is read whole (`rawread.read_whole`: two rounds of concurrent requests)
-  when the rows hold at least half of its bytes, else just the rows' element ranges (the eval split),
+- **Whole or ranges.** A part is read whole (`rawread.read_packed`: one request for a packed part;
+  `rawread.read_whole`: two rounds of concurrent requests for one object per array) when the rows hold at least half of its bytes, else just the rows' element ranges (the eval split),
   nearby ranges merged into one request (`MERGE_GAP`).
 - **Damage.** A part that fails to read whole (a chunk failing its CRC32C) is read sample by sample,
   so one bad chunk costs only its samples; every sample is then checked against the index and the

@@ -1,7 +1,7 @@
 """The store: versioned sparse teacher distributions on Icechunk (transactional Zarr v3).
 
 One store is one Icechunk repository plus the Parquet indexes beside it (`index.py`); the tree's paths
-and arrays are spelled out in `layout.py`.
+and arrays are spelled out in `format/layout.py`.
 
 Every write adds new part groups and never touches existing ones, so concurrent writers (and Icechunk
 forks in the distributed build) change disjoint Zarr paths. A version is an Icechunk snapshot whose
@@ -108,7 +108,7 @@ class Store:
         version = version or DEFAULT_BRANCH
         with storage_errors(f"store {self.location.uri}"):
             tags = self.repo.list_tags()
-            if version in tags and version in self.repo.list_branches():  # made before names were checked
+            if version in tags and version in self.repo.list_branches():  # a store whose names were made unchecked
                 raise VersionNotFoundError(
                     f"{version!r} is both a tag and a branch of {self.location.uri}; remove the "
                     f"tag with `logitstore tag {self.location.uri} {version} --delete`"

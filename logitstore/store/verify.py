@@ -38,8 +38,9 @@ class VerifyReport:
     arrays: int = 0  # teacher-level arrays read whole (id order, tokenizers, vocabulary maps)
     damaged_arrays: dict[str, str] = field(default_factory=dict)  # "teachers/<t>/code_of_id" -> what is wrong
     # "<teacher>/<part>" -> compressed bytes: parts that hold no sample of this version. Not damage: the
-    # samples of older versions that --on-duplicate replace or a removal dropped, or (before issue 29)
-    # a concurrent build's parts whose samples the other build committed first.
+    # samples of older versions that --on-duplicate replace or a removal dropped, or a concurrent build's
+    # parts whose samples the other build committed first (kept by writers that did not delete them at
+    # commit, as `StoreWriter.commit` does).
     unreferenced: dict[str, int] = field(default_factory=dict)
 
     @property

@@ -27,9 +27,6 @@ from logitstore.storage.bounded import BoundedRepository, read_errors, storage_e
 from logitstore.storage.location import Location
 from logitstore.storage.packed import PackedStore, array_members
 from logitstore.store.generation import GENERATIONS_ATTR, generation_of, parse_answer_id
-
-# 2: teachers registered since hold their log-probability arrays as float32 through the grid codec
-# (`zarr_codec.py`; `TeacherMeta.values`); format-1 teachers keep plain uint16 codes and read as before.
 from logitstore.store.meta import TeacherMeta
 
 
@@ -172,7 +169,7 @@ class StoreVersion:
         return [n for n in layout.PART_ARRAYS if n in held]
 
     def packed_store(self, teacher: str, part: str) -> PackedStore:
-        """A packed part's arrays as a Zarr store of their own (store format 3, `packed.py`)."""
+        """A packed part's arrays as a Zarr store of their own (store format 3, `storage/packed.py`)."""
         if (teacher, part) not in self._packed:
             path = layout.packed_path(teacher, part)
             meta = self.teachers[teacher]

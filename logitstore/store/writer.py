@@ -1,5 +1,5 @@
 """Writing a store: `StoreWriter` (one transaction on a branch: teachers, parts, merges, the commit
-with its index) and `PartWriter` (one part's arrays, written as Zarr writes them; `rawwrite.py`).
+with its index) and `PartWriter` (one part's arrays, written as Zarr writes them; `storage/rawwrite.py`).
 """
 
 from __future__ import annotations
@@ -26,9 +26,6 @@ from logitstore.errors import (
 )
 from logitstore.format import codec, layout
 from logitstore.format.grid import CodecParams
-
-# 2: teachers registered since hold their log-probability arrays as float32 through the grid codec
-# (`zarr_codec.py`; `TeacherMeta.values`); format-1 teachers keep plain uint16 codes and read as before.
 from logitstore.format.layout import array_at, group_at, json_attr, read_values
 from logitstore.format.samples import SparseSamples, StudentTokens, concat
 from logitstore.storage import packed, rawwrite
@@ -91,7 +88,7 @@ class StoreWriter:
         self._part_bytes: dict[tuple[str, str], int] = {}  # (teacher, part) -> compressed bytes, parts staged
         self.result: CommitResult | None = None  # what `commit` made visible
         # Each teacher's id order (`code_of_id`), shared by every part writer and fork of this writer:
-        # read once, not once per part (reading it cost ~14 ms per 16k-token part, a third of a write).
+        # read once, not once per part (reading it costs ~14 ms, a third of a 16k-token part's write).
         self._codes: dict[str, np.ndarray] = {}
 
     def __enter__(self) -> StoreWriter:
@@ -125,7 +122,7 @@ class StoreWriter:
         group.create_group(layout.PARTS)  # here, not in forks: two forks creating it would conflict
         self._added_teachers.append(meta.name)
         if json_attr(self.root, "logitstore").get("format", 1) < meta.format:
-            # an older store gains a newer teacher: older logitstores now refuse it in one line
+            # an older store gains a newer teacher: a logitstore that does not know its format refuses it in one line
             self.root.attrs["logitstore"] = {**json_attr(self.root, "logitstore"), "format": meta.format}
         if meta.codec.id_order == "frequency":
             assert code_of_id is not None and len(code_of_id) == meta.vocab_size, "frequency order needs code_of_id"
@@ -499,7 +496,7 @@ class PartWriter:
         part = _new_part_name()
         path = layout.part_path(teacher, part)
         # The same groups, arrays and bytes as writing each array with `write_array`, in ~1/4 of the
-        # time (see rawwrite.py): compression runs in threads while this one hashes the index rows.
+        # time (see storage/rawwrite.py): compression runs in threads while this one hashes the index rows.
         arrays = {f"{path}/{name}": values for name, values in enc.arrays().items()}
         for st, info in zip(ordered, meta.students):
             if (st.loss_mask is not None) != (meta.loss_mask is not None):
@@ -526,7 +523,7 @@ class PartWriter:
         )
         encoded = pending.result()
         documents, objects = {}, {}
-        if meta.packed:  # store format 3 and 4: the part as one object (`packed.py`)
+        if meta.packed:  # store format 3 and 4: the part as one object (`storage/packed.py`)
             in_part = {key: key[len(path) + 1 :] for key in encoded}  # the arrays' paths in the part
             own = {in_part[key]: encoded.pop(key) for key in list(encoded) if meta.packs(in_part[key])}
             blob, members = rawwrite.pack(own)
