@@ -81,6 +81,18 @@ def group(of: type, *, default: Any = MISSING, default_factory: Any = MISSING, *
     return field(default=default, default_factory=default_factory, metadata={KEY: Group(of, **how)})
 
 
+def option_of(of: type, name: str, *, adjust: Callable[[Declared], Declared]) -> Any:
+    """A dataclass field that is field `name` of config type `of`, declared there once: the same default
+    and flag, which `adjust` rewrites as this type offers it (another help text or panel, as
+    `Group.adjust`; the default it gives is the flag's value when not given)."""
+    (f,) = [f for f in dataclasses.fields(of) if f.name == name]
+    flag = f.metadata.get(KEY)
+    assert isinstance(flag, Flag), f"{of.__name__}.{name} is not a flag"
+    offered = adjust(_declared(of, f, flag))
+    flag = dataclasses.replace(offered.flag, cli_default=offered.default)
+    return field(default=f.default, default_factory=f.default_factory, repr=f.repr, metadata={KEY: flag})
+
+
 @dataclass(frozen=True)
 class Declared:
     """One flag of a config type, as a command offers it."""

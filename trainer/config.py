@@ -28,12 +28,23 @@ from typing import Any
 
 from logitstore.errors import LogitstoreError
 from logitstore.format.sparsity import Sparsity, SparsityFlags, default_sparsity
-from logitstore.options import KEY, Flag, declared, from_values, group, option, read_file, to_values
-from logitstore.pipelines.config import EngineOptions
+from logitstore.options import (
+    KEY,
+    Declared,
+    Flag,
+    declared,
+    from_values,
+    group,
+    option,
+    option_of,
+    read_file,
+    to_values,
+)
+from logitstore.pipelines.config import DataSource, EngineOptions, PlanConfig
 from logitstore.sizes import parse_bytes
 from logitstore.streaming.spec import DEFAULT_MEMORY_BUDGET, ON_ERROR, StreamSpec
 from logitstore.text.chat import TRAIN_ON
-from logitstore.trainer.report import check_sinks
+from logitstore.trainer.trackers import check_sinks
 
 EVAL_ONLY = "-"  # the `out` of a configuration that only evaluates (`logitstore eval`): it writes nothing
 KINDS = ("forward_kl", "topk_renorm", "reverse_kl", "jsd")  # the distillation losses (`losses.py`)
@@ -117,7 +128,10 @@ class DataConfig:
         help="Stored data each process's stream holds in memory (e.g. 512MB); a store larger than this is read in windows of parts, shuffled within each (docs/train.md 'Streaming').",
     )
     on_error: str = option(
-        "raise", choices=lambda: ON_ERROR, panel=DATA, help="A damaged sample: raise (stop) or skip (and count)."
+        StreamSpec.on_error,
+        choices=lambda: ON_ERROR,
+        panel=DATA,
+        help="A damaged sample: raise (stop) or skip (and count).",
     )
     # the order depends on it, never on the world size; a resumed run keeps its checkpoint's
     reader_groups: int | None = option(
@@ -125,9 +139,11 @@ class DataConfig:
         panel=DATA,
         help="Groups the store's parts are dealt to, each read by its own ranks (default: --nproc x nodes at the start; a resumed run keeps its own): a world size that divides it reads each stored byte about once per epoch (docs/train.md 'Many nodes').",
     )
-    eval_fraction: float = option(0.05, panel=DATA, help="Share of samples held out, by sample id hash.")
+    eval_fraction: float = option(
+        StreamSpec.eval_fraction, panel=DATA, help="Share of samples held out, by sample id hash."
+    )
     train_on: str = option(
-        "completion",
+        StreamSpec.train_on,
         choices=lambda: TRAIN_ON,
         panel=DATA,
         help="Chat data: supervise the completion (the assistant's tokens) or prompt+completion; plain text stores supervise every token either way.",
@@ -291,7 +307,7 @@ class OutputConfig:
         panel=OUTPUT,
         help="Replace the run in --out: removes only what a run writes, and only in a folder a run marked.",
     )
-    # extra metric sinks beside metrics.jsonl: trainer/report.py's SINKS
+    # extra metric sinks beside metrics.jsonl: trainer/trackers.py's SINKS
     report_to: tuple[str, ...] = option(
         (),
         panel=OUTPUT,
@@ -305,16 +321,21 @@ class OutputConfig:
         check_sinks(self.report_to)
 
 
-def _live_flag(d):
-    """A build flag (sparsity, engine) as `train --live-teacher` offers it: build's meaning, None when not given."""
+def _live_flag(d: Declared, *, help: str | None = None) -> Declared:
+    """A build flag (input, sparsity, engine) as `train --live-teacher` offers it: build's meaning, None
+    when not given."""
     default = f" (default {d.default})" if d.default not in (None, ()) else ""
-    flag = dataclasses.replace(d.flag, panel=LIVE, help=f"Live mode: as build {d.dashed}{default}.")
+    flag = dataclasses.replace(d.flag, panel=LIVE, help=help or f"Live mode: as build {d.dashed}{default}.")
     return dataclasses.replace(d, flag=flag, default=None)
+
+
+def _live_data(d: Declared) -> Declared:
+    return _live_flag(d, help="Live mode: the data, as build --data (default: the shipped corpus).")
 
 
 @dataclass
 class LiveConfig:
-    """What `--live-teacher` needs: build's teacher, data, sparsity and engine options."""
+    """What `--live-teacher` needs: build's teacher, input, sparsity and engine options."""
 
     teacher: str | None = option(  # None or "default": the default teacher
         None,
@@ -322,16 +343,11 @@ class LiveConfig:
         panel=LIVE,
         help="Live mode instead of --store: run this teacher (what build --teacher takes, or 'default') beside the trainer, handing over by shared memory (with --engine server: the teacher a server serves, asked by each rank).",
     )
-    data: str | None = option(
-        None, panel=LIVE, help="Live mode: the data, as build --data (default: the shipped corpus)."
-    )
-    text_column: str = option(
-        "text", cli_default=None, panel=LIVE, help="Live mode: as build --text-column (default text)."
-    )
-    id_column: str | None = option(None, panel=LIVE, help="Live mode: as build --id-column.")
-    max_length: int = option(
-        1024, cli_default=None, panel=LIVE, help="Live mode: as build --max-length (default 1024)."
-    )
+    # build's input flags, declared in `pipelines/config.py` (`DataSource`, `PlanConfig`)
+    data: str | None = option_of(DataSource, "data", adjust=_live_data)
+    text_column: str = option_of(PlanConfig, "text_column", adjust=_live_flag)
+    id_column: str | None = option_of(PlanConfig, "id_column", adjust=_live_flag)
+    max_length: int = option_of(PlanConfig, "max_length", adjust=_live_flag)
     # None: `sparsity.default_sparsity()`, as build and the CLI
     sparsity: Sparsity | None = group(SparsityFlags, default=None, adjust=_live_flag, exclude=("value_grid",))
     # build's --engine and the server engine's flags: which engine runs the teacher, and where live mode runs
@@ -495,17 +511,9 @@ class TrainConfig:
         return cls(**{name: group(**groups[name]) for name, group in _GROUPS.items()}, live=live)
 
     @classmethod
-    def for_eval(cls, *, store: str, student: str, micro_batch: int = 4, seed: int = 0, **flags) -> TrainConfig:
+    def for_eval(cls, *, store: str, student: str, **flags) -> TrainConfig:
         """`logitstore eval`'s configuration: the held-out split of `store`, all of it, nothing written."""
-        return cls.from_flags(
-            store=store,
-            out=EVAL_ONLY,
-            student=student,
-            micro_batch=micro_batch,
-            seed=seed,
-            eval_batches=1 << 30,
-            **flags,
-        )
+        return cls.from_flags(store=store, out=EVAL_ONLY, student=student, eval_batches=1 << 30, **flags)
 
     def with_version(self, version: str) -> TrainConfig:
         """The same run reading `version` (a resumed run reads the snapshot its run pinned)."""
@@ -544,7 +552,7 @@ class TrainConfig:
             flat.update(dataclasses.asdict(getattr(self, name)))
         flat["loss"], flat["kd_temperature"] = flat.pop("kind"), flat.pop("temperature")
         flat["store"], flat["live"] = self.data.store, None if self.live is None else self.live.identity()
-        if flat["train_on"] == "completion":  # the default is left out: runs from before the flag still resume
+        if flat["train_on"] == StreamSpec.train_on:  # the default is left out: runs without the flag resume
             del flat["train_on"]
         return {k: v for k, v in flat.items() if k not in skip}
 
