@@ -382,7 +382,7 @@ def train(
 
 def _train_config(given: Given, *, config: str | None, live: bool = False) -> TrainConfig:
     """`train`'s configuration; with --resume, over the configuration the run kept in its folder (so
-    resuming needs --out and --resume only; a flag that changes the run's identity is refused as before).
+    resuming needs --out and --resume only; a flag that changes the run's identity is refused).
     A folder that keeps none resumes from the options given, and if they make no run, says so."""
     values = _live_switch(resolve(TRAIN_FLAGS, given, config=config, command="train"), live=live)
     if not values["resume"]:

@@ -5,7 +5,7 @@ How: typer reads a command's options from its function's signature, so `takes(fl
 function one: its own parameters plus an `Annotated[T, typer.Option(...)]` parameter per declared flag
 (an `inspect.Signature` set as `__signature__`). typer then parses, checks, lists and documents them as if
 they were written out, and the function gets them back as one `Given`. Why this way: the flags stay flat
-(`--seq-len`, as before) with their help panels, on the parser the CLI already uses. Generators of whole
+(`--seq-len`) with their help panels, on the parser the CLI already uses. Generators of whole
 CLIs from dataclasses (tyro in torchtitan, jsonargparse in litgpt) would replace the parser and name
 nested options with dots (`--optim.lr`), which would change every flag.
 

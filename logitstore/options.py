@@ -2,8 +2,8 @@
 
 A field of a config dataclass made with `option(...)` is also a command-line flag and a config-file key:
 its help text, help panel and choices sit in the field's metadata. `group(...)` marks a field whose value
-is made from several flags (a nested config, or e.g. the sparsity from --top-k/--top-p/--sample). From
-these declarations:
+is made from several flags (a nested config, or e.g. the sparsity from --top-k/--top-p/--sample), and
+`option_of(...)` a field that is another config's flag (live mode's build flags). From these declarations:
 
     declared(cls)            the flags of a config type, flat, in field order (`Declared`)
     from_values(cls, values) the config made from flat values by flag name (a config file, parsed flags)

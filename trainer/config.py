@@ -9,13 +9,11 @@ the flag), before any process starts.
     output     the run folder and where metrics go (`OutputConfig`)
     live       live mode's teacher and data (`LiveConfig`), instead of `data.store`
 
-Each field that is a flag of `logitstore train` (or `eval`) is declared with `options.option`: its help
-text and panel sit beside it, and the CLI, `--config` files and `--print-config` take them from here
-(`options.from_values(TrainConfig, values)` by flag name, `options.to_values(cfg)` back).
-`TrainConfig.from_flags(**flags)` takes the same flat names from Python.
-
-This module imports no torch (the loss and the stream import their options from here): the CLI builds
-its flags from these types, and a configuration is checked, before the training stack loads.
+Each field that is a flag of `logitstore train` (or `eval`) is declared with `options.option` (help and
+panel beside it) or taken whole from the type that declares it (the stream's defaults from `StreamSpec`,
+live mode's build flags from `pipelines/config.py`); the CLI, `--config` and `--print-config` read them
+here, and `TrainConfig.from_flags(**flags)` takes the same flat names from Python. No torch is imported:
+the CLI builds its flags, and a configuration is checked, before the training stack loads.
 """
 
 from __future__ import annotations
@@ -23,23 +21,13 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from logitstore.errors import LogitstoreError
 from logitstore.format.sparsity import Sparsity, SparsityFlags, default_sparsity
-from logitstore.options import (
-    KEY,
-    Declared,
-    Flag,
-    declared,
-    from_values,
-    group,
-    option,
-    option_of,
-    read_file,
-    to_values,
-)
+from logitstore.options import KEY, Flag, declared, from_values, group, option, option_of, read_file, to_values
 from logitstore.pipelines.config import DataSource, EngineOptions, PlanConfig
 from logitstore.sizes import parse_bytes
 from logitstore.streaming.spec import DEFAULT_MEMORY_BUDGET, ON_ERROR, StreamSpec
@@ -321,16 +309,12 @@ class OutputConfig:
         check_sinks(self.report_to)
 
 
-def _live_flag(d: Declared, *, help: str | None = None) -> Declared:
+def _live_flag(d, *, help: str | None = None):
     """A build flag (input, sparsity, engine) as `train --live-teacher` offers it: build's meaning, None
     when not given."""
     default = f" (default {d.default})" if d.default not in (None, ()) else ""
     flag = dataclasses.replace(d.flag, panel=LIVE, help=help or f"Live mode: as build {d.dashed}{default}.")
     return dataclasses.replace(d, flag=flag, default=None)
-
-
-def _live_data(d: Declared) -> Declared:
-    return _live_flag(d, help="Live mode: the data, as build --data (default: the shipped corpus).")
 
 
 @dataclass
@@ -344,7 +328,11 @@ class LiveConfig:
         help="Live mode instead of --store: run this teacher (what build --teacher takes, or 'default') beside the trainer, handing over by shared memory (with --engine server: the teacher a server serves, asked by each rank).",
     )
     # build's input flags, declared in `pipelines/config.py` (`DataSource`, `PlanConfig`)
-    data: str | None = option_of(DataSource, "data", adjust=_live_data)
+    data: str | None = option_of(
+        DataSource,
+        "data",
+        adjust=partial(_live_flag, help="Live mode: the data, as build --data (default: the shipped corpus)."),
+    )
     text_column: str = option_of(PlanConfig, "text_column", adjust=_live_flag)
     id_column: str | None = option_of(PlanConfig, "id_column", adjust=_live_flag)
     max_length: int = option_of(PlanConfig, "max_length", adjust=_live_flag)
@@ -420,7 +408,7 @@ class LiveConfig:
         the default (the run folder keeps the sparsity it settled on)."""
         out = dataclasses.asdict(self)
         del out["engine_options"], out["default_sparsity"]
-        if self.engine_options.engine != EngineOptions.engine:  # the default left out: older live runs still resume
+        if self.engine_options.engine != EngineOptions.engine:  # the default left out: a run without one resumes
             out["engine"] = self.engine_options.engine
         return out
 
@@ -552,7 +540,7 @@ class TrainConfig:
             flat.update(dataclasses.asdict(getattr(self, name)))
         flat["loss"], flat["kd_temperature"] = flat.pop("kind"), flat.pop("temperature")
         flat["store"], flat["live"] = self.data.store, None if self.live is None else self.live.identity()
-        if flat["train_on"] == StreamSpec.train_on:  # the default is left out: runs without the flag resume
+        if flat["train_on"] == StreamSpec.train_on:  # the default left out: a run that records none resumes
             del flat["train_on"]
         return {k: v for k, v in flat.items() if k not in skip}
 
@@ -572,9 +560,8 @@ def _renamed() -> dict[str, tuple[str, str]]:
 # -- the configuration a run folder keeps -------------------------------------------------------------
 
 RUN_CONFIG = "config.yaml"  # in --out: the configuration the run runs with (`run_folder.claim` writes it)
-# Left to the command that resumes: what it does to the folder, and the version (a resumed run reads
-# the snapshot its run pinned; a branch named when it started may name another one now).
-# What one command does to its run folder, never written to it.
+# Left to the command that resumes: what it does to the folder (never written to it), and the version
+# (a resumed run reads the snapshot its run pinned; a branch named at its start may name another now).
 PER_COMMAND = ("resume", "force", "new_version")
 _NOT_KEPT = (*PER_COMMAND, "version")
 
@@ -585,7 +572,7 @@ def kept_values(cfg: TrainConfig) -> dict[str, Any]:
 
 
 def read_kept(out: str | None) -> dict[str, Any] | None:
-    """The configuration the run in `out` kept (None: no run, or one from before runs kept it, or its
+    """The configuration the run in `out` kept (None: no run, or one that keeps none, or its
     file is gone: `missing_kept` says which), without what a resuming command decides (`_NOT_KEPT`)."""
     path = Path(out or "") / RUN_CONFIG
     if out is None or not path.is_file():

@@ -296,8 +296,8 @@ class MixedSource:
             else:
                 which = np.array([src.index[int(r)] for r in rows[sel]], dtype=np.int64)
                 fragments = src.samples.cut(which, starts[sel], starts[sel] + n[sel])
-                # Entries as probabilities, never as draws: a sampled teacher's counts are left out of a
-                # mix, as mixing always did (the closing note of issue 30 asks whether they should count).
+                # Entries as probabilities, never as draws: a mix leaves a sampled teacher's counts out
+                # (whether they should count in a mix is an open question).
                 fragments.entry_counts = None
                 targets = sparse_targets_of(fragments, target_ids=target_ids, at=at, weight=weight)
                 cov = np.zeros(len(positions), bool)
