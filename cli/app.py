@@ -1,12 +1,11 @@
-"""The `logitstore` command line: thin typed functions that parse, call the library, and print.
+"""The `logitstore` command line: thin typed functions that parse, call the library, and print
+(`cli/text.py` holds what they print when not asked for `--json`).
 
 Exit codes (docs/exit-codes.md, `logitstore.errors`): 0 success, 1 damaged data (`verify` found damage,
 or a read hit it), 2 a user error or a storage outage (one line on stderr, no traceback), 130
 interrupted (Ctrl-C, or the output's reader went away).
-Each command imports the machinery it needs inside its function: this module imports in 0.15 s (best of
-10; 0.04 s before the flags came from the configuration types, whose registries bring numpy), and would
-take 4.3 s more with the build's and the trainer's modules at the top (torch, transformers; 2-core CPU,
-2026-11-25), at every `--help`, `info` and `show`.
+Each command imports the machinery it needs inside its function: at the top, the build's and the
+trainer's modules (torch, transformers) would cost seconds at every `--help`, `info` and `show`.
 
 `build`, `train` and `eval` take their options from the configuration types (`pipelines/config.py`,
 `trainer/config.py`): `cli/flags.py` makes the typer options from the fields' declarations, and
@@ -16,8 +15,6 @@ take 4.3 s more with the build's and the trainer's modules at the top (torch, tr
 from __future__ import annotations
 
 import functools
-import json
-import math
 import os
 import sys
 from typing import Annotated, Optional
@@ -25,7 +22,20 @@ from typing import Annotated, Optional
 import typer
 from typer.models import CommandInfo
 
-from logitstore.cli.flags import Command, ConfigOpt, Given, Group, PrintConfigOpt, pick, resolve, takes
+from logitstore.cli import text
+from logitstore.cli.flags import (
+    Command,
+    ConfigOpt,
+    Given,
+    JsonOpt,
+    PrintConfigOpt,
+    Program,
+    json_option,
+    pick,
+    resolve,
+    takes,
+)
+from logitstore.cli.rounds import Rounds, run_rounds
 from logitstore.errors import INTERRUPTED, LogitstoreError, capped
 from logitstore.options import OptionError, declared, dump, from_values, in_range, to_values
 from logitstore.pipelines.config import PANELS as BUILD_PANELS
@@ -38,12 +48,12 @@ app = typer.Typer(
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     add_completion=False,
-    cls=Group,
+    cls=Program,
 )
 
 StoreArg = Annotated[str, typer.Argument(help="Store location: a path, file://, s3://bucket/prefix or memory://name.")]
 VersionOpt = Annotated[Optional[str], typer.Option("--version", help="Version id, tag or branch (default: main).")]
-JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON.")]
+JsonOutputOpt = Annotated[bool, json_option("Output")]  # build's and train's, in their Output panel
 
 # The order commands are listed in --help: the order of use.
 COMMAND_ORDER = ("build", "train", "eval", "rounds", "info", "ls", "show", "report", "diff", "log", "tag", "verify")
@@ -85,37 +95,15 @@ def _open(store: str, *, create: bool = False):
     return Store.open(store, create=create)
 
 
-def _print_json(obj) -> None:
-    typer.echo(json.dumps(obj, indent=2, default=str))
-
-
 @app.command(cls=Command)
 @user_errors
 def info(store: StoreArg, version: VersionOpt = None, json_out: JsonOpt = False) -> None:
     """Samples, tokens, stored bytes, bytes per token and teachers of a version."""
     summary = _open(store).read(version).info()
     if json_out:
-        _print_json(summary)
+        text.print_json(summary)
         return
-    bpt = summary["bytes_per_token"]
-    typer.echo(f"version      {summary['version']}")
-    typer.echo(f"samples      {summary['samples']:,}")
-    typer.echo(f"tokens       {summary['tokens']:,}")
-    typer.echo(f"stored       {summary['stored_bytes']:,} bytes ({'-' if bpt is None else f'{bpt:.1f}'} bytes/token)")
-    typer.echo(f"index        {summary['index_path'] or '-'}")
-    for t in summary["teachers"]:
-        params = ", ".join(f"{k}={v}" for k, v in t["sparsity"].items() if k != "mode" and v is not None)
-        typer.echo(
-            f"teacher      {t['name']}: vocab {t['vocab_size']:,}, {t['sparsity_mode']} ({params}), "
-            f"{t['samples']:,} samples, codec error bound {t['codec']['error_bound_fine']} / {t['codec']['error_bound']} nats"
-            + (f", {t['engine']} engine in {t['dtype']}" if t["engine"] else "")
-        )
-        for st in t["student_tokenizers"]:
-            mass = "-" if st["mapped_mass"] is None else f"{st['mapped_mass']:.1%}"
-            typer.echo(
-                f"  student    {st['name']}: vocab {st['vocab_size']:,}, {st['mapped_ids']:,} teacher ids map exactly, "
-                f"carrying {mass} of the teacher's probability mass"
-            )
+    text.print_info(summary)
 
 
 @app.command(cls=Command)
@@ -148,31 +136,12 @@ def show(
         if "entry_tokens" in obj:
             obj["entry_tokens"] = obj["entry_tokens"][start:stop]
     if json_out:
-        _print_json(obj)
+        text.print_json(obj)
         return
     if student_tokenizer is not None:
-        tokens = obj.get("tokens") or [str(t) for t in obj["input_ids"]]
-        typer.echo(
-            f"sample {obj['sample_id']}: {len(obj['input_ids'])} teacher tokens, {len(obj['student_ids'])} "
-            f"{student_tokenizer} tokens, {len(obj['alignment'])} aligned groups"
-        )
-        for t0, t1, s0, s1 in obj["alignment"]:
-            typer.echo(f"  {tokens[t0:t1]!r:>40} = {obj['student_tokens'][s0:s1]!r}")
+        text.print_alignment(obj, student_tokenizer=student_tokenizer)
         return
-    tokens = obj.get("tokens") or [str(t) for t in obj["input_ids"]]
-    typer.echo(f"sample {obj['sample_id']}: {len(obj['input_ids'])} tokens (teacher {obj['teacher']})")
-    if "answer" in obj:
-        a, g = obj["answer"], obj["answer"]["generation"]
-        who = g.get("generator", {}).get("name", "?") + (f", round {g['round']}" if g.get("round") is not None else "")
-        typer.echo(f"answer {a['sample']} to prompt {a['prompt_id']!r} by {who}: {a['text']!r}")
-    for k, pos in enumerate(obj["positions"]):
-        t = first + k
-        names = obj.get("entry_tokens", [None] * len(obj["positions"]))[k] or [str(i) for i in pos["ids"]]
-        entries = "  ".join(f"{n!r}:{math.exp(lp):.3f}" for n, lp in list(zip(names, pos["logprobs"]))[:top])
-        typer.echo(
-            f"{t:5d} {tokens[t]!r:>14} -> {tokens[t + 1]!r:<14} target p={math.exp(pos['target_logprob']):.3f} "
-            f"tail={pos['tail']:.3f} | {entries}"
-        )
+    text.print_sample(obj, first=first, top=top)
 
 
 @app.command(cls=Command)
@@ -227,14 +196,9 @@ def ls(
     view = _open(store).read(version)
     rows = list_samples(view, limit=limit)
     if json_out:
-        _print_json(rows)
+        text.print_json(rows)
         return
-    width = max([len("sample_id"), *(len(r["sample_id"]) for r in rows)])
-    typer.echo(f"{'sample_id':<{width}}  {'tokens':>7}  teacher")
-    for r in rows:
-        typer.echo(f"{r['sample_id']:<{width}}  {r['tokens']:>7,}  {r['teacher']}")
-    shown = f"{len(rows):,} of {view.index.num_rows:,}" if len(rows) < view.index.num_rows else f"{len(rows):,}"
-    typer.echo(f"{shown} samples", err=True)
+    text.print_samples(rows, total=view.index.num_rows)
 
 
 @app.command(cls=Command)
@@ -243,12 +207,9 @@ def log(store: StoreArg, version: VersionOpt = None, json_out: JsonOpt = False) 
     """Versions, newest first, with their tags."""
     versions = _open(store).log(version)
     if json_out:
-        _print_json([v.__dict__ for v in versions])
+        text.print_json([v.__dict__ for v in versions])
         return
-    for v in versions:
-        tags = f" [{', '.join(v.tags)}]" if v.tags else ""
-        size = f"{v.samples:>8,} samples {v.tokens:>11,} tokens" if v.samples is not None else " " * 36
-        typer.echo(f"{v.id}  {v.written_at:%Y-%m-%d %H:%M:%S}  {size}  {v.message}{tags}")
+    text.print_log(versions)
 
 
 @app.command(cls=Command)
@@ -285,12 +246,9 @@ def diff(
     s = _open(store)
     changes = diff_indexes(s.read_index(s.resolve(a)), s.read_index(s.resolve(b)))
     if json_out:
-        _print_json(changes)
+        text.print_json(changes)
         return
-    for kind, mark in (("added", "+"), ("removed", "-"), ("changed", "~")):
-        for item in changes[kind]:
-            typer.echo(f"{mark} {item['teacher']}/{item['sample_id']}")
-    typer.echo(f"{len(changes['added'])} added, {len(changes['removed'])} removed, {len(changes['changed'])} changed")
+    text.print_diff(changes)
 
 
 @app.command(cls=Command)
@@ -301,41 +259,9 @@ def verify(store: StoreArg, version: VersionOpt = None, json_out: JsonOpt = Fals
 
     report = run_verify(_open(store).read(version))
     if json_out:
-        _print_json(
-            {
-                "version": report.version,
-                "ok": report.ok,
-                "samples": report.samples,
-                "damaged": report.damaged,
-                "arrays": report.arrays,
-                "damaged_arrays": report.damaged_arrays,
-                "unreferenced_parts": report.unreferenced,
-            }
-        )
-        return _verify_exit(report)
-    if report.unreferenced:  # not damage: what older versions read, or a concurrent build's leftovers
-        typer.echo(
-            f"note: {len(report.unreferenced)} part(s), {sum(report.unreferenced.values()):,} bytes, hold no "
-            "sample of this version (replaced or removed documents' windows, which older versions still read)",
-            err=True,
-        )
-    if report.ok:
-        typer.echo(
-            f"ok: version {report.version}, {report.samples} samples in {report.parts} parts and "
-            f"{report.arrays} teacher arrays are whole"
-        )
+        text.print_json(text.verify_json(report))
     else:
-        for what, problem in sorted(report.damaged_arrays.items()) + sorted(report.damaged.items()):
-            typer.echo(f"damaged: {what}: {problem}", err=True)
-        typer.echo(
-            f"{len(report.damaged)} of {report.samples} samples and {len(report.damaged_arrays)} of "
-            f"{report.arrays} teacher arrays damaged in version {report.version}",
-            err=True,
-        )
-    _verify_exit(report)
-
-
-def _verify_exit(report) -> None:
+        text.print_verify(report)
     if not report.ok:
         raise typer.Exit(1)
 
@@ -349,9 +275,7 @@ BUILD_FLAGS = declared(BuildConfig)
 def build(
     config: ConfigOpt = None,
     print_config: PrintConfigOpt = False,
-    json_out: Annotated[
-        bool, typer.Option("--json", help="Print machine-readable JSON.", rich_help_panel="Output")
-    ] = False,
+    json_out: JsonOutputOpt = False,
     dry_run: Annotated[
         bool,
         typer.Option(
@@ -386,52 +310,18 @@ def build(
     if json_out:
         typer.echo(summary_json(summary))
     else:
-        typer.echo(
-            (f"version {summary.version}" if summary.version else "nothing stored (no store or branch made)")
-            + f": {summary.samples:,} samples, {summary.tokens:,} tokens in "
-            f"{summary.seconds:.1f} s ({summary.tokens_per_second:,.0f} tokens/s), "
-            f"{summary.bytes_per_token or 0:.1f} bytes/token; skipped {summary.skipped}, "
-            f"duplicates {summary.duplicates}, already stored {summary.already_stored}"
-            + (f", changed {summary.changed} ({cfg.on_duplicate})" if summary.changed else "")
-            + (f", no assistant tokens {summary.no_completion}" if summary.no_completion else "")
-            + (f", tool calls the template drops {summary.tool_calls}" if summary.tool_calls else "")
-            + (
-                f"; generated {summary.answers:,} answers to {summary.prompts:,} prompts, "
-                f"{summary.generated_tokens:,} tokens, {summary.answers_cut:,} cut at --generate {cfg.generate}"
-                if cfg.generate
-                else ""
-            )
-        )
+        text.print_build(summary, cfg)
 
 
 def _print_estimates(cfg, teachers: list, *, json_out: bool) -> None:
     """`build --dry-run`: one estimate per teacher (`pipelines/estimate.py`)."""
     from logitstore.pipelines.estimate import estimate_builds
-    from logitstore.sizes import format_bytes
 
     estimates = estimate_builds(cfg, teachers, log=lambda line: typer.echo(line, err=True))
     if json_out:
-        _print_json({"dry_run": True, "teachers": [e.to_json() for e in estimates]})
-        return
-    for e in estimates:
-        scaled = (
-            "all tokenized" if e.exact else f"the first {e.tokenized_documents:,} tokenized, the rest scaled by size"
-        )
-        bpt = "-" if e.bytes_per_token is None else f"{e.bytes_per_token:.1f}"
-        params = ", ".join(f"{k}={v}" for k, v in e.sparsity.items() if k != "mode" and v is not None)
-        typer.echo(f"dry run, teacher {e.teacher} (nothing written):")
-        typer.echo(f"  input    {e.documents:,} documents ({scaled})")
-        typer.echo(
-            f"  compute  ~{e.tokens:,} tokens in ~{e.samples:,} samples (already stored: {e.already_stored:,} samples)"
-        )
-        typer.echo(
-            f"  store    ~{format_bytes(e.stored_bytes)}: {bpt} bytes/token ({e.sparsity['mode']} {params}), "
-            f"measured on {e.measured_tokens:,} tokens"
-        )
-        typer.echo(
-            f"  time     ~{e.seconds / 60:.1f} min on this machine: teacher load {e.load_seconds:.1f} s, then "
-            f"{e.teacher_tokens_per_second:,.0f} tokens/s (one worker)"
-        )
+        text.print_json({"dry_run": True, "teachers": [e.to_json() for e in estimates]})
+    else:
+        text.print_estimates(estimates)
 
 
 TRAIN_FLAGS = declared(TrainConfig)
@@ -467,9 +357,7 @@ EVAL_FLAGS = pick(
 def train(
     config: ConfigOpt = None,
     print_config: PrintConfigOpt = False,
-    json_out: Annotated[
-        bool, typer.Option("--json", help="Print machine-readable JSON.", rich_help_panel="Output")
-    ] = False,
+    json_out: JsonOutputOpt = False,
     live: LiveOpt = False,
     *,
     given: Given,
@@ -483,7 +371,7 @@ def train(
 
     final = launch(cfg)
     if json_out:
-        _print_json(final)
+        text.print_json(final)
         return
     held_out = f", held-out KL {final['eval_kl']:.4f}" if "eval_kl" in final else ""
     typer.echo(
@@ -494,7 +382,7 @@ def train(
 
 def _train_config(given: Given, *, config: str | None, live: bool = False) -> TrainConfig:
     """`train`'s configuration; with --resume, over the configuration the run kept in its folder (so
-    resuming needs --out and --resume only; a flag that changes the run's identity is refused as before).
+    resuming needs --out and --resume only; a flag that changes the run's identity is refused).
     A folder that keeps none resumes from the options given, and if they make no run, says so."""
     values = _live_switch(resolve(TRAIN_FLAGS, given, config=config, command="train"), live=live)
     if not values["resume"]:
@@ -539,7 +427,7 @@ def eval_(
 
     result = run_eval(cfg)
     if json_out:
-        _print_json(result)
+        text.print_json(result)
     else:
         typer.echo(
             f"held-out KL to the teacher {result['kl']:.4f} nats/token, CE {result['ce']:.4f} "
@@ -557,51 +445,34 @@ def rounds(
     prompts: Annotated[str, typer.Option(help="The prompts (any input build --data reads).")],
     rounds: Annotated[int, typer.Option(help="Rounds to run: build, tag, train.")],
     steps_per_round: Annotated[int, typer.Option(help="Optimizer steps each round adds to the run.")],
-    generate: Annotated[int, typer.Option(help="New tokens per answer at most (build --generate).")] = 256,
-    prompt_column: Annotated[Optional[str], typer.Option(help="Column of plain-text prompts.")] = None,
-    chat_column: Annotated[Optional[str], typer.Option(help="Column of conversations ending with a user turn.")] = None,
+    generate: Annotated[int, typer.Option(help="New tokens per answer at most (build --generate).")] = Rounds.generate,
+    prompt_column: Annotated[Optional[str], typer.Option(help="Column of plain-text prompts.")] = Rounds.prompt_column,
+    chat_column: Annotated[
+        Optional[str], typer.Option(help="Column of conversations ending with a user turn.")
+    ] = Rounds.chat_column,
     teacher: Annotated[
         Optional[str], typer.Option(help="The teacher that scores (and writes round 1's answers).")
-    ] = None,
-    student: Annotated[Optional[str], typer.Option(help="The student to train (train --student).")] = None,
-    samples_per_prompt: Annotated[int, typer.Option(help="Answers per prompt.")] = 1,
-    generation_temperature: Annotated[float, typer.Option(help="Sampling temperature of the answers.")] = 1.0,
-    generation_top_p: Annotated[float, typer.Option(help="Nucleus sampling of the answers.")] = 1.0,
-    seed: Annotated[int, typer.Option(help="Round R samples with seed + R.")] = 0,
-    max_length: Annotated[int, typer.Option(help="Prompt and answer, teacher tokens at most.")] = 1024,
-    seq_len: Annotated[int, typer.Option(help="train --seq-len.")] = 256,
-    micro_batch: Annotated[int, typer.Option(help="train --micro-batch.")] = 8,
+    ] = Rounds.teacher,
+    student: Annotated[Optional[str], typer.Option(help="The student to train (train --student).")] = Rounds.student,
+    samples_per_prompt: Annotated[int, typer.Option(help="Answers per prompt.")] = Rounds.samples_per_prompt,
+    generation_temperature: Annotated[
+        float, typer.Option(help="Sampling temperature of the answers.")
+    ] = Rounds.generation_temperature,
+    generation_top_p: Annotated[float, typer.Option(help="Nucleus sampling of the answers.")] = Rounds.generation_top_p,
+    seed: Annotated[int, typer.Option(help="Round R samples with seed + R.")] = Rounds.seed,
+    max_length: Annotated[int, typer.Option(help="Prompt and answer, teacher tokens at most.")] = Rounds.max_length,
+    seq_len: Annotated[int, typer.Option(help="train --seq-len.")] = Rounds.seq_len,
+    micro_batch: Annotated[int, typer.Option(help="train --micro-batch.")] = Rounds.micro_batch,
     json_out: JsonOpt = False,
 ) -> None:
     """On-policy distillation in rounds: the student of round R-1 answers the prompts, the teacher scores the answers, the student trains on them (docs/train.md 'On-policy rounds')."""
-    from logitstore.cli.rounds import Rounds, run_rounds
-
+    options = dict(locals())  # the options by name: `Rounds`' fields, and --json
+    del options["json_out"]
     if rounds < 1 or steps_per_round < 1:
         raise LogitstoreError("--rounds and --steps-per-round must be at least 1")
-    done = run_rounds(
-        Rounds(
-            store=store,
-            out=out,
-            prompts=prompts,
-            rounds=rounds,
-            steps_per_round=steps_per_round,
-            generate=generate,
-            prompt_column=prompt_column,
-            chat_column=chat_column,
-            teacher=teacher,
-            student=student,
-            samples_per_prompt=samples_per_prompt,
-            generation_temperature=generation_temperature,
-            generation_top_p=generation_top_p,
-            seed=seed,
-            max_length=max_length,
-            seq_len=seq_len,
-            micro_batch=micro_batch,
-        ),
-        log=lambda line: typer.echo(line, err=True),
-    )
+    done = run_rounds(Rounds(**options), log=lambda line: typer.echo(line, err=True))
     if json_out:
-        _print_json(done)
+        text.print_json(done)
         return
     for r in done:
         typer.echo(

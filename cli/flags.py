@@ -5,7 +5,7 @@ How: typer reads a command's options from its function's signature, so `takes(fl
 function one: its own parameters plus an `Annotated[T, typer.Option(...)]` parameter per declared flag
 (an `inspect.Signature` set as `__signature__`). typer then parses, checks, lists and documents them as if
 they were written out, and the function gets them back as one `Given`. Why this way: the flags stay flat
-(`--seq-len`, as before) with their help panels, on the parser the CLI already uses. Generators of whole
+(`--seq-len`) with their help panels, on the parser the CLI already uses. Generators of whole
 CLIs from dataclasses (tyro in torchtitan, jsonargparse in litgpt) would replace the parser and name
 nested options with dots (`--optim.lr`), which would change every flag.
 
@@ -44,10 +44,18 @@ PrintConfigOpt = Annotated[
 ]
 
 
+def json_option(panel: str | None = None) -> Any:
+    """`--json`, listed in `panel` of --help (None: "Options")."""
+    return typer.Option("--json", help="Print machine-readable JSON.", rich_help_panel=panel)
+
+
+JsonOpt = Annotated[bool, json_option()]
+
+
 def _no_value_shown(params: list) -> None:
     """typer 0.29 shows a value placeholder after every option, flags too (`--json <bool>` reads as if it
     took a value, and `--json true` then fails): an on/off flag of ours shows none. Set on our commands'
-    options (`Command`, `Group`), not on typer's class."""
+    options (`Command`, `Program`), not on typer's class."""
     for param in params:
         if getattr(param, "is_flag", False):
             param.display_type_rich = lambda ctx: None
@@ -62,7 +70,7 @@ class Command(typer.core.TyperCommand):
         return params
 
 
-class Group(typer.core.TyperGroup):
+class Program(typer.core.TyperGroup):
     """The top-level command, `Command`'s help for its own flags (`--version`)."""
 
     def get_params(self, ctx: Any) -> list:

@@ -18,27 +18,31 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from logitstore.errors import VersionNotFoundError
+from logitstore.pipelines.config import BuildConfig
 from logitstore.store.meta import RUN_MARKER
+from logitstore.trainer.config import DataConfig, TrainConfig
 
 
 @dataclass(frozen=True)
 class Rounds:
+    """`logitstore rounds`' options, and their defaults (the command's flags take theirs from here)."""
+
     store: str
     out: str
     prompts: str
     rounds: int
     steps_per_round: int
-    generate: int
+    generate: int = 256
     prompt_column: str | None = None
     chat_column: str | None = None
     teacher: str | None = None
     student: str | None = None
-    samples_per_prompt: int = 1
-    generation_temperature: float = 1.0
-    generation_top_p: float = 1.0
+    samples_per_prompt: int = BuildConfig.samples_per_prompt
+    generation_temperature: float = BuildConfig.generation_temperature
+    generation_top_p: float = BuildConfig.generation_top_p
     seed: int = 0
-    max_length: int = 1024
-    seq_len: int = 256
+    max_length: int = BuildConfig.max_length
+    seq_len: int = DataConfig.seq_len
     micro_batch: int = 8
 
 
@@ -49,9 +53,7 @@ def tag_of(round_: int) -> str:
 def run_rounds(r: Rounds, *, log) -> list[dict]:
     """Every round: build, tag, train. Returns each round's `{"round", "version", "build", "train"}`."""
     from logitstore.pipelines.build import run_builds
-    from logitstore.pipelines.config import BuildConfig
     from logitstore.store.store import Store
-    from logitstore.trainer.config import TrainConfig
     from logitstore.trainer.train import launch
 
     done = []

@@ -2,8 +2,8 @@
 
 A field of a config dataclass made with `option(...)` is also a command-line flag and a config-file key:
 its help text, help panel and choices sit in the field's metadata. `group(...)` marks a field whose value
-is made from several flags (a nested config, or e.g. the sparsity from --top-k/--top-p/--sample). From
-these declarations:
+is made from several flags (a nested config, or e.g. the sparsity from --top-k/--top-p/--sample), and
+`option_of(...)` a field that is another config's flag (live mode's build flags). From these declarations:
 
     declared(cls)            the flags of a config type, flat, in field order (`Declared`)
     from_values(cls, values) the config made from flat values by flag name (a config file, parsed flags)
@@ -79,6 +79,18 @@ def option(default: Any = MISSING, *, default_factory: Any = MISSING, repr: bool
 def group(of: type, *, default: Any = MISSING, default_factory: Any = MISSING, **how: Any) -> Any:
     """A dataclass field made from the flags of `of` (see `Group`)."""
     return field(default=default, default_factory=default_factory, metadata={KEY: Group(of, **how)})
+
+
+def option_of(of: type, name: str, *, adjust: Callable[[Declared], Declared]) -> Any:
+    """A dataclass field that is field `name` of config type `of`, declared there once: the same default
+    and flag, which `adjust` rewrites as this type offers it (another help text or panel, as
+    `Group.adjust`; the default it gives is the flag's value when not given)."""
+    (f,) = [f for f in dataclasses.fields(of) if f.name == name]
+    flag = f.metadata.get(KEY)
+    assert isinstance(flag, Flag), f"{of.__name__}.{name} is not a flag"
+    offered = adjust(_declared(of, f, flag))
+    flag = dataclasses.replace(offered.flag, cli_default=offered.default)
+    return field(default=f.default, default_factory=f.default_factory, repr=f.repr, metadata={KEY: flag})
 
 
 @dataclass(frozen=True)

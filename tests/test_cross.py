@@ -182,7 +182,7 @@ def test_a_student_with_an_unknown_tokenizer_is_refused(store, tmp_path):
 
 def test_same_tokenizer_signal_through_the_mixed_path_equals_the_single_teacher_path(store):
     """The mixed source with one same-tokenizer teacher gives the batches and loss of the store source."""
-    from logitstore.streaming.mixing import MixedSource, Source
+    from logitstore.streaming.mixing import MixedSource, WeightedTeacher
     from logitstore.streaming.spec import StreamSpec
     from logitstore.streaming.stream import Stream, store_stream
     from logitstore.trainer.config import LossConfig
@@ -194,7 +194,7 @@ def test_same_tokenizer_signal_through_the_mixed_path_equals_the_single_teacher_
     teacher = view.teacher_name(None)
     args = dict(seq_len=64, micro_batch=2, rank=0, world_size=1, seed=3, prefetch=0)
     torch.manual_seed(0)
-    mixed_source = MixedSource(view, sources=[Source(teacher, 1.0, None)], split="train", eval_fraction=0.05)
+    mixed_source = MixedSource(view, sources=[WeightedTeacher(teacher, 1.0, None)], split="train", eval_fraction=0.05)
     with (
         store_stream(view, StreamSpec(teacher=teacher, **args)) as single,
         Stream(mixed_source, StreamSpec(**args)) as mixed,

@@ -29,7 +29,7 @@ from logitstore.storage.limits import StorageLimits
 from logitstore.store.meta import TeacherMeta
 from logitstore.store.store import Store
 from logitstore.store.verify import verify
-from logitstore.streaming.mixing import Source
+from logitstore.streaming.mixing import WeightedTeacher
 from logitstore.streaming.spec import StreamSpec
 from logitstore.streaming.stream import store_stream
 from tests.conftest import small_build, without_progress
@@ -243,7 +243,7 @@ def test_outage_in_the_data_stream_stops_it_and_skips_nothing(proxy, uri, kind, 
         view, sources = trainer_view(uri), None
     else:  # two teachers of one tokenizer: the reads of logitstore/streaming/mixing.py
         view = trainer_view(uri, teachers=("teacher-a", "teacher-b"))
-        sources = [Source("teacher-a", 0.5, None), Source("teacher-b", 0.5, None)]
+        sources = [WeightedTeacher("teacher-a", 0.5, None), WeightedTeacher("teacher-b", 0.5, None)]
     # A budget of two parts: windows of one part, so the stream keeps reading from storage, as on a
     # store larger than memory (a store that fits would be read whole before the fault).
     probe = store_stream(view, StreamSpec(**args), sources=sources)

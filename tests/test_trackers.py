@@ -15,7 +15,7 @@ import pytest
 from typer.testing import CliRunner
 
 from logitstore.cli.app import app
-from logitstore.trainer.report import SINKS, scalars
+from logitstore.trainer.trackers import SINKS, scalars
 from tests.conftest import sample_corpus_head, small_build
 
 

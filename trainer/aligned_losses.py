@@ -13,64 +13,17 @@ target_ids[p]), one `AlignedTargets`:
     are over different units, so only the probability each gives to the observed chain of bytes is
     compared (C chain positions, `chain_pos`/`chain_group`).
 
-1:1 positions: the hybrid of TRL's GOLD trainer, exact KL on the matched vocabulary plus the Universal
-Logit Distillation distance (Boizard et al. 2024) for the rest. At position j (student row exact_pos[j])
-the teacher has entries i with p_i = exp(lp_i) and its tail, renormalised to sum 1 as in `losses` (the
-quantization leaves them off 1 by up to ~1e-2); M_j are the entries with a student id m_i >= 0 (distinct:
-the map is injective), U_j the others; q = softmax(z) over the student's vocabulary.
-
-    exact_j = sum_{i in M_j} p_i (log p_i - log q_{m_i}) + r_T (log r_T - log r_S)
-        r_T = 1 - sum_{M_j} p_i        (the unmapped entries + the tail)
-        r_S = 1 - sum_{M_j} q_{m_i}    (every student id not mapped at j)
-
-  The KL between the two distributions bucketed as {each mapped token} + {everything else}: exact where
-  the vocabularies match, >= 0, 0 iff they agree on every mapped token. log r_S is a logsumexp of z with
-  the mapped ids masked, minus logsumexp(z), accurate however small (as `losses` computes its tail).
-
-    uld_j = sum_{r <= k_j} |u_(r) - v_(r)| + |p_tail - (r_S - sum_{r <= k_j} v_(r))|
-        u_(1) >= ... >= u_(k_j)   the p_i of U_j sorted (k_j = |U_j|, may be 0)
-        v_(1) >= v_(2) >= ...     q over the student ids not mapped at j, sorted
-
-  Token identities do not correspond outside the map, so ULD compares sorted probabilities. The
-  teacher's tail has no known shape, so it is compared as one bucket with the student's mass past rank
-  k_j. With every teacher token stored (tail 0) this is exactly ULD's zero-padded sorted L1 over the
-  unmatched tokens (the student's ranks past k_j face padding zeros: their sum is the last term). With
-  the teacher's top entries stored, it is a lower bound on the sorted L1 over every token outside the
-  position's mapped entries (the tail's tokens rank below the stored ones, and one bucket's difference is
-  at most the sum of its ranks' differences). One `topk` over the masked student logits with
-  k = max_j k_j gives every v_(r) (softmax is monotone; mapped ids are masked to probability 0, which is
-  also the padding when k_j exceeds the student's unmapped ids); ranks past each k_j are masked out. This
-  costs one host sync, for k.
-
-Many-token groups (the "observed chain" rule). Group g covers the same bytes in both tokenizations; the
-teacher's log-probability of that chain is given (the sum of its target log-probs); the student's is the
-sum of its log-probs of its actual next tokens along the chain:
-
-    log P_T = chain_teacher_logprob[g],   log P_S = sum_{c: chain_group[c] = g} log q_{chain_pos[c]}(target)
-    chain_g = P_T (log P_T - log P_S) + (1 - P_T) (log(1 - P_T) - log(1 - P_S))
-
-  The binary KL between Bern(P_T) and Bern(P_S), {this chain} vs {anything else}: >= 0, 0 iff the two
-  agree on the chain. log(1 - P) = log1mexp(log P), stable both near 0 and far below it.
-
-Weights (`weight`, several teachers mixed): w_p per student position (1 if None); a 1:1 term has the
-weight of its position, a chain term that of its group's first chain position (0 for a group without
-positions, which the data side does not produce).
+1:1 positions get the hybrid of TRL's GOLD trainer: the exact KL on the matched vocabulary (bucketed as
+{each mapped token} + {everything else}) plus the Universal Logit Distillation distance (Boizard et al.
+2024) on the sorted probabilities of the rest. Many-token groups get the binary KL between the teacher's
+and the student's probabilities of the observed chain of bytes.
 
     kd = (1/P) [sum_j w exact_j + uld_weight * sum_j w uld_j + sum_g w chain_g]
 
 The mean is over all P student positions, as in `losses`, so this and a same-tokenizer teacher's
-`kd_term` add up on one scale. Parts {"kd", "exact", "uld", "chain"} are each weighted sum / P; "uld" is
-reported before the uld_weight factor (kd = exact + uld_weight * uld + chain).
-
-Temperature is not supported (T = 1). The chain log-probs are sums of temperature-1 log-probs that no
-temperature can re-temper without every chain position's full distribution, and tempering the 1:1 buckets
-would add `losses`' one-bucket tail approximation on both sides of the vocabulary map.
-
-Nothing teacher-vocabulary-sized is built: the teacher side stays per-entry ([E]), per-position ([P1],
-[P1, k] for the sorted unmapped entries) and per-group ([G]); the student side is the [P1, V_s] masked
-copy of its logits (logsumexp, topk) that the bucketing needs anyway. No Python loops; per-position sums
-are segment sums (`index_add`). Numerics as in `losses`: fp32 even for bf16 logits, log space, logs of
-masses below 1e-30 clamped to log(1e-30), which keeps 0 * log 0 terms at 0 and gradients finite.
+`kd_term` add up on one scale. Temperature is not supported (T = 1). Nothing teacher-vocabulary-sized
+is built and nothing loops in Python. The formulas, the weights and the numerics in full:
+docs/architecture.md, "The losses in detail".
 """
 
 from __future__ import annotations

@@ -9,13 +9,11 @@ the flag), before any process starts.
     output     the run folder and where metrics go (`OutputConfig`)
     live       live mode's teacher and data (`LiveConfig`), instead of `data.store`
 
-Each field that is a flag of `logitstore train` (or `eval`) is declared with `options.option`: its help
-text and panel sit beside it, and the CLI, `--config` files and `--print-config` take them from here
-(`options.from_values(TrainConfig, values)` by flag name, `options.to_values(cfg)` back).
-`TrainConfig.from_flags(**flags)` takes the same flat names from Python.
-
-This module imports no torch (the loss and the stream import their options from here): the CLI builds
-its flags from these types, and a configuration is checked, before the training stack loads.
+Each field that is a flag of `logitstore train` (or `eval`) is declared with `options.option` (help and
+panel beside it) or taken whole from the type that declares it (the stream's defaults from `StreamSpec`,
+live mode's build flags from `pipelines/config.py`); the CLI, `--config` and `--print-config` read them
+here, and `TrainConfig.from_flags(**flags)` takes the same flat names from Python. No torch is imported:
+the CLI builds its flags, and a configuration is checked, before the training stack loads.
 """
 
 from __future__ import annotations
@@ -23,17 +21,18 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from logitstore.errors import LogitstoreError
 from logitstore.format.sparsity import Sparsity, SparsityFlags, default_sparsity
-from logitstore.options import KEY, Flag, declared, from_values, group, option, read_file, to_values
-from logitstore.pipelines.config import EngineOptions
+from logitstore.options import KEY, Flag, declared, from_values, group, option, option_of, read_file, to_values
+from logitstore.pipelines.config import DataSource, EngineOptions, PlanConfig
 from logitstore.sizes import parse_bytes
 from logitstore.streaming.spec import DEFAULT_MEMORY_BUDGET, ON_ERROR, StreamSpec
 from logitstore.text.chat import TRAIN_ON
-from logitstore.trainer.report import check_sinks
+from logitstore.trainer.trackers import check_sinks
 
 EVAL_ONLY = "-"  # the `out` of a configuration that only evaluates (`logitstore eval`): it writes nothing
 KINDS = ("forward_kl", "topk_renorm", "reverse_kl", "jsd")  # the distillation losses (`losses.py`)
@@ -117,7 +116,10 @@ class DataConfig:
         help="Stored data each process's stream holds in memory (e.g. 512MB); a store larger than this is read in windows of parts, shuffled within each (docs/train.md 'Streaming').",
     )
     on_error: str = option(
-        "raise", choices=lambda: ON_ERROR, panel=DATA, help="A damaged sample: raise (stop) or skip (and count)."
+        StreamSpec.on_error,
+        choices=lambda: ON_ERROR,
+        panel=DATA,
+        help="A damaged sample: raise (stop) or skip (and count).",
     )
     # the order depends on it, never on the world size; a resumed run keeps its checkpoint's
     reader_groups: int | None = option(
@@ -125,9 +127,11 @@ class DataConfig:
         panel=DATA,
         help="Groups the store's parts are dealt to, each read by its own ranks (default: --nproc x nodes at the start; a resumed run keeps its own): a world size that divides it reads each stored byte about once per epoch (docs/train.md 'Many nodes').",
     )
-    eval_fraction: float = option(0.05, panel=DATA, help="Share of samples held out, by sample id hash.")
+    eval_fraction: float = option(
+        StreamSpec.eval_fraction, panel=DATA, help="Share of samples held out, by sample id hash."
+    )
     train_on: str = option(
-        "completion",
+        StreamSpec.train_on,
         choices=lambda: TRAIN_ON,
         panel=DATA,
         help="Chat data: supervise the completion (the assistant's tokens) or prompt+completion; plain text stores supervise every token either way.",
@@ -291,7 +295,7 @@ class OutputConfig:
         panel=OUTPUT,
         help="Replace the run in --out: removes only what a run writes, and only in a folder a run marked.",
     )
-    # extra metric sinks beside metrics.jsonl: trainer/report.py's SINKS
+    # extra metric sinks beside metrics.jsonl: trainer/trackers.py's SINKS
     report_to: tuple[str, ...] = option(
         (),
         panel=OUTPUT,
@@ -305,16 +309,17 @@ class OutputConfig:
         check_sinks(self.report_to)
 
 
-def _live_flag(d):
-    """A build flag (sparsity, engine) as `train --live-teacher` offers it: build's meaning, None when not given."""
+def _live_flag(d, *, help: str | None = None):
+    """A build flag (input, sparsity, engine) as `train --live-teacher` offers it: build's meaning, None
+    when not given."""
     default = f" (default {d.default})" if d.default not in (None, ()) else ""
-    flag = dataclasses.replace(d.flag, panel=LIVE, help=f"Live mode: as build {d.dashed}{default}.")
+    flag = dataclasses.replace(d.flag, panel=LIVE, help=help or f"Live mode: as build {d.dashed}{default}.")
     return dataclasses.replace(d, flag=flag, default=None)
 
 
 @dataclass
 class LiveConfig:
-    """What `--live-teacher` needs: build's teacher, data, sparsity and engine options."""
+    """What `--live-teacher` needs: build's teacher, input, sparsity and engine options."""
 
     teacher: str | None = option(  # None or "default": the default teacher
         None,
@@ -322,16 +327,15 @@ class LiveConfig:
         panel=LIVE,
         help="Live mode instead of --store: run this teacher (what build --teacher takes, or 'default') beside the trainer, handing over by shared memory (with --engine server: the teacher a server serves, asked by each rank).",
     )
-    data: str | None = option(
-        None, panel=LIVE, help="Live mode: the data, as build --data (default: the shipped corpus)."
+    # build's input flags, declared in `pipelines/config.py` (`DataSource`, `PlanConfig`)
+    data: str | None = option_of(
+        DataSource,
+        "data",
+        adjust=partial(_live_flag, help="Live mode: the data, as build --data (default: the shipped corpus)."),
     )
-    text_column: str = option(
-        "text", cli_default=None, panel=LIVE, help="Live mode: as build --text-column (default text)."
-    )
-    id_column: str | None = option(None, panel=LIVE, help="Live mode: as build --id-column.")
-    max_length: int = option(
-        1024, cli_default=None, panel=LIVE, help="Live mode: as build --max-length (default 1024)."
-    )
+    text_column: str = option_of(PlanConfig, "text_column", adjust=_live_flag)
+    id_column: str | None = option_of(PlanConfig, "id_column", adjust=_live_flag)
+    max_length: int = option_of(PlanConfig, "max_length", adjust=_live_flag)
     # None: `sparsity.default_sparsity()`, as build and the CLI
     sparsity: Sparsity | None = group(SparsityFlags, default=None, adjust=_live_flag, exclude=("value_grid",))
     # build's --engine and the server engine's flags: which engine runs the teacher, and where live mode runs
@@ -404,7 +408,7 @@ class LiveConfig:
         the default (the run folder keeps the sparsity it settled on)."""
         out = dataclasses.asdict(self)
         del out["engine_options"], out["default_sparsity"]
-        if self.engine_options.engine != EngineOptions.engine:  # the default left out: older live runs still resume
+        if self.engine_options.engine != EngineOptions.engine:  # the default left out: a run without one resumes
             out["engine"] = self.engine_options.engine
         return out
 
@@ -495,17 +499,9 @@ class TrainConfig:
         return cls(**{name: group(**groups[name]) for name, group in _GROUPS.items()}, live=live)
 
     @classmethod
-    def for_eval(cls, *, store: str, student: str, micro_batch: int = 4, seed: int = 0, **flags) -> TrainConfig:
+    def for_eval(cls, *, store: str, student: str, **flags) -> TrainConfig:
         """`logitstore eval`'s configuration: the held-out split of `store`, all of it, nothing written."""
-        return cls.from_flags(
-            store=store,
-            out=EVAL_ONLY,
-            student=student,
-            micro_batch=micro_batch,
-            seed=seed,
-            eval_batches=1 << 30,
-            **flags,
-        )
+        return cls.from_flags(store=store, out=EVAL_ONLY, student=student, eval_batches=1 << 30, **flags)
 
     def with_version(self, version: str) -> TrainConfig:
         """The same run reading `version` (a resumed run reads the snapshot its run pinned)."""
@@ -544,7 +540,7 @@ class TrainConfig:
             flat.update(dataclasses.asdict(getattr(self, name)))
         flat["loss"], flat["kd_temperature"] = flat.pop("kind"), flat.pop("temperature")
         flat["store"], flat["live"] = self.data.store, None if self.live is None else self.live.identity()
-        if flat["train_on"] == "completion":  # the default is left out: runs from before the flag still resume
+        if flat["train_on"] == StreamSpec.train_on:  # the default left out: a run that records none resumes
             del flat["train_on"]
         return {k: v for k, v in flat.items() if k not in skip}
 
@@ -564,9 +560,8 @@ def _renamed() -> dict[str, tuple[str, str]]:
 # -- the configuration a run folder keeps -------------------------------------------------------------
 
 RUN_CONFIG = "config.yaml"  # in --out: the configuration the run runs with (`run_folder.claim` writes it)
-# Left to the command that resumes: what it does to the folder, and the version (a resumed run reads
-# the snapshot its run pinned; a branch named when it started may name another one now).
-# What one command does to its run folder, never written to it.
+# Left to the command that resumes: what it does to the folder (never written to it), and the version
+# (a resumed run reads the snapshot its run pinned; a branch named at its start may name another now).
 PER_COMMAND = ("resume", "force", "new_version")
 _NOT_KEPT = (*PER_COMMAND, "version")
 
@@ -577,7 +572,7 @@ def kept_values(cfg: TrainConfig) -> dict[str, Any]:
 
 
 def read_kept(out: str | None) -> dict[str, Any] | None:
-    """The configuration the run in `out` kept (None: no run, or one from before runs kept it, or its
+    """The configuration the run in `out` kept (None: no run, or one that keeps none, or its
     file is gone: `missing_kept` says which), without what a resuming command decides (`_NOT_KEPT`)."""
     path = Path(out or "") / RUN_CONFIG
     if out is None or not path.is_file():

@@ -19,22 +19,15 @@ mask) and the loss is `trainer.objective.batch_loss` on its hidden states (the c
 supervise the assistant's tokens only (`train_on="completion"`, the default) or every token
 (`"prompt+completion"`, for a store built with that).
 
-`evaluate()` measures the held-out split (`eval_kl`, `eval_ce`), as `logitstore eval` does.
+`evaluate()` measures the held-out split (`eval_kl`, `eval_ce`), as `logitstore eval` does. TRL:
+`logitstore.trainer.hf_trl.DistillationSFTTrainer` is the same on TRL's `SFTTrainer` (stores only).
 
-TRL: `logitstore.trainer.hf_trl.DistillationSFTTrainer` (`pip install 'logitstore[hf]'`) is the same on TRL's
-`SFTTrainer`.
+Live teacher: `live=LiveConfig(teacher=..., data=...)` instead of `store=` (`trainer/live.py`): the
+teacher starts with the first batch and stops on `trainer.close()` (or at the end of a `with` block).
 
-Live teacher: `DistillationTrainer(model, args, live=LiveConfig(teacher=..., data=...))` instead of
-`store=`: the teacher runs in a process beside each rank (`trainer/live.py`, shared memory on CPU, CUDA
-IPC on GPU), or is asked by the rank itself where it runs behind a server (`LiveConfig.engine_options`,
-`--engine server`), and the batches are those a store built from the same data would give. The teacher process
-starts with the first batch and stops on `trainer.close()` (or at the end of a `with` block, or when
-this process exits). `DistillationSFTTrainer` reads stores only.
-
-Checkpoints: every Trainer checkpoint also holds `logitstore_stream.json`, the stream's position after the
-last batch of that step (written before Trainer's own files, so a checkpoint Trainer sees as complete has
-it); `train(resume_from_checkpoint=...)` continues the data from there instead of Trainer's re-reading
-and skipping of batches, so the resumed run sees exactly the batches the uninterrupted one would have.
+Checkpoints: every Trainer checkpoint also holds `logitstore_stream.json`, the stream's position after
+its step (written before Trainer's own files), from which `train(resume_from_checkpoint=...)` continues
+the data instead of Trainer's skipping of batches (docs/train.md, "Use it from Python / Trainer / TRL").
 """
 
 from __future__ import annotations
@@ -79,11 +72,11 @@ class StoreDistillation(_TrainerBase):
         store: str | None = None,
         version: str | None = None,
         seq_len: int = 1024,
-        loss: str | LossConfig = "forward_kl",
-        teacher: str | None = None,
-        eval_fraction: float = 0.05,
-        memory_budget: int | str | None = None,
-        train_on: str = "completion",
+        loss: str | LossConfig = LossConfig.kind,
+        teacher: str | None = StreamSpec.teacher,
+        eval_fraction: float = StreamSpec.eval_fraction,
+        memory_budget: int | str | None = StreamSpec.memory_budget,
+        train_on: str = StreamSpec.train_on,
         live: LiveConfig | None = None,
         **trainer_kwargs,
     ):

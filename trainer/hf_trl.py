@@ -14,7 +14,7 @@ construction: it is given the store's samples as pre-tokenized rows (`input_ids`
 one) and, unless `processing_class` is passed, the teacher's tokenizer kept in the store. Its own
 dataset preparation, collator and `compute_loss` are then not used for training.
 
-Tested with TRL 1.16.0 (`tests/test_train.py`); TRL's `GKDTrainer` (now `trl.experimental.gkd`) and its
+Tested with TRL 1.16.0 (`tests/test_train.py`); TRL's `GKDTrainer` (`trl.experimental.gkd`) and its
 own `DistillationTrainer` generate on-policy samples from a live teacher, which a store cannot replace.
 """
 
@@ -68,7 +68,7 @@ class DistillationSFTTrainer(StoreDistillation, SFTTrainer):
 def _store_tokenizer(view, teacher: str, *, eos: int | None):
     """The teacher's tokenizer kept in the store, with an end-of-sequence token (SFTTrainer pads with it
     when there is no pad token): the student's own `eos` where the tokenizer has that id, so Trainer,
-    which aligns the student's config with the tokenizer, changes nothing (it did, with a warning:
+    which aligns the student's config with the tokenizer, changes nothing (otherwise it would, warning
     `Updated tokens: {'eos_token_id': 0}`); else id 0."""
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=view.tokenizer(teacher))
     if tokenizer.eos_token is None:

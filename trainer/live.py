@@ -17,28 +17,10 @@ rules (`logitstore/streaming/stream.py`, `LiveSource`: sorted by id, permuted by
 order is therefore a function of the sample ids and the seed only: a live run and a run on a store built from the same data and options
 see the same batches. The teacher never reorders: it computes what it is asked, in request order.
 
-Values. By default the teacher's output goes through the store's codec (encode + decode, the two-slope
-log-probability grid), so live and store runs see values on the same grid; what can still differ is
-the teacher's floating-point rounding (a request batches other samples than the build's units did),
-which moves a value by at most one grid step where it lies next to a step boundary. `quantize=False`
-hands over the raw float32 values. Sampled sparsity draws with a seed per request, so its draws are
-not a store's draws.
-
-Protocol (one ring per teacher, `RING_SLOTS` slots of pre-allocated buffers, exported once):
-  trainer -> teacher   requests queue: (seq, token id arrays)     or None to stop
-  teacher -> trainer   ready queue:    ("ring", buffers) once; then (seq, slot, shapes)
-  trainer -> teacher   acks queue:     slot, after copying out and dropping every view of it
-The teacher writes a slot only after its ack (a free slot), so a buffer is never overwritten while the
-trainer reads it. On CPU the buffers are torch tensors in shared memory (`share_memory_`; torch's
-file-descriptor sharing unlinks the segment at once, so nothing is left in /dev/shm even after a
-SIGKILL). On CUDA they are device tensors sent by CUDA IPC (torch's reductions): the teacher
-synchronises its stream before announcing a slot, the trainer copies the slot out before acking, and
-`torch.cuda.ipc_collect()` runs on teardown. The CUDA transport ran once on an H100 (docs/train.md, live mode).
-
-Faults. The trainer waits on the ready queue in short polls and checks the teacher process between
-them: if it died, the run stops with `LiveTeacherError` naming its exit code (no hang). The teacher
-polls its requests the same way and exits when the trainer's process is gone. A sample the engine
-leaves out (a served teacher's refusal) stops the run in one line naming it (`answer`).
+Values: by default the teacher's output goes through the store's codec (`quantize=False`: raw float32),
+so live and store runs see values on the same grid. The hand-over (a ring of shared-memory or CUDA IPC
+buffers per teacher, acked slot by slot) and how a dead teacher or trainer is noticed: docs/architecture.md,
+"Live mode's hand-over".
 """
 
 from __future__ import annotations

@@ -5,63 +5,23 @@ entries in all. The student's logits z [P, V] exist anyway and are used directly
 stays sparse (per-entry and per-position arrays only). Every per-position sum is a segment sum over
 `entry_pos` (`index_add`), so no dense [P, V] teacher tensor is ever built and nothing loops in Python.
 
-Buckets. Position t has the stored entries S_t (ids i, log-probabilities lp_i at temperature 1) and one
-tail bucket for every other token:
+Each position's stored entries and one tail bucket for every other token are compared with the
+student's softmax over the same buckets (the tail as a masked logsumexp, accurate however small):
 
-    teacher   p_i = exp(lp_i),                         p_tail = tail
-    student   q_i = softmax(z / T)[i],                 q_tail = 1 - sum_i q_i
-
-The teacher buckets are renormalised to sum 1 per position (the codec's quantization leaves
-sum_i p_i + tail off 1 by up to ~1e-2). q_tail is computed stably as a logsumexp over the student's
-logits with the stored ids masked out: log q_tail = logsumexp(z masked) - logsumexp(z), accurate
-however small the tail (1 - sum q_i would cancel catastrophically when the entries hold nearly all mass).
-
-Temperature T (`--kd-temperature`). The student's logits are divided by T. The teacher's buckets are
-tempered as p_b^(1/T) renormalised over the buckets, with the tail treated as ONE bucket. That is an
-approximation: the true tempered tail is sum_{v in tail} p_v^(1/T) / Z_T, which the sparse store
-cannot give. For T > 1 the single bucket gets less mass than the true tempered tail (each of the many
-tail tokens would grow), for T < 1 more. With every token stored (tail 0) it is exact. The KD term is
-multiplied by T^2 so its gradient keeps its scale across temperatures (Hinton et al. 2015).
-
-Divergences per position, summed over the buckets b (`--loss`):
-
-    forward_kl   sum_b p_b (log p_b - log q_b)            (default) the KL between the bucketed
-                                                          distributions; a lower bound on the full KL,
-                                                          equal to it when everything is stored
-    topk_renorm  sum_i p^_i (log p^_i - log q^_i)         both sides renormalised over the stored
-                                                          entries only, no tail bucket (MaxText/NeMo
-                                                          style); a position with no entries adds 0
-    reverse_kl   sum_b q_b (log q_b - log p_b)            over the same buckets as forward_kl
+    forward_kl   sum_b p_b (log p_b - log q_b)            (default) a lower bound on the full KL
+    topk_renorm  both sides renormalised over the stored entries only, no tail bucket
+    reverse_kl   sum_b q_b (log q_b - log p_b)
     jsd          beta KL(p || m) + (1 - beta) KL(q || m), m = beta p + (1 - beta) q  (`--jsd-beta`)
-
-Sampled stores (`entry_counts` given: entry i was drawn c_i times out of n draws at its position).
-forward_kl then uses the unbiased estimator of Anshumann et al. 2025 ("Sparse Logit Sampling"):
-
-    kd_t = sum_i w_i (lp_i - log q_i),   w_i = c_i / n
-
-Since E[w_i] = p_i exactly, E[kd_t] = KL(p || q) and E[grad kd_t] = grad KL(p || q), with no tail or
-renormalisation. n is `n_draws`, or the position's count total when `n_draws` is None. The draws fix the
-teacher's side: T divides the student's logits and scales by T^2, but cannot re-temper the draws (the
-build's `--temperature` did that). With draws at temperature tau != 1 the gradient is that of
-KL(p_tau || q) while the value, using the stored temperature-1 lp_i, is off by a constant. The other
-kinds need the teacher's probabilities of the stored entries as a distribution, which a sampled store's
-counts do not give; they are refused.
-
-Cross-entropy (`--alpha`): ce_t = -log softmax(z)[target_t] at temperature 1.
-
-Position weights (`weight`, for several teachers mixed over one micro-batch): kd_t is multiplied by w_t
-before the sum, which still divides by P (a position a teacher does not cover has w_t = 0 and still
-counts in the mean, so the teachers' terms add up on one scale). The CE term is not weighted: it belongs
-to the data, not to a teacher.
 
     loss = (1/P) sum_t w_t T^2 kd_t + alpha * mean_t ce_t        (w_t = 1 without weights)
 
-`kd_term` and `ce_term` give the two terms apart, for a trainer that sums several teachers' KD terms
-(this one's and `aligned_losses.aligned_kd`'s) with one CE term; `distill_loss` is their sum.
+A sampled store's draw counts give forward_kl's unbiased estimator (Anshumann et al. 2025); the other
+kinds refuse them. `kd_term` and `ce_term` give the two terms apart, for a trainer that sums several
+teachers' KD terms (this one's and `aligned_losses.aligned_kd`'s) with one CE term; `distill_loss` is
+their sum. Numerics: fp32 throughout, log space, logs of masses below 1e-30 clamped to log(1e-30).
 
-Numerics: fp32 throughout, even for bf16 logits; log space everywhere; logs of masses below 1e-30 are
-clamped to log(1e-30) (a tail of exactly 0, a masked logsumexp over nothing), which keeps 0 * log 0
-terms at 0 and gradients finite.
+The buckets, the temperature's one-bucket tail approximation, the sampled estimator, the position
+weights and the numerics in full: docs/architecture.md, "The losses in detail".
 """
 
 from __future__ import annotations

@@ -37,7 +37,7 @@ from logitstore.environment import environment
 from logitstore.errors import LogitstoreError
 from logitstore.pipelines.teacher import describe_teacher
 from logitstore.store.store import Store
-from logitstore.streaming.mixing import Source, resolve_sources, student_vocabulary
+from logitstore.streaming.mixing import WeightedTeacher, resolve_sources, student_vocabulary
 from logitstore.streaming.spec import StreamConfigError
 from logitstore.streaming.stream import store_stream
 from logitstore.trainer import checkpoint, run_folder
@@ -46,8 +46,8 @@ from logitstore.trainer.live import InRankTeacher, LiveTeacher, live_stream, pla
 from logitstore.trainer.model import apply_levers, build_student, shard, student_max_positions, student_tokenizer_hash
 from logitstore.trainer.objective import all_reduce_mean, batch_loss, held_out_metrics, student_outputs
 from logitstore.trainer.plots import plot_metrics
-from logitstore.trainer.report import open_sinks
 from logitstore.trainer.stopping import interrupted_once, stopping_ranks
+from logitstore.trainer.trackers import open_sinks
 
 # -- launching -----------------------------------------------------------------------------------
 
@@ -415,7 +415,7 @@ class LiveSignal:
             self.samples.vocab_size,
         )
         self.snapshot = None  # no store: nothing to pin
-        self.sources = [Source(self.teacher, 1.0, None)]
+        self.sources = [WeightedTeacher(self.teacher, 1.0, None)]
         self.engine = cfg.live.engine_options.engine
         self.client: LiveTeacher | InRankTeacher | None = None
 

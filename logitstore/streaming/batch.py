@@ -55,7 +55,7 @@ class PackedBatch:
         assert isinstance(targets, SparseTargets), "one teacher with the student's tokenizer"
         return targets
 
-    # The one teacher's targets, by the names a `PackedBatch` has always had (the Python API's).
+    # The one teacher's targets, by the names of the Python API (`batch.entry_ids`, ...).
     entry_ids = property(lambda self: self.targets.entry_ids, doc="[E] int64")
     entry_logprobs = property(lambda self: self.targets.entry_logprobs, doc="[E] float32")
     entry_pos = property(lambda self: self.targets.entry_pos, doc="[E] int64 in [0, P), non-decreasing")

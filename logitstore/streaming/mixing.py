@@ -43,6 +43,7 @@ from logitstore.store.reader import PartReader, TeacherRows
 from logitstore.store.version import StoreVersion
 from logitstore.streaming.batch import BatchContext, PackedBatch, layout, sparse_targets_of
 from logitstore.streaming.order import Pieces, SplitTable
+from logitstore.streaming.spec import StreamSpec
 from logitstore.streaming.store_source import check_train_on, split_rows
 from logitstore.streaming.targets import AlignedTargets
 from logitstore.text.chat import supervised_positions
@@ -53,7 +54,9 @@ class TeacherSourceError(LogitstoreError, ValueError):
 
 
 @dataclass(eq=False)
-class Source:
+class WeightedTeacher:
+    """One teacher a run learns from: its weight in the mix and how its signal reaches the student's tokens."""
+
     name: str  # the teacher's name in the store
     weight: float
     student: str | None  # the teacher's student tokenizer the student uses; None: same tokenizer
@@ -109,14 +112,16 @@ def _registered(view: StoreVersion, teacher: str, st: dict) -> StudentVocabulary
     return StudentVocabulary(st["tokenizer_hash"], int(st["vocab_size"]), tokenizer_json)
 
 
-def resolve_sources(view: StoreVersion, *, weights: dict[str, float], vocab: StudentVocabulary) -> list[Source]:
-    """One `Source` per weighted teacher, or a clear error naming the teacher that cannot teach this student."""
+def resolve_sources(
+    view: StoreVersion, *, weights: dict[str, float], vocab: StudentVocabulary
+) -> list[WeightedTeacher]:
+    """One `WeightedTeacher` per teacher of `weights`, or a clear error naming the teacher that cannot teach this student."""
     sources = []
     for name, weight in weights.items():
         view.teacher_name(name)  # refuses an unknown teacher with the list of known ones
         meta = view.teachers[name]
         if meta.tokenizer_hash == vocab.tokenizer_hash:
-            sources.append(Source(name, weight, None))
+            sources.append(WeightedTeacher(name, weight, None))
             continue
         match = [st["name"] for st in meta.students if st["tokenizer_hash"] == vocab.tokenizer_hash]
         if not match:
@@ -129,7 +134,9 @@ def resolve_sources(view: StoreVersion, *, weights: dict[str, float], vocab: Stu
                 f"teacher {name!r} is a sampled store: cross-tokenizer distillation needs "
                 "top-k or top-p entries (their probabilities, not draw counts)"
             )
-        sources.append(Source(name, weight, match[0], vocab_map=view.vocab_map(name, match[0]).astype(np.int64)))
+        sources.append(
+            WeightedTeacher(name, weight, match[0], vocab_map=view.vocab_map(name, match[0]).astype(np.int64))
+        )
     return sources
 
 
@@ -155,10 +162,10 @@ class MixedSource:
         self,
         view: StoreVersion,
         *,
-        sources: list[Source],
+        sources: list[WeightedTeacher],
         split: str,
         eval_fraction: float,
-        train_on: str = "completion",
+        train_on: str = StreamSpec.train_on,
     ):
         assert sources, "at least one source"
         self.view, self.sources, self.version = view, sources, view.snapshot_id
@@ -289,8 +296,8 @@ class MixedSource:
             else:
                 which = np.array([src.index[int(r)] for r in rows[sel]], dtype=np.int64)
                 fragments = src.samples.cut(which, starts[sel], starts[sel] + n[sel])
-                # Entries as probabilities, never as draws: a sampled teacher's counts are left out of a
-                # mix, as mixing always did (the closing note of issue 30 asks whether they should count).
+                # Entries as probabilities, never as draws: a mix leaves a sampled teacher's counts out
+                # (whether they should count in a mix is an open question).
                 fragments.entry_counts = None
                 targets = sparse_targets_of(fragments, target_ids=target_ids, at=at, weight=weight)
                 cov = np.zeros(len(positions), bool)
@@ -428,7 +435,7 @@ def _aligned_targets(src: _Decoded, rows, sel, *, starts, n, first_position, wei
 
 
 def _source_table(
-    view: StoreVersion, source: Source, *, split: str, eval_fraction: float, primary_ids: list[str]
+    view: StoreVersion, source: WeightedTeacher, *, split: str, eval_fraction: float, primary_ids: list[str]
 ) -> _SourceTable:
     rows = split_rows(view, teacher=source.name, split=split, eval_fraction=eval_fraction, student=source.student)
     return _SourceTable(rows=rows, row_of=match_rows(primary_ids, rows.sample_ids))

@@ -27,20 +27,32 @@ class StreamConfigError(LogitstoreError, ValueError):
 
 @dataclass(frozen=True)
 class StreamSpec:
-    """What a stream is asked for. `rank` and `world_size` default to `torch.distributed`'s when it is
-    initialised, else 0 and 1 (`placed`). `teacher` picks one of a store's teachers (default: its only
-    one). `split` is "train" (endless, epoch after epoch) or "eval" (one pass); a sample is held out iff
-    the hash of its id falls below `eval_fraction`. `memory_budget` (bytes, or a string such as "512MB"
-    or "2GiB"; default `DEFAULT_MEMORY_BUDGET`) bounds the stored data held in memory and so the shuffle
-    window. `on_error="skip"` trains past damaged samples (as padding) instead of raising. `prefetch`
-    batches are built ahead in a thread (0: none); `read_threads` parts are read at once. For chat data,
-    `train_on="completion"` keeps only the positions that predict the assistant's tokens.
-    `reader_groups` (default: the world size; a resumed run keeps its state's) is how many groups the
-    train split's parts are dealt to: the order depends on it and not on the world size, and a world
-    size that divides it (or that it divides) reads each stored byte about once per epoch.
-    `loader_workers` is the `num_workers` of the DataLoader that will read the stream (0: none); with
-    W > 1 the default `reader_groups` is world size x micro_batch x W, the multiple at which the W
-    workers of a rank read disjoint parts instead of W times its parts."""
+    """What a stream is asked for: the one place each stream option and its default is declared
+    (`DataConfig`, `DistillationTrainer`, `StoreSource` and `MixedSource` take their defaults from here).
+
+    Args:
+        seq_len: tokens per packed row.
+        micro_batch: rows per micro-batch of one rank.
+        seed: seeds the data order (the permutations of parts, windows and samples).
+        rank: this stream's rank; default `torch.distributed`'s when it is initialised, else 0 (`placed`).
+        world_size: the ranks sharing the stream; default `torch.distributed`'s, else 1 (`placed`).
+        teacher: which of a store's teachers (default: its only one).
+        split: "train" (endless, epoch after epoch) or "eval" (one pass).
+        eval_fraction: a sample is held out (the eval split) iff the hash of its id falls below it.
+        memory_budget: bytes, or a string such as "512MB" or "2GiB" (default `DEFAULT_MEMORY_BUDGET`):
+            bounds the stored data held in memory, and so the shuffle window.
+        on_error: "raise" stops at a damaged sample; "skip" trains past it (as padding) and counts it.
+        prefetch: batches built ahead in a thread (0: none).
+        read_threads: parts read at once.
+        train_on: chat data: "completion" keeps only the positions that predict the assistant's tokens,
+            "prompt+completion" every position.
+        reader_groups: how many groups the train split's parts are dealt to (default: the world size; a
+            resumed run keeps its state's). The order depends on it and not on the world size; a world
+            size that divides it (or that it divides) reads each stored byte about once per epoch.
+        loader_workers: the `num_workers` of the DataLoader that will read the stream (0: none); with
+            W > 1 the default `reader_groups` is world size x micro_batch x W, the multiple at which the
+            W workers of a rank read disjoint parts instead of W times its parts.
+    """
 
     seq_len: int
     micro_batch: int

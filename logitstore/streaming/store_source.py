@@ -10,7 +10,7 @@ from logitstore.store.reader import PartData, PartReader, TeacherRows
 from logitstore.store.version import StoreVersion
 from logitstore.streaming.batch import BatchContext, PackedBatch, assemble
 from logitstore.streaming.order import Pieces, SplitTable, in_split
-from logitstore.streaming.spec import StreamConfigError
+from logitstore.streaming.spec import StreamConfigError, StreamSpec
 from logitstore.text.chat import TRAIN_ON
 
 
@@ -24,7 +24,13 @@ class StoreSource:
     """One teacher of a store version: pieces become `PackedBatch`es of that teacher's targets."""
 
     def __init__(
-        self, view: StoreVersion, *, teacher: str | None, split: str, eval_fraction: float, train_on: str = "completion"
+        self,
+        view: StoreVersion,
+        *,
+        teacher: str | None,
+        split: str,
+        eval_fraction: float,
+        train_on: str = StreamSpec.train_on,
     ):
         self.view, self.teacher = view, view.teacher_name(teacher)
         self.version = view.snapshot_id

@@ -3,96 +3,18 @@ with the teacher's sparse targets. Deterministic, sharded across ranks, resumabl
 reading each stored byte about once per epoch however large the store.
 
 One engine, `Stream`, owns order, split, packing, sharding, resume, reading and prefetch. What turns
-a piece of a sample into targets is its *source*: `store_source.StoreSource` (one teacher of a store),
-`mixing.MixedSource` (several or cross-tokenizer teachers) and `live.LiveSource` (a teacher process
-beside the trainer). `store_stream` and `logitstore.stream` build the first two.
+a piece of a sample into targets is its *source* (`Source`): `store_source.StoreSource` (one teacher of
+a store), `mixing.MixedSource` (several or cross-tokenizer teachers) and `live.LiveSource` (a teacher
+process beside the trainer). `store_stream` and `logitstore.stream` build the first two.
 
 The stream lives in five modules: its options and their checks (`spec.py`), the order (`order.py`: the
 split, the epoch plan, windows and packing, without reading data), the batch (`batch.py`: `PackedBatch`
 and `assemble`), the store's source (`store_source.py`) and the engine with its factory (here).
 
-The contract (tests/test_stream.py holds the engine to it):
-
-- **Split.** A sample is in the eval split iff `is_eval_sample(id, eval_fraction=f)`: the first 8 bytes
-  of blake2b(id) read as a big-endian integer, as a fraction of 2**64, is below f. It depends on the id
-  alone, so train and eval are disjoint and stable across runs, machines, versions and world sizes.
-- **Reader groups.** The train split's samples are dealt to G *reader groups* (`reader_groups`; default
-  the world size; the eval split has one): the parts, permuted once per run by
-  `default_rng([seed, 2**32 + 1])`, are laid end to end (each part's samples in id order) and cut into G
-  runs of equal tokens (`order.deal_samples`; MosaicML Streaming's spans cut at canonical-node
-  boundaries), so every group packs the same rows give or take one and at most G - 1 parts are cut
-  between two groups. Each group orders and packs its own samples (below); the epoch's global rows deal
-  the groups' rows round-robin: row j of every group holding more than j rows, in group order, then row
-  j + 1. A step's rows are laid out by group (then row), and rank r takes the r-th block of
-  `micro_batch` of them, so when the world size divides G (or G divides it) every rank takes the rows,
-  and reads the parts, of its own groups only. One group is the order of before reader groups.
-- **Epoch order within a group: a window shuffle over parts.** A store is written in *parts* (the build's
-  units, ~16k tokens each). A group's parts are permuted by `default_rng([seed, epoch, g, 2**32])` and
-  cut into *windows* of `window_parts // G` parts; the group visits its windows in that order and,
-  inside window k, the window's samples (in id order) permuted by `default_rng([seed, epoch, g, k])`
-  (with one group, `g` is left out of both keys). When the whole split fits the memory budget, each group
-  is one window: its samples permuted by `default_rng([seed, epoch, g])` (one group: the global shuffle
-  `default_rng([seed, epoch]).permutation(n)`), and the parts, read once, stay in memory for the whole
-  run. The order depends on the version, the seed, the epoch, `window_parts` and G only (never on the
-  world size); `window_parts` follows from the memory budget, so a resumed run needs the same budget (its
-  state says so). Shuffle quality: two samples of one part land in the same window of one group (or of
-  two, for a part cut between groups), so they are at most `window_parts` parts' worth of tokens apart
-  in the global stream; a rank's own rows come from its groups' windows, `window_parts // G` parts each.
-- **Memory.** `memory_budget` bounds the stored data held in memory (encoded, as read: about 3-10
-  bytes per token): for each group a reader takes rows of, the window being read and the next one, and
-  while the budget has room, the first parts its next micro-batches need of the windows after those;
-  the parts of the reader's next micro-batches are read ahead by `read_threads` threads, and only those (a
-  reader never reads a part its own rows do not touch). So `window_parts = budget // (2 * largest
-  part)`, shared by the G groups; a budget smaller than two parts, or than one part a group, is refused. A split
-  that holds under half of a part's bytes (the eval split) reads just its samples' byte ranges of
-  that part, not the whole part.
-- **Packing.** A group's ordered samples are laid end to end and cut into rows of exactly `seq_len` tokens,
-  which is the same as greedy filling: a sample that does not fit in the rest of a row is cut there and
-  its remainder starts the next row as a new *fragment*. Row j of an epoch is tokens
-  [j*seq_len, (j+1)*seq_len) of that concatenation, so any row is found without reading data. The train
-  split drops the last partial row of the epoch; the eval split keeps it, padded, so every held-out
-  token is evaluated however small the split (a group's last partial row likewise). Position ids restart at 0 at every sample or fragment start;
-  document ids number the segments of a row 0, 1, ... Token t of a row is *supervised* (it carries the
-  teacher's distribution over token t+1) iff tokens t and t+1 lie in the same row and the same sample.
-- **Sharding.** Rows are global. Each step consumes `world_size * micro_batch` consecutive global rows;
-  rank r takes the r-th block of `micro_batch` of them, laid out by group (above), so the ranks of a step
-  hold together, in rank order, the rows one process with their micro-batches summed would. `steps_per_epoch = rows_per_epoch //
-  (world_size*micro_batch)` is the same on every rank; the leftover rows of the epoch are dropped. The
-  eval split rounds up instead: its last step's rows past the end are padding (no targets), so a split
-  of one sample gives one step on every rank.
-  A rank reads only the parts its rows touch: with G a multiple of the world size, the ranks together
-  read each part about once per epoch (1 + (G - 1) / parts, plus a last round of uneven groups); with
-  one group, each rank reads most parts.
-- **State.** `state_dict()` = {"epoch", "rows_consumed", "seed", "version", "window_parts",
-  "reader_groups"}: global rows consumed in the epoch by all ranks together, counted at the batches
-  *yielded*. It does not depend on the world size, so a run resumed with another world size continues
-  at the same row: a stream whose `reader_groups` was not given takes the state's (a state from before
-  reader groups: one). `load_state_dict` refuses a state from another version, seed, window (memory
-  budget) or an explicitly other `reader_groups`.
-- **Iteration.** The train split is infinite over epochs. The eval split is one pass of epoch 0: each
-  `iter()` yields from the current position to the end of the pass and then rewinds to the start.
-- **DataLoader workers.** A stream is an `IterableDataset`: in a `DataLoader(stream, batch_size=None,
-  num_workers=W, multiprocessing_context="spawn")` worker w yields the steps w, w + W, ... from where
-  the stream stood, so the loader (in order) yields exactly the batches of one process. Each worker is
-  sent the stream's recipe (store URI, snapshot, arguments, position) and opens the version itself
-  (Icechunk must not be forked; memory stores and several-teacher streams cannot be sent). Each worker
-  reads the parts its own steps touch: with G a multiple of world size x micro-batch x W, a step's rows
-  come from groups no other step of its round touches, so the W workers of a rank read disjoint parts;
-  with fewer groups they read most of their rank's parts W times (worker 0 warns). `loader_workers=W`
-  makes that multiple the default G. The parent's stream does not
-  see the workers' progress: every batch carries `data_state`, the `state_dict()` after it, which
-  `load_state_dict` resumes from.
-- **Prefetch.** A background thread builds up to `prefetch` micro-batches ahead and asks for the parts
-  of the batches after them, so reads overlap decoding; its exceptions are re-raised in the consumer;
-  `close()` stops it. `wait_seconds` is the consumer's cumulative time waiting. `prefetch=0` builds
-  batches in the consumer's thread.
-- **Damaged data.** A sample whose arrays fail to read (a chunk failing its CRC32C) or contradict the
-  index or the vocabulary raises `DamagedDataError` naming the sample. With `on_error="skip"` its
-  fragment becomes padding instead (document id -1, no targets, not counted in `n_tokens`), so the row
-  sequence and the step count stay the same on every rank; `skipped_samples` counts distinct ids.
-  A part that fails to read whole is read sample by sample, so one bad chunk costs only its samples.
-- **Outages.** A store that cannot be reached, or stops answering (`StorageLimits`), is not damage:
-  the read raises `StorageError` and stops the stream whatever `on_error` says.
+The contract, which tests/test_stream.py holds the engine to, is in docs/train.md ("Streaming", "The
+stream's contract"): the split by id hash, reader groups, the window shuffle within a group, the
+memory budget, packing, sharding, the state a run resumes from, iteration, DataLoader workers,
+prefetch, damaged data and outages.
 """
 
 from __future__ import annotations
@@ -206,7 +128,7 @@ class _Parts:
 
 
 class Stream(torch.utils.data.IterableDataset):
-    """Packed micro-batches of one rank from a source. See the module docstring for the contract. Use as
+    """Packed micro-batches of one rank from a source, to the contract in docs/train.md. Use as
     an iterable; `state_dict`/`load_state_dict` resume mid-epoch; `close()` (or `with`) when done. An
     `IterableDataset`, so `DataLoader(stream, batch_size=None, num_workers=W, multiprocessing_context=
     "spawn")` decodes in W processes and yields the same batches in the same order."""
@@ -223,7 +145,7 @@ class Stream(torch.utils.data.IterableDataset):
         self._plans: dict[int, EpochPlan] = {}
         self._needs_of_step: dict[tuple[int, int], list] = {}  # (epoch, step's first row) -> `_needs`
         part_bytes = source.part_bytes()
-        self._reads = part_bytes is not None  # live mode reads nothing: one group, the order of before
+        self._reads = part_bytes is not None  # live mode reads nothing: one group
         self._set_groups(spec.reader_groups or spec.default_reader_groups())
         self.memory_budget = parse_bytes(
             spec.memory_budget if spec.memory_budget is not None else DEFAULT_MEMORY_BUDGET,
@@ -347,7 +269,7 @@ class Stream(torch.utils.data.IterableDataset):
             raise StreamConfigError(
                 f"the data state is from seed {state.get('seed')}, this stream has seed {self.seed}"
             )
-        groups = int(state.get("reader_groups", 1))  # states from before reader groups: every rank read all
+        groups = int(state.get("reader_groups", 1))  # a state that records none was taken with one group
         if groups != self.reader_groups:
             if self.spec.reader_groups is not None:
                 raise StreamConfigError(
@@ -555,7 +477,7 @@ class Stream(torch.utils.data.IterableDataset):
         the budget bounds (`group_window_parts`), and, while the budget has room, the parts of later
         windows that `wanted` (parts in the order needed) asks for first: a batch that crosses into the
         window after next then finds its part read, instead of waiting for a read begun only when the
-        stream reached the window before (which made reading and decoding take turns). Returns the
+        stream reached the window before (reading and decoding would take turns). Returns the
         parts of `wanted` held."""
         assert self._parts is not None and self._part_bytes is not None  # windows: a source with parts
         moved = False

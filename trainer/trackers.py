@@ -18,7 +18,7 @@ from typing import ClassVar
 from logitstore.errors import LogitstoreError
 
 
-class ReportError(LogitstoreError):
+class TrackerError(LogitstoreError):
     """A `--report-to` sink that is unknown, whose package is not installed, or that cannot start."""
 
 
@@ -40,7 +40,7 @@ class Sink:
     def check(cls, name: str) -> None:
         """Refuse, in one line, what would make the sink fail once training has started."""
         if importlib.util.find_spec(cls.package) is None:
-            raise ReportError(f"--report-to {name} needs the {cls.package} package: pip install 'logitstore[{name}]'")
+            raise TrackerError(f"--report-to {name} needs the {cls.package} package: pip install 'logitstore[{name}]'")
 
     def __init__(self, out: Path, *, header: dict):
         raise NotImplementedError
@@ -91,7 +91,7 @@ class WandB(Sink):
                 config=header,
             )
         except wandb.errors.Error as e:  # e.g. no API key online: one line, as any other start-up error
-            raise ReportError(f"--report-to wandb: {e}") from None
+            raise TrackerError(f"--report-to wandb: {e}") from None
 
     def write(self, record: dict) -> None:
         self.run.log(scalars(record), step=record["step"])
@@ -113,7 +113,7 @@ class MLflow(Sink):
     def check(cls, name: str) -> None:
         super().check(name)
         if not os.environ.get("MLFLOW_TRACKING_URI"):  # mlflow's own default, ./mlflow.db, would land in the cwd
-            raise ReportError(
+            raise TrackerError(
                 "--report-to mlflow needs MLFLOW_TRACKING_URI: a tracking server (http://...), "
                 "sqlite:///path (full mlflow) or file:///path (with MLFLOW_ALLOW_FILE_STORE=true)"
             )
@@ -131,7 +131,7 @@ class MLflow(Sink):
             experiment_id = experiment.experiment_id if experiment else self.client.create_experiment(name)
             self.run_id = self.client.create_run(experiment_id, run_name=out.resolve().name).info.run_id
         except MlflowException as e:
-            raise ReportError(f"--report-to mlflow: {e.message}") from None
+            raise TrackerError(f"--report-to mlflow: {e.message}") from None
         params = [Param(k, v if isinstance(v, str) else json.dumps(v, default=str)) for k, v in header.items()]
         self.client.log_batch(self.run_id, params=params)
 
@@ -154,7 +154,7 @@ def check_sinks(names) -> None:
     starts. Imports nothing heavy: the command line calls it before torch."""
     for name in names:
         if name not in SINKS:
-            raise ReportError(f"--report-to {name!r}: one of {', '.join(SINKS)}")
+            raise TrackerError(f"--report-to {name!r}: one of {', '.join(SINKS)}")
         SINKS[name].check(name)
 
 
