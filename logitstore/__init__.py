@@ -36,14 +36,9 @@ def open(uri: str, version: str | None = None):  # noqa: A001 - the API reads as
 
 def stream(view, **options):
     """Packed micro-batches of `seq_len` tokens from a version: an iterable of `PackedBatch` with
-    `state_dict()`, `load_state_dict()` and `close()` (also a context manager). The options are the
-    fields of `logitstore.streaming.spec.StreamSpec` (the signature above; what each means is its
-    docstring): `rank` and `world_size` default to `torch.distributed`'s when it is initialised, else 0
-    and 1; `memory_budget` (bytes, or a string such as "512MB" or "2GiB"; default 4 GiB) bounds the
-    stored data held in memory and so the shuffle window (see "Streaming" in docs/train.md); for chat
-    data, `train_on="completion"` keeps only the positions that predict the assistant's tokens;
-    `reader_groups` (default: the world size) deals the parts to groups so that ranks read disjoint parts;
-    `loader_workers=W` for a DataLoader of W workers makes them read disjoint parts too."""
+    `state_dict()`, `load_state_dict()` and `close()` (also a context manager). The options, with
+    their defaults, are the fields of `logitstore.streaming.spec.StreamSpec`: the signature above, and
+    what each means in its docstring's `Args:` ("Streaming" in docs/train.md says how they interact)."""
     from logitstore.streaming.stream import store_stream  # on first use: see the module's docstring
 
     return store_stream(view, StreamSpec(**options))
