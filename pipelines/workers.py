@@ -136,8 +136,7 @@ class TeacherWorker:
         samples = self.engine.compute(
             unit.sample_ids, unit.tokens, seed=unit_seed(self.settings.seed, unit), keep=keep, on_batch=self.on_batch
         )
-        if hasattr(self.engine, "take_skips"):  # an engine that may leave samples out says which and why
-            unit.skips = dict(self.engine.take_skips(unit.sample_ids))
+        unit.skips = dict(self.engine.take_skips(unit.sample_ids))  # what the engine left out, and why
         if not unit.loss_masks:
             return samples
         samples.loss_mask = np.concatenate([unit.loss_masks[sid] for sid in samples.sample_ids])
