@@ -425,8 +425,8 @@ def _writer(store: Store, cfg: BuildConfig):
 
 
 # Units planned ahead of the teacher by a background thread. Planning reads and tokenizes documents 256
-# at a time (~300k tokens, ~0.2 s here): done in the driver's thread between merges, that burst left a
-# fast teacher idle (a GPU-speed stand-in lost ~15% of its time to it, benchmarks/build.py). A unit
+# at a time (~300k tokens, ~0.2 s here): done in the driver's thread between merges, that burst leaves a
+# fast teacher idle (a GPU-speed stand-in loses ~15% of its time to it, benchmarks/build.py). A unit
 # ahead holds only its tokens (~130 KB), so 32 of them cost ~4 MB.
 PLAN_AHEAD = 32
 

@@ -113,7 +113,7 @@ class StoredDocuments:
     # document whose new text yields no window) the driver removes in its last commit
     removals: list[str] = field(default_factory=list)
 
-    MIXED = ""  # a document whose stored windows disagree (left by builds before source hashes were compared)
+    MIXED = ""  # a document whose stored windows disagree on their source hash
 
     @classmethod
     def from_index(cls, index: pa.Table, *, teacher: str) -> StoredDocuments:
@@ -428,8 +428,8 @@ def _chars(doc) -> int:
     return sum(len(m.get("content") or "") for m in doc.messages or ())  # pre-tokenized input: 0
 
 
-# What a fast tokenizer holds while it tokenizes: ~90 bytes per character here (a 42 MB one-line document
-# reached 3.8 GB RSS, issue 29). A tokenizer call gets at most TOKENIZE_CHARS characters (~0.4 GB), one
+# What a fast tokenizer holds while it tokenizes: ~90 bytes per character (a 42 MB one-line document takes
+# 3.8 GB RSS). A tokenizer call gets at most TOKENIZE_CHARS characters (~0.4 GB), one
 # document at most MAX_DOCUMENT_CHARS (~1.4 GB, with its windows: ~4 bytes per character as ids).
 TOKENIZE_CHARS = 4_000_000
 MAX_DOCUMENT_CHARS = 16_000_000

@@ -171,7 +171,7 @@ class Replicas:
 
     async def _session(self) -> aiohttp.ClientSession:
         # aiohttp reads a body through its C parser (llhttp): a 1.5 MB answer costs the loop ~2.6 ms of CPU
-        # where httpx over h11 took ~10.7 ms, the largest share of a served build's client (docs/benchmarks.md).
+        # where httpx over h11 costs ~10.7 ms, the largest share of a served build's client (docs/benchmarks.md).
         # The timeouts are httpx's: connecting, then each read, not the whole answer.
         return aiohttp.ClientSession(
             headers={**headers(self.key), "Content-Type": "application/json"},

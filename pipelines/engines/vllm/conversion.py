@@ -222,7 +222,7 @@ def _top_k_per_row(flat_ids, flat_lps, rows, kept, *, k: int):
 @numba.njit(cache=True, nogil=True)
 def _top_k_kernel(ids, lps, starts, kept, top_ids, top_lps):
     # An insertion sort per row of its K or K+1 entries: a served answer's rows come nearly in rank order,
-    # so this is ~K steps a row, where one lexsort of every entry cost ~0.2 s per million (the client's
+    # so this is ~K steps a row, where one lexsort of every entry costs ~0.2 s per million (the client's
     # largest cost at 200k tokens/s).
     k = top_ids.shape[1]
     width = 0
@@ -250,7 +250,7 @@ def _top_k_kernel(ids, lps, starts, kept, top_ids, top_lps):
 def _tail(top_lps: np.ndarray) -> np.ndarray:
     # 1 - sum(p) = -expm1(log(sum(p))): no cancellation in the subtraction itself. The log of the sum is
     # taken past each row's largest value: one exp per entry, where logaddexp's reduction (an exp and a
-    # log1p per entry, one entry at a time) took ~5% of a top-64 served build's CPU.
+    # log1p per entry, one entry at a time) takes ~5% of a top-64 served build's CPU.
     if top_lps.shape[-1] == 0:
         return np.ones(top_lps.shape[:-1])
     largest = top_lps.argmax(axis=-1)[..., None]

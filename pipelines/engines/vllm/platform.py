@@ -37,7 +37,7 @@ HEAD_CHUNK_BYTES = 12  # per chunk position and vocabulary entry (three fp32 mat
 MAX_NUM_SEQS = 256  # requests per step; vLLM needs at most max_num_batched_tokens (its H100 default is 1,024)
 GGUF_PLUGIN = "vllm-gguf-plugin"
 GGUF_PLUGIN_SINCE = (0, 24)  # vLLM versions from here load GGUF only through the plugin
-SHUTDOWN_SECONDS = 15.0  # for the engine core to stop its workers before it is killed (~3 s measured on CPU)
+SHUTDOWN_SECONDS = 15.0  # for the engine core to stop its workers before it is killed (it takes ~3 s on CPU)
 # vLLM's logging, unless the user set these: to stderr (its default, stdout, would break `build --json`) and
 # warnings only (at INFO it writes ~60 lines per engine start). Read when vLLM is first imported in a
 # process and inherited by its engine-core processes, so every import of vLLM here runs inside them.
