@@ -47,7 +47,7 @@ from logitstore.format.sparsity import Sparsity
 from logitstore.pipelines import build as build_module
 from logitstore.pipelines import teacher as teacher_module
 from logitstore.pipelines.build import BuildConfig, BuildSummary, run_build
-from logitstore.pipelines.engines import token_budget_batches
+from logitstore.pipelines.engines.shared import token_budget_batches
 from logitstore.pipelines.engines.torch_engine import load_teacher_once, shared_teachers
 from logitstore.pipelines.generate import Generation
 from logitstore.pipelines.plan import plan_units

@@ -1,68 +1,21 @@
 """Cross-tokenizer alignment: which teacher tokens and which student tokens cover the same text.
 
-A student with its own tokenizer cannot read the teacher's per-token distributions directly. What
-the two sides share is the text, so the alignment is defined on its UTF-8 bytes.
+A student with its own tokenizer cannot read the teacher's per-token distributions directly. What the two
+sides share is the text, so the alignment is defined on its UTF-8 bytes.
 
-**Byte ends.** `encode_with_byte_ends` tokenizes each text and gives every token the byte offset
-where it ends. Fast (Rust) tokenizers report character offsets; the character -> byte conversion is
-one cumulative sum of per-character UTF-8 lengths (1-4, from the code point). Token i covers bytes
-[ends[i-1], ends[i]); three rules make that a partition of the text even where offsets are not:
+- **Byte ends** (`encode_with_byte_ends`): each token's byte offset where it ends, from a fast tokenizer's
+  character offsets, made a partition of the text (zero-width special tokens, uncovered bytes to the next
+  token, a split character's tokens all ending at its last byte). Tokenizers without offsets are refused.
+- **Groups** (`align_groups`, numba, linear time): the shortest runs of teacher and student tokens that
+  start and end at a byte where both tokenizers cut.
+- **Windows** (`window_groups`): a window keeps the groups lying entirely inside it; a group on a window's
+  edge has no target there.
+- **Vocabulary map** (`token_byte_strings`, `vocab_map`): every token spelled as the bytes it stands for
+  (byte-level BPE, SentencePiece with byte fallback, WordPiece), a teacher id mapped to the student id with
+  the same bytes; injective, special tokens never map.
 
-- ends are made non-decreasing, so special tokens with (0, 0) offsets (BOS, EOS) become zero-width
-  tokens at their neighbour's position and join its group;
-- bytes that no offset covers (whitespace that WordPiece drops, or that ByteLevel's `trim_offsets`
-  trims off the front of a token) belong to the *next* token; bytes after the last token's offset
-  (trailing whitespace) belong to the last token, whose end is forced to the text's length;
-- byte-level BPE and byte fallback split one character into several tokens, and offsets can only
-  say that each of them touches the whole character: " 日" (20 e6 97 a5 at character 5) splits as
-  `Ġæ` + `Ĺ` + `¥`, with offsets (5, 7), (6, 7), (6, 7). Where a token starts before the previous
-  token's end, the boundary between them lies inside a character and is no place to cut, so the
-  earlier token's end is raised to the later one's: the tokens of a split character end at the same
-  byte, the first of them carries all their bytes and the others are zero-width;
-- hence a byte b is a *clean* boundary of a side exactly when some token ends at b and the next
-  token ends later; the tokens up to that one cover exactly bytes [0, b) of the text.
-
-Tokenizers without offsets (transformers' Python "slow" tokenizers) are refused. Aligning them
-would need a character-level edit-distance DP between the two token strings; every tokenizer that
-logitstore targets has a fast version, so that fallback is not written.
-
-**Groups.** `align_groups` walks both ends arrays with two pointers (numba, linear time) and closes
-a group at byte b when both sides have consumed tokens exactly through b and b is past the group's
-start. On closing it also takes the zero-width tokens that end at b on either side (the tail of a
-split character, a trailing EOS). Leading zero-width tokens (BOS) join the first group. A group is
-then the shortest run of teacher tokens and student tokens that starts and ends at a byte where
-both tokenizers cut; one-to-one groups are the common case on text both tokenizers know well.
-
-**What "same bytes" means.** The alignment is on the original text's bytes, as the offsets give
-them. Tokenizers that rewrite text before splitting it (a lowercasing or accent-stripping
-normalizer, WordPiece's dropped whitespace) still align correctly by position, but their token
-strings are not the text's bytes: the vocabulary map (`vocab_map`) matches token *strings*, so
-such tokens mostly stay unmapped and their probability mass goes to the unmapped part. SentencePiece
-tokenizers prepend a "▁" to the text (Metaspace: unless it starts with a space; Llama's Prepend
-normalizer: always). Its offsets are the first character's, so it joins the first group, which is
-aligned correctly but spells one more leading space than the text holds. A special token's text
-typed into a document (`<|endoftext|>`) is matched as that special token: it holds its bytes in the
-alignment but has no byte string, so it never maps.
-
-Offsets are only as good as the tokenizer. A byte-level BPE whose vocabulary lacks a single byte
-and which has no unk token silently drops that byte from its ids, and the `tokenizers` library then
-shifts the offsets of the later tokens of the same pre-token by it. SmolLM2's tokenizer (from its
-GGUF file) lacks 21 single bytes: 0xC0, 0xC1 and 0xF5-0xFF (never valid in UTF-8), six control
-characters (0x04, 0x06, 0x13, 0x14, 0x16, 0x1D), and 0xF1, 0xF2 (lead bytes of U+40000-U+BFFFF,
-unassigned planes). Groups near such characters still tile the text but are off by those bytes.
-
-**Windows.** A long document is cut into windows of teacher tokens; `window_groups` keeps the
-groups lying entirely inside a window. A group that straddles a window's edge is dropped from that
-window, because half a group has no well-defined student counterpart; its teacher positions get no
-cross-tokenizer target there. With the build's windows (stride L-1, one token of overlap) a group is
-lost from both neighbours only when it has two or more teacher tokens on the cut.
-
-**Vocabulary map.** `token_byte_strings` spells every token as the bytes it stands for, undoing
-the marker conventions: GPT-2-style byte-level BPE (each byte drawn as a printable character from
-`bytes_to_unicode`), SentencePiece/Metaspace (`▁` is a space, `<0xNN>` is a raw byte under byte
-fallback) and WordPiece (`##` continues a word). `vocab_map` maps a teacher id to the student id
-with the same bytes; it is injective (duplicates map from the lowest teacher id to the lowest
-student id), and special tokens never map.
+docs/build.md "Cross-tokenizer alignment" has the rules in full: what a clean boundary is, what "same
+bytes" means for normalizing tokenizers, and where offsets are only as good as the tokenizer.
 """
 
 from __future__ import annotations

@@ -45,6 +45,7 @@ from logitstore.pipelines.plan import (
     StudentSide,
     changed_text,
     check_teacher_fits,
+    document_ids,
     load_student_tokenizers,
     plan_units,
 )
@@ -136,11 +137,11 @@ def plan_build(cfg: BuildConfig, *, read_first: bool = True) -> BuildPlan:
     engine, settings = engine_class(cfg.engine), worker_settings(cfg, teacher_spec=info.spec)
     engine.check(settings, info.spec)  # e.g. vLLM missing, or no GPU: one line, before anything is written
     notes = []
-    if hasattr(engine, "settled"):  # the server engine's K follows the server's maximum where none was asked
-        # set on the caller's config too: run_build's executor and the dry run's read it from there
-        cfg.sparsity, note = engine.settled(settings, info.spec)
-        settings = worker_settings(cfg, teacher_spec=info.spec)
-        notes += [note] if note else []
+    # the server engine's K follows the server's maximum where none was asked; set on the caller's config
+    # too: run_build's executor and the dry run's read it from there
+    cfg.sparsity, note = engine.settled(settings, info.spec)
+    settings = worker_settings(cfg, teacher_spec=info.spec)
+    notes += [note] if note else []
     students = load_student_tokenizers(cfg.student_tokenizers, teacher=info)
     # The store (and a new branch) is made only with the first commit: a build that fails before leaves
     # no empty store or branch behind.
@@ -152,7 +153,7 @@ def plan_build(cfg: BuildConfig, *, read_first: bool = True) -> BuildPlan:
         engine=engine.name,
         dtype=engine.resolved_dtype(settings),
         engine_version=engine.version(),
-        **(engine.recorded(settings, info.spec) if hasattr(engine, "recorded") else {}),
+        **engine.recorded(settings, info.spec),
     )
     summary = BuildSummary(teacher=meta.name)
     stored = _stored_documents(store, cfg, meta, students)
@@ -424,8 +425,8 @@ def _writer(store: Store, cfg: BuildConfig):
 
 
 # Units planned ahead of the teacher by a background thread. Planning reads and tokenizes documents 256
-# at a time (~300k tokens, ~0.2 s here): done in the driver's thread between merges, that burst left a
-# fast teacher idle (a GPU-speed stand-in lost ~15% of its time to it, benchmarks/build.py). A unit
+# at a time (~300k tokens, ~0.2 s here): done in the driver's thread between merges, that burst leaves a
+# fast teacher idle (a GPU-speed stand-in loses ~15% of its time to it, benchmarks/build.py). A unit
 # ahead holds only its tokens (~130 KB), so 32 of them cost ~4 MB.
 PLAN_AHEAD = 32
 
@@ -455,7 +456,7 @@ def _count_commit(summary: BuildSummary, writer) -> None:
     summary.tokens += result.tokens
     summary.stored_bytes += result.stored_bytes
     summary.already_stored += result.dropped
-    summary.changed += len(set(inputs.document_ids(pa.array(result.changed, pa.string())).to_pylist()))
+    summary.changed += len(set(document_ids(pa.array(result.changed, pa.string())).to_pylist()))
     summary.commits += result.committed
 
 

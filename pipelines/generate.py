@@ -9,7 +9,7 @@ kept for the answer's positions only, through the chat data's machinery (`Teache
 
 The generator is the teacher itself (nothing given), or a model (a folder, a Hub id, a `logitstore
 train` run's `RUN/final`), run by the build's engine (`engines.generator_class`), or a served model
-(`--generator-url`: the server engine's `Generator`, checked here before anything is written), with the
+(`--generator-url`: the server engine's `ServerGenerator`, checked here before anything is written), with the
 teacher's tokenizer: a generator whose tokenizer differs is refused (cross-tokenizer answers are not aligned
 yet). It runs in the planner (`plan.plan_units`), ahead of the teacher, on the answers the branch does
 not hold: what is stored, by id, is skipped before anything is generated, so a resumed build
@@ -230,7 +230,7 @@ def _describe_served(cfg: BuildConfig, *, teacher) -> dict:
     """What the store records of a served generator (`--generator-url`), after its preflight: the served
     model's name and the server, the URLs without credentials; the key is in no record."""
     # engines load on use (their registry): only a served generator needs this one, with its HTTP clients
-    from logitstore.pipelines.engines.server_engine import generator_preflight
+    from logitstore.pipelines.engines.server.preflight import generator_preflight
 
     settings = dataclasses.replace(worker_settings(cfg, teacher_spec=teacher.spec), server_urls=cfg.generator_urls)
     served = generator_preflight(settings, teacher.spec)

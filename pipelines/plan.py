@@ -2,7 +2,7 @@
 
 `plan_units` reads the input (`inputs.read_documents`), tokenizes each batch of documents with the
 teacher's tokenizer (and every student tokenizer, aligned to it: `align.py`; chat data through the
-chat template: `logitstore.text.chat`), cuts each document into windows (`inputs.window`) and groups their
+chat template: `logitstore.text.chat`), cuts each document into windows (`window`) and groups their
 samples into units of about `unit_tokens` tokens in input order, leaving out units the branch already
 holds (`StoredDocuments`). The build driver (`build.py`) runs a teacher over the units and writes them;
 live mode (`trainer/live.py`) plans the same samples and hands them to a teacher beside the trainer.
@@ -48,6 +48,47 @@ class _Uncounted:
     prompts = answers = generated_tokens = answers_cut = 0
 
 
+def window(token_ids: np.ndarray, *, max_length: int) -> list[np.ndarray]:
+    """Cut a document's tokens into the windows the teacher sees, at most `max_length` tokens each.
+
+    A document of <= max_length tokens is one window, itself. A longer one is cut into windows of
+    max_length tokens starting every max_length - 1 tokens, so consecutive windows share exactly one
+    token and every next-token transition (t -> t+1) is predicted in exactly one window. The model's
+    context restarts at each window: the first predictions of a later window see at most a short
+    context. The last window may be shorter, but always holds at least 2 tokens (a 1-token tail would
+    hold no transition that the previous window does not already predict). Windows are views into
+    `token_ids`. Raises `inputs.DataError` if max_length < 2 (a window must hold a transition).
+    """
+    if max_length < 2:
+        raise inputs.DataError(f"--max-length must be at least 2 tokens, got {max_length}")
+    token_ids = np.asarray(token_ids)
+    if token_ids.ndim != 1:
+        raise ValueError(f"token_ids must be 1-D, got shape {token_ids.shape}")
+    n = len(token_ids)
+    if n <= max_length:
+        return [token_ids]
+    # Window k predicts transitions k*(L-1) .. k*(L-1)+L-2; starts stop before the last token so
+    # the final window always holds at least one transition.
+    starts = np.arange(0, n - 1, max_length - 1)
+    return [token_ids[s : s + max_length] for s in starts]
+
+
+def window_ids(doc_id: str, n_windows: int) -> list[str]:
+    """Sample ids of a document's windows: the document id itself for one window, else
+    `<doc_id>#w<i>` for window i = 0 .. n_windows-1. Document ids that end like a window id are
+    refused on input (`inputs.WINDOW_SUFFIX`), so a sample id names one document and one window."""
+    if n_windows < 1:
+        raise ValueError(f"n_windows must be >= 1, got {n_windows}")
+    if n_windows == 1:
+        return [doc_id]
+    return [f"{doc_id}#w{i}" for i in range(n_windows)]
+
+
+def document_ids(sample_ids: pa.Array) -> pa.Array:
+    """The document id of each sample id (its window suffix removed), vectorised."""
+    return pc.replace_substring_regex(sample_ids, pattern=inputs.WINDOW_SUFFIX, replacement="")
+
+
 def check_teacher_fits(info, *, sparsity: Sparsity, max_length: int) -> None:
     """Options that the teacher's config alone can refuse, before anything is read or loaded."""
     if not sparsity.sampled and sparsity.k > info.vocab_size:
@@ -72,13 +113,13 @@ class StoredDocuments:
     # document whose new text yields no window) the driver removes in its last commit
     removals: list[str] = field(default_factory=list)
 
-    MIXED = ""  # a document whose stored windows disagree (left by builds before source hashes were compared)
+    MIXED = ""  # a document whose stored windows disagree on their source hash
 
     @classmethod
     def from_index(cls, index: pa.Table, *, teacher: str) -> StoredDocuments:
         rows = index.filter(pc.equal(index["teacher"], teacher))
         sample_ids = rows["sample_id"].to_pylist()
-        documents = inputs.document_ids(rows["sample_id"]).to_pylist()
+        documents = document_ids(rows["sample_id"]).to_pylist()
         out = cls(sample_ids=set(sample_ids))
         for sid, doc, source in zip(sample_ids, documents, rows["source_hash"].to_pylist()):  # per sample, once
             out.ids_of.setdefault(doc, []).append(sid)
@@ -160,13 +201,13 @@ def plan_units(
                 if cfg.on_duplicate == "skip":
                     continue
                 _replace(doc, stored, cfg)
-            windows = inputs.window(token_ids, max_length=cfg.max_length) if len(token_ids) >= 2 else []
+            windows = window(token_ids, max_length=cfg.max_length) if len(token_ids) >= 2 else []
             if not windows:
                 summary.skipped += 1
                 continue
-            starts = np.arange(len(windows)) * (cfg.max_length - 1)  # inputs.window's stride
+            starts = np.arange(len(windows)) * (cfg.max_length - 1)  # window's stride
             planned.tokens += sum(len(w) for w in windows)  # one step per window, as below
-            for sid, win, start in zip(inputs.window_ids(doc.id, len(windows)), windows, starts.tolist()):
+            for sid, win, start in zip(window_ids(doc.id, len(windows)), windows, starts.tolist()):
                 pending.add(
                     sid,
                     win,
@@ -233,7 +274,7 @@ def changed_text(
     """The one line for a document stored under its id with other text (`sample_id`: the document's id or
     one of its windows'): found in the branch when the build planned it, or (`concurrent`) in what
     another build committed while this one ran."""
-    doc = inputs.document_ids(pa.array([sample_id], pa.string()))[0].as_py()
+    doc = document_ids(pa.array([sample_id], pa.string()))[0].as_py()
     where = "" if row is None else f" (input row {row})"
     when = ", by another build while this one ran" if concurrent else ""
     return (
@@ -387,8 +428,8 @@ def _chars(doc) -> int:
     return sum(len(m.get("content") or "") for m in doc.messages or ())  # pre-tokenized input: 0
 
 
-# What a fast tokenizer holds while it tokenizes: ~90 bytes per character here (a 42 MB one-line document
-# reached 3.8 GB RSS, issue 29). A tokenizer call gets at most TOKENIZE_CHARS characters (~0.4 GB), one
+# What a fast tokenizer holds while it tokenizes: ~90 bytes per character (a 42 MB one-line document takes
+# 3.8 GB RSS). A tokenizer call gets at most TOKENIZE_CHARS characters (~0.4 GB), one
 # document at most MAX_DOCUMENT_CHARS (~1.4 GB, with its windows: ~4 bytes per character as ids).
 TOKENIZE_CHARS = 4_000_000
 MAX_DOCUMENT_CHARS = 16_000_000

@@ -29,7 +29,7 @@ from transformers.utils import logging as hf_logging
 
 from logitstore.errors import LogitstoreError
 from logitstore.format.sparsity import Sparsity
-from logitstore.pipelines.engines import stop_token_ids
+from logitstore.pipelines.engines.shared import stop_token_ids
 from logitstore.pipelines.head import OutputHead
 from logitstore.pipelines.teacher_files import TeacherSpec, file_sha256, loadable, quiet_gguf_bar
 from logitstore.store.meta import TeacherMeta
@@ -76,7 +76,7 @@ class SparseBatch:
 class TeacherForward:
     """What the selection needs of a teacher: its body, (right-padded ids [B, T], mask) -> final hidden
     states [B, T, H] (after the final norm), and its output head. A transformers model gives both
-    (`of_model`); vLLM's hidden-state mode gives the body and loads the head alone (`engines/vllm_engine.py`)."""
+    (`of_model`); vLLM's hidden-state mode gives the body and loads the head alone (`engines/vllm/engine.py`)."""
 
     body: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]
     head: OutputHead

@@ -35,9 +35,9 @@ from logitstore.store.writer import PartWriter, WrittenPart
 from logitstore.text.chat import supervised_positions
 
 # Units a worker holds at once, each in its own thread: one in the teacher's forward passes while up to
-# two others are selected and written (a write queue of depth 2). With two, the teacher idled whenever
-# a write (slowed by the planner and the other write sharing the CPU) outlasted a unit's forward pass:
-# a 250k tokens/s stand-in teacher lost ~10% more of its time (benchmarks/build.py). Memory: one unit's
+# two others are selected and written (a write queue of depth 2). With two, the teacher idles whenever
+# a write (slowed by the planner and the other write sharing the CPU) outlasts a unit's forward pass:
+# a 250k tokens/s stand-in teacher loses ~10% more of its time (benchmarks/build.py). Memory: one unit's
 # entries per thread (~3 MB at sampled-16, ~12 MB at top-64).
 OVERLAP = 3
 
@@ -136,8 +136,7 @@ class TeacherWorker:
         samples = self.engine.compute(
             unit.sample_ids, unit.tokens, seed=unit_seed(self.settings.seed, unit), keep=keep, on_batch=self.on_batch
         )
-        if hasattr(self.engine, "take_skips"):  # an engine that may leave samples out says which and why
-            unit.skips = dict(self.engine.take_skips(unit.sample_ids))
+        unit.skips = dict(self.engine.take_skips(unit.sample_ids))  # what the engine left out, and why
         if not unit.loss_masks:
             return samples
         samples.loss_mask = np.concatenate([unit.loss_masks[sid] for sid in samples.sample_ids])
@@ -189,9 +188,9 @@ class InProcessExecutor:
         first = next(units, None)
         if first is not None:
             # The first unit runs in this thread, so numba compiles (or loads from its cache) the selection
-            # and encoding kernels here. Compiled first in a unit thread, they made the process abort at
-            # exit now and then ("terminate called without an active exception": 1 build in ~16 with an
-            # empty numba cache). It costs one unit's overlap.
+            # and encoding kernels here. Compiled first in a unit thread, they can make the process abort at
+            # exit ("terminate called without an active exception": about 1 build in 16 with an empty numba
+            # cache). It costs one unit's overlap.
             yield self.worker.process(first, writer_for().fork())
         # One unit more than threads: a thread that finishes finds the next unit waiting.
         yield from _in_order(

@@ -94,7 +94,7 @@ def test_close_gives_the_torch_engines_teacher_back(tiny_teacher, monkeypatch):
         batch_tokens=256,
         seed=0,
     )
-    engine = torch_engine.Engine(settings, lock=threading.Lock())
+    engine = torch_engine.TorchEngine(settings, lock=threading.Lock())
     model = weakref.ref(engine.teacher.model)
     engine.close()
     engine.close()  # idempotent

@@ -21,7 +21,7 @@ from typer.testing import CliRunner
 import logitstore
 from logitstore.cli.app import app
 from logitstore.errors import StoreNotFoundError
-from logitstore.pipelines.engines import cut_at_stop, stop_token_ids
+from logitstore.pipelines.engines.shared import cut_at_stop, stop_token_ids
 from logitstore.pipelines.engines.torch_engine import nucleus, seeded_uniform
 from logitstore.pipelines.teacher import describe_teacher
 from logitstore.store.generation import answer_source_hash, generation_of, parse_answer_id, seed_of
@@ -282,7 +282,8 @@ def test_two_on_policy_rounds_train_on_each_new_version_and_the_run_records_both
 
 def test_vllm_generation_plans_one_seeded_request_per_answer():
     """vLLM's generator, as far as it runs without vLLM: its engine arguments and its requests."""
-    from logitstore.pipelines.engines.vllm_engine import CPU, CUDA, plan_generation, sampling_arguments
+    from logitstore.pipelines.engines.vllm.engine import sampling_arguments
+    from logitstore.pipelines.engines.vllm.platform import CPU, CUDA, plan_generation
 
     seeds = [seed_of(3, "a", 0), seed_of(3, "a", 1)]
     requests = sampling_arguments(seeds, max_new_tokens=16, temperature=0.7, top_p=0.9, stop_ids=[2])

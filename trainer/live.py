@@ -84,8 +84,8 @@ def settle(cfg: LiveConfig, *, log=None) -> LiveConfig:
     server's K, as build). Run before the run takes --out, so a refusal leaves nothing behind; `log` is
     told the engine's line (the server's K)."""
     engine = engine_class(cfg.engine_options.engine)
-    if getattr(engine, "live", None) not in LIVE_TEACHERS:
-        runs = [name for name in engine_names() if getattr(engine_class(name), "live", None) in LIVE_TEACHERS]
+    if engine.live not in LIVE_TEACHERS:
+        runs = [name for name in engine_names() if engine_class(name).live in LIVE_TEACHERS]
         raise LiveTeacherError(f"--engine {engine.name} does not run in live mode; live mode runs {', '.join(runs)}")
     settings = worker_settings(cfg)
     if cfg.default_sparsity:
@@ -95,11 +95,10 @@ def settle(cfg: LiveConfig, *, log=None) -> LiveConfig:
         cfg = dataclasses.replace(cfg, sparsity=default)
         settings = worker_settings(cfg)
     engine.check(settings, settings.teacher_spec)
-    if hasattr(engine, "settled"):  # the server engine: K follows the server's maximum where none was asked
-        sparsity, note = engine.settled(settings, settings.teacher_spec)
-        cfg = dataclasses.replace(cfg, sparsity=sparsity)
-        if note and log is not None:
-            log(note)
+    sparsity, note = engine.settled(settings, settings.teacher_spec)  # the server engine: the server's K
+    cfg = dataclasses.replace(cfg, sparsity=sparsity)
+    if note and log is not None:
+        log(note)
     return dataclasses.replace(cfg, default_sparsity=False)  # settled: the run folder keeps this sparsity
 
 
@@ -426,13 +425,14 @@ class InRankTeacher:
             worker.close()
 
 
-# where live mode runs an engine (its `live` attribute, `pipelines/engines/__init__.py`)
+# where live mode runs an engine (its `live` attribute, `pipelines/engines/base.py`)
 LIVE_TEACHERS: dict[str, type[LiveTeacher] | type[InRankTeacher]] = {"process": LiveTeacher, "rank": InRankTeacher}
 
 
 def start_teacher(cfg: LiveConfig, *, micro_batch: int, seq_len: int) -> LiveTeacher | InRankTeacher:
     """Live mode's teacher for one rank, where its engine runs (`cfg`: settled, `settle`)."""
     where = engine_class(cfg.engine_options.engine).live
+    assert where is not None, "`settle` refuses an engine that does not run in live mode"
     return LIVE_TEACHERS[where](cfg, micro_batch=micro_batch, seq_len=seq_len)
 
 

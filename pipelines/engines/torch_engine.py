@@ -20,13 +20,8 @@ import torch
 import transformers
 
 from logitstore.format.samples import SparseSamples, concat
-from logitstore.pipelines.engines import (
-    EngineError,
-    cut_at_stop,
-    halving_on_oom,
-    stop_token_ids,
-    token_budget_batches,
-)
+from logitstore.pipelines.engines.base import Engine, EngineError, Generator
+from logitstore.pipelines.engines.shared import cut_at_stop, halving_on_oom, stop_token_ids, token_budget_batches
 from logitstore.pipelines.sparsify import to_samples
 from logitstore.pipelines.teacher import Teacher, TeacherForward, load_teacher, sampled_forward, sparse_topk_forward
 
@@ -42,7 +37,9 @@ def dtype_for(dtype: str, device: str) -> str:
     return "bfloat16" if resolved_device(device).startswith("cuda") else "float32"
 
 
-class Engine:
+class TorchEngine(Engine):
+    """The torch engine behind the engine interface (`base.Engine`)."""
+
     name = "torch"
     live = "process"  # live mode: a teacher process per rank holds the model
 
@@ -198,7 +195,7 @@ def load_teacher_once(spec, device: str, dtype: str):
 # -- generation (`build --generate`) ----------------------------------------------------------------
 
 
-class Generator:
+class TorchGenerator(Generator):
     """Answers by Hugging Face `generate` on this process's device: prompts left-padded and batched by
     token budget (prompt plus `max_new_tokens` per row), longest first.
 

@@ -1,0 +1,283 @@
+"""The server engine (`ServerEngine`): each sample one request through the replicas' pool, its answer read
+into the sparse arrays and selected as the torch engine selects (`row_samples`); refused and too long samples
+are left out and counted (`take_skips`). And the served generator (`ServerGenerator`): one request per answer,
+whose prompt's and answer's top-K come back with it where the generator is the teacher (`HAND_OVER`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import threading
+from collections import Counter
+
+import aiohttp
+import numpy as np
+import orjson
+
+from logitstore.format.samples import SparseSamples, concat
+from logitstore.format.sparsity import Sparsity
+from logitstore.pipelines.engines.base import Engine, EngineError, Generator
+from logitstore.pipelines.engines.server.answers import (
+    HAND_OVER,
+    answer_ids,
+    generation_request,
+    scored_answer,
+    served_to_sparse,
+)
+from logitstore.pipelines.engines.server.client import Answer, Replicas, ServerError, api_key, strip_credentials
+from logitstore.pipelines.engines.server.preflight import (
+    DEFAULT_K,
+    PROBE_TEXT,
+    answer_logprobs_are_raw,
+    generator_preflight,
+    preflight,
+)
+from logitstore.pipelines.engines.server.served_json import MalformedResponse
+from logitstore.pipelines.engines.shared import cut_at_stop
+
+SKIP_REASONS = ("refused", "too_long")  # why a sample was not stored: a 4xx for it, longer than the server takes
+
+
+class ServerEngine(Engine):
+    """The server engine behind the engine interface (`base.Engine`)."""
+
+    name = "server"
+    live = "rank"  # live mode: the trainer's rank sends the requests itself (no model to hold)
+
+    @classmethod
+    def samples(cls, settings) -> bool:
+        return False  # top-K prompt log-probabilities only: the default is top-K
+
+    @classmethod
+    def check(cls, settings, spec) -> None:
+        preflight(settings, spec, default_k=settings.default_sparsity, fresh=True)
+
+    @classmethod
+    def resolved_dtype(cls, settings) -> str:
+        return "served"  # the server's own; not known to the client
+
+    @classmethod
+    def gpus_per_worker(cls, settings) -> int:
+        return 0
+
+    @classmethod
+    def version(cls) -> str:
+        return f"aiohttp {aiohttp.__version__}, orjson {orjson.__version__}"
+
+    @classmethod
+    def settled(cls, settings, spec) -> tuple[Sparsity, str | None]:
+        """The sparsity at the K the servers take (module docstring), and the line the build starts with."""
+        served = preflight(settings, spec, default_k=settings.default_sparsity)
+        sparsity = dataclasses.replace(settings.sparsity, k=served.k)
+        note = (
+            f"--engine server: {sparsity.describe()} from {len(served.urls)} replica(s) of {served.model} "
+            f"(server {served.version})"
+        )
+        if settings.default_sparsity:
+            note += f"; no --top-k given: K = min({DEFAULT_K}, the server's maximum) = {served.k}"
+        return sparsity, note
+
+    @classmethod
+    def recorded(cls, settings, spec) -> dict:
+        """The teacher metadata's `server` field (`ServedTeacher.record`: no key, no credentials)."""
+        return {"server": preflight(settings, spec, default_k=settings.default_sparsity).record()}
+
+    def __init__(self, settings, *, lock: threading.Lock, log=None):
+        from logitstore.pipelines.teacher import (
+            describe_teacher,
+        )  # torch comes with it: the preflight imports this module before a build loads torch
+
+        self.settings, self.spec = settings, settings.teacher_spec
+        self.vocab_size = describe_teacher(self.spec).vocab_size
+        self.served = preflight(settings, self.spec, default_k=settings.default_sparsity)
+        if self.served.k != settings.sparsity.k:  # `settled` ran in the driver: the settings carry the K
+            raise ServerError(
+                f"the server's K changed since the build started ({settings.sparsity.k} -> {self.served.k})"
+            )
+        log = log or (lambda message: print(message, file=sys.stderr, flush=True))
+        self.skips: dict[str, str] = {}  # sample id -> a `SKIP_REASONS`, until the worker takes it
+        self.replicas: Replicas | None = Replicas(
+            urls=self.served.urls,
+            key=api_key(settings),
+            concurrency=settings.server_concurrency,
+            timeout=settings.server_timeout,
+            log=log,
+        )
+
+    def compute(
+        self, sample_ids: list[str], tokens: list[np.ndarray], *, seed: int, keep: list | None = None, on_batch=None
+    ) -> SparseSamples:
+        """Every position of every sample that the server answers (the worker applies `keep`); refused and
+        too long samples are left out, their reasons in `skips`."""
+        assert self.replicas is not None, "the engine is closed"
+        from logitstore.pipelines.engines.vllm.engine import (
+            row_samples,
+        )  # torch comes with it: the preflight imports this module before a build loads torch
+
+        limit = self.served.max_model_len
+        sent, parts = [], []
+        for sid, row in zip(sample_ids, tokens):
+            arrays = HAND_OVER.take(row)  # scored by the request that generated it (`ServerGenerator`)
+            if arrays is not None:
+                parts.append(row_samples(sid, np.asarray(row), arrays, self.settings.sparsity))
+                if on_batch is not None:
+                    on_batch(len(row))
+                continue
+            if limit is not None and len(row) + 1 > limit:  # the prompt and the one token it generates
+                self.skips[sid] = "too_long"
+                continue
+            body = orjson.dumps(
+                {
+                    "model": self.served.model,
+                    "prompt": np.asarray(row, dtype=np.int64).tolist(),
+                    "max_tokens": 1,
+                    "prompt_logprobs": self.served.k,
+                    "temperature": 1.0,
+                }
+            )
+            sent.append((sid, row, self.replicas.submit(body, tokens=len(row))))
+        try:
+            for sid, row, future in sent:
+                answer = future.result()
+                if answer.status != 200:
+                    self.skips[sid] = "refused"
+                    continue
+                try:
+                    arrays = served_to_sparse(answer.body, row, k=self.served.k, vocab_size=self.vocab_size)
+                except (MalformedResponse, EngineError) as error:
+                    raise ServerError(
+                        f"--server-url {strip_credentials(answer.url)}: malformed answer: {error}"
+                    ) from None
+                parts.append(row_samples(sid, np.asarray(row), arrays, self.settings.sparsity))
+                if on_batch is not None:
+                    on_batch(len(row))
+        finally:
+            for _, _, future in sent:
+                future.cancel()
+        return concat(parts) if parts else _empty(self.settings.sparsity)
+
+    def take_skips(self, sample_ids: list[str]) -> Counter:
+        """How many of these samples were skipped, by reason (forgotten here)."""
+        return Counter(self.skips.pop(sid) for sid in sample_ids if sid in self.skips)
+
+    def close(self) -> None:
+        replicas, self.replicas = self.replicas, None
+        if replicas is not None:
+            replicas.close()
+
+
+def _empty(sparsity) -> SparseSamples:
+    return SparseSamples(
+        sample_ids=[],
+        n_tokens=np.zeros(0, dtype=np.int64),
+        input_ids=np.zeros(0, dtype=np.int64),
+        n_entries=np.zeros(0, dtype=np.int64),
+        entry_ids=np.zeros(0, dtype=np.int64),
+        entry_logprobs=np.zeros(0, dtype=np.float32),
+        tail=np.zeros(0, dtype=np.float32),
+        target_logprobs=np.zeros(0, dtype=np.float32),
+        entry_counts=None,
+    )
+
+
+class ServerGenerator(Generator):
+    """Answers from a served model (the generator interface, `base.Generator`): the
+    `--generator-url` replicas (`settings.server_urls`), or, with `shares_teacher`, the teacher's own
+    replicas, whose generating request also returns the top-K of every position (`scored_answer`),
+    handed to the engine's `compute` in this process (`HAND_OVER`) so no second request scores it. One
+    request per answer through the engine's `Replicas` (retries, replicas set aside, `ServerOutage`)."""
+
+    def __init__(self, settings, *, spec, shares_teacher: bool):
+        from logitstore.pipelines.teacher import (
+            describe_teacher,
+            model_stop_ids,
+        )  # torch comes with it: the preflight imports this module before a build loads torch
+
+        self.stop_ids = model_stop_ids(spec)  # the teacher's tokenizer: its stop tokens
+        self.k: int | None = None
+        self.settings, self.spec, self._checked = settings, spec, True
+        if shares_teacher:
+            teacher = preflight(settings, spec, default_k=settings.default_sparsity)
+            self.model, urls, self.k = teacher.model, teacher.urls, teacher.k
+            self.vocab_size = describe_teacher(spec).vocab_size
+            self.flag = "--server-url"
+            self._checked = False  # whether answers' log-probabilities are the model's: at the first answers
+        else:
+            served = generator_preflight(settings, spec)
+            self.model, urls, self.flag = served.model, served.urls, "--generator-url"
+        self.replicas: Replicas | None = Replicas(
+            urls=urls,
+            key=api_key(settings),
+            concurrency=settings.server_concurrency,
+            timeout=settings.server_timeout,
+            log=lambda message: print(message, file=sys.stderr, flush=True),
+        )
+
+    def generate(
+        self, prompts: list[np.ndarray], seeds: list[int], *, max_new_tokens: int, temperature: float, top_p: float
+    ) -> list[np.ndarray]:
+        assert self.replicas is not None, "the generator is closed"
+        if not self._checked:
+            self._check_answer_logprobs(temperature=temperature, top_p=top_p)
+        futures = []
+        for prompt, seed in zip(prompts, seeds):
+            body = generation_request(
+                self.model,
+                prompt,
+                seed=seed,
+                max_new_tokens=max_new_tokens,
+                temperature=temperature,
+                top_p=top_p,
+                stop_ids=self.stop_ids,
+                k=self.k,
+            )
+            futures.append(self.replicas.submit(body, tokens=len(prompt) + max_new_tokens))
+        try:
+            return [self._answer(np.asarray(prompt), future.result()) for prompt, future in zip(prompts, futures)]
+        finally:
+            for future in futures:
+                future.cancel()
+
+    def _check_answer_logprobs(self, *, temperature: float, top_p: float) -> None:
+        """Answers are scored in their request only where the server sends the model's own log-probabilities
+        for them; else (vLLM's --logprobs-mode processed_*) a second request scores each, said once."""
+        from logitstore.pipelines.teacher import describe_teacher  # torch: loaded by the build by now
+
+        assert self.k is not None, "only the teacher scores its own answers"
+        probe = describe_teacher(self.spec).tokenizer.encode(PROBE_TEXT, add_special_tokens=False)
+        try:
+            raw = answer_logprobs_are_raw(
+                self.settings, self.model, probe, k=self.k, temperature=temperature, top_p=top_p
+            )
+        except MalformedResponse:
+            raw = False
+        if not raw:
+            self.k = None
+            print(
+                "build: the teacher's server sends processed log-probabilities for answers (vLLM --logprobs-mode "
+                "processed_*), not the model's own: each answer is scored by a second request",
+                file=sys.stderr,
+                flush=True,
+            )
+        self._checked = True
+
+    def _answer(self, prompt: np.ndarray, answer: Answer) -> np.ndarray:
+        shown = strip_credentials(answer.url)
+        if answer.status != 200:
+            raise ServerError(f"{self.flag} {shown} refused a generation request: {answer.reason}")
+        try:
+            ids = answer_ids(answer.body)
+            cut = cut_at_stop(ids, self.stop_ids)
+            if self.k is not None and len(cut) == len(ids):
+                arrays = scored_answer(answer.body, prompt, ids, k=self.k, vocab_size=self.vocab_size)
+                HAND_OVER.put(np.concatenate([prompt, ids]), arrays)
+        except (MalformedResponse, EngineError) as error:
+            raise ServerError(f"{self.flag} {shown}: malformed generation answer: {error}") from None
+        return cut
+
+    def close(self) -> None:
+        HAND_OVER.clear()
+        replicas, self.replicas = self.replicas, None
+        if replicas is not None:
+            replicas.close()

@@ -1,0 +1,293 @@
+"""The server engine's checks before anything is written (`preflight` for the teacher, `generator_preflight`
+for a served generator): every replica answers `/v1/models` with the model, tokenizes a probe text as the
+local tokenizer does (`/tokenize`, else the ids a text prompt echoes), and takes K prompt log-probabilities
+(a larger K is refused naming `vllm serve --max-logprobs`; with no --top-k/--top-p the build takes
+K = min(64, the server's maximum)).
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from dataclasses import dataclass
+
+import httpx
+import numpy as np
+import orjson
+
+from logitstore.pipelines.engines.base import EngineError
+from logitstore.pipelines.engines.server.answers import (
+    answer_ids,
+    answer_top_logprobs,
+    generation_request,
+    served_to_sparse,
+)
+from logitstore.pipelines.engines.server.client import (
+    CHECK_TIMEOUT_S,
+    JSON,
+    ServerError,
+    api_key,
+    check_one_credential,
+    error_message,
+    headers,
+    parse_json,
+    request,
+    served_models,
+    server_version,
+    strip_credentials,
+)
+from logitstore.pipelines.engines.server.served_json import MalformedResponse, parse_prompt_logprobs
+
+DEFAULT_K = 64  # with no --top-k/--top-p: K = min(this, the server's maximum)
+PROBE_TEXT = "Distillation stores a teacher's next-token distributions: 3.14, naïve café, 東京, \t<tags>."
+# vLLM's refusal of too many prompt log-probabilities ("Requested prompt logprobs of 64, which is greater
+# than max allowed: 20"); the number at its end is the server's --max-logprobs
+MAX_ALLOWED = re.compile(r"greater than max allowed:?\s*(-?\d+)", re.IGNORECASE)
+
+
+@dataclass(frozen=True)
+class ServedTeacher:
+    """What the preflight learned of the replicas (the first one's answers, the others checked alike)."""
+
+    model: str  # the served model's name, which every request names
+    version: str  # the server's /version ("unknown" where it has none)
+    k: int  # prompt log-probabilities asked per position
+    max_model_len: int | None  # the longest prompt + generated token it takes (None: not said)
+    urls: tuple[str, ...]  # as given (credentials included: for requests only)
+
+    def record(self) -> dict:
+        """The teacher metadata's `server` field: nothing secret."""
+        return {
+            "model": self.model,
+            "version": self.version,
+            "k": self.k,
+            "urls": [strip_credentials(u) for u in self.urls],
+        }
+
+
+_preflights: dict[tuple, ServedTeacher] = {}  # by (urls, teacher, K asked, default): one per build
+_preflights_lock = threading.Lock()
+
+
+def preflight(settings, spec, *, default_k: bool = False, fresh: bool = False) -> ServedTeacher:
+    """Checks every replica (module docstring) and returns what the build records; one line on failure.
+    Asked again with the same settings, the answer of the last check (`fresh`: ask the servers again)."""
+    if not settings.server_urls:
+        raise ServerError("--engine server needs --server-url URL (repeat it for several replicas)")
+    check_one_credential(settings)
+    sparsity = settings.sparsity
+    if sparsity.sampled:
+        raise ServerError(
+            "--engine server cannot store --sample entries: a server returns the top-K prompt log-probabilities "
+            "only, not the whole distribution to draw from; use --top-k or --top-p"
+        )
+    if sparsity.temperature != 1:
+        raise ServerError(
+            "--engine server selects entries at --temperature 1 only: a server's prompt log-probabilities are at "
+            "temperature 1"
+        )
+    # with the default, K is asked as DEFAULT_K whatever the settings carry (the settled K, once settled)
+    k = DEFAULT_K if default_k else sparsity.k
+    key = (tuple(settings.server_urls), api_key(settings), spec, k, default_k)
+    with _preflights_lock:
+        if fresh:
+            _preflights.pop(key, None)
+        if key not in _preflights:
+            with httpx.Client(timeout=CHECK_TIMEOUT_S, headers=headers(api_key(settings))) as client:
+                served = [_check_replica(client, url, spec, k=k, default_k=default_k) for url in key[0]]
+            _preflights[key] = ServedTeacher(
+                model=served[0].model,
+                version=served[0].version,
+                k=min(s.k for s in served),
+                max_model_len=min((s.max_model_len for s in served if s.max_model_len), default=None),
+                urls=key[0],
+            )
+        return _preflights[key]
+
+
+def _check_replica(client, url: str, spec, *, k: int, default_k: bool) -> ServedTeacher:
+    shown = strip_credentials(url)
+    cards = served_models(client, url)
+    if cards is None:
+        raise ServerError(f"--server-url {shown}: /v1/models did not answer a list of models")
+    card = next((c for c in cards if _same_model(c, spec)), None)
+    if card is None:
+        names = ", ".join(str(c.get("id")) for c in cards) or "none"
+        raise ServerError(
+            f"--server-url {shown} serves {names}, not the teacher {spec.name!r} (--teacher names the model "
+            "whose tokenizer logitstore uses: the served model's id or folder name must be its name)"
+        )
+    model = str(card["id"])
+    version = server_version(client, url)
+    probe = _check_tokenizer(client, url, model, spec)
+    limit = card.get("max_model_len")
+    limit = int(limit) if isinstance(limit, int) else None
+    probe = probe[: max(2, limit - 1)] if limit else probe  # the prompt and its one generated token fit
+    k = _check_k(client, url, model, probe, k=k, default_k=default_k)
+    return ServedTeacher(model, version, k, limit, (url,))
+
+
+def _same_model(card: dict, spec) -> bool:
+    names = {spec.name.lower(), spec.path.name.lower()}
+    for value in (card.get("id"), card.get("root")):
+        if isinstance(value, str) and value.rstrip("/").rsplit("/", 1)[-1].lower() in names:
+            return True
+    return False
+
+
+def _check_tokenizer(client, url: str, model: str, spec) -> list[int]:
+    """The probe's ids as the server makes them equal the local tokenizer's; returns them."""
+    from logitstore.pipelines.teacher import (
+        describe_teacher,
+    )  # torch comes with it: the preflight imports this module before a build loads torch
+
+    tokenizer = describe_teacher(spec).tokenizer
+    response = request(
+        client, "POST", url, "/tokenize", json={"model": model, "prompt": PROBE_TEXT, "add_special_tokens": False}
+    )
+    if response.status_code == 200:
+        theirs = parse_json(response.content, url, "/tokenize").get("tokens")
+        ours = tokenizer.encode(PROBE_TEXT, add_special_tokens=False)
+    else:  # no /tokenize: the ids of a text prompt, echoed in its prompt log-probabilities
+        theirs, whole = _echoed_ids(client, url, model)
+        ours = tokenizer.encode(PROBE_TEXT)
+        ours = ours if whole else ours[1:]  # without its token ids, the first (null) position is unknown
+    if list(theirs or []) != list(ours):
+        raise ServerError(
+            f"--server-url {strip_credentials(url)} tokenizes a probe text otherwise than the teacher's tokenizer "
+            f"({len(theirs or [])} ids against {len(ours)}): it serves another model or tokenizer than --teacher"
+        )
+    return list(ours)
+
+
+def _echoed_ids(client, url: str, model: str) -> tuple[list[int], bool]:
+    """The probe's ids as the server made them, and whether the first is among them."""
+    body = {"model": model, "prompt": PROBE_TEXT, "max_tokens": 1, "prompt_logprobs": 0, "return_token_ids": True}
+    response = request(client, "POST", url, "/v1/completions", json=body)
+    if response.status_code != 200:
+        raise ServerError(
+            f"--server-url {strip_credentials(url)}: neither /tokenize nor a text completion answered "
+            f"(HTTP {response.status_code}), so its tokenizer cannot be checked"
+        )
+    choice = (parse_json(response.content, url, "/v1/completions").get("choices") or [{}])[0]
+    if choice.get("prompt_token_ids"):
+        return list(choice["prompt_token_ids"]), True
+    entries = choice.get("prompt_logprobs") or []
+    # prompt_logprobs 0: each position holds the prompt token alone; the first position is null
+    return [int(next(iter(e))) for e in entries[1:] if e], False
+
+
+def _check_k(client, url: str, model: str, probe: list[int], *, k: int, default_k: bool) -> int:
+    """K, or the server's maximum below it where the build took the default; checks the answer parses."""
+    body = {"model": model, "prompt": probe, "max_tokens": 1, "prompt_logprobs": k, "temperature": 1.0}
+    response = request(client, "POST", url, "/v1/completions", json=body)
+    shown = strip_credentials(url)
+    if response.status_code == 400:
+        found = MAX_ALLOWED.search(response.text)
+        if found is None:
+            raise ServerError(f"--server-url {shown} refused {k} prompt log-probabilities: {response.text[:200]}")
+        most = int(found.group(1))
+        if not default_k:
+            raise ServerError(
+                f"--top-k {k} is above {shown}'s maximum of {most} prompt log-probabilities: lower --top-k, or "
+                f"start the server with vllm serve --max-logprobs {k} (or more)"
+            )
+        return _check_k(client, url, model, probe, k=min(DEFAULT_K, most), default_k=False)
+    if response.status_code != 200:
+        raise ServerError(f"--server-url {shown}: /v1/completions answered HTTP {response.status_code}")
+    try:
+        served_to_sparse(response.content, np.asarray(probe), k=k, vocab_size=1 << 62)
+    except (MalformedResponse, EngineError) as error:
+        raise ServerError(f"--server-url {shown}: {error}") from None
+    return k
+
+
+@dataclass(frozen=True)
+class ServedGenerator:
+    """What the preflight learned of a served generator (`--generator-url`)."""
+
+    model: str
+    version: str
+    urls: tuple[str, ...]  # as given (credentials included: for requests only)
+
+    def record(self) -> dict:
+        """The generation record's `server` field: nothing secret."""
+        return {"model": self.model, "version": self.version, "urls": [strip_credentials(u) for u in self.urls]}
+
+
+def generator_preflight(settings, spec) -> ServedGenerator:
+    """Checks every `--generator-url` replica (`settings.server_urls`) as the teacher's are checked: reachable,
+    serving one model (the same on each), tokenizing as the teacher's tokenizer `spec` does, and answering
+    a seeded generation request with its token ids; one line on failure, naming --generator-url."""
+    check_one_credential(settings, flag="--generator-url")
+    try:
+        with httpx.Client(timeout=CHECK_TIMEOUT_S, headers=headers(api_key(settings))) as client:
+            served = [_check_generator(client, url, spec) for url in settings.server_urls]
+    except ServerError as error:  # the checks shared with the teacher's name its flag
+        raise ServerError(str(error).replace("--server-url", "--generator-url", 1)) from None
+    models = sorted({s.model for s in served})
+    if len(models) > 1:
+        raise ServerError(f"the --generator-url replicas serve different models ({', '.join(models)})")
+    return ServedGenerator(served[0].model, served[0].version, tuple(settings.server_urls))
+
+
+def _check_generator(client, url: str, spec) -> ServedGenerator:
+    shown = strip_credentials(url)
+    names = [str(c["id"]) for c in served_models(client, url) or [] if "id" in c]
+    if len(names) != 1:
+        raise ServerError(
+            f"--server-url {shown} serves {', '.join(names) or 'no model'}: a generator's server must serve one model"
+        )
+    probe = _check_tokenizer(client, url, names[0], spec)
+    body = generation_request(
+        names[0], probe, seed=0, max_new_tokens=2, temperature=1.0, top_p=1.0, stop_ids=[], k=None
+    )
+    response = request(client, "POST", url, "/v1/completions", content=body, headers=JSON)
+    if response.status_code != 200:
+        raise ServerError(
+            f"--server-url {shown} refused a generation request (HTTP {response.status_code}): "
+            f"{error_message(response.content)}"
+        )
+    try:
+        answer_ids(response.content)
+    except MalformedResponse as error:
+        raise ServerError(f"--server-url {shown}: {error}") from None
+    return ServedGenerator(names[0], server_version(client, url), (url,))
+
+
+def answer_logprobs_are_raw(
+    settings, model: str, probe: list[int], *, k: int, temperature: float, top_p: float
+) -> bool:
+    """Whether the server's answer log-probabilities are the model's own at these sampling settings (vLLM's
+    default `--logprobs-mode raw_logprobs`), as its prompt log-probabilities always are: a short answer's
+    first position against the same position scored as a prompt, on the first replica. At temperature 1
+    and top-p 1 (the other settings pinned off) every mode gives the model's own."""
+    if temperature == 1 and top_p == 1:
+        return True
+    url = settings.server_urls[0]
+    asked = generation_request(
+        model, probe, seed=0, max_new_tokens=2, temperature=temperature, top_p=top_p, stop_ids=[], k=k
+    )
+    with httpx.Client(timeout=CHECK_TIMEOUT_S, headers=headers(api_key(settings))) as client:
+        answer = request(client, "POST", url, "/v1/completions", content=asked, headers=JSON)
+        first = int(answer_ids(answer.content)[0]) if answer.status_code == 200 else None
+        if first is None:
+            return False
+        scored = request(
+            client,
+            "POST",
+            url,
+            "/v1/completions",
+            headers=JSON,
+            content=orjson.dumps({"model": model, "prompt": [*probe, first], "max_tokens": 1, "prompt_logprobs": k}),
+        )
+    if scored.status_code != 200:
+        return False
+    ids = answer_ids(answer.content)
+    generated, prompted = answer_top_logprobs(answer.content, positions=len(ids)), parse_prompt_logprobs(scored.content)
+    theirs = dict(
+        zip(generated.ids[: generated.starts[1]].tolist(), generated.logprobs[: generated.starts[1]].tolist())
+    )
+    ours = dict(zip(prompted.ids[prompted.starts[-2] :].tolist(), prompted.logprobs[prompted.starts[-2] :].tolist()))
+    common = theirs.keys() & ours.keys()
+    return bool(common) and max(abs(theirs[i] - ours[i]) for i in common) < 1e-3
