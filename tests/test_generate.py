@@ -283,7 +283,7 @@ def test_two_on_policy_rounds_train_on_each_new_version_and_the_run_records_both
 def test_vllm_generation_plans_one_seeded_request_per_answer():
     """vLLM's generator, as far as it runs without vLLM: its engine arguments and its requests."""
     from logitstore.pipelines.engines.vllm.engine import sampling_arguments
-    from logitstore.pipelines.engines.vllm.platform import CPU, CUDA, plan_generation
+    from logitstore.pipelines.engines.vllm.hardware import CPU, CUDA, plan_generation
 
     seeds = [seed_of(3, "a", 0), seed_of(3, "a", 1)]
     requests = sampling_arguments(seeds, max_new_tokens=16, temperature=0.7, top_p=0.9, stop_ids=[2])

