@@ -27,6 +27,7 @@ from logitstore.options import group, option, to_values
 from logitstore.pipelines.engines import VLLM_OUTPUTS, engine_class, engine_names
 from logitstore.storage.location import Location
 from logitstore.store.meta import DEFAULT_BRANCH, NAME, ON_DUPLICATE
+from logitstore.streaming.spec import StreamSpec
 from logitstore.text import chat
 
 if TYPE_CHECKING:  # pyarrow (0.3 s): `DataSource.source` imports it when the build reads its input
@@ -287,7 +288,7 @@ class BuildConfig(EngineOptions, PlanConfig):
     )
     # chat data: teacher entries for the completion only, or prompt+completion
     train_on: str = option(
-        "completion",
+        StreamSpec.train_on,  # the store keeps what the stream trains on by default
         choices=lambda: chat.TRAIN_ON,
         panel=DATA,
         help="Chat data: store teacher entries for the completion only (saves bytes and teacher work) or for prompt+completion.",
