@@ -11,7 +11,7 @@ not just to new ones.
 latency, 20-100 ms on S3 or GCS, which moto on loopback lacks); connections are independent, so
 requests in flight together wait together, as they do against a real endpoint. `requests` lists
 every HTTP request seen as (method, path), parsed from the client's bytes (headers, then a
-Content-Length or chunked body). `python -m tests.faultproxy HOST:PORT --latency-ms 50` runs one in
+Content-Length or chunked body). `python -m logitstore.testing.faultproxy HOST:PORT --latency-ms 50` runs one in
 a process of its own (so its threads do not share a reader's GIL) and prints its endpoint.
 """
 
@@ -162,7 +162,7 @@ class _RequestParser:
 
     def feed(self, data: bytes) -> list[tuple[str, str]]:
         self._buffer += data
-        started = []
+        started: list[tuple[str, str]] = []
         while True:
             if self._body:
                 skipped = min(self._body, len(self._buffer))
