@@ -17,9 +17,11 @@ a process of its own (so its threads do not share a reader's GIL) and prints its
 
 from __future__ import annotations
 
+import argparse
 import select
 import socket
 import struct
+import sys
 import threading
 
 PASS, REFUSE, STALL = "pass", "refuse", "stall"
@@ -227,9 +229,6 @@ def _peer_closed(s: socket.socket) -> bool:
 
 def main(argv=None) -> None:
     """Run a proxy in this process until stdin closes or the process is terminated; print its endpoint."""
-    import argparse
-    import sys
-
     parser = argparse.ArgumentParser(description="a TCP proxy with a fixed delay per HTTP request")
     parser.add_argument("upstream", help="HOST:PORT of the server")
     parser.add_argument("--latency-ms", type=float, default=0.0)

@@ -8,6 +8,7 @@ from typing import cast
 
 import numpy as np
 import zarr
+from tokenizers import Tokenizer, models, pre_tokenizers
 
 from logitstore.format import codec
 from logitstore.format.sparsity import Sparsity
@@ -50,8 +51,6 @@ def assert_matches(view, samples, teacher_name="teacher-a"):
 
 
 def word_tokenizer_json(vocab: int = VOCAB) -> str:
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
     tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab)}, unk_token="w0"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     return tok.to_str()

@@ -8,13 +8,15 @@ import threading
 
 import numpy as np
 
+from logitstore.testing.openai_server import OpenAIServer, Scores
+
 KEY = "sk-logitstore-test-4f1c9a"  # the API key tests give a served teacher
 
 
 def save_tiny_llama(folder, tokenizer, **config) -> None:
     """A 1-layer random Llama (hidden 16, seed 0) with `tokenizer`, saved as a Hugging Face folder;
     `config` overrides `LlamaConfig` (vocab_size: the tokenizer's length unless given)."""
-    import torch
+    import torch  # torch and transformers: seconds to import, paid only where a teacher is made or run
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -29,10 +31,9 @@ def torch_scorer(teacher):
     """A loaded `Teacher` through the torch engine's top-k forward pass, one prompt of shape [1, T] at a
     time (what `--engine torch --batch-tokens 2` computes). The rank of a prompt token outside the top-k
     is given as k + 1: only "inside or outside" matters to a client."""
-    import torch
+    import torch  # torch and the teacher's forward pass: seconds to import, paid only where a teacher runs
 
     from logitstore.pipelines.teacher import TeacherForward, sparse_topk_forward
-    from logitstore.testing.openai_server import Scores
 
     forward = TeacherForward.of_model(teacher.model)
     lock = threading.Lock()  # one forward pass at a time: the server answers from several threads
@@ -52,6 +53,7 @@ def torch_scorer(teacher):
 
 def scoring_teacher(path):
     """(spec, loaded teacher) of `path` (None: the default teacher), on the CPU in fp32, for `torch_scorer`."""
+    # the torch engine imports torch: seconds, paid only where a teacher is loaded
     from logitstore.pipelines.engines.torch_engine import load_teacher_once
     from logitstore.pipelines.teacher import resolve_teacher
 
@@ -62,8 +64,6 @@ def scoring_teacher(path):
 def serve_teacher(path, *, max_logprobs: int):
     """The teacher at `path` (None: the default) behind the test server (`logitstore/testing/openai_server.py`)
     on 127.0.0.1, answering through `torch_scorer`; started, and closed by `with` or `.close()`."""
-    from logitstore.testing.openai_server import OpenAIServer
-
     spec, teacher = scoring_teacher(path)
     return OpenAIServer(
         model=spec.name, scorer=torch_scorer(teacher), tokenizer=teacher.tokenizer, max_logprobs=max_logprobs
