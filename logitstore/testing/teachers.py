@@ -31,9 +31,10 @@ def torch_scorer(teacher):
     """A loaded `Teacher` through the torch engine's top-k forward pass, one prompt of shape [1, T] at a
     time (what `--engine torch --batch-tokens 2` computes). The rank of a prompt token outside the top-k
     is given as k + 1: only "inside or outside" matters to a client."""
-    import torch  # torch and the teacher's forward pass: seconds to import, paid only where a teacher runs
+    # torch and the teacher's forward pass: seconds to import, paid only where a teacher runs
+    import torch
 
-    from logitstore.pipelines.teacher import TeacherForward, sparse_topk_forward
+    from logitstore.pipelines.teacher import TeacherForward, sparse_topk_forward  # as torch, above
 
     forward = TeacherForward.of_model(teacher.model)
     lock = threading.Lock()  # one forward pass at a time: the server answers from several threads
