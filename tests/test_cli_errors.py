@@ -1,5 +1,6 @@
 """User input the CLI refuses in one line with exit 2 (no traceback): integers past 64 bits, a store path
-that is a symbolic link loop, a run folder to resume that keeps no configuration, and error lines that
+that is a symbolic link loop, a file or nothing at all, a `--max-length` beyond the teacher's context, a
+write to a read-only filesystem, a run folder to resume that keeps no configuration, and error lines that
 would quote a huge value."""
 
 from __future__ import annotations

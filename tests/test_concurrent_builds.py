@@ -3,7 +3,10 @@ meets (`stored with other text`), whether the branch held the ids when it began 
 committed them while it ran, and its summary counts what happened.
 
 Library writers on synthetic samples on local disk and S3 (moto) show the rule at both places a write
-meets stored ids (merge and commit); builds of the tiny teacher show what `build` does with it."""
+meets stored ids (merge and commit); builds of the tiny teacher show what `build` does with it.
+
+The same data at once: two processes creating one store make it once, two builds of the same input store
+it once, and each build's summary counts what its own commits hold."""
 
 from __future__ import annotations
 

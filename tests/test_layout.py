@@ -4,6 +4,7 @@ resolve as `logitstore.*` subpackages."""
 from __future__ import annotations
 
 import ast
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -86,11 +87,10 @@ def test_a_non_editable_install_imports_every_subpackage(tmp_path):
 def test_the_type_check_sees_every_module_under_its_import_name():
     """scripts/typecheck.py lays the package out as setuptools installs it: every module file of the
     package folders is linked once, under the name Python imports it by."""
-    sys.path.insert(0, str(ROOT / "scripts"))
-    try:
-        import typecheck
-    finally:
-        sys.path.remove(str(ROOT / "scripts"))
+    spec = importlib.util.spec_from_file_location("typecheck", ROOT / "scripts" / "typecheck.py")
+    assert spec is not None and spec.loader is not None
+    typecheck = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(typecheck)
     folders = typecheck.package_folders()
     assert folders["logitstore.pipelines.engines"] == ROOT / "pipelines" / "engines"
     linked = {p.resolve() for p in typecheck.link_tree(folders).rglob("*.py")}

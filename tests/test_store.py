@@ -1,4 +1,5 @@
-"""The store's contract, run against every backend: local disk, memory, and S3 (moto on loopback)."""
+"""The store's contract, run against every backend: local disk, memory, and S3 (moto on loopback); on
+local disk, its tags and branches, `file://` URLs, the index files' modes and a merge that adds nothing."""
 
 from __future__ import annotations
 

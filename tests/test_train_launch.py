@@ -1,5 +1,6 @@
 """`train --nproc N`'s launcher and its ranks: a signal to the launcher alone stops every rank before the
-run goes on (SIGINT: exit 130, SIGTERM: 143), and the launcher ends after its ranks."""
+run goes on (SIGINT: exit 130, SIGTERM: 143), the launcher ends after its ranks, and a rank killed from
+outside (as the OOM killer does) ends the run with one line, exit 2."""
 
 from __future__ import annotations
 
