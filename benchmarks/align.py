@@ -31,7 +31,7 @@ from _timing import timed  # benchmarks/ is on sys.path when a script here runs
 
 from logitstore.data import SAMPLE_CORPUS
 from logitstore.pipelines.align import align_groups, encode_with_byte_ends
-from logitstore.text.tokenizer_io import gpt2_tokenizer
+from logitstore.testing.gpt2 import gpt2_tokenizer
 
 
 def main() -> None:

@@ -14,7 +14,6 @@ import argparse
 import time
 
 import zarr
-from synthetic import random_samples
 from zarr.storage import WrapperStore
 
 from logitstore.format import codec
@@ -22,6 +21,7 @@ from logitstore.format.layout import CHUNK_BYTES, CHUNKS_PER_SHARD
 from logitstore.format.sparsity import Sparsity
 from logitstore.store.meta import TeacherMeta
 from logitstore.store.store import Store
+from logitstore.testing.synthetic import random_samples
 
 
 class CountingStore(WrapperStore):

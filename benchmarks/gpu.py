@@ -57,6 +57,8 @@ from logitstore.pipelines.teacher import describe_teacher, resolve_teacher
 from logitstore.store.store import Store
 from logitstore.streaming.spec import StreamSpec
 from logitstore.streaming.stream import store_stream
+from logitstore.testing.shm import leaked_shm, shm_entries
+from logitstore.testing.teachers import save_tiny_llama
 from logitstore.trainer.attention import ATTENTION, plan_segments
 from logitstore.trainer.config import LiveConfig, LossConfig, TrainConfig
 from logitstore.trainer.losses import chunked_distill_loss, distill_loss
@@ -66,9 +68,6 @@ from logitstore.trainer.train import launch
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
-sys.path.append(str(REPO))  # tests/, after the installed logitstore: the tests' own helpers, not copies
-from tests.conftest import save_tiny_llama  # noqa: E402
-from tests.test_live import leaked_shm, shm_entries  # noqa: E402
 
 SECTIONS = ("build", "oom", "train", "live", "trainer", "vllm")
 SMOKE_VOCAB = 1024

@@ -40,16 +40,13 @@ import icechunk
 import numpy as np
 import zarr
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from benchmarks.synthetic import random_samples  # noqa: E402
-from logitstore.format import codec, layout  # noqa: E402
-from logitstore.format.zarr_codec import as_codes  # noqa: E402
-from logitstore.storage import packed  # noqa: E402
+from logitstore.format import codec, layout
+from logitstore.format.zarr_codec import as_codes
+from logitstore.storage import packed
 from logitstore.storage.location import Location  # noqa: E402
 from logitstore.store.meta import Sparsity, TeacherMeta  # noqa: E402
 from logitstore.store.store import Store  # noqa: E402
+from logitstore.testing.synthetic import random_samples
 
 # Random logits over the full 49,152 ids cost minutes to draw; entry ids are what change with the vocabulary,
 # and the question here is the per-part overhead of each layout, not the codec's bytes per token.
@@ -430,7 +427,7 @@ def _on_s3(args) -> dict:
     import boto3
     from moto.server import ThreadedMotoServer
 
-    from tests.faultproxy import FaultProxy
+    from logitstore.testing.faultproxy import FaultProxy
 
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()

@@ -49,7 +49,6 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.append(str(Path(__file__).resolve().parents[1]))  # tests/, after the installed logitstore: its helpers
 VOCAB = 151_936
 NAMES = ["Ġthe", "Ġof", ",", "\n", 'Ġ"', "\\", "ing", "Ġdistillation", "Ġ東京", "é", "Ġ{", "}\n"]
 
@@ -120,11 +119,11 @@ def _cpu_seconds(pid: int) -> float:
 
 
 def stand_in_teacher(folder: Path) -> str:
-    import tests.conftest as conftest  # save_tiny_llama: a 1-layer Llama folder (never loaded by the build)
     from logitstore.pipelines.teacher import describe_teacher
+    from logitstore.testing.teachers import save_tiny_llama  # a 1-layer Llama folder (never loaded by the build)
 
     path = folder / "stand-in"
-    conftest.save_tiny_llama(path, describe_teacher(None).tokenizer, vocab_size=VOCAB)
+    save_tiny_llama(path, describe_teacher(None).tokenizer, vocab_size=VOCAB)
     return str(path)
 
 
@@ -311,13 +310,13 @@ def _fetch_all(engine, units, *, pool) -> None:
 
 def tiny_vllm_teacher(folder: Path) -> str:
     """The vLLM tests' teacher: a random 2-layer Llama, head size 32 (vLLM's CPU attention takes 32, 64, ...)."""
-    import tests.conftest as conftest
     from logitstore.pipelines.teacher import describe_teacher
+    from logitstore.testing.teachers import save_tiny_llama
 
     path = folder / "llama-head32"
     shape = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2)
     tokenizer = describe_teacher(None).tokenizer
-    conftest.save_tiny_llama(path, tokenizer, num_hidden_layers=2, max_position_embeddings=2048, **shape)
+    save_tiny_llama(path, tokenizer, num_hidden_layers=2, max_position_embeddings=2048, **shape)
     return str(path)
 
 

@@ -25,7 +25,7 @@ tokens/s are summed over ranks and divided by the slowest rank's time.
     python benchmarks/stream.py --store s3://bench/stream --latency-ms 50   # 50 ms before every S3 request
 
 With `--latency-ms MS` (S3 only) the readers reach moto through a proxy in a process of its own
-(`tests/faultproxy.py`) that holds every request MS milliseconds before passing it on: object storage's
+(`logitstore/testing/faultproxy.py`) that holds every request MS milliseconds before passing it on: object storage's
 first-byte latency, which moto on loopback lacks; the write goes to moto directly. `--part-layout arrays`
 writes parts one object per array (store format 2's layout), to measure one reader on both layouts.
 """
@@ -619,7 +619,7 @@ def moto_server():
 
 @contextmanager
 def latency_proxy(latency_ms: float | None, log):
-    """With `--latency-ms`: a proxy (`tests/faultproxy.py`, its own process) between the readers and
+    """With `--latency-ms`: a proxy (`logitstore/testing/faultproxy.py`, its own process) between the readers and
     moto that holds each request `latency_ms` before passing it on; AWS_ENDPOINT_URL points this process
     and the reader processes it spawns at it while the block runs. Without: nothing."""
     if not latency_ms:
@@ -630,12 +630,11 @@ def latency_proxy(latency_ms: float | None, log):
         [
             sys.executable,
             "-m",
-            "tests.faultproxy",
+            "logitstore.testing.faultproxy",
             f"{upstream.hostname}:{upstream.port}",
             "--latency-ms",
             str(latency_ms),
         ],
-        cwd=Path(__file__).resolve().parents[1],  # the repository root: `tests` is importable from there
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,

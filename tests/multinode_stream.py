@@ -16,17 +16,15 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: tests.test_stream's rows_of
-
-import logitstore  # noqa: E402
-from tests.test_stream import rows_of  # noqa: E402
+import logitstore
+from logitstore.testing.streams import rows_of
 
 
 def main(store: str, out: str, steps: int, seq_len: int, micro_batch: int) -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     view = logitstore.open(store)
-    # seed 1 and the eval fraction: tests.test_stream's `stream`, which gives the single-process reference
+    # seed 1 and the eval fraction: logitstore.testing.streams' `stream`, which gives the single-process reference
     with logitstore.stream(view, seq_len=seq_len, micro_batch=micro_batch, seed=1, prefetch=0) as s:
         rows = []
         for batch in s:

@@ -21,7 +21,8 @@ from hypothesis import strategies as st
 from logitstore.data import SAMPLE_CORPUS
 from logitstore.errors import LogitstoreError
 from logitstore.pipelines.align import align_groups, encode_with_byte_ends, token_byte_strings, vocab_map, window_groups
-from logitstore.text.tokenizer_io import TokenizerError, gpt2_tokenizer, load_tokenizer, parse_tokenizer_spec
+from logitstore.testing.gpt2 import gpt2_tokenizer
+from logitstore.text.tokenizer_io import TokenizerError, load_tokenizer, parse_tokenizer_spec
 
 HARD_TEXTS = [
     "",

@@ -21,7 +21,7 @@ from logitstore.pipelines.build import BuildConfig, run_build
 from logitstore.pipelines.engines.torch_engine import load_teacher_once
 from logitstore.pipelines.teacher import resolve_teacher
 from logitstore.store.store import Store
-from tests.conftest import CLI, sample_corpus_head, without_progress
+from logitstore.testing.cli import CLI, sample_corpus_head, without_progress
 
 MAX_LENGTH = 64
 UNIT_TOKENS = 128

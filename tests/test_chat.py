@@ -19,6 +19,8 @@ from logitstore.format.sparsity import Sparsity
 from logitstore.pipelines.teacher import describe_teacher
 from logitstore.store.meta import TeacherMeta
 from logitstore.store.store import Store
+from logitstore.testing.cli import build, jsonl
+from logitstore.testing.stores import index_of
 from logitstore.text import chat
 
 runner = CliRunner()
@@ -351,3 +353,59 @@ def view_tokenizer(view):
 def _runs(mask) -> list[tuple[int, int]]:
     edges = np.flatnonzero(np.diff(np.concatenate([[0], np.asarray(mask, int), [0]])))
     return list(zip(edges[::2].tolist(), edges[1::2].tolist()))
+
+
+CALL = {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+
+
+TOOL_CHAT = [
+    {"role": "user", "content": "What is the weather in Paris?"},
+    {"role": "assistant", "content": "", "tool_calls": [CALL]},
+    {"role": "tool", "content": "18 degrees and sunny"},
+    {"role": "assistant", "content": "It is 18 degrees and sunny in Paris."},
+]
+
+
+PLAIN_CHAT = [{"role": "user", "content": "Say hello."}, {"role": "assistant", "content": "Hello there!"}]
+
+
+# ChatML that renders an assistant's tool calls, as tool-calling templates do
+TOOL_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m.get('tool_calls') %}{% for c in m['tool_calls'] %}"
+    "<tool_call>{{ c['function'] | tojson }}</tool_call>{% endfor %}{% else %}{{ m['content'] }}{% endif %}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_tool_calls_are_rendered_by_a_template_that_reads_them_or_skipped_and_counted(tiny_teacher, tmp_path):
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from logitstore.text import chat
+
+    null_content = [{**m, "content": None} if m.get("tool_calls") else m for m in TOOL_CHAT]  # OpenAI's form
+    rows = [{"id": "tool", "messages": TOOL_CHAT}, {"id": "null", "messages": null_content}]
+    data = jsonl(tmp_path / "chat.jsonl", [*rows, {"id": "plain", "messages": PLAIN_CHAT}])
+    args = ["--chat-column", "messages", "--json"]
+    result = build(tiny_teacher, tmp_path / "plain-template", data, *args)  # SmolLM2's template: no tool calls
+    summary = json.loads(result.stdout)
+    assert result.exit_code == 0 and summary["tool_calls"] == 2, result.stderr  # was: an empty reply, no word
+    assert documents_in(tmp_path / "plain-template") == {"plain"}
+
+    teacher = tmp_path / "tool-teacher"
+    shutil.copytree(tiny_teacher, teacher)
+    tokenizer = AutoTokenizer.from_pretrained(teacher)
+    tokenizer.chat_template = TOOL_TEMPLATE
+    tokenizer.save_pretrained(teacher)
+    messages = chat.as_messages(TOOL_CHAT)
+    text, spans = chat.render(tokenizer, messages)
+    replies = [text[a:b] for a, b in spans]
+    assert replies[0].startswith('<tool_call>{"name": "get_weather"') and "Paris" in replies[0]  # supervised
+    result = build(str(teacher), tmp_path / "tool-template", data, *args)
+    assert result.exit_code == 0 and json.loads(result.stdout)["tool_calls"] == 0, result.stderr
+    assert documents_in(tmp_path / "tool-template") == {"tool", "null", "plain"}
+
+
+def documents_in(store) -> set[str]:
+    return {sample_id.split("#")[0] for sample_id in index_of(store)}

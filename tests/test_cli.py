@@ -10,11 +10,11 @@ import subprocess
 import pytest
 from typer.testing import CliRunner
 
-from benchmarks.synthetic import random_samples
 from logitstore.cli.app import app
 from logitstore.store.store import Store
-from tests.conftest import CLI, run_in_child, sample_corpus_head
-from tests.test_store import write
+from logitstore.testing.cli import CLI, run_in_child, sample_corpus_head
+from logitstore.testing.stores import write
+from logitstore.testing.synthetic import random_samples
 
 runner = CliRunner()
 
@@ -143,7 +143,7 @@ def test_ls_lists_every_sample_and_show_takes_a_range_of_positions(store):
     whole = run_json("show", store, "b")
     part = run_json("show", store, "b", "--positions", "2:4")
     assert part["positions"] == whole["positions"][2:4] and part["first_position"] == 2
-    assert part["input_ids"] == whole["input_ids"][2:5]  # issue 31: was every input id of the sample
+    assert part["input_ids"] == whole["input_ids"][2:5]  # was every input id of the sample
     assert len(run("show", store, "b", "--positions", ":3").stdout.splitlines()) == 1 + 3
     for bad in ("3:1", "x", "-1:2"):
         result = run("show", store, "b", "--positions", bad, code=2)

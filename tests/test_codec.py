@@ -7,11 +7,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from benchmarks.synthetic import random_samples
 from logitstore.format import codec
 from logitstore.format.codec import dequantize, quantize
 from logitstore.format.grid import GRIDS, Q_MAX, CodecParams
-from tests.conftest import assert_samples_close
+from logitstore.testing.samples import assert_samples_close
+from logitstore.testing.synthetic import random_samples
 
 PARAMS = CodecParams()
 

@@ -3,25 +3,32 @@ meets (`stored with other text`), whether the branch held the ids when it began 
 committed them while it ran, and its summary counts what happened.
 
 Library writers on synthetic samples on local disk and S3 (moto) show the rule at both places a write
-meets stored ids (merge and commit); builds of the tiny teacher show what `build` does with it."""
+meets stored ids (merge and commit); builds of the tiny teacher show what `build` does with it.
+
+The same data at once: two processes creating one store make it once, two builds of the same input store
+it once, and each build's summary counts what its own commits hold."""
 
 from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
+import time
 import uuid
 from pathlib import Path
 
 import pytest
 
-from benchmarks.synthetic import random_samples
 from logitstore.errors import ChangedTextError
 from logitstore.pipelines import build as build_module
 from logitstore.pipelines.build import BuildConfig, run_build
 from logitstore.pipelines.inputs import text_hash
 from logitstore.store.store import Store
 from logitstore.store.verify import verify
-from tests.test_safety import build, index_of, jsonl, one_line_error, write_store
+from logitstore.testing.cli import CLI, LONG, build, jsonl, one_line_error, small_build
+from logitstore.testing.stores import index_of, write_store
+from logitstore.testing.synthetic import random_samples
 
 IDS = ["new-0", "new-1"]
 
@@ -162,3 +169,87 @@ def test_a_concurrent_build_with_other_text_keeps_or_replaces_and_counts_it(tiny
     assert summary["samples"] == (0 if on_duplicate == "skip" else 2)
     assert {h for s, (_, h) in index_of(store).items() if s != "seed"} == {text_hash(kept)}
     assert verify(Store.open(str(store)).read()).ok
+
+
+CREATE_AT = """
+import sys, time
+from logitstore.store.store import Store
+start = float(sys.argv[1])
+for i, uri in enumerate(sys.argv[2:]):  # both processes open store i at the same moment
+    while time.time() < start + 0.3 * i:
+        pass
+    Store.open(uri, create=True)
+print("ok")
+"""
+
+
+def test_creating_one_store_from_two_processes_at_once_is_idempotent(tmp_path):
+    uris = [str(tmp_path / f"store{i}") for i in range(8)]
+    start = str(time.time() + 4)  # after both interpreters have imported logitstore
+    children = [
+        subprocess.Popen(
+            [sys.executable, "-c", CREATE_AT, start, *uris], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for _ in range(2)
+    ]
+    for child in children:
+        out, err = child.communicate(timeout=120)
+        assert child.returncode == 0 and out.strip() == "ok", err[-2000:]
+    for uri in uris:
+        assert len(Store.open(uri).log()) == 1  # one "create logitstore store" commit, not two
+
+
+def test_two_builds_of_the_same_data_at_once_store_it_once(tiny_teacher, tmp_path):
+    rows = [{"id": f"d{i}", "text": f"Document {i}: " + LONG[: 60 + 20 * i]} for i in range(6)]
+    data = jsonl(tmp_path / "d.jsonl", rows)
+    reference = tmp_path / "reference"
+    assert build(tiny_teacher, reference, data).exit_code == 0
+    store = tmp_path / "store"
+    command = [*CLI, *small_build(tiny_teacher, store, data, "--commit-every", "0.001")]
+    children = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    for child in children:
+        _, err = child.communicate(timeout=240)
+        assert child.returncode == 0 and "Traceback" not in err, err[-2000:]
+    assert index_of(store) == index_of(reference)
+    assert verify(Store.open(str(store)).read()).ok
+
+
+def test_a_write_whose_samples_a_concurrent_writer_committed_first_commits_nothing(tmp_path):
+    store = write_store(str(tmp_path / "store"), n=3)
+    samples = random_samples(["new-0", "new-1"], seed=5, max_tokens=30, k=8)
+    first, second = (store.writer(on_duplicate="skip") for _ in range(2))  # both on the same base
+    for writer in (first, second):
+        assert writer.merge(write_part(writer, samples)) == 2
+    first.commit("first")
+    versions = len(store.log())
+    second.commit("second")  # rebases onto the first, whose commit holds both samples
+    assert second.result is not None and not second.result.committed  # was: a commit adding nothing
+    assert (second.result.samples, second.result.dropped) == (0, 2)
+    assert len(store.log()) == versions
+    later = store.writer(on_duplicate="skip")  # a build's next checkpoint transaction
+    assert later.merge(write_part(later, samples)) == 0 and not later.has_changes  # was: an empty commit
+    report = verify(store.read())
+    assert report.ok and report.unreferenced == {}
+
+
+def write_part(writer, samples):
+    """A part written through a fork, as a build's worker writes it."""
+    return writer.fork().write(samples, teacher="teacher-a")
+
+
+def test_two_concurrent_builds_count_what_their_commits_hold(tiny_teacher, tmp_path):
+    rows = [{"id": f"d{i}", "text": f"Document {i}: " + LONG[: 60 + 20 * i]} for i in range(6)]
+    data = jsonl(tmp_path / "d.jsonl", rows)
+    store = tmp_path / "store"
+    command = [*CLI, *small_build(tiny_teacher, store, data, "--commit-every", "0.001", "--json")]
+    children = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    summaries = []
+    for child in children:
+        out, err = child.communicate(timeout=240)
+        assert child.returncode == 0, err[-2000:]
+        summaries.append(json.loads(out))
+    stored = Store.open(str(store)).read().index.num_rows
+    assert sum(s["samples"] for s in summaries) == stored  # was: both counted what the first one stored
+    counts = [v.samples or 0 for v in reversed(Store.open(str(store)).log())]  # the first: the empty store
+    assert all(b > a for a, b in zip(counts, counts[1:])), counts  # every commit adds samples
+    assert verify(Store.open(str(store)).read()).unreferenced == {}

@@ -13,16 +13,16 @@ from pathlib import Path
 
 from typer.testing import CliRunner
 
-from benchmarks.synthetic import random_samples
 from logitstore.cli.app import app
 from logitstore.store.store import Store
 from logitstore.store.verify import verify
-from tests.test_store import write
+from logitstore.testing.stores import write
+from logitstore.testing.synthetic import random_samples
 
 WRITER = textwrap.dedent("""
     import sys
-    from tests.test_store import write
-    from benchmarks.synthetic import random_samples
+    from logitstore.testing.stores import write
+    from logitstore.testing.synthetic import random_samples
     from logitstore.store.store import Store
     store = Store.open(sys.argv[1], create=True)
     i = store.read().index.num_rows // 20  # continue after what earlier (killed) runs committed

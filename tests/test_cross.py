@@ -17,9 +17,9 @@ from logitstore.format.sparsity import Sparsity
 from logitstore.pipelines.build import BuildConfig, run_build, run_builds
 from logitstore.pipelines.config import BuildError
 from logitstore.store.store import Store
+from logitstore.testing.cli import sample_corpus_head, without_progress
 from logitstore.trainer.config import TrainConfig
 from logitstore.trainer.train import launch
-from tests.conftest import sample_corpus_head, without_progress
 
 runner = CliRunner()
 COMMON = dict(seq_len=64, micro_batch=2, warmup_steps=2, lr=5e-3, eval_fraction=0.25)

@@ -4,7 +4,7 @@ that part's samples: `verify` and `show` exit 1 naming them, `--on-error skip` t
 `report` counts them, and nothing else is lost. Never an outage (exit 2), never trained on, never a
 traceback.
 
-One synthetic store of four parts (`tests/test_faults.py`'s `trainer_view`), copied per test on local
+One synthetic store of four parts (`logitstore.testing.stores.trainer_view`), copied per test on local
 disk and written afresh on S3 (moto)."""
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from logitstore.format import layout
 from logitstore.storage import packed
 from logitstore.store.reader import PartReader, TeacherRows
 from logitstore.store.store import Store
-from tests.test_faults import trainer_view
-from tests.test_safety import one_line_error, run
+from logitstore.testing.cli import one_line_error, run
+from logitstore.testing.stores import trainer_view
 
 TEACHER = "teacher-a"
 

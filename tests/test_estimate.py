@@ -12,7 +12,7 @@ from logitstore.cli.app import app
 from logitstore.pipelines import estimate
 from logitstore.pipelines.build import BuildConfig
 from logitstore.store.store import Store
-from tests.conftest import sample_corpus_head, small_build
+from logitstore.testing.cli import sample_corpus_head, small_build
 
 
 @pytest.fixture

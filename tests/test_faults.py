@@ -1,5 +1,5 @@
 """The fault matrix: storage faults mid-run against a real S3 protocol server (moto), through a TCP
-proxy the test breaks (`tests/faultproxy.py`): refused connections, a stalled endpoint, and recovery.
+proxy the test breaks (`logitstore/testing/faultproxy.py`): refused connections, a stalled endpoint, and recovery.
 
 Every fault must end in one line (`StorageError`, exit 2) while it lasts (a watchdog lifts it long after
 any deadline: the tests check that order, not the clock), with the last committed version intact; an outage is never counted as damaged data; after the endpoint comes back
@@ -15,26 +15,23 @@ import uuid
 from urllib.parse import urlparse
 
 import boto3
-import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from benchmarks.synthetic import random_samples
 from logitstore.cli.app import app
 from logitstore.errors import LogitstoreError, StorageError
 from logitstore.format import codec
-from logitstore.format.sparsity import Sparsity
 from logitstore.storage.bounded import run, storage_errors
 from logitstore.storage.limits import StorageLimits
-from logitstore.store.meta import TeacherMeta
 from logitstore.store.store import Store
 from logitstore.store.verify import verify
 from logitstore.streaming.mixing import WeightedTeacher
 from logitstore.streaming.spec import StreamSpec
 from logitstore.streaming.stream import store_stream
-from tests.conftest import small_build, without_progress
-from tests.faultproxy import FaultProxy
-from tests.test_store import VOCAB, assert_matches, teacher, write
+from logitstore.testing.cli import small_build, without_progress
+from logitstore.testing.faultproxy import FaultProxy
+from logitstore.testing.stores import VOCAB, assert_matches, teacher, trainer_view, write
+from logitstore.testing.synthetic import random_samples
 
 LIMITS = {"LOGITSTORE_STORAGE_TIMEOUT": "1", "LOGITSTORE_STORAGE_RETRIES": "1", "LOGITSTORE_STORAGE_BACKOFF": "0.2"}
 DEADLINE_S = 2 * 1 + 1 * 0.2  # attempts x timeout + retries x backoff
@@ -214,26 +211,6 @@ def test_endpoint_lost_mid_build_stops_it_and_a_rerun_resumes(proxy, uri, s3_end
 
 
 # -- the trainer's data stream ------------------------------------------------------------------------------
-
-
-def trainer_view(uri: str, *, teachers=("teacher-a",)):
-    """Four parts per teacher, so a micro-batch reads several parts (on threads) from storage."""
-    store = Store.open(uri, create=True)
-    ids = [f"doc-{i:03d}" for i in range(24)]
-    with store.writer() as w:
-        for t, name in enumerate(teachers):
-            batches = [
-                random_samples(list(chunk), seed=10 * t + i, max_tokens=60, vocab=VOCAB)
-                for i, chunk in enumerate(np.array_split(ids, 4))
-            ]
-            meta = TeacherMeta(
-                name=name, vocab_size=VOCAB, content_hash="w", tokenizer_hash="t", sparsity=Sparsity(k=8)
-            )
-            w.add_teacher(meta, code_of_id=codec.frequency_id_order(batches[0].entry_ids, vocab_size=VOCAB))
-            for samples in batches:
-                w.write(samples, teacher=name)
-        w.commit("data")
-    return store.read()
 
 
 @pytest.mark.parametrize("kind, fault", [("packed", "refuse"), ("packed", "stall"), ("mixed", "refuse")])

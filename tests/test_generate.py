@@ -26,20 +26,8 @@ from logitstore.pipelines.engines.torch_engine import nucleus, seeded_uniform
 from logitstore.pipelines.teacher import describe_teacher
 from logitstore.store.generation import answer_source_hash, generation_of, parse_answer_id, seed_of
 from logitstore.store.store import Store
-
-from .conftest import CLI
-
-PROMPTS = {
-    "france": "The capital of France is",
-    "story": "Once upon a time, a small robot",
-    "code": "def add(a, b):",
-    "list": "Three colours of the rainbow are",
-}
-
-
-def write_prompts(path, prompts: dict[str, str]):
-    path.write_text("".join(json.dumps({"id": k, "prompt": v}) + "\n" for k, v in prompts.items()))
-    return path
+from logitstore.testing.cli import CLI
+from logitstore.testing.prompts import PROMPTS, answers, write_prompts
 
 
 def generate_args(store, data, *extra, teacher=None) -> list[str]:
@@ -64,11 +52,6 @@ def twice(prompts, tmp_path_factory):
     """Two builds of the same prompts with one seed, by the default teacher answering itself."""
     root = tmp_path_factory.mktemp("generated")
     return [(root / name, build(generate_args(root / name, prompts, "--seed", 7))) for name in ("a", "b")]
-
-
-def answers(store) -> dict[str, list[int]]:
-    view = logitstore.open(str(store))
-    return {sid: view.answer(sid)["token_ids"] for sid in view.index["sample_id"].to_pylist()}
 
 
 def test_answers_are_supervised_and_prompts_are_not(twice):

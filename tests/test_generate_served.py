@@ -25,9 +25,9 @@ from logitstore.pipelines.engines.torch_engine import TorchGenerator, load_teach
 from logitstore.pipelines.teacher import resolve_teacher
 from logitstore.pipelines.workers import WorkerSettings
 from logitstore.testing.openai_server import Generate, OpenAIServer, Scores, render_generation
-from tests.conftest import torch_scorer
-from tests.test_generate import PROMPTS, answers, write_prompts
-from tests.test_server_engine import KEY, stored
+from logitstore.testing.prompts import PROMPTS, answers, write_prompts
+from logitstore.testing.stores import stored
+from logitstore.testing.teachers import KEY, torch_scorer
 
 N = 8  # --generate: answers of up to 8 tokens keep each build to seconds on the real teacher
 

@@ -1,4 +1,4 @@
-"""The GPU acceptance run (issue 28) kept from rotting between GPUs: `benchmarks/gpu.py --smoke` runs every
+"""The GPU acceptance run kept from rotting between GPUs: `benchmarks/gpu.py --smoke` runs every
 section's code on CPU at toy shapes, without the packages the GPU image lacks (polars, boto3, trl, ...); a wrong
 reference fails it; `scripts/gpu_wheels.sh --dry-run` lists what travels to the GPU machine."""
 

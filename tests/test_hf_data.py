@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 from logitstore.cli.app import app
 from logitstore.pipelines.inputs import DataError, HubDataset, dataset_source, read_documents
 from logitstore.store.store import Store
-from tests.conftest import without_progress
+from logitstore.testing.cli import without_progress
 
 
 @pytest.fixture

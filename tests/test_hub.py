@@ -9,7 +9,8 @@ import pytest
 from typer.testing import CliRunner
 
 from logitstore.cli.app import app
-from tests.conftest import save_tiny_llama, without_progress
+from logitstore.testing.cli import without_progress
+from logitstore.testing.teachers import save_tiny_llama
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
@@ -28,7 +29,7 @@ def cache(tmp_path_factory):
     """A tiny Llama with the default teacher's tokenizer as `testorg/tiny-llama`, GPT-2's tokenizer as
     `openai-community/gpt2`."""
     from logitstore.pipelines.teacher import describe_teacher
-    from logitstore.text.tokenizer_io import gpt2_tokenizer
+    from logitstore.testing.gpt2 import gpt2_tokenizer
 
     cache = tmp_path_factory.mktemp("hf") / "hub"
     tokenizer = describe_teacher(None).tokenizer

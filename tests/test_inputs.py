@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from logitstore.errors import LogitstoreError
+from logitstore.errors import InvalidSampleError, LogitstoreError
 from logitstore.pipelines import inputs
 from logitstore.pipelines.inputs import (
     DataError,
@@ -25,6 +25,10 @@ from logitstore.pipelines.inputs import (
     text_hash,
 )
 from logitstore.pipelines.plan import window, window_ids
+from logitstore.store.store import Store
+from logitstore.testing.cli import LONG, OTHER, build, jsonl, one_line_error, run
+from logitstore.testing.stores import index_of
+from logitstore.testing.synthetic import random_samples
 
 ROWS = [
     {"id": "a", "text": "Hello, world."},
@@ -506,3 +510,78 @@ def test_an_id_column_is_used_automatically_and_check_input_says_so(tmp_path):
     assert check_input(plain) == "content hashes"
     with pytest.raises(DataError, match="no column 'name'"):
         check_input(path, id_column="name")
+
+
+def test_window_ids_cannot_collide_with_input_ids(tiny_teacher, tmp_path):
+    store = tmp_path / "store"
+    assert build(tiny_teacher, store, jsonl(tmp_path / "a.jsonl", [{"id": "a", "text": LONG}])).exit_code == 0
+    assert {"a#w0", "a#w1"} <= set(index_of(store))
+    before = Store.open(str(store)).resolve()
+    # in this order the short document held `a#w1` and the long one's second window was lost
+    for rows in (
+        [{"id": "b", "text": "short one"}, {"id": "a#w1", "text": "short two"}],
+        [{"id": "a#w1", "text": "short two"}, {"id": "a", "text": LONG}],
+    ):
+        error = one_line_error(build(tiny_teacher, store, jsonl(tmp_path / "b.jsonl", rows)), 2)
+        assert "'a#w1'" in error and "window id" in error and "row" in error
+        assert Store.open(str(store)).resolve() == before
+
+
+def test_an_empty_id_and_an_id_beyond_the_vocabulary_name_their_row(tiny_teacher, tmp_path):
+    error = one_line_error(
+        build(
+            tiny_teacher,
+            tmp_path / "s1",
+            jsonl(tmp_path / "e.jsonl", [{"id": "x", "text": "fine"}, {"id": "", "text": "no id"}]),
+        ),
+        2,
+    )
+    assert "row 1" in error and "empty string" in error
+    error = one_line_error(
+        run(
+            "build",
+            "--teacher",
+            tiny_teacher,
+            "--store",
+            tmp_path / "s2",
+            "--ids-column",
+            "ids",
+            "--max-length",
+            "32",
+            "--data",
+            jsonl(tmp_path / "i.jsonl", [{"ids": [1, 2, 3]}, {"ids": [5, 10**6]}]),
+        ),
+        2,
+    )
+    assert "input row 1" in error and "1000000" in error and "vocabulary" in error
+
+
+def test_one_long_document_fills_many_units(tiny_teacher, tmp_path):
+    store = tmp_path / "store"
+    result = build(tiny_teacher, store, jsonl(tmp_path / "long.jsonl", [{"id": "long", "text": LONG * 3}]))
+    assert result.exit_code == 0, result.stderr
+    idx = Store.open(str(store)).read().index
+    parts = idx.group_by("part").aggregate([("n_tokens", "sum")])
+    assert idx.num_rows >= 8 and parts.num_rows >= 3  # was: one part holding every window
+    assert max(parts["n_tokens_sum"].to_pylist()) < 64 + 32
+
+
+def test_a_document_too_large_to_tokenize_whole_is_refused_in_one_line(tiny_teacher, tmp_path, monkeypatch):
+    from logitstore.pipelines import plan
+
+    monkeypatch.setattr(plan, "MAX_DOCUMENT_CHARS", 1000)
+    data = jsonl(tmp_path / "d.jsonl", [{"id": "small", "text": "short"}, {"id": "huge", "text": "word " * 400}])
+    error = one_line_error(build(tiny_teacher, tmp_path / "store", data), 2)
+    assert "document 'huge' (input row 1) has 2,000 characters, more than the 1,000" in error, error
+    assert not (tmp_path / "store").exists()
+
+
+@pytest.mark.parametrize("bad", ["line\nbreak", "nul\x00id", "tab\there", "del\x7f"])
+def test_an_id_with_a_control_character_is_refused_naming_its_row(tiny_teacher, tmp_path, bad):
+    data = jsonl(tmp_path / "d.jsonl", [{"id": "fine", "text": LONG}, {"id": bad, "text": OTHER}])
+    error = one_line_error(build(tiny_teacher, tmp_path / "store", data), 2)  # was: stored, ls printed it raw
+    assert "row 1" in error and "control character" in error and bad not in error, error
+    assert not (tmp_path / "store").exists()
+    samples = random_samples([bad], max_tokens=10)
+    with pytest.raises(InvalidSampleError, match="without control characters"):
+        samples.validate(vocab_size=1000)

@@ -20,10 +20,12 @@ from logitstore.format.samples import SparseSamples
 from logitstore.format.sparsity import Sparsity
 from logitstore.pipelines.build import BuildConfig, run_build
 from logitstore.pipelines.engines.server.client import API_KEY_VARIABLE
+from logitstore.testing.cli import CLI, sample_corpus_head
+from logitstore.testing.shm import cuda_driver_file, leaked_shm, shm_entries
+from logitstore.testing.teachers import serve_teacher
 from logitstore.trainer.config import LiveConfig, TrainConfig
 from logitstore.trainer.live import LiveTeacher, _allocate_ring, _write_slot
 from logitstore.trainer.train import launch
-from tests.conftest import CLI, sample_corpus_head, serve_teacher
 
 COMMON = dict(seq_len=64, micro_batch=2, warmup_steps=2, lr=5e-3, eval_fraction=0.2)
 
@@ -43,27 +45,6 @@ def losses(out: Path) -> list[float]:
 
 def header(out: Path) -> dict:
     return next(r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "step" not in r)
-
-
-def cuda_driver_file(pid: int) -> re.Pattern:
-    """The name of the file the CUDA driver keeps in /dev/shm for process `pid`: `cuda.shm.<n>.<pid hex>.<n>`."""
-    return re.compile(rf"cuda\.shm\.\d+\.{pid:x}\.\d+")
-
-
-def shm_entries() -> set[str]:
-    """/dev/shm, less this (still running) process's own CUDA driver file, removed when it exits."""
-    own = cuda_driver_file(os.getpid())
-    names = os.listdir("/dev/shm") if os.path.isdir("/dev/shm") else []
-    return {name for name in names if not own.fullmatch(name)}
-
-
-def leaked_shm(before: set[str], *, grace: float = 10.0) -> set[str]:
-    """Segments created since `before` that are still there after a grace period (queues' semaphores
-    go away when their owner's finalizers run)."""
-    deadline = time.monotonic() + grace
-    while (new := shm_entries() - before) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    return new
 
 
 @pytest.mark.slow

@@ -14,9 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_stream import build_store, rows_of, stream, take
-from tests.test_train import COMMON, metrics
-from tests.test_train import store as train_store  # noqa: F401 - the fixture: a store from the default teacher
+from logitstore.testing.runs import COMMON, metrics
+from logitstore.testing.streams import build_store, rows_of, stream, take
 
 SCRIPT = Path(__file__).with_name("multinode_stream.py")
 SEQ, MB = 32, 1

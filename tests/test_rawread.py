@@ -12,7 +12,7 @@ from logitstore.format.layout import GRID_ARRAYS
 from logitstore.format.zarr_codec import as_codes
 from logitstore.storage import rawread
 from logitstore.store.store import Store
-from tests.test_safety import flip_chunk_of, write_store
+from logitstore.testing.stores import flip_chunk_of, write_store
 
 
 def zarr_arrays(group: zarr.Group) -> dict[str, zarr.Array]:

@@ -1,6 +1,6 @@
 """Object storage pays per request: how many a part's read takes, and reads under a fixed latency per
 request, against moto's S3 server through a proxy that counts the HTTP requests and can delay each
-(`tests/faultproxy.py`). Counts and order only, never wall time."""
+(`logitstore/testing/faultproxy.py`). Counts and order only, never wall time."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import pytest
 
 from logitstore.store.reader import PartReader, TeacherRows
 from logitstore.store.store import Store
-from tests.faultproxy import FaultProxy
-from tests.test_stream import assert_same, build_store, stream, take, windowed
+from logitstore.testing.faultproxy import FaultProxy
+from logitstore.testing.streams import assert_same, build_store, stream, take, windowed
 
 
 @pytest.fixture
@@ -58,7 +58,7 @@ def test_a_cross_tokenizer_part_read_whole_takes_one_object_request(proxy, part_
     """Store format 4: a cross-tokenizer part's student arrays are in its one object, so a reader of
     the student's tokens reads the part whole in one GET (and its manifest, the first time, or once
     warmed). Format 3: each student array is an object of its own, with a manifest of its own."""
-    from tests.test_students import STUDENT, TEACHER, cross_store
+    from logitstore.testing.students import STUDENT, TEACHER, cross_store
 
     uri = f"s3://logitstore-test/requests-{uuid.uuid4().hex[:12]}"
     cross_store(uri, n=24, parts=3, part_layout=part_layout)

@@ -1,4 +1,4 @@
-"""The run folder and resuming (issue 13, items 1, 6 and 9 in part): one regression test per defect.
+"""The run folder and resuming: one test per way a run folder could lose or misreport a run.
 
 A small synthetic store (random teacher distributions over a word-level vocabulary): the run folder is
 the point, not the signal, so no teacher runs. Every run is 1-2 steps of `llama-tiny` on 32-token rows.
@@ -16,16 +16,16 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from benchmarks.synthetic import random_samples
 from logitstore.cli.app import app
 from logitstore.format import codec
 from logitstore.format.sparsity import Sparsity
 from logitstore.store.meta import TeacherMeta
 from logitstore.store.store import Store
+from logitstore.testing.cli import CLI
+from logitstore.testing.synthetic import random_samples
 from logitstore.trainer.config import PER_COMMAND, RUN_CONFIG, TrainConfig
 from logitstore.trainer.run_folder import MARKER
 from logitstore.trainer.train import launch
-from tests.conftest import CLI
 
 VOCAB = 1000
 COMMON = dict(seq_len=32, micro_batch=2, warmup_steps=2, lr=5e-3, eval_fraction=0.2)

@@ -12,7 +12,7 @@ import pytest
 from typer.testing import CliRunner
 
 from logitstore.cli.app import app
-from tests.test_store_report import png_size
+from logitstore.testing.png import png_size
 
 START = {"event": "start", "store": "./store", "version": "ABCDEF0123456789", "teacher": "teacher-a"}
 START |= {"teachers": [{"name": "teacher-a"}], "student": "llama-tiny"}

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from benchmarks.synthetic import random_samples
 from logitstore.errors import InvalidSampleError
+from logitstore.testing.synthetic import random_samples
 
 
 def _fresh():

@@ -24,10 +24,10 @@ from logitstore.pipelines.engines.server.preflight import MAX_ALLOWED
 from logitstore.pipelines.engines.server.served_json import MalformedResponse, parse_prompt_logprobs
 from logitstore.pipelines.engines.vllm.conversion import prompt_logprobs_to_sparse
 from logitstore.store.store import Store
+from logitstore.testing.cli import sample_corpus_head
 from logitstore.testing.openai_server import OpenAIServer, Scores, render_completion
-from tests.conftest import sample_corpus_head, scoring_teacher, serve_teacher, torch_scorer
-
-KEY = "sk-logitstore-test-4f1c9a"
+from logitstore.testing.stores import stored
+from logitstore.testing.teachers import KEY, scoring_teacher, serve_teacher, torch_scorer
 
 
 @pytest.fixture(scope="module")
@@ -88,11 +88,6 @@ def summary(result) -> dict:
 
 def errors(result) -> list[str]:
     return [line for line in result.output.splitlines() if line.startswith("error")]
-
-
-def stored(store) -> dict[str, str]:
-    index = Store.open(str(store)).read().index
-    return dict(zip(index["sample_id"].to_pylist(), index["content_hash"].to_pylist()))
 
 
 @pytest.fixture(scope="module")

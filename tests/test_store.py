@@ -1,12 +1,13 @@
-"""The store's contract, run against every backend: local disk, memory, and S3 (moto on loopback)."""
+"""The store's contract, run against every backend: local disk, memory, and S3 (moto on loopback); on
+local disk, its tags and branches, `file://` URLs, the index files' modes and a merge that adds nothing."""
 
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
-from benchmarks.synthetic import random_samples
 from logitstore.errors import (
     ConflictError,
     DuplicateSampleError,
@@ -18,45 +19,13 @@ from logitstore.errors import (
 )
 from logitstore.format import codec
 from logitstore.format.grid import CodecParams
-from logitstore.format.sparsity import Sparsity
 from logitstore.storage.packed import PackedStore, array_members
 from logitstore.store.index import diff_indexes
-from logitstore.store.meta import TeacherMeta
 from logitstore.store.store import Store
 from logitstore.store.verify import verify
-from tests.conftest import assert_samples_close
-
-VOCAB = 1000
-
-
-def teacher(name="teacher-a", mode="topk", content_hash="weights-1"):
-    return TeacherMeta(
-        name=name,
-        vocab_size=VOCAB,
-        content_hash=content_hash,
-        tokenizer_hash="tok-1",
-        sparsity=Sparsity.from_meta({"mode": mode, "k": 8, "p": 0.9, "n": 8}),
-    )
-
-
-def write(store, samples, *, meta=None, message="write", branch="main", on_duplicate="error"):
-    meta = meta or teacher()
-    with store.writer(branch=branch, on_duplicate=on_duplicate) as w:
-        w.add_teacher(meta, code_of_id=codec.frequency_id_order(samples.entry_ids, vocab_size=VOCAB))
-        w.write(samples, teacher=meta.name)
-        return w.commit(message)
-
-
-def assert_matches(view, samples, teacher_name="teacher-a"):
-    params = view.teachers[teacher_name].codec
-    for i, sid in enumerate(samples.sample_ids):
-        assert_samples_close(
-            view.sample(sid, teacher=teacher_name),
-            samples.select(i),
-            bound=params.error_bound,
-            bound_fine=params.error_bound_fine,
-            coarse_below=params.coarse_below,
-        )
+from logitstore.testing.cli import one_line_error, run
+from logitstore.testing.stores import VOCAB, assert_matches, teacher, write, write_store
+from logitstore.testing.synthetic import random_samples
 
 
 @pytest.mark.parametrize("mode", ["topk", "topp", "sampled"])
@@ -378,3 +347,43 @@ def test_a_duplicate_entry_is_refused_by_the_write(store_uri):
     with pytest.raises(LogitstoreError, match=r"token id \d+ appears twice among the entries of position 1"):
         write(store, samples)
     assert store.read().index.num_rows == 0
+
+
+def test_tag_and_branch_names_never_shadow_each_other(tmp_path):
+    uri = str(tmp_path / "store")
+    store = write_store(uri)
+    assert "is a branch" in one_line_error(run("tag", uri, "main"), 2)
+    assert run("tag", uri, "v1").exit_code == 0
+    with pytest.raises(Exception, match="already a tag"):
+        Store.open(uri).create_branch("v1")
+    assert "looks like a version id" in one_line_error(run("tag", uri, store.resolve()), 2)
+    assert "use letters" in one_line_error(run("tag", uri, "../x"), 2)
+
+    result = run("tag", uri, "v1", "--delete")
+    assert result.exit_code == 0 and store.resolve() in result.stdout
+    assert "v1" not in Store.open(uri).repo.list_tags() and Store.open(uri).read().index.num_rows == 12
+    assert "cannot be reused" in one_line_error(run("tag", uri, "v1"), 2)
+    assert "no tag 'v9'" in one_line_error(run("tag", uri, "v9", "--delete"), 2)
+
+
+def test_merging_a_part_whose_samples_are_all_stored_adds_nothing(tmp_path):
+    store = write_store(str(tmp_path / "store"), n=3)
+    samples = random_samples(["doc-0", "doc-1"], max_tokens=30)
+    with store.writer(on_duplicate="skip") as w:
+        written = w.part_writer().write(samples, teacher="teacher-a")
+        assert w.merge(written) == 0  # was: ArrowNotImplementedError from rows.take([])
+
+
+def test_index_files_are_readable_by_other_users(tmp_path):
+    write_store(str(tmp_path / "store"))
+    modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "store" / "logitstore-index").iterdir()}
+    umask = os.umask(0o022)
+    os.umask(umask)
+    assert modes and all(mode == 0o666 & ~umask for mode in modes.values()), modes
+
+
+def test_file_urls_are_percent_decoded(tmp_path):
+    write_store(str(tmp_path / "my store"))
+    result = run("info", f"file://{tmp_path}/my%20store", "--json")
+    assert result.exit_code == 0 and json.loads(result.stdout)["samples"] == 12
+    assert not (tmp_path / "my%20store").exists()

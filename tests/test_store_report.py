@@ -6,19 +6,19 @@ from __future__ import annotations
 import base64
 import json
 import re
-import struct
 from pathlib import Path
 
 import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from benchmarks.synthetic import random_samples
 from logitstore.cli.app import app
 from logitstore.files import replace_file
 from logitstore.store.report import DPI, FIGURE_SIZE, teacher_sections, teacher_stats
 from logitstore.store.store import Store
-from tests.test_store import teacher, write
+from logitstore.testing.png import png_size
+from logitstore.testing.stores import teacher, write
+from logitstore.testing.synthetic import random_samples
 
 SECTIONS = [
     "Entries per position",
@@ -59,11 +59,6 @@ def store(tmp_path):
     sampled = random_samples(["a", "e"], seed=4, mode="sampled", min_tokens=20)
     write(s, sampled, meta=teacher("teacher-b", mode="sampled"))
     return uri
-
-
-def png_size(data: bytes) -> tuple[int, int]:
-    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR"
-    return struct.unpack(">II", data[16:24])
 
 
 def test_report_numbers_match_a_per_sample_reference(store):

@@ -21,17 +21,10 @@ from logitstore.streaming.batch import PackedBatch
 from logitstore.streaming.mixing import resolve_sources, student_vocabulary
 from logitstore.streaming.spec import StreamSpec
 from logitstore.streaming.stream import Stream, store_stream
-from tests.data.make_format3_students_store import STUDENT, TEACHER, cross_batches, register
-from tests.test_stream import take
+from logitstore.testing.streams import take
+from logitstore.testing.students import STUDENT, TEACHER, cross_store
 
 FORMAT_3_STORE = Path(__file__).parent / "data" / "format3-students-store"  # make_format3_students_store.py
-
-
-def cross_store(uri: str, *, n: int = 24, parts: int = 3, **meta_fields):
-    """A store of one cross-tokenizer teacher (student tokenizer "s"), written now; the pinned view."""
-    store = Store.open(uri, create=True)
-    register(store, cross_batches(n=n, parts=parts), **meta_fields)
-    return store.read()
 
 
 def cross_stream(view, *, budget_parts: int | None = None, **kw) -> Stream:

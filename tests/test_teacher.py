@@ -15,7 +15,7 @@ from logitstore.pipelines.teacher import (
     sparse_topk_forward,
 )
 from logitstore.pipelines.teacher_files import CACHE_VARIABLE, loadable
-from tests.conftest import save_tiny_llama
+from logitstore.testing.teachers import save_tiny_llama
 
 TEXTS = [
     "The json module can serialize Python dictionaries, lists, strings and numbers, "

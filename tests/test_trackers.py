@@ -15,8 +15,8 @@ import pytest
 from typer.testing import CliRunner
 
 from logitstore.cli.app import app
+from logitstore.testing.cli import sample_corpus_head, small_build
 from logitstore.trainer.trackers import SINKS, scalars
-from tests.conftest import sample_corpus_head, small_build
 
 
 @pytest.fixture(scope="module")

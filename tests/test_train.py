@@ -14,29 +14,16 @@ from typer.testing import CliRunner
 
 from logitstore.cli.app import app
 from logitstore.pipelines.build import BuildConfig, run_build
+from logitstore.testing.cli import CLI, one_line_error, run
+from logitstore.testing.runs import COMMON, metrics
 from logitstore.trainer.config import TrainConfig
 from logitstore.trainer.train import launch
-from tests.conftest import CLI, sample_corpus_head
-
-COMMON = dict(seq_len=64, micro_batch=2, warmup_steps=2, lr=5e-3, eval_fraction=0.2)
 
 
 @pytest.fixture(scope="module")
-def store(tmp_path_factory) -> str:
-    """~3k teacher tokens of the sample corpus, distilled by the default teacher (top-16)."""
-    from logitstore.format.sparsity import Sparsity
-
-    data = sample_corpus_head(tmp_path_factory.mktemp("data") / "corpus.jsonl", docs=12, chars=1200)
-    uri = str(tmp_path_factory.mktemp("store") / "store")
-    run_build(
-        BuildConfig(store=uri, data=str(data), id_column="id", max_length=128, sparsity=Sparsity(k=16), progress=False),
-        log=lambda _: None,
-    )
-    return uri
-
-
-def metrics(out: Path) -> list[dict]:
-    return [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "step" in r]
+def store(train_store) -> str:
+    """The default teacher's store of the sample corpus (conftest's `train_store`), built once for this module."""
+    return train_store
 
 
 def test_loss_goes_down_and_the_student_exports(store, tmp_path):
@@ -339,7 +326,7 @@ def test_the_readme_trl_snippet_runs_as_written_and_says_nothing_else(store, tmp
     assert done.returncode == 0, done.stderr[-2000:]
     printed = done.stdout.strip().splitlines()[-1]
     assert printed.startswith("[(5, ") and "(10, " in printed
-    # issue 31: was a FutureWarning from SFTConfig and "Updated tokens: {'eos_token_id': 0}" (the student's
+    # was a FutureWarning from SFTConfig and "Updated tokens: {'eos_token_id': 0}" (the student's
     # config changed without a word); what stays is the progress bar and TRL's per-step log lines
     assert "Warning" not in done.stderr and "Updated tokens" not in done.stderr, done.stderr[-2000:]
 
@@ -348,3 +335,19 @@ def test_the_readme_own_loop_snippet_runs_as_written_and_learns(store, tmp_path,
     printed = run_readme_snippet("**Your own loop.**", store, tmp_path, capsys, doc="docs/train.md")
     first, last = (float(x) for x in re.fullmatch(r"KD (\S+) -> (\S+) in 10 steps", printed).groups())
     assert last < first - 0.5, printed
+
+
+def test_train_refusals_that_need_the_store_come_before_out_is_claimed(chat_store, tmp_path):
+    base = ["train", "--store", chat_store, "--steps", "1", "--seq-len", "32", "--micro-batch", "2"]
+    cases = [
+        (["--train-on", "prompt+completion"], "holds entries for completion tokens only"),
+        (["--memory-budget", "1KB"], "smaller than two parts"),
+        (["--micro-batch", "100000"], "fewer than one micro-batch"),
+    ]
+    for k, (args, message) in enumerate(cases):
+        out = tmp_path / f"run{k}"
+        error = one_line_error(run(*base, "--out", out, *args), 2)
+        assert message in error, error
+        assert not out.exists()  # was: claimed, so the corrected command was refused
+    result = run(*base, "--out", tmp_path / "run0", "--eval-fraction", "0")  # the corrected command
+    assert result.exit_code == 0, result.stderr

@@ -1,16 +1,17 @@
 """`train --nproc N`'s launcher and its ranks: a signal to the launcher alone stops every rank before the
-run goes on (SIGINT: exit 130, SIGTERM: 143), and the launcher ends after its ranks."""
+run goes on (SIGINT: exit 130, SIGTERM: 143), the launcher ends after its ranks, and a rank killed from
+outside (as the OOM killer does) ends the run with one line, exit 2."""
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import CLI
-from tests.test_exit_codes import chat_store  # noqa: F401 - the fixture: the chat sample, distilled
+from logitstore.testing.cli import CLI
 
 STEPS = 30  # a run the signal must cut short (unstopped, the ranks train on to step 30 and export final/)
 
@@ -47,3 +48,25 @@ def test_a_signal_to_the_launcher_stops_its_ranks_first(chat_store, tmp_path, si
     steps = [line for line in rest.splitlines() if line.startswith("step ")]
     assert len(steps) < STEPS - 1 and not (out / "final").exists(), steps[-1:]  # was: trained on, exported
     assert "Traceback" not in rest, rest[-2000:]
+
+
+@pytest.mark.slow
+def test_a_train_rank_killed_from_outside_is_one_line_exit_2(chat_store, tmp_path):
+    out = tmp_path / "run"
+    args = ["train", "--store", chat_store, "--out", out, "--steps", "100000", "--seq-len", "32", "--micro-batch", "1"]
+    child = subprocess.Popen(
+        [*CLI, *map(str, args), "--nproc", "2", "--eval-fraction", "0"], stderr=subprocess.PIPE, text=True
+    )
+    for line in child.stderr:  # the ranks train: kill one of them as the OOM killer would
+        if line.startswith("step "):
+            ranks = [
+                int(p)
+                for p in subprocess.run(["pgrep", "-P", str(child.pid)], capture_output=True, text=True).stdout.split()
+            ]
+            os.kill(max(ranks), signal.SIGKILL)
+            break
+    rest = child.stderr.read()
+    assert child.wait(timeout=300) == 2, rest[-2000:]  # was: a traceback, exit 1 (the code for damaged data)
+    errors = [line for line in rest.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "was killed by SIGKILL" in errors[0] and "--resume" in errors[0], rest[-2000:]
+    assert "Traceback" not in rest and "Terminating process" not in rest, rest[-2000:]

@@ -26,8 +26,8 @@ import numpy as np
 import pytest
 
 from logitstore.store.store import Store
-
-from .conftest import CLI, sample_corpus_head, save_tiny_llama
+from logitstore.testing.cli import CLI, sample_corpus_head
+from logitstore.testing.teachers import save_tiny_llama
 
 pytestmark = pytest.mark.vllm
 

@@ -20,7 +20,8 @@ from logitstore.format.grid import GRIDS, Q_MAX
 from logitstore.format.layout import GRID_ARRAYS
 from logitstore.format.zarr_codec import as_codes
 from logitstore.store.store import Store
-from tests.test_store import random_samples, teacher, write
+from logitstore.testing.stores import teacher, write
+from logitstore.testing.synthetic import random_samples
 
 
 @pytest.mark.parametrize("grid", sorted(GRIDS))
@@ -83,7 +84,7 @@ print("@@", json.dumps({{name: [str(part[name].dtype), part[name][:].tolist()] f
 
 
 def test_a_format_1_teacher_keeps_codes_and_reads_as_before(tmp_path):
-    from tests.conftest import assert_samples_close
+    from logitstore.testing.samples import assert_samples_close
 
     store = Store.open(str(tmp_path / "store"), create=True)
     samples = random_samples(["a", "b", "c"], k=8)
@@ -104,7 +105,7 @@ def test_a_format_1_teacher_keeps_codes_and_reads_as_before(tmp_path):
 
 
 def test_the_plain_reading_snippet_of_the_store_format_docs_runs_as_written(tmp_path):
-    from tests.test_safety import write_store
+    from logitstore.testing.stores import write_store
 
     view = write_store(str(tmp_path / "quick"), n=6).read()
     readme = (Path(__file__).parents[1] / "docs" / "store-format.md").read_text()

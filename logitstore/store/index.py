@@ -170,7 +170,7 @@ def _arrow_owned(data: bytes) -> pa.Buffer:
     """`data` copied into memory Arrow owns. Parquet read from Python bytes (a `BytesIO`, `py_buffer`) leaves
     buffers that hold the bytes object, and Arrow's thread pool may drop the last of them after the command
     returned: taking the GIL while Python finalizes kills that C++ thread and aborts the process (`ls` exits
-    134, "terminate called without an active exception", in ~2 runs of 100 without the copy). One
+    134, "terminate called without an active exception", in ~2 runs of 100 without the copy; tests/test_exit.py). One
     copy of the index (kilobytes to a few MB) is the cost."""
     sink = pa.BufferOutputStream()
     sink.write(data)

