@@ -27,6 +27,7 @@ import pytest
 
 from logitstore.store.store import Store
 from logitstore.testing.cli import CLI, sample_corpus_head
+from logitstore.testing.prompts import PROMPTS, answers, write_prompts
 from logitstore.testing.teachers import save_tiny_llama
 
 pytestmark = pytest.mark.vllm
@@ -338,8 +339,43 @@ def test_server_engine_on_two_vllm_servers_matches_the_torch_engine_with_one_kil
     assert meta.engine == "server" and meta.server["version"] == _vllm_version(), meta.server
     agreement = compare(samples(store), reference)
     assert agreement["same"] == agreement["positions"] and agreement["worst"] <= 0.003, agreement
+    check_generated(tmp_path / "served", teacher, "--engine", "server", "--server-url", replicas[0].url)
     replicas[0].kill()
     assert replicas[0].survivors() == [], "a process of the served teacher survived its group's SIGKILL"
+
+
+GENERATE = 8  # --generate: new tokens per answer
+
+
+def check_generated(root: Path, teacher: Path, *engine: str) -> None:
+    """`build --generate` on the teacher's own prompts, twice with one seed: every prompt answered
+    `--samples-per-prompt` times, the answers the same in both builds, the prompt's positions unsupervised
+    and the answer's supervised with entries, and the generation recorded with the engine's name."""
+    prompts = write_prompts(root.parent / f"{root.name}-prompts.jsonl", PROMPTS)
+    extra = ("--prompt-column", "prompt", "--generate", GENERATE, "--samples-per-prompt", 2, "--seed", 3)
+    extra += ("--top-k", 16, *engine)
+    summaries = [run_build(build_args(teacher, root / name, prompts, *extra))[0] for name in ("a", "b")]
+    assert answers(root / "a") == answers(root / "b"), "one seed, one engine: the same answers"
+    summary = summaries[0]
+    assert (summary["prompts"], summary["answers"]) == (len(PROMPTS), 2 * len(PROMPTS)), summary
+    assert summary["generated_tokens"] == sum(len(a) for a in answers(root / "a").values()) > 0
+    view = Store.open(str(root / "a")).read()
+    assert sorted(view.index["sample_id"].to_pylist()) == sorted(f"{p}/g{n}" for p in PROMPTS for n in (0, 1))
+    for sample_id, answer in answers(root / "a").items():
+        s = view.sample(sample_id)
+        prompt_length = len(s.input_ids) - len(answer)
+        assert 1 <= len(answer) <= GENERATE and s.input_ids[prompt_length:].tolist() == answer
+        assert s.loss_mask.tolist() == [0] * prompt_length + [1] * len(answer)
+        assert (s.n_entries[prompt_length - 1 :] > 0).all() and (s.n_entries[: prompt_length - 1] == 0).all()
+    [record] = view.generations().values()
+    assert (record["seed"], record["max_new_tokens"]) == (3, GENERATE), record
+    assert record["engine"] == engine[1], record
+
+
+def test_the_vllm_engine_generates_seeded_answers_that_it_scores(teacher, tmp_path):
+    """`build --engine vllm --generate`: `LLM.generate` with one seeded `SamplingParams` per answer, then
+    the same engine scores prompt and answer (see `check_generated`)."""
+    check_generated(tmp_path / "vllm", teacher, "--engine", "vllm")
 
 
 def _stored(store) -> int:
