@@ -21,13 +21,12 @@ from logitstore.format.sparsity import Sparsity
 from logitstore.pipelines.build import BuildConfig, run_build
 from logitstore.pipelines.engines.server.client import API_KEY_VARIABLE
 from logitstore.testing.cli import CLI, sample_corpus_head
+from logitstore.testing.runs import COMMON
 from logitstore.testing.shm import cuda_driver_file, leaked_shm, shm_entries
 from logitstore.testing.teachers import serve_teacher
 from logitstore.trainer.config import LiveConfig, TrainConfig
 from logitstore.trainer.live import LiveTeacher, _allocate_ring, _write_slot
 from logitstore.trainer.train import launch
-
-COMMON = dict(seq_len=64, micro_batch=2, warmup_steps=2, lr=5e-3, eval_fraction=0.2)
 
 
 @pytest.fixture(scope="module")

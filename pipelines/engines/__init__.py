@@ -53,16 +53,20 @@ def engine_names() -> list[str]:
     return sorted(ENGINES)
 
 
-def engine_class(name: str) -> type[Engine]:
-    """The engine class of engine `name`."""
+def _registered(name: str) -> Registered:
     if name not in ENGINES:
         raise EngineError(f"--engine must be one of {', '.join(engine_names())}, got {name!r}")
-    return ENGINES[name]().engine
+    return ENGINES[name]()
+
+
+def engine_class(name: str) -> type[Engine]:
+    """The engine class of engine `name`."""
+    return _registered(name).engine
 
 
 def generator_class(name: str) -> type[Generator]:
     """The generator class of engine `name`: what writes answers for `build --generate`."""
-    generator = ENGINES[engine_class(name).name]().generator
+    generator = _registered(name).generator
     if generator is None:
         raise EngineError(f"--engine {name} cannot generate answers (--generate); use --engine torch or vllm")
     return generator
