@@ -63,7 +63,7 @@ class StoredAnswers(Generation):
         self.generated, self._generator, self.counts = Generated(), None, counts
         self.source, self.version = source, version
         self._rows: dict[str, int] | None = None
-        self._index = None
+        self._index: dict[str, list] = {}
 
     def generator(self):
         raise AssertionError("a later teacher's pass generates nothing")
@@ -107,7 +107,7 @@ class StoredAnswers(Generation):
                 out[sid] = (ids[a:b].astype(np.int64), mask[a:b].astype(np.uint8))
         return out
 
-    def _first_teachers_rows(self) -> tuple[dict, dict[str, int]]:
+    def _first_teachers_rows(self) -> tuple[dict[str, list], dict[str, int]]:
         """The first teacher's index rows (columns as lists) and each sample id's row, read once."""
         if self._rows is None:
             index = self.version.index
@@ -115,5 +115,4 @@ class StoredAnswers(Generation):
             columns = ("sample_id", "part", "token_start", "n_tokens", "source_hash")
             self._index = {name: index[name].to_pylist() for name in columns}
             self._rows = {sid: i for i, sid in enumerate(self._index["sample_id"])}
-        assert self._index is not None
         return self._index, self._rows

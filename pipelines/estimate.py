@@ -147,8 +147,9 @@ def _estimate_generation(
     """The generation's part of the estimate: its counts scaled from the sample, the time at the
     measured tokens/s, and the answers' stored bytes at the measured bytes per answer."""
     summary, generated = plan.summary, plan.planned.generated
-    assert generated is not None, "plan_build counts what a --generate build generates"
-    estimate.generation, estimate.answers_of = summary.generation, answers_of and answers_of.teacher
+    assert generated is not None and cfg.generate is not None, "plan_build counts what --generate generates"
+    estimate.generation = summary.generation
+    estimate.answers_of = None if answers_of is None else answers_of.teacher
     estimate.answers_per_prompt = cfg.samples_per_prompt
     estimate.prompts = round(summary.prompts * scale)
     estimate.measured_answers = summary.answers
