@@ -152,7 +152,9 @@ def print_estimates(estimates: list) -> None:
 
     for e in estimates:
         scaled = (
-            "all tokenized" if e.exact else f"the first {e.tokenized_documents:,} tokenized, the rest scaled by size"
+            "all tokenized"
+            if e.exact
+            else f"the first {e.tokenized_documents:,} tokenized, the rest scaled by {'count' if e.generation else 'size'}"
         )
         bpt = "-" if e.bytes_per_token is None else f"{e.bytes_per_token:.1f}"
         params = ", ".join(f"{k}={v}" for k, v in e.sparsity.items() if k != "mode" and v is not None)

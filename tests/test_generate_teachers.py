@@ -114,5 +114,6 @@ def test_a_dry_run_estimates_the_generation_and_writes_nothing(tiny_teacher, sec
     assert second["generation"] == first["generation"] and second["teacher_tokens_per_second"] > 0
     print_estimates([BuildEstimate(**first), BuildEstimate(**second)])  # the text of the same estimates
     out = capsys.readouterr().out
+    assert "6 documents (the first 2 tokenized, the rest scaled by count)" in out
     assert "generate ~12 answers (2 per prompt to ~6 prompts)" in out and f"teacher {first['teacher']} generates" in out
     assert not (tmp_path / "s").exists()
