@@ -91,11 +91,7 @@ class Generation:
 
     @property
     def prompts_per_call(self) -> int:
-        """Prompts answered by one generator call: enough for a teacher batch or a unit, whichever is
-        larger, at the longest a sample may be (so the first unit comes after one call, and a killed
-        build loses at most about a unit of answers); at most `PROMPT_GROUP`."""
-        per_prompt = self.cfg.max_length * self.cfg.samples_per_prompt
-        return max(1, min(PROMPT_GROUP, max(self.cfg.batch_tokens, self.cfg.unit_tokens) // per_prompt))
+        return prompts_per_call(self.cfg)
 
     def generator(self):
         if self._generator is None:
@@ -191,6 +187,14 @@ class Generation:
         for (doc, prompt), answer in zip(wanted, answers):
             mask = np.concatenate([np.zeros(len(prompt), np.uint8), np.ones(len(answer), np.uint8)])
             yield doc, np.concatenate([prompt, np.asarray(answer, dtype=np.int64)]), mask
+
+
+def prompts_per_call(cfg: BuildConfig) -> int:
+    """Prompts answered by one generator call: enough for a teacher batch or a unit, whichever is
+    larger, at the longest a sample may be (so the first unit comes after one call, and a killed
+    build loses at most about a unit of answers); at most `PROMPT_GROUP`. A dry run measures one call."""
+    per_prompt = cfg.max_length * cfg.samples_per_prompt
+    return max(1, min(PROMPT_GROUP, max(cfg.batch_tokens, cfg.unit_tokens) // per_prompt))
 
 
 def _prompt_and_sample(sample_id: str) -> tuple[str, int]:
