@@ -56,7 +56,21 @@ VersionOpt = Annotated[Optional[str], typer.Option("--version", help="Version id
 JsonOutputOpt = Annotated[bool, json_option("Output")]  # build's and train's, in their Output panel
 
 # The order commands are listed in --help: the order of use.
-COMMAND_ORDER = ("build", "train", "eval", "rounds", "info", "ls", "show", "report", "diff", "log", "tag", "verify")
+COMMAND_ORDER = (
+    "build",
+    "train",
+    "eval",
+    "rounds",
+    "info",
+    "ls",
+    "show",
+    "export",
+    "report",
+    "diff",
+    "log",
+    "tag",
+    "verify",
+)
 
 
 def user_errors(fn):
@@ -142,6 +156,29 @@ def show(
         text.print_alignment(obj, student_tokenizer=student_tokenizer)
         return
     text.print_sample(obj, first=first, top=top)
+
+
+@app.command(cls=Command)
+@user_errors
+def export(
+    store: StoreArg,
+    out: Annotated[str, typer.Argument(help="The file to write: .jsonl (JSON lines) or .parquet.")],
+    teacher: Annotated[Optional[str], typer.Option(help="Teacher name, when the store holds several.")] = None,
+    version: VersionOpt = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """The generated answers (build --generate) as chat rows for datasets.load_dataset: prompt_id, sample,
+    messages (the prompt's turns, then the answer as the assistant's) and generation."""
+    from pathlib import Path
+
+    from logitstore.store.answers import check_export_path, write_answers
+
+    check_export_path(Path(out))  # before the store is read
+    summary = write_answers(_open(store).read(version), Path(out), teacher=teacher)
+    if json_out:
+        text.print_json(summary)
+        return
+    text.print_export(summary)
 
 
 @app.command(cls=Command)
