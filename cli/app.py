@@ -53,6 +53,7 @@ app = typer.Typer(
 
 StoreArg = Annotated[str, typer.Argument(help="Store location: a path, file://, s3://bucket/prefix or memory://name.")]
 VersionOpt = Annotated[Optional[str], typer.Option("--version", help="Version id, tag or branch (default: main).")]
+TeacherOpt = Annotated[Optional[str], typer.Option(help="Teacher name, when the store holds several.")]
 JsonOutputOpt = Annotated[bool, json_option("Output")]  # build's and train's, in their Output panel
 
 # The order commands are listed in --help: the order of use.
@@ -125,7 +126,7 @@ def info(store: StoreArg, version: VersionOpt = None, json_out: JsonOpt = False)
 def show(
     store: StoreArg,
     sample_id: Annotated[str, typer.Argument(help="The sample's id.")],
-    teacher: Annotated[Optional[str], typer.Option(help="Teacher name, when the store holds several.")] = None,
+    teacher: TeacherOpt = None,
     student_tokenizer: Annotated[
         Optional[str], typer.Option(help="Add this student tokenizer's ids and the alignment.")
     ] = None,
@@ -163,7 +164,7 @@ def show(
 def export(
     store: StoreArg,
     out: Annotated[str, typer.Argument(help="The file to write: .jsonl (JSON lines) or .parquet.")],
-    teacher: Annotated[Optional[str], typer.Option(help="Teacher name, when the store holds several.")] = None,
+    teacher: TeacherOpt = None,
     version: VersionOpt = None,
     json_out: JsonOpt = False,
 ) -> None:

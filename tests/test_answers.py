@@ -5,6 +5,7 @@ with their prompts kept are tested on real builds in tests/test_generate.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 
@@ -14,12 +15,10 @@ from typer.testing import CliRunner
 
 from logitstore.cli.app import app
 from logitstore.format import codec
-from logitstore.format.sparsity import Sparsity
 from logitstore.store.generation import answer_source_hash
-from logitstore.store.meta import TeacherMeta
 from logitstore.store.store import Store
 from logitstore.store.verify import verify
-from logitstore.testing.stores import VOCAB, word_tokenizer_json
+from logitstore.testing.stores import VOCAB, teacher, word_tokenizer_json
 from logitstore.testing.synthetic import random_samples
 
 GENERATION = "0123456789ab"
@@ -32,14 +31,7 @@ def write_answers(store: Store, sample_ids: list[str], *, sources, seed: int, fi
     samples.loss_mask = np.concatenate(
         [np.r_[np.zeros(PROMPT_TOKENS, np.uint8), np.ones(n - PROMPT_TOKENS, np.uint8)] for n in samples.n_tokens]
     )
-    meta = TeacherMeta(
-        name="teacher-a",
-        vocab_size=VOCAB,
-        content_hash="w",
-        tokenizer_hash="t",
-        sparsity=Sparsity(k=8),
-        loss_mask="completion",
-    )
+    meta = dataclasses.replace(teacher(), loss_mask="completion")
     with store.writer() as w:
         if first:
             order = codec.frequency_id_order(samples.entry_ids, vocab_size=VOCAB)

@@ -26,6 +26,7 @@ from logitstore.storage.blobs import BlobStore
 from logitstore.storage.bounded import BoundedRepository, read_errors, storage_errors
 from logitstore.storage.location import Location
 from logitstore.storage.packed import PackedStore, array_members
+from logitstore.store import answers
 from logitstore.store.generation import (
     GENERATIONS_ATTR,
     generation_of,
@@ -302,9 +303,7 @@ class StoreVersion:
         """Every generated answer of the teacher as a chat row of a `datasets.Dataset` (TRL's
         conversational format): `{"prompt_id", "sample", "messages": [the prompt's turns..., {"role":
         "assistant", "content": the answer}], "generation": id}` (`store/answers.py`)."""
-        from logitstore.store.answers import answers_dataset
-
-        return answers_dataset(self, teacher=teacher)
+        return answers.answers_dataset(self, teacher=teacher)
 
     def tokenizer(self, teacher: str | None = None):
         """The teacher's `tokenizers.Tokenizer` if the store keeps one, else None."""
