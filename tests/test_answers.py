@@ -23,11 +23,19 @@ from logitstore.testing.synthetic import random_samples
 
 GENERATION = "0123456789ab"
 PROMPT_TOKENS = 3
+STOP = VOCAB - 1  # a special token, as an answer's stop token is
+
+
+def tokenizer_json() -> str:
+    tokenizer = Tokenizer.from_str(word_tokenizer_json(VOCAB - 1))
+    tokenizer.add_special_tokens(["<stop>"])
+    return tokenizer.to_str()
 
 
 def write_answers(store: Store, sample_ids: list[str], *, sources, seed: int, first: bool = False) -> None:
     """Answers as a writer that kept no prompts wrote them: the first `PROMPT_TOKENS` tokens the prompt's."""
     samples = random_samples(sample_ids, seed=seed, min_tokens=6, max_tokens=10)
+    samples.input_ids[samples.token_offsets[1:] - 1] = STOP  # each answer ends with its stop token
     samples.loss_mask = np.concatenate(
         [np.r_[np.zeros(PROMPT_TOKENS, np.uint8), np.ones(n - PROMPT_TOKENS, np.uint8)] for n in samples.n_tokens]
     )
@@ -35,7 +43,7 @@ def write_answers(store: Store, sample_ids: list[str], *, sources, seed: int, fi
     with store.writer() as w:
         if first:
             order = codec.frequency_id_order(samples.entry_ids, vocab_size=VOCAB)
-            w.add_teacher(meta, tokenizer_json=word_tokenizer_json(), code_of_id=order)
+            w.add_teacher(meta, tokenizer_json=tokenizer_json(), code_of_id=order)
             w.record_generation("teacher-a", {"id": GENERATION, "seed": 0})
         w.write(samples, teacher="teacher-a", source_hashes=sources(samples))
         w.commit("answers")
@@ -43,7 +51,7 @@ def write_answers(store: Store, sample_ids: list[str], *, sources, seed: int, fi
 
 def plain_source(samples) -> list[str]:
     """The source hash of an answer to the plain text its prompt's tokens decode to."""
-    text = Tokenizer.from_str(word_tokenizer_json()).decode(samples.input_ids[:PROMPT_TOKENS].tolist())
+    text = Tokenizer.from_str(tokenizer_json()).decode(samples.input_ids[:PROMPT_TOKENS].tolist())
     return [answer_source_hash(hashlib.sha256(text.encode()).hexdigest()[:32], GENERATION)]
 
 
@@ -64,7 +72,9 @@ def test_answers_stored_before_prompts_were_kept_export_plain_prompts_and_refuse
     answer = view.answer("plain/g0")
     assert answer["messages"] == [{"role": "user", "content": answer["prompt_text"]}]
     [row] = [json.loads(line) for line in out.read_text().splitlines()]
-    assistant = {"role": "assistant", "content": answer["text"]}
+    # the assistant's turn is the answer less its stop token: the chat template writes its own end of turn
+    assert answer["text"].endswith(" <stop>") and answer["token_ids"][-1] == STOP
+    assistant = {"role": "assistant", "content": answer["text"].removesuffix(" <stop>")}
     assert row == {
         "prompt_id": "plain",
         "sample": 0,

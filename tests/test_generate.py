@@ -116,10 +116,14 @@ def test_answers_export_as_chat_rows_with_the_prompt_as_the_user_turn(twice, tmp
     assert result.exit_code == 0 and f"wrote {len(PROMPTS)} answers to {len(PROMPTS)} prompts" in result.stdout
     rows = {r["prompt_id"]: r for r in datasets.load_dataset("parquet", data_files=str(out), split="train")}
     view = logitstore.open(str(store))
+    tokenizer = view.tokenizer()
+    stops = {i for i, token in tokenizer.get_added_tokens_decoder().items() if token.special}
     for prompt_id, text in PROMPTS.items():
         answer = view.answer(f"{prompt_id}/g0")
         assert answer["messages"] == [{"role": "user", "content": text}]
-        assert rows[prompt_id]["messages"] == [*answer["messages"], {"role": "assistant", "content": answer["text"]}]
+        ids = answer["token_ids"][:-1] if answer["token_ids"][-1] in stops else answer["token_ids"]  # less its stop
+        assistant = {"role": "assistant", "content": tokenizer.decode(ids, skip_special_tokens=False)}
+        assert rows[prompt_id]["messages"] == [*answer["messages"], assistant]
         assert rows[prompt_id]["generation"] == summary["generation"]["id"]
     assert verify(view).ok  # the prompts read whole, one per answer
 
