@@ -163,7 +163,7 @@ def show(
 @user_errors
 def export(
     store: StoreArg,
-    out: Annotated[str, typer.Argument(help="The file to write: .jsonl (JSON lines) or .parquet.")],
+    out: Annotated[str, typer.Argument(help="The file to write: .jsonl or .json (JSON lines), or .parquet.")],
     teacher: TeacherOpt = None,
     version: VersionOpt = None,
     json_out: JsonOpt = False,
