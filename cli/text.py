@@ -91,6 +91,20 @@ def print_diff(changes: dict) -> None:
     typer.echo(f"{len(changes['added'])} added, {len(changes['removed'])} removed, {len(changes['changed'])} changed")
 
 
+def print_export(summary: dict) -> None:
+    """`export`: one line; a note on stderr for answers whose prompt the store did not keep."""
+    if summary["prompts_not_stored"]:
+        typer.echo(
+            f"note: {summary['prompts_not_stored']} answer(s) were stored before prompts were kept: their user "
+            "turn is the prompt's text as the teacher's tokenizer decodes it",
+            err=True,
+        )
+    typer.echo(
+        f"wrote {summary['answers']} answers to {summary['prompts']} prompts of teacher {summary['teacher']} "
+        f"(version {summary['version']}) as chat rows to {summary['out']}"
+    )
+
+
 def verify_json(report) -> dict:
     return {
         "version": report.version,

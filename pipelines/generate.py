@@ -34,7 +34,7 @@ from logitstore.pipelines.config import BuildConfig, BuildError
 from logitstore.pipelines.engines import generator_class
 from logitstore.pipelines.inputs import Document
 from logitstore.pipelines.workers import worker_settings
-from logitstore.store.generation import answer_id, answer_source_hash, generation_id, seed_of
+from logitstore.store.generation import answer_id, answer_source_hash, generation_id, prompt_record, seed_of
 from logitstore.store.meta import RUN_MARKER
 from logitstore.text import chat
 
@@ -147,6 +147,10 @@ class Generation:
             return chat.render_prompt(tokenizer, messages)
         except chat.ChatError as e:
             raise BuildError(f"prompt {doc.id!r} (input row {doc.row}): {e}") from None
+
+    def prompt_of(self, doc: Document) -> dict:
+        """The prompt as given, stored with its answers: the conversation's messages, or the text."""
+        return prompt_record(text=doc.text, messages=doc.messages if self.cfg.chat_column else None)
 
     def answer_documents(self, doc: Document) -> list[Document]:
         """The prompt's answers as documents (id `PROMPTID/gN`, source hash naming this generation),
