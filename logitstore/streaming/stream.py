@@ -4,8 +4,9 @@ reading each stored byte about once per epoch however large the store.
 
 One engine, `Stream`, owns order, split, packing, sharding, resume, reading and prefetch. What turns
 a piece of a sample into targets is its *source* (`Source`): `store_source.StoreSource` (one teacher of
-a store), `mixing.MixedSource` (several or cross-tokenizer teachers) and `live.LiveSource` (a teacher
-process beside the trainer). `store_stream` and `logitstore.stream` build the first two.
+a store), `mixing.MixedSource` (several or cross-tokenizer teachers), `versions.VersionsSource` (a weighted
+mix of a store's versions) and `live.LiveSource` (a teacher process beside the trainer). `store_stream`
+builds the first three, `logitstore.stream` the first two.
 
 The stream lives in five modules: its options and their checks (`spec.py`), the order (`order.py`: the
 split, the epoch plan, windows and packing, without reading data), the batch (`batch.py`: `PackedBatch`
@@ -39,6 +40,7 @@ from logitstore.streaming.mixing import MixedSource
 from logitstore.streaming.order import EpochPlan, Pieces, SplitTable, deal_samples, group_window_parts, window_parts
 from logitstore.streaming.spec import DEFAULT_MEMORY_BUDGET, StreamConfigError, StreamSpec
 from logitstore.streaming.store_source import StoreSource
+from logitstore.streaming.versions import VersionsSource, WeightedVersion, mix_version
 
 LOOKAHEAD_BATCHES = 8  # micro-batches ahead whose parts are asked for: work for every reader thread
 
@@ -519,20 +521,36 @@ class Stream(torch.utils.data.IterableDataset):
 # -- building streams ---------------------------------------------------------------------------------------
 
 
-def store_stream(view: StoreVersion, spec: StreamSpec, *, sources: list | None = None) -> Stream:
-    """The stream of a store version: one teacher (`spec.teacher`, or the version's only one), or several
-    or cross-tokenizer teachers (`sources`, `logitstore/streaming/mixing.py`)."""
-    split, eval_fraction, train_on = spec.split, spec.eval_fraction, spec.train_on
-    source: Source
-    if sources is not None and (len(sources) > 1 or sources[0].cross):
-        source = MixedSource(view, sources=sources, split=split, eval_fraction=eval_fraction, train_on=train_on)
-    else:
-        name = sources[0].name if sources else spec.teacher
-        source = StoreSource(view, teacher=name, split=split, eval_fraction=eval_fraction, train_on=train_on)
+def store_stream(
+    view: StoreVersion, spec: StreamSpec, *, sources: list | None = None, versions: list[WeightedVersion] | None = None
+) -> Stream:
+    """The stream of a store version: one teacher (`spec.teacher`, or the version's only one), several
+    or cross-tokenizer teachers (`sources`, `logitstore/streaming/mixing.py`), or one teacher of a
+    weighted mix of versions (`versions`, `logitstore/streaming/versions.py`; `view` is then unused)."""
+    source = _source_of(view, spec, sources=sources, versions=versions)
     stream = Stream(source, spec)
-    if sources is None and view.store.location.uri.split("://")[0] != "memory":
+    if sources is None and versions is None and view.store.location.uri.split("://")[0] != "memory":
         stream._recipe = {"uri": view.store.location.uri, "snapshot": view.snapshot_id, "spec": stream.spec}
     return stream
+
+
+def _source_of(view: StoreVersion, spec: StreamSpec, *, sources: list | None, versions: list | None) -> Source:
+    """The source type that reads what is asked for: several or cross teachers, several versions, or one of each."""
+    options = dict(split=spec.split, eval_fraction=spec.eval_fraction, train_on=spec.train_on)
+    several = sources is not None and (len(sources) > 1 or sources[0].cross)
+    if several and versions is not None:
+        raise StreamConfigError(
+            "--version-weight mixes the versions of one teacher with the student's tokenizer; "
+            "leave out --teacher-weight and --student-tokenizer"
+        )
+    if several:
+        return MixedSource(view, sources=sources, **options)
+    teacher = sources[0].name if sources else spec.teacher
+    if versions is not None and isinstance(mix_version(versions), dict):
+        return VersionsSource(versions, teacher=teacher, **options)
+    if versions is not None:  # one version at weight 1: that version
+        view = versions[0].view
+    return StoreSource(view, teacher=teacher, **options)
 
 
 def _stream_from_recipe(recipe: dict, state: dict) -> Stream:

@@ -1,0 +1,127 @@
+"""A stream over a weighted mix of a store's versions (`logitstore/streaming/versions.py`): two rounds,
+the second replacing some of the first's ids as `build --on-duplicate replace` does, and a version on
+another branch whose parts the main branch's tree lacks."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import pyarrow.compute as pc
+import pytest
+
+from logitstore.store.store import Store
+from logitstore.streaming.spec import StreamConfigError, StreamSpec
+from logitstore.streaming.stream import store_stream
+from logitstore.streaming.versions import VersionsSource, WeightedVersion, multiplicity
+from logitstore.testing.stores import write
+from logitstore.testing.streams import build_store, take
+from logitstore.testing.synthetic import random_samples
+
+REPLACED = [f"doc-{i:03d}" for i in range(0, 60, 3)]  # round 2's answers to a third of the prompts
+
+
+@pytest.fixture(scope="module")
+def rounds(tmp_path_factory):
+    """(round-1 view, round-2 view, a view on another branch): round 2 replaces `REPLACED`."""
+    uri = str(tmp_path_factory.mktemp("versions") / "store")
+    first = build_store(uri, n=60, parts=3)
+    store = Store.open(uri)
+    store.tag("round-1", version=first.snapshot_id)
+    meta = first.teachers["teacher-a"]
+    with store.writer(on_duplicate="replace") as w:
+        w.write(random_samples(REPLACED, seed=99, max_tokens=60, k=8), teacher="teacher-a")
+        w.commit("round 2")
+    store.tag("round-2", version=store.resolve())
+    store.create_branch("side", version=store.log()[-1].id)  # the store as created: no parts
+    write(store, random_samples(["side-0", "side-1", "doc-001"], seed=7, max_tokens=60, k=8), meta=meta, branch="side")
+    return store.read("round-1"), store.read("round-2"), store.read("side")
+
+
+def _stream(mix, **kw):
+    spec = StreamSpec(seq_len=32, micro_batch=1, rank=0, world_size=1, seed=1, eval_fraction=0.0, **kw)
+    return store_stream(mix[0].view, spec, versions=mix)
+
+
+def _version_of(views, sample_id, a, tokens):
+    """The views whose stored sample `sample_id` holds `tokens` at `a`."""
+    return [v.snapshot_id for v in views if np.array_equal(_tokens(v, sample_id)[a : a + len(tokens)], tokens)]
+
+
+def _tokens(view, sample_id):
+    key = (view.snapshot_id, sample_id)
+    if key not in _TOKENS:
+        held = view.index.filter(pc.equal(view.index["sample_id"], sample_id)).num_rows
+        _TOKENS[key] = view.sample(sample_id).input_ids if held else np.zeros(0, np.int64)
+    return _TOKENS[key]
+
+
+_TOKENS: dict = {}
+
+
+def _fragments(batches, views):
+    """(sample id, version, first token) of every fragment of the batches."""
+    seen = []
+    for batch in batches:
+        flat = batch.input_ids.reshape(-1).numpy()
+        for sid, a, f, m in batch.segments:
+            found = _version_of(views, sid, a, flat[f : f + m])
+            assert found, f"fragment of {sid} matches no version"
+            seen.append((sid, tuple(found), a))
+    return seen
+
+
+def test_mix_reads_each_version_by_its_weight(rounds):
+    one, two, _ = rounds
+    mix = [WeightedVersion(one, 0.5), WeightedVersion(two, 1.0)]
+    with _stream(mix) as s:
+        assert (
+            isinstance(s.source, VersionsSource) and len(s.source._readers) == 1
+        )  # round 2's tree holds round 1's parts
+        assert s.state_dict()["version"] == {one.snapshot_id: 0.5, two.snapshot_id: 1.0}
+        ids = Counter(s.table.sample_ids)
+        kept = multiplicity([f"doc-{i:03d}" for i in range(60)], version=one.snapshot_id, weight=0.5)
+        assert 15 <= int(kept.sum()) <= 45  # about half of round 1's
+        for i, k in enumerate(kept.tolist()):  # round 2's 60 samples once each, round 1's drawn ones once more
+            assert ids[f"doc-{i:03d}"] == 1 + k
+        epoch = _fragments(take(s, s.steps_per_epoch), [one, two])
+    # A replaced id's two copies are two samples, each read with its own version's tokens.
+    starts = Counter((sid, found) for sid, found, a in epoch if a == 0)
+    both = [sid for i, sid in enumerate(f"doc-{i:03d}" for i in range(60)) if sid in REPLACED and kept[i]]
+    assert both
+    read_both = [sid for sid in both if starts[(sid, (one.snapshot_id,))] and starts[(sid, (two.snapshot_id,))]]
+    assert len(read_both) >= len(both) - 1  # the epoch's cut last row may drop one sample's start
+    assert sum(starts.values()) >= len(s.table.sample_ids) - 2
+
+
+def test_mix_resumes_mid_epoch_and_whole_weights_repeat(rounds):
+    one, two, _ = rounds
+    mix = [WeightedVersion(two, 1.0), WeightedVersion(one, 1.5)]
+    with _stream(mix) as a, _stream(list(reversed(mix))) as b:
+        ahead = take(a, 4)
+        b.load_state_dict(take(b, 1)[0].data_state)  # the flags' order does not matter: the same stream
+        state = ahead[1].data_state
+        b.load_state_dict(state)
+        for x, y in zip(ahead[2:], take(b, 2)):
+            assert x.segments == y.segments and bool((x.input_ids == y.input_ids).all())
+        counts = Counter(a.table.sample_ids)
+        assert min(counts.values()) >= 2  # round 1 at 1.5: every sample once, some twice, plus round 2's
+    with _stream([WeightedVersion(two, 1.0), WeightedVersion(one, 0.5)]) as other:
+        with pytest.raises(StreamConfigError, match="resume on the same version"):
+            other.load_state_dict(state)
+
+
+def test_mix_across_branches_reads_each_tree(rounds):
+    one, _, side = rounds
+    mix = [WeightedVersion(one, 1.0), WeightedVersion(side, 2.0)]
+    with _stream(mix) as s:
+        assert len(s.source._readers) == 2  # neither tree holds the other's parts
+        assert Counter(s.table.sample_ids)["side-0"] == 2
+        epoch = _fragments(take(s, s.steps_per_epoch), [one, side])
+    assert {found for sid, found, _ in epoch if sid == "doc-001"} == {(one.snapshot_id,), (side.snapshot_id,)}
+
+
+def test_mix_refuses_one_version_twice(rounds):
+    one, _, _ = rounds
+    with pytest.raises(StreamConfigError, match="given twice"):
+        _stream([WeightedVersion(one, 1.0), WeightedVersion(Store.open(one.store.location.uri).read("round-1"), 0.5)])
