@@ -4,19 +4,25 @@ another branch whose parts the main branch's tree lacks."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from collections import Counter
 
 import numpy as np
 import pyarrow.compute as pc
 import pytest
+from typer.testing import CliRunner
 
+from logitstore.cli.app import app
+from logitstore.cli.rounds import Rounds, train_flags
 from logitstore.store.store import Store
 from logitstore.streaming.spec import StreamConfigError, StreamSpec
 from logitstore.streaming.stream import store_stream
 from logitstore.streaming.versions import VersionsSource, WeightedVersion, multiplicity
-from logitstore.testing.stores import write
+from logitstore.testing.stores import write, write_store
 from logitstore.testing.streams import build_store, take
 from logitstore.testing.synthetic import random_samples
+from logitstore.trainer.config import TrainConfig
 
 REPLACED = [f"doc-{i:03d}" for i in range(0, 60, 3)]  # round 2's answers to a third of the prompts
 
@@ -125,3 +131,64 @@ def test_mix_refuses_one_version_twice(rounds):
     one, _, _ = rounds
     with pytest.raises(StreamConfigError, match="given twice"):
         _stream([WeightedVersion(one, 1.0), WeightedVersion(Store.open(one.store.location.uri).read("round-1"), 0.5)])
+
+
+# -- the flag, the run's records and resume, and the rounds driver ---------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        (["round-1"], "--version-weight 'round-1': expected VERSION=WEIGHT with a weight > 0"),
+        (["round-1=0"], "--version-weight 'round-1=0': expected VERSION=WEIGHT with a weight > 0"),
+        (["round-1=x"], "--version-weight 'round-1=x': expected VERSION=WEIGHT with a weight > 0"),
+        (["a=1", "a=2"], "--version-weight: version 'a' given twice"),
+        (["a=1", "--version", "b"], "--version and --version-weight exclude each other"),
+    ],
+)
+def test_a_bad_version_weight_is_one_line_and_exit_2(values, message):
+    args = ["train", "--store", "s", "--out", "o", "--print-config"]
+    for value in values:
+        args += [value] if value.startswith("--") or args[-1] == "--version" else ["--version-weight", value]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 2 and result.stderr.strip() == f"error: {message}", result.stderr
+
+
+def test_a_mixed_run_records_its_mix_and_resumes_only_on_it(tmp_path):
+    from logitstore.trainer import checkpoint
+
+    uri, out = str(tmp_path / "store"), tmp_path / "run"
+    store = write_store(uri, n=12)
+    store.tag("round-1", version=store.resolve())
+    with store.writer(on_duplicate="replace") as w:
+        w.write(random_samples([f"doc-{i}" for i in range(0, 12, 2)], seed=5, max_tokens=80, k=8), teacher="teacher-a")
+        w.commit("round 2")
+    store.tag("round-2", version=store.resolve())
+    one, two = store.resolve("round-1"), store.resolve("round-2")
+    flags = ["--store", uri, "--out", out, "--seq-len", 32, "--micro-batch", 2, "--eval-fraction", 0]
+    mix = ["--version-weight", "round-1=0.5", "--version-weight", "round-2=1"]
+    train = lambda *args: CliRunner().invoke(app, ["train", *map(str, [*flags, *args])])
+    result = train("--steps", 1, *mix)
+    assert result.exit_code == 0, result.stderr
+    result = train("--steps", 2, "--resume")  # the mix the run pinned
+    assert result.exit_code == 0, result.stderr
+    other = ["--version-weight", "round-1=1", "--version-weight", "round-2=1"]
+    refused = train("--steps", 3, "--resume", *other)
+    assert refused.exit_code == 2 and f"{one}=1, {two}=1" in refused.stderr
+    result = train("--steps", 3, "--resume", "--new-version", *other)
+    assert result.exit_code == 0, result.stderr
+    first, second = {one: 0.5, two: 1.0}, {one: 1.0, two: 1.0}
+    state = checkpoint.train_state(checkpoint.latest(out))
+    assert (state["step"], state["snapshot"], state["versions"]) == (3, second, [first, second])
+    assert state["data"]["version"] == second
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [s["version"] for s in lines if s.get("event") == "start"] == [first, first, second]
+
+
+def test_rounds_mix_earlier_rounds_at_their_weight():
+    r = Rounds(store="s", out="o", prompts="p", rounds=3, steps_per_round=2, earlier_rounds_weight=0.25)
+    assert train_flags(r, 1, resume=False)["version"] == "round-1"
+    third = train_flags(r, 3, resume=True)
+    assert third["version_weights"] == {"round-3": 1.0, "round-1": 0.25, "round-2": 0.25} and "version" not in third
+    assert TrainConfig.from_flags(**third).data.version_weights == third["version_weights"]
+    assert train_flags(dataclasses.replace(r, earlier_rounds_weight=0.0), 3, resume=True)["version"] == "round-3"

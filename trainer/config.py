@@ -64,8 +64,10 @@ def is_real(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and not math.isnan(x)
 
 
-def parse_teacher_weights(values: list[str] | tuple[str, ...] | None) -> dict[str, float] | None:
-    """`["A=0.7", "B=0.3"]` -> {"A": 0.7, "B": 0.3}; order kept (the first is the sample set's)."""
+def parse_weights(
+    values: list[str] | tuple[str, ...] | None, *, flag: str, what: str, placeholder: str
+) -> dict[str, float] | None:
+    """`["A=0.7", "B=0.3"]` -> {"A": 0.7, "B": 0.3}; order kept. `flag`, `what` and `placeholder` name them in errors."""
     if not values:
         return None
     out: dict[str, float] = {}
@@ -76,14 +78,19 @@ def parse_teacher_weights(values: list[str] | tuple[str, ...] | None) -> dict[st
         except ValueError:
             w = math.nan
         if not sep or not name or not math.isfinite(w) or w <= 0:
-            raise TrainConfigError(f"--teacher-weight {value!r}: expected NAME=WEIGHT with a weight > 0")
+            raise TrainConfigError(f"{flag} {value!r}: expected {placeholder}=WEIGHT with a weight > 0")
         if name in out:
-            raise TrainConfigError(f"--teacher-weight: teacher {name!r} given twice")
+            raise TrainConfigError(f"{flag}: {what} {name!r} given twice")
         out[name] = w
     return out
 
 
-def _show_teacher_weights(weights: dict[str, float] | None) -> list[str]:
+# Several teachers (the first is the sample set's), and several versions of the store.
+parse_teacher_weights = partial(parse_weights, flag="--teacher-weight", what="teacher", placeholder="NAME")
+parse_version_weights = partial(parse_weights, flag="--version-weight", what="version", placeholder="VERSION")
+
+
+def _show_weights(weights: dict[str, float] | None) -> list[str]:
     return [f"{name}={weight}" for name, weight in (weights or {}).items()]
 
 
@@ -91,6 +98,16 @@ def _show_teacher_weights(weights: dict[str, float] | None) -> list[str]:
 class DataConfig:
     store: str | None = option(None, panel=DATA, help="Store to train from (required, unless --live-teacher).")
     version: str | None = option(None, panel=DATA, help="Version id, tag or branch (default: main).")
+    # a weighted mix of versions: {version: weight} (samples per epoch per stored sample); see versions.py
+    version_weights: dict[str, float] | None = option(
+        None,
+        name="version_weight",
+        value_type=list[str],
+        parse=parse_version_weights,
+        show=_show_weights,
+        panel=DATA,
+        help="VERSION=WEIGHT: train on several versions of the store at once, each sample of VERSION about WEIGHT times per epoch (repeatable; instead of --version; docs/train.md 'Mixing versions').",
+    )
     teacher: str | None = option(None, panel=DATA, help="Teacher name, when the store holds several.")
     # Several teachers: {name: weight} in order (the first one's samples are the run's); see mixing.py
     teacher_weights: dict[str, float] | None = option(
@@ -98,7 +115,7 @@ class DataConfig:
         name="teacher_weight",
         value_type=list[str],
         parse=parse_teacher_weights,
-        show=_show_teacher_weights,
+        show=_show_weights,
         panel=DATA,
         help="NAME=WEIGHT: learn from several teachers at once (repeatable; the first one's samples are the run's).",
     )
@@ -148,6 +165,13 @@ class DataConfig:
                 (self.reader_groups is None or self.reader_groups >= 1, "--reader-groups must be at least 1"),
                 (not (self.teacher_weights and self.teacher), "--teacher and --teacher-weight exclude each other"),
                 (all(w > 0 for w in (self.teacher_weights or {}).values()), "--teacher-weight weights must be > 0"),
+                (not (self.version_weights and self.version), "--version and --version-weight exclude each other"),
+                (all(w > 0 for w in (self.version_weights or {}).values()), "--version-weight weights must be > 0"),
+                (
+                    not (self.version_weights and (len(self.teacher_weights or {}) > 1 or self.student_tokenizer)),
+                    "--version-weight mixes versions of one teacher with the student's tokenizer: "
+                    "no several --teacher-weight, no --student-tokenizer",
+                ),
             ]
         )
 
@@ -449,9 +473,10 @@ class TrainConfig:
                 ),
                 ((self.live is None) == bool(d.store), "give exactly one of --store and --live-teacher (or --live)"),
                 (
-                    self.live is None or not (d.teacher_weights or d.student_tokenizer or d.version),
+                    self.live is None
+                    or not (d.teacher_weights or d.student_tokenizer or d.version or d.version_weights),
                     "--live-teacher takes one teacher with the student's tokenizer: no --teacher-weight, "
-                    "--student-tokenizer or --version",
+                    "--student-tokenizer, --version or --version-weight",
                 ),
             ]
         )
@@ -503,9 +528,14 @@ class TrainConfig:
         """`logitstore eval`'s configuration: the held-out split of `store`, all of it, nothing written."""
         return cls.from_flags(store=store, out=EVAL_ONLY, student=student, eval_batches=1 << 30, **flags)
 
-    def with_version(self, version: str) -> TrainConfig:
-        """The same run reading `version` (a resumed run reads the snapshot its run pinned)."""
-        return dataclasses.replace(self, data=dataclasses.replace(self.data, version=version))
+    def with_version(self, version: str | dict[str, float]) -> TrainConfig:
+        """The same run reading `version`, a snapshot or a mix of them {snapshot: weight} (a resumed run
+        reads what its run pinned)."""
+        if isinstance(version, dict):
+            data = dataclasses.replace(self.data, version=None, version_weights=dict(version))
+        else:
+            data = dataclasses.replace(self.data, version=version, version_weights=None)
+        return dataclasses.replace(self, data=data)
 
     @property
     def tokens_per_step(self) -> int:
@@ -528,6 +558,7 @@ class TrainConfig:
             "checkpoint_every",
             "on_error",
             "version",
+            "version_weights",
             "global_batch_tokens",
             "tokens",
             "activation_checkpointing",
@@ -563,7 +594,7 @@ RUN_CONFIG = "config.yaml"  # in --out: the configuration the run runs with (`ru
 # Left to the command that resumes: what it does to the folder (never written to it), and the version
 # (a resumed run reads the snapshot its run pinned; a branch named at its start may name another now).
 PER_COMMAND = ("resume", "force", "new_version")
-_NOT_KEPT = (*PER_COMMAND, "version")
+_NOT_KEPT = (*PER_COMMAND, "version", "version_weight")
 
 
 def kept_values(cfg: TrainConfig) -> dict[str, Any]:

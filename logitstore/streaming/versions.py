@@ -49,10 +49,21 @@ class WeightedVersion:
 
 
 def mix_version(mix: list[WeightedVersion]) -> dict[str, float] | str:
-    """What a mix pins: {snapshot id: weight} sorted by id, or the snapshot id of a mix of one version at weight 1."""
-    if len(mix) == 1 and mix[0].weight == 1:
-        return mix[0].view.snapshot_id
-    return {w.view.snapshot_id: w.weight for w in sorted(mix, key=lambda w: w.view.snapshot_id)}
+    """What a mix pins (`pinned`)."""
+    return pinned({w.view.snapshot_id: w.weight for w in mix})
+
+
+def pinned(weights: dict[str, float]) -> dict[str, float] | str:
+    """What a mix of snapshots pins: {snapshot id: weight} sorted by id, or the snapshot id of a mix of
+    one version at weight 1 (that version)."""
+    if len(weights) == 1 and next(iter(weights.values())) == 1:
+        return next(iter(weights))
+    return dict(sorted(weights.items()))
+
+
+def shown(version: dict[str, float] | str) -> str:
+    """A pinned version or mix in words: `ID` or `ID=0.5, ID=1`."""
+    return version if isinstance(version, str) else ", ".join(f"{v}={w:g}" for v, w in version.items())
 
 
 def multiplicity(sample_ids: list[str], *, version: str, weight: float) -> np.ndarray:
@@ -127,8 +138,7 @@ class VersionsSource:
             parts=[p for r in self._readers for p in r.rows.parts],
         )
         self.sampled = self._readers[0].reader.sampled
-        shown = ", ".join(f"{w.view.snapshot_id}={w.weight:g}" for w in mix)
-        self.where = f"the {split} split of teacher {teacher!r} in versions {shown}"
+        self.where = f"the {split} split of teacher {teacher!r} in versions {shown(self.version)}"
 
     def _of_part(self, code: int) -> _Reader:
         return self._readers[int(np.searchsorted(self._part0, code, side="right")) - 1]
