@@ -179,7 +179,7 @@ def _check_version(out: Path, cfg: TrainConfig, snapshot: str | dict) -> str | d
     return requested
 
 
-def claim(plan: RunPlan, cfg: TrainConfig, *, snapshot: str | None) -> None:
+def claim(plan: RunPlan, cfg: TrainConfig, *, snapshot: str | dict | None) -> None:
     """Take --out for this run (rank 0, once the configuration passed): remove the old run's entries
     (--force) or the previous export, drop the metrics past the checkpoint a resumed run continues from,
     and write the configuration it runs with (`RUN_CONFIG`, what `--config` takes; a resumed run reads

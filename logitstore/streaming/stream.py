@@ -49,7 +49,10 @@ class Source(Protocol):
     """What the engine needs from a source of teacher signal."""
 
     table: SplitTable
-    version: str  # what a state_dict pins (a store snapshot id, or live mode's fingerprint)
+
+    @property
+    def version(self) -> str | dict[str, float]:
+        """What a state_dict pins: a store snapshot id, a mix of them {id: weight}, or live mode's fingerprint."""
 
     def part_bytes(self) -> np.ndarray | None:
         """Bytes in memory of each part once read, or None for a source with nothing to read."""
@@ -529,33 +532,37 @@ def store_stream(
     weighted mix of versions (`versions`, `logitstore/streaming/versions.py`; `view` is then unused)."""
     source = _source_of(view, spec, sources=sources, versions=versions)
     stream = Stream(source, spec)
-    if sources is None and versions is None and view.store.location.uri.split("://")[0] != "memory":
-        stream._recipe = {"uri": view.store.location.uri, "snapshot": view.snapshot_id, "spec": stream.spec}
+    if sources is None and view.store.location.uri.split("://")[0] != "memory":
+        mix = None if versions is None else [(w.view.snapshot_id, w.weight) for w in versions]
+        stream._recipe = {"uri": view.store.location.uri, "snapshot": view.snapshot_id, "spec": stream.spec, "mix": mix}
     return stream
 
 
-def _source_of(view: StoreVersion, spec: StreamSpec, *, sources: list | None, versions: list | None) -> Source:
+def _source_of(
+    view: StoreVersion, spec: StreamSpec, *, sources: list | None, versions: list[WeightedVersion] | None
+) -> Source:
     """The source type that reads what is asked for: several or cross teachers, several versions, or one of each."""
-    options = dict(split=spec.split, eval_fraction=spec.eval_fraction, train_on=spec.train_on)
-    several = sources is not None and (len(sources) > 1 or sources[0].cross)
-    if several and versions is not None:
-        raise StreamConfigError(
-            "--version-weight mixes the versions of one teacher with the student's tokenizer; "
-            "leave out --teacher-weight and --student-tokenizer"
-        )
-    if several:
-        return MixedSource(view, sources=sources, **options)
+    split, eval_fraction, train_on = spec.split, spec.eval_fraction, spec.train_on
+    if sources is not None and (len(sources) > 1 or sources[0].cross):
+        if versions is not None:
+            raise StreamConfigError(
+                "--version-weight mixes the versions of one teacher with the student's tokenizer; "
+                "leave out --teacher-weight and --student-tokenizer"
+            )
+        return MixedSource(view, sources=sources, split=split, eval_fraction=eval_fraction, train_on=train_on)
     teacher = sources[0].name if sources else spec.teacher
     if versions is not None and isinstance(mix_version(versions), dict):
-        return VersionsSource(versions, teacher=teacher, **options)
+        return VersionsSource(versions, teacher=teacher, split=split, eval_fraction=eval_fraction, train_on=train_on)
     if versions is not None:  # one version at weight 1: that version
         view = versions[0].view
-    return StoreSource(view, teacher=teacher, **options)
+    return StoreSource(view, teacher=teacher, split=split, eval_fraction=eval_fraction, train_on=train_on)
 
 
 def _stream_from_recipe(recipe: dict, state: dict) -> Stream:
     """The stream `store_stream` made from `recipe`, at `state`: how a stream arrives in another process."""
-    view = Store.open(recipe["uri"]).read(recipe["snapshot"])
-    stream = store_stream(view, recipe["spec"])
+    store = Store.open(recipe["uri"])
+    mix = recipe.get("mix")
+    versions = None if mix is None else [WeightedVersion(store.read(v), w) for v, w in mix]
+    stream = store_stream(store.read(recipe["snapshot"]), recipe["spec"], versions=versions)
     stream.load_state_dict(state)
     return stream

@@ -215,11 +215,17 @@ def _reading_views(mix: list[WeightedVersion], *, teacher: str) -> list[tuple[St
     """(the view that reads them, the versions of the mix it reads): the version whose tree holds the most
     of the mix's parts reads every version whose parts it holds; each other version reads its own."""
     needed = [set(w.view.index.filter(pc.equal(w.view.index["teacher"], teacher))["part"].to_pylist()) for w in mix]
-    held = [set(layout.group_at(w.view.root, layout.parts_path(teacher)).group_keys()) for w in mix]
+    held = [_parts_in(w.view, teacher=teacher) for w in mix]
     every = set().union(*needed)
     main = max(range(len(mix)), key=lambda k: (len(held[k] & every), k))
     joined = [k for k in range(len(mix)) if needed[k] <= held[main]]
     return [(mix[main].view, joined)] + [(mix[k].view, [k]) for k in range(len(mix)) if k not in joined]
+
+
+def _parts_in(view: StoreVersion, *, teacher: str) -> set[str]:
+    """The teacher's parts in the version's tree (referenced or not): one listing of Icechunk's snapshot."""
+    path = layout.parts_path(teacher)
+    return set(layout.group_at(view.root, path).group_keys()) if path in view.root else set()
 
 
 def _with_index(view: StoreVersion, versions: list[StoreVersion]) -> StoreVersion:
