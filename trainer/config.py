@@ -27,7 +27,19 @@ from typing import Any
 
 from logitstore.errors import LogitstoreError
 from logitstore.format.sparsity import Sparsity, SparsityFlags, default_sparsity
-from logitstore.options import KEY, Flag, declared, from_values, group, option, option_of, read_file, to_values
+from logitstore.options import (
+    KEY,
+    Flag,
+    declared,
+    from_values,
+    group,
+    option,
+    option_of,
+    parse_weights,
+    read_file,
+    show_weights,
+    to_values,
+)
 from logitstore.pipelines.config import DataSource, EngineOptions, PlanConfig
 from logitstore.sizes import parse_bytes
 from logitstore.streaming.spec import DEFAULT_MEMORY_BUDGET, ON_ERROR, StreamSpec
@@ -64,36 +76,6 @@ def is_real(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and not math.isnan(x)
 
 
-def parse_weights(
-    values: list[str] | tuple[str, ...] | None, *, flag: str, what: str, placeholder: str
-) -> dict[str, float] | None:
-    """`["A=0.7", "B=0.3"]` -> {"A": 0.7, "B": 0.3}; order kept. `flag`, `what` and `placeholder` name them in errors."""
-    if not values:
-        return None
-    out: dict[str, float] = {}
-    for value in values:
-        name, sep, weight = value.partition("=")
-        try:
-            w = float(weight)
-        except ValueError:
-            w = math.nan
-        if not sep or not name or not math.isfinite(w) or w <= 0:
-            raise TrainConfigError(f"{flag} {value!r}: expected {placeholder}=WEIGHT with a weight > 0")
-        if name in out:
-            raise TrainConfigError(f"{flag}: {what} {name!r} given twice")
-        out[name] = w
-    return out
-
-
-# Several teachers (the first is the sample set's), and several versions of the store.
-parse_teacher_weights = partial(parse_weights, flag="--teacher-weight", what="teacher", placeholder="NAME")
-parse_version_weights = partial(parse_weights, flag="--version-weight", what="version", placeholder="VERSION")
-
-
-def _show_weights(weights: dict[str, float] | None) -> list[str]:
-    return [f"{name}={weight}" for name, weight in (weights or {}).items()]
-
-
 @dataclass
 class DataConfig:
     store: str | None = option(None, panel=DATA, help="Store to train from (required, unless --live-teacher).")
@@ -103,8 +85,8 @@ class DataConfig:
         None,
         name="version_weight",
         value_type=list[str],
-        parse=parse_version_weights,
-        show=_show_weights,
+        parse=partial(parse_weights, flag="--version-weight", what="version", placeholder="VERSION"),
+        show=show_weights,
         panel=DATA,
         help="VERSION=WEIGHT: train on several versions of the store at once, each sample of VERSION about WEIGHT times per epoch (repeatable; instead of --version; docs/train.md 'Mixing versions').",
     )
@@ -114,8 +96,8 @@ class DataConfig:
         None,
         name="teacher_weight",
         value_type=list[str],
-        parse=parse_teacher_weights,
-        show=_show_weights,
+        parse=partial(parse_weights, flag="--teacher-weight", what="teacher", placeholder="NAME"),
+        show=show_weights,
         panel=DATA,
         help="NAME=WEIGHT: learn from several teachers at once (repeatable; the first one's samples are the run's).",
     )
@@ -167,11 +149,6 @@ class DataConfig:
                 (all(w > 0 for w in (self.teacher_weights or {}).values()), "--teacher-weight weights must be > 0"),
                 (not (self.version_weights and self.version), "--version and --version-weight exclude each other"),
                 (all(w > 0 for w in (self.version_weights or {}).values()), "--version-weight weights must be > 0"),
-                (
-                    not (self.version_weights and (len(self.teacher_weights or {}) > 1 or self.student_tokenizer)),
-                    "--version-weight mixes versions of one teacher with the student's tokenizer: "
-                    "no several --teacher-weight, no --student-tokenizer",
-                ),
             ]
         )
 
@@ -529,12 +506,9 @@ class TrainConfig:
         return cls.from_flags(store=store, out=EVAL_ONLY, student=student, eval_batches=1 << 30, **flags)
 
     def with_version(self, version: str | dict[str, float]) -> TrainConfig:
-        """The same run reading `version`, a snapshot or a mix of them {snapshot: weight} (a resumed run
-        reads what its run pinned)."""
-        if isinstance(version, dict):
-            data = dataclasses.replace(self.data, version=None, version_weights=dict(version))
-        else:
-            data = dataclasses.replace(self.data, version=version, version_weights=None)
+        """The same run reading `version`, a snapshot or a mix {snapshot: weight} (what a resumed run pinned)."""
+        one, mix = (None, dict(version)) if isinstance(version, dict) else (version, None)
+        data = dataclasses.replace(self.data, version=one, version_weights=mix)
         return dataclasses.replace(self, data=data)
 
     @property
