@@ -23,7 +23,9 @@ from logitstore.streaming.versions import VersionsSource, WeightedVersion, multi
 from logitstore.testing.stores import write, write_store
 from logitstore.testing.streams import assert_same, build_store, take
 from logitstore.testing.synthetic import random_samples
+from logitstore.trainer import checkpoint, run_folder
 from logitstore.trainer.config import TrainConfig
+from logitstore.trainer.train import preflight
 
 REPLACED = [f"doc-{i:03d}" for i in range(0, 60, 3)]  # round 2's answers to a third of the prompts
 
@@ -159,8 +161,6 @@ def test_a_bad_version_weight_is_one_line_and_exit_2(values, message):
 
 
 def test_a_mixed_run_records_its_mix_and_resumes_only_on_it(tmp_path):
-    from logitstore.trainer import checkpoint
-
     uri, out = str(tmp_path / "store"), tmp_path / "run"
     store = write_store(uri, n=12)
     store.tag("round-1", version=store.resolve())
@@ -170,23 +170,26 @@ def test_a_mixed_run_records_its_mix_and_resumes_only_on_it(tmp_path):
     store.tag("round-2", version=store.resolve())
     one, two = store.resolve("round-1"), store.resolve("round-2")
     flags = ["--store", uri, "--out", out, "--seq-len", 32, "--micro-batch", 2, "--eval-fraction", 0]
-    mix = ["--version-weight", "round-1=0.5", "--version-weight", "round-2=1"]
     train = lambda *args: CliRunner().invoke(app, ["train", *map(str, [*flags, *args])])
-    result = train("--steps", 1, *mix)
-    assert result.exit_code == 0, result.stderr
-    result = train("--steps", 2, "--resume")  # the mix the run pinned
-    assert result.exit_code == 0, result.stderr
-    other = ["--version-weight", "round-1=1", "--version-weight", "round-2=1"]
-    refused = train("--steps", 3, "--resume", *other)
-    assert refused.exit_code == 2 and f"but --version-weight is {shown(pinned({one: 1, two: 1}))};" in refused.stderr
-    result = train("--steps", 3, "--resume", "--new-version", *other)
+    result = train("--steps", 1, "--version-weight", "round-1=0.5", "--version-weight", "round-2=1")
     assert result.exit_code == 0, result.stderr
     first, second = {one: 0.5, two: 1.0}, {one: 1.0, two: 1.0}
+    # --resume reads the mix the run pinned, and its stream takes the checkpoint's data state (no step run).
+    resume = TrainConfig.from_flags(store=uri, out=str(out), steps=2, seq_len=32, micro_batch=2, eval_fraction=0.0)
+    plan = run_folder.plan(dataclasses.replace(resume, output=dataclasses.replace(resume.output, resume=True)))
+    assert (plan.snapshot, plan.versions, plan.new_data) == (first, (first,), False)
+    preflight(resume.with_version(plan.snapshot), plan, world_size=1)
+    other = ["--version-weight", "round-1=1", "--version-weight", "round-2=1"]
+    refused = train("--steps", 2, "--resume", *other)
+    assert refused.exit_code == 2 and f"but --version-weight is {shown(pinned({one: 1, two: 1}))};" in refused.stderr
+    result = train("--steps", 2, "--resume", "--new-version", *other)
+    assert result.exit_code == 0, result.stderr
     state = checkpoint.train_state(checkpoint.latest(out))
-    assert (state["step"], state["snapshot"], state["versions"]) == (3, second, [first, second])
+    assert (state["step"], state["snapshot"], state["versions"]) == (2, second, [first, second])
     assert state["data"]["version"] == second
     lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [s["version"] for s in lines if s.get("event") == "start"] == [first, first, second]
+    assert [s["versions"] for s in lines if s.get("event") == "start"] == [[first], [first, second]]
+    assert [(r["step"], r["version"]) for r in lines if "step" in r] == [(1, first), (2, second)]
 
 
 def test_rounds_mix_earlier_rounds_at_their_weight():

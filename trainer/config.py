@@ -76,29 +76,30 @@ def is_real(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and not math.isnan(x)
 
 
+def weights_option(name: str, *, what: str, placeholder: str, help: str) -> Any:
+    """A repeatable PLACEHOLDER=WEIGHT flag of the data panel, its value {what: weight} in order."""
+    flag = "--" + name.replace("_", "-")
+    parse = partial(parse_weights, flag=flag, what=what, placeholder=placeholder)
+    return option(None, name=name, value_type=list[str], parse=parse, show=show_weights, panel=DATA, help=help)
+
+
 @dataclass
 class DataConfig:
     store: str | None = option(None, panel=DATA, help="Store to train from (required, unless --live-teacher).")
     version: str | None = option(None, panel=DATA, help="Version id, tag or branch (default: main).")
     # a weighted mix of versions: {version: weight} (samples per epoch per stored sample); see versions.py
-    version_weights: dict[str, float] | None = option(
-        None,
-        name="version_weight",
-        value_type=list[str],
-        parse=partial(parse_weights, flag="--version-weight", what="version", placeholder="VERSION"),
-        show=show_weights,
-        panel=DATA,
+    version_weights: dict[str, float] | None = weights_option(
+        "version_weight",
+        what="version",
+        placeholder="VERSION",
         help="VERSION=WEIGHT: train on several versions of the store at once, each sample of VERSION about WEIGHT times per epoch (repeatable; instead of --version; docs/train.md 'Mixing versions').",
     )
     teacher: str | None = option(None, panel=DATA, help="Teacher name, when the store holds several.")
     # Several teachers: {name: weight} in order (the first one's samples are the run's); see mixing.py
-    teacher_weights: dict[str, float] | None = option(
-        None,
-        name="teacher_weight",
-        value_type=list[str],
-        parse=partial(parse_weights, flag="--teacher-weight", what="teacher", placeholder="NAME"),
-        show=show_weights,
-        panel=DATA,
+    teacher_weights: dict[str, float] | None = weights_option(
+        "teacher_weight",
+        what="teacher",
+        placeholder="NAME",
         help="NAME=WEIGHT: learn from several teachers at once (repeatable; the first one's samples are the run's).",
     )
     student_tokenizer: str | None = option(

@@ -25,6 +25,7 @@ import copy
 import hashlib
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -34,10 +35,10 @@ from logitstore.format import layout
 from logitstore.format.samples import concat
 from logitstore.store.reader import PartData, PartReader, TeacherRows
 from logitstore.store.version import StoreVersion
-from logitstore.streaming.batch import BatchContext, PackedBatch, assemble
+from logitstore.streaming.batch import BatchContext, PackedBatch
 from logitstore.streaming.order import Pieces, SplitTable
 from logitstore.streaming.spec import StreamConfigError, StreamSpec
-from logitstore.streaming.store_source import check_train_on, split_rows
+from logitstore.streaming.store_source import check_train_on, one_teacher_batch, split_rows
 
 
 @dataclass(frozen=True)
@@ -180,17 +181,7 @@ class VersionsSource:
             if len(decoded) > 1:  # back in piece order: the k-th readable piece is the fragment at place[k]
                 place = np.argsort(np.concatenate(order), kind="stable")
                 samples = samples.cut(place, np.zeros(len(place), np.int64), samples.n_tokens[place])
-        return assemble(
-            pieces,
-            ok,
-            samples,
-            teacher=self.teacher,
-            sample_ids=self.table.sample_ids,
-            micro_batch=stream.micro_batch,
-            seq_len=stream.seq_len,
-            sampled=self.sampled,
-            completion_only=self.completion_only,
-        )
+        return one_teacher_batch(pieces, ok, samples, source=self, sampled=self.sampled, stream=stream)
 
 
 def _check_versions(mix: list[WeightedVersion], *, teacher: str) -> None:
@@ -244,33 +235,22 @@ def _with_index(view: StoreVersion, versions: list[StoreVersion]) -> StoreVersio
     return out
 
 
+# The index columns a reader needs of each row (beside its id and part).
+_COLUMNS = ("n_tokens", "token_start", "position_start", "entry_start", "n_entries")
+
+
 def _take(rows: TeacherRows, at: np.ndarray) -> TeacherRows:
     """Rows `at` of `rows` (repeats allowed), their parts renumbered over the parts they use."""
     used, code = np.unique(rows.part[at], return_inverse=True)
-    return TeacherRows(
-        sample_ids=[rows.sample_ids[i] for i in at.tolist()],
-        part=code.reshape(-1).astype(np.int64),
-        parts=[rows.parts[c] for c in used.tolist()],
-        n_tokens=rows.n_tokens[at],
-        token_start=rows.token_start[at],
-        position_start=rows.position_start[at],
-        entry_start=rows.entry_start[at],
-        n_entries=rows.n_entries[at],
-    )
+    columns: dict[str, Any] = {name: getattr(rows, name)[at] for name in _COLUMNS}
+    ids = [rows.sample_ids[i] for i in at.tolist()]
+    return TeacherRows(ids, code.reshape(-1).astype(np.int64), [rows.parts[c] for c in used.tolist()], **columns)
 
 
 def _join(rows: list[TeacherRows]) -> TeacherRows:
     """The rows of several versions as one reader's: a part two of them use is one part."""
-    cat = lambda name: np.concatenate([getattr(r, name) for r in rows])
+    columns: dict[str, Any] = {name: np.concatenate([getattr(r, name) for r in rows]) for name in _COLUMNS}
     offsets = np.cumsum([0] + [len(r.parts) for r in rows])[:-1]
     parts, code = np.unique(np.asarray([p for r in rows for p in r.parts], dtype=str), return_inverse=True)
-    return TeacherRows(
-        sample_ids=[s for r in rows for s in r.sample_ids],
-        part=code.reshape(-1).astype(np.int64)[np.concatenate([r.part + o for r, o in zip(rows, offsets)])],
-        parts=[str(p) for p in parts],
-        n_tokens=cat("n_tokens"),
-        token_start=cat("token_start"),
-        position_start=cat("position_start"),
-        entry_start=cat("entry_start"),
-        n_entries=cat("n_entries"),
-    )
+    part = code.reshape(-1).astype(np.int64)[np.concatenate([r.part + o for r, o in zip(rows, offsets)])]
+    return TeacherRows([s for r in rows for s in r.sample_ids], part, [str(p) for p in parts], **columns)
