@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from logitstore.errors import VersionNotFoundError
+from logitstore.options import show_weights
 from logitstore.pipelines.config import BuildConfig
 from logitstore.store.meta import RUN_MARKER
 from logitstore.trainer.config import DataConfig, TrainConfig
@@ -83,11 +84,7 @@ def run_rounds(r: Rounds, *, log) -> list[dict]:
             built = run_builds(cfg, [r.teacher] if r.teacher else [None], log=log).to_json()
             Store.open(r.store).tag(tag_of(n), version=built["version"])
         flags = train_flags(r, n, resume=n > 1 or (Path(r.out) / RUN_MARKER).exists())
-        on = (
-            ", ".join(f"{v}={w:g}" for v, w in flags["version_weights"].items())
-            if "version_weights" in flags
-            else tag_of(n)
-        )
+        on = flags.get("version") or ", ".join(show_weights(flags["version_weights"]))
         log(f"rounds: round {n}: training to step {n * r.steps_per_round} on version {on}")
         trained = launch(TrainConfig.from_flags(**flags))
         done.append({"round": n, "version": Store.open(r.store).resolve(tag_of(n)), "build": built, "train": trained})
