@@ -58,6 +58,7 @@ def run_rounds(r: Rounds, *, log) -> list[dict]:
     """Every round: build, tag, train. Returns each round's `{"round", "version", "build", "train"}`."""
     from logitstore.pipelines.build import run_builds
     from logitstore.store.store import Store
+    from logitstore.trainer import checkpoint
     from logitstore.trainer.train import launch
 
     done = []
@@ -85,8 +86,14 @@ def run_rounds(r: Rounds, *, log) -> list[dict]:
             Store.open(r.store).tag(tag_of(n), version=built["version"])
         flags = train_flags(r, n, resume=n > 1 or (Path(r.out) / RUN_MARKER).exists())
         on = flags.get("version") or ", ".join(show_weights(flags["version_weights"]))
-        log(f"rounds: round {n}: training to step {n * r.steps_per_round} on version {on}")
-        trained = launch(TrainConfig.from_flags(**flags))
+        latest = checkpoint.latest(Path(r.out)) if Path(r.out).is_dir() else None
+        step = 0 if latest is None else checkpoint.step_of(latest)
+        if step > n * r.steps_per_round:  # a later round trains already: this one is done (a driver started again)
+            log(f"rounds: round {n}: trained already (the run is at step {step})")
+            trained = {"step": n * r.steps_per_round}
+        else:
+            log(f"rounds: round {n}: training to step {n * r.steps_per_round} on version {on}")
+            trained = launch(TrainConfig.from_flags(**flags))
         done.append({"round": n, "version": Store.open(r.store).resolve(tag_of(n)), "build": built, "train": trained})
     return done
 
