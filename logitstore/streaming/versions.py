@@ -110,19 +110,9 @@ class VersionsSource:
         self.teacher = teacher = mix[-1].view.teacher_name(teacher)
         _check_versions(mix, teacher=teacher)
         self.completion_only = train_on == "completion"
-        rows = []
-        for w in mix:
-            check_train_on(w.view, teacher=teacher, train_on=train_on)
-            own = split_rows(w.view, teacher=teacher, split=split, eval_fraction=eval_fraction)
-            rows.append(
-                _take(
-                    own,
-                    np.repeat(
-                        np.arange(len(own.sample_ids)),
-                        multiplicity(own.sample_ids, version=w.view.snapshot_id, weight=w.weight),
-                    ),
-                )
-            )
+        rows = [
+            _weighted_rows(w, teacher=teacher, split=split, eval_fraction=eval_fraction, train_on=train_on) for w in mix
+        ]
         self._readers: list[_Reader] = []
         part0 = row0 = 0
         for view, members in _reading_views(mix, teacher=teacher):
@@ -184,21 +174,29 @@ class VersionsSource:
         return one_teacher_batch(pieces, ok, samples, source=self, sampled=self.sampled, stream=stream)
 
 
+def _weighted_rows(w: WeightedVersion, *, teacher: str, split: str, eval_fraction: float, train_on: str) -> TeacherRows:
+    """The version's rows of the split, each repeated by its multiplicity at the version's weight."""
+    check_train_on(w.view, teacher=teacher, train_on=train_on)
+    own = split_rows(w.view, teacher=teacher, split=split, eval_fraction=eval_fraction)
+    times = multiplicity(own.sample_ids, version=w.view.snapshot_id, weight=w.weight)
+    return _take(own, np.repeat(np.arange(len(own.sample_ids)), times))
+
+
 def _check_versions(mix: list[WeightedVersion], *, teacher: str) -> None:
-    """One teacher, with one tokenizer in every version (a version read through another's tree is of its
-    history, where the teacher's metadata is fixed when first written)."""
+    """One teacher, stored alike in every version: its tokenizer, its kind of entries and chat mask (a
+    version read through another's tree is of its history, where the teacher's metadata is fixed)."""
     seen = {w.view.snapshot_id for w in mix}
     if len(seen) < len(mix):
         raise StreamConfigError("--version-weight: one version given twice (by two of its names)")
     last = mix[-1].view
+    alike = lambda meta: (meta.tokenizer_hash, meta.vocab_size, meta.sampled, meta.loss_mask)
     for w in mix:
         if teacher not in w.view.teachers:
             raise StreamConfigError(f"--version-weight: version {w.view.snapshot_id} holds no teacher {teacher!r}")
-        mine, theirs = w.view.teachers[teacher], last.teachers[teacher]
-        if (mine.tokenizer_hash, mine.vocab_size) != (theirs.tokenizer_hash, theirs.vocab_size):
+        if alike(w.view.teachers[teacher]) != alike(last.teachers[teacher]):
             raise StreamConfigError(
-                f"--version-weight: teacher {teacher!r} has another tokenizer in version {w.view.snapshot_id} "
-                f"than in {last.snapshot_id}; mix versions of one teacher"
+                f"--version-weight: teacher {teacher!r} is stored otherwise in version {w.view.snapshot_id} than "
+                f"in {last.snapshot_id} (its tokenizer, sampled entries or chat mask); mix versions of one teacher"
             )
 
 
@@ -220,8 +218,9 @@ def _parts_in(view: StoreVersion, *, teacher: str) -> set[str]:
 
 
 def _with_index(view: StoreVersion, versions: list[StoreVersion]) -> StoreVersion:
-    """`view` with the rows of every one of `versions` as its index, each stored sample once: a reader
-    sizes a part by the rows it holds in any of them (a replaced sample's part is in no newer index)."""
+    """`view` for a `PartReader` of several versions: its index the rows of every one of them (the columns
+    the reader sizes parts by), each stored sample once, so a part is sized by the rows it holds in any
+    of them (a replaced sample's part is in no newer index)."""
     if len(versions) == 1 and versions[0] is view:
         return view
     out = copy.copy(view)
