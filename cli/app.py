@@ -501,6 +501,12 @@ def rounds(
     max_length: Annotated[int, typer.Option(help="Prompt and answer, teacher tokens at most.")] = Rounds.max_length,
     seq_len: Annotated[int, typer.Option(help="train --seq-len.")] = Rounds.seq_len,
     micro_batch: Annotated[int, typer.Option(help="train --micro-batch.")] = Rounds.micro_batch,
+    earlier_rounds_weight: Annotated[
+        float,
+        typer.Option(
+            help="Round R also trains on every earlier round's answers at this weight (train --version-weight; 0: round R's only)."
+        ),
+    ] = Rounds.earlier_rounds_weight,
     json_out: JsonOpt = False,
 ) -> None:
     """On-policy distillation in rounds: the student of round R-1 answers the prompts, the teacher scores the answers, the student trains on them (docs/train.md 'On-policy rounds')."""
@@ -508,6 +514,8 @@ def rounds(
     del options["json_out"]
     if rounds < 1 or steps_per_round < 1:
         raise LogitstoreError("--rounds and --steps-per-round must be at least 1")
+    if not 0 <= earlier_rounds_weight < float("inf"):
+        raise LogitstoreError(f"--earlier-rounds-weight must be a finite weight >= 0, got {earlier_rounds_weight}")
     done = run_rounds(Rounds(**options), log=lambda line: typer.echo(line, err=True))
     if json_out:
         text.print_json(done)

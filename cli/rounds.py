@@ -4,7 +4,9 @@
 Round r builds answers to the prompts (`build --generate`, round r, `--on-duplicate replace`: the
 branch then holds this round's answers only, earlier rounds stay readable by their tags), tags the
 version `round-r`, and trains on it: round 1 starts the run in OUT, every later round continues it
-(`train --resume --new-version --version round-r`) to `r x --steps-per-round` steps. Round 1's answers
+(`train --resume --new-version --version round-r`) to `r x --steps-per-round` steps; with
+`--earlier-rounds-weight W` > 0 round r trains on a mix instead, its version at weight 1 and every
+earlier round's tag at W (`train --version-weight`). Round 1's answers
 are the teacher's own (sequence-level KD: there is no trained student yet); round r > 1's are the
 student's of round r - 1, OUT/final.
 
@@ -18,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from logitstore.errors import VersionNotFoundError
+from logitstore.options import show_weights
 from logitstore.pipelines.config import BuildConfig
 from logitstore.store.meta import RUN_MARKER
 from logitstore.trainer.config import DataConfig, TrainConfig
@@ -44,6 +47,7 @@ class Rounds:
     max_length: int = BuildConfig.max_length
     seq_len: int = DataConfig.seq_len
     micro_batch: int = 8
+    earlier_rounds_weight: float = 0.0
 
 
 def tag_of(round_: int) -> str:
@@ -54,6 +58,7 @@ def run_rounds(r: Rounds, *, log) -> list[dict]:
     """Every round: build, tag, train. Returns each round's `{"round", "version", "build", "train"}`."""
     from logitstore.pipelines.build import run_builds
     from logitstore.store.store import Store
+    from logitstore.trainer import checkpoint
     from logitstore.trainer.train import launch
 
     done = []
@@ -79,16 +84,34 @@ def run_rounds(r: Rounds, *, log) -> list[dict]:
             )
             built = run_builds(cfg, [r.teacher] if r.teacher else [None], log=log).to_json()
             Store.open(r.store).tag(tag_of(n), version=built["version"])
-        flags = dict(store=r.store, out=r.out, version=tag_of(n), steps=n * r.steps_per_round, seq_len=r.seq_len)
-        flags.update(micro_batch=r.micro_batch, eval_fraction=0.0)
-        if r.student:
-            flags["student"] = r.student
-        if n > 1 or (Path(r.out) / RUN_MARKER).exists():
-            flags.update(resume=True, new_version=True)
-        log(f"rounds: round {n}: training to step {n * r.steps_per_round} on version {tag_of(n)}")
-        trained = launch(TrainConfig.from_flags(**flags))
+        flags = train_flags(r, n, resume=n > 1 or (Path(r.out) / RUN_MARKER).exists())
+        on = flags.get("version") or ", ".join(show_weights(flags["version_weights"]))
+        latest = checkpoint.latest(Path(r.out)) if Path(r.out).is_dir() else None
+        step = 0 if latest is None else checkpoint.step_of(latest)
+        if step > n * r.steps_per_round:  # a later round trains already: this one is done (a driver started again)
+            log(f"rounds: round {n}: trained already (the run is at step {step})")
+            trained = {"step": n * r.steps_per_round}
+        else:
+            log(f"rounds: round {n}: training to step {n * r.steps_per_round} on version {on}")
+            trained = launch(TrainConfig.from_flags(**flags))
         done.append({"round": n, "version": Store.open(r.store).resolve(tag_of(n)), "build": built, "train": trained})
     return done
+
+
+def train_flags(r: Rounds, n: int, *, resume: bool) -> dict:
+    """`train`'s flags of round n: its version, or with `--earlier-rounds-weight W` > 0 the mix of its
+    version at weight 1 and every earlier round's at W (`train --version-weight`)."""
+    flags = dict(store=r.store, out=r.out, steps=n * r.steps_per_round, seq_len=r.seq_len)
+    flags.update(micro_batch=r.micro_batch, eval_fraction=0.0)
+    if r.earlier_rounds_weight > 0 and n > 1:
+        flags["version_weights"] = {tag_of(n): 1.0, **{tag_of(k): r.earlier_rounds_weight for k in range(1, n)}}
+    else:
+        flags["version"] = tag_of(n)
+    if r.student:
+        flags["student"] = r.student
+    if resume:
+        flags.update(resume=True, new_version=True)
+    return flags
 
 
 def _has_version(store, name: str) -> bool:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import sys
 import tomllib
 import typing
@@ -250,6 +251,32 @@ def in_range(value: int) -> int:
 
 
 # -- config files ---------------------------------------------------------------------------------------
+
+
+def parse_weights(
+    values: list[str] | tuple[str, ...] | None, *, flag: str, what: str, placeholder: str
+) -> dict[str, float] | None:
+    """`["A=0.7", "B=0.3"]` -> {"A": 0.7, "B": 0.3}; order kept. `flag`, `what` and `placeholder` name them in errors."""
+    if not values:
+        return None
+    out: dict[str, float] = {}
+    for value in values:
+        name, sep, weight = value.partition("=")
+        try:
+            w = float(weight)
+        except ValueError:
+            w = math.nan
+        if not sep or not name or not math.isfinite(w) or w <= 0:
+            raise OptionError(f"{flag} {value!r}: expected {placeholder}=WEIGHT with a weight > 0")
+        if name in out:
+            raise OptionError(f"{flag}: {what} {name!r} given twice")
+        out[name] = w
+    return out
+
+
+def show_weights(weights: dict[str, float] | None) -> list[str]:
+    """A `parse_weights` value as its flags' values."""
+    return [f"{name}={weight}" for name, weight in (weights or {}).items()]
 
 
 def read_file(

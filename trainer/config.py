@@ -27,7 +27,19 @@ from typing import Any
 
 from logitstore.errors import LogitstoreError
 from logitstore.format.sparsity import Sparsity, SparsityFlags, default_sparsity
-from logitstore.options import KEY, Flag, declared, from_values, group, option, option_of, read_file, to_values
+from logitstore.options import (
+    KEY,
+    Flag,
+    declared,
+    from_values,
+    group,
+    option,
+    option_of,
+    parse_weights,
+    read_file,
+    show_weights,
+    to_values,
+)
 from logitstore.pipelines.config import DataSource, EngineOptions, PlanConfig
 from logitstore.sizes import parse_bytes
 from logitstore.streaming.spec import DEFAULT_MEMORY_BUDGET, ON_ERROR, StreamSpec
@@ -64,42 +76,30 @@ def is_real(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and not math.isnan(x)
 
 
-def parse_teacher_weights(values: list[str] | tuple[str, ...] | None) -> dict[str, float] | None:
-    """`["A=0.7", "B=0.3"]` -> {"A": 0.7, "B": 0.3}; order kept (the first is the sample set's)."""
-    if not values:
-        return None
-    out: dict[str, float] = {}
-    for value in values:
-        name, sep, weight = value.partition("=")
-        try:
-            w = float(weight)
-        except ValueError:
-            w = math.nan
-        if not sep or not name or not math.isfinite(w) or w <= 0:
-            raise TrainConfigError(f"--teacher-weight {value!r}: expected NAME=WEIGHT with a weight > 0")
-        if name in out:
-            raise TrainConfigError(f"--teacher-weight: teacher {name!r} given twice")
-        out[name] = w
-    return out
-
-
-def _show_teacher_weights(weights: dict[str, float] | None) -> list[str]:
-    return [f"{name}={weight}" for name, weight in (weights or {}).items()]
+def weights_option(name: str, *, what: str, placeholder: str, help: str) -> Any:
+    """A repeatable PLACEHOLDER=WEIGHT flag of the data panel, its value {what: weight} in order."""
+    flag = "--" + name.replace("_", "-")
+    parse = partial(parse_weights, flag=flag, what=what, placeholder=placeholder)
+    return option(None, name=name, value_type=list[str], parse=parse, show=show_weights, panel=DATA, help=help)
 
 
 @dataclass
 class DataConfig:
     store: str | None = option(None, panel=DATA, help="Store to train from (required, unless --live-teacher).")
     version: str | None = option(None, panel=DATA, help="Version id, tag or branch (default: main).")
+    # a weighted mix of versions: {version: weight} (samples per epoch per stored sample); see versions.py
+    version_weights: dict[str, float] | None = weights_option(
+        "version_weight",
+        what="version",
+        placeholder="VERSION",
+        help="VERSION=WEIGHT: train on several versions of the store at once, each sample of VERSION about WEIGHT times per epoch (repeatable; instead of --version; docs/train.md 'Mixing versions').",
+    )
     teacher: str | None = option(None, panel=DATA, help="Teacher name, when the store holds several.")
     # Several teachers: {name: weight} in order (the first one's samples are the run's); see mixing.py
-    teacher_weights: dict[str, float] | None = option(
-        None,
-        name="teacher_weight",
-        value_type=list[str],
-        parse=parse_teacher_weights,
-        show=_show_teacher_weights,
-        panel=DATA,
+    teacher_weights: dict[str, float] | None = weights_option(
+        "teacher_weight",
+        what="teacher",
+        placeholder="NAME",
         help="NAME=WEIGHT: learn from several teachers at once (repeatable; the first one's samples are the run's).",
     )
     student_tokenizer: str | None = option(
@@ -148,6 +148,8 @@ class DataConfig:
                 (self.reader_groups is None or self.reader_groups >= 1, "--reader-groups must be at least 1"),
                 (not (self.teacher_weights and self.teacher), "--teacher and --teacher-weight exclude each other"),
                 (all(w > 0 for w in (self.teacher_weights or {}).values()), "--teacher-weight weights must be > 0"),
+                (not (self.version_weights and self.version), "--version and --version-weight exclude each other"),
+                (all(w > 0 for w in (self.version_weights or {}).values()), "--version-weight weights must be > 0"),
             ]
         )
 
@@ -449,9 +451,10 @@ class TrainConfig:
                 ),
                 ((self.live is None) == bool(d.store), "give exactly one of --store and --live-teacher (or --live)"),
                 (
-                    self.live is None or not (d.teacher_weights or d.student_tokenizer or d.version),
+                    self.live is None
+                    or not (d.teacher_weights or d.student_tokenizer or d.version or d.version_weights),
                     "--live-teacher takes one teacher with the student's tokenizer: no --teacher-weight, "
-                    "--student-tokenizer or --version",
+                    "--student-tokenizer, --version or --version-weight",
                 ),
             ]
         )
@@ -503,9 +506,11 @@ class TrainConfig:
         """`logitstore eval`'s configuration: the held-out split of `store`, all of it, nothing written."""
         return cls.from_flags(store=store, out=EVAL_ONLY, student=student, eval_batches=1 << 30, **flags)
 
-    def with_version(self, version: str) -> TrainConfig:
-        """The same run reading `version` (a resumed run reads the snapshot its run pinned)."""
-        return dataclasses.replace(self, data=dataclasses.replace(self.data, version=version))
+    def with_version(self, version: str | dict[str, float]) -> TrainConfig:
+        """The same run reading `version`, a snapshot or a mix {snapshot: weight} (what a resumed run pinned)."""
+        one, mix = (None, dict(version)) if isinstance(version, dict) else (version, None)
+        data = dataclasses.replace(self.data, version=one, version_weights=mix)
+        return dataclasses.replace(self, data=data)
 
     @property
     def tokens_per_step(self) -> int:
@@ -528,6 +533,7 @@ class TrainConfig:
             "checkpoint_every",
             "on_error",
             "version",
+            "version_weights",
             "global_batch_tokens",
             "tokens",
             "activation_checkpointing",
@@ -563,7 +569,7 @@ RUN_CONFIG = "config.yaml"  # in --out: the configuration the run runs with (`ru
 # Left to the command that resumes: what it does to the folder (never written to it), and the version
 # (a resumed run reads the snapshot its run pinned; a branch named at its start may name another now).
 PER_COMMAND = ("resume", "force", "new_version")
-_NOT_KEPT = (*PER_COMMAND, "version")
+_NOT_KEPT = (*PER_COMMAND, "version", "version_weight")
 
 
 def kept_values(cfg: TrainConfig) -> dict[str, Any]:

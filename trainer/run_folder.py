@@ -25,6 +25,7 @@ from pathlib import Path
 from logitstore.options import dump
 from logitstore.store.meta import RUN_MARKER
 from logitstore.store.store import Store
+from logitstore.streaming.versions import pinned, shown
 from logitstore.trainer import checkpoint
 from logitstore.trainer.config import RUN_CONFIG, TrainConfig, TrainConfigError, kept_values
 
@@ -46,12 +47,14 @@ class RunPlan:
 
     out: Path
     resume_from: Path | None = None  # the newest complete checkpoint, which a resumed run loads
-    snapshot: str | None = None  # the store snapshot the folder's run pinned, which a resumed run reads
+    # the store snapshot (or mix {snapshot: weight}, `streaming/versions.py`) the folder's run pinned,
+    # which a resumed run reads
+    snapshot: str | dict | None = None
     replace: bool = False  # --force on a marked folder: the old run's entries go when the run claims it
     finished: dict | None = None  # a resumed run that already finished: its final metrics
     made: bool = False  # `plan` made the folder: a start that fails before any write takes it away again
     # the store versions the run has read, in order (with --new-version, the new one last)
-    versions: tuple[str, ...] = ()
+    versions: tuple[str | dict, ...] = ()
     new_data: bool = False  # --new-version: the checkpoint's data position is not the new version's
 
     @property
@@ -121,9 +124,13 @@ def _resume_plan(out: Path, marker: dict, cfg: TrainConfig) -> RunPlan:
     state = checkpoint.train_state(resume_from) if resume_from is not None else {}
     snapshot = state.get("snapshot", marker["snapshot"])
     versions = tuple(state.get("versions") or ([snapshot] if snapshot is not None else []))
-    if cfg.output.new_version and cfg.data.version is None:
-        raise TrainConfigError("--new-version continues the run on the version --version names; give --version")
-    if snapshot is not None and cfg.data.version is not None:
+    asked = cfg.data.version is not None or bool(cfg.data.version_weights)
+    if cfg.output.new_version and not asked:
+        raise TrainConfigError(
+            "--new-version continues the run on the version --version names (or the mix --version-weight "
+            "names); give --version or --version-weight"
+        )
+    if snapshot is not None and asked:
         requested = _check_version(out, cfg, snapshot)
         if requested != snapshot:
             return _new_version_plan(out, cfg, resume_from, step=state.get("step", 0), versions=(*versions, requested))
@@ -139,7 +146,7 @@ def _new_version_plan(out: Path, cfg: TrainConfig, resume_from: Path | None, *, 
     `versions`), whose samples are new data: the stream starts at its beginning."""
     if step >= cfg.schedule.steps:
         raise TrainConfigError(
-            f"--out {out} is at step {step}; to train on version {versions[-1]} give a larger --steps"
+            f"--out {out} is at step {step}; to train on version {shown(versions[-1])} give a larger --steps"
         )
     return RunPlan(out, resume_from=resume_from, snapshot=versions[-1], versions=versions, new_data=True)
 
@@ -153,21 +160,26 @@ def _check_identity(out: Path, previous: dict, cfg: TrainConfig) -> None:
         )
 
 
-def _check_version(out: Path, cfg: TrainConfig, snapshot: str) -> str:
-    """--version with --resume names the snapshot the run reads (a tag, a branch still there, the id),
-    or with --new-version another one, which it returns."""
+def _check_version(out: Path, cfg: TrainConfig, snapshot: str | dict) -> str | dict:
+    """--version (or --version-weight) with --resume names the snapshot (or mix) the run reads (a tag, a
+    branch still there, the id), or with --new-version another one, which it returns."""
     assert cfg.data.store is not None  # a pinned snapshot and --version: a store run (live mode has neither)
-    requested = Store.open(cfg.data.store).resolve(cfg.data.version)
+    store = Store.open(cfg.data.store)
+    weights = cfg.data.version_weights
+    requested = (
+        store.resolve(cfg.data.version) if not weights else pinned({store.resolve(v): w for v, w in weights.items()})
+    )
     if requested != snapshot and not cfg.output.new_version:
+        flag = f"--version {cfg.data.version}" if not weights else "--version-weight"
         raise TrainConfigError(
-            f"--out {out} trains on version {snapshot}, but --version {cfg.data.version} is {requested}; "
+            f"--out {out} trains on version {shown(snapshot)}, but {flag} is {shown(requested)}; "
             "leave out --version to resume, add --new-version to continue the run on that version as new data, "
             "or use a new --out"
         )
     return requested
 
 
-def claim(plan: RunPlan, cfg: TrainConfig, *, snapshot: str | None) -> None:
+def claim(plan: RunPlan, cfg: TrainConfig, *, snapshot: str | dict | None) -> None:
     """Take --out for this run (rank 0, once the configuration passed): remove the old run's entries
     (--force) or the previous export, drop the metrics past the checkpoint a resumed run continues from,
     and write the configuration it runs with (`RUN_CONFIG`, what `--config` takes; a resumed run reads

@@ -40,6 +40,7 @@ from logitstore.store.store import Store
 from logitstore.streaming.mixing import WeightedTeacher, resolve_sources, student_vocabulary
 from logitstore.streaming.spec import StreamConfigError
 from logitstore.streaming.stream import store_stream
+from logitstore.streaming.versions import WeightedVersion, mix_version, shown
 from logitstore.trainer import checkpoint, run_folder
 from logitstore.trainer.config import TrainConfig, TrainConfigError
 from logitstore.trainer.live import InRankTeacher, LiveTeacher, live_stream, plan_live_samples, settle, start_teacher
@@ -368,12 +369,20 @@ class StoreSignal:
 
     def __init__(self, cfg: TrainConfig):
         assert cfg.data.store is not None  # TrainConfig: a store, or else live mode
-        self.view = Store.open(cfg.data.store).read(cfg.data.version)
-        if self.view.index.num_rows == 0:
-            raise TrainConfigError(f"version {self.view.snapshot_id} of {cfg.data.store} holds no samples")
+        store = Store.open(cfg.data.store)
+        # A weighted mix of versions (`--version-weight`): its first version's teachers and tokenizer.
+        weights = cfg.data.version_weights
+        self.mix = None if not weights else [WeightedVersion(store.read(v), w) for v, w in weights.items()]
+        self.view = store.read(cfg.data.version) if self.mix is None else self.mix[0].view
+        if sum(w.view.index.num_rows for w in self.mix or [WeightedVersion(self.view, 1)]) == 0:
+            raise TrainConfigError(f"version {shown(self._pinned())} of {cfg.data.store} holds no samples")
         self.sources, self.vocab = plan_sources(self.view, cfg)
-        self.teacher, self.version, self.vocab_size = self.sources[0].name, self.view.snapshot_id, self.vocab.vocab_size
-        self.snapshot = self.view.snapshot_id  # what a resumed run reads again
+        self.teacher, self.vocab_size = self.sources[0].name, self.vocab.vocab_size
+        self.version = self.snapshot = self._pinned()  # what a resumed run reads again
+
+    def _pinned(self) -> str | dict[str, float]:
+        """The snapshot id, or for a mix {snapshot id: weight}."""
+        return self.view.snapshot_id if self.mix is None else mix_version(self.mix)
 
     def start(self, cfg: TrainConfig) -> None:
         pass
@@ -382,7 +391,9 @@ class StoreSignal:
         return {}
 
     def stream(self, cfg: TrainConfig, *, rank: int, world_size: int, split: str):
-        return make_stream(self.view, self.sources, cfg=cfg, rank=rank, world_size=world_size, split=split)
+        return make_stream(
+            self.view, self.sources, cfg=cfg, rank=rank, world_size=world_size, split=split, versions=self.mix
+        )
 
     def tokenizer(self):
         """The student's tokenizer to save with the final model (a `tokenizers.Tokenizer`), or None."""
@@ -444,10 +455,10 @@ class LiveSignal:
             self.client.close()
 
 
-def make_stream(view, sources, *, cfg: TrainConfig, rank: int, world_size: int, split: str):
-    """The stream engine over the store: one teacher, or several or cross-tokenizer teachers."""
-
-    return store_stream(view, cfg.stream_spec(rank=rank, world_size=world_size, split=split), sources=sources)
+def make_stream(view, sources, *, cfg: TrainConfig, rank: int, world_size: int, split: str, versions=None):
+    """The stream engine over the store: one teacher, several or cross-tokenizer teachers, or a mix of versions."""
+    spec = cfg.stream_spec(rank=rank, world_size=world_size, split=split)
+    return store_stream(view, spec, sources=sources, versions=versions)
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:

@@ -63,17 +63,25 @@ class StoreSource:
         decoded = None
         if ok.any():
             decoded = self.reader.samples(parts, pieces.row[ok], pieces.a[ok], pieces.b[ok])
-        return assemble(
-            pieces,
-            ok,
-            decoded,
-            teacher=self.teacher,
-            sample_ids=self.table.sample_ids,
-            micro_batch=stream.micro_batch,
-            seq_len=stream.seq_len,
-            sampled=self.reader.sampled,
-            completion_only=self.completion_only,
-        )
+        return one_teacher_batch(pieces, ok, decoded, source=self, sampled=self.reader.sampled, stream=stream)
+
+
+def one_teacher_batch(
+    pieces: Pieces, ok: np.ndarray, decoded, *, source, sampled: bool, stream: BatchContext
+) -> PackedBatch:
+    """The batch of one teacher's readable pieces (`assemble`), for a source of one teacher (its
+    `teacher`, `table` and `completion_only`): `StoreSource` and `versions.VersionsSource`."""
+    return assemble(
+        pieces,
+        ok,
+        decoded,
+        teacher=source.teacher,
+        sample_ids=source.table.sample_ids,
+        micro_batch=stream.micro_batch,
+        seq_len=stream.seq_len,
+        sampled=sampled,
+        completion_only=source.completion_only,
+    )
 
 
 def check_train_on(view: StoreVersion, *, teacher: str, train_on: str) -> None:

@@ -4,8 +4,9 @@ reading each stored byte about once per epoch however large the store.
 
 One engine, `Stream`, owns order, split, packing, sharding, resume, reading and prefetch. What turns
 a piece of a sample into targets is its *source* (`Source`): `store_source.StoreSource` (one teacher of
-a store), `mixing.MixedSource` (several or cross-tokenizer teachers) and `live.LiveSource` (a teacher
-process beside the trainer). `store_stream` and `logitstore.stream` build the first two.
+a store), `mixing.MixedSource` (several or cross-tokenizer teachers), `versions.VersionsSource` (a weighted
+mix of a store's versions) and `live.LiveSource` (a teacher process beside the trainer). `store_stream`
+builds the first three, `logitstore.stream` the first two.
 
 The stream lives in five modules: its options and their checks (`spec.py`), the order (`order.py`: the
 split, the epoch plan, windows and packing, without reading data), the batch (`batch.py`: `PackedBatch`
@@ -39,6 +40,7 @@ from logitstore.streaming.mixing import MixedSource
 from logitstore.streaming.order import EpochPlan, Pieces, SplitTable, deal_samples, group_window_parts, window_parts
 from logitstore.streaming.spec import DEFAULT_MEMORY_BUDGET, StreamConfigError, StreamSpec
 from logitstore.streaming.store_source import StoreSource
+from logitstore.streaming.versions import VersionsSource, WeightedVersion, mix_version
 
 LOOKAHEAD_BATCHES = 8  # micro-batches ahead whose parts are asked for: work for every reader thread
 
@@ -47,7 +49,10 @@ class Source(Protocol):
     """What the engine needs from a source of teacher signal."""
 
     table: SplitTable
-    version: str  # what a state_dict pins (a store snapshot id, or live mode's fingerprint)
+
+    @property
+    def version(self) -> str | dict[str, float]:
+        """What a state_dict pins: a store snapshot id, a mix of them {id: weight}, or live mode's fingerprint."""
 
     def part_bytes(self) -> np.ndarray | None:
         """Bytes in memory of each part once read, or None for a source with nothing to read."""
@@ -519,25 +524,45 @@ class Stream(torch.utils.data.IterableDataset):
 # -- building streams ---------------------------------------------------------------------------------------
 
 
-def store_stream(view: StoreVersion, spec: StreamSpec, *, sources: list | None = None) -> Stream:
-    """The stream of a store version: one teacher (`spec.teacher`, or the version's only one), or several
-    or cross-tokenizer teachers (`sources`, `logitstore/streaming/mixing.py`)."""
-    split, eval_fraction, train_on = spec.split, spec.eval_fraction, spec.train_on
-    source: Source
-    if sources is not None and (len(sources) > 1 or sources[0].cross):
-        source = MixedSource(view, sources=sources, split=split, eval_fraction=eval_fraction, train_on=train_on)
-    else:
-        name = sources[0].name if sources else spec.teacher
-        source = StoreSource(view, teacher=name, split=split, eval_fraction=eval_fraction, train_on=train_on)
+def store_stream(
+    view: StoreVersion, spec: StreamSpec, *, sources: list | None = None, versions: list[WeightedVersion] | None = None
+) -> Stream:
+    """The stream of a store version: one teacher (`spec.teacher`, or the version's only one), several
+    or cross-tokenizer teachers (`sources`, `logitstore/streaming/mixing.py`), or one teacher of a
+    weighted mix of versions (`versions`, `logitstore/streaming/versions.py`; `view` is then unused)."""
+    source = _source_of(view, spec, sources=sources, versions=versions)
     stream = Stream(source, spec)
     if sources is None and view.store.location.uri.split("://")[0] != "memory":
-        stream._recipe = {"uri": view.store.location.uri, "snapshot": view.snapshot_id, "spec": stream.spec}
+        mix = None if versions is None else [(w.view.snapshot_id, w.weight) for w in versions]
+        stream._recipe = {"uri": view.store.location.uri, "snapshot": view.snapshot_id, "spec": stream.spec, "mix": mix}
     return stream
+
+
+def _source_of(
+    view: StoreVersion, spec: StreamSpec, *, sources: list | None, versions: list[WeightedVersion] | None
+) -> Source:
+    """The source type that reads what is asked for: several or cross teachers, several versions, or one of each."""
+    split, eval_fraction, train_on = spec.split, spec.eval_fraction, spec.train_on
+    if sources is not None and (len(sources) > 1 or sources[0].cross):
+        if versions is not None:
+            raise StreamConfigError(
+                "--version-weight mixes the versions of one teacher with the student's tokenizer; "
+                "leave out --teacher-weight and --student-tokenizer"
+            )
+        return MixedSource(view, sources=sources, split=split, eval_fraction=eval_fraction, train_on=train_on)
+    teacher = sources[0].name if sources else spec.teacher
+    if versions is not None and isinstance(mix_version(versions), dict):
+        return VersionsSource(versions, teacher=teacher, split=split, eval_fraction=eval_fraction, train_on=train_on)
+    if versions is not None:  # one version at weight 1: that version
+        view = versions[0].view
+    return StoreSource(view, teacher=teacher, split=split, eval_fraction=eval_fraction, train_on=train_on)
 
 
 def _stream_from_recipe(recipe: dict, state: dict) -> Stream:
     """The stream `store_stream` made from `recipe`, at `state`: how a stream arrives in another process."""
-    view = Store.open(recipe["uri"]).read(recipe["snapshot"])
-    stream = store_stream(view, recipe["spec"])
+    store = Store.open(recipe["uri"])
+    mix = recipe.get("mix")
+    versions = None if mix is None else [WeightedVersion(store.read(v), w) for v, w in mix]
+    stream = store_stream(store.read(recipe["snapshot"]), recipe["spec"], versions=versions)
     stream.load_state_dict(state)
     return stream
