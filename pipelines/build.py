@@ -84,6 +84,7 @@ class BuildSummary:
     answers: int = 0
     generated_tokens: int = 0
     answers_cut: int = 0
+    answers_retokenized: int = 0  # answers whose generated ids a side with the generator's tokenizer re-tokenized
     generation: dict | None = None  # what wrote the answers (`Generation.record`), stored with them
 
     def to_json(self) -> dict:

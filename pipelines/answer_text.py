@@ -1,0 +1,153 @@
+"""Generated answers carried as text: `build --generate` with a generator whose tokenizer is not the
+teacher's, or with `--student-tokenizer` (docs/build.md "Generated data").
+
+The generator's answer ids are decoded by its own tokenizer (special tokens kept as their text, spaces
+not cleaned up). An answer that ended at one of the generator's stop tokens ends, in the text, with that
+token's text where the tokenizers are the same, and with the teacher's stop token's text where they are
+not (so the teacher scores its own way of stopping, as a chat template renders it). Each side then
+tokenizes that text after its own tokens of the prompt's text, the two parts apart, so every side cuts
+where the prompt ends: the teacher's tokens (prompt's, then the answer's, which decode to the text), and
+per student tokenizer its ids, the groups (`align.align_groups`) and its loss mask, 1 on exactly the
+tokens of the answer's bytes. Teacher tokens past `--max-length` are cut, and the text with them.
+
+A side with the generator's own tokenizer holds the text's tokens, which differ from the generated ids
+where the generator wrote a sequence its tokenizer does not make of that text (a word spelled in other
+pieces, bytes of a character that never completes): such answers are counted (`answers_retokenized`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from logitstore.pipelines import align
+
+if TYPE_CHECKING:
+    from logitstore.pipelines.plan import StudentSide
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """A prompt as the generator and the teacher take it."""
+
+    ids: np.ndarray  # the teacher's tokens
+    generator_ids: np.ndarray  # the generator's (`ids` itself where it has the teacher's tokenizer)
+    # answers carried as text: what `ids` are the tokens of (the prompt, or its chat rendering), their
+    # byte ends in it, and each student tokenizer's (ids, byte ends) of it, by name
+    text: str | None = None
+    ends: np.ndarray | None = None
+    students: dict[str, tuple[np.ndarray, np.ndarray]] | None = None
+
+
+@dataclass(frozen=True)
+class TextAnswer:
+    """One answer as a sample: the teacher's tokens and loss mask, each student tokenizer's side."""
+
+    tokens: np.ndarray  # the teacher's: prompt, then answer
+    mask: np.ndarray  # 1 on the answer's tokens
+    students: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]  # name -> (ids, groups, mask)
+    cut: bool  # the teacher's tokens of the answer overflowed --max-length, and were cut
+    retokenized: bool  # a side with the generator's tokenizer holds other tokens than the generated ones
+
+
+@dataclass(frozen=True)
+class AnswerText:
+    """How one build carries answers as text."""
+
+    teacher: Any  # the teacher's tokenizer
+    generator: Any | None  # the generator's tokenizer, where it is not the teacher's
+    generator_hash: str  # the generator's tokenizer hash (a student tokenizer with it held the generated ids)
+    teacher_stop: str  # the teacher's stop token's text: what a stopped answer of another tokenizer ends with
+    students: Sequence[StudentSide]
+    special_tokens: bool  # plain prompts take the tokenizer's special tokens (as text input does); chat holds them
+
+    def prompts(self, texts: list[str], generator_ids: list[np.ndarray] | None) -> list[Prompt]:
+        """Each prompt text tokenized by the teacher and every student tokenizer, with byte ends."""
+        special = self.special_tokens
+        teacher = align.encode_with_byte_ends(self.teacher, texts, add_special_tokens=special)
+        sides = [align.encode_with_byte_ends(st.tokenizer, texts, add_special_tokens=special) for st in self.students]
+        out = []
+        for i, (text, (ids, ends)) in enumerate(zip(texts, teacher)):
+            students = {st.registration.name: side[i] for st, side in zip(self.students, sides)}
+            own = ids if generator_ids is None else np.asarray(generator_ids[i], dtype=np.int64)
+            out.append(Prompt(ids=ids, generator_ids=own, text=text, ends=ends, students=students))
+        return out
+
+    def answers(
+        self, prompts: list[Prompt], generated: list[np.ndarray], *, stop_ids: Sequence[int], max_length: int
+    ) -> list[TextAnswer]:
+        """Each (prompt, generated ids) as a sample of the teacher's tokens, with every student's side."""
+        stops = np.asarray(stop_ids, dtype=np.int64)
+        stopped = [len(a) > 0 and bool(np.isin(a[-1:], stops).any()) for a in generated]
+        bodies = [np.asarray(a[:-1] if s else a, dtype=np.int64) for a, s in zip(generated, stopped)]
+        own = self.generator if self.generator is not None else self.teacher
+        texts = own.batch_decode(
+            [b.tolist() for b in bodies], skip_special_tokens=False, clean_up_tokenization_spaces=False
+        )
+        texts = [text + self._stop_text(a) if s else text for text, a, s in zip(texts, generated, stopped)]
+        teacher = align.encode_with_byte_ends(self.teacher, texts, add_special_tokens=False)
+        cut = []
+        for i, (prompt, (ids, ends)) in enumerate(zip(prompts, teacher)):
+            room = max_length - len(prompt.ids)
+            cut.append(len(ids) > room)
+            if cut[-1]:
+                keep = _clean_cut(ends, room)
+                texts[i] = texts[i].encode()[: int(ends[keep - 1]) if keep else 0].decode()
+                teacher[i] = (ids[:keep], ends[:keep])
+        sides = [align.encode_with_byte_ends(st.tokenizer, texts, add_special_tokens=False) for st in self.students]
+        out = []
+        for i, (prompt, (ids, ends)) in enumerate(zip(prompts, teacher)):
+            assert prompt.text is not None and prompt.ends is not None and prompt.students is not None
+            base = len(prompt.text.encode())
+            t_ends = np.concatenate([prompt.ends, ends + base])
+            students, same = {}, [ids] if self.generator is None else []
+            for st, side in zip(self.students, sides):
+                name = st.registration.name
+                (p_ids, p_ends), (a_ids, a_ends) = prompt.students[name], side[i]
+                groups = align.align_groups(t_ends, np.concatenate([p_ends, a_ends + base]))
+                mask = np.concatenate([np.zeros(len(p_ids), np.uint8), np.ones(len(a_ids), np.uint8)])
+                students[name] = (np.concatenate([p_ids, a_ids]), groups, mask)
+                if st.registration.tokenizer_hash == self.generator_hash:
+                    same.append(a_ids)
+            out.append(
+                TextAnswer(
+                    tokens=np.concatenate([prompt.ids, ids]),
+                    mask=np.concatenate([np.zeros(len(prompt.ids), np.uint8), np.ones(len(ids), np.uint8)]),
+                    students=students,
+                    cut=cut[i],
+                    retokenized=any(_differs(side, bodies[i], cut=cut[i]) for side in same),
+                )
+            )
+        return out
+
+    def _stop_text(self, answer: np.ndarray) -> str:
+        if self.generator is not None:
+            return self.teacher_stop
+        return self.teacher.decode([int(answer[-1])], skip_special_tokens=False)
+
+
+def _clean_cut(ends: np.ndarray, room: int) -> int:
+    """The most tokens, at most `room`, that end where the next begins: byte ends fall at a character's
+    end, and the tokens of one character split in several share it, so a cut keeps them together."""
+    keep = room
+    while 0 < keep < len(ends) and ends[keep] == ends[keep - 1]:  # a few steps, within one character
+        keep -= 1
+    return keep
+
+
+def _differs(side: np.ndarray, generated: np.ndarray, *, cut: bool) -> bool:
+    """Whether a side's tokens of the answer text do not begin with the generated ids (less the stop);
+    of a cut answer, up to the token before the cut (the last one may be a piece of a generated one)."""
+    n = len(generated) if not cut else max(len(side) - 1, 0)
+    return len(side) < n or not np.array_equal(side[:n], generated[:n])
+
+
+def stop_text(tokenizer, stop_ids: Sequence[int]) -> str:
+    """The text of a model's stop token: its tokenizer's end-of-sequence token where it is one of the
+    model's stop ids, else the first of them; "" where it names none."""
+    eos = getattr(tokenizer, "eos_token_id", None)
+    stop = eos if eos in stop_ids else (stop_ids[0] if stop_ids else eos)
+    return "" if stop is None else tokenizer.decode([int(stop)], skip_special_tokens=False)

@@ -1,0 +1,186 @@
+"""`build --generate` across tokenizers: a generator whose tokenizer is not the teacher's (a tiny random
+Llama speaking GPT-2) writes answers that the teacher scores as text, student tokenizers get the
+answers aligned with their mask on the answer alone, and what cannot be aligned is refused in one line."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+import logitstore
+from logitstore.cli.app import app
+from logitstore.pipelines.answer_text import AnswerText, stop_text
+from logitstore.pipelines.build import BuildConfig
+from logitstore.pipelines.generate import Generation
+from logitstore.pipelines.plan import load_student_tokenizers
+from logitstore.pipelines.teacher import describe_teacher, model_stop_ids
+from logitstore.store.generation import seed_of
+from logitstore.format.layout import student_arrays
+from logitstore.testing.prompts import PROMPTS, write_prompts
+from logitstore.testing.teachers import save_tiny_llama
+
+GPT2_EOS = 50256
+N = 12  # --generate
+
+
+def build(*args) -> dict:
+    result = CliRunner().invoke(app, [*map(str, args), "--json"])
+    assert result.exit_code == 0, result.stderr + result.stdout
+    return json.loads(result.stdout)
+
+
+@pytest.fixture(scope="module")
+def gpt2_generator(tmp_path_factory, gpt2_tokenizer_dir) -> str:
+    """A 1-layer random Llama with GPT-2's tokenizer, stopping at `<|endoftext|>`."""
+    from transformers import AutoTokenizer
+
+    folder = tmp_path_factory.mktemp("generators") / "tiny-gpt2"
+    tokenizer = AutoTokenizer.from_pretrained(gpt2_tokenizer_dir)
+    save_tiny_llama(folder, tokenizer, eos_token_id=GPT2_EOS, bos_token_id=GPT2_EOS, max_position_embeddings=256)
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def prompts(tmp_path_factory):
+    return write_prompts(tmp_path_factory.mktemp("prompts") / "prompts.jsonl", PROMPTS)
+
+
+@pytest.fixture(scope="module")
+def stores(tiny_teacher, gpt2_generator, gpt2_tokenizer_dir, prompts, tmp_path_factory):
+    """Two builds with GPT-2 as a student tokenizer: answers by the GPT-2 generator (crossing), and by the
+    teacher itself."""
+    root = tmp_path_factory.mktemp("cross-generated")
+    common = ["build", "--data", prompts, "--prompt-column", "prompt", "--generate", N, "--max-length", 64]
+    common += ["--teacher", tiny_teacher, "--student-tokenizer", f"gpt2={gpt2_tokenizer_dir}", "--seed", 7]
+    crossed = build(*common, "--store", root / "crossed", "--generator", gpt2_generator)
+    own = build(*common, "--store", root / "own")
+    return {"crossed": (root / "crossed", crossed), "own": (root / "own", own)}
+
+
+def student_side(view, sample_id: str) -> tuple[np.ndarray, np.ndarray]:
+    row = view.index.filter(view.index["sample_id"].to_numpy(zero_copy_only=False) == sample_id).to_pylist()[0]
+    s0, n = row["student_start"][0], row["n_student_tokens"][0]
+    ids_name, _, mask_name = student_arrays("gpt2", chat=True)
+    teacher = view.teacher_name(None)
+    return tuple(np.asarray(view.array(teacher, row["part"], name)[s0 : s0 + n]) for name in (ids_name, mask_name))
+
+
+def generated_answers(cfg: BuildConfig) -> dict[str, np.ndarray]:
+    """The generator's own answers to the prompts, as the build asked for them (one call, input order)."""
+    generation = Generation(cfg, teacher=describe_teacher(cfg.teacher), engine="torch")
+    try:
+        tokenizer = generation.tokenizer
+        ids = [np.asarray(i) for i in tokenizer(list(PROMPTS.values()))["input_ids"]]
+        seeds = [seed_of(cfg.seed, p, 0) for p in PROMPTS]
+        answers = generation.generator().generate(ids, seeds, max_new_tokens=N, temperature=1.0, top_p=1.0)
+    finally:
+        generation.close()
+    return dict(zip(PROMPTS, answers))
+
+
+def test_answers_of_another_tokenizer_are_scored_as_their_text(stores, tiny_teacher, gpt2_generator, prompts):
+    store, summary = stores["crossed"]
+    view = logitstore.open(str(store))
+    teacher = describe_teacher(tiny_teacher).tokenizer
+    record = summary["generation"]
+    assert record["crosses_tokenizers"] is True and view.generations()[record["id"]] == record
+    assert record["generator"]["tokenizer_hash"] != describe_teacher(tiny_teacher).tokenizer_hash
+    cfg = BuildConfig(store=str(store), data=str(prompts), prompt_column="prompt", generate=N, max_length=64)
+    cfg = dataclasses.replace(cfg, teacher=tiny_teacher, generator=gpt2_generator, seed=7)
+    generated = generated_answers(cfg)
+    gpt2 = Generation(cfg, teacher=describe_teacher(tiny_teacher), engine="torch").tokenizer
+    end = stop_text(teacher, model_stop_ids(describe_teacher(tiny_teacher).spec))
+    retokenized = 0
+    for prompt_id, prompt in PROMPTS.items():
+        answer, ids = view.answer(f"{prompt_id}/g0"), generated[prompt_id]
+        stopped = ids[-1] == GPT2_EOS
+        body = ids[:-1] if stopped else ids
+        text = gpt2.decode(body.tolist(), clean_up_tokenization_spaces=False) + (end if stopped else "")
+        # the teacher's own prompt tokens, then its tokens of the generator's answer text
+        assert answer["prompt_text"] == prompt and answer["text"] == text
+        s = view.sample(f"{prompt_id}/g0")
+        n_prompt = len(teacher(prompt)["input_ids"])
+        assert s.loss_mask.tolist() == [0] * n_prompt + [1] * (len(s.input_ids) - n_prompt)
+        # the student (the generator's tokenizer) holds its tokens of the prompt, then of the answer's text
+        ids_s, mask_s = student_side(view, f"{prompt_id}/g0")
+        n_s = len(gpt2(prompt)["input_ids"])
+        assert ids_s[:n_s].tolist() == gpt2(prompt)["input_ids"] and mask_s.tolist() == [0] * n_s + [1] * (
+            len(ids_s) - n_s
+        )
+        assert gpt2.decode(ids_s[n_s:].tolist()) == text
+        retokenized += ids_s[n_s : n_s + len(body)].tolist() != body.tolist()
+    assert summary["answers_retokenized"] == retokenized and summary["answers"] == len(PROMPTS)
+
+
+def test_student_tokenizers_get_the_teachers_answers_masked_on_the_answer_alone(stores, tiny_teacher):
+    store, summary = stores["own"]
+    view = logitstore.open(str(store))
+    teacher = describe_teacher(tiny_teacher).tokenizer
+    assert "crosses_tokenizers" not in summary["generation"] and summary["answers"] == len(PROMPTS)
+    gpt2 = view.student_tokenizer(view.teacher_name(None), "gpt2")
+    for prompt_id, prompt in PROMPTS.items():
+        answer = view.answer(f"{prompt_id}/g0")
+        ids_s, mask_s = student_side(view, f"{prompt_id}/g0")
+        supervised = ids_s[mask_s.astype(bool)].tolist()
+        # exactly the answer's bytes: the student's masked tokens spell the teacher's answer text
+        assert gpt2.decode(supervised) == answer["text"] and gpt2.decode(ids_s[~mask_s.astype(bool)].tolist()) == prompt
+        assert mask_s.tolist() == sorted(mask_s.tolist()) and teacher.decode(answer["token_ids"]) == answer["text"]
+
+
+def test_answer_text_keeps_the_prompt_cut_and_counts_respelled_answers(tiny_teacher, gpt2_tokenizer_dir):
+    """Unit level, real tokenizers: a stopped answer ends with the teacher's stop text, a generated
+    spelling the tokenizer would not make is counted, and an answer too long for --max-length is cut at
+    a character's end on every side."""
+    info = describe_teacher(tiny_teacher)
+    [student] = load_student_tokenizers((f"gpt2={gpt2_tokenizer_dir}",), teacher=info)
+    gpt2 = student.tokenizer
+    text = AnswerText(
+        teacher=info.tokenizer,
+        generator=gpt2,
+        generator_hash=student.registration.tokenizer_hash,
+        teacher_stop="<|im_end|>",
+        students=[student],
+        special_tokens=True,
+    )
+    [prompt] = text.prompts(["Capital of France?"], [np.asarray(gpt2("Capital of France?")["input_ids"])])
+    canonical = np.asarray([*gpt2(" Paris, café")["input_ids"], GPT2_EOS])
+    respelled = np.asarray([*gpt2(" P")["input_ids"], *gpt2("aris")["input_ids"]])
+    long = np.asarray(gpt2(" 東京 " * 20)["input_ids"])
+    samples = text.answers([prompt] * 3, [canonical, respelled, long], stop_ids=[GPT2_EOS], max_length=24)
+    decode = info.tokenizer.decode
+    first, second, third = samples
+    assert decode(first.tokens[len(prompt.ids) :].tolist()) == " Paris, café<|im_end|>" and not first.retokenized
+    assert decode(second.tokens[len(prompt.ids) :].tolist()) == " Paris" and second.retokenized
+    assert third.cut and len(third.tokens) <= 24 and not first.cut and "\ufffd" not in decode(third.tokens.tolist())
+    for s in samples:
+        ids, groups, mask = s.students["gpt2"]
+        assert (s.mask == np.sort(s.mask)).all() and (mask == np.sort(mask)).all()
+        assert gpt2.decode(ids[mask.astype(bool)].tolist()) == decode(s.tokens[s.mask.astype(bool)].tolist())
+        # a group starts where the answer starts, on both sides
+        assert [len(prompt.ids), len(prompt.students["gpt2"][0])] in groups[:, [0, 2]].tolist()
+
+
+def test_what_cannot_be_aligned_is_refused_in_one_line(tiny_teacher, gpt2_generator, gpt2_tokenizer_dir, tmp_path):
+    from logitstore.testing.openai_server import OpenAIServer
+    from transformers import AutoTokenizer
+
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text(json.dumps({"id": "q", "messages": [{"role": "user", "content": "Hi"}]}) + "\n")
+    args = ["build", "--teacher", tiny_teacher, "--store", str(tmp_path / "s"), "--generate", "4", "--max-length", "32"]
+    no_template = [*args, "--data", str(chats), "--chat-column", "messages", "--generator", gpt2_generator]
+    plain = [*args, "--data", str(write_prompts(tmp_path / "p.jsonl", {"a": "Hi"})), "--prompt-column", "prompt"]
+    gpt2 = AutoTokenizer.from_pretrained(gpt2_tokenizer_dir)
+    with OpenAIServer(model="gpt2-served", replay=lambda ids, k: b"", tokenizer=gpt2) as server:
+        cases = [
+            (no_template, "has no chat template"),
+            ([*plain, "--generator-url", server.url], "a served generator must have the teacher's tokenizer"),
+        ]
+        for argv, message in cases:
+            result = CliRunner().invoke(app, argv)
+            errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+            assert result.exit_code == 2 and len(errors) == 1 and message in errors[0], result.stderr
+    assert not (tmp_path / "s").exists()
