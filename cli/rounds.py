@@ -6,7 +6,8 @@ branch then holds this round's answers only, earlier rounds stay readable by the
 version `round-r`, and trains on it: round 1 starts the run in OUT, every later round continues it
 (`train --resume --new-version --version round-r`) to `r x --steps-per-round` steps. Round 1's answers
 are the teacher's own (sequence-level KD: there is no trained student yet); round r > 1's are the
-student's of round r - 1, OUT/final.
+student's of round r - 1, OUT/final. A `--student` folder of another tokenizer than the teacher's is each
+build's `--student-tokenizer` too.
 
 A round whose tag exists is not built again, and training resumes where the run is, so a killed
 driver started again with the same arguments goes on from where it stopped.
@@ -57,6 +58,7 @@ def run_rounds(r: Rounds, *, log) -> list[dict]:
     from logitstore.trainer.train import launch
 
     done = []
+    students = _student_tokenizers(r)
     for n in range(1, r.rounds + 1):
         store = Store.open_if_exists(r.store)
         built = None
@@ -75,6 +77,7 @@ def run_rounds(r: Rounds, *, log) -> list[dict]:
                 seed=r.seed + n,
                 max_length=r.max_length,
                 on_duplicate="replace",
+                student_tokenizers=students,
                 message=f"on-policy round {n}",
             )
             built = run_builds(cfg, [r.teacher] if r.teacher else [None], log=log).to_json()
@@ -89,6 +92,17 @@ def run_rounds(r: Rounds, *, log) -> list[dict]:
         trained = launch(TrainConfig.from_flags(**flags))
         done.append({"round": n, "version": Store.open(r.store).resolve(tag_of(n)), "build": built, "train": trained})
     return done
+
+
+def _student_tokenizers(r: Rounds) -> tuple[str, ...]:
+    """`--student-tokenizer` of every round's build: a student folder whose tokenizer is not the teacher's
+    (its answers, from round 2, cross tokenizers too), so training has targets aligned to it."""
+    from logitstore.pipelines.teacher import describe_teacher
+    from logitstore.trainer.model import student_tokenizer_hash
+
+    if r.student is None or student_tokenizer_hash(r.student) in (None, describe_teacher(r.teacher).tokenizer_hash):
+        return ()
+    return (r.student,)
 
 
 def _has_version(store, name: str) -> bool:

@@ -184,3 +184,14 @@ def test_what_cannot_be_aligned_is_refused_in_one_line(tiny_teacher, gpt2_genera
             errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
             assert result.exit_code == 2 and len(errors) == 1 and message in errors[0], result.stderr
     assert not (tmp_path / "s").exists()
+
+
+def test_rounds_give_a_student_of_another_tokenizer_aligned_targets(tiny_teacher, gpt2_generator):
+    """`logitstore rounds --student S`: every round's build takes S's tokenizer as a student tokenizer
+    where it is not the teacher's (round 2 on, S writes the answers: they cross tokenizers)."""
+    from logitstore.cli.rounds import Rounds, _student_tokenizers
+
+    common = dict(store="s", out="o", prompts="p", rounds=2, steps_per_round=1, teacher=tiny_teacher)
+    assert _student_tokenizers(Rounds(**common, student=gpt2_generator)) == (gpt2_generator,)
+    assert _student_tokenizers(Rounds(**common, student=tiny_teacher)) == ()
+    assert _student_tokenizers(Rounds(**common, student="llama-tiny")) == ()
