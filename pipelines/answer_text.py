@@ -10,15 +10,18 @@ where the prompt ends: the teacher's tokens (prompt's, then the answer's, which 
 per student tokenizer its ids, the groups (`align.align_groups`) and its loss mask, 1 on exactly the
 tokens of the answer's bytes. Teacher tokens past `--max-length` are cut, and the text with them.
 
-A side with the generator's own tokenizer holds the text's tokens, which differ from the generated ids
-where the generator wrote a sequence its tokenizer does not make of that text (a word spelled in other
-pieces, bytes of a character that never completes): such answers are counted (`answers_retokenized`).
+A side with the generator's own tokenizer (the teacher answering itself, a student tokenizer that wrote
+the answer: the on-policy case) holds the generated ids themselves, their byte ends the lengths of the
+bytes each stands for, where those bytes spell the decoded text exactly; where they do not (the bytes of
+a character that never completes, a tokenizer whose decoding drops or adds spaces), or the answer was
+cut, it holds its tokens of the text instead, and the answer is counted (`answers_retokenized`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -53,7 +56,7 @@ class TextAnswer:
     retokenized: bool  # a side with the generator's tokenizer holds other tokens than the generated ones
 
 
-@dataclass(frozen=True)
+@dataclass
 class AnswerText:
     """How one build carries answers as text."""
 
@@ -81,18 +84,25 @@ class AnswerText:
     ) -> list[TextAnswer]:
         """Each (prompt, generated ids) as a sample of the teacher's tokens, with every student's side."""
         stops = np.asarray(stop_ids, dtype=np.int64)
+        generated = [np.asarray(a, dtype=np.int64) for a in generated]
         stopped = [len(a) > 0 and bool(np.isin(a[-1:], stops).any()) for a in generated]
-        bodies = [np.asarray(a[:-1] if s else a, dtype=np.int64) for a, s in zip(generated, stopped)]
-        own = self.generator if self.generator is not None else self.teacher
-        texts = own.batch_decode(
-            [b.tolist() for b in bodies], skip_special_tokens=False, clean_up_tokenization_spaces=False
+        # the generated ids that stand for the text (with their stop where the tokenizers are the same), and
+        # that text: what a side with the generator's tokenizer holds where their bytes spell it exactly
+        crossing = self.generator is not None
+        spelled = [a[:-1] if s and crossing else a for a, s in zip(generated, stopped)]
+        texts = self._own.batch_decode(
+            [a.tolist() for a in spelled], skip_special_tokens=False, clean_up_tokenization_spaces=False
         )
-        texts = [text + self._stop_text(a) if s else text for text, a, s in zip(texts, generated, stopped)]
+        own = [self._own_ends(a, text) for a, text in zip(spelled, texts)]
+        tails = [self.teacher_stop if s and crossing else "" for s in stopped]
+        texts = [text + tail for text, tail in zip(texts, tails)]
         teacher = align.encode_with_byte_ends(self.teacher, texts, add_special_tokens=False)
         cut = []
         for i, (prompt, (ids, ends)) in enumerate(zip(prompts, teacher)):
+            if not crossing and own[i] is not None:  # the teacher's own answer: at most --generate tokens
+                teacher[i] = (spelled[i], own[i])
             room = max_length - len(prompt.ids)
-            cut.append(len(ids) > room)
+            cut.append(len(teacher[i][0]) > room)
             if cut[-1]:
                 keep = _clean_cut(ends, room)
                 texts[i] = texts[i].encode()[: int(ends[keep - 1]) if keep else 0].decode()
@@ -103,30 +113,62 @@ class AnswerText:
             assert prompt.text is not None and prompt.ends is not None and prompt.students is not None
             base = len(prompt.text.encode())
             t_ends = np.concatenate([prompt.ends, ends + base])
-            students, same = {}, [ids] if self.generator is None else []
+            mine = None if own[i] is None or cut[i] else (spelled[i], own[i])
+            students, generators = {}, 0 if crossing else 1
             for st, side in zip(self.students, sides):
                 name = st.registration.name
                 (p_ids, p_ends), (a_ids, a_ends) = prompt.students[name], side[i]
+                if st.registration.tokenizer_hash == self.generator_hash:
+                    generators += 1
+                    if mine is not None:
+                        a_ids, a_ends = self._generated_side(st, mine, tail=tails[i])
                 groups = align.align_groups(t_ends, np.concatenate([p_ends, a_ends + base]))
                 mask = np.concatenate([np.zeros(len(p_ids), np.uint8), np.ones(len(a_ids), np.uint8)])
                 students[name] = (np.concatenate([p_ids, a_ids]), groups, mask)
-                if st.registration.tokenizer_hash == self.generator_hash:
-                    same.append(a_ids)
             out.append(
                 TextAnswer(
                     tokens=np.concatenate([prompt.ids, ids]),
                     mask=np.concatenate([np.zeros(len(prompt.ids), np.uint8), np.ones(len(ids), np.uint8)]),
                     students=students,
                     cut=cut[i],
-                    retokenized=any(_differs(side, bodies[i], cut=cut[i]) for side in same),
+                    retokenized=bool(generators) and mine is None,
                 )
             )
         return out
 
-    def _stop_text(self, answer: np.ndarray) -> str:
-        if self.generator is not None:
-            return self.teacher_stop
-        return self.teacher.decode([int(answer[-1])], skip_special_tokens=False)
+    @property
+    def _own(self):
+        """The generator's tokenizer."""
+        return self.generator if self.generator is not None else self.teacher
+
+    @cached_property
+    def _pieces(self) -> tuple[np.ndarray, np.ndarray]:
+        """The bytes each of the generator's ids stands for (a special token: its text), and their lengths."""
+        pieces = align.token_byte_strings(self._own)
+        for i in [i for i, b in enumerate(pieces) if b is None]:  # special tokens and holes: a few
+            pieces[i] = self._own.decode([i], skip_special_tokens=False).encode()
+        table = np.empty(len(pieces), dtype=object)
+        table[:] = pieces
+        return table, np.fromiter((len(b) for b in pieces), dtype=np.int64, count=len(pieces))
+
+    def _own_ends(self, ids: np.ndarray, text: str) -> np.ndarray | None:
+        """Byte ends of generated ids in their decoded text, where their bytes spell it exactly (not: a
+        character whose bytes never complete, a tokenizer whose decoding drops or adds spaces)."""
+        table, lengths = self._pieces
+        if len(ids) and int(ids.max()) >= len(table):
+            return None
+        if b"".join(table[ids]) != text.encode():
+            return None
+        return np.cumsum(lengths[ids])
+
+    def _generated_side(self, student: StudentSide, mine: tuple[np.ndarray, np.ndarray], *, tail: str) -> tuple:
+        """A student tokenizer that is the generator's: the generated ids, then its tokens of the teacher's stop."""
+        ids, ends = mine
+        if not tail:
+            return ids, ends
+        [(stop_ids, stop_ends)] = align.encode_with_byte_ends(student.tokenizer, [tail], add_special_tokens=False)
+        base = int(ends[-1]) if len(ends) else 0
+        return np.concatenate([ids, stop_ids]), np.concatenate([ends, stop_ends + base])
 
 
 def _clean_cut(ends: np.ndarray, room: int) -> int:
@@ -136,13 +178,6 @@ def _clean_cut(ends: np.ndarray, room: int) -> int:
     while 0 < keep < len(ends) and ends[keep] == ends[keep - 1]:  # a few steps, within one character
         keep -= 1
     return keep
-
-
-def _differs(side: np.ndarray, generated: np.ndarray, *, cut: bool) -> bool:
-    """Whether a side's tokens of the answer text do not begin with the generated ids (less the stop);
-    of a cut answer, up to the token before the cut (the last one may be a piece of a generated one)."""
-    n = len(generated) if not cut else max(len(side) - 1, 0)
-    return len(side) < n or not np.array_equal(side[:n], generated[:n])
 
 
 def stop_text(tokenizer, stop_ids: Sequence[int]) -> str:

@@ -13,13 +13,13 @@ from typer.testing import CliRunner
 
 import logitstore
 from logitstore.cli.app import app
+from logitstore.format.layout import student_arrays
 from logitstore.pipelines.answer_text import AnswerText, stop_text
 from logitstore.pipelines.build import BuildConfig
 from logitstore.pipelines.generate import Generation
 from logitstore.pipelines.plan import load_student_tokenizers
 from logitstore.pipelines.teacher import describe_teacher, model_stop_ids
 from logitstore.store.generation import seed_of
-from logitstore.format.layout import student_arrays
 from logitstore.testing.prompts import PROMPTS, write_prompts
 from logitstore.testing.teachers import save_tiny_llama
 
@@ -112,7 +112,10 @@ def test_answers_of_another_tokenizer_are_scored_as_their_text(stores, tiny_teac
             len(ids_s) - n_s
         )
         assert gpt2.decode(ids_s[n_s:].tolist()) == text
-        retokenized += ids_s[n_s : n_s + len(body)].tolist() != body.tolist()
+        # the generated ids themselves, unless their bytes do not spell the text (a character left unfinished)
+        own = ids_s[n_s : n_s + len(body)].tolist() == body.tolist()
+        assert own != ("\ufffd" in text)
+        retokenized += not own
     assert summary["answers_retokenized"] == retokenized and summary["answers"] == len(PROMPTS)
 
 
@@ -132,9 +135,10 @@ def test_student_tokenizers_get_the_teachers_answers_masked_on_the_answer_alone(
 
 
 def test_answer_text_keeps_the_prompt_cut_and_counts_respelled_answers(tiny_teacher, gpt2_tokenizer_dir):
-    """Unit level, real tokenizers: a stopped answer ends with the teacher's stop text, a generated
-    spelling the tokenizer would not make is counted, and an answer too long for --max-length is cut at
-    a character's end on every side."""
+    """Unit level, real tokenizers: a stopped answer ends with the teacher's stop text, the student side
+    with the generator's tokenizer holds the generated ids (another spelling than its own too) unless
+    their bytes do not spell the text or the answer was cut (counted), and an answer too long for
+    --max-length is cut at a character's end on every side."""
     info = describe_teacher(tiny_teacher)
     [student] = load_student_tokenizers((f"gpt2={gpt2_tokenizer_dir}",), teacher=info)
     gpt2 = student.tokenizer
@@ -150,12 +154,19 @@ def test_answer_text_keeps_the_prompt_cut_and_counts_respelled_answers(tiny_teac
     canonical = np.asarray([*gpt2(" Paris, café")["input_ids"], GPT2_EOS])
     respelled = np.asarray([*gpt2(" P")["input_ids"], *gpt2("aris")["input_ids"]])
     long = np.asarray(gpt2(" 東京 " * 20)["input_ids"])
-    samples = text.answers([prompt] * 3, [canonical, respelled, long], stop_ids=[GPT2_EOS], max_length=24)
+    unfinished = np.asarray(gpt2(" 東")["input_ids"][:-1])  # a character's first bytes only
+    generated = [canonical, respelled, long, unfinished]
+    samples = text.answers([prompt] * 4, generated, stop_ids=[GPT2_EOS], max_length=24)
     decode = info.tokenizer.decode
-    first, second, third = samples
+    first, second, third, fourth = samples
+    n = len(prompt.students["gpt2"][0])
     assert decode(first.tokens[len(prompt.ids) :].tolist()) == " Paris, café<|im_end|>" and not first.retokenized
-    assert decode(second.tokens[len(prompt.ids) :].tolist()) == " Paris" and second.retokenized
+    assert first.students["gpt2"][0][n : n + len(canonical) - 1].tolist() == canonical[:-1].tolist()
+    # another spelling than the tokenizer's: the student side holds the generated ids, the teacher the text's
+    assert decode(second.tokens[len(prompt.ids) :].tolist()) == " Paris" and not second.retokenized
+    assert second.students["gpt2"][0][n:].tolist() == respelled.tolist()
     assert third.cut and len(third.tokens) <= 24 and not first.cut and "\ufffd" not in decode(third.tokens.tolist())
+    assert third.retokenized and fourth.retokenized and decode(fourth.tokens[len(prompt.ids) :].tolist()) == " \ufffd"
     for s in samples:
         ids, groups, mask = s.students["gpt2"]
         assert (s.mask == np.sort(s.mask)).all() and (mask == np.sort(mask)).all()
@@ -165,8 +176,9 @@ def test_answer_text_keeps_the_prompt_cut_and_counts_respelled_answers(tiny_teac
 
 
 def test_what_cannot_be_aligned_is_refused_in_one_line(tiny_teacher, gpt2_generator, gpt2_tokenizer_dir, tmp_path):
-    from logitstore.testing.openai_server import OpenAIServer
     from transformers import AutoTokenizer
+
+    from logitstore.testing.openai_server import OpenAIServer
 
     chats = tmp_path / "chats.jsonl"
     chats.write_text(json.dumps({"id": "q", "messages": [{"role": "user", "content": "Hi"}]}) + "\n")
