@@ -90,17 +90,21 @@ class AnswerText:
         # that text: what a side with the generator's tokenizer holds where their bytes spell it exactly
         crossing = self.generator is not None
         spelled = [a[:-1] if s and crossing else a for a, s in zip(generated, stopped)]
-        texts = self._own.batch_decode(
+        texts = self._generator_tokenizer.batch_decode(
             [a.tolist() for a in spelled], skip_special_tokens=False, clean_up_tokenization_spaces=False
         )
-        own = [self._own_ends(a, text) for a, text in zip(spelled, texts)]
+        # byte ends of the generated ids, where a side has the generator's tokenizer and their bytes spell the text
+        hashes = [st.registration.tokenizer_hash for st in self.students]
+        holds = not crossing or self.generator_hash in hashes
+        own = [self._own_ends(a, text) if holds else None for a, text in zip(spelled, texts)]
         tails = [self.teacher_stop if s and crossing else "" for s in stopped]
         texts = [text + tail for text, tail in zip(texts, tails)]
         teacher = align.encode_with_byte_ends(self.teacher, texts, add_special_tokens=False)
         cut = []
         for i, (prompt, (ids, ends)) in enumerate(zip(prompts, teacher)):
-            if not crossing and own[i] is not None:  # the teacher's own answer: at most --generate tokens
-                teacher[i] = (spelled[i], own[i])
+            generated_ends = own[i]
+            if not crossing and generated_ends is not None:  # the teacher's own answer: at most --generate tokens
+                teacher[i] = (spelled[i], generated_ends)
             room = max_length - len(prompt.ids)
             cut.append(len(teacher[i][0]) > room)
             if cut[-1]:
@@ -113,15 +117,16 @@ class AnswerText:
             assert prompt.text is not None and prompt.ends is not None and prompt.students is not None
             base = len(prompt.text.encode())
             t_ends = np.concatenate([prompt.ends, ends + base])
-            mine = None if own[i] is None or cut[i] else (spelled[i], own[i])
+            own_ends = own[i]
+            kept = None if own_ends is None or cut[i] else (spelled[i], own_ends)
             students, generators = {}, 0 if crossing else 1
             for st, side in zip(self.students, sides):
                 name = st.registration.name
                 (p_ids, p_ends), (a_ids, a_ends) = prompt.students[name], side[i]
                 if st.registration.tokenizer_hash == self.generator_hash:
                     generators += 1
-                    if mine is not None:
-                        a_ids, a_ends = self._generated_side(st, mine, tail=tails[i])
+                    if kept is not None:
+                        a_ids, a_ends = self._generated_side(st, kept, tail=tails[i])
                 groups = align.align_groups(t_ends, np.concatenate([p_ends, a_ends + base]))
                 mask = np.concatenate([np.zeros(len(p_ids), np.uint8), np.ones(len(a_ids), np.uint8)])
                 students[name] = (np.concatenate([p_ids, a_ids]), groups, mask)
@@ -131,22 +136,23 @@ class AnswerText:
                     mask=np.concatenate([np.zeros(len(prompt.ids), np.uint8), np.ones(len(ids), np.uint8)]),
                     students=students,
                     cut=cut[i],
-                    retokenized=bool(generators) and mine is None,
+                    retokenized=bool(generators) and kept is None,
                 )
             )
         return out
 
     @property
-    def _own(self):
+    def _generator_tokenizer(self):
         """The generator's tokenizer."""
         return self.generator if self.generator is not None else self.teacher
 
     @cached_property
     def _pieces(self) -> tuple[np.ndarray, np.ndarray]:
         """The bytes each of the generator's ids stands for (a special token: its text), and their lengths."""
-        pieces = align.token_byte_strings(self._own)
-        for i in [i for i, b in enumerate(pieces) if b is None]:  # special tokens and holes: a few
-            pieces[i] = self._own.decode([i], skip_special_tokens=False).encode()
+        pieces = [  # special tokens (and holes): a few decode calls
+            b if b is not None else self._generator_tokenizer.decode([i], skip_special_tokens=False).encode()
+            for i, b in enumerate(align.token_byte_strings(self._generator_tokenizer))
+        ]
         table = np.empty(len(pieces), dtype=object)
         table[:] = pieces
         return table, np.fromiter((len(b) for b in pieces), dtype=np.int64, count=len(pieces))

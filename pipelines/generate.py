@@ -154,7 +154,7 @@ class Generation:
         tokens in `--max-length`, is refused, naming its row."""
         texts = [self._chat_prompt(tokenizer, doc) for doc in docs] if self.cfg.chat_column else None
         if self.text is not None:
-            prompts = self.text.prompts(texts or [doc.text for doc in docs], self._generator_prompts(docs))
+            prompts = self.text.prompts(texts or [doc.text or "" for doc in docs], self._generator_prompts(docs))
         elif texts is not None:
             encoded = [ids for ids, _ in align.encode_with_byte_ends(tokenizer, texts, add_special_tokens=False)]
             prompts = [Prompt(ids, ids) for ids in encoded]

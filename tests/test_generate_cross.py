@@ -125,6 +125,9 @@ def test_student_tokenizers_get_the_teachers_answers_masked_on_the_answer_alone(
     teacher = describe_teacher(tiny_teacher).tokenizer
     assert "crosses_tokenizers" not in summary["generation"] and summary["answers"] == len(PROMPTS)
     gpt2 = view.student_tokenizer(view.teacher_name(None), "gpt2")
+    texts = [view.answer(f"{prompt_id}/g0")["text"] for prompt_id in PROMPTS]
+    # the teacher holds its generated ids, unless their bytes leave a character unfinished (byte-level BPE)
+    assert summary["answers_retokenized"] == sum("\ufffd" in text for text in texts)
     for prompt_id, prompt in PROMPTS.items():
         answer = view.answer(f"{prompt_id}/g0")
         ids_s, mask_s = student_side(view, f"{prompt_id}/g0")
