@@ -22,14 +22,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from logitstore.pipelines import align
-
-if TYPE_CHECKING:
-    from logitstore.pipelines.plan import StudentSide
 
 
 @dataclass(frozen=True)
@@ -64,7 +61,7 @@ class AnswerText:
     generator: Any | None  # the generator's tokenizer, where it is not the teacher's
     generator_hash: str  # the generator's tokenizer hash (a student tokenizer with it held the generated ids)
     teacher_stop: str  # the teacher's stop token's text: what a stopped answer of another tokenizer ends with
-    students: Sequence[StudentSide]
+    students: Sequence[Any]  # `plan.StudentSide`s (plan imports this module, through generate)
     special_tokens: bool  # plain prompts take the tokenizer's special tokens (as text input does); chat holds them
 
     def prompts(self, texts: list[str], generator_ids: list[np.ndarray] | None) -> list[Prompt]:
@@ -167,7 +164,7 @@ class AnswerText:
             return None
         return np.cumsum(lengths[ids])
 
-    def _generated_side(self, student: StudentSide, mine: tuple[np.ndarray, np.ndarray], *, tail: str) -> tuple:
+    def _generated_side(self, student, mine: tuple[np.ndarray, np.ndarray], *, tail: str) -> tuple:
         """A student tokenizer that is the generator's: the generated ids, then its tokens of the teacher's stop."""
         ids, ends = mine
         if not tail:
