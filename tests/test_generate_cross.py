@@ -17,6 +17,7 @@ from logitstore.format.layout import student_arrays
 from logitstore.pipelines.answer_text import AnswerText, stop_text
 from logitstore.pipelines.build import BuildConfig
 from logitstore.pipelines.generate import Generation
+from logitstore.pipelines.inputs import Document
 from logitstore.pipelines.plan import load_student_tokenizers
 from logitstore.pipelines.teacher import describe_teacher, model_stop_ids
 from logitstore.store.generation import seed_of
@@ -25,6 +26,9 @@ from logitstore.testing.teachers import save_tiny_llama
 
 GPT2_EOS = 50256
 N = 12  # --generate
+# the generator's own chat template: another rendering of a conversation than the teacher's ChatML
+TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}"
+CHATS = {"q": [{"role": "user", "content": "Where is Paris?"}], "r": [{"role": "user", "content": "Hi"}]}
 
 
 def build(*args) -> dict:
@@ -35,11 +39,12 @@ def build(*args) -> dict:
 
 @pytest.fixture(scope="module")
 def gpt2_generator(tmp_path_factory, gpt2_tokenizer_dir) -> str:
-    """A 1-layer random Llama with GPT-2's tokenizer, stopping at `<|endoftext|>`."""
+    """A 1-layer random Llama with GPT-2's tokenizer and a chat template of its own, stopping at `<|endoftext|>`."""
     from transformers import AutoTokenizer
 
     folder = tmp_path_factory.mktemp("generators") / "tiny-gpt2"
     tokenizer = AutoTokenizer.from_pretrained(gpt2_tokenizer_dir)
+    tokenizer.chat_template = TEMPLATE
     save_tiny_llama(folder, tokenizer, eos_token_id=GPT2_EOS, bos_token_id=GPT2_EOS, max_position_embeddings=256)
     return str(folder)
 
@@ -51,14 +56,20 @@ def prompts(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def stores(tiny_teacher, gpt2_generator, gpt2_tokenizer_dir, prompts, tmp_path_factory):
-    """Two builds with GPT-2 as a student tokenizer: answers by the GPT-2 generator (crossing), and by the
-    teacher itself."""
+    """Three builds with GPT-2 as a student tokenizer: answers by the GPT-2 generator (crossing) to plain
+    prompts and to conversations, and by the teacher itself."""
     root = tmp_path_factory.mktemp("cross-generated")
-    common = ["build", "--data", prompts, "--prompt-column", "prompt", "--generate", N, "--max-length", 64]
-    common += ["--teacher", tiny_teacher, "--student-tokenizer", f"gpt2={gpt2_tokenizer_dir}", "--seed", 7]
-    crossed = build(*common, "--store", root / "crossed", "--generator", gpt2_generator)
-    own = build(*common, "--store", root / "own")
-    return {"crossed": (root / "crossed", crossed), "own": (root / "own", own)}
+    chats = root / "chats.jsonl"
+    chats.write_text("".join(json.dumps({"id": k, "messages": m}) + "\n" for k, m in CHATS.items()))
+    common = ["build", "--generate", N, "--max-length", 64, "--teacher", tiny_teacher, "--seed", 7]
+    common += ["--student-tokenizer", f"gpt2={gpt2_tokenizer_dir}"]
+    plain = [*common, "--data", prompts, "--prompt-column", "prompt"]
+    crossed = build(*plain, "--store", root / "crossed", "--generator", gpt2_generator)
+    own = build(*plain, "--store", root / "own")
+    chat = build(
+        *common, "--data", chats, "--chat-column", "messages", "--store", root / "chat", "--generator", gpt2_generator
+    )
+    return {"crossed": (root / "crossed", crossed), "own": (root / "own", own), "chat": (root / "chat", chat)}
 
 
 def student_side(view, sample_id: str) -> tuple[np.ndarray, np.ndarray]:
@@ -137,6 +148,33 @@ def test_student_tokenizers_get_the_teachers_answers_masked_on_the_answer_alone(
         assert mask_s.tolist() == sorted(mask_s.tolist()) and teacher.decode(answer["token_ids"]) == answer["text"]
 
 
+def test_a_generator_renders_a_conversation_with_its_own_template_and_the_teacher_with_its(
+    stores, tiny_teacher, gpt2_generator
+):
+    store, summary = stores["chat"]
+    info = describe_teacher(tiny_teacher)
+    cfg = BuildConfig(store=str(store), data=str(store), chat_column="messages", generate=N, max_length=64)
+    generation = Generation(
+        dataclasses.replace(cfg, teacher=tiny_teacher, generator=gpt2_generator), teacher=info, engine="torch"
+    )
+    generation.carry_as_text(info.tokenizer, [])
+    doc = Document(id="q", text=None, token_ids=None, source_hash="0" * 32, row=0, messages=CHATS["q"])
+    [prompt] = generation.prompt_tokens(info.tokenizer, [doc])
+    assert generation.tokenizer.decode(prompt.generator_ids.tolist()) == "user: Where is Paris?\nassistant:"
+    assert info.tokenizer.decode(prompt.ids.tolist()) == prompt.text and prompt.text.endswith("<|im_start|>assistant\n")
+    view = logitstore.open(str(store))
+    assert summary["answers"] == len(CHATS) and summary["generation"]["crosses_tokenizers"] is True
+    gpt2 = view.student_tokenizer(view.teacher_name(None), "gpt2")
+    for prompt_id, messages in CHATS.items():
+        answer = view.answer(f"{prompt_id}/g0")
+        content = messages[0]["content"]
+        assert answer["prompt_text"].endswith(f"<|im_start|>user\n{content}<|im_end|>\n<|im_start|>assistant\n")
+        ids_s, mask_s = student_side(view, f"{prompt_id}/g0")
+        masked = mask_s.astype(bool)
+        assert gpt2.decode(ids_s[masked].tolist()) == answer["text"] and mask_s.tolist() == sorted(mask_s.tolist())
+        assert gpt2.decode(ids_s[~masked].tolist()) == answer["prompt_text"]
+
+
 def test_answer_text_keeps_the_prompt_cut_and_counts_respelled_answers(tiny_teacher, gpt2_tokenizer_dir):
     """Unit level, real tokenizers: a stopped answer ends with the teacher's stop text, the student side
     with the generator's tokenizer holds the generated ids (another spelling than its own too) unless
@@ -185,8 +223,10 @@ def test_what_cannot_be_aligned_is_refused_in_one_line(tiny_teacher, gpt2_genera
 
     chats = tmp_path / "chats.jsonl"
     chats.write_text(json.dumps({"id": "q", "messages": [{"role": "user", "content": "Hi"}]}) + "\n")
+    untemplated = tmp_path / "untemplated"
+    save_tiny_llama(untemplated, AutoTokenizer.from_pretrained(gpt2_tokenizer_dir), eos_token_id=GPT2_EOS)
     args = ["build", "--teacher", tiny_teacher, "--store", str(tmp_path / "s"), "--generate", "4", "--max-length", "32"]
-    no_template = [*args, "--data", str(chats), "--chat-column", "messages", "--generator", gpt2_generator]
+    no_template = [*args, "--data", str(chats), "--chat-column", "messages", "--generator", untemplated]
     plain = [*args, "--data", str(write_prompts(tmp_path / "p.jsonl", {"a": "Hi"})), "--prompt-column", "prompt"]
     gpt2 = AutoTokenizer.from_pretrained(gpt2_tokenizer_dir)
     with OpenAIServer(model="gpt2-served", replay=lambda ids, k: b"", tokenizer=gpt2) as server:
