@@ -53,10 +53,25 @@ app = typer.Typer(
 
 StoreArg = Annotated[str, typer.Argument(help="Store location: a path, file://, s3://bucket/prefix or memory://name.")]
 VersionOpt = Annotated[Optional[str], typer.Option("--version", help="Version id, tag or branch (default: main).")]
+TeacherOpt = Annotated[Optional[str], typer.Option(help="Teacher name, when the store holds several.")]
 JsonOutputOpt = Annotated[bool, json_option("Output")]  # build's and train's, in their Output panel
 
 # The order commands are listed in --help: the order of use.
-COMMAND_ORDER = ("build", "train", "eval", "rounds", "info", "ls", "show", "report", "diff", "log", "tag", "verify")
+COMMAND_ORDER = (
+    "build",
+    "train",
+    "eval",
+    "rounds",
+    "info",
+    "ls",
+    "show",
+    "export",
+    "report",
+    "diff",
+    "log",
+    "tag",
+    "verify",
+)
 
 
 def user_errors(fn):
@@ -111,7 +126,7 @@ def info(store: StoreArg, version: VersionOpt = None, json_out: JsonOpt = False)
 def show(
     store: StoreArg,
     sample_id: Annotated[str, typer.Argument(help="The sample's id.")],
-    teacher: Annotated[Optional[str], typer.Option(help="Teacher name, when the store holds several.")] = None,
+    teacher: TeacherOpt = None,
     student_tokenizer: Annotated[
         Optional[str], typer.Option(help="Add this student tokenizer's ids and the alignment.")
     ] = None,
@@ -142,6 +157,29 @@ def show(
         text.print_alignment(obj, student_tokenizer=student_tokenizer)
         return
     text.print_sample(obj, first=first, top=top)
+
+
+@app.command(cls=Command)
+@user_errors
+def export(
+    store: StoreArg,
+    out: Annotated[str, typer.Argument(help="The file to write: .jsonl or .json (JSON lines), or .parquet.")],
+    teacher: TeacherOpt = None,
+    version: VersionOpt = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """The generated answers (build --generate) as chat rows for datasets.load_dataset: prompt_id, sample,
+    messages (the prompt's turns, then the answer as the assistant's) and generation."""
+    from pathlib import Path
+
+    from logitstore.store.answers import check_export_path, write_answers
+
+    check_export_path(Path(out))  # before the store is read
+    summary = write_answers(_open(store).read(version), Path(out), teacher=teacher)
+    if json_out:
+        text.print_json(summary)
+        return
+    text.print_export(summary)
 
 
 @app.command(cls=Command)

@@ -91,6 +91,20 @@ def print_diff(changes: dict) -> None:
     typer.echo(f"{len(changes['added'])} added, {len(changes['removed'])} removed, {len(changes['changed'])} changed")
 
 
+def print_export(summary: dict) -> None:
+    """`export`: one line; a note on stderr for answers whose prompt the store did not keep."""
+    if summary["prompts_not_stored"]:
+        typer.echo(
+            f"note: {summary['prompts_not_stored']} answer(s) were stored before prompts were kept: their user "
+            "turn is the prompt's text as the teacher's tokenizer decodes it",
+            err=True,
+        )
+    typer.echo(
+        f"wrote {summary['answers']} answers to {summary['prompts']} prompts of teacher {summary['teacher']} "
+        f"(version {summary['version']}) as chat rows to {summary['out']}"
+    )
+
+
 def verify_json(report) -> dict:
     return {
         "version": report.version,
@@ -153,7 +167,9 @@ def print_estimates(estimates: list) -> None:
 
     for e in estimates:
         scaled = (
-            "all tokenized" if e.exact else f"the first {e.tokenized_documents:,} tokenized, the rest scaled by size"
+            "all tokenized"
+            if e.exact
+            else f"the first {e.tokenized_documents:,} tokenized, the rest scaled by {'count' if e.generation else 'size'}"
         )
         bpt = "-" if e.bytes_per_token is None else f"{e.bytes_per_token:.1f}"
         params = ", ".join(f"{k}={v}" for k, v in e.sparsity.items() if k != "mode" and v is not None)
@@ -166,7 +182,27 @@ def print_estimates(estimates: list) -> None:
             f"  store    ~{format_bytes(e.stored_bytes)}: {bpt} bytes/token ({e.sparsity['mode']} {params}), "
             f"measured on {e.measured_tokens:,} tokens"
         )
+        if e.generation is not None:
+            typer.echo(f"  generate {_generation_estimate(e)}")
         typer.echo(
             f"  time     ~{e.seconds / 60:.1f} min on this machine: teacher load {e.load_seconds:.1f} s, then "
             f"{e.teacher_tokens_per_second:,.0f} tokens/s (one worker)"
+            + (f", generation ~{e.generation_seconds / 60:.1f} min of it" if e.generation_seconds else "")
         )
+
+
+def _generation_estimate(e) -> str:
+    """A dry run's generation line: answers, their tokens and time, and the bytes they take."""
+    from logitstore.sizes import format_bytes
+
+    if e.answers_of is not None:
+        return f"none: scores the answers teacher {e.answers_of} generates ({e.answers_per_prompt} per prompt)"
+    bound = e.measured_answers == 0
+    mean = f"at most {e.mean_answer_tokens:,.0f}" if bound else f"{e.mean_answer_tokens:,.1f}"
+    rate = f"{e.generator_tokens_per_second:,.0f} tokens/s" if e.generator_tokens_per_second else "- tokens/s"
+    return (
+        f"~{e.answers:,} answers ({e.answers_per_prompt} per prompt to ~{e.prompts:,} prompts), "
+        f"~{e.generated_tokens:,} tokens ({mean} per answer, measured on {e.measured_answers:,} answers; "
+        f"~{e.answers_cut:,} cut), ~{e.generation_seconds / 60:.1f} min at {rate}; "
+        f"answers stored ~{format_bytes(e.answer_stored_bytes)}"
+    )

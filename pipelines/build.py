@@ -36,6 +36,7 @@ from logitstore.errors import ChangedTextError, ConflictError
 from logitstore.format import codec
 from logitstore.format.sparsity import Sparsity
 from logitstore.pipelines import inputs
+from logitstore.pipelines.answers import AnswersOf, StoredAnswers, check_one_tokenizer
 from logitstore.pipelines.config import BuildConfig, BuildError
 from logitstore.pipelines.engines import EngineError, engine_class
 from logitstore.pipelines.generate import Generation
@@ -86,6 +87,7 @@ class BuildSummary:
     answers_cut: int = 0
     answers_retokenized: int = 0  # answers whose generated ids a side with the generator's tokenizer re-tokenized
     generation: dict | None = None  # what wrote the answers (`Generation.record`), stored with them
+    no_answer: int = 0  # a later teacher of several: answers the first teacher does not hold (not scored)
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -122,9 +124,10 @@ class BuildPlan:
         return self.first
 
 
-def plan_build(cfg: BuildConfig, *, read_first: bool = True) -> BuildPlan:
+def plan_build(cfg: BuildConfig, *, read_first: bool = True, answers_of: AnswersOf | None = None) -> BuildPlan:
     """Check the input and the teacher and plan the units; loads no model and writes nothing. With
-    `read_first`, the first unit is read too (`BuildPlan.read_first`)."""
+    `read_first`, the first unit is read too (`BuildPlan.read_first`); with `answers_of` (a later
+    teacher of a `--generate` build), the answers are the first teacher's (`answers.StoredAnswers`)."""
     from logitstore.pipelines.teacher import describe_teacher  # torch and transformers: 2.7 s, after the input checks
 
     start = time.perf_counter()
@@ -159,7 +162,10 @@ def plan_build(cfg: BuildConfig, *, read_first: bool = True) -> BuildPlan:
     summary = BuildSummary(teacher=meta.name)
     stored = _stored_documents(store, cfg, meta, students)
     planned = Planned()
-    generation = Generation(cfg, teacher=info, engine=engine.name) if cfg.generate else None
+    generation = Generation(cfg, teacher=info, engine=engine.name) if cfg.generate and not answers_of else None
+    if answers_of is not None:  # the branch's answers (and a dry run's, from memory)
+        version = store.read(_base_branch(store, cfg)) if store else None
+        generation = StoredAnswers(cfg, source=answers_of, version=version, counts=summary)
     if generation is not None:
         summary.generation = generation.record
         planned.generated = generation.generated
@@ -181,19 +187,22 @@ def plan_build(cfg: BuildConfig, *, read_first: bool = True) -> BuildPlan:
     return plan
 
 
-def run_build(cfg: BuildConfig, *, log: Callable[[str], None] | None = None) -> BuildSummary:
-    """Run the whole build; returns the summary. Raises `LogitstoreError`s for user errors."""
+def run_build(
+    cfg: BuildConfig, *, log: Callable[[str], None] | None = None, answers_of: AnswersOf | None = None
+) -> BuildSummary:
+    """Run the whole build; returns the summary. Raises `LogitstoreError`s for user errors. With
+    `answers_of`, a `--generate` build scores the answers another teacher holds (`run_builds`)."""
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
-    if cfg.generate and cfg.generator is None and cfg.engine == "torch":
+    if cfg.generate and cfg.generator is None and cfg.engine == "torch" and answers_of is None:
         from logitstore.pipelines.engines.torch_engine import shared_teachers  # torch: only a torch build needs it
 
         with shared_teachers():  # the teacher generates and scores: one load for both
             return _run_build(cfg, log=log)
-    return _run_build(cfg, log=log)
+    return _run_build(cfg, log=log, answers_of=answers_of)
 
 
-def _run_build(cfg: BuildConfig, *, log: Callable[[str], None]) -> BuildSummary:
-    plan = plan_build(cfg, read_first=False)
+def _run_build(cfg: BuildConfig, *, log: Callable[[str], None], answers_of: AnswersOf | None = None) -> BuildSummary:
+    plan = plan_build(cfg, read_first=False, answers_of=answers_of)
     log(f"build: sample ids are {plan.ids_from}")
     for note in plan.notes:
         log(f"build: {note}")
@@ -250,11 +259,11 @@ def run_builds(
 ) -> BuildSummary:
     """`build --teacher A --teacher B ...`: one pass over the data per teacher, in order, each its own
     commits on the same branch (so a crash in B keeps A's work, and a re-run skips what is stored).
-    The summary adds the teachers up; `teachers` holds each one's own summary."""
+    The summary adds the teachers up; `teachers` holds each one's own summary. With `--generate`, A's
+    pass generates the answers and B's scores the ones A holds (`pipelines/answers.py`): the
+    generation's counts are A's."""
     from logitstore.pipelines.teacher import describe_teacher  # torch and transformers: 2.7 s, after the input checks
 
-    if cfg.generate and len(teachers) > 1:
-        raise BuildError("--generate scores its answers with one --teacher per build; run one build per teacher")
     if len(teachers) <= 1:
         summary = run_build(dataclasses.replace(cfg, teacher=teachers[0] if teachers else cfg.teacher), log=log)
         summary.teachers = [summary.own_json()]  # the same fields as with several teachers
@@ -263,33 +272,30 @@ def run_builds(
         raise BuildError(
             "--teacher-name names one teacher; with several --teacher, each is named by its folder or file"
         )
-    names = [describe_teacher(t).spec.name for t in teachers]  # every teacher loads before any work starts
+    infos = [describe_teacher(t) for t in teachers]  # every teacher loads before any work starts
+    names = [info.spec.name for info in infos]
     clash = sorted({n for n in names if names.count(n) > 1})
     if clash:
         raise BuildError(
             f"--teacher: several teachers are named {clash[0]!r} (the name is the model folder's or "
             "file's name); put them in folders with distinct names"
         )
-    parts = [run_build(dataclasses.replace(cfg, teacher=t), log=log) for t in teachers]
+    if cfg.generate:
+        check_one_tokenizer(teachers, infos, student_tokenizers=cfg.student_tokenizers)
+    parts = [run_build(dataclasses.replace(cfg, teacher=teachers[0]), log=log)]
+    answers_of = AnswersOf(names[0], parts[0].generation) if parts[0].generation else None
+    parts += [run_build(dataclasses.replace(cfg, teacher=t), log=log, answers_of=answers_of) for t in teachers[1:]]
+    # the input's counts (every pass reads it) and the generation's (the first pass generates): the first's
+    first = ("skipped", "no_completion", "tool_calls", "duplicates", "prompts", "answers", "generated_tokens")
     total = BuildSummary(
         teacher=",".join(names),
-        skipped=parts[0].skipped,
-        no_completion=parts[0].no_completion,
-        tool_calls=parts[0].tool_calls,
-        duplicates=parts[0].duplicates,
         version=parts[-1].version,
         teachers=[p.own_json() for p in parts],
+        **{name: getattr(parts[0], name) for name in (*first, "answers_cut", "answers_retokenized", "generation")},
     )
-    for p in parts:
-        total.samples += p.samples
-        total.tokens += p.tokens
-        total.already_stored += p.already_stored
-        total.refused += p.refused
-        total.too_long += p.too_long
-        total.changed += p.changed
-        total.seconds += p.seconds
-        total.commits += p.commits
-        total.stored_bytes += p.stored_bytes
+    added = ("samples", "tokens", "already_stored", "refused", "too_long", "changed", "seconds", "commits")
+    for name in (*added, "stored_bytes", "no_answer"):
+        setattr(total, name, sum(getattr(p, name) for p in parts))
     total.tokens_per_second = total.tokens / total.seconds if total.seconds else 0.0
     total.bytes_per_token = total.stored_bytes / total.tokens if total.tokens else None
     return total

@@ -36,7 +36,7 @@ from logitstore.pipelines.config import BuildConfig, BuildError
 from logitstore.pipelines.engines import generator_class
 from logitstore.pipelines.inputs import Document
 from logitstore.pipelines.workers import worker_settings
-from logitstore.store.generation import answer_id, answer_source_hash, generation_id, seed_of
+from logitstore.store.generation import answer_id, answer_source_hash, generation_id, prompt_record, seed_of
 from logitstore.store.meta import RUN_MARKER
 from logitstore.text import chat
 
@@ -104,11 +104,7 @@ class Generation:
 
     @property
     def prompts_per_call(self) -> int:
-        """Prompts answered by one generator call: enough for a teacher batch or a unit, whichever is
-        larger, at the longest a sample may be (so the first unit comes after one call, and a killed
-        build loses at most about a unit of answers); at most `PROMPT_GROUP`."""
-        per_prompt = self.cfg.max_length * self.cfg.samples_per_prompt
-        return max(1, min(PROMPT_GROUP, max(self.cfg.batch_tokens, self.cfg.unit_tokens) // per_prompt))
+        return prompts_per_call(self.cfg)
 
     def generator(self):
         if self._generator is None:
@@ -192,6 +188,10 @@ class Generation:
         except chat.ChatError as e:
             raise BuildError(f"prompt {doc.id!r} (input row {doc.row}): {e}") from None
 
+    def prompt_of(self, doc: Document) -> dict:
+        """The prompt as given, stored with its answers: the conversation's messages, or the text."""
+        return prompt_record(text=doc.text, messages=doc.messages if self.cfg.chat_column else None)
+
     def answer_documents(self, doc: Document) -> list[Document]:
         """The prompt's answers as documents (id `PROMPTID/gN`, source hash naming this generation),
         before any is generated: what the planner checks against the store."""
@@ -246,6 +246,14 @@ class Generation:
 def _cut(answer: np.ndarray, stop: np.ndarray, max_new_tokens: int) -> bool:
     """Whether an answer was cut at --generate: as long as allowed, and not ending at a stop token."""
     return len(answer) >= max_new_tokens and not np.isin(answer[-1:], stop).any()
+
+
+def prompts_per_call(cfg: BuildConfig) -> int:
+    """Prompts answered by one generator call: enough for a teacher batch or a unit, whichever is
+    larger, at the longest a sample may be (so the first unit comes after one call, and a killed
+    build loses at most about a unit of answers); at most `PROMPT_GROUP`. A dry run measures one call."""
+    per_prompt = cfg.max_length * cfg.samples_per_prompt
+    return max(1, min(PROMPT_GROUP, max(cfg.batch_tokens, cfg.unit_tokens) // per_prompt))
 
 
 def _prompt_and_sample(sample_id: str) -> tuple[str, int]:

@@ -254,7 +254,14 @@ def _plan_answers(
                 wanted.append((answer, prompt))
         for answer, tokens, mask, students in generation.answer(wanted, counts=summary):
             planned.tokens += len(tokens)
-            pending.add(answer.id, tokens, answer.source_hash, students=students, loss_mask=mask)
+            pending.add(
+                answer.id,
+                tokens,
+                answer.source_hash,
+                students=students,
+                loss_mask=mask,
+                prompt=generation.prompt_of(answer),
+            )
             if pending.n_tokens >= cfg.unit_tokens:
                 yield from _unless_stored(pending, stored, summary, planned)
                 pending = Unit(index=pending.index + 1)

@@ -59,6 +59,8 @@ class Unit:
     replaces: list[str] = field(default_factory=list)
     # per sample id: uint8 [tokens], 1 for completion tokens (chat data only; `logitstore.text.chat`)
     loss_masks: dict[str, np.ndarray] = field(default_factory=dict)
+    # per sample id: a generated answer's prompt as given (`generation.prompt_record`), kept with the part
+    prompts: dict[str, dict] = field(default_factory=dict)
     # samples the engine could not compute, by reason (the server engine: "refused", "too_long"); counted
     skips: dict[str, int] = field(default_factory=dict)
 
@@ -70,10 +72,13 @@ class Unit:
         *,
         students: dict | None = None,
         loss_mask: np.ndarray | None = None,
+        prompt: dict | None = None,
     ) -> None:
         self.sample_ids.append(sample_id)
         if loss_mask is not None:
             self.loss_masks[sample_id] = np.asarray(loss_mask, dtype=np.uint8)
+        if prompt is not None:
+            self.prompts[sample_id] = prompt
         self.tokens.append(np.asarray(tokens, dtype=np.int64))
         self.source_hashes.append(source_hash)
         self.n_tokens += len(tokens)
@@ -146,7 +151,7 @@ class TeacherWorker:
 
 
 def write_unit(writer: PartWriter, unit: Unit, samples: SparseSamples, *, teacher: str) -> WrittenPart:
-    """Write a computed unit as one part, with each sample's source hash in the index."""
+    """Write a computed unit as one part, with each sample's source hash in the index (and each answer's prompt)."""
     by_id = dict(zip(unit.sample_ids, unit.source_hashes))
     students = None
     if unit.students:
@@ -155,7 +160,11 @@ def write_unit(writer: PartWriter, unit: Unit, samples: SparseSamples, *, teache
             name: StudentTokens.from_samples([unit.students[s][name] for s in samples.sample_ids]) for name in names
         }
     return writer.write(
-        samples, teacher=teacher, source_hashes=[by_id[s] for s in samples.sample_ids], students=students
+        samples,
+        teacher=teacher,
+        source_hashes=[by_id[s] for s in samples.sample_ids],
+        students=students,
+        prompts=[unit.prompts.get(s) for s in samples.sample_ids] if unit.prompts else None,
     )
 
 

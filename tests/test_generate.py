@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 
+import datasets
 import numpy as np
 import pytest
 import torch
@@ -26,6 +27,7 @@ from logitstore.pipelines.engines.torch_engine import nucleus, seeded_uniform
 from logitstore.pipelines.teacher import describe_teacher
 from logitstore.store.generation import answer_source_hash, generation_of, parse_answer_id, seed_of
 from logitstore.store.store import Store
+from logitstore.store.verify import verify
 from logitstore.testing.cli import CLI
 from logitstore.testing.prompts import PROMPTS, answers, write_prompts
 
@@ -34,6 +36,11 @@ def generate_args(store, data, *extra, teacher=None) -> list[str]:
     teacher_args = ["--teacher", str(teacher)] if teacher else []
     base = ["build", "--store", str(store), "--data", str(data), "--prompt-column", "prompt", "--generate", "16"]
     return [*base, "--max-length", "64", *teacher_args, *map(str, extra), "--json"]
+
+
+def given(messages: list[dict]) -> list[dict]:
+    """Messages as given: a table holds every key in each row, None where a message has none."""
+    return [{k: v for k, v in m.items() if v is not None} for m in messages]
 
 
 def build(args) -> dict:
@@ -102,6 +109,25 @@ def test_a_resumed_build_generates_only_the_answers_not_stored(twice, prompts, t
     assert other.exit_code == 2 and "stored with other text" in other.stderr and "--on-duplicate" in other.stderr
 
 
+def test_answers_export_as_chat_rows_with_the_prompt_as_the_user_turn(twice, tmp_path):
+    (_, summary), (store, _) = twice
+    out = tmp_path / "answers.parquet"
+    result = CliRunner().invoke(app, ["export", str(store), str(out)])
+    assert result.exit_code == 0 and f"wrote {len(PROMPTS)} answers to {len(PROMPTS)} prompts" in result.stdout
+    rows = {r["prompt_id"]: r for r in datasets.load_dataset("parquet", data_files=str(out), split="train")}
+    view = logitstore.open(str(store))
+    tokenizer = view.tokenizer()
+    stops = {i for i, token in tokenizer.get_added_tokens_decoder().items() if token.special}
+    for prompt_id, text in PROMPTS.items():
+        answer = view.answer(f"{prompt_id}/g0")
+        assert answer["messages"] == [{"role": "user", "content": text}]
+        ids = answer["token_ids"][:-1] if answer["token_ids"][-1] in stops else answer["token_ids"]  # less its stop
+        assistant = {"role": "assistant", "content": tokenizer.decode(ids, skip_special_tokens=False)}
+        assert rows[prompt_id]["messages"] == [*answer["messages"], assistant]
+        assert rows[prompt_id]["generation"] == summary["generation"]["id"]
+    assert verify(view).ok  # the prompts read whole, one per answer
+
+
 def test_noise_depends_on_the_seed_and_step_only():
     seeds = torch.tensor([seed_of(7, "a", 0), seed_of(7, "b", 0), seed_of(7, "a", 1)])
     together = seeded_uniform(seeds, step=3, vocab=1000)
@@ -128,16 +154,27 @@ def test_answer_keys_stop_tokens_and_source_hashes():
 
 def test_chat_prompts_are_answered_after_the_generation_prompt(tiny_teacher, tmp_path):
     data = tmp_path / "chat.jsonl"
+    system = {"role": "system", "content": "Be brief.", "name": "rules"}  # extra keys are kept as given
     rows = [
-        {"id": "q", "messages": [{"role": "user", "content": "Hi there"}]},
+        {"id": "q", "messages": [system, {"role": "user", "content": "Hi there"}]},
         {"id": "r", "messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]},
     ]
     data.write_text("".join(json.dumps(r) + "\n" for r in rows[:1]))
     args = ["build", "--store", str(tmp_path / "s"), "--data", str(data), "--chat-column", "messages"]
     summary = build([*args, "--teacher", tiny_teacher, "--generate", "8", "--max-length", "64", "--json"])
     assert summary["answers"] == 1
-    answer = logitstore.open(str(tmp_path / "s")).answer("q/g0")
+    view = logitstore.open(str(tmp_path / "s"))
+    answer = view.answer("q/g0")
     assert answer["prompt_text"].endswith("<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n")
+    assert answer["messages"] == rows[0]["messages"]
+    # exported as a chat row: the conversation as given, then the answer as the assistant's turn
+    exported = build(["export", str(tmp_path / "s"), str(tmp_path / "answers.jsonl"), "--json"])
+    assert (exported["answers"], exported["prompts_not_stored"]) == (1, 0)
+    [row] = datasets.load_dataset("json", data_files=str(tmp_path / "answers.jsonl"), split="train").to_list()
+    [made] = view.answers_dataset().to_list()
+    conversation = [*rows[0]["messages"], {"role": "assistant", "content": answer["text"]}]
+    assert given(row["messages"]) == given(made["messages"]) == conversation
+    assert (row["prompt_id"], row["sample"], row["generation"]) == ("q", 0, summary["generation"]["id"])
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     result = CliRunner().invoke(app, [*args, "--teacher", tiny_teacher, "--generate", "8", "--max-length", "64"])
     assert result.exit_code == 2 and "'r' (input row 1)" in result.stderr and "user turn" in result.stderr

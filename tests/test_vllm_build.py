@@ -54,6 +54,21 @@ def teacher(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
+def stopping_teacher(teacher, tmp_path_factory) -> Path:
+    """The teacher with `STOP_IDS` as its generation config's `eos_token_id`: the random model's answers end
+    at a stop token about half the time within `GENERATE` tokens (one id alone: almost never), so a build
+    has answers that stop and answers cut at `--generate`. Its other files are the teacher's (links)."""
+    path = tmp_path_factory.mktemp("vllm-stopping") / "llama-head32"
+    path.mkdir()
+    for file in teacher.iterdir():
+        if file.name != "generation_config.json":
+            (path / file.name).symlink_to(file)
+    config = json.loads((teacher / "generation_config.json").read_text())
+    (path / "generation_config.json").write_text(json.dumps({**config, "eos_token_id": STOP_IDS}))
+    return path
+
+
+@pytest.fixture(scope="module")
 def data(tmp_path_factory) -> Path:
     return sample_corpus_head(tmp_path_factory.mktemp("vllm-data") / "docs.jsonl", docs=6, chars=600)
 
@@ -306,7 +321,7 @@ class Served:
 
 
 def test_server_engine_on_two_vllm_servers_matches_the_torch_engine_with_one_killed_mid_build(
-    teacher, data, tmp_path, request
+    teacher, stopping_teacher, data, tmp_path, request
 ):
     """`--engine server` against two real `vllm serve` replicas: the preflight passes on vLLM's own answers
     (/v1/models, /version, /tokenize, prompt_logprobs), one replica SIGKILL'd after the first commit is set
@@ -340,17 +355,22 @@ def test_server_engine_on_two_vllm_servers_matches_the_torch_engine_with_one_kil
     agreement = compare(samples(store), reference)
     assert agreement["same"] == agreement["positions"] and agreement["worst"] <= 0.003, agreement
     check_generated(tmp_path / "served", teacher, "--engine", "server", "--server-url", replicas[0].url)
+    # a served generator: vLLM writes the answers, stopping at the local teacher's stop tokens; torch scores them
+    check_generated(tmp_path / "generator", stopping_teacher, "--generator-url", replicas[0].url, engine_name="torch")
     replicas[0].kill()
     assert replicas[0].survivors() == [], "a process of the served teacher survived its group's SIGKILL"
 
 
 GENERATE = 8  # --generate: new tokens per answer
+STOP_IDS = list(range(1000, 5000))  # `stopping_teacher`'s stop tokens: ~8% of the random model's draws
 
 
-def check_generated(root: Path, teacher: Path, *engine: str) -> None:
+def check_generated(root: Path, teacher: Path, *engine: str, engine_name: str | None = None) -> None:
     """`build --generate` on the teacher's own prompts, twice with one seed: every prompt answered
     `--samples-per-prompt` times, the answers the same in both builds, the prompt's positions unsupervised
-    and the answer's supervised with entries, and the generation recorded with the engine's name."""
+    and the answer's supervised with entries, and the generation recorded with the engine's name. An
+    answer shorter than `--generate` ends with a stop token (the generator keeps it: the student learns to
+    stop), and `answers_cut` counts the others."""
     prompts = write_prompts(root.parent / f"{root.name}-prompts.jsonl", PROMPTS)
     extra = ("--prompt-column", "prompt", "--generate", GENERATE, "--samples-per-prompt", 2, "--seed", 3)
     extra += ("--top-k", 16, *engine)
@@ -367,15 +387,22 @@ def check_generated(root: Path, teacher: Path, *engine: str) -> None:
         assert 1 <= len(answer) <= GENERATE and s.input_ids[prompt_length:].tolist() == answer
         assert s.loss_mask.tolist() == [0] * prompt_length + [1] * len(answer)
         assert (s.n_entries[prompt_length - 1 :] > 0).all() and (s.n_entries[: prompt_length - 1] == 0).all()
+    eos = json.loads((teacher / "generation_config.json").read_text()).get("eos_token_id")
+    stop_ids = set(eos if isinstance(eos, list) else [eos])
+    written = answers(root / "a")
+    stopped = [sid for sid, answer in written.items() if answer[-1] in stop_ids]
+    assert all(len(a) == GENERATE for sid, a in written.items() if sid not in stopped), "ended early, no stop token"
+    assert summary["answers_cut"] == len(written) - len(stopped), (summary, stopped)
+    assert stopped or len(stop_ids) == 1, "the stopping teacher's answers should stop now and then"
     [record] = view.generations().values()
     assert (record["seed"], record["max_new_tokens"]) == (3, GENERATE), record
-    assert record["engine"] == engine[1], record
+    assert record["engine"] == (engine_name or engine[1]), record
 
 
-def test_the_vllm_engine_generates_seeded_answers_that_it_scores(teacher, tmp_path):
+def test_the_vllm_engine_generates_seeded_answers_that_it_scores(stopping_teacher, tmp_path):
     """`build --engine vllm --generate`: `LLM.generate` with one seeded `SamplingParams` per answer, then
     the same engine scores prompt and answer (see `check_generated`)."""
-    check_generated(tmp_path / "vllm", teacher, "--engine", "vllm")
+    check_generated(tmp_path / "vllm", stopping_teacher, "--engine", "vllm")
 
 
 def _stored(store) -> int:

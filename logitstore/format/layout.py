@@ -16,6 +16,7 @@ One store is one Icechunk repository (plus the Parquet indexes beside it, `store
     /teachers/<name>/parts/<part>/students/<s>/ids        int32 [N]    the samples' student token ids
     /teachers/<name>/parts/<part>/students/<s>/groups     int32 [4 G]  alignment groups (t0, t1, s0, s1)
     /teachers/<name>/parts/<part>/students/<s>/loss_mask  uint8 [N]    chat data: student tokens in the completion
+    /teachers/<name>/parts/<part>/prompts  uint8 [bytes]  generated answers: each one's prompt as given (`PROMPTS`)
 
 A part's arrays are stored one of three ways (`TeacherMeta.part_layout`, `TeacherMeta.packs`): since
 store format 3 packed, as `parts/<part>/packed`, one uint8 array of one chunk (one object) that holds
@@ -92,6 +93,12 @@ def data_types(name: str) -> tuple[str, ...]:
         return STUDENT_DATA_TYPES.get(name.rsplit("/", 1)[-1], ())
     return DATA_TYPES.get(name, ())
 
+
+# A part of generated answers (`build --generate`): each answer's prompt as the user gave it, UTF-8 JSON
+# lines, one per answer in the part's sample order (`store/generation.py`: `prompt_lines`). Never packed:
+# only an export reads it, so the trainer's one read per part does not carry it. Parts written before
+# prompts were kept have none.
+PROMPTS = "prompts"
 
 # A packed part (store format 3): the one array holding the part's arrays, and its attribute that says
 # where: {name: {"zarr": the array's zarr.json, "objects": [[offset, length] or null per shard]}}.

@@ -141,12 +141,14 @@ class TeacherMeta:
         return self.part_layout == "packed+students"
 
     def packs(self, name: str) -> bool:
-        """Whether a part's array `name` (its path in the part: `layout.PART_ARRAYS`, or a student
-        tokenizer's `layout.student_arrays`) lies in the part's packed object."""
+        """Whether a part's array `name` (its path in the part: `layout.PART_ARRAYS`, a student
+        tokenizer's `layout.student_arrays`, or `layout.PROMPTS`) lies in the part's packed object."""
         from logitstore.format import (
             layout,  # here: layout imports the codec (numba), which the CLI's start-up must not
         )
 
+        if name == layout.PROMPTS:  # read by an export only: outside the object the trainer reads
+            return False
         return self.packed_students if layout.is_student_array(name) else self.packed
 
     @property

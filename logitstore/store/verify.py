@@ -20,11 +20,12 @@ import numpy as np
 import pyarrow.compute as pc
 import zarr
 
-from logitstore.errors import StorageError
+from logitstore.errors import DamagedDataError, StorageError
 from logitstore.format import layout
 from logitstore.format.layout import group_at, read_values
 from logitstore.format.samples import StudentTokens
 from logitstore.format.zarr_codec import as_codes
+from logitstore.store.generation import generation_of
 from logitstore.store.index import sample_hashes
 from logitstore.store.version import StoreVersion, slice_row
 
@@ -57,11 +58,25 @@ def verify(version: StoreVersion) -> VerifyReport:
         rows = idx.filter(pc.and_(pc.equal(idx["teacher"], teacher), pc.equal(idx["part"], part))).to_pylist()
         report.parts += 1
         whole = _read_part(version, teacher, part)
+        prompts = _prompts_problem(version, teacher, part, rows)
         for row in rows:
-            problem = _check_row(version, row, whole)
+            problem = _check_row(version, row, whole) or prompts.get(row["sample_id"])
             if problem:
                 report.damaged[f"{teacher}/{row['sample_id']}"] = problem
     return report
+
+
+def _prompts_problem(version: StoreVersion, teacher: str, part: str, rows: list[dict]) -> dict[str, str]:
+    """Sample id -> what is wrong with its stored prompt (`layout.PROMPTS`): unreadable, or missing from
+    a part that keeps its answers' prompts. A part written before prompts were kept holds none."""
+    answers = [r["sample_id"] for r in rows if generation_of(r["source_hash"]) is not None]
+    if not answers:
+        return {}
+    try:
+        stored = version.prompts(teacher, part)
+    except DamagedDataError as e:
+        return {sid: f"its prompt is unreadable: {e}" for sid in answers}
+    return {sid: "no stored prompt" for sid in answers if stored and sid not in stored}
 
 
 def _unreferenced_parts(version: StoreVersion) -> dict[str, int]:

@@ -26,7 +26,14 @@ from logitstore.storage.blobs import BlobStore
 from logitstore.storage.bounded import BoundedRepository, read_errors, storage_errors
 from logitstore.storage.location import Location
 from logitstore.storage.packed import PackedStore, array_members
-from logitstore.store.generation import GENERATIONS_ATTR, generation_of, parse_answer_id
+from logitstore.store import answers
+from logitstore.store.generation import (
+    GENERATIONS_ATTR,
+    generation_of,
+    parse_answer_id,
+    prompt_messages,
+    read_prompt_lines,
+)
 from logitstore.store.meta import TeacherMeta
 
 
@@ -61,6 +68,7 @@ class StoreVersion:
         self._arrays: dict[tuple[str, str, str], zarr.Array] = {}
         self._packed: dict[tuple[str, str], PackedStore] = {}
         self._id_of_code: dict[str, np.ndarray] = {}
+        self._prompts: dict[tuple[str, str], dict[str, dict]] = {}
 
     @property
     def index_path(self) -> str | None:
@@ -257,8 +265,9 @@ class StoreVersion:
 
     def answer(self, sample_id: str, *, teacher: str | None = None) -> dict | None:
         """A generated answer (`build --generate`): `{"prompt_id", "sample", "token_ids", "text",
-        "prompt_text", "generation"}` (texts where the store keeps the teacher's tokenizer), or None for
-        a sample that is no answer."""
+        "prompt_text", "messages", "generation"}` (texts where the store keeps the teacher's tokenizer;
+        `messages` the prompt's turns as given, `generation.prompt_messages`: None where a store written
+        before prompts were kept cannot give them), or None for a sample that is no answer."""
         row = self.index.slice(self.row_of(sample_id, teacher=teacher), 1).to_pylist()[0]
         generation, key = generation_of(row["source_hash"]), parse_answer_id(sample_id)
         if generation is None or key is None:
@@ -267,14 +276,34 @@ class StoreVersion:
         mask = np.asarray(s.loss_mask, dtype=bool) if s.loss_mask is not None else np.zeros(len(s.input_ids), bool)
         tokenizer = self.tokenizer(row["teacher"])
         decode = (lambda ids: tokenizer.decode(ids.tolist(), skip_special_tokens=False)) if tokenizer else None
+        prompt_text = decode(s.input_ids[~mask]) if decode else None
+        stored = self.prompts(row["teacher"], row["part"]).get(sample_id)
         return {
             "prompt_id": key[0],
             "sample": key[1],
             "token_ids": s.input_ids[mask].tolist(),
             "text": decode(s.input_ids[mask]) if decode else None,
-            "prompt_text": decode(s.input_ids[~mask]) if decode else None,
+            "prompt_text": prompt_text,
+            "messages": prompt_messages(stored, source_hash=row["source_hash"], prompt_text=prompt_text),
             "generation": self.generations(row["teacher"]).get(generation, {"id": generation}),
         }
+
+    def prompts(self, teacher: str, part: str) -> dict[str, dict]:
+        """The prompts of a part's answers as given (`layout.PROMPTS`), by sample id: `{"messages"}` or
+        `{"text"}`; empty for a part without (no answers, or written before prompts were kept)."""
+        if (teacher, part) not in self._prompts:
+            path = f"{layout.part_path(teacher, part)}/{layout.PROMPTS}"
+            with read_errors(f"the prompts of part {part} of teacher {teacher!r} ({path})"):
+                held = layout.PROMPTS in self.part_group(teacher, part)
+                data = bytes(read_values(self.array(teacher, part, layout.PROMPTS))) if held else b""
+                self._prompts[(teacher, part)] = read_prompt_lines(data)
+        return self._prompts[(teacher, part)]
+
+    def answers_dataset(self, *, teacher: str | None = None):
+        """Every generated answer of the teacher as a chat row of a `datasets.Dataset` (TRL's
+        conversational format): `{"prompt_id", "sample", "messages": [the prompt's turns..., {"role":
+        "assistant", "content": the answer}], "generation": id}` (`store/answers.py`)."""
+        return answers.answers_dataset(self, teacher=teacher)
 
     def tokenizer(self, teacher: str | None = None):
         """The teacher's `tokenizers.Tokenizer` if the store keeps one, else None."""

@@ -36,7 +36,7 @@ from logitstore.storage.bounded import (
 )
 from logitstore.storage.location import commit_lock
 from logitstore.store import index
-from logitstore.store.generation import GENERATIONS_ATTR
+from logitstore.store.generation import GENERATIONS_ATTR, prompt_array
 from logitstore.store.meta import (
     FORMAT_VERSION,
     ON_DUPLICATE,
@@ -469,6 +469,7 @@ class PartWriter:
         teacher: str,
         source_hashes: list[str | None] | None = None,
         students: dict[str, StudentTokens] | None = None,
+        prompts: list[dict | None] | None = None,  # per sample: an answer's prompt as given (`layout.PROMPTS`)
     ) -> WrittenPart:
         meta = self.teachers[teacher]
         samples.validate(vocab_size=meta.vocab_size, duplicates=False)  # encode finds duplicate entries
@@ -508,6 +509,7 @@ class PartWriter:
             values += [] if st.loss_mask is None else [st.loss_mask.astype(np.uint8)]
             names = layout.student_arrays(info["name"], chat=st.loss_mask is not None)
             arrays.update({f"{path}/{name}": v for name, v in zip(names, values, strict=True)})
+        arrays.update({f"{path}/{name}": v for name, v in prompt_array(samples.sample_ids, prompts).items()})
         grids = {f"{path}/{name}": meta.grid for name in layout.GRID_ARRAYS}
         pending = rawwrite.encode_arrays(
             {key: (values, layout.array_kwargs(values, grid=grids.get(key))) for key, values in arrays.items()}
