@@ -22,6 +22,7 @@ import numpy as np
 import pyarrow.compute as pc
 
 from logitstore.format.layout import read_values
+from logitstore.pipelines.answer_text import Prompt
 from logitstore.pipelines.config import BuildError
 from logitstore.pipelines.generate import Generated, Generation, GenerationCounts
 from logitstore.pipelines.inputs import Document
@@ -78,12 +79,13 @@ class StoredAnswers(Generation):
         """Nothing is carried as text: the answers are the first teacher's token ids (one tokenizer for all,
         and no student tokenizers: `check_one_tokenizer`)."""
 
-    def prompt_tokens(self, tokenizer, docs: list[Document]) -> list[np.ndarray]:
+    def prompt_tokens(self, tokenizer, docs: list[Document]) -> list[Prompt]:
         """Nothing to tokenize: the first pass checked every prompt, and its samples hold their tokens."""
-        return [np.empty(0, np.int64)] * len(docs)
+        empty = np.empty(0, np.int64)
+        return [Prompt(empty, empty)] * len(docs)
 
     def answer(
-        self, wanted: list[tuple[Document, np.ndarray]], *, counts: GenerationCounts
+        self, wanted: list[tuple[Document, Prompt]], *, counts: GenerationCounts
     ) -> Iterator[tuple[Document, np.ndarray, np.ndarray, None]]:
         """(answer document, prompt + answer tokens, loss mask, no student sides) of each wanted answer the first teacher
         holds (of this generation: its source hash); the others count as `no_answer`."""
