@@ -233,6 +233,10 @@ def test_what_cannot_be_aligned_is_refused_in_one_line(tiny_teacher, gpt2_genera
         cases = [
             (no_template, "has no chat template"),
             ([*plain, "--generator-url", server.url], "a served generator must have the teacher's tokenizer"),
+            (
+                [*plain, "--teacher", untemplated, "--student-tokenizer", f"gpt2={gpt2_tokenizer_dir}"],
+                "--student-tokenizer with --generate takes one --teacher",
+            ),
         ]
         for argv, message in cases:
             result = CliRunner().invoke(app, argv)
