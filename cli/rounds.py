@@ -8,7 +8,8 @@ version `round-r`, and trains on it: round 1 starts the run in OUT, every later 
 `--earlier-rounds-weight W` > 0 round r trains on a mix instead, its version at weight 1 and every
 earlier round's tag at W (`train --version-weight`). Round 1's answers
 are the teacher's own (sequence-level KD: there is no trained student yet); round r > 1's are the
-student's of round r - 1, OUT/final.
+student's of round r - 1, OUT/final. A `--student` folder of another tokenizer than the teacher's is each
+build's `--student-tokenizer` too.
 
 A round whose tag exists is not built again, and training resumes where the run is, so a killed
 driver started again with the same arguments goes on from where it stopped.
@@ -62,6 +63,7 @@ def run_rounds(r: Rounds, *, log) -> list[dict]:
     from logitstore.trainer.train import launch
 
     done = []
+    students = _student_tokenizers(r)
     for n in range(1, r.rounds + 1):
         store = Store.open_if_exists(r.store)
         built = None
@@ -80,6 +82,7 @@ def run_rounds(r: Rounds, *, log) -> list[dict]:
                 seed=r.seed + n,
                 max_length=r.max_length,
                 on_duplicate="replace",
+                student_tokenizers=students,
                 message=f"on-policy round {n}",
             )
             built = run_builds(cfg, [r.teacher] if r.teacher else [None], log=log).to_json()
@@ -112,6 +115,17 @@ def train_flags(r: Rounds, n: int, *, resume: bool) -> dict:
     if resume:
         flags.update(resume=True, new_version=True)
     return flags
+
+
+def _student_tokenizers(r: Rounds) -> tuple[str, ...]:
+    """`--student-tokenizer` of every round's build: a student folder whose tokenizer is not the teacher's
+    (its answers, from round 2, cross tokenizers too), so training has targets aligned to it."""
+    from logitstore.pipelines.teacher import describe_teacher
+    from logitstore.trainer.model import student_tokenizer_hash
+
+    if r.student is None or student_tokenizer_hash(r.student) in (None, describe_teacher(r.teacher).tokenizer_hash):
+        return ()
+    return (r.student,)
 
 
 def _has_version(store, name: str) -> bool:

@@ -22,6 +22,7 @@ import numpy as np
 import pyarrow.compute as pc
 
 from logitstore.format.layout import read_values
+from logitstore.pipelines.answer_text import Prompt
 from logitstore.pipelines.config import BuildError
 from logitstore.pipelines.generate import Generated, Generation, GenerationCounts
 from logitstore.pipelines.inputs import Document
@@ -40,8 +41,14 @@ class AnswersOf:
     held: dict[str, tuple[Answer, str]] = field(default_factory=dict)  # answer id -> (answer, source hash)
 
 
-def check_one_tokenizer(teachers: list, infos: list) -> None:
-    """With `--generate`, every teacher scores the first one's answers' token ids: one tokenizer for all."""
+def check_one_tokenizer(teachers: list, infos: list, *, student_tokenizers: tuple[str, ...] = ()) -> None:
+    """With `--generate`, every teacher scores the first one's answers' token ids: one tokenizer for all,
+    and no student tokenizer (a later teacher's pass reads token ids, not the answers' text to align)."""
+    if student_tokenizers and len(teachers) > 1:
+        raise BuildError(
+            "--student-tokenizer with --generate takes one --teacher: a later teacher's answers are not aligned "
+            "to student tokenizers yet; build each teacher's answers in a build of its own"
+        )
     for teacher, info in zip(teachers[1:], infos[1:]):
         if info.tokenizer_hash != infos[0].tokenizer_hash:
             raise BuildError(
@@ -68,14 +75,19 @@ class StoredAnswers(Generation):
     def generator(self):
         raise AssertionError("a later teacher's pass generates nothing")
 
-    def prompt_tokens(self, tokenizer, docs: list[Document]) -> list[np.ndarray]:
+    def carry_as_text(self, tokenizer, students) -> None:
+        """Nothing is carried as text: the answers are the first teacher's token ids (one tokenizer for all,
+        and no student tokenizers: `check_one_tokenizer`)."""
+
+    def prompt_tokens(self, tokenizer, docs: list[Document]) -> list[Prompt]:
         """Nothing to tokenize: the first pass checked every prompt, and its samples hold their tokens."""
-        return [np.empty(0, np.int64)] * len(docs)
+        empty = np.empty(0, np.int64)
+        return [Prompt(empty, empty)] * len(docs)
 
     def answer(
-        self, wanted: list[tuple[Document, np.ndarray]], *, counts: GenerationCounts
-    ) -> Iterator[tuple[Document, np.ndarray, np.ndarray]]:
-        """(answer document, prompt + answer tokens, loss mask) of each wanted answer the first teacher
+        self, wanted: list[tuple[Document, Prompt]], *, counts: GenerationCounts
+    ) -> Iterator[tuple[Document, np.ndarray, np.ndarray, None]]:
+        """(answer document, prompt + answer tokens, loss mask, no student sides) of each wanted answer the first teacher
         holds (of this generation: its source hash); the others count as `no_answer`."""
         found = self._read([doc for doc, _ in wanted])
         if self.counts is not None:
@@ -83,7 +95,7 @@ class StoredAnswers(Generation):
         for doc, _ in wanted:
             if doc.id in found:
                 tokens, mask = found[doc.id]
-                yield doc, tokens, mask
+                yield doc, tokens, mask, None
 
     def _read(self, docs: list[Document]) -> dict[str, Answer]:
         """The answers of this generation (their source hash) among `docs`: from memory, else the branch."""

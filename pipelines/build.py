@@ -85,6 +85,7 @@ class BuildSummary:
     answers: int = 0
     generated_tokens: int = 0
     answers_cut: int = 0
+    answers_retokenized: int = 0  # answers whose generated ids a side with the generator's tokenizer re-tokenized
     generation: dict | None = None  # what wrote the answers (`Generation.record`), stored with them
     no_answer: int = 0  # a later teacher of several: answers the first teacher does not hold (not scored)
 
@@ -280,7 +281,7 @@ def run_builds(
             "file's name); put them in folders with distinct names"
         )
     if cfg.generate:
-        check_one_tokenizer(teachers, infos)
+        check_one_tokenizer(teachers, infos, student_tokenizers=cfg.student_tokenizers)
     parts = [run_build(dataclasses.replace(cfg, teacher=teachers[0]), log=log)]
     answers_of = AnswersOf(names[0], parts[0].generation) if parts[0].generation else None
     parts += [run_build(dataclasses.replace(cfg, teacher=t), log=log, answers_of=answers_of) for t in teachers[1:]]
@@ -290,7 +291,7 @@ def run_builds(
         teacher=",".join(names),
         version=parts[-1].version,
         teachers=[p.own_json() for p in parts],
-        **{name: getattr(parts[0], name) for name in (*first, "answers_cut", "generation")},
+        **{name: getattr(parts[0], name) for name in (*first, "answers_cut", "answers_retokenized", "generation")},
     )
     added = ("samples", "tokens", "already_stored", "refused", "too_long", "changed", "seconds", "commits")
     for name in (*added, "stored_bytes", "no_answer"):

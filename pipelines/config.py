@@ -412,8 +412,8 @@ class BuildConfig(EngineOptions, PlanConfig):
                 f"--generation-top-p must be in (0, 1], got {self.generation_top_p}",
             ),
             (
-                not (self.ids_column or self.student_tokenizers),
-                "--generate takes text prompts and the teacher's tokenizer: not --ids-column or --student-tokenizer",
+                not self.ids_column,
+                "--generate takes text prompts: not --ids-column",
             ),
             (self.generation_round is None or self.generation_round >= 0, "--round must be at least 0"),
             (

@@ -9,9 +9,10 @@ kept for the answer's positions only, through the chat data's machinery (`Teache
 
 The generator is the teacher itself (nothing given), or a model (a folder, a Hub id, a `logitstore
 train` run's `RUN/final`), run by the build's engine (`engines.generator_class`), or a served model
-(`--generator-url`: the server engine's `ServerGenerator`, checked here before anything is written), with the
-teacher's tokenizer: a generator whose tokenizer differs is refused (cross-tokenizer answers are not aligned
-yet). It runs in the planner (`plan.plan_units`), ahead of the teacher, on the answers the branch does
+(`--generator-url`: the server engine's `ServerGenerator`, checked here before anything is written, which
+must tokenize as the teacher). A model of another tokenizer than the teacher's takes the prompt in its own
+tokens (its own chat template), and its answer reaches the teacher as text (`answer_text`), as it does
+every student tokenizer of the build (`--student-tokenizer`). It runs in the planner (`plan.plan_units`), ahead of the teacher, on the answers the branch does
 not hold: what is stored, by id, is skipped before anything is generated, so a resumed build
 generates no answer twice.
 """
@@ -30,6 +31,7 @@ import numpy as np
 
 from logitstore.errors import LogitstoreError
 from logitstore.pipelines import align
+from logitstore.pipelines.answer_text import AnswerText, Prompt, stop_text
 from logitstore.pipelines.config import BuildConfig, BuildError
 from logitstore.pipelines.engines import generator_class
 from logitstore.pipelines.inputs import Document
@@ -50,6 +52,7 @@ class GenerationCounts(Protocol):
     answers: int
     generated_tokens: int
     answers_cut: int
+    answers_retokenized: int
 
 
 @dataclass
@@ -68,10 +71,17 @@ class Generation:
     def __init__(self, cfg: BuildConfig, *, teacher, engine: str):
         assert cfg.generate is not None, "a Generation is made for build --generate"
         self.cfg, self.teacher, self.max_new_tokens = cfg, teacher, cfg.generate
+        # the generator's tokenizer where it is not the teacher's; answers are carried as text then (`text`)
+        self.tokenizer = None
         if cfg.generator_urls:  # checked now, before anything is written: one line and exit 2 on failure
             self.spec, generator = teacher.spec, _describe_served(cfg, teacher=teacher)
         else:
-            self.spec, generator = _describe_generator(cfg.generator, teacher=teacher)
+            self.spec, generator, self.tokenizer = _describe_generator(cfg.generator, teacher=teacher)
+        if self.tokenizer is not None and cfg.chat_column and not getattr(self.tokenizer, "chat_template", None):
+            raise BuildError(
+                f"--generator {cfg.generator}: its tokenizer is not the teacher's and has no chat template to "
+                "render --chat-column prompts with"
+            )
         self.record: dict[str, Any] = {
             "generator": generator,
             "engine": engine,
@@ -81,9 +91,12 @@ class Generation:
             "seed": cfg.seed,
             "round": cfg.generation_round,
         }
+        if self.tokenizer is not None:  # only then: the ids of generations of the teacher's tokenizer stay
+            self.record["crosses_tokenizers"] = True
         self.record["id"] = generation_id(self.record)
         self.generated = Generated()
         self._generator = None
+        self.text: AnswerText | None = None  # answers carried as text (`carry_as_text`)
 
     @property
     def id(self) -> str:
@@ -116,24 +129,51 @@ class Generation:
 
     # -- prompts ------------------------------------------------------------------------------------
 
-    def prompt_tokens(self, tokenizer, docs: list[Document]) -> list[np.ndarray]:
-        """Each prompt's teacher tokens; a conversation that does not end with a user turn, or a prompt
-        with no room for `--generate` tokens in `--max-length`, is refused, naming its row."""
-        if self.cfg.chat_column:
-            texts = [self._chat_prompt(tokenizer, doc) for doc in docs]
+    def carry_as_text(self, tokenizer, students) -> None:
+        """Answers go to the teacher (`tokenizer`) and the build's student tokenizers as text
+        (`answer_text`) where the generator's tokenizer is not the teacher's or there are students."""
+        if self.tokenizer is None and not students:
+            return
+        stops = [] if self.tokenizer is None else _model_stop_ids(self.teacher.spec)
+        self.text = AnswerText(
+            teacher=tokenizer,
+            generator=self.tokenizer,
+            generator_hash=self.record["generator"]["tokenizer_hash"],
+            teacher_stop=stop_text(tokenizer, stops),
+            students=list(students),
+            special_tokens=not self.cfg.chat_column,
+        )
+
+    def prompt_tokens(self, tokenizer, docs: list[Document]) -> list[Prompt]:
+        """Each prompt's teacher tokens (and the generator's, where its tokenizer is another); a
+        conversation that does not end with a user turn, or a prompt with no room for `--generate`
+        tokens in `--max-length`, is refused, naming its row."""
+        texts = [self._chat_prompt(tokenizer, doc) for doc in docs] if self.cfg.chat_column else None
+        if self.text is not None:
+            prompts = self.text.prompts(texts or [doc.text or "" for doc in docs], self._generator_prompts(docs))
+        elif texts is not None:
             encoded = [ids for ids, _ in align.encode_with_byte_ends(tokenizer, texts, add_special_tokens=False)]
+            prompts = [Prompt(ids, ids) for ids in encoded]
         else:  # an empty prompt is refused where it is read (`inputs`: an empty text column)
-            encoded = tokenizer([doc.text for doc in docs])["input_ids"]
+            encoded = [np.asarray(ids, np.int64) for ids in tokenizer([doc.text for doc in docs])["input_ids"]]
+            prompts = [Prompt(ids, ids) for ids in encoded]
         room = self.cfg.max_length - self.max_new_tokens
-        out = []
-        for doc, ids in zip(docs, encoded):
-            if len(ids) > room:
+        for doc, prompt in zip(docs, prompts):
+            if len(prompt.ids) > room:
                 raise BuildError(
-                    f"prompt {doc.id!r} (input row {doc.row}) has {len(ids)} tokens; with --generate "
+                    f"prompt {doc.id!r} (input row {doc.row}) has {len(prompt.ids)} tokens; with --generate "
                     f"{self.cfg.generate} and --max-length {self.cfg.max_length} a prompt may have {room}"
                 )
-            out.append(np.asarray(ids, dtype=np.int64))
-        return out
+        return prompts
+
+    def _generator_prompts(self, docs: list[Document]) -> list[np.ndarray] | None:
+        """The generator's own tokens of each prompt, where its tokenizer is not the teacher's."""
+        if self.tokenizer is None:
+            return None
+        if self.cfg.chat_column:
+            texts = [self._chat_prompt(self.tokenizer, doc) for doc in docs]
+            return self.tokenizer(texts, add_special_tokens=False)["input_ids"]
+        return self.tokenizer([doc.text for doc in docs])["input_ids"]
 
     def _chat_prompt(self, tokenizer, doc: Document) -> str:
         messages = doc.messages or []
@@ -164,9 +204,10 @@ class Generation:
     # -- answers ------------------------------------------------------------------------------------
 
     def answer(
-        self, wanted: list[tuple[Document, np.ndarray]], *, counts: GenerationCounts
-    ) -> Iterator[tuple[Document, np.ndarray, np.ndarray]]:
-        """(answer document, prompt + answer tokens, loss mask) for each (answer document, prompt tokens)."""
+        self, wanted: list[tuple[Document, Prompt]], *, counts: GenerationCounts
+    ) -> Iterator[tuple[Document, np.ndarray, np.ndarray, dict | None]]:
+        """(answer document, prompt + answer tokens, loss mask, the student tokenizers' sides or None)
+        for each (answer document, prompt)."""
         if not wanted:
             return
         cfg = self.cfg
@@ -174,7 +215,7 @@ class Generation:
         generator = self.generator()  # loaded on first use: not on the clock of tokens/s
         started = time.perf_counter()
         answers = generator.generate(
-            [prompt for _, prompt in wanted],
+            [prompt.generator_ids for _, prompt in wanted],
             seeds,
             max_new_tokens=self.max_new_tokens,
             temperature=cfg.generation_temperature,
@@ -182,15 +223,29 @@ class Generation:
         )
         stop = np.asarray(generator.stop_ids, dtype=np.int64)
         lengths = np.array([len(a) for a in answers], dtype=np.int64)
-        cut = sum(1 for a in answers if len(a) >= self.max_new_tokens and not np.isin(a[-1:], stop).any())
+        cut = sum(_cut(a, stop, self.max_new_tokens) for a in answers)
         self.generated.tokens += int(lengths.sum())
         self.generated.seconds += time.perf_counter() - started
         counts.answers += len(answers)
         counts.generated_tokens += int(lengths.sum())
         counts.answers_cut += cut
+        if self.text is not None:
+            prompts = [prompt for _, prompt in wanted]
+            samples = self.text.answers(prompts, answers, stop_ids=generator.stop_ids, max_length=cfg.max_length)
+            # an answer whose teacher tokens overflow --max-length is cut there (if not cut at --generate)
+            counts.answers_cut += sum(s.cut for s, a in zip(samples, answers) if not _cut(a, stop, self.max_new_tokens))
+            counts.answers_retokenized += sum(s.retokenized for s in samples)
+            for (doc, _), s in zip(wanted, samples):
+                yield doc, s.tokens, s.mask, s.students or None
+            return
         for (doc, prompt), answer in zip(wanted, answers):
-            mask = np.concatenate([np.zeros(len(prompt), np.uint8), np.ones(len(answer), np.uint8)])
-            yield doc, np.concatenate([prompt, np.asarray(answer, dtype=np.int64)]), mask
+            mask = np.concatenate([np.zeros(len(prompt.ids), np.uint8), np.ones(len(answer), np.uint8)])
+            yield doc, np.concatenate([prompt.ids, np.asarray(answer, dtype=np.int64)]), mask, None
+
+
+def _cut(answer: np.ndarray, stop: np.ndarray, max_new_tokens: int) -> bool:
+    """Whether an answer was cut at --generate: as long as allowed, and not ending at a stop token."""
+    return len(answer) >= max_new_tokens and not np.isin(answer[-1:], stop).any()
 
 
 def prompts_per_call(cfg: BuildConfig) -> int:
@@ -207,7 +262,8 @@ def _prompt_and_sample(sample_id: str) -> tuple[str, int]:
 
 
 def _describe_generator(generator: str | None, *, teacher) -> tuple:
-    """(the generator's `TeacherSpec`, what the store records of it): the teacher's, or the model's."""
+    """(the generator's `TeacherSpec`, what the store records of it, its tokenizer where it is not the
+    teacher's, else None): the teacher's, or the model's."""
     from logitstore.pipelines.teacher import describe_teacher  # torch (2.7 s): build imports this module early
 
     if generator is None:
@@ -217,11 +273,6 @@ def _describe_generator(generator: str | None, *, teacher) -> tuple:
             info = describe_teacher(generator)
         except Exception as e:  # a missing folder, a config or tokenizer that does not load: one line, exit 2
             raise BuildError(f"--generator {generator}: cannot load: {_one_line(e)}") from None
-        if info.tokenizer_hash != teacher.tokenizer_hash:
-            raise BuildError(
-                f"--generator {generator}: its tokenizer differs from the teacher's; answers of another "
-                "tokenizer are not aligned to the teacher yet: use a generator with the teacher's tokenizer"
-            )
     run, step = _run_and_step(Path(info.spec.path)) if generator is not None else (None, None)
     recorded = {
         "name": info.spec.name,
@@ -231,7 +282,13 @@ def _describe_generator(generator: str | None, *, teacher) -> tuple:
         "run": run,
         "step": step,
     }
-    return info.spec, recorded
+    return info.spec, recorded, None if info.tokenizer_hash == teacher.tokenizer_hash else info.tokenizer
+
+
+def _model_stop_ids(spec) -> list[int]:
+    from logitstore.pipelines.teacher import model_stop_ids  # torch (2.7 s): build imports this module early
+
+    return model_stop_ids(spec)
 
 
 def _describe_served(cfg: BuildConfig, *, teacher) -> dict:

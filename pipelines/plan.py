@@ -45,7 +45,7 @@ class _Uncounted:
     """Counts nobody reads (live mode plans without a summary)."""
 
     skipped = no_completion = tool_calls = duplicates = already_stored = changed = 0
-    prompts = answers = generated_tokens = answers_cut = 0
+    prompts = answers = generated_tokens = answers_cut = answers_retokenized = 0
 
 
 def window(token_ids: np.ndarray, *, max_length: int) -> list[np.ndarray]:
@@ -165,6 +165,7 @@ def plan_units(
     summary = counts if counts is not None else _Uncounted()
     planned = planned if planned is not None else Planned()
     if generation is not None:
+        generation.carry_as_text(tokenizer, students)
         yield from _plan_answers(cfg, tokenizer, generation, stored=stored, summary=summary, planned=planned)
         return
     pending = Unit(index=0)
@@ -227,7 +228,8 @@ def _plan_answers(
 ) -> Iterator[Unit]:
     """Units of generated answers: each prompt's answer documents (`PROMPTID/gN`) are checked against
     the store (stored: skipped; stored by another generation: `--on-duplicate`) before any is
-    generated, then the rest are generated and planned as one-window samples."""
+    generated, then the rest are generated and planned as one-window samples (with each student
+    tokenizer's side, where the build has any: `answer_text`)."""
     pending = Unit(index=0)
     seen: set[str] = set()
     for doc_batch in _batched(cfg.documents(), generation.prompts_per_call, max_chars=TOKENIZE_CHARS):
@@ -250,9 +252,16 @@ def _plan_answers(
                     summary.already_stored += 1
                     continue
                 wanted.append((answer, prompt))
-        for answer, tokens, mask in generation.answer(wanted, counts=summary):
+        for answer, tokens, mask, students in generation.answer(wanted, counts=summary):
             planned.tokens += len(tokens)
-            pending.add(answer.id, tokens, answer.source_hash, loss_mask=mask, prompt=generation.prompt_of(answer))
+            pending.add(
+                answer.id,
+                tokens,
+                answer.source_hash,
+                students=students,
+                loss_mask=mask,
+                prompt=generation.prompt_of(answer),
+            )
             if pending.n_tokens >= cfg.unit_tokens:
                 yield from _unless_stored(pending, stored, summary, planned)
                 pending = Unit(index=pending.index + 1)

@@ -135,7 +135,15 @@ def _same_model(card: dict, spec) -> bool:
     return False
 
 
-def _check_tokenizer(client, url: str, model: str, spec) -> list[int]:
+# what a served teacher that tokenizes otherwise is; a served generator's line says why it must not
+OTHER_TOKENIZER = "it serves another model or tokenizer than --teacher"
+OTHER_GENERATOR_TOKENIZER = (
+    "a served generator must have the teacher's tokenizer (its own is not known here, so its answers could not "
+    "be decoded and aligned); run a model of another tokenizer as --generator MODEL"
+)
+
+
+def _check_tokenizer(client, url: str, model: str, spec, *, mismatch: str = OTHER_TOKENIZER) -> list[int]:
     """The probe's ids as the server makes them equal the local tokenizer's; returns them."""
     from logitstore.pipelines.teacher import (
         describe_teacher,
@@ -155,7 +163,7 @@ def _check_tokenizer(client, url: str, model: str, spec) -> list[int]:
     if list(theirs or []) != list(ours):
         raise ServerError(
             f"--server-url {strip_credentials(url)} tokenizes a probe text otherwise than the teacher's tokenizer "
-            f"({len(theirs or [])} ids against {len(ours)}): it serves another model or tokenizer than --teacher"
+            f"({len(theirs or [])} ids against {len(ours)}): {mismatch}"
         )
     return list(ours)
 
@@ -238,7 +246,7 @@ def _check_generator(client, url: str, spec) -> ServedGenerator:
         raise ServerError(
             f"--server-url {shown} serves {', '.join(names) or 'no model'}: a generator's server must serve one model"
         )
-    probe = _check_tokenizer(client, url, names[0], spec)
+    probe = _check_tokenizer(client, url, names[0], spec, mismatch=OTHER_GENERATOR_TOKENIZER)
     body = generation_request(
         names[0], probe, seed=0, max_new_tokens=2, temperature=1.0, top_p=1.0, stop_ids=[], k=None
     )
