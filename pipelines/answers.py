@@ -21,11 +21,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import pyarrow.compute as pc
 
-from logitstore.format.layout import read_values
 from logitstore.pipelines.answer_text import Prompt
 from logitstore.pipelines.config import BuildError
 from logitstore.pipelines.generate import Generated, Generation, GenerationCounts
 from logitstore.pipelines.inputs import Document
+from logitstore.store.answers import answer_tokens
 
 # An answer as a later teacher scores it: prompt + answer token ids, and the loss mask (the answer's).
 Answer = tuple[np.ndarray, np.ndarray]
@@ -111,12 +111,9 @@ class StoredAnswers(Generation):
             by_part.setdefault(index["part"][r], []).append((sid, r))
         for part, members in by_part.items():
             starts = np.array([index["token_start"][r] for _, r in members], dtype=np.int64)
-            ends = starts + np.array([index["n_tokens"][r] for _, r in members], dtype=np.int64)
-            lo, hi = int(starts.min()), int(ends.max())  # one read per array of the part
-            ids = read_values(self.version.array(self.source.teacher, part, "input_ids"), slice(lo, hi))
-            mask = read_values(self.version.array(self.source.teacher, part, "loss_mask"), slice(lo, hi))
-            for (sid, _), a, b in zip(members, (starts - lo).tolist(), (ends - lo).tolist()):
-                out[sid] = (ids[a:b].astype(np.int64), mask[a:b].astype(np.uint8))
+            lengths = np.array([index["n_tokens"][r] for _, r in members], dtype=np.int64)
+            samples = answer_tokens(self.version, self.source.teacher, part, starts, lengths)
+            out.update((sid, sample) for (sid, _), sample in zip(members, samples))
         return out
 
     def _first_teachers_rows(self) -> tuple[dict[str, list], dict[str, int]]:

@@ -17,16 +17,16 @@ conversation, which only its rendered text stands for, is refused in one line.
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from logitstore.errors import LogitstoreError
+from logitstore.files import replace_file
 from logitstore.format import layout
 from logitstore.format.layout import read_values
 from logitstore.storage.bounded import read_errors
@@ -77,17 +77,16 @@ def answer_rows(view, *, teacher: str | None = None) -> AnswerRows:
 
 
 def _part_rows(view, teacher: str, part: str, rows: list[dict], *, tokenizer, out: AnswerRows) -> list[dict]:
-    """The chat rows of one part's answers: its tokens and loss mask read whole, once."""
-    with read_errors(f"the answers of part {part} of teacher {teacher!r} ({layout.part_path(teacher, part)})"):
-        ids = read_values(view.array(teacher, part, "input_ids"))
-        mask = read_values(view.array(teacher, part, "loss_mask")).astype(bool)
+    """The chat rows of one part's answers: their tokens and loss masks read once (`answer_tokens`)."""
     stored = view.prompts(teacher, part)
-    spans = [slice(r["token_start"], r["token_start"] + r["n_tokens"]) for r in rows]
+    starts = np.array([r["token_start"] for r in rows], dtype=np.int64)
+    lengths = np.array([r["n_tokens"] for r in rows], dtype=np.int64)
+    samples = [(ids, mask.astype(bool)) for ids, mask in answer_tokens(view, teacher, part, starts, lengths)]
     stops = {i for i, token in tokenizer.get_added_tokens_decoder().items() if token.special}
     decode = lambda seqs: tokenizer.decode_batch(seqs, skip_special_tokens=False)
-    answers = decode([_less_stop(ids[s][mask[s]].tolist(), stops) for s in spans])
+    answers = decode([_less_stop(ids[mask].tolist(), stops) for ids, mask in samples])
     unstored = [i for i, r in enumerate(rows) if r["sample_id"] not in stored]
-    prompt_texts = dict(zip(unstored, decode([ids[spans[i]][~mask[spans[i]]].tolist() for i in unstored])))
+    prompt_texts = dict(zip(unstored, decode([samples[i][0][~samples[i][1]].tolist() for i in unstored])))
     made = []
     for i, (r, answer) in enumerate(zip(rows, answers)):
         turns = prompt_messages(
@@ -110,6 +109,19 @@ def _part_rows(view, teacher: str, part: str, rows: list[dict], *, tokenizer, ou
             }
         )
     return made
+
+
+def answer_tokens(
+    view, teacher: str, part: str, starts: np.ndarray, lengths: np.ndarray
+) -> list[tuple[np.ndarray, np.ndarray]]:
+    """(token ids int64, loss mask uint8) of samples of one part, by their index rows' `token_start` and
+    `n_tokens`: one read per array, of the span the samples cover."""
+    lo, hi = int(starts.min()), int((starts + lengths).max())
+    with read_errors(f"the answers of part {part} of teacher {teacher!r} ({layout.part_path(teacher, part)})"):
+        ids = read_values(view.array(teacher, part, "input_ids"), slice(lo, hi))
+        mask = read_values(view.array(teacher, part, "loss_mask"), slice(lo, hi))
+    spans = [slice(a - lo, a - lo + n) for a, n in zip(starts.tolist(), lengths.tolist())]
+    return [(ids[s].astype(np.int64), mask[s].astype(np.uint8)) for s in spans]
 
 
 def _less_stop(answer: list[int], stops: set[int]) -> list[int]:
@@ -144,20 +156,16 @@ def write_answers(view, out: Path, *, teacher: str | None = None) -> dict:
     or not at all (a temporary file beside it, renamed), and return the summary `export --json` prints."""
     kind = check_export_path(out)
     made = answer_rows(view, teacher=teacher)
-    temporary = None
+    if kind == "parquet":
+        sink = pa.BufferOutputStream()
+        pq.write_table(pa.Table.from_pylist(made.rows), sink)
+        data = sink.getvalue().to_pybytes()
+    else:
+        data = b"".join(json.dumps(r, ensure_ascii=False).encode("utf-8") + b"\n" for r in made.rows)
     try:
-        fd, temporary = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".part")
-        with os.fdopen(fd, "wb") as f:
-            if kind == "parquet":
-                pq.write_table(pa.Table.from_pylist(made.rows), f)
-            else:
-                f.writelines(json.dumps(r, ensure_ascii=False).encode("utf-8") + b"\n" for r in made.rows)
-        os.replace(temporary, out)
+        replace_file(out, data)
     except OSError as e:
         raise ExportError(f"cannot write {out}: {e.strerror or e}") from None
-    finally:
-        if temporary is not None:
-            Path(temporary).unlink(missing_ok=True)  # after the rename, nothing is there
     return {
         "out": str(out),
         "format": kind,
