@@ -53,17 +53,26 @@ class StoreSource:
         self.reader.warm(code)
 
     def build(self, pieces: Pieces, parts: dict[int, PartData], *, stream: BatchContext) -> PackedBatch:
-        damage = self.reader.damage(parts, pieces.row)
-        ok = np.array([d is None for d in damage], dtype=bool)
-        for i in np.flatnonzero(~ok).tolist():
-            error = damage[i]
-            assert error is not None  # not ok: damaged
-            row = int(pieces.row[i])
-            stream.unreadable(row, error, part=self.table.parts[self.table.part[row]])
+        ok = readable(self.reader, parts, pieces.row, table=self.table, table_rows=pieces.row, stream=stream)
         decoded = None
         if ok.any():
             decoded = self.reader.samples(parts, pieces.row[ok], pieces.a[ok], pieces.b[ok])
         return one_teacher_batch(pieces, ok, decoded, source=self, sampled=self.reader.sampled, stream=stream)
+
+
+def readable(
+    reader: PartReader, parts: dict[int, PartData], rows: np.ndarray, *, table: SplitTable, table_rows, stream
+) -> np.ndarray:
+    """bool [n]: which of the reader's `rows` can be read; each damaged one is reported to the stream
+    (`unreadable`: raises, or counts it skipped) as its row `table_rows[i]` of the source's `table`."""
+    damage = reader.damage(parts, rows)
+    ok = np.array([d is None for d in damage], dtype=bool)
+    for i in np.flatnonzero(~ok).tolist():
+        error = damage[i]
+        assert error is not None  # not ok: damaged
+        row = int(table_rows[i])
+        stream.unreadable(row, error, part=table.parts[table.part[row]])
+    return ok
 
 
 def one_teacher_batch(

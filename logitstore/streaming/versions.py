@@ -38,7 +38,7 @@ from logitstore.store.version import StoreVersion
 from logitstore.streaming.batch import BatchContext, PackedBatch
 from logitstore.streaming.order import Pieces, SplitTable
 from logitstore.streaming.spec import StreamConfigError, StreamSpec
-from logitstore.streaming.store_source import check_train_on, one_teacher_batch, split_rows
+from logitstore.streaming.store_source import check_train_on, one_teacher_batch, readable, split_rows
 
 
 @dataclass(frozen=True)
@@ -155,12 +155,7 @@ class VersionsSource:
                 continue
             own = {c - r.part0: data for c, data in parts.items() if r.part0 <= c < r.part0 + len(r.rows.parts)}
             rows = pieces.row[at] - r.row0
-            damage = r.reader.damage(own, rows)
-            for i, error in zip(at.tolist(), damage):
-                if error is not None:
-                    ok[i] = False
-                    row = int(pieces.row[i])
-                    stream.unreadable(row, error, part=self.table.parts[self.table.part[row]])
+            ok[at] = readable(r.reader, own, rows, table=self.table, table_rows=pieces.row[at], stream=stream)
             good = at[ok[at]]
             if len(good):
                 decoded.append(r.reader.samples(own, pieces.row[good] - r.row0, pieces.a[good], pieces.b[good]))
