@@ -223,17 +223,17 @@ class Generation:
         )
         stop = np.asarray(generator.stop_ids, dtype=np.int64)
         lengths = np.array([len(a) for a in answers], dtype=np.int64)
-        cut = sum(_cut(a, stop, self.max_new_tokens) for a in answers)
+        cut_at_n = [_cut(a, stop, self.max_new_tokens) for a in answers]
         self.generated.tokens += int(lengths.sum())
         self.generated.seconds += time.perf_counter() - started
         counts.answers += len(answers)
         counts.generated_tokens += int(lengths.sum())
-        counts.answers_cut += cut
+        counts.answers_cut += sum(cut_at_n)
         if self.text is not None:
             prompts = [prompt for _, prompt in wanted]
             samples = self.text.answers(prompts, answers, stop_ids=generator.stop_ids, max_length=cfg.max_length)
             # an answer whose teacher tokens overflow --max-length is cut there (if not cut at --generate)
-            counts.answers_cut += sum(s.cut for s, a in zip(samples, answers) if not _cut(a, stop, self.max_new_tokens))
+            counts.answers_cut += sum(s.cut and not cut for s, cut in zip(samples, cut_at_n))
             counts.answers_retokenized += sum(s.retokenized for s in samples)
             for (doc, _), s in zip(wanted, samples):
                 yield doc, s.tokens, s.mask, s.students or None
