@@ -194,7 +194,7 @@ def test_answer_top_logprobs_read_as_the_dict_form_says():
 def test_processed_answer_logprobs_are_found_before_they_are_stored(server):
     """A server that sends the answer's log-probabilities tempered (vLLM --logprobs-mode processed_logprobs)
     is found by the generator's check, which then scores answers by a second request."""
-    settings = SimpleNamespace(server_urls=(server.url,), server_api_key=None)
+    settings = SimpleNamespace(server_urls=(server.url,), server_api_key=None, server_timeout=30.0)
     probe = server.tokenizer.encode(PROBE_TEXT, add_special_tokens=False)
     check = dict(k=8, temperature=0.7, top_p=1.0)
     assert answer_logprobs_are_raw(settings, server.model, probe, **check)
