@@ -140,11 +140,11 @@ def request(client: Checks, method: str, url: str, path: str, *, body: bytes | N
     shown = redacted(url)
     try:
         response = client.send(method, base_url(url) + path, body)
-    except TimeoutError:
-        raise ServerError(f"--server-url {shown}: {path}: {timed_out(client.timeout)}") from None
-    except aiohttp.ClientError as error:
+    except aiohttp.ClientError as error:  # a connection's own timeout included: it says which
         why = scrubbed(f"{type(error).__name__}: {error}".rstrip(": "), url)
         raise ServerError(f"--server-url {shown}: cannot reach the server ({why})") from None
+    except TimeoutError:  # the request's deadline
+        raise ServerError(f"--server-url {shown}: {path}: {timed_out(client.timeout)}") from None
     if response.status_code in (401, 403):
         raise ServerError(
             f"--server-url {shown} refused the API key (HTTP {response.status_code}): set --server-api-key or "
@@ -273,10 +273,10 @@ class Replicas:
             ) as response:
                 status = response.status
                 content = await response.read()
-        except TimeoutError:
-            return await self._failed(replica, timed_out(self.timeout))
-        except aiohttp.ClientError as error:
+        except aiohttp.ClientError as error:  # a connection's own timeout included: it says which
             return await self._failed(replica, scrubbed(f"{type(error).__name__}: {error}".rstrip(": "), replica.url))
+        except TimeoutError:  # the request's deadline
+            return await self._failed(replica, timed_out(self.timeout))
         if status == 200:
             replica.failures = 0
             return Answer(replica.url, status, content)
