@@ -18,14 +18,16 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import sys
 import typing
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 import typer
 import typer.core
 
+from logitstore.errors import capped
 from logitstore.options import Declared, OptionError, read_file
 
 ConfigOpt = Annotated[
@@ -61,22 +63,56 @@ def _no_value_shown(params: list) -> None:
             param.display_type_rich = lambda ctx: None
 
 
+# click's exceptions as the installed typer raises them: click's own, or from typer 0.29 the copy it vendors
+# (`typer._click`), which names only BadParameter publicly. click before 8.2 shows a bare command's help
+# without raising NoArgsIsHelpError.
+T = TypeVar("T")
+_CLICK_ERRORS = sys.modules[typer.BadParameter.__module__]
+_USAGE_ERROR: type[Exception] = _CLICK_ERRORS.UsageError
+_NO_ARGS_IS_HELP: tuple[type[Exception], ...] = tuple(
+    e for e in [getattr(_CLICK_ERRORS, "NoArgsIsHelpError", None)] if e is not None
+)
+
+
+def _parsed(parse: Callable[[], T], ctx: Any) -> T:
+    """`parse()`, whose usage error (a value of the wrong type, an unknown or missing option or command) is
+    one line on stderr and exit 2, as every refusal of ours: typer would draw it in a box under the usage.
+    A bare `logitstore` still shows its help (click raises that as a usage error too)."""
+    try:
+        return parse()
+    except _NO_ARGS_IS_HELP:
+        raise
+    except _USAGE_ERROR as e:
+        message = " ".join(e.format_message().split())  # type: ignore[attr-defined]
+        typer.echo(f"error: {capped(message)} (see {ctx.command_path} --help)", err=True)
+        raise typer.Exit(2) from None
+
+
 class Command(typer.core.TyperCommand):
-    """A command of ours: its on/off flags show no value placeholder in --help."""
+    """A command of ours: its on/off flags show no value placeholder in --help; a usage error is one line."""
 
     def get_params(self, ctx: Any) -> list:
         params = super().get_params(ctx)  # with --help, which click adds here
         _no_value_shown(params)
         return params
+
+    def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
+        return _parsed(lambda: super(Command, self).parse_args(ctx, args), ctx)
 
 
 class Program(typer.core.TyperGroup):
-    """The top-level command, `Command`'s help for its own flags (`--version`)."""
+    """The top-level command, `Command`'s help for its own flags (`--version`) and its one-line usage errors."""
 
     def get_params(self, ctx: Any) -> list:
         params = super().get_params(ctx)  # with --help, which click adds here
         _no_value_shown(params)
         return params
+
+    def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
+        return _parsed(lambda: super(Program, self).parse_args(ctx, args), ctx)
+
+    def resolve_command(self, ctx: Any, args: list[str]) -> Any:
+        return _parsed(lambda: super(Program, self).resolve_command(ctx, args), ctx)
 
 
 @dataclass(frozen=True)

@@ -155,6 +155,7 @@ def print_build(summary, cfg) -> None:
             f"; generated {summary.answers:,} answers to {summary.prompts:,} prompts, "
             f"{summary.generated_tokens:,} tokens, {summary.answers_cut:,} cut at --generate {cfg.generate}"
             + (f", {summary.answers_retokenized:,} re-tokenized" if summary.answers_retokenized else "")
+            + (f", {summary.answers_empty:,} empty (not stored)" if summary.answers_empty else "")
             if cfg.generate
             else ""
         )

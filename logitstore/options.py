@@ -291,9 +291,13 @@ def read_file(
     data = _parse(path, where=where)
     by_name = {d.name: d for d in flags}
     out = {}
+    keys: dict[str, Any] = {}  # the key each flag was given as: `seq_len` and `seq-len` are one key
     for key, value in data.items():
         name = str(key).replace("-", "_")
         dashed = "--" + name.replace("_", "-")
+        if name in keys:
+            raise OptionError(f"{where}: key {quoted(key)} is given twice (also as {quoted(keys[name])})")
+        keys[name] = key
         if name in command_line_only:
             raise OptionError(
                 f"{where}: {quoted(key)} is not allowed in a config file ({dashed} is a command-line flag)"

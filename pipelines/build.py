@@ -86,6 +86,7 @@ class BuildSummary:
     generated_tokens: int = 0
     answers_cut: int = 0
     answers_retokenized: int = 0  # answers whose generated ids a side with the generator's tokenizer re-tokenized
+    answers_empty: int = 0  # answers without a token (a served generator's): not stored
     generation: dict | None = None  # what wrote the answers (`Generation.record`), stored with them
     no_answer: int = 0  # a later teacher of several: answers the first teacher does not hold (not scored)
 
@@ -291,7 +292,10 @@ def run_builds(
         teacher=",".join(names),
         version=parts[-1].version,
         teachers=[p.own_json() for p in parts],
-        **{name: getattr(parts[0], name) for name in (*first, "answers_cut", "answers_retokenized", "generation")},
+        **{
+            name: getattr(parts[0], name)
+            for name in (*first, "answers_cut", "answers_retokenized", "answers_empty", "generation")
+        },
     )
     added = ("samples", "tokens", "already_stored", "refused", "too_long", "changed", "seconds", "commits")
     for name in (*added, "stored_bytes", "no_answer"):

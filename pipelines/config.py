@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypedDict
@@ -29,12 +30,17 @@ from logitstore.storage.location import Location
 from logitstore.store.meta import DEFAULT_BRANCH, NAME, ON_DUPLICATE
 from logitstore.streaming.spec import StreamSpec
 from logitstore.text import chat
+from logitstore.urls import redacted, url_checks
 
 if TYPE_CHECKING:  # pyarrow (0.3 s): `DataSource.source` imports it when the build reads its input
     from logitstore.pipelines.inputs import Document, HubDataset
 
 DEFAULT_STORE = "logitstore-store"  # `BuildConfig.store` from Python; the CLI asks for --store
 DTYPES = ("auto", "float32", "bfloat16", "float16")  # the teacher's weights; auto: bf16 on GPU, fp32 on CPU
+
+# answers per prompt at most: each is planned (an id, a document) before the first is generated, so a count
+# far past any use (1e12) would hold the build there with nothing to show
+MAX_SAMPLES_PER_PROMPT = 10_000
 
 DATA, TEACHER, STORE, OUTPUT, GENERATION = "Data", "Teacher", "Store", "Output", "Generation"
 PANELS = (DATA, TEACHER, SPARSITY, GENERATION, STORE, OUTPUT)  # the order `build --help` lists them
@@ -72,8 +78,15 @@ class DataSource:
 
 
 def replicas_option(name: str, *, panel: str, what: str, more: str = "") -> Any:
-    """A server's URL flag, repeated once per replica (`--server-url`, `--generator-url`): none by default."""
-    return option((), name=name, panel=panel, help=f"{what} Repeat it for several replicas{more}.")
+    """A server's URL flag, repeated once per replica (`--server-url`, `--generator-url`): none by default.
+    Written (--print-config, config.yaml) with its password redacted (`logitstore.urls`)."""
+    return option(
+        (),
+        name=name,
+        panel=panel,
+        show=lambda urls: [redacted(url) for url in urls],
+        help=f"{what} Repeat it for several replicas{more}.",
+    )
 
 
 def _one_teacher(names: list[str] | tuple[str, ...] | None) -> str | None:
@@ -208,8 +221,12 @@ class EngineOptions:
                 self.engine != "server" or bool(self.server_urls),
                 "--engine server needs --server-url URL (repeat it for several replicas)",
             ),
+            *url_checks(self.server_urls, flag="--server-url"),
             (self.server_concurrency >= 1, f"--server-concurrency must be at least 1, got {self.server_concurrency}"),
-            (self.server_timeout > 0, f"--server-timeout must be positive, got {self.server_timeout}"),
+            (
+                0 < self.server_timeout < math.inf,
+                f"--server-timeout must be a positive number of seconds, got {self.server_timeout}",
+            ),
         ]
 
     def engine_settings(self) -> dict:
@@ -312,7 +329,9 @@ class BuildConfig(EngineOptions, PlanConfig):
         what="Who writes the answers: a vLLM (or OpenAI-compatible) server serving one model with the teacher's tokenizer, e.g. http://host:8001.",
         more="; --server-api-key is its key too",
     )
-    samples_per_prompt: int = option(1, panel=GENERATION, help="Answers per prompt, keyed PROMPTID/g0, /g1, ...")
+    samples_per_prompt: int = option(
+        1, panel=GENERATION, help="Answers per prompt (at most 10,000), keyed PROMPTID/g0, /g1, ..."
+    )
     generation_temperature: float = option(
         1.0, panel=GENERATION, help="Sampling temperature of the answers (0: greedy)."
     )
@@ -402,10 +421,13 @@ class BuildConfig(EngineOptions, PlanConfig):
                 self.generate < self.max_length,
                 f"--generate {self.generate} leaves no room for a prompt in --max-length {self.max_length}",
             ),
-            (self.samples_per_prompt >= 1, f"--samples-per-prompt must be at least 1, got {self.samples_per_prompt}"),
             (
-                self.generation_temperature >= 0,
-                f"--generation-temperature must be at least 0, got {self.generation_temperature}",
+                1 <= self.samples_per_prompt <= MAX_SAMPLES_PER_PROMPT,
+                f"--samples-per-prompt must be between 1 and {MAX_SAMPLES_PER_PROMPT:,}, got {self.samples_per_prompt}",
+            ),
+            (
+                0 <= self.generation_temperature < math.inf,
+                f"--generation-temperature must be a number of at least 0, got {self.generation_temperature}",
             ),
             (
                 0 < self.generation_top_p <= 1,
@@ -416,6 +438,7 @@ class BuildConfig(EngineOptions, PlanConfig):
                 "--generate takes text prompts: not --ids-column",
             ),
             (self.generation_round is None or self.generation_round >= 0, "--round must be at least 0"),
+            *url_checks(self.generator_urls, flag="--generator-url"),
             (
                 not (self.generator and self.generator_urls),
                 "--generator and --generator-url each name the generator: give one",

@@ -53,6 +53,7 @@ class GenerationCounts(Protocol):
     generated_tokens: int
     answers_cut: int
     answers_retokenized: int
+    answers_empty: int
 
 
 @dataclass
@@ -207,7 +208,9 @@ class Generation:
         self, wanted: list[tuple[Document, Prompt]], *, counts: GenerationCounts
     ) -> Iterator[tuple[Document, np.ndarray, np.ndarray, dict | None]]:
         """(answer document, prompt + answer tokens, loss mask, the student tokenizers' sides or None)
-        for each (answer document, prompt)."""
+        for each (answer document, prompt) whose answer holds a token: an empty answer (a served generator
+        may send one) would be a sample with nothing supervised; it is counted (`answers_empty`) instead,
+        and a resumed build asks for it again."""
         if not wanted:
             return
         cfg = self.cfg
@@ -221,13 +224,15 @@ class Generation:
             temperature=cfg.generation_temperature,
             top_p=cfg.generation_top_p,
         )
-        stop = np.asarray(generator.stop_ids, dtype=np.int64)
         lengths = np.array([len(a) for a in answers], dtype=np.int64)
-        cut_at_n = [_cut(a, stop, self.max_new_tokens) for a in answers]
         self.generated.tokens += int(lengths.sum())
         self.generated.seconds += time.perf_counter() - started
         counts.answers += len(answers)
         counts.generated_tokens += int(lengths.sum())
+        counts.answers_empty += int((lengths == 0).sum())
+        wanted, answers = [w for w, n in zip(wanted, lengths) if n], [a for a, n in zip(answers, lengths) if n]
+        stop = np.asarray(generator.stop_ids, dtype=np.int64)
+        cut_at_n = [_cut(a, stop, self.max_new_tokens) for a in answers]
         counts.answers_cut += sum(cut_at_n)
         if self.text is not None:
             prompts = [prompt for _, prompt in wanted]

@@ -45,7 +45,7 @@ class _Uncounted:
     """Counts nobody reads (live mode plans without a summary)."""
 
     skipped = no_completion = tool_calls = duplicates = already_stored = changed = 0
-    prompts = answers = generated_tokens = answers_cut = answers_retokenized = 0
+    prompts = answers = generated_tokens = answers_cut = answers_retokenized = answers_empty = 0
 
 
 def window(token_ids: np.ndarray, *, max_length: int) -> list[np.ndarray]:

@@ -39,6 +39,26 @@ def test_an_integer_flag_past_64_bits_is_one_line(tiny_teacher, tmp_path):
     assert listed.exit_code == 0 and listed.stderr.strip() == "12 samples", listed.stderr
 
 
+@pytest.mark.parametrize(
+    ("args", "problem"),
+    [
+        (["ls", "STORE", "--limit", "-1e23"], "Invalid value for '--limit'"),
+        (["build", "--store", "STORE", "--generate", "2.5"], "Invalid value for '--generate'"),
+        (["ls", "STORE", "--no-such-flag"], "No such option: --no-such-flag"),
+        (["no-such-command"], "No such command 'no-such-command'"),
+    ],
+)
+def test_a_value_the_parser_refuses_is_one_line(tmp_path, args, problem):
+    """What typer refuses before a command runs (a value of the wrong type, an unknown flag or command) is
+    one line naming it and the help to read, not a box under the usage."""
+    command = args[0] if args[0] in ("ls", "build") else None
+    result = run(*[str(tmp_path / "s") if a == "STORE" else a for a in args])
+    error = one_line_error(result, 2)
+    help_of = f"logitstore {command}" if command else "logitstore"
+    assert error.startswith(f"error: {problem}") and error.endswith(f"(see {help_of} --help)"), error
+    assert not (tmp_path / "s").exists()
+
+
 def test_a_store_path_that_loops_is_one_line(tiny_teacher, tmp_path):
     loop = tmp_path / "loop"
     loop.symlink_to(loop)

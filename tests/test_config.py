@@ -178,17 +178,31 @@ def test_a_command_line_flag_in_a_config_file_is_refused_as_such(tmp_path, key, 
     assert error == f"error: --config {path}: {key!r} is not allowed in a config file ({flag} is a command-line flag)"
 
 
-@pytest.mark.parametrize("suffix", [".yaml", ".json"])
-def test_a_key_given_twice_is_refused_naming_it(tmp_path, suffix):
-    path = tmp_path / f"train{suffix}"
-    path.write_text("lr: 0.001\nsteps: 5\nlr: 0.1\n" if suffix == ".yaml" else '{"lr": 0.001,\n"lr": 0.1}\n')
-    error = one_line(
+def train_config_error(path, text: str) -> str:
+    """The one line `train --config path --print-config` refuses `text` in `path` with."""
+    path.write_text(text)
+    return one_line(
         runner.invoke(app, ["train", "--config", str(path), "--store", "s", "--out", "o", "--print-config"])
     )
+
+
+@pytest.mark.parametrize("suffix", [".yaml", ".json"])
+def test_a_key_given_twice_is_refused_naming_it(tmp_path, suffix):
+    text = "lr: 0.001\nsteps: 5\nlr: 0.1\n" if suffix == ".yaml" else '{"lr": 0.001,\n"lr": 0.1}\n'
+    error = train_config_error(tmp_path / f"train{suffix}", text)
     assert error.endswith("key 'lr' is given twice (lines 1 and 3)" if suffix == ".yaml" else "(lines 1 and 2)"), error
     merged = tmp_path / "merged.yaml"  # a merge key's values may be given again: the mapping's own win
     merged.write_text("base: &base {lr: 0.001, steps: 5}\nrun:\n  <<: *base\n  lr: 0.1\n")
     assert yaml.load(merged.read_text(), Loader=options._Loader)["run"] == {"lr": 0.1, "steps": 5}
+
+
+@pytest.mark.parametrize("suffix", [".yaml", ".toml"])
+def test_a_key_given_twice_as_its_two_spellings_is_refused(tmp_path, suffix):
+    """`seq_len` and `seq-len` name one flag: given both, neither silently wins."""
+    path = tmp_path / f"train{suffix}"
+    text = "seq_len: 3\nseq-len: 5\n" if suffix == ".yaml" else 'seq_len = 3\n"seq-len" = 5\n'
+    error = train_config_error(path, text)
+    assert error == f"error: --config {path}: key 'seq-len' is given twice (also as 'seq_len')"
 
 
 def test_a_billion_laughs_config_is_one_short_line(tmp_path):

@@ -192,6 +192,16 @@ def test_chat_prompts_are_answered_after_the_generation_prompt(tiny_teacher, tmp
         ),
         ([{"id": "a", "prompt": "one two three four five six"}], ["--generate", "28"], "'a' (input row 0) has"),
         ([{"id": "a", "prompt": "Hi"}], ["--generate", "4", "--generator", "/no/such/model"], "--generator"),
+        (
+            [{"id": "a", "prompt": "Hi"}],
+            ["--generate", "4", "--generation-temperature", "inf"],
+            "--generation-temperature must be a number of at least 0, got inf",
+        ),
+        (
+            [{"id": "a", "prompt": "Hi"}],
+            ["--generate", "4", "--samples-per-prompt", str(10**12), "--limit", "1"],
+            "--samples-per-prompt must be between 1 and 10,000, got 1000000000000",
+        ),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2_with_nothing_written(tiny_teacher, tmp_path, rows, extra, message):

@@ -27,7 +27,7 @@ from logitstore.pipelines.workers import WorkerSettings
 from logitstore.testing.openai_server import Generate, OpenAIServer, Scores, render_generation
 from logitstore.testing.prompts import PROMPTS, answers, write_prompts
 from logitstore.testing.stores import stored
-from logitstore.testing.teachers import KEY, torch_scorer
+from logitstore.testing.teachers import KEY, scoring_teacher, torch_scorer
 
 N = 8  # --generate: answers of up to 8 tokens keep each build to seconds on the real teacher
 
@@ -155,6 +155,24 @@ def test_an_unreachable_generator_is_one_line_and_writes_nothing(prompts, tmp_pa
     assert not (tmp_path / "s").exists()
 
 
+def test_an_empty_answer_is_counted_and_not_stored(tiny_teacher, tmp_path):
+    """A served generator that answers one prompt with no token: that answer is counted (`answers_empty`),
+    not stored as a sample with nothing supervised; the other prompt's answer is stored."""
+    spec, teacher = scoring_teacher(tiny_teacher)
+    empty, other = list(PROMPTS)[:2]
+
+    def generate(prompt: list[int], request: dict) -> list[int]:  # the other prompt: its last three tokens
+        return [] if PROMPTS[empty] in teacher.tokenizer.decode(prompt) else prompt[-3:]
+
+    data = write_prompts(tmp_path / "p.jsonl", {empty: PROMPTS[empty], other: PROMPTS[other]})
+    with OpenAIServer(
+        model=spec.name, scorer=torch_scorer(teacher), tokenizer=teacher.tokenizer, generate=generate
+    ) as s:
+        result = summary(build(tmp_path / "s", data, "--teacher", tiny_teacher, "--generator-url", s.url))
+    assert logitstore.open(str(tmp_path / "s")).index["sample_id"].to_pylist() == [f"{other}/g0"]
+    assert (result["answers"], result["answers_empty"], result["samples"]) == (2, 1, 1)
+
+
 def test_answer_top_logprobs_read_as_the_dict_form_says():
     """The answer positions' `logprobs` read back: the chosen token first, K or K + 1 keys a position."""
     prompt, answer = [5, 6, 7], [9, 3, 11]
@@ -176,7 +194,7 @@ def test_answer_top_logprobs_read_as_the_dict_form_says():
 def test_processed_answer_logprobs_are_found_before_they_are_stored(server):
     """A server that sends the answer's log-probabilities tempered (vLLM --logprobs-mode processed_logprobs)
     is found by the generator's check, which then scores answers by a second request."""
-    settings = SimpleNamespace(server_urls=(server.url,), server_api_key=None)
+    settings = SimpleNamespace(server_urls=(server.url,), server_api_key=None, server_timeout=30.0)
     probe = server.tokenizer.encode(PROBE_TEXT, add_special_tokens=False)
     check = dict(k=8, temperature=0.7, top_p=1.0)
     assert answer_logprobs_are_raw(settings, server.model, probe, **check)

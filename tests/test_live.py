@@ -20,7 +20,7 @@ from logitstore.format.samples import SparseSamples
 from logitstore.format.sparsity import Sparsity
 from logitstore.pipelines.build import BuildConfig, run_build
 from logitstore.pipelines.engines.server.client import API_KEY_VARIABLE
-from logitstore.testing.cli import CLI, sample_corpus_head
+from logitstore.testing.cli import CLI, one_line_error, sample_corpus_head
 from logitstore.testing.runs import COMMON
 from logitstore.testing.shm import cuda_driver_file, leaked_shm, shm_entries
 from logitstore.testing.teachers import serve_teacher
@@ -304,6 +304,28 @@ def test_a_served_live_teacher_trains_as_a_store_of_the_same_teacher(tiny_teache
     for root, _, files in os.walk(tmp_path / "run"):
         for name in files:
             assert KEY.encode() not in (Path(root) / name).read_bytes(), name
+
+
+PASSWORD = "S3cretPW-live-93b"
+
+
+def test_a_password_in_the_served_teachers_url_is_kept_nowhere_in_the_run(tiny_teacher, tiny_server, corpus, tmp_path):
+    """`--server-url http://alice:PASSWORD@host` (HTTP basic auth): the run trains, and neither its output
+    (--json), its folder (config.yaml, metrics) nor `train --resume --print-config` holds the password.
+    Resuming from the kept configuration asks for the URL in one line; given, it is printed redacted."""
+    url = tiny_server.url.replace("http://", f"http://alice:{PASSWORD}@")
+    result = served_run(tiny_teacher, corpus, tmp_path / "run", "--engine", "server", "--server-url", url, "--json")
+    resume = ["train", "--out", str(tmp_path / "run"), "--resume", "--print-config"]
+    kept = CliRunner().invoke(app, resume)
+    given = CliRunner().invoke(app, [*resume, "--server-url", url])
+    for output in (result, kept, given):
+        assert PASSWORD not in output.output
+    for root, _, files in os.walk(tmp_path / "run"):
+        for name in files:
+            assert PASSWORD.encode() not in (Path(root) / name).read_bytes(), name
+    assert result.exit_code == 0, result.output
+    assert "give the URL with its password" in one_line_error(kept, 2)
+    assert given.exit_code == 0 and f"http://alice:<redacted>@{tiny_server.url[7:]}" in given.output
 
 
 @pytest.mark.parametrize(

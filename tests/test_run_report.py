@@ -58,6 +58,23 @@ def test_a_damaged_line_before_the_last_is_one_line_naming_it(tmp_path, damage, 
     assert code == 2 and stderr == f"error: {run / 'metrics.jsonl'} line {len(STEPS) + 2}: {problem}\n"
 
 
+@pytest.mark.parametrize(
+    ("record", "problem"),
+    [
+        ({"step": 13, "loss": "oops"}, "'loss' is 'oops', not a number"),
+        ({"event": "start", "teachers": [1, 2]}, "'teachers' is [1, 2], not a list of teachers with their names"),
+        ({"step": [1], "loss": 3.0}, "'step' is [1], not a step number"),
+        ({"event": "start", "teacher": ["a"]}, "'teacher' is ['a'], not text"),
+    ],
+)
+@pytest.mark.parametrize("out", [None, "page.md"])
+def test_a_record_of_the_wrong_types_is_one_line_naming_it(tmp_path, record, problem, out):
+    """Valid JSON whose fields are not what a run writes, on the last line too (it is whole, not cut short)."""
+    run = run_folder(tmp_path, json.dumps(record).encode() + b"\n")
+    code, _, stderr = report(run, *(["--out", tmp_path / out] if out else []))
+    assert code == 2 and stderr == f"error: {run / 'metrics.jsonl'} line {len(STEPS) + 2}: {problem}\n"
+
+
 def test_a_run_folder_without_metrics_says_so(tmp_path):
     run = run_folder(tmp_path)
     (run / "metrics.jsonl").unlink()

@@ -9,6 +9,7 @@ faults cleared between tests; builds stay at a few hundred tokens.
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 from types import SimpleNamespace
@@ -19,15 +20,16 @@ from typer.testing import CliRunner
 
 from logitstore.cli.app import app
 from logitstore.pipelines.engines.server.answers import served_to_sparse
-from logitstore.pipelines.engines.server.client import ServerError, check_one_credential, strip_credentials
+from logitstore.pipelines.engines.server.client import ServerError, check_one_credential
 from logitstore.pipelines.engines.server.preflight import MAX_ALLOWED
 from logitstore.pipelines.engines.server.served_json import MalformedResponse, parse_prompt_logprobs
 from logitstore.pipelines.engines.vllm.conversion import prompt_logprobs_to_sparse
 from logitstore.store.store import Store
-from logitstore.testing.cli import sample_corpus_head
+from logitstore.testing.cli import one_line_error, sample_corpus_head
 from logitstore.testing.openai_server import OpenAIServer, Scores, render_completion
 from logitstore.testing.stores import stored
 from logitstore.testing.teachers import KEY, scoring_teacher, serve_teacher, torch_scorer
+from logitstore.urls import recorded, redacted
 
 
 @pytest.fixture(scope="module")
@@ -247,6 +249,16 @@ def test_what_the_server_cannot_serve_is_refused_in_one_line(
     assert "Traceback" not in result.output and not (tmp_path / "s").exists()
 
 
+@pytest.mark.parametrize("answer", [b"[1, 2, 3]", b'"tokens"', b'{"tokens": "1 2 3"}'])
+def test_a_tokenize_answer_that_is_no_object_of_ids_is_one_line(answer, servers, tiny_teacher, data, tmp_path):
+    server = servers[0]
+    server.faults.answer_with["/tokenize"] = answer
+    result = build(tmp_path / "s", data, tiny_teacher, "--engine", "server", "--server-url", server.url, "--top-k", 8)
+    line = one_line_error(result, 2)
+    assert f"--server-url {server.url}: /tokenize did not answer an object with a list of token ids" in line
+    assert not (tmp_path / "s").exists()
+
+
 # -- faults ----------------------------------------------------------------------------------------------
 
 
@@ -270,6 +282,44 @@ def test_replicas_that_fail_drop_or_hang_are_retried_and_the_build_equals_the_cl
     assert f"{dropping.url} set aside after 3 failures in a row" in result.output
     assert not failing.faults.queue and not hanging.faults.queue  # each fault was met
     assert stored(tmp_path / "s") == stored(tiny_reference)
+
+
+def test_an_answer_dripped_past_the_timeout_is_retried_and_the_build_equals_the_clean_one(
+    servers, tiny_teacher, tiny_reference, data, tmp_path
+):
+    """--server-timeout bounds the whole request: an answer trickled a byte at a time (every read quick)
+    ends as a timeout at 1 s and is asked again; the build then stores what the torch engine stores."""
+    server = servers[0]
+    server.faults.next(1, "ok")  # the preflight's probe
+    server.faults.next(1, "drip")
+    args = ["--engine", "server", "--server-url", server.url, "--top-k", 20, "--server-timeout", 1]
+    result = build(tmp_path / "s", data, tiny_teacher, *args)
+    assert result.exit_code == 0, result.output
+    assert not server.faults.queue  # the drip was met
+    assert stored(tmp_path / "s") == stored(tiny_reference)
+
+
+@pytest.mark.parametrize("where", ["answers", "preflight"])
+def test_a_server_that_trickles_every_answer_is_one_line_after_the_retries(
+    where, servers, tiny_teacher, data, tmp_path
+):
+    """Every answer (or the preflight's /v1/models) dripped a byte per 0.2 s: each request ends at the
+    1-s deadline; once the retries are spent (the replica set aside), one line and exit 2, no store."""
+    server = servers[0]
+    if where == "answers":
+        server.faults.next(1, "ok")  # the preflight's probe
+        server.faults.next(10, "drip")
+    else:
+        server.faults.drip_paths.add("/v1/models")
+    args = ["--engine", "server", "--server-url", server.url, "--top-k", 8, "--server-timeout", 1]
+    result = build(tmp_path / "s", data, tiny_teacher, *args)
+    line = one_line_error(result, 2)
+    assert "no whole answer within 1 s (--server-timeout)" in line
+    if where == "preflight":
+        assert f"--server-url {server.url}: /v1/models: no whole answer" in line
+    else:
+        assert "set aside after 3 failures" in result.output and "run the same command again" in line
+    assert not (tmp_path / "s").exists()
 
 
 def test_with_every_replica_gone_the_build_commits_stops_and_resumes(
@@ -323,6 +373,53 @@ def test_a_malformed_answer_is_one_line_naming_the_url(servers, tiny_teacher, da
     assert len(errors(result)) == 1 and f"--server-url {server.url}: malformed answer" in errors(result)[0]
 
 
+def impossible(case: str):
+    """A rewrite of a scoring answer's bytes (`Faults.rewrite_answers`) into an impossible one: each top
+    entry at probability 0.905 (`mass`); a prompt token outside the top-8 at probability 1 where the top-8
+    hold 0.3 (`tail`); every entry at -Infinity (`infinite`); an id of 2**64 + 5, which wraps to 5 in int64
+    (`huge id`)."""
+
+    def rewrite(body: bytes) -> bytes:
+        answer = json.loads(body)
+        positions = answer["choices"][0]["prompt_logprobs"][1:]
+        for entries in positions:
+            for entry in entries.values():
+                entry["logprob"] = {"mass": math.log(0.905), "tail": math.log(0.3 / 8), "infinite": -math.inf}.get(
+                    case, entry["logprob"]
+                )
+        if case == "tail":
+            target = next(e for e in positions if next(iter(e.values()))["rank"] > 8)
+            next(iter(target.values()))["logprob"] = 0.0
+        if case == "huge id":
+            entries = positions[0]
+            key = list(entries)[-1]
+            entries[str(2**64 + 5)] = entries.pop(key)
+        return json.dumps(answer).encode()  # -Infinity as Python (and vLLM) write it
+
+    return rewrite
+
+
+@pytest.mark.parametrize(
+    "case, problem",
+    [
+        ("mass", "probabilities sum to 8.145, more than 1"),
+        ("tail", "its top entries' and the prompt token's probabilities sum to 1.3, more than 1"),
+        ("infinite", "holds a log-probability of -inf: not a finite number"),
+        ("huge id", "a token id of 2**62 or more, outside the vocabulary [0, 49152)"),
+    ],
+)
+def test_an_impossible_answer_is_one_line_naming_the_url_and_sample_and_stores_nothing(
+    case, problem, servers, tiny_teacher, data, tmp_path
+):
+    server = servers[0]
+    server.faults.next(1, "ok")  # the preflight's probe
+    server.faults.rewrite_answers(impossible(case))
+    result = build(tmp_path / "s", data, tiny_teacher, "--engine", "server", "--server-url", server.url, "--top-k", 8)
+    line = one_line_error(result, 2)
+    assert f"--server-url {server.url}: malformed answer for sample 'stdlib/" in line and problem in line, line
+    assert not (tmp_path / "s").exists()
+
+
 def test_samples_longer_than_the_server_takes_are_skipped_and_counted(servers, tiny_teacher, data, tmp_path):
     server = servers[0]
     server.max_model_len = 30  # a 32-token window and its generated token do not fit
@@ -354,8 +451,65 @@ def test_the_api_key_is_sent_and_written_nowhere(servers, tiny_teacher, data, tm
             assert KEY.encode() not in (Path(root) / name).read_bytes(), name
 
 
+PASSWORD = "S3cretPW-41d"
+
+
+def with_password(url: str) -> str:
+    return url.replace("http://", f"http://alice:{PASSWORD}@")
+
+
+def test_a_password_in_a_url_is_sent_and_shown_or_written_nowhere(servers, tiny_teacher, data, tmp_path):
+    """`http://alice:PASSWORD@host` is HTTP basic auth: the server gets it; no output (--print-config,
+    --json, a replica set aside and the outage's line, an unreachable replica's line) and no file holds
+    it. The printed configuration shows the URL redacted, and given back to --config it is refused in one
+    line."""
+    good, failing = servers[:2]
+    failing.faults.next(1, "ok")  # the preflight's probe; then 500s until it is set aside
+    failing.faults.next(10, "500")
+    seen = len(good.keys_seen)
+    args = ["--engine", "server", "--top-k", 8, "--server-url"]
+    result = build(tmp_path / "s", data, tiny_teacher, *args, with_password(good.url))
+    printed = build(tmp_path / "p", data, tiny_teacher, *args, with_password(good.url), "--print-config")
+    (tmp_path / "printed.yaml").write_text(printed.stdout)
+    again = CliRunner().invoke(app, ["build", "--config", str(tmp_path / "printed.yaml")])
+    outage = build(tmp_path / "o", data, tiny_teacher, *args, with_password(failing.url))
+    unreachable = build(tmp_path / "u", data, tiny_teacher, *args, with_password("http://127.0.0.1:9"))
+    for output in (result, printed, again, outage, unreachable):
+        assert PASSWORD not in output.output
+    for root, _, files in os.walk(tmp_path):
+        for name in files:
+            assert PASSWORD.encode() not in (Path(root) / name).read_bytes(), name
+    assert result.exit_code == 0, result.output
+    assert "Basic " in good.keys_seen[-1] and len(good.keys_seen) > seen
+    assert printed.exit_code == 0 and f"http://alice:<redacted>@{good.url[7:]}" in printed.output
+    assert "give the URL with its password" in one_line_error(again, 2)
+    shown = f"http://alice:<redacted>@{failing.url[7:]}"
+    assert f"--server-url {shown} set aside" in outage.output and shown in one_line_error(outage, 2)
+    assert "http://alice:<redacted>@127.0.0.1:9: cannot reach the server" in one_line_error(unreachable, 2)
+
+
+@pytest.mark.parametrize(
+    "url, problem",
+    [
+        ("http://127.0.0.1:99999", "not a URL (Port out of range 0-65535)"),
+        ("http://[::1", "not a URL (Invalid IPv6 URL)"),
+        ("127.0.0.1:8000", "a server URL starts with http:// or https://"),
+        ("http://host:8000/v1?token=x", "takes no query or fragment"),
+    ],
+)
+def test_a_url_that_cannot_be_a_server_is_one_line_before_anything_runs(url, problem, tiny_teacher, data, tmp_path):
+    for flags in (
+        ["--engine", "server", "--server-url", url],
+        ["--generate", 4, "--prompt-column", "text", "--generator-url", url],
+    ):
+        result = build(tmp_path / "s", data, tiny_teacher, *flags)
+        flag = flags[-2]
+        assert one_line_error(result, 2).startswith(f"error: {flag} {redacted(url)}: {problem}")
+    assert not (tmp_path / "s").exists()
+
+
 def test_credentials_are_stripped_from_recorded_urls():
-    assert strip_credentials("https://u:p@host:8443/v1/?token=x#f") == "https://host:8443/v1"
+    assert recorded("https://u:p@host:8443/v1/?token=x#f") == "https://host:8443/v1"
 
 
 def test_a_dry_run_times_the_server_and_writes_nothing(servers, tiny_teacher, data, tmp_path):
@@ -401,6 +555,8 @@ def test_a_url_with_a_password_and_an_api_key_is_one_line_before_any_request(mon
     )
     check_one_credential(settings)  # basic auth alone is the URL's
     monkeypatch.setenv("LOGITSTORE_SERVER_API_KEY", KEY)
-    with pytest.raises(ServerError, match="--server-url http://127.0.0.1:9/v1 carries a user and password") as error:
+    with pytest.raises(
+        ServerError, match="--server-url http://me:<redacted>@127.0.0.1:9/v1 carries a user and password"
+    ) as error:
         check_one_credential(settings)
     assert "secret" not in str(error.value) and KEY not in str(error.value)

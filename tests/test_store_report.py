@@ -14,8 +14,9 @@ from typer.testing import CliRunner
 
 from logitstore.cli.app import app
 from logitstore.files import replace_file
-from logitstore.store.report import DPI, FIGURE_SIZE, teacher_sections, teacher_stats
+from logitstore.store.report import DPI, FIGURE_SIZE, MANIFEST, PICTURE, teacher_sections, teacher_stats
 from logitstore.store.store import Store
+from logitstore.testing.cli import one_line_error
 from logitstore.testing.png import png_size
 from logitstore.testing.stores import teacher, write
 from logitstore.testing.synthetic import random_samples
@@ -192,10 +193,12 @@ def test_a_markdown_report_replaces_the_last_one_whole(store, tmp_path, monkeypa
     two_teachers = pictures_of(out)
     assert CliRunner().invoke(app, ["report", store, "--version", first, "--out", str(out)]).exit_code == 0
     assert len(pictures_of(out)) == len(two_teachers) // 2
-    assert {p.name for p in folder.iterdir()} == pictures_of(out)  # was: the first report's pictures stayed
+    assert {p.name for p in folder.iterdir()} - {MANIFEST} == pictures_of(
+        out
+    )  # was: the first report's pictures stayed
 
     # A report that fails while writing leaves the last one whole: its page, and every picture it shows.
-    before = out.read_text(), {p.name: p.read_bytes() for p in folder.iterdir()}
+    before = out.read_text(), {p.name: p.read_bytes() for p in folder.iterdir() if p.name != MANIFEST}
     import logitstore.store.report
 
     def fail_at_the_page(target: Path, data: bytes) -> None:
@@ -208,3 +211,36 @@ def test_a_markdown_report_replaces_the_last_one_whole(store, tmp_path, monkeypa
     assert result.exit_code == 2 and "No space left on device" in result.stderr
     assert out.read_text() == before[0]
     assert all((folder / name).read_bytes() == data for name, data in before[1].items())
+
+
+def test_a_markdown_report_removes_only_the_pictures_it_wrote(store, tmp_path):
+    """The pictures folder may hold the user's files: a picture, a folder, a file named as a report's
+    picture (listed in the manifest, but not holding that picture), a link to a folder elsewhere. A
+    report and the report replacing it remove only their own pictures, and follow no link."""
+    out = tmp_path / "d" / "nb.md"
+    folder = out.with_name("nb_files")
+    (folder / "keep").mkdir(parents=True)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "precious.txt").write_text("not the report's")
+    (folder / "link").symlink_to(elsewhere)
+    users = {"figure1.png": b"mine", "keep/data.csv": b"a,b\n", "00-0123456789ab.png": b"named like a picture"}
+    for name, data in users.items():
+        (folder / name).write_bytes(data)
+    first = Store.open(store).log()[-2].id
+    assert CliRunner().invoke(app, ["report", store, "--out", str(out)]).exit_code == 0
+    with (folder / MANIFEST).open("a") as manifest:  # listed, yet not what a report wrote: it stays
+        manifest.write("00-0123456789ab.png\n../elsewhere/precious.txt\n")
+    assert CliRunner().invoke(app, ["report", store, "--version", first, "--out", str(out)]).exit_code == 0
+    assert all((folder / name).read_bytes() == data for name, data in users.items())
+    assert (folder / "link").is_symlink() and [p.name for p in elsewhere.iterdir()] == ["precious.txt"]
+    shown = {p.name for p in folder.iterdir() if PICTURE.fullmatch(p.name)} - {"00-0123456789ab.png"}
+    assert shown == pictures_of(out)  # the first report's pictures are gone
+
+    # A pictures folder that is a link is never followed: one line before the store is read, nothing written.
+    linked = tmp_path / "e" / "nb.md"
+    linked.parent.mkdir()
+    linked.with_name("nb_files").symlink_to(elsewhere)
+    result = CliRunner().invoke(app, ["report", store, "--out", str(linked)])
+    assert "is a symbolic link" in one_line_error(result, 2)
+    assert [p.name for p in elsewhere.iterdir()] == ["precious.txt"] and not linked.exists()

@@ -14,7 +14,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from logitstore.errors import LogitstoreError
+from logitstore.errors import LogitstoreError, quoted
 from logitstore.files import replace_file
 from logitstore.store.meta import RUN_MARKER
 
@@ -48,13 +48,17 @@ def read_metrics(out: Path, *, note: Callable[[str], None] = _stderr_note) -> li
     except OSError as e:
         raise RunFolderError(f"{path} cannot be read: {e.strerror or e}") from None
     *lines, last = data.split(b"\n")  # `last` is empty when the file ends its last line
-    records = [_record(line, path=path, number=n) for n, line in enumerate(lines, 1) if line.strip()]
+    numbered = [(n, _record(line, path=path, number=n)) for n, line in enumerate(lines, 1) if line.strip()]
     if last.strip():
         try:
-            records.append(_record(last, path=path, number=len(lines) + 1))
+            numbered.append((len(lines) + 1, _record(last, path=path, number=len(lines) + 1)))
         except RunFolderError:
             note(f"{path}: its last line is cut short (the run stopped while writing it); left out")
-    return records
+    for number, record in numbered:
+        wrong = _wrong_field(record)
+        if wrong is not None:
+            raise RunFolderError(f"{path} line {number}: {wrong}")
+    return [record for _, record in numbered]
 
 
 def _record(line: bytes, *, path: Path, number: int) -> dict:
@@ -67,6 +71,33 @@ def _record(line: bytes, *, path: Path, number: int) -> dict:
     if not isinstance(record, dict):
         raise RunFolderError(f"{path} line {number}: not a JSON record")
     return record
+
+
+# The fields a report reads, by the type a run writes them as (`train._log`): checked where a record is
+# read, so no drawing or table meets a value it cannot show. Fields it does not read may hold anything.
+NUMBERS = ("loss", "kd", "ce", "eval_kl", "eval_ce", "lr", "grad_norm", "tokens_per_second")
+TEXTS = ("event", "store", "version", "teacher", "student")
+
+
+def _wrong_field(record: dict) -> str | None:
+    """What in `record` is not of the type a run writes (None: nothing), in words."""
+    step = record.get("step")
+    if "step" in record and not (isinstance(step, int) and not isinstance(step, bool) and step >= 0):
+        return f"'step' is {quoted(step)}, not a step number"
+    for key in NUMBERS:
+        value = record.get(key)
+        if value is not None and not (isinstance(value, (int, float)) and not isinstance(value, bool)):
+            return f"{key!r} is {quoted(value)}, not a number"
+    for key in TEXTS:
+        value = record.get(key)
+        if value is not None and not isinstance(value, str):
+            return f"{key!r} is {quoted(value)}, not text"
+    teachers = record.get("teachers")
+    if teachers is not None and not (
+        isinstance(teachers, list) and all(isinstance(t, dict) and isinstance(t.get("name"), str) for t in teachers)
+    ):
+        return f"'teachers' is {quoted(teachers)}, not a list of teachers with their names"
+    return None
 
 
 def plot_metrics(out: Path, *, note: Callable[[str], None] = _stderr_note) -> Path:

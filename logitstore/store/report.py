@@ -15,7 +15,8 @@ import base64
 import hashlib
 import html
 import io
-import shutil
+import re
+import stat
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -333,6 +334,11 @@ def check_out(out: Path) -> Path:
         raise ReportError(f"--out {out}: name a .html or .md file")
     if out.is_dir():
         raise ReportError(f"--out {out} is a folder; name a .html or .md file")
+    folder = pictures_folder(out)
+    if out.suffix == ".md" and folder.is_symlink():  # never followed: its pictures are removed there later
+        raise ReportError(f"--out {out}: {folder} is a symbolic link; the pictures go into a folder of their own")
+    if out.suffix == ".md" and folder.exists() and not folder.is_dir():
+        raise ReportError(f"--out {out}: {folder} is a file; the pictures go into a folder of that name")
     at = next(p for p in out.parents if p.exists())
     if not at.is_dir():
         raise ReportError(f"--out {out} lies under {at}, which is a file, not a folder")
@@ -369,32 +375,67 @@ def write_report(view: StoreVersion, out: Path, *, store: str) -> Path:
 
 def write_page(sections: list[Section], out: Path) -> Path:
     """`sections` as the page `out`: .html, one file with the pictures inline, or .md with its pictures in
-    `<name>_files/` beside it. Either replaces what an earlier report left there whole: the page is
-    renamed into place, and the pictures, named by their content, are written before it and the old ones
-    removed after it, so a crash at any point leaves a page whose pictures are all there (at worst a
-    few unreferenced pictures, which the next report removes)."""
+    `<name>_files/` beside it (`pictures_folder`). Either replaces what an earlier report left there whole:
+    the page is renamed into place, and the pictures, named by their content, are written before it and the
+    old ones removed after it. The folder's `MANIFEST` lists the pictures reports wrote there, written before
+    any picture and after the removals, so a crash at any point leaves a page whose pictures are all there
+    and every picture written listed (the next report removes those it does not show). Only those are
+    ever removed (`_remove_picture`): whatever else the folder holds is the user's."""
     check_out(out)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         if out.suffix == ".html":
             replace_file(out, _html(sections).encode())
             return out
-        folder = out.with_name(f"{out.stem}_files")
+        folder = pictures_folder(out)
         text, pictures = _markdown(sections, folder.name)
         folder.mkdir(exist_ok=True)
+        earlier = _written_before(folder)
+        _write_manifest(folder, earlier | pictures.keys())
         for name, image in pictures.items():
             replace_file(folder / name, image)
         replace_file(out, text.encode())
-        for entry in folder.iterdir():
-            if entry.name in pictures:
-                continue
-            if entry.is_dir() and not entry.is_symlink():
-                shutil.rmtree(entry)
-            else:
-                entry.unlink()
+        for name in earlier - pictures.keys():
+            _remove_picture(folder / name)
+        _write_manifest(folder, set(pictures))
     except OSError as e:
         raise ReportError(f"--out {out} cannot be written: {e.strerror or e}") from None
     return out
+
+
+MANIFEST = ".logitstore-report"  # in a Markdown page's pictures folder: the pictures reports wrote there
+PICTURE = re.compile(r"(\d{2,})-([0-9a-f]{12})\.png")  # `_markdown`'s names: the section, then the content's hash
+
+
+def pictures_folder(out: Path) -> Path:
+    return out.with_name(f"{out.stem}_files")
+
+
+def _written_before(folder: Path) -> set[str]:
+    """The pictures `MANIFEST` lists: names as `_markdown` makes them, nothing else (a path is no picture)."""
+    try:
+        lines = (folder / MANIFEST).read_text().splitlines()
+    except FileNotFoundError:
+        return set()
+    return {name for name in lines if PICTURE.fullmatch(name)}
+
+
+def _write_manifest(folder: Path, names: set[str]) -> None:
+    replace_file(folder / MANIFEST, "".join(f"{name}\n" for name in sorted(names)).encode())
+
+
+def _remove_picture(path: Path) -> None:
+    """`path`, a picture a report wrote, if it still is one: a plain file (no link, no folder) whose bytes
+    hash to its name. A file the user put there since, or changed, stays."""
+    found = PICTURE.fullmatch(path.name)
+    assert found is not None, path
+    try:
+        if not stat.S_ISREG(path.lstat().st_mode):
+            return
+        if hashlib.sha256(path.read_bytes()).hexdigest()[:12] == found.group(2):
+            path.unlink()
+    except FileNotFoundError:
+        return
 
 
 def _html(sections: list[Section]) -> str:

@@ -15,14 +15,19 @@ compared entry for entry with `--engine torch`; `benchmarks/server.py` replays a
 Faults (`Faults`), each on the next N completion requests: `ok` (an answer: lets the client's preflight
 probe through), `500` (then it recovers), `drop` (the
 connection closes without an answer), `hang` (no answer for `hang_s`, past a client's timeout),
-`malformed` (JSON cut short); `down_after(n)`: after n more answers every request is dropped (a replica
-gone); `refuse_if(prompt)`: a 400 for the prompts it picks. The server's answers to `/v1/models` and
-`/tokenize` come from its `model` and `tokenizer`: another name or tokenizer makes the mismatches the
-client must refuse.
+`malformed` (JSON cut short), `drip` (the whole answer, status line and headers included, one byte per
+`drip_s`: every read is quick, the answer takes minutes); `down_after(n)`: after n more answers every
+request is dropped (a replica gone); `refuse_if(prompt)`: a 400 for the prompts it picks; `drip_paths`:
+every answer to these paths dripped (`/v1/models`: a preflight that trickles); `answer_with`: a path's
+answer replaced by fixed bytes (`/tokenize` answering a list); `rewrite_answers(f)`: each
+scoring answer (not an `ok`) as `f` rewrites its bytes (a hostile server's impossible values). The
+server's answers to `/v1/models` and `/tokenize` come from its `model` and `tokenizer`: another name or
+tokenizer makes the mismatches the client must refuse.
 """
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -163,10 +168,14 @@ class Faults:
     answers_left: int | None = None  # `down_after`: answers before every request is dropped
     refuse: Callable[[list[int]], bool] | None = None
     hang_s: float = 5.0
+    drip_s: float = 0.2  # seconds between two bytes of a dripped answer
+    drip_paths: set[str] = field(default_factory=set)
+    answer_with: dict[str, bytes] = field(default_factory=dict)  # path -> the bytes of every answer to it
+    rewrite: Callable[[bytes], bytes] | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def next(self, n: int, action: str) -> None:
-        assert action in ("ok", "500", "drop", "hang", "malformed"), action
+        assert action in ("ok", "500", "drop", "hang", "malformed", "drip"), action
         with self.lock:
             self.queue.extend([action] * n)
 
@@ -177,11 +186,17 @@ class Faults:
     def refuse_if(self, picks: Callable[[list[int]], bool] | None) -> None:
         self.refuse = picks
 
+    def rewrite_answers(self, rewrite: Callable[[bytes], bytes] | None) -> None:
+        self.rewrite = rewrite
+
     def clear(self) -> None:
         with self.lock:
             self.queue.clear()
             self.answers_left = None
             self.refuse = None
+            self.rewrite = None
+            self.drip_paths.clear()
+            self.answer_with.clear()
 
     def take(self) -> str | None:
         with self.lock:
@@ -264,6 +279,9 @@ class OpenAIServer:
         if self.api_key is not None and handler.headers.get("Authorization") != f"Bearer {self.api_key}":
             return _send(handler, 401, {"error": "Unauthorized"})
         path = handler.path.split("?")[0]
+        handler.drip_s = self.faults.drip_s if path in self.faults.drip_paths else None
+        if path in self.faults.answer_with:
+            return _send_bytes(handler, 200, self.faults.answer_with[path])
         if method == "GET" and path == "/v1/models":
             card = {"id": self.model, "object": "model", "root": self.model, "max_model_len": self.max_model_len}
             return _send(handler, 200, {"object": "list", "data": [card]})
@@ -288,6 +306,8 @@ class OpenAIServer:
             return _drop(handler)
         if action == "500":
             return _send(handler, 500, _error("the engine died", 500))
+        if action == "drip":
+            handler.drip_s = self.faults.drip_s
         prompt = request["prompt"]
         if isinstance(prompt, str):
             prompt = self.tokenizer.encode(prompt) if self.tokenizer is not None else []
@@ -312,6 +332,8 @@ class OpenAIServer:
         answer = render_completion(list(prompt), scores, model=self.model, decode=decode)
         if action == "malformed":
             answer = answer[: len(answer) // 2]
+        if action is None and self.faults.rewrite is not None:
+            answer = self.faults.rewrite(answer)
         self.completions += 1
         _send_bytes(handler, 200, answer)
 
@@ -349,6 +371,12 @@ class _Listener(ThreadingHTTPServer):
     # kernel then drops or resets some of them, which a client reads as a dead replica
     request_queue_size = 1024
 
+    def handle_error(self, request, client_address) -> None:
+        # a client that went away mid-answer (a build that stopped, a timeout) is no error of the server's:
+        # printed, it would land in the stderr of the command under test
+        if not isinstance(sys.exc_info()[1], ConnectionError):
+            super().handle_error(request, client_address)
+
 
 def _error(message: str, code: int) -> dict:
     return {"object": "error", "message": message, "type": "BadRequestError", "param": None, "code": code}
@@ -359,6 +387,8 @@ def _send(handler, status: int, payload) -> None:
 
 
 def _send_bytes(handler, status: int, body: bytes) -> None:
+    if getattr(handler, "drip_s", None) is not None:
+        return _drip(handler, status, body)
     handler.send_response(status)
     handler.send_header("Content-Type", "application/json")
     handler.send_header("Content-Length", str(len(body)))
@@ -374,3 +404,16 @@ def _drop(handler) -> None:
         handler.connection.shutdown(socket.SHUT_RDWR)
     except OSError:
         pass
+
+
+def _drip(handler, status: int, body: bytes) -> None:
+    """The whole answer, status line first, one byte per `drip_s` seconds, until the client goes away."""
+    head = f"HTTP/1.1 {status} OK\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    handler.close_connection = True
+    for byte in head.encode() + body:
+        try:
+            handler.wfile.write(bytes([byte]))
+            handler.wfile.flush()
+        except OSError:
+            return
+        time.sleep(handler.drip_s)

@@ -39,7 +39,7 @@ def _vllm() -> Registered:
 
 
 def _server() -> Registered:
-    # imported when asked for: aiohttp, httpx and the compiled answer reader
+    # imported when asked for: aiohttp and the compiled answer reader
     from logitstore.pipelines.engines.server.engine import ServerEngine, ServerGenerator
 
     return Registered(ServerEngine, ServerGenerator)

@@ -19,7 +19,11 @@ from logitstore.pipelines.engines.server.served_json import (
     MalformedResponse,
     parse_prompt_logprobs,
 )
-from logitstore.pipelines.engines.vllm.conversion import entries_to_sparse
+from logitstore.pipelines.engines.vllm import VllmEngineError
+from logitstore.pipelines.engines.vllm.conversion import ID_PAST_RANGE, entries_to_sparse
+
+# what reading an answer raises where it cannot be stored: not its shape, or values no distribution has
+UNUSABLE = (MalformedResponse, VllmEngineError)
 
 
 def served_to_sparse(body: bytes, tokens: np.ndarray, *, k: int, vocab_size: int) -> dict[str, np.ndarray]:
@@ -113,7 +117,17 @@ def answer_ids(body: bytes) -> np.ndarray:
             "the answer has no token_ids: the server must return them (a vLLM that takes return_token_ids)"
         )
     text = found.group(1).strip()
-    return np.array(text.split(b","), dtype=np.int64) if text else np.zeros(0, dtype=np.int64)
+    return _int64(text.split(b",")) if text else np.zeros(0, dtype=np.int64)
+
+
+def _int64(numbers) -> np.ndarray:
+    """Integers given as bytes, an int64 array: one past int64 is `ID_PAST_RANGE`, which the vocabulary check
+    refuses (numpy would raise OverflowError, a wrapping reader would store 2**64 + 5 as 5)."""
+    try:
+        return np.array(numbers, dtype=np.int64)
+    except OverflowError:
+        # a Python loop, on an answer that is refused anyway
+        return np.array([n if abs(n := int(i)) < ID_PAST_RANGE else ID_PAST_RANGE for i in numbers], dtype=np.int64)
 
 
 def answer_top_logprobs(body: bytes, *, positions: int) -> FlatPromptLogprobs:
@@ -129,7 +143,7 @@ def answer_top_logprobs(body: bytes, *, positions: int) -> FlatPromptLogprobs:
         raise MalformedResponse(f"{len(first)} top_logprobs positions for a {positions}-token answer")
     return FlatPromptLogprobs(
         starts=np.append(first, len(entries)).astype(np.int64),
-        ids=entries[:, 1].astype(np.int64),
+        ids=_int64(entries[:, 1]),
         logprobs=entries[:, 2].astype(np.float64).astype(np.float32),
         ranks=np.full(len(entries), MISSING_RANK, dtype=np.int64),
         null_at=np.zeros(0, dtype=np.int64),

@@ -1,5 +1,6 @@
-"""The server engine's transport: the replicas' request pool, the preflight's HTTP helpers, the API key and
-what a URL shows of itself (`strip_credentials`).
+"""The server engine's transport: the replicas' request pool (`Replicas`), the preflight's requests
+(`Checks`) and the API key. Both make their aiohttp sessions in `session`, where `--server-timeout` bounds
+each request as a whole: connecting, sending, and reading the answer to its last byte.
 
 Requests (`Replicas`): an asyncio loop in a thread of its own, an aiohttp session per replica, at most
 `--server-concurrency` requests in flight on each, a new request to the live replica with the least
@@ -8,6 +9,8 @@ retried with backoff, `ATTEMPTS` times at most; a replica that fails `SET_ASIDE_
 aside and the others carry on; with none left every request fails with `ServerOutage` (exit 2, after the
 build commits what it finished). Any other 4xx refuses that one sample, counted (`skips`). The unit's
 threads parse the answers (the kernel releases the GIL), so the loop only moves bytes.
+
+Log and error lines show a URL as `logitstore.urls.redacted` does: never with its password.
 """
 
 from __future__ import annotations
@@ -21,17 +24,17 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import aiohttp
-import httpx
 import orjson
 
 from logitstore.pipelines.engines.base import EngineError
+from logitstore.urls import redacted, scrubbed
 
 API_KEY_VARIABLE = "LOGITSTORE_SERVER_API_KEY"
 ATTEMPTS = 6  # tries of one request over the replicas before the build stops
 SET_ASIDE_AFTER = 3  # failures in a row after which a replica is set aside for the rest of the build
 BACKOFF_S = 0.2  # the first retry's wait; doubled each time, with jitter, at most BACKOFF_MAX_S
 BACKOFF_MAX_S = 5.0
-CHECK_TIMEOUT_S = 30.0  # preflight requests (the probe is a few tokens)
+CHECK_TIMEOUT_S = 30.0  # a preflight request at most (the probe is a few tokens), and connecting
 JSON = {"Content-Type": "application/json"}
 
 
@@ -48,14 +51,6 @@ def api_key(settings) -> str | None:
     return settings.server_api_key or os.environ.get(API_KEY_VARIABLE) or None
 
 
-def strip_credentials(url: str) -> str:
-    """The URL less any user, password, query and fragment: what the teacher's metadata records."""
-    parts = urllib.parse.urlsplit(url)
-    host = parts.hostname or ""
-    netloc = f"{host}:{parts.port}" if parts.port else host
-    return urllib.parse.urlunsplit((parts.scheme, netloc, parts.path.rstrip("/"), "", ""))
-
-
 def check_one_credential(settings, *, flag: str = "--server-url") -> None:
     """A URL's user:password is HTTP basic auth, and the API key a bearer header: both would be one
     Authorization header (the HTTP clients refuse, or let one replace the other), so a request has one."""
@@ -64,7 +59,7 @@ def check_one_credential(settings, *, flag: str = "--server-url") -> None:
     for url in settings.server_urls:
         if urllib.parse.urlsplit(url).username is not None:
             raise ServerError(
-                f"{flag} {strip_credentials(url)} carries a user and password, and an API key is given too "
+                f"{flag} {redacted(url)} carries a user and password, and an API key is given too "
                 f"(--server-api-key or {API_KEY_VARIABLE}): give one of them"
             )
 
@@ -79,12 +74,77 @@ def headers(key: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"} if key else {}
 
 
-def request(client, method: str, url: str, path: str, **kwargs):
-    shown = strip_credentials(url)
+def session(*, key: str | None, timeout: float, connections: int) -> aiohttp.ClientSession:
+    """An aiohttp session (made on the loop that uses it) whose every request ends within `timeout` seconds,
+    its answer read to the last byte (aiohttp's `total`). A per-read timeout (httpx's, aiohttp's
+    `sock_read`) never ends a server that trickles its answer a byte at a time; this ends it as a
+    timeout, retried as any other. aiohttp reads a body through its C parser (llhttp): a 1.5 MB answer
+    costs the loop ~2.6 ms of CPU where httpx over h11 costs ~10.7 ms, the largest share of a served
+    build's client (docs/benchmarks.md)."""
+    return aiohttp.ClientSession(
+        headers=headers(key),
+        connector=aiohttp.TCPConnector(limit=connections, limit_per_host=0),
+        timeout=aiohttp.ClientTimeout(total=timeout, sock_connect=min(timeout, CHECK_TIMEOUT_S)),
+    )
+
+
+def timed_out(timeout: float) -> str:
+    """Why a request failed that `session`'s deadline ended."""
+    return f"no whole answer within {timeout:g} s (--server-timeout)"
+
+
+@dataclass(frozen=True)
+class Response:
+    """A preflight request's answer, read whole."""
+
+    status_code: int
+    content: bytes
+
+    @property
+    def text(self) -> str:
+        return self.content.decode(errors="replace")
+
+
+class Checks:
+    """The preflight's requests, one at a time from the calling thread: a `session` on an event loop of its
+    own, each request bounded by --server-timeout, at most `CHECK_TIMEOUT_S` (a `with` block closes it)."""
+
+    def __init__(self, settings):
+        self.timeout = min(settings.server_timeout, CHECK_TIMEOUT_S)
+        self._loop = asyncio.new_event_loop()
+        self._session = self._loop.run_until_complete(self._open(api_key(settings)))
+
+    async def _open(self, key: str | None) -> aiohttp.ClientSession:
+        return session(key=key, timeout=self.timeout, connections=1)
+
+    def send(self, method: str, url: str, body: bytes | None) -> Response:
+        return self._loop.run_until_complete(self._send(method, url, body))
+
+    async def _send(self, method: str, url: str, body: bytes | None) -> Response:
+        extra = JSON if body is not None else None
+        async with self._session.request(method, url, data=body, headers=extra) as answer:
+            return Response(answer.status, await answer.read())
+
+    def close(self) -> None:
+        self._loop.run_until_complete(self._session.close())
+        self._loop.close()
+
+    def __enter__(self) -> Checks:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def request(client: Checks, method: str, url: str, path: str, *, body: bytes | None = None) -> Response:
+    shown = redacted(url)
     try:
-        response = client.request(method, base_url(url) + path, **kwargs)
-    except httpx.HTTPError as error:
-        raise ServerError(f"--server-url {shown}: cannot reach the server ({type(error).__name__}: {error})") from None
+        response = client.send(method, base_url(url) + path, body)
+    except aiohttp.ClientError as error:  # a connection's own timeout included: it says which
+        why = scrubbed(f"{type(error).__name__}: {error}".rstrip(": "), url)
+        raise ServerError(f"--server-url {shown}: cannot reach the server ({why})") from None
+    except TimeoutError:  # the request's deadline
+        raise ServerError(f"--server-url {shown}: {path}: {timed_out(client.timeout)}") from None
     if response.status_code in (401, 403):
         raise ServerError(
             f"--server-url {shown} refused the API key (HTTP {response.status_code}): set --server-api-key or "
@@ -93,10 +153,10 @@ def request(client, method: str, url: str, path: str, **kwargs):
     return response
 
 
-def get_json(client, url: str, path: str):
+def get_json(client: Checks, url: str, path: str):
     response = request(client, "GET", url, path)
     if response.status_code != 200:
-        raise ServerError(f"--server-url {strip_credentials(url)}: {path} answered HTTP {response.status_code}")
+        raise ServerError(f"--server-url {redacted(url)}: {path} answered HTTP {response.status_code}")
     return parse_json(response.content, url, path)
 
 
@@ -104,10 +164,10 @@ def parse_json(content: bytes, url: str, path: str):
     try:
         return orjson.loads(content)
     except orjson.JSONDecodeError:
-        raise ServerError(f"--server-url {strip_credentials(url)}: {path} answered malformed JSON") from None
+        raise ServerError(f"--server-url {redacted(url)}: {path} answered malformed JSON") from None
 
 
-def server_version(client, url: str) -> str:
+def server_version(client: Checks, url: str) -> str:
     response = request(client, "GET", url, "/version")
     if response.status_code != 200:
         return "unknown"
@@ -115,7 +175,7 @@ def server_version(client, url: str) -> str:
     return str(answer.get("version", "unknown")) if isinstance(answer, dict) else "unknown"
 
 
-def served_models(client, url: str) -> list[dict] | None:
+def served_models(client: Checks, url: str) -> list[dict] | None:
     """The model cards `/v1/models` lists (those that are objects), or None where it answers no list."""
     models = get_json(client, url, "/v1/models")
     cards = models.get("data") if isinstance(models, dict) else None
@@ -170,16 +230,7 @@ class Replicas:
         self.loop.run_forever()
 
     async def _session(self) -> aiohttp.ClientSession:
-        # aiohttp reads a body through its C parser (llhttp): a 1.5 MB answer costs the loop ~2.6 ms of CPU
-        # where httpx over h11 costs ~10.7 ms, the largest share of a served build's client (docs/benchmarks.md).
-        # The timeouts are httpx's: connecting, then each read, not the whole answer.
-        return aiohttp.ClientSession(
-            headers={**headers(self.key), "Content-Type": "application/json"},
-            connector=aiohttp.TCPConnector(limit=self.concurrency, limit_per_host=0),
-            timeout=aiohttp.ClientTimeout(
-                total=None, sock_connect=min(self.timeout, CHECK_TIMEOUT_S), sock_read=self.timeout
-            ),
-        )
+        return session(key=self.key, timeout=self.timeout, connections=self.concurrency)
 
     def submit(self, body: bytes, *, tokens: int) -> Future:
         return asyncio.run_coroutine_threadsafe(self._request(body, tokens), self.loop)
@@ -217,16 +268,20 @@ class Replicas:
     async def _send(self, replica: Replica, body: bytes) -> Answer | None:
         """The answer, or None after a failure worth retrying (counted against the replica)."""
         try:
-            async with replica.client.post(base_url(replica.url) + "/v1/completions", data=body) as response:
+            async with replica.client.post(
+                base_url(replica.url) + "/v1/completions", data=body, headers=JSON
+            ) as response:
                 status = response.status
                 content = await response.read()
-        except (TimeoutError, aiohttp.ClientError) as error:
-            return await self._failed(replica, f"{type(error).__name__}: {error}".rstrip(": "))
+        except aiohttp.ClientError as error:  # a connection's own timeout included: it says which
+            return await self._failed(replica, scrubbed(f"{type(error).__name__}: {error}".rstrip(": "), replica.url))
+        except TimeoutError:  # the request's deadline
+            return await self._failed(replica, timed_out(self.timeout))
         if status == 200:
             replica.failures = 0
             return Answer(replica.url, status, content)
         if status in (401, 403):
-            raise ServerError(f"--server-url {strip_credentials(replica.url)} refused the API key (HTTP {status})")
+            raise ServerError(f"--server-url {redacted(replica.url)} refused the API key (HTTP {status})")
         if status >= 500 or status in (408, 429):
             return await self._failed(replica, f"HTTP {status}")
         replica.failures = 0
@@ -240,7 +295,7 @@ class Replicas:
             replica.set_aside = True
             if self.log is not None:
                 self.log(  # type: ignore[operator]
-                    f"build: --server-url {strip_credentials(replica.url)} set aside after {replica.failures} "
+                    f"build: --server-url {redacted(replica.url)} set aside after {replica.failures} "
                     f"failures in a row ({error}); {sum(not r.set_aside for r in self.replicas)} replica(s) left"
                 )
             async with self._free:
@@ -248,7 +303,7 @@ class Replicas:
         return None
 
     def _outage(self, why: str) -> ServerOutage:
-        errors = "; ".join(f"{strip_credentials(r.url)}: {r.last_error or 'ok'}" for r in self.replicas)
+        errors = "; ".join(f"{redacted(r.url)}: {r.last_error or 'ok'}" for r in self.replicas)
         return ServerOutage(
             f"the teacher's server is unreachable ({why}: {errors}); the finished work is committed, run the same "
             "command again to resume"

@@ -17,15 +17,16 @@ import orjson
 
 from logitstore.format.samples import SparseSamples, concat
 from logitstore.format.sparsity import Sparsity
-from logitstore.pipelines.engines.base import Engine, EngineError, Generator
+from logitstore.pipelines.engines.base import Engine, Generator
 from logitstore.pipelines.engines.server.answers import (
     HAND_OVER,
+    UNUSABLE,
     answer_ids,
     generation_request,
     scored_answer,
     served_to_sparse,
 )
-from logitstore.pipelines.engines.server.client import Answer, Replicas, ServerError, api_key, strip_credentials
+from logitstore.pipelines.engines.server.client import Answer, Replicas, ServerError, api_key
 from logitstore.pipelines.engines.server.preflight import (
     DEFAULT_K,
     PROBE_TEXT,
@@ -35,6 +36,8 @@ from logitstore.pipelines.engines.server.preflight import (
 )
 from logitstore.pipelines.engines.server.served_json import MalformedResponse
 from logitstore.pipelines.engines.shared import cut_at_stop
+from logitstore.pipelines.engines.vllm.conversion import check_ids
+from logitstore.urls import redacted
 
 SKIP_REASONS = ("refused", "too_long")  # why a sample was not stored: a 4xx for it, longer than the server takes
 
@@ -145,9 +148,9 @@ class ServerEngine(Engine):
                     continue
                 try:
                     arrays = served_to_sparse(answer.body, row, k=self.served.k, vocab_size=self.vocab_size)
-                except (MalformedResponse, EngineError) as error:
+                except UNUSABLE as error:  # impossible values too: none is stored
                     raise ServerError(
-                        f"--server-url {strip_credentials(answer.url)}: malformed answer: {error}"
+                        f"--server-url {redacted(answer.url)}: malformed answer for sample {sid!r}: {error}"
                     ) from None
                 parts.append(row_samples(sid, np.asarray(row), arrays, self.settings.sparsity))
                 if on_batch is not None:
@@ -195,12 +198,12 @@ class ServerGenerator(Generator):
         )  # torch comes with it: the preflight imports this module before a build loads torch
 
         self.stop_ids = model_stop_ids(spec)  # the teacher's tokenizer: its stop tokens
+        self.vocab_size = describe_teacher(spec).vocab_size  # the generator's tokenizer is the teacher's
         self.k: int | None = None
         self.settings, self.spec, self._checked = settings, spec, True
         if shares_teacher:
             teacher = preflight(settings, spec, default_k=settings.default_sparsity)
             self.model, urls, self.k = teacher.model, teacher.urls, teacher.k
-            self.vocab_size = describe_teacher(spec).vocab_size
             self.flag = "--server-url"
             self._checked = False  # whether answers' log-probabilities are the model's: at the first answers
         else:
@@ -263,16 +266,17 @@ class ServerGenerator(Generator):
         self._checked = True
 
     def _answer(self, prompt: np.ndarray, answer: Answer) -> np.ndarray:
-        shown = strip_credentials(answer.url)
+        shown = redacted(answer.url)
         if answer.status != 200:
             raise ServerError(f"{self.flag} {shown} refused a generation request: {answer.reason}")
         try:
             ids = answer_ids(answer.body)
+            check_ids(ids, vocab_size=self.vocab_size)
             cut = cut_at_stop(ids, self.stop_ids)
             if self.k is not None and len(cut) == len(ids):
                 arrays = scored_answer(answer.body, prompt, ids, k=self.k, vocab_size=self.vocab_size)
                 HAND_OVER.put(np.concatenate([prompt, ids]), arrays)
-        except (MalformedResponse, EngineError) as error:
+        except UNUSABLE as error:
             raise ServerError(f"{self.flag} {shown}: malformed generation answer: {error}") from None
         return cut
 

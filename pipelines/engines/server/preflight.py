@@ -11,32 +11,29 @@ import re
 import threading
 from dataclasses import dataclass
 
-import httpx
 import numpy as np
 import orjson
 
-from logitstore.pipelines.engines.base import EngineError
 from logitstore.pipelines.engines.server.answers import (
+    UNUSABLE,
     answer_ids,
     answer_top_logprobs,
     generation_request,
     served_to_sparse,
 )
 from logitstore.pipelines.engines.server.client import (
-    CHECK_TIMEOUT_S,
-    JSON,
+    Checks,
     ServerError,
     api_key,
     check_one_credential,
     error_message,
-    headers,
     parse_json,
     request,
     served_models,
     server_version,
-    strip_credentials,
 )
 from logitstore.pipelines.engines.server.served_json import MalformedResponse, parse_prompt_logprobs
+from logitstore.urls import recorded, redacted
 
 DEFAULT_K = 64  # with no --top-k/--top-p: K = min(this, the server's maximum)
 PROBE_TEXT = "Distillation stores a teacher's next-token distributions: 3.14, naïve café, 東京, \t<tags>."
@@ -61,7 +58,7 @@ class ServedTeacher:
             "model": self.model,
             "version": self.version,
             "k": self.k,
-            "urls": [strip_credentials(u) for u in self.urls],
+            "urls": [recorded(u) for u in self.urls],
         }
 
 
@@ -93,7 +90,7 @@ def preflight(settings, spec, *, default_k: bool = False, fresh: bool = False) -
         if fresh:
             _preflights.pop(key, None)
         if key not in _preflights:
-            with httpx.Client(timeout=CHECK_TIMEOUT_S, headers=headers(api_key(settings))) as client:
+            with Checks(settings) as client:
                 served = [_check_replica(client, url, spec, k=k, default_k=default_k) for url in key[0]]
             _preflights[key] = ServedTeacher(
                 model=served[0].model,
@@ -106,7 +103,7 @@ def preflight(settings, spec, *, default_k: bool = False, fresh: bool = False) -
 
 
 def _check_replica(client, url: str, spec, *, k: int, default_k: bool) -> ServedTeacher:
-    shown = strip_credentials(url)
+    shown = redacted(url)
     cards = served_models(client, url)
     if cards is None:
         raise ServerError(f"--server-url {shown}: /v1/models did not answer a list of models")
@@ -150,11 +147,14 @@ def _check_tokenizer(client, url: str, model: str, spec, *, mismatch: str = OTHE
     )  # torch comes with it: the preflight imports this module before a build loads torch
 
     tokenizer = describe_teacher(spec).tokenizer
-    response = request(
-        client, "POST", url, "/tokenize", json={"model": model, "prompt": PROBE_TEXT, "add_special_tokens": False}
-    )
+    asked = {"model": model, "prompt": PROBE_TEXT, "add_special_tokens": False}
+    response = request(client, "POST", url, "/tokenize", body=orjson.dumps(asked))
     if response.status_code == 200:
-        theirs = parse_json(response.content, url, "/tokenize").get("tokens")
+        theirs = _ids(parse_json(response.content, url, "/tokenize"), "tokens")
+        if theirs is None:
+            raise ServerError(
+                f"--server-url {redacted(url)}: /tokenize did not answer an object with a list of token ids"
+            )
         ours = tokenizer.encode(PROBE_TEXT, add_special_tokens=False)
     else:  # no /tokenize: the ids of a text prompt, echoed in its prompt log-probabilities
         theirs, whole = _echoed_ids(client, url, model)
@@ -162,7 +162,7 @@ def _check_tokenizer(client, url: str, model: str, spec, *, mismatch: str = OTHE
         ours = ours if whole else ours[1:]  # without its token ids, the first (null) position is unknown
     if list(theirs or []) != list(ours):
         raise ServerError(
-            f"--server-url {strip_credentials(url)} tokenizes a probe text otherwise than the teacher's tokenizer "
+            f"--server-url {redacted(url)} tokenizes a probe text otherwise than the teacher's tokenizer "
             f"({len(theirs or [])} ids against {len(ours)}): {mismatch}"
         )
     return list(ours)
@@ -171,25 +171,37 @@ def _check_tokenizer(client, url: str, model: str, spec, *, mismatch: str = OTHE
 def _echoed_ids(client, url: str, model: str) -> tuple[list[int], bool]:
     """The probe's ids as the server made them, and whether the first is among them."""
     body = {"model": model, "prompt": PROBE_TEXT, "max_tokens": 1, "prompt_logprobs": 0, "return_token_ids": True}
-    response = request(client, "POST", url, "/v1/completions", json=body)
+    response = request(client, "POST", url, "/v1/completions", body=orjson.dumps(body))
     if response.status_code != 200:
         raise ServerError(
-            f"--server-url {strip_credentials(url)}: neither /tokenize nor a text completion answered "
+            f"--server-url {redacted(url)}: neither /tokenize nor a text completion answered "
             f"(HTTP {response.status_code}), so its tokenizer cannot be checked"
         )
-    choice = (parse_json(response.content, url, "/v1/completions").get("choices") or [{}])[0]
-    if choice.get("prompt_token_ids"):
-        return list(choice["prompt_token_ids"]), True
-    entries = choice.get("prompt_logprobs") or []
-    # prompt_logprobs 0: each position holds the prompt token alone; the first position is null
-    return [int(next(iter(e))) for e in entries[1:] if e], False
+    answer = parse_json(response.content, url, "/v1/completions")
+    choices = answer.get("choices") if isinstance(answer, dict) else None
+    choice = choices[0] if isinstance(choices, list) and choices and isinstance(choices[0], dict) else {}
+    ids = _ids(choice, "prompt_token_ids")
+    if ids:
+        return ids, True
+    entries = choice.get("prompt_logprobs")
+    # prompt_logprobs 0: each position holds the prompt token alone, keyed by its id; the first position is null
+    keys = [next(iter(e)) for e in entries[1:] if isinstance(e, dict) and e] if isinstance(entries, list) else []
+    return [int(key) if key.isdigit() else -1 for key in keys], False
+
+
+def _ids(answer, key: str) -> list[int] | None:
+    """`answer[key]` where `answer` is an object and that a list of integers, else None."""
+    ids = answer.get(key) if isinstance(answer, dict) else None
+    if isinstance(ids, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        return ids
+    return None
 
 
 def _check_k(client, url: str, model: str, probe: list[int], *, k: int, default_k: bool) -> int:
     """K, or the server's maximum below it where the build took the default; checks the answer parses."""
     body = {"model": model, "prompt": probe, "max_tokens": 1, "prompt_logprobs": k, "temperature": 1.0}
-    response = request(client, "POST", url, "/v1/completions", json=body)
-    shown = strip_credentials(url)
+    response = request(client, "POST", url, "/v1/completions", body=orjson.dumps(body))
+    shown = redacted(url)
     if response.status_code == 400:
         found = MAX_ALLOWED.search(response.text)
         if found is None:
@@ -205,7 +217,7 @@ def _check_k(client, url: str, model: str, probe: list[int], *, k: int, default_
         raise ServerError(f"--server-url {shown}: /v1/completions answered HTTP {response.status_code}")
     try:
         served_to_sparse(response.content, np.asarray(probe), k=k, vocab_size=1 << 62)
-    except (MalformedResponse, EngineError) as error:
+    except UNUSABLE as error:
         raise ServerError(f"--server-url {shown}: {error}") from None
     return k
 
@@ -220,7 +232,7 @@ class ServedGenerator:
 
     def record(self) -> dict:
         """The generation record's `server` field: nothing secret."""
-        return {"model": self.model, "version": self.version, "urls": [strip_credentials(u) for u in self.urls]}
+        return {"model": self.model, "version": self.version, "urls": [recorded(u) for u in self.urls]}
 
 
 def generator_preflight(settings, spec) -> ServedGenerator:
@@ -229,7 +241,7 @@ def generator_preflight(settings, spec) -> ServedGenerator:
     a seeded generation request with its token ids; one line on failure, naming --generator-url."""
     check_one_credential(settings, flag="--generator-url")
     try:
-        with httpx.Client(timeout=CHECK_TIMEOUT_S, headers=headers(api_key(settings))) as client:
+        with Checks(settings) as client:
             served = [_check_generator(client, url, spec) for url in settings.server_urls]
     except ServerError as error:  # the checks shared with the teacher's name its flag
         raise ServerError(str(error).replace("--server-url", "--generator-url", 1)) from None
@@ -240,7 +252,7 @@ def generator_preflight(settings, spec) -> ServedGenerator:
 
 
 def _check_generator(client, url: str, spec) -> ServedGenerator:
-    shown = strip_credentials(url)
+    shown = redacted(url)
     names = [str(c["id"]) for c in served_models(client, url) or [] if "id" in c]
     if len(names) != 1:
         raise ServerError(
@@ -250,7 +262,7 @@ def _check_generator(client, url: str, spec) -> ServedGenerator:
     body = generation_request(
         names[0], probe, seed=0, max_new_tokens=2, temperature=1.0, top_p=1.0, stop_ids=[], k=None
     )
-    response = request(client, "POST", url, "/v1/completions", content=body, headers=JSON)
+    response = request(client, "POST", url, "/v1/completions", body=body)
     if response.status_code != 200:
         raise ServerError(
             f"--server-url {shown} refused a generation request (HTTP {response.status_code}): "
@@ -276,8 +288,8 @@ def answer_logprobs_are_raw(
     asked = generation_request(
         model, probe, seed=0, max_new_tokens=2, temperature=temperature, top_p=top_p, stop_ids=[], k=k
     )
-    with httpx.Client(timeout=CHECK_TIMEOUT_S, headers=headers(api_key(settings))) as client:
-        answer = request(client, "POST", url, "/v1/completions", content=asked, headers=JSON)
+    with Checks(settings) as client:
+        answer = request(client, "POST", url, "/v1/completions", body=asked)
         first = int(answer_ids(answer.content)[0]) if answer.status_code == 200 else None
         if first is None:
             return False
@@ -286,8 +298,7 @@ def answer_logprobs_are_raw(
             "POST",
             url,
             "/v1/completions",
-            headers=JSON,
-            content=orjson.dumps({"model": model, "prompt": [*probe, first], "max_tokens": 1, "prompt_logprobs": k}),
+            body=orjson.dumps({"model": model, "prompt": [*probe, first], "max_tokens": 1, "prompt_logprobs": k}),
         )
     if scored.status_code != 200:
         return False

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 import numba
 import numpy as np
 
+from logitstore.pipelines.engines.vllm.conversion import ID_PAST_RANGE
+
 KEY = b'"prompt_logprobs"'
 MISSING_RANK = -1  # an entry whose `rank` is absent or null
 
@@ -257,7 +259,8 @@ def _entry(data, i, ids, logprobs, ranks, e):
     token = 0
     digits = 0
     while i < len(data) and 48 <= data[i] <= 57:
-        token = token * 10 + (data[i] - 48)
+        # an id of 2**62 or more is read as ID_PAST_RANGE, which the vocabulary check refuses: int64 would wrap
+        token = ID_PAST_RANGE if token >= ID_PAST_RANGE // 10 else token * 10 + (np.int64(data[i]) - 48)
         digits += 1
         i += 1
     if digits == 0 or i >= len(data) or data[i] != 34:

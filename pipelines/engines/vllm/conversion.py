@@ -14,13 +14,24 @@ about these entries (entry 0 is None, the prompt token added with its rank, ties
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numba
 import numpy as np
 
+from logitstore.format.grid import GRIDS
 from logitstore.pipelines.engines.vllm import VllmEngineError
+
+# How far past 1 a position's probabilities may sum before its answer is refused as impossible. The finest
+# value grid a store takes ("fine", `grid.GRIDS`) holds a log-probability within 0.001 nats, so storing can
+# make a true distribution read as summing to e^0.001 = 1.001: an excess within that cannot be told from
+# one, and a real server's float32 rounding (1e-6 to 1e-5) stays far below it. Past it is no rounding.
+MASS_SLACK = math.expm1(min(grid.error_bound_fine for grid in GRIDS.values()))
+# What a reader of an answer's text makes of a token id of 2**62 or more: in int64, past any vocabulary,
+# where the id itself would wrap (2**64 + 5 read as 5)
+ID_PAST_RANGE = 1 << 62
 
 
 def prompt_logprobs_to_sparse(
@@ -72,13 +83,13 @@ def entries_to_sparse(
     flat_ids, flat_lps, rows = flat_ids[keep], flat_lps[keep], rows[keep]
     kept = np.bincount(rows, minlength=len(targets))
     _check_candidates(kept, k=k)
-    _check_ids(flat_ids, vocab_size=vocab_size)
+    check_ids(flat_ids, vocab_size=vocab_size)
     top_ids, top_lps = _top_k_per_row(flat_ids, flat_lps, rows, kept, k=k)
     return {
         "ids": top_ids.astype(np.int32),
         "logprobs": top_lps.astype(np.float32),
         "target_logprob": target_lp.astype(np.float32),
-        "tail": _tail(top_lps).astype(np.float32),
+        "tail": _checked_tail(top_lps, target_lp, extra).astype(np.float32),
     }
 
 
@@ -106,7 +117,7 @@ def flat_prompt_logprobs_to_sparse(
         )
     take = starts[:, None] + 1 + np.arange(k)
     top_ids, top_lps = ids[take].reshape(-1, k), lps[take].reshape(-1, k)
-    _check_ids(top_ids, vocab_size=vocab_size)
+    check_ids(top_ids, vocab_size=vocab_size)
     order = np.lexsort((top_ids, -top_lps))  # per row (the last axis): by descending logprob, then id
     top_ids, top_lps = np.take_along_axis(top_ids, order, 1), np.take_along_axis(top_lps, order, 1)
     return {
@@ -196,9 +207,32 @@ def _check_candidates(kept: np.ndarray, *, k: int) -> None:
         )
 
 
-def _check_ids(flat_ids: np.ndarray, *, vocab_size: int) -> None:
+def check_ids(flat_ids: np.ndarray, *, vocab_size: int) -> None:
     if flat_ids.size and not 0 <= flat_ids.min() <= flat_ids.max() < vocab_size:
-        raise VllmEngineError(f"vLLM returned token ids outside [0, {vocab_size}); wrong vocab_size for this model?")
+        outside = int(flat_ids[(flat_ids < 0) | (flat_ids >= vocab_size)][0])
+        shown = "a token id of 2**62 or more" if outside >= ID_PAST_RANGE else f"token id {outside}"
+        raise VllmEngineError(f"vLLM returned {shown}, outside the vocabulary [0, {vocab_size})")
+
+
+def _checked_tail(top_lps: np.ndarray, target_lp: np.ndarray, extra: np.ndarray) -> np.ndarray:
+    """Each position's tail (`_tail`), after checking the position is a distribution's: finite
+    log-probabilities, whose probabilities (the kept entries', and the prompt token's where it is
+    outside them, `extra`) sum to at most 1 + `MASS_SLACK`. Per position, not per entry: one exp each."""
+    finite = np.isfinite(top_lps).all(axis=-1) & np.isfinite(target_lp)
+    if not finite.all():
+        t = int(np.flatnonzero(~finite)[0])
+        values = [*top_lps[t].tolist(), float(target_lp[t])]
+        bad = next(v for v in values if not math.isfinite(v))
+        raise VllmEngineError(f"position {t} holds a log-probability of {bad}: not a finite number")
+    tail = -np.expm1(_log_mass(top_lps))
+    outside = np.where(extra, np.exp(target_lp), 0.0)
+    over = tail - outside < -MASS_SLACK
+    if over.any():
+        t = int(np.flatnonzero(over)[0])
+        mass = 1 - tail[t] + outside[t]
+        which = "its top entries' and the prompt token's" if extra[t] else "its top entries'"
+        raise VllmEngineError(f"position {t}: {which} probabilities sum to {mass:.4g}, more than 1")
+    return np.clip(tail, 0.0, 1.0)
 
 
 def _top_k_per_row(flat_ids, flat_lps, rows, kept, *, k: int):
@@ -248,16 +282,20 @@ def _top_k_kernel(ids, lps, starts, kept, top_ids, top_lps):
 
 
 def _tail(top_lps: np.ndarray) -> np.ndarray:
-    # 1 - sum(p) = -expm1(log(sum(p))): no cancellation in the subtraction itself. The log of the sum is
-    # taken past each row's largest value: one exp per entry, where logaddexp's reduction (an exp and a
-    # log1p per entry, one entry at a time) takes ~5% of a top-64 served build's CPU.
+    # 1 - sum(p) = -expm1(log(sum(p))): no cancellation in the subtraction itself
+    return np.clip(-np.expm1(_log_mass(top_lps)), 0.0, 1.0)
+
+
+def _log_mass(top_lps: np.ndarray) -> np.ndarray:
+    # The log of each row's sum of probabilities, taken past the row's largest value: one exp per entry,
+    # where logaddexp's reduction (an exp and a log1p per entry, one entry at a time) takes ~5% of a top-64
+    # served build's CPU. A row of -inf (or none) sums to 0.
     if top_lps.shape[-1] == 0:
-        return np.ones(top_lps.shape[:-1])
+        return np.full(top_lps.shape[:-1], -np.inf)
     largest = top_lps.argmax(axis=-1)[..., None]
     top = np.take_along_axis(top_lps, largest, axis=-1)
     top = np.where(np.isfinite(top), top, 0.0)  # a row of -inf: its sum is 0, its tail 1
     others = np.exp(top_lps - top)
     np.put_along_axis(others, largest, 0.0, axis=-1)  # log(1 + the others): exact for a tail near 0
     with np.errstate(divide="ignore"):
-        log_sum = np.where(np.isfinite(top_lps).any(axis=-1), np.log1p(others.sum(axis=-1)) + top[..., 0], -np.inf)
-    return np.clip(-np.expm1(log_sum), 0.0, 1.0)
+        return np.where(np.isfinite(top_lps).any(axis=-1), np.log1p(others.sum(axis=-1)) + top[..., 0], -np.inf)
