@@ -65,6 +65,7 @@ def test_every_command_that_touches_a_store_exits_0_in_200_runs(tiny_teacher, tm
         "diff": ["diff", store, first, "main"],
         "tag": ["tag", store, "t{i}"],
         "verify": ["verify", store],
+        "export": ["export", store, f"{tmp_path}/entries-{{i}}.parquet", "--what", "entries"],
     }
     heavy = {
         "build": small_build(tiny_teacher, f"{tmp_path}/built-{{i}}", data),
@@ -84,6 +85,7 @@ def test_every_command_that_touches_a_store_exits_0_in_200_runs(tiny_teacher, tm
         "logitstore.store.store",
         "logitstore.store.verify",
         "logitstore.store.show",
+        "logitstore.store.entries",
     ]
     torch_modules = [
         *store_modules,
