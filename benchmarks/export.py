@@ -10,14 +10,17 @@ best of `--repeat` timed exports after a warm-up export (numba's first compile a
     python benchmarks/export.py --mode topk --k 64
     python benchmarks/export.py --smoke           # a toy size, seconds (tests/test_benchmarks.py runs it)
 
-It prints one JSON object on stdout: `positions_per_second`, `tokens_per_second`, `seconds`, the
-output's bytes per position and the shapes.
+It prints one JSON object on stdout: `positions_per_second` and `tokens_per_second` (wall clock),
+`positions_per_cpu_second` (the process's CPU time, both of its threads: less bent by other processes
+on a shared machine), the one-minute load average at the end, the output's bytes per position and the
+shapes.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 import time
@@ -63,7 +66,15 @@ def run(args, folder: Path) -> dict:
     view = Store.open(uri).read()
     out = folder / "entries.parquet"
     write_entries(view, out, force=True)  # warm-up: numba's compile, lazy imports, the page cache
-    seconds, summary = timed(lambda: write_entries(Store.open(uri).read(), out, force=True), repeat=args.repeat)
+    cpu: list[float] = []
+
+    def export() -> dict:
+        start = time.process_time()
+        summary = write_entries(Store.open(uri).read(), out, force=True)
+        cpu.append(time.process_time() - start)
+        return summary
+
+    seconds, summary = timed(export, repeat=args.repeat)
     positions = summary["positions"]
     meta = pq.read_metadata(out)
     return {
@@ -71,6 +82,10 @@ def run(args, folder: Path) -> dict:
         "tokens_per_second": summary["tokens"] / seconds,
         "target_positions_per_second": TARGET,
         "seconds": seconds,
+        # CPU seconds of the process (both threads), the least of the runs: what the export costs however
+        # busy the machine is, where the wall clock counts the other processes' share of the cores too
+        "positions_per_cpu_second": positions / min(cpu),
+        "load_average": os.getloadavg()[0],
         "positions": positions,
         "samples": summary["samples"],
         "row_groups": meta.num_row_groups,
