@@ -17,7 +17,7 @@ from __future__ import annotations
 import functools
 import os
 import sys
-from typing import Annotated, Optional
+from typing import Annotated, Literal, Optional
 
 import typer
 from typer.models import CommandInfo
@@ -163,23 +163,49 @@ def show(
 @user_errors
 def export(
     store: StoreArg,
-    out: Annotated[str, typer.Argument(help="The file to write: .jsonl or .json (JSON lines), or .parquet.")],
+    out: Annotated[
+        str, typer.Argument(help="The file to write: .jsonl or .json (JSON lines), or .parquet (entries: .parquet).")
+    ],
+    what: Annotated[
+        Literal["answers", "entries"],
+        typer.Option(
+            help="answers: generated answers as chat rows; entries: the teacher's entries, a row per position."
+        ),
+    ] = "answers",
     teacher: TeacherOpt = None,
     version: VersionOpt = None,
+    samples: Annotated[Optional[str], typer.Option(help="Entries: only the sample ids in FILE, one a line.")] = None,
+    limit: Annotated[Optional[int], typer.Option(min=0, help="Entries: only the first N samples.")] = None,
+    force: Annotated[bool, typer.Option("--force", help="Entries: replace OUT if it exists.")] = False,
     json_out: JsonOpt = False,
 ) -> None:
     """The generated answers (build --generate) as chat rows for datasets.load_dataset: prompt_id, sample,
-    messages (the prompt's turns, then the answer as the assistant's) and generation."""
+    messages (the prompt's turns, then the answer as the assistant's) and generation. With --what entries,
+    the teacher's entries as Parquet, one row per position: sample, position, token, next_token, ids,
+    logprobs, tail, target_logprob (and counts, for a sampled teacher)."""
     from pathlib import Path
 
-    from logitstore.store.answers import check_export_path, write_answers
+    if what == "entries":
+        from logitstore.store.entries import check_entries_path, selection_of, write_entries
 
-    check_export_path(Path(out))  # before the store is read
-    summary = write_answers(_open(store).read(version), Path(out), teacher=teacher)
+        check_entries_path(Path(out), force=force)  # before the store is read
+        selection = selection_of(teacher=teacher, samples=samples, limit=limit)
+        view = _open(store).read(version)
+        progress = text.ProgressLines("export")
+        summary = write_entries(view, Path(out), selection=selection, force=force, progress=progress)
+    else:
+        from logitstore.store.answers import ExportError, check_export_path, write_answers
+
+        if samples is not None or limit is not None:
+            raise ExportError("--samples and --limit select entries; use them with --what entries")
+        check_export_path(Path(out))  # before the store is read
+        summary = write_answers(_open(store).read(version), Path(out), teacher=teacher)
     if json_out:
         text.print_json(summary)
-        return
-    text.print_export(summary)
+    elif what == "entries":
+        text.print_entries_export(summary)
+    else:
+        text.print_export(summary)
 
 
 @app.command(cls=Command)

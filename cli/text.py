@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 
 import typer
 
@@ -103,6 +104,34 @@ def print_export(summary: dict) -> None:
         f"wrote {summary['answers']} answers to {summary['prompts']} prompts of teacher {summary['teacher']} "
         f"(version {summary['version']}) as chat rows to {summary['out']}"
     )
+
+
+def print_entries_export(summary: dict) -> None:
+    """`export --what entries`: one line."""
+    rate = summary["tokens_per_second"]
+    typer.echo(
+        f"wrote {summary['positions']:,} positions of {summary['samples']:,} samples of teacher {summary['teacher']} "
+        f"(version {summary['version']}) to {summary['out']} in {summary['seconds']:.1f} s"
+        + (f" ({rate:,.0f} tokens/s)" if rate else "")
+    )
+
+
+class ProgressLines:
+    """A long command's progress on stderr: `progress(done, total)` in tokens prints a line with the
+    tokens/s so far at most every `every` seconds, and one at the end."""
+
+    def __init__(self, what: str, *, every: float = 5.0):
+        self.what, self.every = what, every
+        self.start = self.last = time.monotonic()
+
+    def __call__(self, done: int, total: int) -> None:
+        now = time.monotonic()
+        if now - self.last < self.every and done < total:
+            return
+        self.last = now
+        rate = done / max(now - self.start, 1e-9)
+        share = f" ({done / total:.0%})" if total else ""
+        typer.echo(f"{self.what}: {done:,} of {total:,} tokens{share}, {rate:,.0f} tokens/s", err=True)
 
 
 def verify_json(report) -> dict:

@@ -145,3 +145,20 @@ def test_zarr_cannot_find_the_grid_codec_without_logitstore():
     )
     out = subprocess.run([sys.executable, "-c", blocked], capture_output=True, text=True, timeout=60)
     assert out.returncode != 0 and "ModuleNotFoundError: logitstore" in out.stderr, out.stderr[-2000:]
+
+
+def test_smoke_export_benchmark_reports_positions_per_second(tmp_path):
+    """`benchmarks/export.py --smoke`: a toy sampled-16 store exported end to end, its rate and shapes reported."""
+    out = subprocess.run(
+        [sys.executable, str(BENCHMARK.parent / "export.py"), "--smoke", "--folder", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout)
+    for field in ("positions_per_second", "positions_per_cpu_second"):
+        assert math.isfinite(result[field]) and result[field] > 0, (field, result[field])
+    assert result["positions"] == result["shapes"]["tokens"] - result["samples"] > 0
+    assert result["shapes"]["mode"] == "sampled" and result["shapes"]["k"] == 16 and result["row_groups"] >= 1
+    assert list(tmp_path.iterdir()) == []  # the store and the file went with their temporary folder

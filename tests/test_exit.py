@@ -55,6 +55,7 @@ STORE_MODULES = [
     "logitstore.store.store",
     "logitstore.store.verify",
     "logitstore.store.show",
+    "logitstore.store.entries",
 ]
 TORCH_MODULES = [
     *STORE_MODULES,
@@ -110,6 +111,7 @@ def test_every_command_that_touches_a_store_exits_0_at_every_exit(tiny_teacher, 
         "diff": ["diff", store, first, "main"],
         "tag": ["tag", store, "t{i}"],
         "verify": ["verify", store],
+        "export": ["export", store, f"{tmp_path}/entries-{{i}}.parquet", "--what", "entries"],
     }
     heavy = {
         "build": small_build(tiny_teacher, f"{tmp_path}/built-{{i}}", data),

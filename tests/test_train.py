@@ -3,20 +3,28 @@
 from __future__ import annotations
 
 import json
+import os
 import re
+import runpy
 import signal
 import subprocess
 import time
 from pathlib import Path
 
+import numpy as np
+import polars as pl
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from logitstore.cli.app import app
 from logitstore.pipelines.build import BuildConfig, run_build
+from logitstore.store.store import Store
 from logitstore.testing.cli import CLI, one_line_error, run
 from logitstore.testing.runs import COMMON, metrics
-from logitstore.trainer.config import TrainConfig
+from logitstore.testing.streams import stream, take
+from logitstore.trainer.config import LossConfig, TrainConfig
+from logitstore.trainer.losses import distill_loss
 from logitstore.trainer.train import launch
 
 
@@ -289,21 +297,23 @@ def test_distillation_trainer_resumes_a_checkpoint_at_its_data_position(store, t
 def run_readme_snippet(after: str, store, tmp_path, capsys, *, doc: str = "README.md") -> str:
     """Run the first Python snippet after `after` in `doc` (the README, or a file under docs/), in a
     folder where ./quick is `store`; returns its last printed line."""
-    import os
-    import re
-    import runpy
-
-    readme = (Path(__file__).parents[1] / doc).read_text()
-    section = readme.split(after, 1)[1]
-    (tmp_path / "snippet.py").write_text(re.search(r"```python\n(.*?)```", section, re.S).group(1))
     os.symlink(store, tmp_path / "quick")  # the quick path's store, as the snippet names it
+    run_doc_snippet(after, tmp_path, doc=doc)
+    return capsys.readouterr().out.strip().splitlines()[-1]
+
+
+def run_doc_snippet(after: str, folder: Path, *, doc: str) -> dict:
+    """Run the first Python snippet after `after` in `doc` with `folder` as the working folder; returns
+    the names it defined."""
+    text = (Path(__file__).parents[1] / doc).read_text()
+    section = text.split(after, 1)[1]
+    (folder / "snippet.py").write_text(re.search(r"```python\n(.*?)```", section, re.S).group(1))
     cwd = os.getcwd()
-    os.chdir(tmp_path)
+    os.chdir(folder)
     try:
-        runpy.run_path(str(tmp_path / "snippet.py"), run_name="__main__")
+        return runpy.run_path(str(folder / "snippet.py"), run_name="__main__")
     finally:
         os.chdir(cwd)
-    return capsys.readouterr().out.strip().splitlines()[-1]
 
 
 def test_the_readme_trainer_snippet_runs_as_written(store, tmp_path, capsys):
@@ -351,3 +361,30 @@ def test_train_refusals_that_need_the_store_come_before_out_is_claimed(chat_stor
         assert not out.exists()  # was: claimed, so the corrected command was refused
     result = run(*base, "--out", tmp_path / "run0", "--eval-fraction", "0")  # the corrected command
     assert result.exit_code == 0, result.stderr
+
+
+def test_a_loop_of_ones_own_computes_the_trainers_loss_from_the_exported_entries(store, tmp_path):
+    """The default teacher's store exported (`export --what entries`) and read back with polars: docs/train.md's
+    forward KL of the exported rows of one batch's positions equals the trainer's loss on that batch, read
+    from the store, to 1e-5."""
+    result = run("export", store, tmp_path / "entries.parquet", "--what", "entries")
+    assert result.exit_code == 0, result.stderr
+    view = Store.open(store).read()
+    with stream(view, seq_len=64, micro_batch=2) as batches:
+        (batch,) = take(batches, 1)
+    # Each supervised position of the batch as (sample, position in it), from the batch's segments.
+    sample_ids, firsts, starts, _ = zip(*batch.segments)
+    flat = batch.positions.numpy()
+    segment = np.searchsorted(np.array(starts), flat, side="right") - 1
+    wanted = pl.DataFrame(
+        {
+            "sample": [sample_ids[s] for s in segment.tolist()],
+            "position": (np.array(firsts)[segment] + flat - np.array(starts)[segment]).astype(np.int32),
+        }
+    )
+    snippet = run_doc_snippet("**From an export, without logitstore.**", tmp_path, doc="docs/train.md")
+    rows = wanted.join(snippet["rows"], on=["sample", "position"], how="left", maintain_order="left")
+    assert rows["next_token"].to_list() == batch.target_ids.tolist()  # the same positions, in the batch's order
+    logits = torch.randn(len(flat), snippet["vocab_size"], generator=torch.Generator().manual_seed(0)) * 3
+    _, parts = distill_loss(logits, batch.targets, LossConfig())
+    assert snippet["forward_kl"](rows, logits).item() == pytest.approx(parts["kd"], abs=1e-5)
