@@ -28,7 +28,7 @@ import pytest
 from logitstore.store.store import Store
 from logitstore.testing.cli import CLI, sample_corpus_head
 from logitstore.testing.prompts import PROMPTS, answers, write_prompts
-from logitstore.testing.teachers import save_tiny_llama
+from logitstore.testing.teachers import save_vllm_teacher
 
 pytestmark = pytest.mark.vllm
 
@@ -45,12 +45,7 @@ SAMPLED_SAME_SHARE = 0.95
 
 @pytest.fixture(scope="module")
 def teacher(tmp_path_factory) -> Path:
-    from logitstore.pipelines.teacher import describe_teacher
-
-    path = tmp_path_factory.mktemp("vllm") / "llama-head32"
-    shape = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2)
-    save_tiny_llama(path, describe_teacher(None).tokenizer, num_hidden_layers=2, max_position_embeddings=512, **shape)
-    return path
+    return Path(save_vllm_teacher(tmp_path_factory.mktemp("vllm") / "llama-head32", max_position_embeddings=512))
 
 
 @pytest.fixture(scope="module")
@@ -403,6 +398,25 @@ def test_the_vllm_engine_generates_seeded_answers_that_it_scores(stopping_teache
     """`build --engine vllm --generate`: `LLM.generate` with one seeded `SamplingParams` per answer, then
     the same engine scores prompt and answer (see `check_generated`)."""
     check_generated(tmp_path / "vllm", stopping_teacher, "--engine", "vllm")
+
+
+def test_the_engines_benchmark_smoke_measures_the_torch_engine_and_vllm(teacher):
+    """`benchmarks/vllm_engine.py --smoke` on this module's teacher: the torch engine and vLLM's (hidden states,
+    sampled 16) each compute every token of the smoke, in a process of their own, at a rate."""
+    script = Path(__file__).parents[1] / "benchmarks" / "vllm_engine.py"
+    done = subprocess.run(
+        [sys.executable, str(script), "--smoke", "--teacher-folder", str(teacher)],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=900,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [json.loads(line) for line in done.stdout.splitlines()]
+    assert [(r["variant"], r["sparsity"]) for r in rows] == [("torch", "sample"), ("vllm-hidden", "sample")]
+    for r in rows:
+        including, excluding = r["tokens_per_s_including_startup"], r["tokens_per_s_excluding_startup"]
+        assert r["tokens"] == 512 and 0 < including <= excluding < float("inf"), r
 
 
 def _stored(store) -> int:
