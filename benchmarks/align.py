@@ -15,6 +15,7 @@ timed. The last lines say how the texts split into groups.
     python benchmarks/align.py                      # ~85k teacher tokens, best of 5, ~30 s on 2 CPU cores
     python benchmarks/align.py --copies 4 --repeat 3
     python benchmarks/align.py --out benchmarks/results/align.md
+    python benchmarks/align.py --smoke              # 8 documents, one run per step
 """
 
 from __future__ import annotations
@@ -26,26 +27,30 @@ from pathlib import Path
 
 os.environ["TOKENIZERS_PARALLELISM"] = "false"  # before tokenizers loads: one core, like numba here
 
+import _smoke as smoke  # benchmarks/ is on sys.path when a script here runs
 import numpy as np
-from _timing import timed  # benchmarks/ is on sys.path when a script here runs
+from _timing import timed  # as _smoke
 
 from logitstore.data import SAMPLE_CORPUS
 from logitstore.pipelines.align import align_groups, encode_with_byte_ends
 from logitstore.testing.gpt2 import gpt2_tokenizer
 
+SMOKE = {"docs": 8, "repeat": 1}
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--docs", type=int, default=None, help="only the corpus's first N documents (default: all)")
     parser.add_argument("--copies", type=int, default=1, help="repeat the corpus this many times")
     parser.add_argument("--repeat", type=int, default=5, help="best of this many runs per step")
     parser.add_argument("--out", type=Path, default=None, help="also write the table here (markdown)")
-    args = parser.parse_args()
+    args = smoke.parse_args(parser, sizes=SMOKE)
 
     from logitstore.pipelines.teacher import describe_teacher
 
     teacher = describe_teacher(None).tokenizer
     student = gpt2_tokenizer()
-    texts = [json.loads(line)["text"] for line in SAMPLE_CORPUS.read_text().splitlines()] * args.copies
+    texts = [json.loads(line)["text"] for line in SAMPLE_CORPUS.read_text().splitlines()[: args.docs]] * args.copies
     n_bytes = sum(len(t.encode("utf-8")) for t in texts)
 
     def align_all(t_enc, s_enc):
@@ -98,7 +103,8 @@ def main() -> None:
     print(report)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        cmd = f"python benchmarks/align.py --copies {args.copies} --repeat {args.repeat}"
+        docs = f" --docs {args.docs}" if args.docs else ""
+        cmd = f"python benchmarks/align.py{docs} --copies {args.copies} --repeat {args.repeat}"
         args.out.write_text(report + f"\n\nCommand: `{cmd}`\n")
 
 

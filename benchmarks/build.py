@@ -39,6 +39,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import _smoke as smoke  # benchmarks/ is on sys.path when a script here runs
 import numpy as np
 import torch
 
@@ -53,6 +54,20 @@ from logitstore.pipelines.generate import Generation
 from logitstore.pipelines.plan import plan_units
 from logitstore.pipelines.teacher import SparseBatch, describe_teacher
 from logitstore.pipelines.workers import unit_seed
+
+# Toy sizes: 4 units of stand-in tokens, so the steady state (units 3 on) has two.
+SMOKE = {
+    "tokens": 256,
+    "standin_tokens": 2048,
+    "standin_rate": [1_000_000],
+    "doc_chars": 400,
+    "max_length": 128,
+    "batch_tokens": 256,
+    "unit_tokens": 512,
+    "repeats": 1,
+    "prompts": 4,
+    "prompt_chars": 100,
+}
 
 
 def corpus(path: Path, *, tokens: int, tokenizer, chars: int | None = None) -> int:
@@ -81,6 +96,7 @@ def config(args, *, store: str, data: Path) -> BuildConfig:
         max_length=args.max_length,
         batch_tokens=args.batch_tokens,
         unit_tokens=args.unit_tokens,
+        teacher=args.teacher,
         device=args.device,
         sparsity=args.sparsity,
         seed=0,
@@ -270,28 +286,25 @@ def prompts_file(path: Path, *, prompts: int, chars: int) -> Path:
     return path
 
 
-def generation_benchmark(args, info, model) -> None:
+def generation_benchmark(args, info, model, *, tmp: Path) -> None:
     """`--generate N`: generated tokens/s of the engine alone, and what the whole build adds to it."""
     best = {"generate": float("inf"), "forward": float("inf"), "build": float("inf")}
-    with tempfile.TemporaryDirectory() as tmp:
-        data = prompts_file(Path(tmp) / "prompts.jsonl", prompts=args.prompts, chars=args.prompt_chars)
-        for r in range(args.repeats):
-            cfg = dataclasses.replace(
-                config(args, store=str(Path(tmp) / f"store-{r}"), data=data),
-                prompt_column="prompt",
-                generate=args.generate,
-            )
-            generation = Generation(cfg, teacher=info, engine="torch")
-            generation.generator()  # loaded (shared with the teacher) before any clock runs
-            planned = batches(cfg, info.tokenizer, generation=generation)
-            generated = generation.generated
-            generation.close()
-            forward_s, _ = forward_only(model, planned, args.sparsity)
-            summary = run_build(cfg, log=lambda _: None)
-            assert summary.generated_tokens == generated.tokens, "the build generated what the engine alone did"
-            best["generate"] = min(best["generate"], generated.seconds)
-            best["forward"] = min(best["forward"], forward_s)
-            best["build"] = min(best["build"], summary.seconds)
+    data = prompts_file(tmp / "prompts.jsonl", prompts=args.prompts, chars=args.prompt_chars)
+    for r in range(args.repeats):
+        cfg = dataclasses.replace(
+            config(args, store=str(tmp / f"store-{r}"), data=data), prompt_column="prompt", generate=args.generate
+        )
+        generation = Generation(cfg, teacher=info, engine="torch")
+        generation.generator()  # loaded (shared with the teacher) before any clock runs
+        planned = batches(cfg, info.tokenizer, generation=generation)
+        generated = generation.generated
+        generation.close()
+        forward_s, _ = forward_only(model, planned, args.sparsity)
+        summary = run_build(cfg, log=lambda _: None)
+        assert summary.generated_tokens == generated.tokens, "the build generated what the engine alone did"
+        best["generate"] = min(best["generate"], generated.seconds)
+        best["forward"] = min(best["forward"], forward_s)
+        best["build"] = min(best["build"], summary.seconds)
     engine = best["generate"] + best["forward"]
     print(
         f"build --generate {args.generate}: {args.prompts} prompts of {args.prompt_chars} characters, "
@@ -305,90 +318,56 @@ def generation_benchmark(args, info, model) -> None:
     print(f"whole build       {best['build']:7.2f} s  store side {best['build'] / engine - 1:+.1%} (target < +5%)")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tokens", type=int, default=8192, help="tokens for the real teacher (default 8192)")
-    parser.add_argument(
-        "--standin-tokens", type=int, default=1 << 20, help="tokens for the stand-ins (default 1048576)"
-    )
-    parser.add_argument(
-        "--standin-rate",
-        type=float,
-        nargs="*",
-        default=[250_000, 1_000_000],
-        help="stand-in teachers, in tokens/s (default 250000 1000000); none to skip them",
-    )
-    parser.add_argument("--max-length", type=int, default=512)
-    parser.add_argument("--batch-tokens", type=int, default=4096)
-    parser.add_argument("--unit-tokens", type=int, default=16384)
-    group = parser.add_mutually_exclusive_group()
-    group.add_argument("--sample", type=int, default=None, help="draws per position (default 16)")
-    group.add_argument("--top-k", type=int, default=None)
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--generate", type=int, default=None, help="measure build --generate N instead")
-    parser.add_argument("--prompts", type=int, default=32, help="with --generate: prompts (default 32)")
-    parser.add_argument("--prompt-chars", type=int, default=200, help="with --generate: characters per prompt")
-    args = parser.parse_args()
-    args.sparsity = Sparsity(k=args.top_k) if args.top_k else Sparsity(mode="sampled", n=args.sample or 16)
-    if args.generate:
-        info = describe_teacher(None)
-        generation_benchmark(args, info, load_teacher_once(info.spec, args.device, "auto").model)
-        return
-    sparsity_name = f"top-{args.top_k}" if args.top_k else f"sampled-{args.sparsity.n}"
+def planned_batches(args, data: Path, tokenizer) -> list[tuple[int, list]]:
+    """The batches a build of `data` runs. Planning opens no store: its config names one that is never made."""
+    return batches(config(args, store=str(data.with_suffix(".never-made")), data=data), tokenizer)
 
-    info = describe_teacher(None)
-    model = load_teacher_once(info.spec, args.device, "auto").model
-    with tempfile.TemporaryDirectory() as tmp:
-        tmp = Path(tmp)
-        runs = []  # (label, tokens, data, planned batches, stand-in or None)
-        real_data = tmp / "real.jsonl"
-        real_tokens = corpus(real_data, tokens=args.tokens, tokenizer=info.tokenizer)
-        runs.append(
-            (
-                f"{info.spec.name} ({args.device})",
-                real_tokens,
-                real_data,
-                batches(config(args, store="", data=real_data), info.tokenizer),
-                None,
-            )
+
+def store_side_benchmark(args, info, model, *, tmp: Path) -> None:
+    """The forward passes alone against the whole build, for the real teacher and each stand-in."""
+    runs = []  # (label, tokens, data, planned batches, stand-in or None)
+    real_data = tmp / "real.jsonl"
+    real_tokens = corpus(real_data, tokens=args.tokens, tokenizer=info.tokenizer, chars=args.doc_chars)
+    runs.append(
+        (
+            f"{info.spec.name} ({args.device})",
+            real_tokens,
+            real_data,
+            planned_batches(args, real_data, info.tokenizer),
+            None,
         )
-        written = None
-        if args.standin_rate:
-            pool_data = tmp / "pool.jsonl"
-            corpus(pool_data, tokens=args.unit_tokens, tokenizer=info.tokenizer)
-            print(f"stand-in rows: the real teacher over {args.unit_tokens:,} tokens (once, not timed) ...", flush=True)
-            pool = StandIn.pool_from(
-                model, batches(config(args, store="", data=pool_data), info.tokenizer), args.sparsity
+    )
+    written = None
+    if args.standin_rate:
+        pool_data = tmp / "pool.jsonl"
+        corpus(pool_data, tokens=args.unit_tokens, tokenizer=info.tokenizer, chars=args.doc_chars)
+        print(f"stand-in rows: the real teacher over {args.unit_tokens:,} tokens (once, not timed) ...", flush=True)
+        pool = StandIn.pool_from(model, planned_batches(args, pool_data, info.tokenizer), args.sparsity)
+        standin_data = tmp / "standin.jsonl"
+        standin_tokens = corpus(
+            standin_data, tokens=args.standin_tokens, tokenizer=info.tokenizer, chars=args.doc_chars
+        )
+        planned = planned_batches(args, standin_data, info.tokenizer)
+        for rate in args.standin_rate:
+            runs.append(
+                (f"stand-in at {rate:,.0f} tokens/s", standin_tokens, standin_data, planned, StandIn(pool, rate=rate))
             )
-            standin_data = tmp / "standin.jsonl"
-            standin_tokens = corpus(standin_data, tokens=args.standin_tokens, tokenizer=info.tokenizer)
-            planned = batches(config(args, store="", data=standin_data), info.tokenizer)
-            for rate in args.standin_rate:
-                runs.append(
-                    (
-                        f"stand-in at {rate:,.0f} tokens/s",
-                        standin_tokens,
-                        standin_data,
-                        planned,
-                        StandIn(pool, rate=rate),
-                    )
-                )
-            meta = info.store_meta(args.sparsity)
-            written = write_alone(args, pool, planned, tmp=tmp, teacher_meta=meta, repeats=5 * args.repeats)
-        best = {label: [float("inf")] * 4 + [None] for label, *_ in runs}
-        for r in range(args.repeats):
-            for k, (label, _, data, planned, standin) in enumerate(runs):
-                with standin.installed() if standin else contextlib.nullcontext():
-                    f, per_unit = forward_only(model, planned, args.sparsity)
-                with standin.installed() if standin else contextlib.nullcontext(), UnitClock().installed() as clock:
-                    summary = run_build(config(args, store=str(tmp / f"store-{k}-{r}"), data=data), log=lambda _: None)
-                steady_s, steady_tokens = clock.steady()
-                b = best[label]
-                b[0], b[1] = min(b[0], f), min(b[1], summary.seconds)
-                if steady_tokens:  # units 2.. of the build, against the same units' forward passes
-                    b[2], b[3] = min(b[2], sum(per_unit[2:])), min(b[3], steady_s)
-                b[4] = summary.bytes_per_token
+        meta = info.store_meta(args.sparsity)
+        written = write_alone(args, pool, planned, tmp=tmp, teacher_meta=meta, repeats=5 * args.repeats)
+    best = {label: [float("inf")] * 4 + [None] for label, *_ in runs}
+    for r in range(args.repeats):
+        for k, (label, _, data, planned, standin) in enumerate(runs):
+            with standin.installed() if standin else contextlib.nullcontext():
+                f, per_unit = forward_only(model, planned, args.sparsity)
+            with standin.installed() if standin else contextlib.nullcontext(), UnitClock().installed() as clock:
+                summary = run_build(config(args, store=str(tmp / f"store-{k}-{r}"), data=data), log=lambda _: None)
+            steady_s, steady_tokens = clock.steady()
+            b = best[label]
+            b[0], b[1] = min(b[0], f), min(b[1], summary.seconds)
+            if steady_tokens:  # units 2.. of the build, against the same units' forward passes
+                b[2], b[3] = min(b[2], sum(per_unit[2:])), min(b[3], steady_s)
+            b[4] = summary.bytes_per_token
+    sparsity_name = f"top-{args.top_k}" if args.top_k else f"sampled-{args.sparsity.n}"
     print(
         f"{sparsity_name} for the forward pass and the build alike; max length {args.max_length}, batches of "
         f"{args.batch_tokens:,} tokens, units of {args.unit_tokens:,} tokens, vocab {info.vocab_size:,}; "
@@ -415,6 +394,42 @@ def main() -> None:
             f"write side alone: PartWriter.write of one {tokens:,}-token unit of the stand-in's samples "
             f"(encode, compress, hash, store): {seconds * 1e3:.1f} ms, {tokens / seconds:,.0f} tokens/s"
         )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", type=int, default=8192, help="tokens for the real teacher (default 8192)")
+    parser.add_argument(
+        "--standin-tokens", type=int, default=1 << 20, help="tokens for the stand-ins (default 1048576)"
+    )
+    parser.add_argument(
+        "--standin-rate",
+        type=float,
+        nargs="*",
+        default=[250_000, 1_000_000],
+        help="stand-in teachers, in tokens/s (default 250000 1000000); none to skip them",
+    )
+    parser.add_argument("--doc-chars", type=int, default=None, help="cut each document to this many characters")
+    parser.add_argument("--max-length", type=int, default=512)
+    parser.add_argument("--batch-tokens", type=int, default=4096)
+    parser.add_argument("--unit-tokens", type=int, default=16384)
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument("--sample", type=int, default=None, help="draws per position (default 16)")
+    group.add_argument("--top-k", type=int, default=None)
+    smoke.add_teacher_option(parser)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--generate", type=int, default=None, help="measure build --generate N instead")
+    parser.add_argument("--prompts", type=int, default=32, help="with --generate: prompts (default 32)")
+    parser.add_argument("--prompt-chars", type=int, default=200, help="with --generate: characters per prompt")
+    args = smoke.parse_args(parser, sizes=SMOKE)
+    args.sparsity = Sparsity(k=args.top_k) if args.top_k else Sparsity(mode="sampled", n=args.sample or 16)
+    with tempfile.TemporaryDirectory() as tmp:
+        args.teacher = smoke.smoke_teacher(args, Path(tmp))
+        info = describe_teacher(args.teacher)
+        model = load_teacher_once(info.spec, args.device, "auto").model
+        measure = generation_benchmark if args.generate else store_side_benchmark
+        measure(args, info, model, tmp=Path(tmp))
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ byte-counting wrapper around the Icechunk store: Zarr's sharding fetches the sha
 inner chunks it needs with range requests, never the whole shard.
 
     python benchmarks/chunking.py
+    python benchmarks/chunking.py --smoke          # 8 samples of 256 tokens
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import argparse
 import time
 
+import _smoke as smoke  # benchmarks/ is on sys.path when a script here runs
 import zarr
 from zarr.storage import WrapperStore
 
@@ -22,6 +24,8 @@ from logitstore.format.sparsity import Sparsity
 from logitstore.store.meta import TeacherMeta
 from logitstore.store.store import Store
 from logitstore.testing.synthetic import random_samples
+
+SMOKE = {"samples": 8, "tokens": 256}
 
 
 class CountingStore(WrapperStore):
@@ -44,7 +48,7 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=32)
     parser.add_argument("--tokens", type=int, default=1024)
     parser.add_argument("--k", type=int, default=64)
-    args = parser.parse_args()
+    args = smoke.parse_args(parser, sizes=SMOKE)
     vocab = 49152
     samples = random_samples(
         [f"s{i}" for i in range(args.samples)], vocab=vocab, k=args.k, min_tokens=args.tokens, max_tokens=args.tokens

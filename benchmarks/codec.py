@@ -15,19 +15,22 @@ in memory -> compressed bytes) and decode (compressed bytes -> the arrays the lo
 
     python benchmarks/codec.py                 # ~8k tokens, k=64, ~1 minute on 2 CPU cores
     python benchmarks/codec.py --tokens 50000 --k 64
+    python benchmarks/codec.py --smoke         # a toy teacher, 512 tokens; writes no table unless --out
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import tempfile
 import time
 from pathlib import Path
 
+import _smoke as smoke  # benchmarks/ is on sys.path when a script here runs
 import numcodecs
 import numpy as np
 import torch
-from _timing import timed  # benchmarks/ is on sys.path when a script here runs
+from _timing import timed  # as _smoke
 
 from logitstore.format import codec
 from logitstore.format.grid import CodecParams
@@ -39,14 +42,16 @@ from logitstore.store.store import Store
 
 numcodecs.blosc.set_nthreads(1)
 torch.set_num_threads(2)
+RESULTS = Path(__file__).parent / "results" / "codec.md"
+SMOKE = {"tokens": 512, "window": 128, "out": None}  # the smoke leaves the recorded table alone
 
 
-def teacher_output(*, tokens: int, k: int, window: int) -> tuple[SparseSamples, object]:
-    """Top-k output of the default teacher over the first `tokens` tokens of the sample corpus."""
+def teacher_output(teacher_path: str | None, *, tokens: int, k: int, window: int) -> tuple[SparseSamples, object]:
+    """Top-k output of the teacher (None: the default) over the first `tokens` tokens of the sample corpus."""
     from logitstore.data import SAMPLE_CORPUS
     from logitstore.pipelines.teacher import load_teacher, sparse_topk_forward
 
-    teacher = load_teacher(None)
+    teacher = load_teacher(teacher_path)
     texts = [json.loads(line)["text"] for line in SAMPLE_CORPUS.read_text().splitlines()]
     ids = np.concatenate([teacher.tokenizer(t)["input_ids"] for t in texts])[: tokens + 1]
     windows = [ids[i : i + window] for i in range(0, len(ids) - 1, window) if len(ids[i : i + window]) >= 2]
@@ -142,10 +147,17 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--k", type=int, default=64)
     parser.add_argument("--window", type=int, default=512)
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "codec.md")
-    args = parser.parse_args()
+    parser.add_argument("--out", type=Path, default=RESULTS, help=f"also write the table here (default {RESULTS})")
+    smoke.add_teacher_option(parser)
+    args = smoke.parse_args(parser, sizes=SMOKE)
+    with tempfile.TemporaryDirectory() as tmp:
+        teacher = smoke.smoke_teacher(args, Path(tmp))
+        samples, loaded = teacher_output(teacher, tokens=args.tokens, k=args.k, window=args.window)
+    report(args, samples, loaded)
 
-    samples, teacher = teacher_output(tokens=args.tokens, k=args.k, window=args.window)
+
+def report(args, samples: SparseSamples, teacher) -> None:
+    """Every layout's bytes and speeds as a table, printed and written to `--out`."""
     n = int(samples.n_tokens.sum())
     params = CodecParams()
     rows = {
@@ -160,7 +172,7 @@ def main() -> None:
     }
     base = rows["fp32+int64 (MaxText-style)"]["bytes"]
     lines = [
-        f"Default teacher, {n:,} tokens of the sample corpus, top-{args.k}; one core for encode/decode.",
+        f"{teacher.spec.name}, {n:,} tokens of the sample corpus, top-{args.k}; one core for encode/decode.",
         f"Codec error bound: {params.error_bound_fine} nats for log-probabilities >= {params.coarse_below}, "
         f"{params.error_bound} below.",
         "",
@@ -171,12 +183,13 @@ def main() -> None:
         lines.append(
             f"| {name} | {r['bytes'] / n:.1f} | {r['bytes'] / base:.3f} | {n / r['encode_s']:,.0f} | {n / r['decode_s']:,.0f} |"
         )
-    report = "\n".join(lines)
-    print(report)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(
-        report + "\n\nCommand: `python benchmarks/codec.py " + f"--tokens {args.tokens} --k {args.k}`\n"
-    )
+    table = "\n".join(lines)
+    print(table)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(
+            table + "\n\nCommand: `python benchmarks/codec.py " + f"--tokens {args.tokens} --k {args.k}`\n"
+        )
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ on the CPU (teacher, students, dense evaluation). Writes `results/frontier.md` (
 this script, or under `--out`.
 
     python benchmarks/frontier.py              # default teacher, llama-tiny, 60 steps of 2 x 256 tokens, ~17 minutes on 2 CPU cores
-    python benchmarks/frontier.py --quick      # a tiny budget; the test suite runs this
+    python benchmarks/frontier.py --smoke      # a tiny budget (--quick: the same); the slow tests run this
     python benchmarks/frontier.py --steps 2000 --student llama-small --docs 72
 """
 
@@ -42,6 +42,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import _smoke as smoke  # benchmarks/ is on sys.path when a script here runs
 import numpy as np
 import torch
 
@@ -74,6 +75,7 @@ from logitstore.trainer.model import build_student
 from logitstore.trainer.objective import sparse_targets, student_outputs
 from logitstore.trainer.train import lr_at
 
+SMOKE = {"steps": 3, "seq_len": 64, "micro_batch": 2, "docs": 6, "chars": 1200}
 FP16_GRID = GRIDS["fine"]  # finer than fp16 below -1 nat
 COARSE_GRID = GRIDS["coarse"]
 
@@ -86,10 +88,10 @@ class Variant:
     nominal_bytes: float | None = None  # a baseline format's own bytes/token instead of the store's
 
 
-def sparse_variants(quick: bool) -> list[Variant]:
+def sparse_variants(smoke: bool) -> list[Variant]:
     """Every store variant; the dense online reference (fp32 logits, 4 x vocab bytes) runs beside them."""
     fp16 = Variant("top-64 fp16+int32", Sparsity(k=64), FP16_GRID, nominal_bytes=64 * (2 + 4) + 2 + 2)
-    if quick:
+    if smoke:
         return [fp16, Variant("top-16", Sparsity(k=16)), Variant("sampled 8", Sparsity(mode="sampled", n=8))]
     return [
         fp16,
@@ -374,7 +376,6 @@ def plot(rows: list[dict], *, path: Path, title: str) -> None:
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="a tiny budget and four variants (the test suite's)")
     parser.add_argument("--student", default="llama-tiny")
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--seq-len", type=int, default=256)
@@ -391,11 +392,9 @@ def parse_args(argv=None):
     )
     parser.add_argument("--held-out-windows", type=int, default=12, help="held-out windows scored (densely)")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
-    args = parser.parse_args(argv)
-    args.chars = None
-    if args.quick:
-        args.steps, args.seq_len, args.micro_batch, args.docs, args.chars = 3, 64, 2, 6, 1200
-    return args
+    parser.add_argument("--chars", type=int, default=None, help="cut each document to this many characters")
+    # --smoke also runs four variants, not all (`sparse_variants`)
+    return smoke.parse_args(parser, argv, sizes=SMOKE, aliases=("--quick",))
 
 
 def main(argv=None) -> list[dict]:
@@ -437,7 +436,7 @@ def _main(argv=None) -> list[dict]:
             )
         )
         chosen = [
-            v for v in sparse_variants(args.quick) if not args.variants or v.name in args.variants or v.nominal_bytes
+            v for v in sparse_variants(args.smoke) if not args.variants or v.name in args.variants or v.nominal_bytes
         ]
         for i, v in enumerate(chosen):
             started = time.perf_counter()

@@ -45,11 +45,8 @@ from pathlib import Path
 import numpy as np
 import psutil
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import PreTrainedTokenizerFast
 
 import build as build_benchmark  # benchmarks/build.py, beside this file: its corpus of N tokens
-from logitstore.data import SAMPLE_CORPUS
 from logitstore.format.sparsity import Sparsity
 from logitstore.pipelines.build import BuildConfig, run_build
 from logitstore.pipelines.engines.torch_engine import load_teacher_once, shared_teachers
@@ -58,7 +55,7 @@ from logitstore.store.store import Store
 from logitstore.streaming.spec import StreamSpec
 from logitstore.streaming.stream import store_stream
 from logitstore.testing.shm import leaked_shm, shm_entries
-from logitstore.testing.teachers import save_tiny_llama
+from logitstore.testing.teachers import save_toy_teacher
 from logitstore.trainer.attention import ATTENTION, plan_segments
 from logitstore.trainer.config import LiveConfig, LossConfig, TrainConfig
 from logitstore.trainer.losses import chunked_distill_loss, distill_loss
@@ -196,12 +193,9 @@ class Run:
         self._cache: dict[str, object] = {}
 
     def _smoke_teacher(self) -> str:
-        """The tests' tiny teacher (a 1-layer random Llama) over a byte-level BPE of SMOKE_VOCAB tokens
-        trained on the sample corpus: toy shapes down to the vocabulary (a 49k-entry head costs ~2 ms a
-        position on 2 CPU cores), the same build, stream and trainer code."""
-        path = self.tmp / "tiny-teacher"
-        save_tiny_llama(path, toy_tokenizer(SMOKE_VOCAB), max_position_embeddings=1024)
-        return str(path)
+        """The toy teacher (`save_toy_teacher`: a 1-layer random Llama over a BPE of SMOKE_VOCAB tokens): toy
+        shapes down to the vocabulary, the same build, stream and trainer code."""
+        return save_toy_teacher(self.tmp / "tiny-teacher", vocab=SMOKE_VOCAB, max_position_embeddings=1024)
 
     def once(self, key: str, make: Callable[[], object]):
         if key not in self._cache:
@@ -290,21 +284,6 @@ class Run:
             return {"device": device_run["records"][0]["loss"], "cpu": metrics(cpu_out)[0]["loss"]}
 
         return self.once("first-step", make)  # type: ignore[return-value]
-
-
-def toy_tokenizer(vocab: int):
-    raw = Tokenizer(models.BPE())
-    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    raw.decoder = decoders.ByteLevel()
-    texts = [json.loads(line)["text"] for line in SAMPLE_CORPUS.read_text().splitlines()]
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    raw.train_from_iterator(
-        texts,
-        trainers.BpeTrainer(
-            vocab_size=vocab, initial_alphabet=alphabet, special_tokens=["<|endoftext|>"], show_progress=False
-        ),
-    )
-    return PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="<|endoftext|>")
 
 
 def cli_train(flags: dict, *, out: Path) -> None:

@@ -18,6 +18,7 @@ requests a whole-part read takes, whether plain Zarr reads the named arrays (and
 Icechunk's readonly sessions, garbage collection and a moved store do with the references.
 
     python benchmarks/named_arrays.py [--tokens 48000] [--parts 3] [--mode sampled] [--k 16] [--json]
+    python benchmarks/named_arrays.py --smoke       # 3,000 tokens in 2 parts, local disk only
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from collections import Counter
 from pathlib import Path
 from urllib.parse import urlparse
 
+import _smoke as smoke  # benchmarks/ is on sys.path when a script here runs
 import icechunk
 import numpy as np
 import zarr
@@ -55,6 +57,7 @@ TEACHER = "teacher-a"
 PARTS_PREFIX = "logitstore-parts"
 BRANCH = "named"
 GRID_CODEC = "logitstore.logprob_grid"
+SMOKE = {"tokens": 3000, "parts": 2, "where": ["local"]}  # S3 (moto behind a proxy): the real run's
 
 
 def build(uri: str, *, tokens: int, parts: int, mode: str, k: int) -> list[str]:
@@ -413,7 +416,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--grid-as-codes", action="store_true", help="declare the grid-coded arrays as uint16 codes")
     parser.add_argument("--where", nargs="+", default=["local", "s3"], choices=["local", "s3"])
     parser.add_argument("--json", action="store_true")
-    args = parser.parse_args(argv)
+    args = smoke.parse_args(parser, argv, sizes=SMOKE)
     results = {}
     if "local" in args.where:
         with tempfile.TemporaryDirectory() as tmp:

@@ -47,9 +47,11 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+import _smoke as smoke  # benchmarks/ is on sys.path when a script here runs
 import numpy as np
 
 VOCAB = 151_936
+SMOKE = {"samples": 16, "length": 128, "distinct": 4, "parse_seconds": 0.2}
 NAMES = ["Ġthe", "Ġof", ",", "\n", 'Ġ"', "\\", "ing", "Ġdistillation", "Ġ東京", "é", "Ġ{", "}\n"]
 
 
@@ -119,12 +121,9 @@ def _cpu_seconds(pid: int) -> float:
 
 
 def stand_in_teacher(folder: Path) -> str:
-    from logitstore.pipelines.teacher import describe_teacher
-    from logitstore.testing.teachers import save_tiny_llama  # a 1-layer Llama folder (never loaded by the build)
+    from logitstore.testing.teachers import save_tiny_teacher  # a 1-layer Llama folder (never loaded by the build)
 
-    path = folder / "stand-in"
-    save_tiny_llama(path, describe_teacher(None).tokenizer, vocab_size=VOCAB)
-    return str(path)
+    return save_tiny_teacher(folder / "stand-in", vocab_size=VOCAB)
 
 
 def main() -> None:
@@ -136,7 +135,8 @@ def main() -> None:
     parser.add_argument("--vllm-ratio", action="store_true", help="a real vLLM server against vLLM in-process")
     parser.add_argument("--teacher", help="--vllm-ratio: a model folder (default: a random head-size-32 Llama)")
     parser.add_argument("--rounds", type=int, default=2, help="--vllm-ratio: rounds per engine (the best counts)")
-    args = parser.parse_args()
+    parser.add_argument("--parse-seconds", type=float, default=2.0, help="how long the parse-and-convert rate runs")
+    args = smoke.parse_args(parser, sizes=SMOKE)
     if args.vllm_ratio:
         vllm_ratio(args)
         return
@@ -161,7 +161,7 @@ def main() -> None:
         body = synthetic_answer(rows[0], k=args.k, seed=0)
         served_to_sparse(body, np.asarray(rows[0]), k=args.k, vocab_size=VOCAB)  # compiled before the clocks
         start, n = time.perf_counter(), 0
-        while time.perf_counter() - start < 2:
+        while time.perf_counter() - start < args.parse_seconds:
             served_to_sparse(body, np.asarray(rows[0]), k=args.k, vocab_size=VOCAB)
             n += 1
         parse_rate = n * (args.length - 1) / (time.perf_counter() - start)
@@ -222,10 +222,11 @@ def vllm_ratio(args) -> None:
     from logitstore.pipelines.engines import engine_class
     from logitstore.pipelines.teacher import describe_teacher
     from logitstore.pipelines.workers import OVERLAP, worker_settings
+    from logitstore.testing.teachers import save_vllm_teacher
 
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
-        teacher = args.teacher or tiny_vllm_teacher(folder)
+        teacher = args.teacher or save_vllm_teacher(folder / "llama-head32", max_position_embeddings=2048)
         vocab = describe_teacher(teacher).vocab_size
         rng = np.random.default_rng(0)
         rows = [rng.integers(0, vocab, args.length) for _ in range(args.samples)]
@@ -306,18 +307,6 @@ def _fetch_all(engine, units, *, pool) -> None:
             body = {"model": served.model, "prompt": row.tolist(), "max_tokens": 1, "prompt_logprobs": served.k}
             futures.append(engine.replicas.submit(orjson.dumps(body), tokens=len(row)))
     assert all(f.result().status == 200 for f in futures)
-
-
-def tiny_vllm_teacher(folder: Path) -> str:
-    """The vLLM tests' teacher: a random 2-layer Llama, head size 32 (vLLM's CPU attention takes 32, 64, ...)."""
-    from logitstore.pipelines.teacher import describe_teacher
-    from logitstore.testing.teachers import save_tiny_llama
-
-    path = folder / "llama-head32"
-    shape = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2)
-    tokenizer = describe_teacher(None).tokenizer
-    save_tiny_llama(path, tokenizer, num_hidden_layers=2, max_position_embeddings=2048, **shape)
-    return str(path)
 
 
 @dataclass

@@ -21,7 +21,7 @@ tokens/s are summed over ranks and divided by the slowest rank's time.
     python benchmarks/stream.py                                    # 2M tokens, sampled-16, vocab 49,152, local
     python benchmarks/stream.py --mode topk --k 64 --vocab 151936
     python benchmarks/stream.py --store s3://bench/stream --json --out benchmarks/results/stream-s3-sampled16-packed-part.json
-    python benchmarks/stream.py --quick --json                     # a smoke run, seconds
+    python benchmarks/stream.py --smoke --json                     # toy size, seconds (--quick: the same)
     python benchmarks/stream.py --store s3://bench/stream --latency-ms 50   # 50 ms before every S3 request
 
 With `--latency-ms MS` (S3 only) the readers reach moto through a proxy in a process of its own
@@ -50,6 +50,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlparse
 
+import _smoke as smoke  # benchmarks/ is on sys.path when a script here runs
 import numpy as np
 import zarr
 from zarr.storage import WrapperStore
@@ -72,9 +73,9 @@ TARGETS = {
 }
 FLOOR_REPEATS = 3  # timed passes of the decode floor, best kept (a pass of 2M tokens takes ~1-3 s)
 STORE_TO_BUDGET = 10  # the read is measured on a store at least this many times the memory budget
-# A smoke run with the full run's proportions: ~64 small parts, so the budget (store / 10) still holds a
+# The smoke run has the full run's proportions: ~64 small parts, so the budget (store / 10) still holds a
 # few of them, as at 2M tokens (a reader may need the part it reads and the next in its budget).
-QUICK = {
+SMOKE = {
     "tokens": 65_536,
     "sample_len": 512,
     "part_tokens": 1024,
@@ -287,6 +288,14 @@ def write_store(uri: str, args, log) -> dict:
         "entries_per_position": entries / (tokens - len(lengths)),
         "write_tokens_per_second": tokens / seconds,
     }
+
+
+def write_synthetic(uri: str, **shapes) -> dict:
+    """`write_store` quietly, with this script's defaults for every option `shapes` leaves out: the synthetic
+    store other benchmarks measure on (train_scaling.py, stream_loader.py)."""
+    args = parse_args([])
+    vars(args).update(shapes)
+    return write_store(uri, args, log=lambda _: None)
 
 
 def _warm_up_writer(teacher: SyntheticTeacher, meta: TeacherMeta) -> None:
@@ -782,15 +791,10 @@ def parse_args(argv):
         help="how parts are stored: packed (one object per part, store format 3) or arrays (one per array, before)",
     )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--quick", action="store_true", help=f"a smoke run: {QUICK}")
     p.add_argument("--json", action="store_true", help="print the results as JSON on stdout (summary on stderr)")
     p.add_argument("--out", help="also write the JSON to this file")
     p.add_argument("--label", help="free text recorded in the JSON (e.g. which engine was measured)")
-    args = p.parse_args(argv)
-    if args.quick:
-        for key, value in QUICK.items():
-            if getattr(args, key) == p.get_default(key):
-                setattr(args, key, value)
+    args = smoke.parse_args(p, argv, sizes=SMOKE, aliases=("--quick",))
     if args.workers < 1:
         p.error("--workers must be at least 1")
     if args.latency_ms < 0 or (args.latency_ms and not (args.store or "").startswith("s3://")):

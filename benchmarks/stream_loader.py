@@ -8,17 +8,25 @@ yield the same batches; this measures what the processes cost or gain. It reads 
 
     python benchmarks/stream.py --store /tmp/bench-store
     python benchmarks/stream_loader.py /tmp/bench-store --memory-budget 4100096 --workers 2
+    python benchmarks/stream_loader.py --smoke      # a synthetic store of 8,192 tokens (stream.py's), one worker
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+import tempfile
 import time
+from pathlib import Path
 
+import _smoke as smoke  # benchmarks/ is on sys.path when a script here runs
+import stream as stream_benchmark  # as _smoke: benchmarks/stream.py's synthetic store
 import torch
 
 import logitstore
+
+SMOKE = {"workers": 1, "seq_len": 256, "micro_batch": 2, "repeats": 1}
+SMOKE_STORE = {"tokens": 8192, "sample_len": 256, "part_tokens": 1024}  # 8 parts
 
 
 def epoch_tokens_per_second(view, *, workers: int, args) -> float:
@@ -51,13 +59,26 @@ def epoch_tokens_per_second(view, *, workers: int, args) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("store")
+    parser.add_argument("store", nargs="?", help="the store to read (with --smoke: a synthetic one if none)")
     parser.add_argument("--memory-budget", default=None, help="bytes or e.g. 512MB (default: the stream's)")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--micro-batch", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=2)
-    args = parser.parse_args()
+    args = smoke.parse_args(parser, sizes=SMOKE)
+    if args.store:
+        compare(args)
+    elif args.smoke:
+        with tempfile.TemporaryDirectory() as tmp:
+            args.store = str(Path(tmp) / "store")
+            stream_benchmark.write_synthetic(args.store, **SMOKE_STORE)
+            compare(args)
+    else:
+        parser.error("name the store to read (or --smoke)")
+
+
+def compare(args) -> None:
+    """Both ways, alternating, the best of each; printed."""
     view = logitstore.open(args.store)
     best = {0: 0.0, args.workers: 0.0}
     for _ in range(args.repeats):

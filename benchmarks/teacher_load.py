@@ -7,6 +7,11 @@ in one run, the tokenizer and config (`describe`) and the whole model (`load`) b
 two models give the same logits.
 
     python benchmarks/teacher_load.py [--repeats 2] [--teacher PATH.gguf]
+    python benchmarks/teacher_load.py --smoke       # a tiny random GGUF teacher, one load each way
+
+The smoke writes a tiny random teacher as a GGUF file (`logitstore.testing.teachers.save_tiny_gguf`: one
+layer, a 512-token BPE) and converts it into a cache of its own, so the default teacher's ~1 minute GGUF
+load is left to the real run.
 
 Prints one JSON object: seconds per step (the best of the repeats), the ratios file / folder, the converted
 folder's size and the 1-minute load average.
@@ -17,13 +22,20 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import tempfile
 import time
+from pathlib import Path
 
+import _smoke as smoke  # benchmarks/ is on sys.path when a script here runs
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+from logitstore.environment import environment
 from logitstore.pipelines.teacher import resolve_teacher
-from logitstore.pipelines.teacher_files import converted_folder
+from logitstore.pipelines.teacher_files import CACHE_VARIABLE, converted_folder
+from logitstore.testing.teachers import save_tiny_gguf
+
+SMOKE = {"repeats": 1}
 
 
 def load_once(path, kwargs: dict) -> tuple[float, float, object]:
@@ -52,7 +64,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--teacher", default=None, help="a .gguf file (default: the default teacher)")
-    args = parser.parse_args()
+    args = smoke.parse_args(parser, sizes=SMOKE)
+    if args.smoke and not args.teacher:
+        with tempfile.TemporaryDirectory() as tmp, environment(**{CACHE_VARIABLE: tmp}):
+            args.teacher = save_tiny_gguf(Path(tmp) / "tiny.gguf")
+            compare(args)
+    else:
+        compare(args)
+
+
+def compare(args) -> None:
+    """Both ways, alternating; one JSON object printed."""
     spec = resolve_teacher(args.teacher)
     assert spec.gguf_file, "the teacher must be a GGUF file"
     start = time.perf_counter()

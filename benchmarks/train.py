@@ -7,6 +7,7 @@
 
     python benchmarks/train.py                       # builds a small store with the default teacher first
     python benchmarks/train.py --store STORE --steps 40
+    python benchmarks/train.py --smoke               # a toy teacher, llama-tiny, 2 steps of 2 x 64 tokens
 
 `--scaling` measures the step itself at long sequences instead: `llama-small` (vocabulary 49,152,
 sampled-16 synthetic store of 200k tokens in samples of up to 1,024) at --seq-len 512, 2048 and 8192 with
@@ -17,6 +18,7 @@ peak RSS is its own; the loss alone is measured the same way (P = 8,192 position
 table, writes benchmarks/results/train-scaling.{json,md}.
 
     python benchmarks/train.py --scaling             # ~15 minutes on 2 CPU cores
+    python benchmarks/train.py --scaling --smoke     # toy shapes (train_scaling.py's SMOKE), seconds
 """
 
 from __future__ import annotations
@@ -28,9 +30,10 @@ import tempfile
 import time
 from pathlib import Path
 
+import _smoke as smoke  # benchmarks/ is on sys.path when a script here runs
 import torch
 import torch.distributed as dist
-import train_scaling as scaling  # benchmarks/train_scaling.py, beside this file
+import train_scaling as scaling  # as _smoke
 from torch.distributed.device_mesh import init_device_mesh
 
 from logitstore.data import SAMPLE_CORPUS
@@ -43,8 +46,10 @@ from logitstore.trainer.config import LossConfig
 from logitstore.trainer.model import build_student, shard
 from logitstore.trainer.objective import batch_loss, student_outputs
 
+SMOKE = {"student": "llama-tiny", "steps": 2, "seq_len": 64, "micro_batch": 2, "build_tokens": 300, "max_length": 128}
 
-def small_store(tmp: Path, *, tokens: int) -> str:
+
+def small_store(tmp: Path, *, tokens: int, teacher: str | None, max_length: int) -> str:
     lines, total = [], 0
     for line in SAMPLE_CORPUS.read_text().splitlines():
         lines.append(line)
@@ -54,7 +59,14 @@ def small_store(tmp: Path, *, tokens: int) -> str:
     (tmp / "data.jsonl").write_text("\n".join(lines) + "\n")
     uri = str(tmp / "store")
     run_build(
-        BuildConfig(store=uri, data=str(tmp / "data.jsonl"), id_column="id", max_length=512, progress=False),
+        BuildConfig(
+            store=uri,
+            data=str(tmp / "data.jsonl"),
+            id_column="id",
+            teacher=teacher,
+            max_length=max_length,
+            progress=False,
+        ),
         log=lambda _: None,
     )
     return uri
@@ -81,26 +93,27 @@ def run_steps(model, optimizer, batches, *, teacher_model=None) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--scaling", action="store_true", help="the long-sequence table")
-    parser.add_argument("--measure", help=argparse.SUPPRESS)  # one configuration of --scaling, in its own process
+    parser.add_argument("--scaling", action="store_true", help="the long-sequence table (train_scaling.py)")
     parser.add_argument("--store")
     parser.add_argument("--student", default="llama-small")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--micro-batch", type=int, default=4)
     parser.add_argument("--build-tokens", type=int, default=6000)
-    args = parser.parse_args()
-    if args.measure:
-        print(json.dumps(scaling.measure(args.measure, store=args.store, steps=args.steps)))
-        return
+    parser.add_argument("--max-length", type=int, default=512, help="the build's window, in teacher tokens")
+    smoke.add_teacher_option(parser)
+    args = smoke.parse_args(parser, sizes=SMOKE)
     if args.scaling:
-        scaling.main()
+        scaling.main(["--smoke"] if args.smoke else [])
         return
 
     os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29533")
     dist.init_process_group("gloo")
     with tempfile.TemporaryDirectory() as tmp:
-        uri = args.store or small_store(Path(tmp), tokens=args.build_tokens)
+        teacher_path = smoke.smoke_teacher(args, Path(tmp))
+        uri = args.store or small_store(
+            Path(tmp), tokens=args.build_tokens, teacher=teacher_path, max_length=args.max_length
+        )
         view = Store.open(uri).read()
         teacher = view.teacher_name(None)
         meta = view.teachers[teacher]
@@ -131,7 +144,7 @@ def main() -> None:
         memory_s = run_steps(model, optimizer, in_memory)
         from logitstore.pipelines.teacher import resolve_teacher
 
-        teacher_model = load_teacher_once(resolve_teacher(None), "cpu", "auto").model
+        teacher_model = load_teacher_once(resolve_teacher(teacher_path), "cpu", "auto").model
         online_s = run_steps(model, optimizer, in_memory, teacher_model=teacher_model)
     dist.destroy_process_group()
     tokens = args.seq_len * args.micro_batch

@@ -9,6 +9,12 @@ runs in its own process, one after another.
 
     python benchmarks/vllm_engine.py                          # in a virtualenv with vLLM (scripts/vllm_env.sh)
     python benchmarks/vllm_engine.py --tokens 4096 --variants torch:sample vllm-hidden:sample
+    python benchmarks/vllm_engine.py --smoke        # the vLLM tests' tiny teacher, 512 tokens, torch and one vLLM
+
+The smoke runs a random 2-layer Llama with head size 32 (`logitstore.testing.teachers.save_vllm_teacher`)
+instead of the converted default teacher, and two variants: vLLM's engine start (~40-120 s on 2 cores) is
+most of it. Like the real run it needs vLLM (tests/test_vllm_build.py runs it in the vLLM job). Exits 1 if
+a variant fails.
 
 Needs the `if __name__ == "__main__"` guard and no logitstore import at the top: vLLM spawns its processes,
 which import this file again, and vLLM 0.32's CPU build fails in a worker that has numba (llvmlite) loaded
@@ -22,10 +28,15 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
+import _smoke as smoke  # benchmarks/ is on sys.path when a script here runs
+
 UNIT_TOKENS = 16384
+DEFAULT_FOLDER = Path("/tmp/logitstore-bench/smollm2-135m-hf")
+SMOKE = {"tokens": 512, "max_length": 128, "variants": ["torch:sample", "vllm-hidden:sample"]}
 SPARSITIES = {"sample": {"mode": "sampled", "n": 16}, "topk": {"k": 64}}
 VARIANTS = {  # name: (engine, vLLM output)
     "torch": ("torch", "hidden"),
@@ -123,9 +134,15 @@ def main() -> None:
         default=["torch:sample", "vllm-hidden:sample", "torch:topk", "vllm-hidden:topk", "vllm-logprobs:topk"],
         help="variant:sparsity, variant one of torch, vllm-hidden, vllm-logprobs; sparsity sample (16) or topk (64)",
     )
-    parser.add_argument("--teacher-folder", type=Path, default=Path("/tmp/logitstore-bench/smollm2-135m-hf"))
+    parser.add_argument(
+        "--teacher-folder",
+        type=Path,
+        default=None,
+        help=f"where the default teacher is converted to a Hugging Face folder, once (default {DEFAULT_FOLDER}); "
+        "a folder holding a model already is used as it is. With --smoke and none given: a tiny random teacher",
+    )
     parser.add_argument("--one", help=argparse.SUPPRESS)  # variant:sparsity, run in this process
-    args = parser.parse_args()
+    args = smoke.parse_args(parser, sizes=SMOKE)
     if args.one:
         variant, sparsity = args.one.split(":")
         result = run_variant(
@@ -133,15 +150,29 @@ def main() -> None:
         )
         print(json.dumps(result))
         return
-    teacher = convert_default_teacher(args.teacher_folder)
-    for spec in args.variants:  # each in a fresh process: no engine shares a machine with the last one's leftovers
-        command = [sys.executable, __file__, "--one", spec, "--teacher-folder", str(teacher)]
-        command += ["--tokens", str(args.tokens), "--max-length", str(args.max_length)]
-        result = subprocess.run(command, capture_output=True, text=True, env={**os.environ})
-        if result.returncode:
-            print(f"{spec}: failed\n{result.stderr[-2000:]}", file=sys.stderr)
-            continue
-        print(result.stdout.strip().splitlines()[-1], flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.smoke and not args.teacher_folder:
+            from logitstore.testing.teachers import save_vllm_teacher  # as run_variant's imports
+
+            teacher = Path(save_vllm_teacher(Path(tmp) / "llama-head32"))
+        else:
+            teacher = convert_default_teacher(args.teacher_folder or DEFAULT_FOLDER)
+        failed = [spec for spec in args.variants if not run_in_own_process(spec, teacher, args)]
+    if failed:
+        raise SystemExit(f"failed: {', '.join(failed)}")
+
+
+def run_in_own_process(spec: str, teacher: Path, args) -> bool:
+    """One variant in a fresh process (no engine shares a machine with the last one's leftovers); its JSON line
+    printed. Whether it ran."""
+    command = [sys.executable, __file__, "--one", spec, "--teacher-folder", str(teacher)]
+    command += ["--tokens", str(args.tokens), "--max-length", str(args.max_length)]
+    result = subprocess.run(command, capture_output=True, text=True, env={**os.environ})
+    if result.returncode:
+        print(f"{spec}: failed\n{result.stderr[-2000:]}", file=sys.stderr)
+        return False
+    print(result.stdout.strip().splitlines()[-1], flush=True)
+    return True
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ import pytest
 
 from logitstore.environment import environment
 from logitstore.testing.cli import run, sample_corpus_head
-from logitstore.testing.teachers import save_tiny_llama
+from logitstore.testing.teachers import save_tiny_teacher
 
 BACKENDS = ["local", "memory", "s3"]
 
@@ -80,11 +80,7 @@ def gpt2_tokenizer_dir(tmp_path_factory):
 def tiny_teacher(tmp_path_factory) -> str:
     """A 1-layer random Llama with SmolLM2's tokenizer and a 256-token context, saved as a Hugging Face
     folder: real tokenizing, planning and writing where a real forward pass is not the point."""
-    from logitstore.pipelines.teacher import describe_teacher
-
-    path = tmp_path_factory.mktemp("teachers") / "tiny-teacher"
-    save_tiny_llama(path, describe_teacher(None).tokenizer, max_position_embeddings=256)
-    return str(path)
+    return save_tiny_teacher(tmp_path_factory.mktemp("teachers") / "tiny-teacher", max_position_embeddings=256)
 
 
 @pytest.fixture(scope="module")

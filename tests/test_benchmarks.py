@@ -1,4 +1,4 @@
-"""`benchmarks/stream.py --quick`: the streaming benchmark runs end to end (write through the real
+"""`benchmarks/stream.py --smoke`: the streaming benchmark runs end to end (write through the real
 writer, one epoch through `logitstore.stream`, the decode floor, byte counting) and reports sane numbers."""
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ FIELDS = (
 )
 
 
-def test_quick_stream_benchmark_reports_every_field(tmp_path):
+def test_stream_benchmark_smoke_reports_every_field(tmp_path):
     out = subprocess.run(
-        [sys.executable, str(BENCHMARK), "--quick", "--json", "--store", str(tmp_path / "store")],
+        [sys.executable, str(BENCHMARK), "--smoke", "--json", "--store", str(tmp_path / "store")],
         capture_output=True,
         text=True,
         timeout=120,
@@ -45,11 +45,11 @@ def test_quick_stream_benchmark_reports_every_field(tmp_path):
     assert "write" in out.stderr and "read amplification" in out.stderr  # the human summary, beside the JSON
 
 
-def test_quick_stream_benchmark_on_s3_with_latency_records_it():
+def test_stream_benchmark_smoke_on_s3_with_latency_records_it():
     """`--latency-ms`: the read goes through a delaying proxy in front of moto (its own process) and the
     JSON says so; a part is one request (store format 3), so requests stay about one per part read."""
     out = subprocess.run(
-        [sys.executable, str(BENCHMARK), "--quick", "--json", "--store", "s3://bench/quick", "--latency-ms", "20"],
+        [sys.executable, str(BENCHMARK), "--smoke", "--json", "--store", "s3://bench/smoke", "--latency-ms", "20"],
         capture_output=True,
         text=True,
         timeout=300,
@@ -66,7 +66,7 @@ def test_quick_stream_benchmark_on_s3_with_latency_records_it():
 
 def test_latency_needs_an_s3_store(tmp_path):
     out = subprocess.run(
-        [sys.executable, str(BENCHMARK), "--quick", "--store", str(tmp_path / "s"), "--latency-ms", "20"],
+        [sys.executable, str(BENCHMARK), "--smoke", "--store", str(tmp_path / "s"), "--latency-ms", "20"],
         capture_output=True,
         text=True,
         timeout=120,
@@ -77,7 +77,7 @@ def test_latency_needs_an_s3_store(tmp_path):
 def test_stream_benchmark_simulates_a_cluster_of_ranks(tmp_path):
     """`--world-size W`: W ranks read one epoch in this process; together they fetch about the store once."""
     out = subprocess.run(
-        [sys.executable, str(BENCHMARK), "--quick", "--world-size", "2", "--json", "--store", str(tmp_path / "s")],
+        [sys.executable, str(BENCHMARK), "--smoke", "--world-size", "2", "--json", "--store", str(tmp_path / "s")],
         capture_output=True,
         text=True,
         timeout=120,
@@ -94,24 +94,13 @@ NAMED = Path(__file__).parents[1] / "benchmarks" / "named_arrays.py"
 
 
 def test_named_arrays_by_virtual_reference_hold_what_the_store_format_docs_say(tmp_path):
-    """`benchmarks/named_arrays.py --grid-as-codes` on local disk: a packed part's arrays named by
+    """`benchmarks/named_arrays.py --smoke --grid-as-codes` on local disk: a packed part's arrays named by
     Icechunk virtual references, read by plain Zarr with logitstore blocked, equal what logitstore
     reads (the grid-coded ones as their codes) once the reader authorizes the container, and not
     before; not after the store moves; and they survive Icechunk's garbage collection
     (docs/store-format.md, "Named arrays")."""
     out = subprocess.run(
-        [
-            sys.executable,
-            str(NAMED),
-            "--tokens",
-            "3000",
-            "--parts",
-            "2",
-            "--where",
-            "local",
-            "--grid-as-codes",
-            "--json",
-        ],
+        [sys.executable, str(NAMED), "--smoke", "--grid-as-codes", "--json"],
         capture_output=True,
         text=True,
         timeout=300,

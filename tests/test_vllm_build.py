@@ -34,7 +34,7 @@ from logitstore.pipelines.engines.vllm.engine import shared_runners
 from logitstore.store.store import Store
 from logitstore.testing.cli import CLI, run, sample_corpus_head
 from logitstore.testing.prompts import PROMPTS, answers, write_prompts
-from logitstore.testing.teachers import save_tiny_llama
+from logitstore.testing.teachers import save_vllm_teacher
 
 pytestmark = pytest.mark.vllm
 
@@ -54,11 +54,7 @@ def teacher(tmp_path_factory) -> Path:
     """The random head-size-32 Llama, with `STOP_IDS` as its generation config's `eos_token_id`: its answers
     end at a stop token about half the time within `GENERATE` tokens (one id alone: almost never), so a
     `--generate` build has answers that stop and answers cut at `--generate`. Scoring ignores stop ids."""
-    from logitstore.pipelines.teacher import describe_teacher
-
-    path = tmp_path_factory.mktemp("vllm") / "llama-head32"
-    shape = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2)
-    save_tiny_llama(path, describe_teacher(None).tokenizer, num_hidden_layers=2, max_position_embeddings=512, **shape)
+    path = Path(save_vllm_teacher(tmp_path_factory.mktemp("vllm") / "llama-head32", max_position_embeddings=512))
     config = json.loads((path / "generation_config.json").read_text())
     (path / "generation_config.json").write_text(json.dumps({**config, "eos_token_id": STOP_IDS}))
     return path
@@ -440,6 +436,25 @@ def test_the_vllm_engine_generates_seeded_answers_that_it_scores(teacher, engine
     """`build --engine vllm --generate`: `LLM.generate` with one seeded `SamplingParams` per answer, then
     the same engine scores prompt and answer (see `check_generated`); both builds on the module's engines."""
     check_generated(tmp_path / "vllm", teacher, "--engine", "vllm", build=engines.build)
+
+
+def test_the_engines_benchmark_smoke_measures_the_torch_engine_and_vllm(teacher):
+    """`benchmarks/vllm_engine.py --smoke` on this module's teacher: the torch engine and vLLM's (hidden states,
+    sampled 16) each compute every token of the smoke, in a process of their own, at a rate."""
+    script = Path(__file__).parents[1] / "benchmarks" / "vllm_engine.py"
+    done = subprocess.run(
+        [sys.executable, str(script), "--smoke", "--teacher-folder", str(teacher)],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=900,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [json.loads(line) for line in done.stdout.splitlines()]
+    assert [(r["variant"], r["sparsity"]) for r in rows] == [("torch", "sample"), ("vllm-hidden", "sample")]
+    for r in rows:
+        including, excluding = r["tokens_per_s_including_startup"], r["tokens_per_s_excluding_startup"]
+        assert r["tokens"] == 512 and 0 < including <= excluding < float("inf"), r
 
 
 def test_the_module_engines_shut_down_and_leave_no_process(engines):
