@@ -230,13 +230,14 @@ def _with_index(view: StoreVersion, versions: list[StoreVersion]) -> StoreVersio
 
 
 # The index columns a reader needs of each row (beside its id and part).
-_COLUMNS = ("n_tokens", "token_start", "position_start", "entry_start", "n_entries")
+_COLUMNS = ("n_tokens", "token_start", "position_start", "entry_start", "n_entries", "content_hash")
 
 
 def _take(rows: TeacherRows, at: np.ndarray) -> TeacherRows:
     """Rows `at` of `rows` (repeats allowed), their parts renumbered over the parts they use."""
     used, code = np.unique(rows.part[at], return_inverse=True)
     columns: dict[str, Any] = {name: getattr(rows, name)[at] for name in _COLUMNS}
+    columns["student_columns"] = {c: values[at] for c, values in rows.student_columns.items()}
     ids = [rows.sample_ids[i] for i in at.tolist()]
     return TeacherRows(ids, code.reshape(-1).astype(np.int64), [rows.parts[c] for c in used.tolist()], **columns)
 
@@ -244,6 +245,9 @@ def _take(rows: TeacherRows, at: np.ndarray) -> TeacherRows:
 def _join(rows: list[TeacherRows]) -> TeacherRows:
     """The rows of several versions as one reader's: a part two of them use is one part."""
     columns: dict[str, Any] = {name: np.concatenate([getattr(r, name) for r in rows]) for name in _COLUMNS}
+    columns["student_columns"] = {
+        c: np.concatenate([r.student_columns[c] for r in rows]) for c in rows[0].student_columns
+    }
     offsets = np.cumsum([0] + [len(r.parts) for r in rows])[:-1]
     parts, code = np.unique(np.asarray([p for r in rows for p in r.parts], dtype=str), return_inverse=True)
     part = code.reshape(-1).astype(np.int64)[np.concatenate([r.part + o for r, o in zip(rows, offsets)])]
