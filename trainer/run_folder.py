@@ -25,7 +25,7 @@ from pathlib import Path
 from logitstore.options import dump
 from logitstore.store.meta import RUN_MARKER
 from logitstore.store.store import Store
-from logitstore.streaming.versions import pinned, shown
+from logitstore.streaming.versions import pinned, shown, snapshot_weights
 from logitstore.trainer import checkpoint
 from logitstore.trainer.config import RUN_CONFIG, TrainConfig, TrainConfigError, kept_values
 
@@ -166,9 +166,7 @@ def _check_version(out: Path, cfg: TrainConfig, snapshot: str | dict) -> str | d
     assert cfg.data.store is not None  # a pinned snapshot and --version: a store run (live mode has neither)
     store = Store.open(cfg.data.store)
     weights = cfg.data.version_weights
-    requested = (
-        store.resolve(cfg.data.version) if not weights else pinned({store.resolve(v): w for v, w in weights.items()})
-    )
+    requested = store.resolve(cfg.data.version) if not weights else pinned(snapshot_weights(store, weights))
     if requested != snapshot and not cfg.output.new_version:
         flag = f"--version {cfg.data.version}" if not weights else "--version-weight"
         raise TrainConfigError(

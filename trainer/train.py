@@ -40,7 +40,7 @@ from logitstore.store.store import Store
 from logitstore.streaming.mixing import WeightedTeacher, resolve_sources, student_vocabulary
 from logitstore.streaming.spec import StreamConfigError
 from logitstore.streaming.stream import store_stream
-from logitstore.streaming.versions import WeightedVersion, mix_version, shown
+from logitstore.streaming.versions import WeightedVersion, mix_version, shown, snapshot_weights
 from logitstore.trainer import checkpoint, run_folder
 from logitstore.trainer.config import TrainConfig, TrainConfigError
 from logitstore.trainer.live import InRankTeacher, LiveTeacher, live_stream, plan_live_samples, settle, start_teacher
@@ -372,7 +372,8 @@ class StoreSignal:
         store = Store.open(cfg.data.store)
         # A weighted mix of versions (`--version-weight`): its first version's teachers and tokenizer.
         weights = cfg.data.version_weights
-        self.mix = None if not weights else [WeightedVersion(store.read(v), w) for v, w in weights.items()]
+        mix = snapshot_weights(store, weights) if weights else {}
+        self.mix = [WeightedVersion(store.read(v), w) for v, w in mix.items()] or None
         self.view = store.read(cfg.data.version) if self.mix is None else self.mix[0].view
         if sum(w.view.index.num_rows for w in self.mix or [WeightedVersion(self.view, 1)]) == 0:
             raise TrainConfigError(f"version {shown(self._pinned())} of {cfg.data.store} holds no samples")
