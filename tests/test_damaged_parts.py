@@ -68,13 +68,20 @@ def shorten(uri: str, part: str, how: str) -> None:
         body = s3.get_object(Bucket=bucket, Key=key)["Body"].read()
         s3.put_object(Bucket=bucket, Key=key, Body=b"" if how == "empty" else body[: size // 2])
         return
-    (path,) = [p for p in Path(uri, "chunks").iterdir() if p.stat().st_size == size]
+    path = part_file(uri, part)
     path.chmod(0o644)
     if how == "zero":
         path.unlink()
         os.symlink("/dev/zero", path)
     else:
         path.write_bytes(b"" if how == "empty" else path.read_bytes()[: size // 2])
+
+
+def part_file(uri: str, part: str) -> Path:
+    """The chunk file on disk that holds a part's one object (the one of its length)."""
+    size = packed_bytes(uri, part)
+    (path,) = [p for p in Path(uri, "chunks").iterdir() if p.stat().st_size == size]
+    return path
 
 
 def damaged_names(result) -> list[str]:
@@ -134,12 +141,32 @@ def test_a_part_object_shorter_than_its_version_says_is_damage_of_its_samples(te
     assert_damage_of(uri, part, ids, why=why)
 
 
+def test_a_part_object_that_is_a_symbolic_link_loop_is_damage_of_its_samples(template, tmp_path):
+    uri = local_copy(template, tmp_path)
+    part, ids = victim_part(uri)
+    path = part_file(uri, part)
+    path.unlink()
+    os.symlink(path.name, path)  # no read of it can ever succeed
+    assert_damage_of(uri, part, ids, why="a symbolic link that leads back to itself")  # was: 2, an outage
+
+
 def test_an_emptied_part_object_on_s3_is_damage_of_its_samples(s3_endpoint):
     uri = f"s3://logitstore-test/{uuid.uuid4().hex[:12]}"
     trainer_view(uri)
     part, ids = victim_part(uri)
     shorten(uri, part, "empty")
     assert_damage_of(uri, part, ids, why="a stored object is shorter than the version says")  # was: 2, InvalidRange
+
+
+def test_training_on_a_store_whose_every_part_is_damaged_is_refused_with_skip(template, tmp_path):
+    uri = local_copy(template, tmp_path)
+    for part in sorted(set(Store.open(uri).read().index["part"].to_pylist())):
+        shorten(uri, part, "empty")
+    out = tmp_path / "run"
+    args = ["--steps", 3, "--seq-len", 32, "--micro-batch", 2, "--eval-fraction", 0, "--on-error", "skip"]
+    error = one_line_error(run("train", "--store", uri, "--out", out, *args), 1)
+    assert "step 1: every sample of it is damaged" in error and "nothing left to train on" in error, error
+    assert not (out / "final").exists()  # was: 3 steps on 0 tokens at loss 0.0000, and final/ written
 
 
 # -- a member table that disagrees with its arrays --------------------------------------------------------

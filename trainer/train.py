@@ -34,7 +34,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from logitstore.environment import environment
-from logitstore.errors import LogitstoreError
+from logitstore.errors import DamagedDataError, LogitstoreError
 from logitstore.pipelines.teacher import describe_teacher
 from logitstore.store.store import Store
 from logitstore.streaming.mixing import WeightedTeacher, resolve_sources, student_vocabulary
@@ -260,7 +260,7 @@ def _train(cfg: TrainConfig, plan: run_folder.RunPlan, *, cuda: bool, signal: St
                 group["lr"] = lr
             started = time.perf_counter()
             wait_before = stream.wait_seconds
-            parts, tokens = _train_step(model, optimizer, batches, cfg, device)
+            parts, tokens = _train_step(model, optimizer, batches, cfg, device, step=step + 1)
             step += 1
             elapsed = time.perf_counter() - started
             record = {
@@ -319,8 +319,10 @@ def _train(cfg: TrainConfig, plan: run_folder.RunPlan, *, cuda: bool, signal: St
     return record
 
 
-def _train_step(model, optimizer, batches, cfg: TrainConfig, device) -> tuple[dict, int]:
-    """One optimizer step over `grad_accum` micro-batches. Returns mean loss parts and tokens (all ranks)."""
+def _train_step(model, optimizer, batches, cfg: TrainConfig, device, *, step: int) -> tuple[dict, int]:
+    """One optimizer step over `grad_accum` micro-batches. Returns mean loss parts and tokens (all ranks).
+    A step without a token on any rank (every sample of it skipped as damaged) stops the run before the
+    optimizer steps on nothing: what is left to train on cannot be told without reading the whole store."""
     optimizer.zero_grad(set_to_none=True)
     sums: dict[str, float] = {}
     tokens = 0
@@ -337,9 +339,14 @@ def _train_step(model, optimizer, batches, cfg: TrainConfig, device) -> tuple[di
         model.parameters(), cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
     )
     grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-    optimizer.step()
     reduced = all_reduce_mean({**sums, "tokens": float(tokens)})
     tokens_all = int(round(reduced.pop("tokens") * dist.get_world_size()))
+    if tokens_all == 0:  # every rank sees the same sum: all of them stop here
+        raise DamagedDataError(
+            f"step {step}: every sample of it is damaged and was skipped (--on-error skip); nothing left to "
+            "train on: `logitstore verify` names the damaged samples"
+        )
+    optimizer.step()
     return {**reduced, "grad_norm": float(grad_norm)}, tokens_all
 
 
