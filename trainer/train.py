@@ -47,7 +47,7 @@ from logitstore.trainer.live import InRankTeacher, LiveTeacher, live_stream, pla
 from logitstore.trainer.model import apply_levers, build_student, shard, student_max_positions, student_tokenizer_hash
 from logitstore.trainer.objective import all_reduce_mean, batch_loss, held_out_metrics, student_outputs
 from logitstore.trainer.plots import plot_metrics
-from logitstore.trainer.stopping import interrupted_once, stopping_ranks
+from logitstore.trainer.stopping import die_with_launcher, end_stopped, interrupted_once, stopped, stopping_ranks
 from logitstore.trainer.trackers import open_sinks
 
 # -- launching -----------------------------------------------------------------------------------
@@ -58,12 +58,9 @@ def launch(cfg: TrainConfig) -> dict:
     check_student_fits(cfg)  # before any process starts, like every other configuration error
     if cfg.live is not None:  # the engine's refusals (a served teacher's preflight) before --out is touched
         cfg = dataclasses.replace(cfg, live=settle(cfg.live, log=lambda line: print(line, file=sys.stderr)))
-    plan = run_folder.plan(cfg)
-    try:
+    first = os.environ.get("RANK", "0") == "0"  # under torchrun, the first worker holds --out for them all
+    with run_folder.taken(cfg, lock=first) as plan:  # a new --out that nothing was written to goes again
         return _launch(cfg, plan)
-    except BaseException:
-        run_folder.unmake(plan)  # a new --out that nothing was written to goes again (claimed: it stays)
-        raise
 
 
 def _launch(cfg: TrainConfig, plan: run_folder.RunPlan) -> dict:
@@ -130,7 +127,11 @@ def _spawn(cfg: TrainConfig, plan: run_folder.RunPlan) -> None:
         try:
             with environment(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port())):  # what the ranks inherit
                 context = mp.start_processes(
-                    _spawned, args=(cfg, plan, errors), nprocs=cfg.student.nproc, start_method="spawn", join=False
+                    _spawned,
+                    args=(cfg, plan, errors, os.getpid()),
+                    nprocs=cfg.student.nproc,
+                    start_method="spawn",
+                    join=False,
                 )
             stops.watch(context.processes)
             while not context.join():
@@ -154,15 +155,20 @@ def _raise_rank_failure(e: mp.ProcessExitedException | mp.ProcessRaisedException
     raise e  # a bug, whose traceback the rank printed
 
 
-def _spawned(rank: int, cfg: TrainConfig, plan: run_folder.RunPlan, errors) -> None:
+def _spawned(rank: int, cfg: TrainConfig, plan: run_folder.RunPlan, errors, launcher: int) -> None:
     interrupted_once()
     world = str(cfg.student.nproc)
     try:
+        die_with_launcher(launcher)
         with environment(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=world, LOCAL_WORLD_SIZE=world):
             _run(cfg, plan)
-    except LogitstoreError as e:  # to the parent, which prints it once, not once per rank
-        errors.put(e)
-        raise SystemExit(e.exit_code) from None
+    except BaseException as e:
+        if stopped(e):  # the run was put away on the way here: nothing to say (the launcher says it)
+            end_stopped()
+        if isinstance(e, LogitstoreError):  # to the parent, which prints it once, not once per rank
+            errors.put(e)
+            raise SystemExit(e.exit_code) from None
+        raise
 
 
 def _one_process_group():
