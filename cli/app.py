@@ -431,9 +431,11 @@ def train(
     if print_config:
         typer.echo(dump(to_values(cfg), command="train"), nl=False)
         return
+    from logitstore.trainer.stopping import ended_when_stopped
     from logitstore.trainer.train import launch
 
-    final = launch(cfg)
+    with ended_when_stopped():
+        final = launch(cfg)
     if json_out:
         text.print_json(final)
         return
@@ -542,7 +544,10 @@ def rounds(
         raise LogitstoreError("--rounds and --steps-per-round must be at least 1")
     if not 0 <= earlier_rounds_weight < float("inf"):
         raise LogitstoreError(f"--earlier-rounds-weight must be a finite weight >= 0, got {earlier_rounds_weight}")
-    done = run_rounds(Rounds(**options), log=lambda line: typer.echo(line, err=True))
+    from logitstore.trainer.stopping import ended_when_stopped
+
+    with ended_when_stopped():
+        done = run_rounds(Rounds(**options), log=lambda line: typer.echo(line, err=True))
     if json_out:
         text.print_json(done)
         return

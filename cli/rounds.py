@@ -62,6 +62,7 @@ def run_rounds(r: Rounds, *, log) -> list[dict]:
     from logitstore.trainer import checkpoint
     from logitstore.trainer.train import launch
 
+    refuse_before_round_one(r)
     done = []
     students = _student_tokenizers(r)
     for n in range(1, r.rounds + 1):
@@ -99,6 +100,21 @@ def run_rounds(r: Rounds, *, log) -> list[dict]:
             trained = launch(TrainConfig.from_flags(**flags))
         done.append({"round": n, "version": Store.open(r.store).resolve(tag_of(n)), "build": built, "train": trained})
     return done
+
+
+def refuse_before_round_one(r: Rounds) -> None:
+    """What training would refuse only after round 1 was built and committed, said before: its flags
+    (`--seq-len`, `--micro-batch`), the student's positions, and `--out` (a file, a folder that cannot be
+    written or holds files of no run; taken away again when made here). A folder a run marked is the
+    run's own, which a driver started again continues: training checks it."""
+    from logitstore.trainer import run_folder  # the trainer's modules load torch: not at every --help
+    from logitstore.trainer.train import check_student_fits
+
+    marked = (Path(r.out) / RUN_MARKER).exists()
+    cfg = TrainConfig.from_flags(**train_flags(r, 1, resume=marked))
+    check_student_fits(cfg)
+    if not marked:
+        run_folder.unmake(run_folder.plan(cfg))
 
 
 def train_flags(r: Rounds, n: int, *, resume: bool) -> dict:

@@ -46,11 +46,11 @@ from logitstore.pipelines.plan import (
     StudentSide,
     changed_text,
     check_teacher_fits,
-    document_ids,
     load_student_tokenizers,
     plan_units,
 )
 from logitstore.pipelines.workers import Unit, interrupted_on_sigterm, make_executor, worker_settings, write_unit
+from logitstore.store.documents import document_ids
 from logitstore.store.meta import DEFAULT_BRANCH, TeacherMeta
 from logitstore.store.store import Store
 

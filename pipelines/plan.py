@@ -22,6 +22,7 @@ from logitstore.format.sparsity import Sparsity
 from logitstore.pipelines import align, inputs
 from logitstore.pipelines.config import BuildError, PlanConfig
 from logitstore.pipelines.workers import Unit
+from logitstore.store.documents import document_id, document_ids
 from logitstore.store.meta import StudentTokenizer
 from logitstore.text import chat
 from logitstore.text.tokenizer_io import load_tokenizer, parse_tokenizer_spec, tokenizer_hash
@@ -76,17 +77,12 @@ def window(token_ids: np.ndarray, *, max_length: int) -> list[np.ndarray]:
 def window_ids(doc_id: str, n_windows: int) -> list[str]:
     """Sample ids of a document's windows: the document id itself for one window, else
     `<doc_id>#w<i>` for window i = 0 .. n_windows-1. Document ids that end like a window id are
-    refused on input (`inputs.WINDOW_SUFFIX`), so a sample id names one document and one window."""
+    refused on input (`documents.WINDOW_SUFFIX`), so a sample id names one document and one window."""
     if n_windows < 1:
         raise ValueError(f"n_windows must be >= 1, got {n_windows}")
     if n_windows == 1:
         return [doc_id]
     return [f"{doc_id}#w{i}" for i in range(n_windows)]
-
-
-def document_ids(sample_ids: pa.Array) -> pa.Array:
-    """The document id of each sample id (its window suffix removed), vectorised."""
-    return pc.replace_substring_regex(sample_ids, pattern=inputs.WINDOW_SUFFIX, replacement="")
 
 
 def check_teacher_fits(info, *, sparsity: Sparsity, max_length: int) -> None:
@@ -283,7 +279,7 @@ def changed_text(
     """The one line for a document stored under its id with other text (`sample_id`: the document's id or
     one of its windows'): found in the branch when the build planned it, or (`concurrent`) in what
     another build committed while this one ran."""
-    doc = document_ids(pa.array([sample_id], pa.string()))[0].as_py()
+    doc = document_id(sample_id)
     where = "" if row is None else f" (input row {row})"
     when = ", by another build while this one ran" if concurrent else ""
     return (

@@ -103,6 +103,50 @@ def test_a_concurrent_commit_with_other_text_is_kept_or_replaced_as_asked(tmp_pa
     assert store.read().index.num_rows == 5 and verify(store.read()).ok
 
 
+WINDOWS = ["new#w0", "new#w1"]  # the document "new" as a text of two windows
+
+
+def stage_document(writer, ids: list[str], text: str) -> None:
+    """Stage one document of text `text` as the samples `ids` (its one id, or its windows')."""
+    samples = random_samples(ids, seed=len(ids), max_tokens=30, k=8)
+    writer.merge(writer.fork().write(samples, teacher="teacher-a", source_hashes=[text] * len(ids)))
+
+
+@pytest.mark.parametrize("on_changed", ["error", "skip", "replace"])
+def test_a_concurrent_commit_of_a_document_with_other_text_and_other_windows_meets_the_rule(tmp_path, on_changed):
+    store = write_store(str(tmp_path / "store"), n=3)
+    first = store.writer(on_duplicate="skip")
+    second = store.writer(on_duplicate="skip", on_changed=on_changed)  # both on the same base
+    stage_document(first, ["new"], "text-a")
+    stage_document(second, WINDOWS, "text-b")  # more windows: no sample id in common with the first's
+    first.commit("first")
+    if on_changed == "error":
+        with pytest.raises(ChangedTextError, match="'new#w0' of teacher 'teacher-a' is stored with other text"):
+            second.commit("second")  # was: committed beside the first's, both texts kept
+        assert set(sources(store)) - {"doc-0", "doc-1", "doc-2"} == {"new"}
+        return
+    second.commit("second")
+    result = second.result
+    assert result is not None and result.changed == WINDOWS
+    kept = {"skip": {"new": "text-a"}, "replace": {"new#w0": "text-b", "new#w1": "text-b"}}[on_changed]
+    assert {s: h for s, h in sources(store).items() if s.startswith("new")} == kept
+    assert verify(store.read()).ok
+
+
+def test_a_write_meets_a_document_the_base_holds_under_other_window_ids(tmp_path):
+    store = write_store(str(tmp_path / "store"), n=3)
+    with store.writer(on_duplicate="skip") as first:
+        stage_document(first, WINDOWS, "text-a")
+        first.commit("first")
+    later = store.writer(on_duplicate="skip")  # begins after the first committed: meets them at merge
+    with pytest.raises(ChangedTextError, match="'new' of teacher 'teacher-a' is stored with other text"):
+        stage_document(later, ["new"], "text-b")  # was: staged beside the windows of the other text
+    replacing = store.writer(on_duplicate="skip", on_changed="replace")
+    stage_document(replacing, ["new"], "text-b")
+    replacing.commit("replace")
+    assert {s: h for s, h in sources(store).items() if s.startswith("new")} == {"new": "text-b"}
+
+
 # -- builds ------------------------------------------------------------------------------------------
 
 
@@ -121,9 +165,10 @@ def holds_the_teacher(tiny_teacher, tmp_path_factory) -> Path:
 
 
 @pytest.fixture
-def seeded(tiny_teacher, holds_the_teacher, tmp_path):
-    """The store, and this test's build of the documents with TEXT_B, before whose commit another
-    build (run then, in this process) commits them with TEXT_A."""
+def seeded(tiny_teacher, holds_the_teacher, tmp_path, request):
+    """The store, and this test's build of the documents with TEXT_B (or the text the test passes as
+    the fixture's parameter), before whose commit another build (run then, in this process) commits
+    them with TEXT_A."""
     store = tmp_path / "store"
     shutil.copytree(holds_the_teacher, store)
     other = BuildConfig(
@@ -146,7 +191,8 @@ def seeded(tiny_teacher, holds_the_teacher, tmp_path):
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(build_module, "_commit", commit_after_the_other_build)
-        yield store, jsonl(tmp_path / "b.jsonl", [{"id": d, "text": TEXT_B} for d in DOCS])
+        text = getattr(request, "param", TEXT_B)
+        yield store, jsonl(tmp_path / "b.jsonl", [{"id": d, "text": text} for d in DOCS])
     assert ran and ran[0].samples == len(DOCS), "the other build stored the documents first"
 
 
@@ -155,6 +201,15 @@ def test_a_build_whose_documents_another_build_stored_with_other_text_meanwhile_
     error = one_line_error(build(tiny_teacher, store, data), 2)  # was: exit 0, its text never stored
     assert "document 'd0' is stored with other text, by another build while this one ran" in error, error
     assert "--on-duplicate replace" in error
+    assert {h for s, (_, h) in index_of(store).items() if s != "seed"} == {text_hash(TEXT_A)}
+
+
+@pytest.mark.parametrize("seeded", [TEXT_B * 4], indirect=True)  # windows d0#w0, d0#w1, ... where A stored d0
+def test_a_concurrent_build_whose_text_makes_more_windows_exits_2(tiny_teacher, seeded):
+    store, data = seeded
+    error = one_line_error(build(tiny_teacher, store, data), 2)  # was: exit 0, changed 0, both texts stored
+    assert "document 'd0' is stored with other text, by another build while this one ran" in error, error
+    assert set(index_of(store)) == {"seed", *DOCS}
     assert {h for s, (_, h) in index_of(store).items() if s != "seed"} == {text_hash(TEXT_A)}
 
 

@@ -68,13 +68,20 @@ def shorten(uri: str, part: str, how: str) -> None:
         body = s3.get_object(Bucket=bucket, Key=key)["Body"].read()
         s3.put_object(Bucket=bucket, Key=key, Body=b"" if how == "empty" else body[: size // 2])
         return
-    (path,) = [p for p in Path(uri, "chunks").iterdir() if p.stat().st_size == size]
+    path = part_file(uri, part)
     path.chmod(0o644)
     if how == "zero":
         path.unlink()
         os.symlink("/dev/zero", path)
     else:
         path.write_bytes(b"" if how == "empty" else path.read_bytes()[: size // 2])
+
+
+def part_file(uri: str, part: str) -> Path:
+    """The chunk file on disk that holds a part's one object (the one of its length)."""
+    size = packed_bytes(uri, part)
+    (path,) = [p for p in Path(uri, "chunks").iterdir() if p.stat().st_size == size]
+    return path
 
 
 def damaged_names(result) -> list[str]:
@@ -134,12 +141,32 @@ def test_a_part_object_shorter_than_its_version_says_is_damage_of_its_samples(te
     assert_damage_of(uri, part, ids, why=why)
 
 
+def test_a_part_object_that_is_a_symbolic_link_loop_is_damage_of_its_samples(template, tmp_path):
+    uri = local_copy(template, tmp_path)
+    part, ids = victim_part(uri)
+    path = part_file(uri, part)
+    path.unlink()
+    os.symlink(path.name, path)  # no read of it can ever succeed
+    assert_damage_of(uri, part, ids, why="a symbolic link that leads back to itself")  # was: 2, an outage
+
+
 def test_an_emptied_part_object_on_s3_is_damage_of_its_samples(s3_endpoint):
     uri = f"s3://logitstore-test/{uuid.uuid4().hex[:12]}"
     trainer_view(uri)
     part, ids = victim_part(uri)
     shorten(uri, part, "empty")
     assert_damage_of(uri, part, ids, why="a stored object is shorter than the version says")  # was: 2, InvalidRange
+
+
+def test_training_on_a_store_whose_every_part_is_damaged_is_refused_with_skip(template, tmp_path):
+    uri = local_copy(template, tmp_path)
+    for part in sorted(set(Store.open(uri).read().index["part"].to_pylist())):
+        shorten(uri, part, "empty")
+    out = tmp_path / "run"
+    args = ["--steps", 3, "--seq-len", 32, "--micro-batch", 2, "--eval-fraction", 0, "--on-error", "skip"]
+    error = one_line_error(run("train", "--store", uri, "--out", out, *args), 1)
+    assert "step 1: every sample of it is damaged" in error and "nothing left to train on" in error, error
+    assert not (out / "final").exists()  # was: 3 steps on 0 tokens at loss 0.0000, and final/ written
 
 
 # -- a member table that disagrees with its arrays --------------------------------------------------------
@@ -178,16 +205,56 @@ def test_a_member_table_that_disagrees_with_its_arrays_is_damage_of_its_samples(
     assert_damage_of(uri, part, ids, why="member table")  # was: wrong entries shown and trained on, or a traceback
 
 
+# -- a member table whose every size and checksum holds, but not its arrays' places or grid -----------------
+
+
+def tail_and_target_swapped(members: dict) -> None:
+    members["tail"], members["target_logprobs"] = members["target_logprobs"], members["tail"]  # alike but for bytes
+
+
+def codes_and_logprobs_swapped(members: dict) -> None:  # both uint16 codes of one length, as stored
+    codes, logprobs = members["entry_codes"], members["entry_logprobs"]
+    codes["objects"], logprobs["objects"] = logprobs["objects"], codes["objects"]
+
+
+def tail_shard_left_out(members: dict) -> None:
+    members["tail"]["objects"] = [None]  # what Zarr writes for a shard of fill values only
+
+
+def another_grid(members: dict) -> None:
+    sharding = members["entry_logprobs"]["zarr"]["codecs"][0]["configuration"]
+    sharding["codecs"][0]["configuration"]["fine_step"] *= 10  # still a valid grid: every code decodes otherwise
+
+
+@pytest.mark.parametrize(
+    ("change", "why"),
+    [
+        (tail_and_target_swapped, "content hash"),
+        (codes_and_logprobs_swapped, "content hash"),
+        (tail_shard_left_out, "content hash"),
+        (another_grid, "member table of teachers/teacher-a/parts/"),
+    ],
+)
+def test_a_member_table_that_passes_its_own_checks_but_misplaces_arrays_is_damage(template, tmp_path, change, why):
+    uri = local_copy(template, tmp_path)
+    part, ids = victim_part(uri)
+    tamper_members(uri, part, change)
+    assert_damage_of(uri, part, ids, why=why)  # was: verify 1, but show 0 with wrong values, trained on, not counted
+
+
 def test_the_member_table_checks_and_what_they_cost(template):
     view = Store.open(str(template)).read()
     part = victim_part(str(template))[0]
     array = view.root[layout.packed_path(TEACHER, part)]
     document = {"shape": list(array.shape), "attributes": dict(array.attrs)}
     names = layout.part_arrays(sampled=False, chat=False)
-    assert packed.checked_members(document, names=names, where="p").keys() == set(names)  # as written: passes
+    assert packed.checked_members(document, names=names, where="p", grid=view.teachers[TEACHER].grid).keys() == set(
+        names
+    )  # as written: passes
     members = document["attributes"][layout.MEMBERS]
     size = array.shape[0]
     tail = members["tail"]["objects"][0]
+    grid = view.teachers[TEACHER].grid
 
     def fails(message: str, **change) -> None:
         bad = json.loads(json.dumps(members))
@@ -198,7 +265,9 @@ def test_the_member_table_checks_and_what_they_cost(template):
             else:
                 bad[name]["zarr"][field] = value
         with pytest.raises(ValueError, match=message):
-            packed.checked_members({"shape": [size], "attributes": {layout.MEMBERS: bad}}, names=names, where="p")
+            packed.checked_members(
+                {"shape": [size], "attributes": {layout.MEMBERS: bad}}, names=names, where="p", grid=grid
+            )
 
     fails("past the object's", tail__objects=[[size - 1, tail[1]]])
     fails("two shards on the same bytes", tail__objects=members["target_logprobs"]["objects"])
@@ -207,9 +276,20 @@ def test_the_member_table_checks_and_what_they_cost(template):
     fails("data type 'int64'", tail__data_type="int64")
     fails("position axis two lengths", tail__shape=[members["tail"]["zarr"]["shape"][0] + 1])
     fails("shards listed", tail__objects=[tail, None])
+    regridded = json.loads(json.dumps(members))
+    another_grid(regridded)
+    with pytest.raises(ValueError, match="at entry_logprobs .value grid fine_step 0.5, coarse_step 0.5, not its teach"):
+        packed.checked_members(
+            {"shape": [size], "attributes": {layout.MEMBERS: regridded}}, names=names, where="p", grid=grid
+        )
+    with pytest.raises(ValueError, match="at entry_logprobs .a value grid where its teacher stores uint16 codes"):
+        packed.checked_members(
+            {"shape": [size], "attributes": {layout.MEMBERS: members}}, names=names, where="p", grid=None
+        )
     with pytest.raises(ValueError, match="holds no tail"):
         packed.checked_members(
             {"shape": [size], "attributes": {layout.MEMBERS: {k: v for k, v in members.items() if k != "tail"}}},
             names=names,
             where="p",
+            grid=grid,
         )

@@ -28,7 +28,7 @@ from logitstore.pipelines.teacher import describe_teacher
 from logitstore.store.generation import answer_source_hash, generation_of, parse_answer_id, seed_of
 from logitstore.store.store import Store
 from logitstore.store.verify import verify
-from logitstore.testing.cli import CLI
+from logitstore.testing.cli import CLI, one_line_error
 from logitstore.testing.prompts import PROMPTS, answers, write_prompts
 
 
@@ -273,6 +273,21 @@ def test_a_trained_student_generates_and_the_store_records_its_run(twice, prompt
     assert view.generations()[summary["generation"]["id"]]["generator"]["step"] == 5
     assert answers(tmp_path / "student") != answers(store)
     assert os.path.isdir(run / "final") and sys.executable
+
+
+def test_rounds_refuse_what_training_refuses_before_round_one(prompts, tiny_teacher, tmp_path):
+    store, a_file = tmp_path / "store", tmp_path / "a-file"
+    a_file.write_text("not a run folder")
+    args = ["rounds", "--prompts", prompts, "--prompt-column", "prompt", "--store", store, "--teacher", tiny_teacher]
+    sizes = ["--rounds", 1, "--steps-per-round", 1, "--generate", 4, "--max-length", 64]
+    for flags, message in (
+        (["--out", tmp_path / "run", "--seq-len", 0], "--seq-len must be at least 2"),
+        (["--out", tmp_path / "run", "--micro-batch", 0], "--micro-batch must be at least 1"),
+        (["--out", a_file], f"--out {a_file} is a file, not a folder"),
+    ):
+        result = CliRunner().invoke(app, [str(a) for a in [*args, *sizes, *flags]])
+        assert message in one_line_error(result, 2)
+        assert not store.exists() and not (tmp_path / "run").exists()  # was: round 1 built and committed first
 
 
 @pytest.mark.slow

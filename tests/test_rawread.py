@@ -32,7 +32,7 @@ def test_every_array_of_a_store_reads_as_zarr_reads_it(tmp_path, part_layout):
         teacher, part = path.split("/")[1], path.split("/")[3]
         names = view.part_names(teacher, part)
         assert len(names) == 6  # the six arrays of a top-k part
-        got = rawread.read_packed(view.root.store, path, names, params=params)
+        got = rawread.read_packed(view.root.store, path, names, params=params, grid=view.teachers[teacher].grid)
         arrays = {name: view.array(teacher, part, name) for name in names}
     else:
         assert len(arrays) == 8  # code_of_id, tokenizer and the six arrays of a top-k part
@@ -135,4 +135,4 @@ def test_a_packed_part_without_its_member_table_or_an_array_is_damage(tmp_path):
         )
         sync(store.set(f"{path}/c/0", chunk))
         with pytest.raises(ValueError, match=match):
-            rawread.read_packed(store, path, names, params=params)
+            rawread.read_packed(store, path, names, params=params, grid=params)

@@ -7,7 +7,9 @@ the point, not the signal, so no teacher runs. Every run is 1-2 steps of `llama-
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import json
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -207,6 +209,24 @@ def test_a_resumed_run_logs_each_step_once(store, tmp_path):
     launch(dataclasses.replace(cfg, output=dataclasses.replace(cfg.output, resume=True)))
     assert steps(out) == [1, 2] and len(starts(out)) == 2
     assert records(out)[-1]["loss"] == first[-1]["loss"]  # and step 2 is the same step again
+
+
+# -- one launcher per --out ---------------------------------------------------------------------------
+
+
+def test_a_second_launcher_on_a_held_out_is_refused_and_a_stale_lock_is_taken_over(store, tmp_path):
+    out, lock = tmp_path / "run", tmp_path / "run" / "logitstore-run.lock"  # the lock docs/train.md names
+    out.mkdir()
+    with lock.open("w") as held:  # as a launcher holds it while its ranks train: flock'ed, its pid inside
+        fcntl.flock(held, fcntl.LOCK_EX)
+        held.write(f"{os.getpid()}\n")
+        held.flush()
+        error = one_line_error(train("--store", store, "--out", out, "--steps", 1, *FLAGS))
+        assert f"--out {out} is in use by another train (pid {os.getpid()})" in error  # was: two runs in one folder
+        assert [p.name for p in out.iterdir()] == [lock.name]  # the refused start touched nothing
+    # `held` is there and holds no flock: what a launcher killed with SIGKILL leaves
+    assert train("--store", store, "--out", out, "--steps", 1, *FLAGS).exit_code == 0  # and it counts as empty
+    assert steps(out) == [1] and not lock.exists()
 
 
 # -- exit codes: an error inside spawned ranks -------------------------------------------------------

@@ -20,6 +20,7 @@ from logitstore.store.store import Store
 from logitstore.streaming.spec import StreamConfigError, StreamSpec
 from logitstore.streaming.stream import store_stream
 from logitstore.streaming.versions import VersionsSource, WeightedVersion, multiplicity, pinned, shown
+from logitstore.testing.cli import one_line_error
 from logitstore.testing.stores import write, write_store
 from logitstore.testing.streams import assert_same, build_store, take
 from logitstore.testing.synthetic import random_samples
@@ -158,6 +159,22 @@ def test_a_bad_version_weight_is_one_line_and_exit_2(values, message):
         args += [value] if value.startswith("--") or args[-1] == "--version" else ["--version-weight", value]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 2 and result.stderr.strip() == f"error: {message}", result.stderr
+
+
+def test_a_weight_past_any_epoch_or_one_version_named_twice_is_one_line_exit_2(tmp_path):
+    uri, out = str(tmp_path / "store"), tmp_path / "run"
+    store = write_store(uri, n=12)
+    store.tag("round-1", version=store.resolve())
+    snapshot = store.resolve("round-1")
+    flags = ["train", "--store", uri, "--out", out, "--steps", 1, "--seq-len", 32, "--eval-fraction", 0]
+    for weights, message in (
+        (["main=1", "round-1=1"], "--version-weight: 'main' and 'round-1' name one version"),  # was: trained on one
+        (["round-1=1", f"{snapshot}=1"], f"'round-1' and '{snapshot}' name one version ({snapshot}); give it once"),
+        (["round-1=1e18"], "--version-weight: weight 1e+18 repeats the 12 samples of version"),  # was: a traceback
+    ):
+        args = [*flags, *(a for w in weights for a in ("--version-weight", w))]
+        assert message in one_line_error(CliRunner().invoke(app, [str(a) for a in args]), 2)
+        assert not out.exists()  # refused before the run took --out
 
 
 def test_a_mixed_run_records_its_mix_and_resumes_only_on_it(tmp_path):

@@ -8,29 +8,36 @@ holds anything else is refused, with or without `--force`: `--force` removes onl
 process starts and writes nothing but the empty folder (taken away again, `unmake`, when the start
 fails before the claim); `claim` takes the folder once the run's
 configuration has passed the checks that need the store and the student, so a failed start leaves it
-as it was.
+as it was. `taken` holds the folder for one launcher (`LOCK`) from `plan` to the run's end: a second
+launcher on it is refused while the first runs.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import fcntl
 import json
 import os
 import re
 import shutil
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from logitstore.options import dump
 from logitstore.store.meta import RUN_MARKER
 from logitstore.store.store import Store
-from logitstore.streaming.versions import pinned, shown
+from logitstore.streaming.versions import pinned, shown, snapshot_weights
 from logitstore.trainer import checkpoint
 from logitstore.trainer.config import RUN_CONFIG, TrainConfig, TrainConfigError, kept_values
 
 MARKER = RUN_MARKER
 _FORMAT = {"format": "logitstore-run", "format_version": 1}
+# The lock of a launcher that holds --out (`held`): flock'ed while it runs, holding its pid; never a run's
+# entry (--force leaves it, and a folder that holds it alone counts as empty).
+LOCK = "logitstore-run.lock"
 # Everything a run writes into --out, and so everything --force may remove.
 _RUN_ENTRIES = re.compile(
     r"step-\d+(\.partial)?|final(\.partial)?|final_metrics\.json|training\.png"
@@ -62,14 +69,78 @@ class RunPlan:
         return checkpoint.step_of(self.resume_from) if self.resume_from is not None else 0
 
 
+@contextlib.contextmanager
+def taken(cfg: TrainConfig, *, lock: bool = True) -> Iterator[RunPlan]:
+    """--out for one launch: made if new, `held` by this launcher alone (with `lock`; a torchrun worker
+    but the first leaves it to that one) and `plan`ned; a start that fails before the run claims the
+    folder takes a folder it made away again (`unmake`)."""
+    out = Path(cfg.output.out)
+    made = _ensure_writable(out)
+    run = None
+    try:
+        with held(out) if lock else contextlib.nullcontext():
+            run = dataclasses.replace(plan(cfg), made=made)
+            yield run
+    except BaseException:
+        if run is not None:
+            unmake(run)  # after the lock went: a folder that holds nothing else is empty
+        raise
+
+
+@contextlib.contextmanager
+def held(out: Path) -> Iterator[None]:
+    """--out for this process alone while the block runs: `LOCK` in it, flock'ed and holding this pid. A
+    second launcher is refused in one line naming the first's pid; a lock left by a launcher that died
+    (SIGKILL) is stale, its flock gone with it, and is taken over. Removed at the end (the flock goes
+    with the descriptor: a launcher that waited for it finds the file gone, and opens the new one)."""
+    path = out / LOCK
+    descriptor = _lock(path)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            path.unlink()
+        os.close(descriptor)
+
+
+def _lock(path: Path) -> int:
+    """The descriptor of `path`, created if need be, flock'ed and holding this pid."""
+    while True:  # again only when the file it opened was removed meanwhile (its holder ended)
+        try:
+            descriptor = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise TrainConfigError(f"--out {path.parent} cannot be written: {e.strerror or e}") from None
+        try:
+            fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(descriptor, 32, 0).decode(errors="replace").strip() or "unknown"
+            os.close(descriptor)
+            raise TrainConfigError(
+                f"--out {path.parent} is in use by another train (pid {holder}); wait for it to end, "
+                "or stop it (a run goes on with --resume)"
+            ) from None
+        if _same_file(descriptor, path):
+            os.ftruncate(descriptor, 0)
+            os.pwrite(descriptor, f"{os.getpid()}\n".encode(), 0)
+            return descriptor
+        os.close(descriptor)
+
+
+def _same_file(descriptor: int, path: Path) -> bool:
+    try:
+        held, named = os.fstat(descriptor), os.stat(path)
+    except FileNotFoundError:
+        return False
+    return (held.st_dev, held.st_ino) == (named.st_dev, named.st_ino)
+
+
 def plan(cfg: TrainConfig) -> RunPlan:
     """Check --out against the options; refuse in one line what the run must not touch."""
     out = Path(cfg.output.out)
-    made = not out.exists()
-    _ensure_writable(out)
+    made = _ensure_writable(out)
     marker = read_marker(out)
     if marker is None:
-        if any(out.iterdir()):
+        if any(p.name != LOCK for p in out.iterdir()):
             raise TrainConfigError(
                 f"--out {out} holds files but no logitstore run (no {MARKER}); use a new or "
                 "empty folder (--force replaces only a folder a run marked)"
@@ -92,17 +163,19 @@ def unmake(plan: RunPlan) -> None:
             plan.out.rmdir()
 
 
-def _ensure_writable(out: Path) -> None:
+def _ensure_writable(out: Path) -> bool:
     """Create --out (an empty folder claims nothing) and write a nameless file in it: os.access misses
-    read-only mounts for root, and a rank's OSError would be a traceback."""
+    read-only mounts for root, and a rank's OSError would be a traceback. Returns whether it made it."""
     if out.exists() and not out.is_dir():
         raise TrainConfigError(f"--out {out} is a file, not a folder")
+    made = not out.exists()
     try:
         out.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryFile(dir=out):
             pass
     except OSError as e:
         raise TrainConfigError(f"--out {out} cannot be written: {e.strerror or e}") from None
+    return made
 
 
 def read_marker(out: Path) -> dict | None:
@@ -166,9 +239,7 @@ def _check_version(out: Path, cfg: TrainConfig, snapshot: str | dict) -> str | d
     assert cfg.data.store is not None  # a pinned snapshot and --version: a store run (live mode has neither)
     store = Store.open(cfg.data.store)
     weights = cfg.data.version_weights
-    requested = (
-        store.resolve(cfg.data.version) if not weights else pinned({store.resolve(v): w for v, w in weights.items()})
-    )
+    requested = store.resolve(cfg.data.version) if not weights else pinned(snapshot_weights(store, weights))
     if requested != snapshot and not cfg.output.new_version:
         flag = f"--version {cfg.data.version}" if not weights else "--version-weight"
         raise TrainConfigError(

@@ -10,22 +10,38 @@ into KeyboardInterrupt and ignores the rest, so its `finally` blocks run to the 
 terminal reaches it twice (from the terminal and from the launcher). Nothing a rank leaves half-written
 counts: checkpoints and `final/` are renamed into place whole.
 
-If the launcher itself is killed (SIGKILL), torch's parent-death signal (SIGINT) still stops the ranks.
+A stopped rank, its run put away (its `finally` blocks ran: stream, teacher, process group, metrics),
+ends at once as SIGINT ends a process (`end_stopped`), not through the interpreter's teardown (torch's and
+Icechunk's, 1-2 s here and several times that on a loaded machine), which its launcher and a peer rank
+blocked in a collective with it would wait for.
+
+If the launcher itself is killed (SIGKILL), its ranks end too (`die_with_launcher`): torch gives a rank
+SIGINT as its parent-death signal, but only once the rank runs its code, seconds after it starts
+(importing torch); a rank whose launcher died before then finds another parent and ends, and a watchdog
+thread does what the signal does where there is none (not Linux) and kills a rank that does not end
+within `GRACE_SECONDS` of its launcher's death (one stuck in a collective).
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import signal
+import sys
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from multiprocessing.process import BaseProcess
+
+from logitstore.errors import INTERRUPTED
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 # A rank ends within one step of SIGINT (its Python code sees it between operations); one stuck in a
 # collective whose peer is gone may not, and is killed after this long (as torch's own join does).
 GRACE_SECONDS = 30.0
+# How often a rank's watchdog looks for its launcher: one getppid() a second.
+WATCH_SECONDS = 1.0
 
 
 class Stops:
@@ -97,11 +113,75 @@ def stopping_ranks() -> Iterator[Stops]:
         stops.close()
 
 
+_interrupted = threading.Event()  # a rank's first SIGINT came (`interrupted_once`)
+
+
 def interrupted_once() -> None:
     """In a rank: the first SIGINT raises KeyboardInterrupt, later ones are ignored while it unwinds."""
 
     def interrupt(signum, frame):
+        _interrupted.set()
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGINT, interrupt)
+
+
+def stopped(error: BaseException) -> bool:
+    """Whether a rank's `error` is its stop: KeyboardInterrupt, or anything raised after its SIGINT came,
+    which is what the interrupt became on its way out (torch's checkpointing gathers it from every rank
+    into a `CheckpointException`; a peer that ended first fails a collective)."""
+    return isinstance(error, KeyboardInterrupt) or _interrupted.is_set()
+
+
+def end_stopped() -> None:
+    """In a rank whose run was stopped and put away: end now, killed by SIGINT as the launcher expects of
+    a stopped rank, without the interpreter's teardown (see the module docstring)."""
+    _before_exit()
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGINT)  # delivered before kill() returns: the calling thread does not block it
+    os._exit(128 + signal.SIGINT)  # not reached
+
+
+@contextlib.contextmanager
+def ended_when_stopped() -> Iterator[None]:
+    """For the `train` and `rounds` commands, not a library call (a notebook lives on): a launch that a
+    stop signal ended (its ranks ended, its folder put away as the block unwound) ends the process at once,
+    with 130 or 143, without the interpreter's teardown (see the module docstring)."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        _before_exit()
+        os._exit(INTERRUPTED)
+    except SystemExit as e:
+        if e.code == 128 + signal.SIGTERM:  # `Stops.end`
+            _before_exit()
+            os._exit(e.code)
+        raise
+
+
+def _before_exit() -> None:
+    """What sys.exit would do before the interpreter's teardown: the exit handlers (logitstore's wait
+    for Icechunk's threads, multiprocessing's, which unlink the named semaphores numcodecs' Blosc made)
+    and flushing the output."""
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):
+            stream.flush()
+
+
+def die_with_launcher(launcher: int) -> None:
+    """In a rank: SIGINT when the launcher (pid `launcher`, this process's parent) is gone, and SIGKILL
+    `GRACE_SECONDS` later (see the module docstring). Called after torch set the parent-death signal,
+    so a launcher gone by now is seen here: its rank was handed to another parent."""
+    if os.getppid() != launcher:
+        raise KeyboardInterrupt  # the launcher died before this rank ran: stop before anything starts
+
+    def watch() -> None:
+        while os.getppid() == launcher:
+            time.sleep(WATCH_SECONDS)
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(GRACE_SECONDS)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="logitstore-launcher-watch", daemon=True).start()

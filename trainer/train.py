@@ -34,20 +34,20 @@ from torch.distributed.device_mesh import init_device_mesh
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from logitstore.environment import environment
-from logitstore.errors import LogitstoreError
+from logitstore.errors import DamagedDataError, LogitstoreError
 from logitstore.pipelines.teacher import describe_teacher
 from logitstore.store.store import Store
 from logitstore.streaming.mixing import WeightedTeacher, resolve_sources, student_vocabulary
 from logitstore.streaming.spec import StreamConfigError
 from logitstore.streaming.stream import store_stream
-from logitstore.streaming.versions import WeightedVersion, mix_version, shown
+from logitstore.streaming.versions import WeightedVersion, mix_version, shown, snapshot_weights
 from logitstore.trainer import checkpoint, run_folder
 from logitstore.trainer.config import TrainConfig, TrainConfigError
 from logitstore.trainer.live import InRankTeacher, LiveTeacher, live_stream, plan_live_samples, settle, start_teacher
 from logitstore.trainer.model import apply_levers, build_student, shard, student_max_positions, student_tokenizer_hash
 from logitstore.trainer.objective import all_reduce_mean, batch_loss, held_out_metrics, student_outputs
 from logitstore.trainer.plots import plot_metrics
-from logitstore.trainer.stopping import interrupted_once, stopping_ranks
+from logitstore.trainer.stopping import die_with_launcher, end_stopped, interrupted_once, stopped, stopping_ranks
 from logitstore.trainer.trackers import open_sinks
 
 # -- launching -----------------------------------------------------------------------------------
@@ -58,12 +58,9 @@ def launch(cfg: TrainConfig) -> dict:
     check_student_fits(cfg)  # before any process starts, like every other configuration error
     if cfg.live is not None:  # the engine's refusals (a served teacher's preflight) before --out is touched
         cfg = dataclasses.replace(cfg, live=settle(cfg.live, log=lambda line: print(line, file=sys.stderr)))
-    plan = run_folder.plan(cfg)
-    try:
+    first = os.environ.get("RANK", "0") == "0"  # under torchrun, the first worker holds --out for them all
+    with run_folder.taken(cfg, lock=first) as plan:  # a new --out that nothing was written to goes again
         return _launch(cfg, plan)
-    except BaseException:
-        run_folder.unmake(plan)  # a new --out that nothing was written to goes again (claimed: it stays)
-        raise
 
 
 def _launch(cfg: TrainConfig, plan: run_folder.RunPlan) -> dict:
@@ -130,7 +127,11 @@ def _spawn(cfg: TrainConfig, plan: run_folder.RunPlan) -> None:
         try:
             with environment(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port())):  # what the ranks inherit
                 context = mp.start_processes(
-                    _spawned, args=(cfg, plan, errors), nprocs=cfg.student.nproc, start_method="spawn", join=False
+                    _spawned,
+                    args=(cfg, plan, errors, os.getpid()),
+                    nprocs=cfg.student.nproc,
+                    start_method="spawn",
+                    join=False,
                 )
             stops.watch(context.processes)
             while not context.join():
@@ -154,15 +155,20 @@ def _raise_rank_failure(e: mp.ProcessExitedException | mp.ProcessRaisedException
     raise e  # a bug, whose traceback the rank printed
 
 
-def _spawned(rank: int, cfg: TrainConfig, plan: run_folder.RunPlan, errors) -> None:
+def _spawned(rank: int, cfg: TrainConfig, plan: run_folder.RunPlan, errors, launcher: int) -> None:
     interrupted_once()
     world = str(cfg.student.nproc)
     try:
+        die_with_launcher(launcher)
         with environment(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=world, LOCAL_WORLD_SIZE=world):
             _run(cfg, plan)
-    except LogitstoreError as e:  # to the parent, which prints it once, not once per rank
-        errors.put(e)
-        raise SystemExit(e.exit_code) from None
+    except BaseException as e:
+        if stopped(e):  # the run was put away on the way here: nothing to say (the launcher says it)
+            end_stopped()
+        if isinstance(e, LogitstoreError):  # to the parent, which prints it once, not once per rank
+            errors.put(e)
+            raise SystemExit(e.exit_code) from None
+        raise
 
 
 def _one_process_group():
@@ -260,7 +266,7 @@ def _train(cfg: TrainConfig, plan: run_folder.RunPlan, *, cuda: bool, signal: St
                 group["lr"] = lr
             started = time.perf_counter()
             wait_before = stream.wait_seconds
-            parts, tokens = _train_step(model, optimizer, batches, cfg, device)
+            parts, tokens = _train_step(model, optimizer, batches, cfg, device, step=step + 1)
             step += 1
             elapsed = time.perf_counter() - started
             record = {
@@ -319,8 +325,10 @@ def _train(cfg: TrainConfig, plan: run_folder.RunPlan, *, cuda: bool, signal: St
     return record
 
 
-def _train_step(model, optimizer, batches, cfg: TrainConfig, device) -> tuple[dict, int]:
-    """One optimizer step over `grad_accum` micro-batches. Returns mean loss parts and tokens (all ranks)."""
+def _train_step(model, optimizer, batches, cfg: TrainConfig, device, *, step: int) -> tuple[dict, int]:
+    """One optimizer step over `grad_accum` micro-batches. Returns mean loss parts and tokens (all ranks).
+    A step without a token on any rank (every sample of it skipped as damaged) stops the run before the
+    optimizer steps on nothing: what is left to train on cannot be told without reading the whole store."""
     optimizer.zero_grad(set_to_none=True)
     sums: dict[str, float] = {}
     tokens = 0
@@ -337,9 +345,14 @@ def _train_step(model, optimizer, batches, cfg: TrainConfig, device) -> tuple[di
         model.parameters(), cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
     )
     grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-    optimizer.step()
     reduced = all_reduce_mean({**sums, "tokens": float(tokens)})
     tokens_all = int(round(reduced.pop("tokens") * dist.get_world_size()))
+    if tokens_all == 0:  # every rank sees the same sum: all of them stop here
+        raise DamagedDataError(
+            f"step {step}: every sample of it is damaged and was skipped (--on-error skip); nothing left to "
+            "train on: `logitstore verify` names the damaged samples"
+        )
+    optimizer.step()
     return {**reduced, "grad_norm": float(grad_norm)}, tokens_all
 
 
@@ -372,7 +385,8 @@ class StoreSignal:
         store = Store.open(cfg.data.store)
         # A weighted mix of versions (`--version-weight`): its first version's teachers and tokenizer.
         weights = cfg.data.version_weights
-        self.mix = None if not weights else [WeightedVersion(store.read(v), w) for v, w in weights.items()]
+        mix = snapshot_weights(store, weights) if weights else {}
+        self.mix = [WeightedVersion(store.read(v), w) for v, w in mix.items()] or None
         self.view = store.read(cfg.data.version) if self.mix is None else self.mix[0].view
         if sum(w.view.index.num_rows for w in self.mix or [WeightedVersion(self.view, 1)]) == 0:
             raise TrainConfigError(f"version {shown(self._pinned())} of {cfg.data.store} holds no samples")

@@ -71,6 +71,20 @@ AXIS = {
     "entry_counts": "entry",
 }
 
+# What a sample's content hash (the index's `content_hash`, `store/index.py`) covers, in the order hashed:
+# its slice of each of these arrays that the part holds (along the array's axis), then each student
+# tokenizer's ids, groups and loss mask.
+HASHED_ARRAYS = (
+    "input_ids",
+    "loss_mask",
+    "n_entries",
+    "tail",
+    "target_logprobs",
+    "entry_codes",
+    "entry_logprobs",
+    "entry_counts",
+)
+
 # The Zarr data types a part's arrays are stored as (`codec.EncodedSamples`): token ids and entry codes
 # in 16 or 32 bits by the vocabulary; log-probabilities float32 through the grid codec (uint16 codes
 # before store format 2); a student tokenizer's ids and groups int32, its loss mask uint8.

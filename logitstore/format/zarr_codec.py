@@ -82,4 +82,19 @@ def as_codes(values: np.ndarray, params: CodecParams) -> np.ndarray:
     return quantize(values, params=params) if values.dtype == np.float32 else values
 
 
+def grid_of(metadata: dict) -> CodecParams | None:
+    """The value grid an array's zarr.json (a dict) declares: its grid codec's, first in its chain or in
+    its shards' inner chain; None where it declares none. A configuration no grid can have raises
+    `ValueError`."""
+    chains = [metadata.get("codecs") or []]
+    chains += [c.get("configuration", {}).get("codecs") or [] for c in chains[0] if c.get("name") == "sharding_indexed"]
+    found = [codec for chain in chains for codec in chain if codec.get("name") == NAME]
+    return LogprobGrid.from_dict(found[0]).params if found else None
+
+
+def same_grid(a: CodecParams, b: CodecParams) -> bool:
+    """Whether two grids give every code the same value (their id orders play no part)."""
+    return all(getattr(a, k) == getattr(b, k) for k in _GRID)
+
+
 register_codec(NAME, LogprobGrid)

@@ -97,9 +97,13 @@ MISSING_SIGNS = (r"Object at location \S+ not found", r"\bNoSuchKey\b")
 # (local disk; an empty file or a link to /dev/zero reads as 0 bytes long) and S3's 416 InvalidRange (a
 # range that starts past the object's end; one that ends past it comes back short, and its checksum fails).
 SHORT_SIGNS = (r"Wanted range starting at \d+, but object was only \d+ bytes long", r"\bInvalidRange\b")
+# How it says that a local object is a symbolic link that leads back to itself (ELOOP): no read of it
+# can ever succeed, so its data is as lost as a deleted file's, never an outage that a retry could end.
+LOOP_SIGNS = (r"Too many levels of symbolic links \(os error 40\)",)
 LOST = (
     (MISSING_SIGNS, "a stored object is missing, its data is lost"),
     (SHORT_SIGNS, "a stored object is shorter than the version says, its data is lost"),
+    (LOOP_SIGNS, "a stored object is a symbolic link that leads back to itself, its data is lost"),
 )
 
 

@@ -26,6 +26,8 @@ from zarr.abc.store import ByteRequest, OffsetByteRequest, RangeByteRequest, Sto
 from zarr.core.buffer import Buffer, BufferPrototype
 
 from logitstore.format import layout
+from logitstore.format.grid import CodecParams
+from logitstore.format.zarr_codec import grid_of, same_grid
 
 
 def chunk_key(path: str) -> str:
@@ -157,14 +159,18 @@ def _cut(data: bytes, byte_range: ByteRequest) -> bytes:
     return data[start:stop]
 
 
-def checked_members(document: dict, *, names: Iterable[str], where: str) -> dict:
+def checked_members(document: dict, *, names: Iterable[str], where: str, grid: CodecParams | None) -> dict:
     """A packed array's member table, from its zarr.json (`shape` and `attributes` are what it reads),
     checked against what its arrays must be before any of them is read: every array of `names` held;
     each member a 1-D array of a data type its name allows, with no more shards than its shape has; the
+    log-probability arrays (`layout.GRID_ARRAYS`) on the teacher's value grid `grid` (its
+    `TeacherMeta.grid`: float32 through the grid codec with these steps, or uint16 codes where None); the
     part's arrays of one axis (`layout.AXIS`) of one length; every shard a range of whole bytes inside
     the object, no two overlapping. A table that fails (a tampered or buggy commit) raises `ValueError`,
     which `read_errors` makes damage of the part's samples. Runs once per part opened: a loop over its
-    few members and one sort of its few shards' ranges (~30 us for a part of 8 arrays)."""
+    few members and one sort of its few shards' ranges (~30 us for a part of 8 arrays). What no table
+    can show (two members' shards swapped, a shard left out as if it held only fill values) the
+    samples' content hashes catch where the part is read (`reader.PartReader`)."""
     try:
         members = dict(document["attributes"][layout.MEMBERS])
         size = _whole_number(document["shape"][0])
@@ -176,8 +182,8 @@ def checked_members(document: dict, *, names: Iterable[str], where: str) -> dict
     lengths: dict[str, dict[int, str]] = {}  # axis -> {length: a member of that length}
     for name, member in members.items():  # a few members per part
         try:
-            length, held = _member(name, member)
-        except (KeyError, TypeError, IndexError, ValueError) as e:
+            length, held = _member(name, member, grid=grid)
+        except (KeyError, TypeError, IndexError, ValueError, AttributeError) as e:
             raise ValueError(f"the member table of {where} is damaged at {name} ({e or type(e).__name__})") from None
         spans += held
         if name in layout.AXIS:
@@ -189,12 +195,13 @@ def checked_members(document: dict, *, names: Iterable[str], where: str) -> dict
     return members
 
 
-def array_members(array, *, names: Iterable[str], where: str) -> dict:
+def array_members(array, *, names: Iterable[str], where: str, grid: CodecParams | None) -> dict:
     """`checked_members` of an opened packed array (a `zarr.Array`)."""
-    return checked_members({"shape": list(array.shape), "attributes": dict(array.attrs)}, names=names, where=where)
+    document = {"shape": list(array.shape), "attributes": dict(array.attrs)}
+    return checked_members(document, names=names, where=where, grid=grid)
 
 
-def _member(name: str, member: dict) -> tuple[int, list[tuple[int, int]]]:
+def _member(name: str, member: dict, *, grid: CodecParams | None) -> tuple[int, list[tuple[int, int]]]:
     """A member's length and its shards' (offset, length), checked (ValueError names what is wrong)."""
     meta = member["zarr"]
     if not isinstance(meta["shape"], list) or len(meta["shape"]) != 1:
@@ -202,6 +209,8 @@ def _member(name: str, member: dict) -> tuple[int, list[tuple[int, int]]]:
     length = _whole_number(meta["shape"][0])
     if meta["data_type"] not in layout.data_types(name):
         raise ValueError(f"data type {meta['data_type']!r} is not one of {layout.data_types(name)}")
+    if name in layout.GRID_ARRAYS:
+        _check_grid(meta, grid=grid)
     per_object = _whole_number(meta["chunk_grid"]["configuration"]["chunk_shape"][0])
     objects = member["objects"]
     if not isinstance(objects, list) or len(objects) > -(-length // max(per_object, 1)):
@@ -212,6 +221,17 @@ def _member(name: str, member: dict) -> tuple[int, list[tuple[int, int]]]:
     if any(n == 0 for _, n in held):  # a shard holds at least its index and checksum
         raise ValueError("a shard of 0 bytes")
     return length, held
+
+
+def _check_grid(meta: dict, *, grid: CodecParams | None) -> None:
+    """A log-probability member on its teacher's value grid: the same steps (another grid decodes every
+    code to another value), or uint16 codes without a grid where the teacher stores codes."""
+    held = grid_of(meta)
+    if grid is None and (held is not None or meta["data_type"] != "uint16"):
+        raise ValueError("a value grid where its teacher stores uint16 codes")
+    if grid is not None and (held is None or meta["data_type"] != "float32" or not same_grid(held, grid)):
+        steps = lambda g: "none" if g is None else f"fine_step {g.fine_step}, coarse_step {g.coarse_step}"
+        raise ValueError(f"value grid {steps(held)}, not its teacher's {steps(grid)}")
 
 
 def _whole_number(value) -> int:

@@ -59,18 +59,21 @@ def read_whole(store, paths: list[str], *, params: CodecParams) -> list[np.ndarr
     return sync(every())
 
 
-def read_packed(store, path: str, names: list[str], *, params: CodecParams) -> list[np.ndarray]:
+def read_packed(
+    store, path: str, names: list[str], *, params: CodecParams, grid: CodecParams | None
+) -> list[np.ndarray]:
     """The arrays `names` of the packed part whose packed array is at `path` (store format 3,
     `packed.py`), as `read_whole` gives them: its document and its one chunk in one round of requests
     (on Icechunk the document comes from the snapshot: one request to storage), split and decoded here.
-    A member laid out otherwise is read through Zarr, over `packed.PackedStore`."""
+    A member laid out otherwise is read through Zarr, over `packed.PackedStore`. `grid` is the value
+    grid its log-probability members must declare (`packed.checked_members`)."""
     document, chunk = _get_many(
         store, [f"{path}/zarr.json", packed.chunk_key(path)], what=f"reading {packed.chunk_key(path)}"
     )
     # the snapshot lists the part: a missing or unreadable document, or a member table that disagrees
     # with its arrays, is damage (a ValueError)
     metadata = json.loads(document.to_bytes()) if document is not None else None
-    members = packed.checked_members(metadata if isinstance(metadata, dict) else {}, names=names, where=path)
+    members = packed.checked_members(metadata if isinstance(metadata, dict) else {}, names=names, where=path, grid=grid)
     data = np.zeros(0, np.uint8) if chunk is None else np.asarray(chunk.as_numpy_array()).view(np.uint8).reshape(-1)
     stored = {name: _stored_array(members[name]["zarr"]) for name in names}
     if any(array is None for array in stored.values()):

@@ -37,6 +37,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from logitstore.errors import DamagedDataError
+from logitstore.format import layout
 from logitstore.format.codec import EncodedSamples
 from logitstore.format.samples import StudentTokens
 from logitstore.storage.blobs import BlobStore
@@ -114,27 +115,75 @@ def _offsets(counts) -> np.ndarray:
     return np.concatenate([[0], np.cumsum(np.asarray(counts, dtype=np.int64))])
 
 
+# An array and each sample's [start, stop) in it.
+Piece = tuple[np.ndarray, np.ndarray, np.ndarray]
+
+
 def sample_hashes(enc: EncodedSamples, n_tokens: np.ndarray, *, students: Sequence[StudentTokens] = ()) -> list[str]:
-    """blake2b-128 of each sample's encoded arrays (and its student tokens and alignment, if any).
-    One Python iteration per sample, not per token."""
+    """blake2b-128 of each sample's encoded arrays (and its student tokens and alignment, if any), as
+    hex: what the index's `content_hash` holds for freshly encoded samples (their arrays start at 0)."""
     token_off, position_off, entry_off = encoded_offsets(enc, n_tokens)
-    student_arrays = [(st.ids, _offsets(st.n_ids), st.groups, _offsets(st.n_groups), st.loss_mask) for st in students]
-    per_token = [a for a in (enc.input_ids, enc.loss_mask) if a is not None]
-    per_position = [enc.n_entries, enc.tail, enc.target_logprobs]
-    per_entry = [a for a in (enc.entry_codes, enc.entry_logprobs, enc.entry_counts) if a is not None]
+    spans = {"token": token_off, "position": position_off, "entry": entry_off}
+    pieces = part_pieces(enc, {axis: (off[:-1], off[1:]) for axis, off in spans.items()})
+    for st in students:
+        id_off, group_off = _offsets(st.n_ids), _offsets(st.n_groups)
+        pieces += student_pieces(
+            st.ids,
+            st.groups,
+            st.loss_mask,
+            tokens=(id_off[:-1], id_off[1:]),
+            group_rows=(group_off[:-1], group_off[1:]),
+        )
+    return [d.hex() for d in digests(pieces, len(n_tokens))]
+
+
+def part_pieces(enc: EncodedSamples, spans: dict[str, tuple[np.ndarray, np.ndarray]]) -> list[Piece]:
+    """The part's arrays a content hash covers, with each sample's [start, stop) per axis (`layout.spans`)."""
+    return [(a, *spans[layout.AXIS[name]]) for name in layout.HASHED_ARRAYS if (a := getattr(enc, name)) is not None]
+
+
+def student_pieces(ids, groups, loss_mask, *, tokens: tuple, group_rows: tuple) -> list[Piece]:
+    """One student tokenizer's arrays a content hash covers: its ids (int32) and loss mask (uint8) with
+    each sample's [start, stop) `tokens`, its alignment groups (rows of 4 int32, flat or not) with each
+    sample's rows `group_rows`."""
+    (t0, t1), (g0, g1) = tokens, group_rows
+    out = [
+        (np.asarray(ids).astype(np.int32, copy=False), t0, t1),
+        (np.asarray(groups).astype(np.int32, copy=False).reshape(-1), 4 * np.asarray(g0), 4 * np.asarray(g1)),
+    ]
+    if loss_mask is not None:
+        out.append((np.asarray(loss_mask).astype(np.uint8, copy=False), t0, t1))
+    return out
+
+
+def digests(pieces: list[Piece], n: int) -> list[bytes]:
+    """blake2b-128 of each of `n` samples' slices of the pieces, in order (`content_hash` as bytes).
+    One Python iteration per sample, not per token; slices go to blake2b as buffers, not copies."""
+    bounds = [(a, lo.tolist(), hi.tolist()) for a, lo, hi in pieces]
     out = []
-    # Slices go to blake2b as buffers (`.data`, a memoryview), not copies (`tobytes`); the bytes hashed are the same.
-    for s in range(len(n_tokens)):
+    for s in range(n):
         h = hashlib.blake2b(digest_size=16)
-        for arrays, off in ((per_token, token_off), (per_position, position_off), (per_entry, entry_off)):
-            for a in arrays:
-                h.update(np.ascontiguousarray(a[off[s] : off[s + 1]]).data)
-        for ids, id_off, groups, group_off, mask in student_arrays:
-            h.update(np.ascontiguousarray(ids[id_off[s] : id_off[s + 1]], dtype=np.int32).data)
-            h.update(np.ascontiguousarray(groups[group_off[s] : group_off[s + 1]], dtype=np.int32).data)
-            if mask is not None:
-                h.update(np.ascontiguousarray(mask[id_off[s] : id_off[s + 1]], dtype=np.uint8).data)
-        out.append(h.hexdigest())
+        for a, lo, hi in bounds:
+            h.update(np.ascontiguousarray(a[lo[s] : hi[s]]).data)
+        out.append(h.digest())
+    return out
+
+
+def digests_of(content_hashes: list) -> np.ndarray:
+    """uint8 [n, 16]: the index's hex `content_hash` values as bytes (zeros for one that is not 32 hex
+    digits, which no read matches). One join and one hex decode for the column."""
+    ok = [isinstance(h, str) and len(h) == 32 for h in content_hashes]
+    out = np.zeros((len(content_hashes), 16), dtype=np.uint8)
+    try:
+        out[np.array(ok, dtype=bool)] = np.frombuffer(
+            bytes.fromhex("".join(h for h, good in zip(content_hashes, ok) if good)), np.uint8
+        ).reshape(-1, 16)
+    except ValueError:  # a value of 32 characters that are not hex: left as zeros, one by one
+        for i in np.flatnonzero(ok).tolist():  # one step per sample, for a damaged index only
+            try:
+                out[i] = np.frombuffer(bytes.fromhex(content_hashes[i]), np.uint8)
+            except ValueError:
+                out[i] = 0
     return out
 
 

@@ -23,11 +23,9 @@ import zarr
 from logitstore.errors import DamagedDataError, StorageError
 from logitstore.format import layout
 from logitstore.format.layout import group_at, read_values
-from logitstore.format.samples import StudentTokens
 from logitstore.format.zarr_codec import as_codes
 from logitstore.store.generation import generation_of
-from logitstore.store.index import sample_hashes
-from logitstore.store.version import StoreVersion, slice_row
+from logitstore.store.version import StoreVersion, row_problem, slice_row
 
 
 @dataclass
@@ -162,44 +160,15 @@ def _read_part(version: StoreVersion, teacher: str, part: str) -> dict[str, np.n
         return None
 
 
-def _student_tokens(version: StoreVersion, row: dict) -> list[StudentTokens]:
-    """The row's student ids and groups for each of its teacher's student tokenizers, in order."""
-    out = []
-    meta = version.teachers[row["teacher"]]
-    array = lambda name: version.array(row["teacher"], row["part"], name)
-    for k, student in enumerate(meta.student_names):
-        s0, n, g0, g = (row[c][k] for c in ("student_start", "n_student_tokens", "group_start", "n_groups"))
-        # chat data holds a loss mask per student tokenizer (the writer refuses it otherwise)
-        ids_name, groups_name, *mask_name = layout.student_arrays(student, chat=meta.loss_mask is not None)
-        ids = read_values(array(ids_name), slice(s0, s0 + n))
-        groups = read_values(array(groups_name), slice(4 * g0, 4 * (g0 + g)))
-        mask = read_values(array(mask_name[0]), slice(s0, s0 + n)) if mask_name else None
-        if len(ids) != n or len(groups) != 4 * g or (mask is not None and len(mask) != n):
-            raise IndexError("index points outside the stored student arrays")
-        out.append(
-            StudentTokens(
-                ids=ids, n_ids=np.array([n]), groups=groups.reshape(-1, 4), n_groups=np.array([g]), loss_mask=mask
-            )
-        )
-    return out
-
-
 def _check_row(version: StoreVersion, row: dict, whole: dict[str, np.ndarray] | None) -> str | None:
     try:
         if whole is not None:
             enc = slice_row(row, lambda name, rows: whole[name][rows], names=list(whole))
         else:
-            enc = version.encoded_row(row)
-        students = _student_tokens(version, row)
+            enc = version.encoded_row(row, checked=False)
+        students = version.row_students(row)
     except StorageError:  # an outage is not damage: stop, exit 2
         raise
     except Exception as e:  # a damaged chunk: decompression or checksum failure
         return _problem(e)
-    n_pos = row["n_tokens"] - 1
-    if len(enc.input_ids) != row["n_tokens"] or len(enc.tail) != n_pos or len(enc.entry_codes) != row["n_entries"]:
-        return "index points outside the stored arrays"
-    if int(enc.n_entries.astype(np.int64).sum()) != row["n_entries"]:
-        return "entry counts disagree with the index"
-    if sample_hashes(enc, np.array([row["n_tokens"]]), students=students)[0] != row["content_hash"]:
-        return "content hash mismatch"
-    return None
+    return row_problem(row, enc, students)

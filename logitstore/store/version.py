@@ -13,6 +13,7 @@ import zarr
 from tokenizers import Tokenizer
 
 from logitstore.errors import (
+    DamagedDataError,
     LogitstoreError,
     SampleNotFoundError,
     VersionNotFoundError,
@@ -20,7 +21,7 @@ from logitstore.errors import (
 from logitstore.format import codec, layout
 from logitstore.format.codec import EncodedSamples
 from logitstore.format.layout import array_at, group_at, json_attr, read_values, root_attrs
-from logitstore.format.samples import SparseSamples
+from logitstore.format.samples import SparseSamples, StudentTokens
 from logitstore.format.zarr_codec import as_codes
 from logitstore.storage.blobs import BlobStore
 from logitstore.storage.bounded import BoundedRepository, read_errors, storage_errors
@@ -34,6 +35,7 @@ from logitstore.store.generation import (
     prompt_messages,
     read_prompt_lines,
 )
+from logitstore.store.index import sample_hashes
 from logitstore.store.meta import TeacherMeta
 
 
@@ -154,15 +156,46 @@ class StoreVersion:
         out.sample_ids = [r["sample_id"]]
         return out
 
-    def encoded_row(self, r: dict) -> EncodedSamples:
-        """The stored integer arrays of one index row (a dict from `index.to_pylist()`)."""
+    def encoded_row(self, r: dict, *, checked: bool = True) -> EncodedSamples:
+        """The stored integer arrays of one index row (a dict from `index.to_pylist()`), `checked` against
+        the row's lengths and content hash (`verify` checks them itself, to say which one differs): a
+        member table that puts another member's bytes, or none, in an array's place is damage here,
+        never wrong values. The check reads the row's student tokens too and hashes its few bytes."""
         t, p = r["teacher"], r["part"]
         params = self.teachers[t].codec
-        with read_errors(f"sample {r['sample_id']!r} of teacher {t!r} (part {p})"):
+        what = f"sample {r['sample_id']!r} of teacher {t!r} (part {p})"
+        with read_errors(what):
             names = self.part_names(t, p)
-            return slice_row(
+            enc = slice_row(
                 r, lambda name, rows: as_codes(read_values(self.array(t, p, name), rows), params), names=names
             )
+            if checked:
+                problem = row_problem(r, enc, self.row_students(r))
+                if problem:
+                    raise DamagedDataError(f"{what} is damaged: {problem}; run `logitstore verify`")
+        return enc
+
+    def row_students(self, r: dict) -> list[StudentTokens]:
+        """The row's student ids and groups (and loss mask, chat data) for each of its teacher's student
+        tokenizers, in order. A range past the stored arrays raises `ValueError` (damage)."""
+        out = []
+        meta = self.teachers[r["teacher"]]
+        array = lambda name: self.array(r["teacher"], r["part"], name)
+        for k, student in enumerate(meta.student_names):
+            s0, n, g0, g = (r[c][k] for c in ("student_start", "n_student_tokens", "group_start", "n_groups"))
+            # chat data holds a loss mask per student tokenizer (the writer refuses it otherwise)
+            ids_name, groups_name, *mask_name = layout.student_arrays(student, chat=meta.loss_mask is not None)
+            ids = read_values(array(ids_name), slice(s0, s0 + n))
+            groups = read_values(array(groups_name), slice(4 * g0, 4 * (g0 + g)))
+            mask = read_values(array(mask_name[0]), slice(s0, s0 + n)) if mask_name else None
+            if len(ids) != n or len(groups) != 4 * g or (mask is not None and len(mask) != n):
+                raise ValueError("index points outside the stored student arrays")
+            out.append(
+                StudentTokens(
+                    ids=ids, n_ids=np.array([n]), groups=groups.reshape(-1, 4), n_groups=np.array([g]), loss_mask=mask
+                )
+            )
+        return out
 
     def part_group(self, teacher: str, part: str) -> zarr.Group:
         return group_at(self.root, layout.part_path(teacher, part))
@@ -182,7 +215,7 @@ class StoreVersion:
             path = layout.packed_path(teacher, part)
             meta = self.teachers[teacher]
             names = layout.part_arrays(sampled=meta.sampled, chat=meta.loss_mask is not None)
-            members = array_members(array_at(self.root, path), names=names, where=path)
+            members = array_members(array_at(self.root, path), names=names, where=path, grid=meta.grid)
             self._packed[(teacher, part)] = PackedStore(self.root.store, path=path, members=members)
         return self._packed[(teacher, part)]
 
@@ -319,6 +352,19 @@ def _read_text(group: zarr.Group, name: str, *, what: str) -> str:
     with read_errors(f"{what} ({group.path}/{name})"):
         data = bytes(read_values(array_at(group, name)))
         return data.decode("utf-8")
+
+
+def row_problem(row: dict, enc: EncodedSamples, students: list[StudentTokens]) -> str | None:
+    """What is wrong with one index row's stored arrays (`enc`, its student tokens): lengths the index
+    does not give, or bytes that do not hash to its content hash; None when nothing is."""
+    n_pos = row["n_tokens"] - 1
+    if len(enc.input_ids) != row["n_tokens"] or len(enc.tail) != n_pos or len(enc.entry_codes) != row["n_entries"]:
+        return "index points outside the stored arrays"
+    if int(enc.n_entries.astype(np.int64).sum()) != row["n_entries"]:
+        return "entry counts disagree with the index"
+    if sample_hashes(enc, np.array([row["n_tokens"]]), students=students)[0] != row["content_hash"]:
+        return "content hash mismatch"
+    return None
 
 
 def slice_row(row: dict, read, *, names) -> EncodedSamples:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import secrets
 import time
+from collections import ChainMap
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -17,7 +18,6 @@ import pyarrow.compute as pc
 import zarr
 
 from logitstore.errors import (
-    ChangedTextError,
     ConflictError,
     DuplicateSampleError,
     IncompatibleStoreError,
@@ -36,6 +36,7 @@ from logitstore.storage.bounded import (
 )
 from logitstore.storage.location import commit_lock
 from logitstore.store import index
+from logitstore.store.documents import Decision, decide
 from logitstore.store.generation import GENERATIONS_ATTR, prompt_array
 from logitstore.store.meta import (
     FORMAT_VERSION,
@@ -55,10 +56,11 @@ class StoreWriter:
 
     `on_duplicate` decides what happens to a sample id the branch already holds for that teacher:
     "error" (default) refuses the write, "replace" makes the new sample win, "skip" keeps the old one
-    and drops the new (what a resumed build wants). With "skip", `on_changed` decides for a duplicate
-    stored with other text (both source hashes known, and different): "error" (default) raises
-    `ChangedTextError`, "skip" keeps the stored one (`CommitResult.changed`), "replace" makes the new one
-    win. The same rule holds for samples the base version holds and for samples a concurrent writer
+    and drops the new (what a resumed build wants). With "skip", `on_changed` decides for a sample whose
+    document is stored with other text (both source hashes known, and different), under its id or other
+    window ids (`documents.decide`): "error" (default) raises `ChangedTextError`, "skip" keeps the stored
+    one (`CommitResult.changed`), "replace" makes the new one win and drops the document's other stored
+    windows. The same rule holds for samples the base version holds and for samples a concurrent writer
     committed first (found when `commit` rebases onto it).
     """
 
@@ -240,50 +242,26 @@ class StoreWriter:
             self._part_bytes[(rows["teacher"][0].as_py(), rows["part"][0].as_py())] = stored_bytes
 
     def _apply_duplicate_rule(self, teacher: str, sample_ids: list[str], sources: list[str | None]) -> list[int]:
-        """Which of these samples to stage, by `on_duplicate` and, for one stored with other text, `on_changed`."""
-        dup = [
-            i
-            for i, sid in enumerate(sample_ids)
-            if (teacher, sid) in self._base_keys or (teacher, sid) in self._new_keys
-        ]
-        if not dup:
-            return list(range(len(sample_ids)))
-        if self.on_duplicate == "error":
+        """Which of these samples to stage, by `on_duplicate` and, for one whose document is stored with
+        other text, `on_changed` (`documents.decide`, against the base version and what is staged)."""
+        keys = [(teacher, sid) for sid in sample_ids]
+        dup = [i for i, key in enumerate(keys) if key in self._base_keys or key in self._new_keys]
+        if dup and self.on_duplicate == "error":
             first = [sample_ids[i] for i in dup[:3]]
             raise DuplicateSampleError(
                 f"{len(dup)} sample id(s) already stored for teacher {teacher!r}, e.g. {first}; "
                 "pass on_duplicate='replace' or 'skip'"
             )
-        in_txn = [sample_ids[i] for i in dup if (teacher, sample_ids[i]) in self._new_keys]
+        in_txn = [sample_ids[i] for i in dup if keys[i] in self._new_keys]
         if self.on_duplicate == "replace":
             if in_txn:
                 raise DuplicateSampleError(f"sample id {in_txn[0]!r} written twice in one transaction")
             return list(range(len(sample_ids)))
-        keys = [(teacher, sample_ids[i]) for i in dup]
-        stored = {key: self._base_keys[key] for key in keys if key in self._base_keys}
-        stored.update(self._new_sources(teacher, in_txn))
-        left_out, changed = self._stored_already(keys, [sources[i] for i in dup], stored=stored)
-        self._count_left_out(left_out, changed)
-        return [i for i in range(len(sample_ids)) if (teacher, sample_ids[i]) not in left_out]
-
-    def _stored_already(
-        self, keys: list[tuple[str, str]], sources: list[str | None], *, stored: dict[tuple[str, str], str | None]
-    ) -> tuple[set[tuple[str, str]], list[str]]:
-        """Of these duplicates (on_duplicate="skip"), the ones to leave out: those stored with the same
-        text (or a text of unknown source), and those stored with other text unless `on_changed` is
-        "replace"; and the sample ids of those stored with other text. One rule for the base version's
-        samples and for a concurrent writer's."""
-        changed = [
-            (key, stored[key], new)
-            for key, new in zip(keys, sources)
-            if stored[key] is not None and new is not None and stored[key] != new
-        ]
-        if changed and self.on_changed == "error":
-            (teacher, sample_id), was, now = changed[0]
-            assert was is not None and now is not None, "compared above"
-            raise ChangedTextError(teacher=teacher, sample_id=sample_id, stored=was, new=now, count=len(changed))
-        replaced = {key for key, _, _ in changed} if self.on_changed == "replace" else set()
-        return {key for key in keys if key not in replaced}, [sid for (_, sid), _, _ in changed]
+        stored = ChainMap(self._new_sources(teacher, in_txn), self._base_keys)
+        decision = decide(keys, sources, stored=stored, on_changed=self.on_changed)
+        self.remove(teacher, [sid for t, sid in decision.dropped])  # a replaced document's other windows
+        self._count_left_out(decision.left_out, decision.changed)
+        return [i for i, key in enumerate(keys) if key not in decision.left_out]
 
     def _count_left_out(self, left_out: set[tuple[str, str]], changed: list[str]) -> None:
         """Count once what a write, a merge or the commit that succeeds left out or replaced."""
@@ -392,19 +370,18 @@ class StoreWriter:
         """The branch's new index, and the rows of this write it holds (with on_duplicate="skip", less
         those a concurrent writer committed first, by the rule `write` and `merge` apply to the base's)."""
         present = _keys(base) - self._removed  # what the branch holds and this write does not remove
-        clash = present & _keys(new_rows) - self._base_keys.keys()  # ids a concurrent writer added meanwhile
+        added = present - self._base_keys.keys()  # what a concurrent writer added meanwhile
+        clash = added & _keys(new_rows)
         if clash and self.on_duplicate == "error":
             raise ConflictError(f"a concurrent write added sample(s) {sorted(clash)[:3]} that this write also holds")
-        left_out: set[tuple[str, str]] = set()
-        changed: list[str] = []
-        if clash and self.on_duplicate == "skip":
-            ours = new_rows.filter(_key_mask(new_rows, clash))
-            keys = list(zip(ours["teacher"].to_pylist(), ours["sample_id"].to_pylist()))
-            theirs = _sources(base.filter(_key_mask(base, clash)))
-            left_out, changed = self._stored_already(keys, ours["source_hash"].to_pylist(), stored=theirs)
-            new_rows = new_rows.filter(pc.invert(_key_mask(new_rows, left_out)))
-        kept = base.filter(pc.invert(_key_mask(base, _keys(new_rows) | self._removed)))
-        return _Merged(pa.concat_tables([kept, new_rows]), new_rows, left_out, changed)
+        decision = Decision()
+        if added and self.on_duplicate == "skip":  # by document: the other writer's text may have other windows
+            keys = list(zip(new_rows["teacher"].to_pylist(), new_rows["sample_id"].to_pylist()))
+            theirs = _sources(base.filter(_key_mask(base, added)))
+            decision = decide(keys, new_rows["source_hash"].to_pylist(), stored=theirs, on_changed=self.on_changed)
+            new_rows = new_rows.filter(pc.invert(_key_mask(new_rows, decision.left_out)))
+        kept = base.filter(pc.invert(_key_mask(base, _keys(new_rows) | self._removed | decision.dropped)))
+        return _Merged(pa.concat_tables([kept, new_rows]), new_rows, decision.left_out, decision.changed)
 
 
 @dataclass

@@ -49,6 +49,27 @@ class WeightedVersion:
     weight: float
 
 
+# A mix's epoch is one table row per sample and repeat, in every process (~150 bytes each: its index
+# columns, its id, its place in the order), so a weight that asks for more rows than this (~300 GB) is a
+# typo, refused before anything is allocated.
+MAX_EPOCH_ROWS = 2**31
+
+
+def snapshot_weights(store, weights: dict[str, float]) -> dict[str, float]:
+    """{snapshot id: weight} of `--version-weight`'s {version: weight} (tags, branches, ids of `store`);
+    two names of one version (a tag and its snapshot id) are refused, not summed or merged."""
+    out: dict[str, float] = {}
+    named: dict[str, str] = {}
+    for name, weight in weights.items():
+        snapshot = store.resolve(name)
+        if snapshot in out:
+            raise StreamConfigError(
+                f"--version-weight: {named[snapshot]!r} and {name!r} name one version ({snapshot}); give it once"
+            )
+        out[snapshot], named[snapshot] = weight, name
+    return out
+
+
 def mix_version(mix: list[WeightedVersion]) -> dict[str, float] | str:
     """What a mix pins (`pinned`)."""
     return pinned({w.view.snapshot_id: w.weight for w in mix})
@@ -173,6 +194,12 @@ def _weighted_rows(w: WeightedVersion, *, teacher: str, split: str, eval_fractio
     """The version's rows of the split, each repeated by its multiplicity at the version's weight."""
     check_train_on(w.view, teacher=teacher, train_on=train_on)
     own = split_rows(w.view, teacher=teacher, split=split, eval_fraction=eval_fraction)
+    if w.weight * len(own.sample_ids) > MAX_EPOCH_ROWS:
+        raise StreamConfigError(
+            f"--version-weight: weight {w.weight:g} repeats the {len(own.sample_ids):,} samples of version "
+            f"{w.view.snapshot_id} past {MAX_EPOCH_ROWS:,} rows per epoch; give a weight of at most "
+            f"{MAX_EPOCH_ROWS // len(own.sample_ids):,}"
+        )
     times = multiplicity(own.sample_ids, version=w.view.snapshot_id, weight=w.weight)
     return _take(own, np.repeat(np.arange(len(own.sample_ids)), times))
 
@@ -230,13 +257,14 @@ def _with_index(view: StoreVersion, versions: list[StoreVersion]) -> StoreVersio
 
 
 # The index columns a reader needs of each row (beside its id and part).
-_COLUMNS = ("n_tokens", "token_start", "position_start", "entry_start", "n_entries")
+_COLUMNS = ("n_tokens", "token_start", "position_start", "entry_start", "n_entries", "content_hash")
 
 
 def _take(rows: TeacherRows, at: np.ndarray) -> TeacherRows:
     """Rows `at` of `rows` (repeats allowed), their parts renumbered over the parts they use."""
     used, code = np.unique(rows.part[at], return_inverse=True)
     columns: dict[str, Any] = {name: getattr(rows, name)[at] for name in _COLUMNS}
+    columns["student_columns"] = {c: values[at] for c, values in rows.student_columns.items()}
     ids = [rows.sample_ids[i] for i in at.tolist()]
     return TeacherRows(ids, code.reshape(-1).astype(np.int64), [rows.parts[c] for c in used.tolist()], **columns)
 
@@ -244,6 +272,9 @@ def _take(rows: TeacherRows, at: np.ndarray) -> TeacherRows:
 def _join(rows: list[TeacherRows]) -> TeacherRows:
     """The rows of several versions as one reader's: a part two of them use is one part."""
     columns: dict[str, Any] = {name: np.concatenate([getattr(r, name) for r in rows]) for name in _COLUMNS}
+    columns["student_columns"] = {
+        c: np.concatenate([r.student_columns[c] for r in rows]) for c in rows[0].student_columns
+    }
     offsets = np.cumsum([0] + [len(r.parts) for r in rows])[:-1]
     parts, code = np.unique(np.asarray([p for r in rows for p in r.parts], dtype=str), return_inverse=True)
     part = code.reshape(-1).astype(np.int64)[np.concatenate([r.part + o for r, o in zip(rows, offsets)])]

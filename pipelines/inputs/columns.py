@@ -17,6 +17,7 @@ import pyarrow.compute as pc
 
 from logitstore.format.samples import CONTROL_CHARACTERS
 from logitstore.pipelines.inputs.sources import DataError, HubDataset
+from logitstore.store.documents import WINDOW_SUFFIX  # reserved: an input id ending in it could be another's window
 from logitstore.text.chat import as_messages, conversation_hash_text, message_problem
 
 _INT64_MAX = np.iinfo(np.int64).max
@@ -93,11 +94,6 @@ def text_hash(text: str) -> str:
 def ids_hash(token_ids: np.ndarray) -> str:
     """sha256 of the ids as little-endian int64 bytes, first 32 hex digits (pre-tokenized input)."""
     return hashlib.sha256(np.ascontiguousarray(token_ids, dtype="<i8").tobytes()).hexdigest()[:32]
-
-
-# The suffix the plan's `window_ids` gives the windows of a long document. Reserved: an input id ending in it
-# could be a window of another document (ids `a#w1`, then a long `a`), and one would hide the other.
-WINDOW_SUFFIX = r"#w[0-9]+$"
 
 
 def effective_columns(
