@@ -200,6 +200,7 @@ def test_every_script_has_a_smoke_run_somewhere():
     elsewhere = {
         "stream.py": "test_benchmarks.py",
         "named_arrays.py": "test_benchmarks.py",
+        "export.py": "test_benchmarks.py",
         "gpu.py": "test_gpu.py",
         "frontier.py": "test_frontier.py",
         "vllm_engine.py": "test_vllm_build.py",

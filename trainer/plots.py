@@ -76,7 +76,7 @@ def _record(line: bytes, *, path: Path, number: int) -> dict:
 # The fields a report reads, by the type a run writes them as (`train._log`): checked where a record is
 # read, so no drawing or table meets a value it cannot show. Fields it does not read may hold anything.
 NUMBERS = ("loss", "kd", "ce", "eval_kl", "eval_ce", "lr", "grad_norm", "tokens_per_second")
-TEXTS = ("event", "store", "version", "teacher", "student")
+TEXTS = ("event", "store", "teacher", "student")
 
 
 def _wrong_field(record: dict) -> str | None:
@@ -92,12 +92,21 @@ def _wrong_field(record: dict) -> str | None:
         value = record.get(key)
         if value is not None and not isinstance(value, str):
             return f"{key!r} is {quoted(value)}, not text"
+    version = record.get("version")  # a snapshot, or a mix of them: {snapshot: weight} (`--version-weight`)
+    if version is not None and not (isinstance(version, str) or _is_mix(version)):
+        return f"'version' is {quoted(version)}, not a version or a mix of versions"
     teachers = record.get("teachers")
     if teachers is not None and not (
         isinstance(teachers, list) and all(isinstance(t, dict) and isinstance(t.get("name"), str) for t in teachers)
     ):
         return f"'teachers' is {quoted(teachers)}, not a list of teachers with their names"
     return None
+
+
+def _is_mix(value) -> bool:
+    return isinstance(value, dict) and all(
+        isinstance(k, str) and isinstance(w, (int, float)) and not isinstance(w, bool) for k, w in value.items()
+    )
 
 
 def plot_metrics(out: Path, *, note: Callable[[str], None] = _stderr_note) -> Path:
