@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -17,13 +18,34 @@ BACKENDS = ["local", "memory", "s3"]
 
 def pytest_collection_modifyitems(config, items):
     """Tests marked `vllm` need vLLM, which lives in its own virtualenv (`scripts/vllm_env.sh`, run by
-    .ci/run's vLLM job): skipped wherever it cannot be imported."""
+    .ci/run's vLLM job): skipped wherever it cannot be imported. The tests of modules with runs in the
+    background (`background`, below) go last, when those runs are done."""
+    items.sort(key=lambda item: hasattr(item.module, "background_runs"))  # stable: the order otherwise kept
     if importlib.util.find_spec("vllm") is not None:
         return
     skip = pytest.mark.skip(reason="needs vLLM: .ci/run's vLLM job (scripts/vllm_env.sh)")
     for item in items:
         if item.get_closest_marker("vllm") is not None:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def background(request, tmp_path_factory) -> dict:
+    """Child processes the tests check but do not wait on, started with the session: the benchmark smokes
+    and the GPU run's smoke (~2 min of CPU together, most of it importing torch in fresh processes). Most
+    tests keep one core busy, so these run one at a time beside them, niced (`NICE`), on the core the
+    suite leaves idle; the tests that check them run last. A module declares its runs with
+    `background_runs(items, tmp_path_factory) -> {name: function}` (`items`: the session's selected tests);
+    its tests take `background[name].result()`."""
+    modules = sorted({item.module for item in request.session.items}, key=lambda m: m.__name__)
+    runs = {}
+    for module in modules:
+        if hasattr(module, "background_runs"):
+            runs.update(module.background_runs(request.session.items, tmp_path_factory))
+    pool = ThreadPoolExecutor(1, thread_name_prefix="background")
+    futures = {name: pool.submit(run) for name, run in runs.items()}
+    yield futures
+    pool.shutdown(cancel_futures=True)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -7,6 +7,7 @@ The smokes that run a teacher share one toy teacher, the one a smoke makes when 
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -14,7 +15,6 @@ import re
 import subprocess
 import sys
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -132,7 +132,7 @@ class Smoke:
     check: Callable[[str], None]
 
 
-# Longest first (the pool below starts them in this order): train_scaling.py runs seven processes.
+# In the order they run in the background (`background_runs`); train_scaling.py runs seven processes.
 SMOKES = {
     "train_scaling": Smoke(("train_scaling.py", "--smoke"), check_train_scaling),
     "live": Smoke(("live.py", "--smoke", "--teacher", TEACHER), check_live),
@@ -150,12 +150,15 @@ SMOKES = {
 }
 
 
-def run(smoke: Smoke, *, teacher: str, cwd: Path) -> subprocess.CompletedProcess:
+NICE = ["nice", "-n", "10"]  # beside the suite's tests, which come first (`background` in tests/conftest.py)
+
+
+def run(smoke: Smoke, *, teacher: Callable[[], str], cwd: Path) -> subprocess.CompletedProcess:
     script, *args = smoke.command
     # stream_ab.sh compares two installs: this one with itself (AFTER_PYTHON, and BEFORE_PYTHON by default)
     interpreter = ["bash"] if script.endswith(".sh") else [sys.executable]
     return subprocess.run(
-        [*interpreter, str(BENCHMARKS / script), *(teacher if a == TEACHER else a for a in args)],
+        [*NICE, *interpreter, str(BENCHMARKS / script), *(teacher() if a == TEACHER else a for a in args)],
         capture_output=True,
         text=True,
         timeout=600,
@@ -164,33 +167,28 @@ def run(smoke: Smoke, *, teacher: str, cwd: Path) -> subprocess.CompletedProcess
     )
 
 
-@pytest.fixture(scope="module")
-def toy_teacher(tmp_path_factory) -> str:
-    """The teacher a smoke makes when given none (`benchmarks/_smoke.py`), made once for the module."""
-    return save_toy_teacher(tmp_path_factory.mktemp("smokes") / "toy-teacher")
+def background_runs(items, tmp_path_factory) -> dict[str, Callable[[], subprocess.CompletedProcess]]:
+    """The selected smokes, run in the background from the session's start (tests/conftest.py): each is a few
+    seconds of CPU, most of it a fresh process importing torch and transformers (over 20 processes in all).
+    The smokes that run a teacher share the one a smoke makes when given none, made by the first of them."""
+    module = sys.modules[__name__]
+    selected = [item.callspec.params["name"] for item in items if item.module is module and hasattr(item, "callspec")]
+    made: list[str] = []
 
+    def teacher() -> str:
+        if not made:
+            made.append(save_toy_teacher(tmp_path_factory.mktemp("smokes") / "toy-teacher"))
+        return made[0]
 
-@pytest.fixture(scope="module")
-def smokes_run(request, toy_teacher, tmp_path_factory):
-    """The selected smokes, started at once and run two at a time; each test waits for its own. Most of a smoke
-    is one core importing torch and transformers in a fresh process (over 20 processes in all, a few seconds of
-    CPU each): one at a time would leave the other core of a 2-core machine idle."""
-    selected = [
-        item.callspec.params["name"]
-        for item in request.session.items
-        if item.module is request.module and hasattr(item, "callspec")
-    ]
-    pool = ThreadPoolExecutor(2)
-    yield {
-        name: pool.submit(run, SMOKES[name], teacher=toy_teacher, cwd=tmp_path_factory.mktemp("smoke"))
+    return {
+        f"smoke {name}": functools.partial(run, SMOKES[name], teacher=teacher, cwd=tmp_path_factory.mktemp("smoke"))
         for name in sorted(selected, key=list(SMOKES).index)
     }
-    pool.shutdown(cancel_futures=True)
 
 
 @pytest.mark.parametrize("name", list(SMOKES))
-def test_the_benchmark_smoke_runs_and_reports_sane_numbers(name, smokes_run):
-    done = smokes_run[name].result()
+def test_the_benchmark_smoke_runs_and_reports_sane_numbers(name, background):
+    done = background[f"smoke {name}"].result()
     assert done.returncode == 0, done.stderr[-3000:]
     SMOKES[name].check(done.stdout)
 
