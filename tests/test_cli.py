@@ -211,7 +211,7 @@ def test_help_groups_options_shows_choices_and_lists_commands_in_order_of_use():
     ],
 )
 def test_flag_only_errors_come_before_torch_loads(tmp_path, args, message):
-    """Issue 31: `train --out ./r --steps 5` said so after 61 s on a loaded machine (9.6 s of CPU), as the
+    """Was: `train --out ./r --steps 5` said so after 61 s on a loaded machine (9.6 s of CPU), as the
     training stack loaded first. Checked by order: torch is not imported when the error is printed."""
     args = [str(tmp_path / a) if a in ("STORE", "OUT") else a for a in args]
     status, stderr = run_in_child(*args)
@@ -222,7 +222,7 @@ def test_flag_only_errors_come_before_torch_loads(tmp_path, args, message):
 
 @pytest.mark.slow
 def test_a_piped_build_of_the_default_teacher_logs_only_its_own_lines(tmp_path):
-    """Issue 31: in a log file the GGUF loader's tqdm bar came between the progress lines, and the counts
+    """Was: in a log file the GGUF loader's tqdm bar came between the progress lines, and the counts
     read `15,658 tokens, 0 samples, 0 documents` while tokens climbed."""
     data = sample_corpus_head(tmp_path / "d.jsonl", docs=2, chars=400)
     args = ["build", "--store", tmp_path / "s", "--data", data, "--max-length", "32", "--batch-tokens", "32"]
@@ -236,7 +236,7 @@ def test_a_piped_build_of_the_default_teacher_logs_only_its_own_lines(tmp_path):
 
 
 def test_a_refused_train_leaves_no_folder_and_eval_names_the_version_given(tiny_teacher, tmp_path):
-    """Issue 31: `train --version v2` (missing) left an empty --out; `eval` printed the snapshot id only."""
+    """Was: `train --version v2` (missing) left an empty --out; `eval` printed the snapshot id only."""
     data = sample_corpus_head(tmp_path / "d.jsonl", docs=3, chars=300)
     store = tmp_path / "store"
     assert (

@@ -241,7 +241,7 @@ def test_no_import_cycles():
 
 
 def test_the_readme_counts_the_slow_tests_pytest_deselects():
-    """Issue 31: the README said eight slow tests where pytest deselected nine."""
+    """Was: the README said eight slow tests where pytest deselected nine."""
     words = "zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen sixteen seventeen eighteen nineteen twenty".split()
     said = next(w for w in words if f"{w.capitalize()} long tests" in (ROOT / "README.md").read_text())
     listed = subprocess.run(

@@ -30,7 +30,7 @@ from logitstore.errors import InvalidSampleError
 LOGPROB_TOLERANCE = 1e-4
 # Characters a sample id may not hold: C0 controls (NUL, tab, newline, ...), DEL and C1 controls. `ls`
 # would print them raw, and an id with NUL cannot be given to `show`. The build checks its input ids
-# against the same class (`pipelines/inputs.py`), naming the row.
+# against the same class (`pipelines/inputs/columns.py`), naming the row.
 CONTROL_CHARACTERS = r"[\x00-\x1f\x7f-\x9f]"
 _CONTROL = re.compile(CONTROL_CHARACTERS)
 
