@@ -27,7 +27,7 @@ from torch import Tensor
 from logitstore.streaming.batch import on_device
 from logitstore.streaming.targets import AlignedTargets, SparseTargets
 from logitstore.trainer.aligned_losses import aligned_kd
-from logitstore.trainer.attention import plan_segments
+from logitstore.trainer.attention import SegmentPlan, plan_segments
 from logitstore.trainer.losses import (
     LossConfig,
     ce_term,
@@ -66,7 +66,7 @@ def student_outputs(model, batch, device) -> StudentOutputs:
         model(
             input_ids=batch.input_ids.to(device, non_blocking=True),
             position_ids=batch.position_ids.to(device, non_blocking=True),
-            segment_plan=plan_segments(batch.position_ids).to(device),
+            segment_plan=segment_plan(batch).to(device, non_blocking=True),
             use_cache=False,
             logits_to_keep=torch.zeros(0, dtype=torch.long, device=device),
         )  # no logits: the loss applies the head
@@ -75,6 +75,11 @@ def student_outputs(model, batch, device) -> StudentOutputs:
     hidden = captured["hidden"]
     hidden = hidden.reshape(-1, hidden.shape[-1])[batch.positions.to(device, non_blocking=True)]
     return StudentOutputs(hidden=hidden, weight=inner.get_output_embeddings().weight)
+
+
+def segment_plan(batch) -> SegmentPlan:
+    """The batch's segments, as the stream planned them (a batch made elsewhere: planned here, on the host)."""
+    return batch.segment_plan if batch.segment_plan is not None else plan_segments(batch.position_ids)
 
 
 def batch_loss(
