@@ -182,8 +182,8 @@ class StoreDistillation(_TrainerBase):
     def log(self, logs: dict, *args, **kwargs) -> None:
         if "loss" in logs:  # training logs: the mean KD and CE since the last one, beside Trainer's loss
             for key, values in self._parts.items():
-                if values:
-                    logs[key] = sum(values) / len(values)
+                if values:  # read back here, at a logging step, not at every micro-batch
+                    logs[key] = float(sum(values) / len(values))
             self._parts = {}
         super().log(logs, *args, **kwargs)
 
