@@ -128,11 +128,15 @@ def reference_varlen(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, sca
     out = []
     for a, b in zip(cu_seq_q[:-1].tolist(), cu_seq_q[1:].tolist()):
         q, k, v = (x[a:b].transpose(0, 1) for x in (query, key, value))
-        out.append(torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale).transpose(0, 1))
+        out.append(
+            torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale).transpose(0, 1)
+        )
     return torch.cat(out)
 
 
-def reference_varlen_gqa(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None, window_size=(-1, -1), enable_gqa=False):
+def reference_varlen_gqa(
+    query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None, window_size=(-1, -1), enable_gqa=False
+):
     """torch >= 2.12's signature: grouped-query attention taken as it is."""
     assert enable_gqa == (key.shape[1] != query.shape[1])
     groups = query.shape[1] // key.shape[1]
