@@ -86,7 +86,7 @@ def _launch(cfg: TrainConfig, plan: run_folder.RunPlan) -> dict:
     if torchrun:
         return _run(cfg, plan, signal=signal)
     if cfg.student.nproc == 1:
-        with _one_process_group():
+        with one_process_group():
             return _run(cfg, plan, signal=signal)
     # spawned ranks open the version themselves (an Icechunk session does not travel)
     _spawn(cfg, plan)
@@ -174,7 +174,7 @@ def _spawned(rank: int, cfg: TrainConfig, plan: run_folder.RunPlan, errors) -> N
         raise SystemExit(e.exit_code) from None
 
 
-def _one_process_group():
+def one_process_group():
     """A one-process group's variables, removed afterwards so a later launch in this process (a test, a
     notebook) is not mistaken for a torchrun worker."""
     one = dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
@@ -550,7 +550,7 @@ def run_eval(cfg: TrainConfig) -> dict:
 
     signal = StoreSignal(cfg)
     model, _ = build_student(cfg.student.student, vocab_size=signal.vocab_size, seed=cfg.student.seed)
-    with _one_process_group():
+    with one_process_group():
         dist.init_process_group("gloo")
         try:
             result = evaluate(model.eval(), signal, cfg=cfg, device=torch.device("cpu"))
