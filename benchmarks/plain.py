@@ -62,7 +62,9 @@ class _FusedLinearKD(torch.autograd.Function):
         grad_weight = torch.zeros_like(weight)
         total = torch.zeros((), device=hidden.device)
         starts = torch.arange(0, P + chunk, chunk, device=hidden.device).clamp_max(P)
-        cuts = torch.searchsorted(entry_pos, starts).tolist()  # Liger's own cuts need none: its entries are one per position
+        cuts = torch.searchsorted(
+            entry_pos, starts
+        ).tolist()  # Liger's own cuts need none: its entries are one per position
         for c, a in enumerate(range(0, P, chunk)):
             b = min(a + chunk, P)
             e0, e1 = cuts[c], cuts[c + 1]

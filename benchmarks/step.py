@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -161,8 +160,8 @@ def measure_head(batch, *, weight: torch.Tensor, device: torch.device, repeats: 
     found = {}
     for name, fn in (("logitstore", ours), ("fused_linear_kd", fused)):
         value = float(fn())  # a warm-up, and the value
-        count = counted(lambda _: fn(), None)
-        seconds = statistics.median(timed(lambda _: fn(), [None], device=device) for _ in range(repeats))
+        count = counted(lambda _, fn=fn: fn(), None)
+        seconds = statistics.median(timed(lambda _, fn=fn: fn(), [None], device=device) for _ in range(repeats))
         found[name] = {"loss": value, "ops": count.n_ops, "syncs": count.n_syncs, "seconds": seconds}
     chunks = -(-P // chunk)
     return {

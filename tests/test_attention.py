@@ -100,7 +100,8 @@ def test_segment_attention_equals_the_eager_block_causal_mask(rows, heads, kv_he
 def test_plan_buckets_segments_and_restores_token_order():
     _, pos, _ = packed([[3, 5, 8, 1, 15], [32]], vocab=5)
     plan = plan_segments(pos)
-    assert [i.shape[1] for i in plan.index] == [1, 3, 8, 15, 32]  # buckets (2^(k-1), 2^k]: 5 and 8 share one
+    # buckets (2^(k-1), 2^k], the narrow ones merged up while the padded slots stay within twice the tokens
+    assert [tuple(i.shape) for i in plan.index] == [(5, 15), (1, 32)]  # 107 slots for 64 tokens
     slots = torch.cat([i.reshape(-1) for i in plan.index])  # the buckets' padded slots, in bucket order
     assert torch.equal(slots[plan.back], torch.arange(64))
     # the same segments for a variable-length kernel: where each starts, then the end
@@ -157,7 +158,7 @@ def test_the_varlen_call_equals_the_bucketed_segments(kernel, kv_heads):
     grads = [x.grad.clone() for x in (q, k, v)]
     for x in (q, k, v):
         x.grad = None
-    want = bucketed_segments(q, k, v, plan, scale=0.3)
+    want = bucketed_segments(torch.cat([q, k, v], dim=1), plan, split=(4, kv_heads, kv_heads), scale=0.3)
     (want * torch.arange(want.numel()).view_as(want).sin()).sum().backward()
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     for g, x in zip(grads, (q, k, v)):
@@ -171,6 +172,21 @@ def test_varlen_on_cuda_in_half_precision_per_segment_sdpa_everywhere_else():
     assert packed_attention("cuda", torch.float32, varlen=kernel) == SEGMENTS  # flash attention has no fp32
     assert packed_attention("cpu", torch.bfloat16, varlen=kernel) == SEGMENTS
     assert packed_attention("cuda", torch.bfloat16, varlen=None) == SEGMENTS  # torch < 2.10
+
+
+@pytest.mark.parametrize(
+    "rows, widths",
+    [
+        ([[60, 4]], [60]),  # a short fragment beside a long one: one call, 120 slots for 64 tokens
+        ([[1] * 32 + [32]], [1, 32]),  # 32 one-token segments padded to 32 would be 1,056 slots: kept apart
+        ([[3, 5, 8], [16]], [16]),
+    ],
+)
+def test_narrow_buckets_merge_into_wider_ones_within_twice_the_tokens(rows, widths):
+    _, pos, _ = packed(rows, vocab=5)
+    plan = plan_segments(pos)
+    assert [i.shape[1] for i in plan.index] == widths
+    assert sum(i.numel() for i in plan.index) <= 2 * pos.numel()
 
 
 def test_memory_of_a_long_row_grows_with_its_segments_not_its_length():

@@ -108,11 +108,13 @@ def segment_attention(
     if kernel == VARLEN and p > 0:  # varlen_attn has no dropout
         kernel = SEGMENTS
     _log_once(kernel)
-    flat = [x.transpose(1, 2).reshape(B * L, x.shape[1], D) for x in (query, key, value)]  # [B * L, heads, D]
+    # [B * L, heads, D]: query, key and value heads side by side, so each bucket gathers them at once
+    qkv = torch.cat([query, key, value], dim=1).transpose(1, 2).reshape(B * L, -1, D)
+    split = (H, key.shape[1], value.shape[1])
     if kernel == VARLEN:
-        out = varlen_segments(*flat, segment_plan, scale=scaling)
+        out = varlen_segments(*qkv.split(split, dim=1), segment_plan, scale=scaling)
     else:
-        out = bucketed_segments(*flat, segment_plan, scale=scaling, dropout=p)
+        out = bucketed_segments(qkv, segment_plan, split=split, scale=scaling, dropout=p)
     return out.view(B, L, H, D), None
 
 
@@ -134,14 +136,17 @@ def varlen_segments(q, k, v, plan: SegmentPlan, *, scale: float | None, kernel=N
     return kernel(q, k, v, plan.cu_seqlens, plan.cu_seqlens, n, n, **options)
 
 
-def bucketed_segments(q, k, v, plan: SegmentPlan, *, scale: float | None, dropout: float = 0.0):
+def bucketed_segments(
+    qkv, plan: SegmentPlan, *, split: tuple[int, int, int], scale: float | None, dropout: float = 0.0
+):
     """[T, H, D] attention of the flat tokens, causal within each segment of `plan`, one
-    `scaled_dot_product_attention` per length bucket."""
-    T, H, D = q.shape
-    gqa = H != k.shape[1]
+    `scaled_dot_product_attention` per length bucket. `qkv` [T, H + 2 Hkv, D]: the query, key and value
+    heads side by side (`split`: how many of each)."""
+    H, D = split[0], qkv.shape[-1]
+    gqa = split[0] != split[1]
     pieces = []
     for index in plan.index:  # [n, width]: each bucket's segments, padded
-        qb, kb, vb = (x[index].transpose(1, 2) for x in (q, k, v))  # [n, heads, width, D]
+        qb, kb, vb = qkv[index].transpose(1, 2).split(split, dim=1)  # [n, heads, width, D] each
         out = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=scale, dropout_p=dropout, enable_gqa=gqa)
         pieces.append(out.transpose(1, 2).reshape(-1, H, D))  # [n * width, H, D], padded slots included
     return (pieces[0] if len(pieces) == 1 else torch.cat(pieces))[plan.back]

@@ -122,10 +122,10 @@ def chunked_head_loss(
     hidden: Tensor, weight: Tensor, loss_of_chunk, *, bounds: list[tuple[int, int]]
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """The loss of the logits `hidden @ weight.T`, computed a chunk of positions at a time:
-    `loss_of_chunk(logits [b - a, V] fp32, a, b)` gives (the chunk's share of the loss, its parts as
-    detached scalar tensors, their shares likewise); the result is their sum over the chunks, the parts
-    likewise (tensors on the device: nothing is read back), and the gradients of hidden and weight. Only
-    one chunk's logits exist at a time."""
+    `loss_of_chunk(logits [b - a, V] fp32, a, b)` gives (the chunk's share of the loss, its parts, "loss" among them, as
+    scalar tensors, their shares likewise, read with grad off); the result is their sum over the chunks,
+    the parts likewise (detached tensors on the device: nothing is read back), and the gradients of
+    hidden and weight. Only one chunk's logits exist at a time."""
     parts: dict[str, Tensor] = {}
     loss = _ChunkedHead.apply(hidden, weight, loss_of_chunk, bounds, parts)
     return loss, parts
@@ -161,14 +161,13 @@ class _ChunkedHead(torch.autograd.Function):
             else:  # bf16 products, summed in fp32
                 grad_weight.add_(g.t() @ h)
             keys = list(values)
-            stacked = torch.stack([loss.detach(), *values.values()])
+            stacked = torch.stack(list(values.values()))  # grad mode is off: no graph, nothing to detach
             total = stacked if total is None else total.add_(stacked)
-        if total is None:  # no positions
-            ctx.save_for_backward(grad_hidden, grad_weight.to(weight.dtype))
-            return torch.zeros((), dtype=torch.float32, device=hidden.device)
-        parts.update(zip(keys, total[1:].unbind()))
         ctx.save_for_backward(grad_hidden, grad_weight.to(weight.dtype))
-        return total[0].clone()
+        if total is None:  # no positions
+            return torch.zeros((), dtype=torch.float32, device=hidden.device)
+        parts.update(zip(keys, total.unbind()))
+        return parts["loss"].clone()
 
     @staticmethod
     def backward(ctx, grad_output):
@@ -189,7 +188,7 @@ def position_slicer(t: SparseTargets, bounds: list[tuple[int, int]], *, host: Sp
     entry_pos = (host if host is not None else t).entry_pos.cpu().numpy()
     cuts = np.searchsorted(entry_pos, [a for a, _ in bounds] + [t.n_positions]).tolist()
     entries = {a: (cuts[i], cuts[i + 1]) for i, (a, _) in enumerate(bounds)}
-    return lambda a, b: t.cut(a, b, entries=entries[a])
+    return lambda a, b: t if (a, b) == (0, t.n_positions) else t.cut(a, b, entries=entries[a])
 
 
 def kd_term(

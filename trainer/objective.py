@@ -190,7 +190,7 @@ def mixed_loss(
             else:
                 term = kd_term(logits, slicers[name](a, b), cfg, total=total, lse=lse)
                 if each_teacher:
-                    values[f"kl/{name}"] = term.detach()
+                    values[f"kl/{name}"] = term
             kd = term if kd is None else kd + term
         assert kd is not None  # a batch has at least one teacher
         if cfg.alpha > 0:
@@ -200,7 +200,7 @@ def mixed_loss(
             with torch.no_grad():  # reported only: no gradient of zeros to carry back
                 ce = ce_term(logits, target_ids[a:b], total=total, lse=lse)
             loss = kd
-        values.update({"kd": kd.detach(), "ce": ce.detach(), "loss": loss.detach()})
+        values.update({"kd": kd, "ce": ce, "loss": loss})  # stacked with grad off (`chunked_head_loss`)
         return loss, values
 
     loss, found = chunked_head_loss(outputs.hidden, outputs.weight, loss_of_chunk, bounds=bounds)

@@ -7,8 +7,9 @@ attention (`logitstore/trainer/attention.py`) reads the plan in two forms, both 
   varlen    `cu_seqlens` (int32, the segments' starts in the flattened [B * L] tokens, then B * L) and
             `max_seqlen`: what a variable-length kernel takes (CUDA's flash `varlen_attn`)
   buckets   segments of similar length batched together for `scaled_dot_product_attention`: lengths
-            bucketed by powers of two, each bucket padded to its longest segment (at most 2x the work
-            of an exact varlen kernel, one call per bucket, at most log2(L) + 1 per layer); `index[i]`
+            bucketed by powers of two, narrow buckets merged into wider ones while the padded slots
+            stay within twice the tokens (`merged_buckets`), each padded to its longest segment (one
+            call per bucket, at most log2(L) + 1 per layer, often one); `index[i]`
             [n_i, w_i] gathers bucket i's slots from the flat tokens (padded slots take token 0, after
             each segment's real tokens, so the causal mask keeps real queries off them), and `back` [B * L]
             is each token's slot in the buckets' outputs concatenated in bucket order
@@ -58,7 +59,7 @@ def plan_segments(position_ids: torch.Tensor | np.ndarray) -> SegmentPlan:
     starts = np.flatnonzero(pos == 0)
     assert np.all(np.isin(np.arange(0, B * L, L), starts)), "every row must start a segment (position id 0)"
     lengths = np.diff(np.append(starts, B * L))
-    bucket = np.ceil(np.log2(lengths)).astype(np.int64)
+    bucket = merged_buckets(lengths)
     index = []
     back = np.empty(B * L, dtype=np.int64)
     offset = 0  # where this bucket's slots begin in the concatenated outputs
@@ -78,3 +79,23 @@ def plan_segments(position_ids: torch.Tensor | np.ndarray) -> SegmentPlan:
         index=index,
         back=torch.from_numpy(back),
     )
+
+
+def merged_buckets(lengths: np.ndarray) -> np.ndarray:
+    """Each segment's bucket: its length's power of two, then the narrowest bucket merged into the next
+    wider one as long as every bucket's padded slots stay within twice the tokens (the bound the powers
+    of two keep): each bucket is a kernel call forward and backward in every layer, and rows of one
+    long segment with a few shorter ones need one call, not three."""
+    bucket = np.ceil(np.log2(lengths)).astype(np.int64)
+    widths = {int(b): int(lengths[bucket == b].max()) for b in np.unique(bucket)}
+    counts = {b: int((bucket == b).sum()) for b in widths}
+    slots = sum(counts[b] * widths[b] for b in widths)
+    order = sorted(widths)
+    for narrow, wide in zip(order, order[1:]):  # at most log2(L) merges
+        grown = slots + counts[narrow] * (widths[wide] - widths[narrow])
+        if grown > 2 * int(lengths.sum()):
+            break
+        bucket[bucket == narrow] = wide
+        counts[wide] += counts.pop(narrow)
+        slots = grown
+    return bucket
