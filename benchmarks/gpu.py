@@ -268,9 +268,10 @@ class Run:
         def make() -> dict:
             uri = str(self.tmp / "student-store")
             s = self.shapes
-            flags = ["--tokens", str(s.student_tokens), "--vocab", str(s.student_vocab)]
-            if self.smoke:  # ~40 parts, as the full run's ~60: the budget still holds a tenth of them
-                flags += ["--part-tokens", "1024", "--sample-len", "256"]
+            # ~120 parts (~80 at --smoke): a tenth of the stored bytes holds two parts in memory (~2.7x stored)
+            flags = ["--tokens", str(s.student_tokens), "--vocab", str(s.student_vocab), "--part-tokens", "8192"]
+            if self.smoke:
+                flags += ["--part-tokens", "512", "--sample-len", "256"]
             written = stream_benchmark.write_store(uri, stream_benchmark.parse_args(flags), log=quiet)
             info = Store.open(uri).read().info()
             return {
@@ -1057,7 +1058,7 @@ def chunked_head(run: Run, store: dict) -> dict:
         h, w = (x.to(dtype).detach().clone().requires_grad_() for x in (hidden, weight))
         loss, _ = fn(h, w)
         loss.backward()
-        return float(loss), h.grad.float(), w.grad.float()
+        return float(loss.detach()), h.grad.float(), w.grad.float()
 
     reference = loss_and_grads(lambda h, w: distill_loss((h @ w.T).float(), targets, LossConfig()), torch.float32)
     found = {}
