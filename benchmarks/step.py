@@ -194,6 +194,7 @@ def run(args) -> dict:
             }
             measured = measure_loops(loops, batches, shape=shape, device=device)
             weight = loops["logitstore"].model.get_output_embeddings().weight.detach()
+            weight = weight.full_tensor() if hasattr(weight, "full_tensor") else weight  # sharded: gathered
             head = measure_head(batches[0], weight=weight, device=device, repeats=shape["repeats"])
         finally:
             dist.destroy_process_group()
