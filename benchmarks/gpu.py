@@ -7,16 +7,17 @@
 It writes `gpu-<device>-<date>.json` and `.md` under `--out` (default benchmarks/results/) after every
 section (a run cut off keeps what it measured), and exits 1 when a check fails (0 when all pass). Each
 section runs the project's own code: `run_build` (what `logitstore build` calls), `launch` (what
-`logitstore train` calls), the `logitstore train` command itself in a child process for the CPU reference,
+`logitstore train` calls), its step (`step.train_step`) on the CPU for the fp32 reference,
 `DistillationTrainer`, the segment attention and the chunked loss; the leak checks are the live tests'
 own helpers (tests/test_live.py). A section that raises is recorded with its traceback and counts as a
 failed check; the next section still runs.
 
 Sections: build (the torch engine in bf16 and fp32 against a CPU fp32 build), oom (a build whose
 --batch-tokens does not fit, under a memory limit; on CPU a hook emulates it), train (`logitstore train`
-with smollm2-135m under FSDP2: throughput, MFU, the CPU's first-step loss, segment attention, the
-chunked head, the levers), live (CUDA IPC), trainer (`DistillationTrainer`) and vllm (where `import
-vllm` works). Each check's bound stands next to its value in the JSON. What each section checks, the
+with smollm2-135m on one rank from a synthetic store, no teacher needed: throughput, MFU, the plain loop
+of benchmarks/plain.py beside it eager and compiled, micro-batch 32, the CPU's first-step loss, segment
+attention, the chunked head, the levers), live (CUDA IPC), trainer (`DistillationTrainer`) and vllm
+(where `import vllm` works). Each check's bound stands next to its value in the JSON. What each section checks, the
 MFU formula (`PEAK_BF16`) and the targets (`TARGETS`, recorded with whether they were met, never
 asserted): docs/benchmarks.md, "GPU acceptance".
 """

@@ -38,6 +38,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -46,8 +47,11 @@ from transformers import AttentionInterface
 from logitstore.errors import LogitstoreError
 from logitstore.streaming.segments import SegmentPlan, plan_segments
 
+varlen_attn: Callable | None
 try:  # torch >= 2.10, and only CUDA builds can run it
-    from torch.nn.attention.varlen import varlen_attn
+    from torch.nn.attention import varlen
+
+    varlen_attn = varlen.varlen_attn
 except ImportError:
     varlen_attn = None
 
@@ -112,7 +116,8 @@ def segment_attention(
     qkv = torch.cat([query, key, value], dim=1).transpose(1, 2).reshape(B * L, -1, D)
     split = (H, key.shape[1], value.shape[1])
     if kernel == VARLEN:
-        out = varlen_segments(*qkv.split(split, dim=1), segment_plan, scale=scaling)
+        q, k, v = qkv.split(split, dim=1)
+        out = varlen_segments(q, k, v, segment_plan, scale=scaling)
     else:
         out = bucketed_segments(qkv, segment_plan, split=split, scale=scaling, dropout=p)
     return out.view(B, L, H, D), None
@@ -122,6 +127,7 @@ def varlen_segments(q, k, v, plan: SegmentPlan, *, scale: float | None, kernel=N
     """[T, H, D] attention of the flat tokens, causal within each segment of `plan`, by `varlen_attn`
     (`kernel`: one with its signature, for the tests on the CPU)."""
     kernel = kernel or varlen_attn
+    assert kernel is not None  # chosen only where torch has it (`packed_attention`)
     parameters = _parameters(kernel)
     options: dict = {"scale": scale} if "scale" in parameters else {}
     # torch 2.10 says is_causal; later ones a window, (-1, 0) being causal

@@ -105,7 +105,7 @@ class StoreDistillation(_TrainerBase):
             self.signal = StoreData(logitstore.open(store, version))
         register_attention()
         model.config._attn_implementation = ATTENTION  # packed rows: segments attend within themselves
-        self._parts: dict[str, list[float]] = {}
+        self._parts: dict[str, list] = {}  # the parts of each micro-batch since the last log, on the device
         self._resume_state: dict | None = None
         self._batches: _Batches | None = None
         super().__init__(model=model, args=args, **trainer_kwargs)

@@ -79,7 +79,8 @@ def build_student(spec: str, *, vocab_size: int, seed: int, device: torch.device
         config._attn_implementation = ATTENTION
         return initialised(LlamaForCausalLM, config, device=torch.device(device)), None
     path = _model_dir(spec)
-    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation=ATTENTION).to(device)
+    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation=ATTENTION)
+    model.to(torch.device(device))  # type: ignore[arg-type]  # transformers types its wrapped Module.to for models only
     out = model.get_output_embeddings().weight.shape[0]
     if out < vocab_size:
         raise StudentError(
@@ -107,7 +108,7 @@ def _rebuild_buffers(model) -> None:
     copied to `device`: `to_empty` left them uninitialised, and not every Hugging Face version's
     `_init_weights` writes them."""
     for module in model.modules():
-        names = getattr(module, "_non_persistent_buffers_set", set())
+        names: set[str] = getattr(module, "_non_persistent_buffers_set", set())
         if not names:
             continue
         fresh = type(module)(module.config)

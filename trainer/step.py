@@ -27,8 +27,13 @@ def make_optimizer(model, cfg: TrainConfig, *, device: torch.device) -> torch.op
     """AdamW, fused (one kernel for every parameter, its step count on the device) where torch has it for
     the device, else foreach; the per-parameter loop of the default reads each step count back."""
     fused = device.type in ("cuda", "cpu")
-    options = {"fused": True} if fused else {"foreach": True}
-    return torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay, **options)
+    return torch.optim.AdamW(
+        model.parameters(),
+        lr=cfg.optim.lr,
+        weight_decay=cfg.optim.weight_decay,
+        fused=True if fused else None,
+        foreach=None if fused else True,
+    )
 
 
 def train_step(model, optimizer, batches, cfg: TrainConfig, device: torch.device) -> tuple[dict, int]:
