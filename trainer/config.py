@@ -257,11 +257,7 @@ class ScheduleConfig:
     eval_every: int = option(0, panel=CHECKPOINTS, help="Evaluate on the held-out split every N steps (0: never).")
     eval_batches: int = 8
     checkpoint_every: int = option(0, panel=CHECKPOINTS, help="Checkpoint every N steps (0: only at the end).")
-    log_every: int = option(
-        1,
-        panel=CHECKPOINTS,
-        help="Read the steps' loss and gradient norm back from the device and print a line every N steps; metrics.jsonl still gets every step.",
-    )
+    log_every: int = option(1, panel=CHECKPOINTS, help="Read the steps' values back and print a line every N steps.")
 
     def __post_init__(self) -> None:
         _check(
