@@ -144,18 +144,22 @@ class _ChunkedHead(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, loss_of_chunk, bounds, parts):
-        grad_hidden = torch.empty_like(hidden)  # the chunks cover every row
+        device = hidden.device.type
+        # The matmuls in the forward's compute dtype (bf16 under autocast), the loss in fp32 without it.
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
+        h_all, w = hidden.to(dtype), weight.to(dtype)
+        grad_hidden = torch.empty_like(h_all)  # the chunks cover every row
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-        w_t = weight.t()
+        w_t = w.t()
         total, keys = None, []
         for a, b in bounds:
-            h = hidden[a:b]
+            h = h_all[a:b]
             logits = (h @ w_t).float().requires_grad_()  # grad mode is off here: a leaf of its own
-            with torch.enable_grad():
+            with torch.enable_grad(), torch.autocast(device, enabled=False):
                 loss, values = loss_of_chunk(logits, a, b)
                 (grad_logits,) = torch.autograd.grad(loss, logits)
-            g = grad_logits.to(weight.dtype)
-            torch.mm(g, weight, out=grad_hidden[a:b])
+            g = grad_logits.to(dtype)
+            torch.mm(g, w, out=grad_hidden[a:b])
             if g.dtype == grad_weight.dtype:
                 grad_weight.addmm_(g.t(), h)
             else:  # bf16 products, summed in fp32
@@ -163,7 +167,7 @@ class _ChunkedHead(torch.autograd.Function):
             keys = list(values)
             stacked = torch.stack(list(values.values()))  # grad mode is off: no graph, nothing to detach
             total = stacked if total is None else total.add_(stacked)
-        ctx.save_for_backward(grad_hidden, grad_weight.to(weight.dtype))
+        ctx.save_for_backward(grad_hidden.to(hidden.dtype), grad_weight.to(weight.dtype))
         if total is None:  # no positions
             return torch.zeros((), dtype=torch.float32, device=hidden.device)
         parts.update(zip(keys, total.unbind()))
