@@ -104,9 +104,9 @@ def initialised(model_class, config, *, device: torch.device):
 
 
 def _rebuild_buffers(model) -> None:
-    """The non-persistent buffers (the rotary tables, a few KB), computed again by a fresh module and
-    copied to `device`: `to_empty` left them uninitialised, and not every Hugging Face version's
-    `_init_weights` writes them."""
+    """The non-persistent buffers (the rotary tables, a few KB), computed again by a fresh module on the
+    CPU and copied into the model's: `to_empty` left them uninitialised, and not every Hugging Face
+    version's `_init_weights` writes them."""
     for module in model.modules():
         names: set[str] = getattr(module, "_non_persistent_buffers_set", set())
         if not names:

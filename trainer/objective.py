@@ -204,9 +204,9 @@ def mixed_loss(
         return loss, values
 
     loss, found = chunked_head_loss(outputs.hidden, outputs.weight, loss_of_chunk, bounds=bounds)
-    zero = torch.zeros((), device=device)  # an empty micro-batch: zeros
     keys = ["kd", "ce", "loss", *(f"kl/{name}" for name, _ in signals if each_teacher)]
-    parts: dict[str, Tensor | float] = {key: found.get(key, zero) for key in keys}
+    # an empty micro-batch: zeros
+    parts: dict[str, Tensor | float] = {k: found[k] if k in found else torch.zeros((), device=device) for k in keys}
     if indicator:  # each teacher's mean over the positions it teaches, not over all P
         for name, targets in host:
             weight = _weight(targets)
