@@ -306,7 +306,7 @@ class Run:
         out = self.tmp / name
         reset_peak_memory(self.device)
         started = time.perf_counter()
-        # Quiet, and a short held-out evaluation at the end (options of the library, not of the command).
+        # Quiet (nothing read back before the last step) and a short held-out evaluation at the end.
         launch(TrainConfig.from_flags(out=str(out), log_every=10**9, eval_batches=2, **self.train_flags(**overrides)))
         peak = peak_memory(self.device)
         seconds = time.perf_counter() - started  # the whole launch: start-up, steps, evaluation, export
