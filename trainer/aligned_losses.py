@@ -58,10 +58,10 @@ def aligned_kd(
 
 
 def aligned_kd_terms(
-    student_logits: Tensor, targets: AlignedTargets, *, uld_weight: float = 1.0, total: int | None = None, lse=None
+    student_logits: Tensor, targets: AlignedTargets, *, uld_weight: float = 1.0, total: int | None = None
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """`aligned_kd` with its parts as detached scalar tensors. `total`: the mean's denominator instead of
-    P (a chunk of a larger batch passes the batch's); `lse`: the logits' logsumexp, if computed already."""
+    P (a chunk of a larger batch passes the batch's)."""
     _check_shapes(student_logits, targets)
     if not is_real(uld_weight) or not 0 <= uld_weight < math.inf:
         raise ValueError(f"uld_weight must be a finite number >= 0; got {uld_weight!r}")
@@ -69,7 +69,7 @@ def aligned_kd_terms(
     logits = student_logits.float()  # fp32 math even for bf16 logits
     n = total or max(t.n_positions, 1)  # an empty micro-batch gives 0, not NaN
     w = t.weight.float() if t.weight is not None else torch.ones(t.n_positions, device=logits.device)
-    lse = torch.logsumexp(logits, dim=-1) if lse is None else lse
+    lse = torch.logsumexp(logits, dim=-1)
 
     exact, uld = _one_to_one_terms(logits, lse, t)
     w_exact = w[t.exact_pos]

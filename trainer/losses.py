@@ -37,9 +37,9 @@ from logitstore.trainer.config import LossConfig, LossConfigError
 
 TINY = 1e-30
 LOG_TINY = math.log(TINY)
-# Written over the student's stored ids before the tail's logsumexp: far below any real logit, yet
-# finite, so a position whose entries cover the whole vocabulary gives a finite logsumexp and a
-# finite (zero) gradient instead of exp(-inf - -inf) = NaN.
+# Written over the student's log-probabilities at the stored ids before the tail's logsumexp: far below
+# any real one, yet finite, so a position whose entries cover the whole vocabulary gives a finite
+# logsumexp and a finite (zero) gradient instead of exp(-inf - -inf) = NaN.
 MASKED_LOGIT = -1e30
 
 
@@ -58,14 +58,14 @@ def distill_terms(
     passes the batch's, so the chunks' values add up to the batch's)."""
     _check_shapes(student_logits, targets)
     logits = student_logits.float()  # fp32 math even for bf16 logits; converted once for both terms
-    lse = torch.logsumexp(logits, dim=-1)  # the KD's (at temperature 1) and the CE's
-    kd = _kd_term(logits, targets, cfg, total=total, lse=lse)
+    log_q = student_log_softmax(logits)  # the KD's (at temperature 1) and the CE's
+    kd = _kd_term(logits, targets, cfg, total=total, log_q=log_q)
     if cfg.alpha > 0:
-        ce = _ce_term(logits, targets.target_ids, total=total, lse=lse)
+        ce = _ce_term(logits, targets.target_ids, total=total, log_q=log_q)
         loss = kd + cfg.alpha * ce
     else:
         with torch.no_grad():  # reported only: no [P, V] gradient of zeros to carry back
-            ce = _ce_term(logits, targets.target_ids, total=total, lse=lse)
+            ce = _ce_term(logits, targets.target_ids, total=total, log_q=log_q)
         loss = kd
     return loss, {"kd": kd.detach(), "ce": ce.detach(), "loss": loss.detach()}
 
@@ -196,66 +196,79 @@ def position_slicer(t: SparseTargets, bounds: list[tuple[int, int]], *, host: Sp
 
 
 def kd_term(
-    student_logits: Tensor, targets: SparseTargets, cfg: LossConfig, *, total: int | None = None, lse=None
+    student_logits: Tensor, targets: SparseTargets, cfg: LossConfig, *, total: int | None = None, log_q=None
 ) -> Tensor:
     """The KD term alone: (1/P) sum_t w_t T^2 kd_t, a scalar with grad (cfg.alpha is not used). `total`:
-    the denominator instead of P (see `distill_terms`); `lse`: the logits' logsumexp, if computed already."""
+    the denominator instead of P (see `distill_terms`); `log_q`: `student_log_softmax(student_logits)`,
+    if computed already."""
     _check_shapes(student_logits, targets)
-    return _kd_term(student_logits.float(), targets, cfg, total=total, lse=lse)
+    return _kd_term(student_logits.float(), targets, cfg, total=total, log_q=log_q)
 
 
-def ce_term(student_logits: Tensor, target_ids: Tensor, *, total: int | None = None, lse=None) -> Tensor:
+def ce_term(student_logits: Tensor, target_ids: Tensor, *, total: int | None = None, log_q=None) -> Tensor:
     """The cross-entropy alone: mean_t -log softmax(z)[target_t] at temperature 1, a scalar with grad
-    (`total`, `lse`: as for `kd_term`)."""
+    (`total`, `log_q`: as for `kd_term`)."""
     if student_logits.ndim != 2 or target_ids.shape != student_logits.shape[:1]:
         raise ValueError(
             f"student_logits must be [P, V] and target_ids [P]; got {tuple(student_logits.shape)} "
             f"and {tuple(target_ids.shape)}"
         )
-    return _ce_term(student_logits.float(), target_ids, total=total, lse=lse)
+    return _ce_term(student_logits.float(), target_ids, total=total, log_q=log_q)
 
 
-def _kd_term(logits: Tensor, t: SparseTargets, cfg: LossConfig, *, total: int | None, lse) -> Tensor:
-    terms, pos = _kd_terms(logits, t, cfg=cfg, lse=lse if cfg.temperature == 1 else None)
+def student_log_softmax(logits: Tensor) -> Tensor:
+    """[P, V] log-probabilities of fp32 logits: one fused kernel forward and one backward, where a
+    logsumexp subtracted from gathered logits takes several passes over [P, V] each way."""
+    return torch.log_softmax(logits, dim=-1)
+
+
+def _kd_term(logits: Tensor, t: SparseTargets, cfg: LossConfig, *, total: int | None, log_q) -> Tensor:
+    terms, pos = _kd_terms(logits, t, cfg=cfg, log_q=log_q if cfg.temperature == 1 else None)
     if t.weight is not None:
         terms = terms * t.weight.float()[pos]
     n = total or max(t.n_positions, 1)  # an empty micro-batch gives 0, not NaN
     return terms.sum() * (cfg.temperature**2 / n)
 
 
-def _ce_term(logits: Tensor, target_ids: Tensor, *, total: int | None = None, lse=None) -> Tensor:
-    lse = torch.logsumexp(logits, dim=-1) if lse is None else lse
+def _ce_term(logits: Tensor, target_ids: Tensor, *, total: int | None = None, log_q=None) -> Tensor:
+    log_q = student_log_softmax(logits) if log_q is None else log_q
     n = total or max(len(target_ids), 1)
-    return (lse - logits.gather(1, target_ids[:, None]).squeeze(1)).sum() / n
+    return -log_q.gather(1, target_ids[:, None]).sum() / n
 
 
-def _kd_terms(logits: Tensor, t: SparseTargets, *, cfg: LossConfig, lse) -> tuple[Tensor, Tensor]:
+def _kd_terms(logits: Tensor, t: SparseTargets, *, cfg: LossConfig, log_q) -> tuple[Tensor, Tensor]:
     """The divergence's terms, before the T^2 factor, and the position of each: they sum to each
-    position's divergence over its buckets (`lse`: the logsumexp of the logits at temperature 1, or None)."""
+    position's divergence over its buckets (`log_q`: the log-softmax of the logits at temperature 1, or None)."""
     z = logits / cfg.temperature if cfg.temperature != 1 else logits
-    lse = torch.logsumexp(z, dim=-1) if lse is None else lse
     if t.entry_counts is not None:
         if cfg.kind != "forward_kl":
             raise LossConfigError(
                 f"--loss {cfg.kind} needs the teacher's distribution over the stored entries, which a sampled "
                 "store's draw counts do not give; use --loss forward_kl (the unbiased sampled estimator)"
             )
-        return _sampled_forward_kl_terms(z, t, lse=lse), t.entry_pos
-    if cfg.kind == "topk_renorm":
-        log_p, log_q, pos = _entry_buckets(z, t, temperature=cfg.temperature)
+        return _sampled_forward_kl_terms(_or_log_softmax(log_q, z), t), t.entry_pos
+    if cfg.kind == "topk_renorm":  # the entries' logits alone: no softmax over the vocabulary
+        log_p, log_q_b, pos = _entry_buckets(z, t, temperature=cfg.temperature)
     else:
-        log_p, log_q, pos = _tail_buckets(z, t, temperature=cfg.temperature, lse=lse)
-    return _divergence_terms(log_p, log_q, kind=cfg.kind, beta=cfg.jsd_beta), pos
+        log_p, log_q_b, pos = _tail_buckets(_or_log_softmax(log_q, z), t, temperature=cfg.temperature)
+    return _divergence_terms(log_p, log_q_b, kind=cfg.kind, beta=cfg.jsd_beta), pos
 
 
-def _tail_buckets(z: Tensor, t: SparseTargets, *, temperature: float, lse: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """Normalised log-masses of the entries then the P tail buckets, for teacher and student, and
-    the position of each bucket ([E + P] each)."""
+def _or_log_softmax(log_q: Tensor | None, z: Tensor) -> Tensor:
+    return student_log_softmax(z) if log_q is None else log_q
+
+
+def _tail_buckets(log_q_all: Tensor, t: SparseTargets, *, temperature: float) -> tuple[Tensor, Tensor, Tensor]:
+    """Normalised log-masses of the entries then the P tail buckets, for teacher and student (from the
+    student's log-softmax `log_q_all` [P, V]), and the position of each bucket ([E + P] each)."""
     n = t.n_positions
-    pos = torch.cat([t.entry_pos, torch.arange(n, device=z.device)])
-    log_q_entries = z[t.entry_pos, t.entry_ids] - lse[t.entry_pos]
-    masked = z.index_put((t.entry_pos, t.entry_ids), torch.tensor(MASKED_LOGIT, dtype=z.dtype, device=z.device))
-    log_q_tail = (torch.logsumexp(masked, dim=-1) - lse).clamp_min(LOG_TINY)
+    device = log_q_all.device
+    pos = torch.cat([t.entry_pos, torch.arange(n, device=device)])
+    log_q_entries = log_q_all[t.entry_pos, t.entry_ids]
+    masked = log_q_all.index_put(
+        (t.entry_pos, t.entry_ids), torch.tensor(MASKED_LOGIT, dtype=log_q_all.dtype, device=device)
+    )
+    log_q_tail = torch.logsumexp(masked, dim=-1).clamp_min(LOG_TINY)
     log_q = torch.cat([log_q_entries, log_q_tail])
     raw_p = torch.cat([_teacher_logprobs(t), t.tail.float().clamp_min(TINY).log()])
     log_p = normalise(raw_p / temperature, pos, n=n)
@@ -281,10 +294,11 @@ def _divergence_terms(log_p: Tensor, log_q: Tensor, *, kind: str, beta: float) -
     return beta * log_p.exp() * (log_p - log_m) + (1 - beta) * log_q.exp() * (log_q - log_m)
 
 
-def _sampled_forward_kl_terms(z: Tensor, t: SparseTargets, *, lse: Tensor) -> Tensor:
-    """[E] terms w_i (lp_i - log q_i) of the unbiased sampled estimator."""
+def _sampled_forward_kl_terms(log_q_all: Tensor, t: SparseTargets) -> Tensor:
+    """[E] terms w_i (lp_i - log q_i) of the unbiased sampled estimator (`log_q_all`: the student's
+    log-softmax [P, V])."""
     assert t.entry_counts is not None  # sampled targets only (`_kd_terms`)
-    log_q = z[t.entry_pos, t.entry_ids] - lse[t.entry_pos]
+    log_q = log_q_all[t.entry_pos, t.entry_ids]
     counts = t.entry_counts.float()
     if t.n_draws is not None:
         weights = counts / float(t.n_draws)

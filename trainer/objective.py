@@ -37,6 +37,7 @@ from logitstore.trainer.losses import (
     chunked_head_loss,
     kd_term,
     position_slicer,
+    student_log_softmax,
 )
 
 
@@ -179,26 +180,26 @@ def mixed_loss(
     each_teacher = batch.mixed or indicator  # one teacher's KL is the KD itself
 
     def loss_of_chunk(logits: Tensor, a: int, b: int) -> tuple[Tensor, dict[str, Tensor]]:
-        lse = torch.logsumexp(logits, dim=-1)  # every teacher's (at temperature 1) and the CE's
+        log_q = student_log_softmax(logits)  # every same-tokenizer teacher's (at temperature 1) and the CE's
         kd: Tensor | None = None
         values = {}
         for name, targets in signals:
             if isinstance(targets, AlignedTargets):
-                term, sub = aligned_kd_terms(logits, targets.cut(a, b), uld_weight=cfg.uld_weight, total=total, lse=lse)
+                term, sub = aligned_kd_terms(logits, targets.cut(a, b), uld_weight=cfg.uld_weight, total=total)
                 if each_teacher:
                     values[f"kl/{name}"] = sub["exact"] if indicator else sub["kd"]
             else:
-                term = kd_term(logits, slicers[name](a, b), cfg, total=total, lse=lse)
+                term = kd_term(logits, slicers[name](a, b), cfg, total=total, log_q=log_q)
                 if each_teacher:
                     values[f"kl/{name}"] = term
             kd = term if kd is None else kd + term
         assert kd is not None  # a batch has at least one teacher
         if cfg.alpha > 0:
-            ce = ce_term(logits, target_ids[a:b], total=total, lse=lse)
+            ce = ce_term(logits, target_ids[a:b], total=total, log_q=log_q)
             loss = kd + cfg.alpha * ce
         else:
             with torch.no_grad():  # reported only: no gradient of zeros to carry back
-                ce = ce_term(logits, target_ids[a:b], total=total, lse=lse)
+                ce = ce_term(logits, target_ids[a:b], total=total, log_q=log_q)
             loss = kd
         values.update({"kd": kd, "ce": ce, "loss": loss})  # stacked with grad off (`chunked_head_loss`)
         return loss, values
