@@ -115,8 +115,8 @@ def segment_attention(
     # [B * L, heads, D]: query, key and value heads side by side, so each bucket gathers them at once
     qkv = torch.cat([query, key, value], dim=1).transpose(1, 2).reshape(B * L, -1, D)
     split = (H, key.shape[1], value.shape[1])
-    if kernel == VARLEN:
-        q, k, v = qkv.split(split, dim=1)
+    if kernel == VARLEN:  # each of query, key and value dense: flash attention's layout, whatever its strides
+        q, k, v = (x.contiguous() for x in qkv.split(split, dim=1))
         out = varlen_segments(q, k, v, segment_plan, scale=scaling)
     else:
         out = bucketed_segments(qkv, segment_plan, split=split, scale=scaling, dropout=p)
