@@ -7,16 +7,17 @@
 It writes `gpu-<device>-<date>.json` and `.md` under `--out` (default benchmarks/results/) after every
 section (a run cut off keeps what it measured), and exits 1 when a check fails (0 when all pass). Each
 section runs the project's own code: `run_build` (what `logitstore build` calls), `launch` (what
-`logitstore train` calls), the `logitstore train` command itself in a child process for the CPU reference,
+`logitstore train` calls), its step (`step.train_step`) on the CPU for the fp32 reference,
 `DistillationTrainer`, the segment attention and the chunked loss; the leak checks are the live tests'
 own helpers (tests/test_live.py). A section that raises is recorded with its traceback and counts as a
 failed check; the next section still runs.
 
 Sections: build (the torch engine in bf16 and fp32 against a CPU fp32 build), oom (a build whose
 --batch-tokens does not fit, under a memory limit; on CPU a hook emulates it), train (`logitstore train`
-with smollm2-135m under FSDP2: throughput, MFU, the CPU's first-step loss, segment attention, the
-chunked head, the levers), live (CUDA IPC), trainer (`DistillationTrainer`) and vllm (where `import
-vllm` works). Each check's bound stands next to its value in the JSON. What each section checks, the
+with smollm2-135m on one rank from a synthetic store, no teacher needed: throughput, MFU, the plain loop
+of benchmarks/plain.py beside it eager and compiled, micro-batch 32, the CPU's first-step loss, segment
+attention, the chunked head, the levers), live (CUDA IPC), trainer (`DistillationTrainer`) and vllm
+(where `import vllm` works). Each check's bound stands next to its value in the JSON. What each section checks, the
 MFU formula (`PEAK_BF16`) and the targets (`TARGETS`, recorded with whether they were met, never
 asserted): docs/benchmarks.md, "GPU acceptance".
 """
@@ -33,7 +34,6 @@ import os
 import platform
 import resource
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -43,7 +43,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import plain as baselines  # benchmarks/plain.py: the plain loop the train section measures against
 import psutil
+import stream as stream_benchmark  # benchmarks/stream.py: the synthetic store the train section reads
 import torch
 
 import build as build_benchmark  # benchmarks/build.py, beside this file: its corpus of N tokens
@@ -56,11 +58,12 @@ from logitstore.streaming.spec import StreamSpec
 from logitstore.streaming.stream import store_stream
 from logitstore.testing.shm import leaked_shm, shm_entries
 from logitstore.testing.teachers import save_toy_teacher
-from logitstore.trainer.attention import ATTENTION, plan_segments
+from logitstore.trainer.attention import ATTENTION, packed_attention, plan_segments
 from logitstore.trainer.config import LiveConfig, LossConfig, TrainConfig
 from logitstore.trainer.losses import chunked_distill_loss, distill_loss
 from logitstore.trainer.model import build_student
 from logitstore.trainer.objective import sparse_targets
+from logitstore.trainer.step import make_optimizer, train_step
 from logitstore.trainer.train import launch
 
 REPO = Path(__file__).resolve().parents[1]
@@ -94,6 +97,11 @@ TARGETS = {
     "memory_8192_over_512": ("<=", 1.2),
     "speed_8192_over_512": (">=", 0.9),
     "build_tokens_per_second": (">=", 100_000),
+    # the plain loop (benchmarks/plain.py) in the same process, on the same GPU and the same batches
+    "train_over_plain_eager": (">=", 1.0),  # at seq 2048 x 8
+    "compile_over_plain_compiled": (">=", 1.0),
+    "train_memory_over_plain": ("<=", 1.0),
+    "micro_batch_32_over_8_per_token": (">", 1.0),  # 0 when micro-batch 32 does not fit
 }
 
 
@@ -121,6 +129,9 @@ class Shapes:
     live_steps: int
     trainer_steps: int
     doc_chars: int | None  # the reference, OOM and live corpora: documents cut to this many characters
+    student_tokens: int  # the train section's synthetic store (benchmarks/stream.py's writer, sampled-16)
+    student_vocab: int
+    large_micro_batch: int  # the train section's micro-batch that must fit and beat `micro_batch` per token
 
 
 GPU = Shapes(
@@ -146,6 +157,9 @@ GPU = Shapes(
     live_steps=10,
     trainer_steps=20,
     doc_chars=None,
+    student_tokens=1_000_000,
+    student_vocab=49_152,
+    large_micro_batch=32,
 )
 SMOKE = Shapes(
     build_tokens=10_000,
@@ -170,6 +184,9 @@ SMOKE = Shapes(
     live_steps=4,
     trainer_steps=3,
     doc_chars=500,
+    student_tokens=40_000,
+    student_vocab=SMOKE_VOCAB,
+    large_micro_batch=8,
 )
 
 
@@ -222,7 +239,7 @@ class Run:
         return {"uri": uri, **summary}
 
     def train_store(self) -> dict:
-        """The bf16 store of section 1 (the default sparsity): what sections 3 and 5 train from."""
+        """The bf16 store of section 1 (the default sparsity)."""
         return self.once("train-store", lambda: self.build_throughput("bfloat16"))  # type: ignore[return-value]
 
     def build_throughput(self, dtype: str) -> dict:
@@ -239,14 +256,36 @@ class Run:
                 dtype=dtype,
             )
 
+    def student_store(self) -> dict:
+        """What sections 3 and 5 train from, without a teacher: benchmarks/stream.py's synthetic store
+        (sampled-16, samples of up to 1,024 tokens), written through the store's writer."""
+
+        def make() -> dict:
+            uri = str(self.tmp / "student-store")
+            s = self.shapes
+            # ~120 parts (~80 at --smoke): a tenth of the stored bytes holds two parts in memory (~2.7x stored)
+            flags = ["--tokens", str(s.student_tokens), "--vocab", str(s.student_vocab), "--part-tokens", "8192"]
+            if self.smoke:
+                flags += ["--part-tokens", "512", "--sample-len", "256"]
+            written = stream_benchmark.write_store(uri, stream_benchmark.parse_args(flags), log=quiet)
+            info = Store.open(uri).read().info()
+            return {
+                "uri": uri,
+                "teacher": stream_benchmark.TEACHER,
+                "stored_bytes": int(info["stored_bytes"]),
+                **written,
+            }
+
+        return self.once("student-store", make)  # type: ignore[return-value]
+
     def memory_budget(self) -> int:
-        """1/10 of the train store's stored bytes: the store is 10x the stream's budget."""
-        return self.train_store()["stored_bytes"] // 10
+        """1/10 of the student store's stored bytes: the store is 10x the stream's budget."""
+        return self.student_store()["stored_bytes"] // 10
 
     def train_flags(self, **overrides) -> dict:
         s = self.shapes
         flags = dict(
-            store=self.train_store()["uri"],
+            store=self.student_store()["uri"],
             student=s.student,
             seq_len=s.seq_len,
             micro_batch=s.micro_batch,
@@ -261,7 +300,7 @@ class Run:
         out = self.tmp / name
         reset_peak_memory(self.device)
         started = time.perf_counter()
-        # Quiet, and a short held-out evaluation at the end (options of the library, not of the command).
+        # Quiet (nothing read back before the last step) and a short held-out evaluation at the end.
         launch(TrainConfig.from_flags(out=str(out), log_every=10**9, eval_batches=2, **self.train_flags(**overrides)))
         peak = peak_memory(self.device)
         seconds = time.perf_counter() - started  # the whole launch: start-up, steps, evaluation, export
@@ -270,33 +309,34 @@ class Run:
         return {"out": out, "records": metrics(out), "peak_memory_bytes": peak, "seconds": seconds}
 
     def first_step(self) -> dict:
-        """One step on the device and the same step by `logitstore train` on the CPU (fp32, a child process
-        that sees no GPU): the first loss of each. Eval fraction 0, so section 5's Trainer sees the same
-        first batch."""
+        """One step of `logitstore train` on the device, and the same step in fp32 on the CPU from the same
+        initial weights and first batch (`cpu_first_step`): the first loss of each. Eval fraction 0, so
+        section 5's Trainer sees the same first batch."""
 
         def make() -> dict:
             s = self.shapes
             flags = dict(steps=1, micro_batch=s.check_micro_batch, eval_fraction=0.0)
             # Its own cache entry: a failed CPU reference must not rerun the device step into the same --out.
             device_run = self.once("first-step-device", lambda: self.train("first-step", **flags))
-            cpu_out = self.tmp / "first-step-cpu"
-            cli_train(self.train_flags(**flags), out=cpu_out)
-            return {"device": device_run["records"][0]["loss"], "cpu": metrics(cpu_out)[0]["loss"]}
+            reference = cpu_first_step(self.train_flags(**flags), device=self.device)
+            return {"device": device_run["records"][0]["loss"], "cpu": reference}
 
         return self.once("first-step", make)  # type: ignore[return-value]
 
 
-def cli_train(flags: dict, *, out: Path) -> None:
-    """`logitstore train` in a child process with no GPU visible: the CPU fp32 reference."""
-    args = [sys.executable, "-m", "logitstore.cli.app", "train", "--out", str(out)]
-    for name, value in flags.items():
-        args += [f"--{name.replace('_', '-')}", str(value)]
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
-    # cwd outside the checkout: `python -m` puts the cwd first on sys.path, where the source folder
-    # `logitstore/` (without the installed package's pipelines/trainer/cli mapping) would shadow the install.
-    done = subprocess.run(args, capture_output=True, text=True, env=env, cwd=out.parent)
-    if done.returncode != 0:
-        raise RuntimeError(f"logitstore train (CPU reference) failed: {done.stderr.strip()[-2000:]}")
+def cpu_first_step(flags: dict, *, device: str) -> float:
+    """The first step's loss of `logitstore train` with `flags` in fp32 on the CPU (`step.train_step` on
+    the first batch of the same stream), from the initial weights the run on `device` draws: a student
+    built as `launch` builds it, on `device` (a CUDA run draws from the GPU's generator, which the CPU
+    cannot replay), then copied to the CPU."""
+    cfg = TrainConfig.from_flags(out="-", **flags)
+    assert cfg.data.store is not None  # the student store
+    view = Store.open(cfg.data.store).read()
+    model, _ = build_student(cfg.student.student, vocab_size=store_vocab(view), seed=cfg.student.seed, device=device)
+    model, cpu = model.float().cpu(), torch.device("cpu")
+    with store_stream(view, cfg.stream_spec(rank=0, world_size=1, split="train")) as batches:
+        values, _ = train_step(model, make_optimizer(model, cfg, device=cpu), iter(batches), cfg, cpu, step=1)
+    return float(values["loss"])
 
 
 def metrics(out: Path) -> list[dict]:
@@ -412,7 +452,11 @@ class Report:
 
     def target(self, name: str, value: float | None) -> None:
         op, bound = TARGETS[name]
-        met = None if value is None else {">=": value >= bound, "<": value < bound, "<=": value <= bound}[op]
+        met = (
+            None
+            if value is None
+            else {">=": value >= bound, ">": value > bound, "<": value < bound, "<=": value <= bound}[op]
+        )
         self.data["targets"][name] = {"value": value, "target": f"{op} {bound}", "met": met}
 
     @property
@@ -741,7 +785,7 @@ def flops_per_token(student: str, *, vocab_size: int, seq_len: int) -> tuple[int
 
 def section_train(run: Run, record: dict) -> None:
     s = run.shapes
-    store = run.train_store()
+    store = run.student_store()
     record["store"] = {**stream_windows(run, store), "stored_bytes": store["stored_bytes"], "tokens": store["tokens"]}
     record["store"]["store_to_budget"] = store["stored_bytes"] / run.memory_budget()
     windows = record["store"]["parts"] / record["store"]["window_parts"]
@@ -766,6 +810,19 @@ def section_train(run: Run, record: dict) -> None:
     run.report.target("train_data_wait_share", m["data_wait_share"])
     losses = [r["loss"] for r in headline["records"]]
     check(record, "losses finite", max(losses), "finite", all(np.isfinite(losses)))
+
+    record["plain"] = {
+        "eager": plain_loop(run, compile=False),
+        "compiled": plain_loop(run, compile=True),
+    }
+    record["vs_plain"] = {
+        "tokens_per_second": m["tokens_per_second"] / record["plain"]["eager"]["tokens_per_second"],
+        "peak_memory": headline["peak_memory_bytes"] / record["plain"]["eager"]["peak_memory_bytes"],
+    }
+    run.report.target("train_over_plain_eager", record["vs_plain"]["tokens_per_second"])
+    run.report.target("train_memory_over_plain", record["vs_plain"]["peak_memory"])
+    record["large_micro_batch"] = large_micro_batch(run, per_token=m["tokens_per_second"])
+    run.report.target("micro_batch_32_over_8_per_token", record["large_micro_batch"]["over_micro_batch"])
 
     record["scaling"] = {}
     for which, (seq, micro) in zip(("short", "long"), s.scaling):
@@ -831,6 +888,9 @@ def section_train(run: Run, record: dict) -> None:
             "peak_memory_bytes": got["peak_memory_bytes"],
         }
         record["levers"][lever]["first_loss"] = got["records"][0]["loss"]
+    compiled = record["levers"]["compile"]["tokens_per_second"] / record["plain"]["compiled"]["tokens_per_second"]
+    record["vs_plain"]["compiled_tokens_per_second"] = compiled
+    run.report.target("compile_over_plain_compiled", compiled)
     plain_first = headline["records"][0]["loss"]
     for lever in ("compile", "activation_checkpointing"):
         rel = abs(record["levers"][lever]["first_loss"] - plain_first) / abs(plain_first)
@@ -841,6 +901,68 @@ def section_train(run: Run, record: dict) -> None:
             STEP_LOSS_RTOL[run.device],
             rel <= STEP_LOSS_RTOL[run.device],
         )
+
+
+def plain_loop(run: Run, *, compile: bool) -> dict:
+    """benchmarks/plain.py's loop on the batches `logitstore train` reads at the headline's shape, in this
+    process on the same device: tokens/s (B x L a step) over the steps after the warm-up (the compile
+    happens in the warm-up), and its peak memory."""
+    s = run.shapes
+    cfg = TrainConfig.from_flags(out="-", **run.train_flags())
+    assert cfg.data.store is not None  # the student store
+    view = Store.open(cfg.data.store).read()
+    with store_stream(view, cfg.stream_spec(rank=0, world_size=1, split="train")) as stream:
+        batches = iter(stream)
+        taken = [next(batches) for _ in range(s.steps)]
+    reset_peak_memory(run.device)
+    loop = baselines.PlainLoop(
+        s.student, vocab_size=store_vocab(view), device=torch.device(run.device), compile=compile
+    )
+    for batch in taken[: s.warmup]:
+        loop.step(batch)
+    synchronize(run.device)
+    started = time.perf_counter()
+    losses = [loop.step(batch) for batch in taken[s.warmup :]]
+    synchronize(run.device)
+    seconds = time.perf_counter() - started
+    found = {
+        "compiled": compile,
+        "steps_measured": len(losses),
+        "tokens_per_second": len(losses) * s.seq_len * s.micro_batch / seconds,
+        "peak_memory_bytes": peak_memory(run.device),
+        "last_loss": float(losses[-1]),
+    }
+    del loop
+    free_memory()
+    return found
+
+
+def large_micro_batch(run: Run, *, per_token: float) -> dict:
+    """`logitstore train` at `large_micro_batch` rows: whether it fits, and its tokens/s over the headline's
+    (`per_token`; 0 where it does not fit)."""
+    s = run.shapes
+    try:
+        got = run.train("large-micro-batch", steps=s.lever_steps, micro_batch=s.large_micro_batch)
+    except torch.OutOfMemoryError as error:
+        free_memory()
+        return {"micro_batch": s.large_micro_batch, "fits": False, "error": str(error)[:200], "over_micro_batch": 0.0}
+    m = measured(got["records"], warmup=s.warmup)
+    return {
+        "micro_batch": s.large_micro_batch,
+        "fits": True,
+        "tokens_per_second": m["tokens_per_second"],
+        "peak_memory_bytes": got["peak_memory_bytes"],
+        "over_micro_batch": m["tokens_per_second"] / per_token,
+    }
+
+
+def store_vocab(view) -> int:
+    return view.teachers[view.teacher_name(None)].vocab_size
+
+
+def synchronize(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
 
 
 def stream_windows(run: Run, store: dict) -> dict:
@@ -887,6 +1009,7 @@ def segment_vs_eager(run: Run, store: dict) -> dict:
         segment = outputs(dtype, ATTENTION)
         eager = reference if dtype == torch.float32 else outputs(dtype, "eager")
         found[str(dtype).removeprefix("torch.")] = {
+            "kernel": packed_attention(run.device, dtype),
             "values": _relative(segment[0], reference[0]),
             "gradients": max(_relative(g, r) for g, r in zip(segment[1], reference[1])),
             "eager_values": _relative(eager[0], reference[0]),
@@ -915,7 +1038,7 @@ def chunked_head(run: Run, store: dict) -> dict:
         h, w = (x.to(dtype).detach().clone().requires_grad_() for x in (hidden, weight))
         loss, _ = fn(h, w)
         loss.backward()
-        return float(loss), h.grad.float(), w.grad.float()
+        return float(loss.detach()), h.grad.float(), w.grad.float()
 
     reference = loss_and_grads(lambda h, w: distill_loss((h @ w.T).float(), targets, LossConfig()), torch.float32)
     found = {}
@@ -1057,10 +1180,11 @@ def section_trainer(run: Run, record: dict) -> None:
     from logitstore.trainer.hf import DistillationTrainer  # as above
 
     s = run.shapes
-    store = run.train_store()
+    store = run.student_store()
     reference = run.first_step()["device"]
     vocab = Store.open(store["uri"]).read().teachers[store["teacher"]].vocab_size
-    model, _ = build_student(s.student, vocab_size=vocab, seed=0)
+    # the initial weights of `logitstore train` on this device (drawn there from the same seed)
+    model, _ = build_student(s.student, vocab_size=vocab, seed=0, device=run.device)
     args = TrainingArguments(
         output_dir=str(run.tmp / "trainer"),
         max_steps=s.trainer_steps,

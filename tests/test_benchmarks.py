@@ -1,5 +1,6 @@
 """`benchmarks/stream.py --smoke`: the streaming benchmark runs end to end (write through the real
-writer, one epoch through `logitstore.stream`, the decode floor, byte counting) and reports sane numbers."""
+writer, one epoch through `logitstore.stream`, the decode floor, byte counting) and reports sane numbers;
+`benchmarks/step.py --smoke`: the student step against the plain loop, counted and timed."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import sys
 from pathlib import Path
 
 BENCHMARK = Path(__file__).parents[1] / "benchmarks" / "stream.py"
+STEP_BENCHMARK = Path(__file__).parents[1] / "benchmarks" / "step.py"
 FIELDS = (
     "write_tokens_per_second",
     "read_tokens_per_second",
@@ -43,6 +45,23 @@ def test_stream_benchmark_smoke_reports_every_field(tmp_path):
     assert result["decode_bytes_fetched_when_cached"] == 0
     assert 5 < result["bytes_per_token"] < 60  # sampled-16 stores ~20 B/token
     assert "write" in out.stderr and "read amplification" in out.stderr  # the human summary, beside the JSON
+
+
+def test_the_step_benchmark_counts_both_loops_on_the_same_batches():
+    out = subprocess.run(
+        [sys.executable, str(STEP_BENCHMARK), "--smoke"], capture_output=True, text=True, timeout=300, cwd="/"
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout)
+    ours, plain = result["loops"]["logitstore"], result["loops"]["plain"]
+    assert ours["syncs_per_step"] == 0 and ours["syncs"] == {}  # the step reads nothing back
+    for loop in (ours, plain):
+        assert loop["ops_per_step"] > 300 and loop["tokens_per_second"] > 0 and loop["top_ops"]
+    assert result["ratios"]["ops"] == ours["ops_per_step"] / plain["ops_per_step"]
+    head = result["head"]  # the chunked head and the fused reference compute the same loss
+    assert head["loss_relative_difference"] < 1e-5 and head["chunks"] >= 1
+    assert head["logitstore"]["syncs"] == 0 and head["logitstore"]["ops"] > 0
+    assert result["shape"]["tokens_per_step"] == result["shape"]["seq_len"] * result["shape"]["micro_batch"]
 
 
 def test_stream_benchmark_smoke_on_s3_with_latency_records_it():

@@ -245,7 +245,7 @@ def test_config_file_errors_come_before_torch(tmp_path):
 
 
 def test_each_flag_is_declared_once_and_config_modules_import_no_torch(tmp_path):
-    assert len(declared(TrainConfig)) == 55 and len(declared(BuildConfig)) == 45  # each name once (asserted)
+    assert len(declared(TrainConfig)) == 56 and len(declared(BuildConfig)) == 45  # each name once (asserted)
     result = runner.invoke(app, ["build", "--data", str(tmp_path / "nowhere.jsonl")])
     assert result.exit_code == 2 and result.stderr == "error: --store is required (a flag, or a key of --config)\n"
     code = "import sys, logitstore.cli.app; print(sorted({'torch', 'numba', 'transformers'} & set(sys.modules)))"

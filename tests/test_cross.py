@@ -220,7 +220,7 @@ def test_cross_tokenizer_loss_in_chunks_equals_the_loss_in_one_piece(store):
     from logitstore.streaming.stream import store_stream
     from logitstore.trainer.aligned_losses import aligned_kd
     from logitstore.trainer.config import LossConfig
-    from logitstore.trainer.objective import StudentOutputs, _whole_groups, mixed_loss
+    from logitstore.trainer.objective import StudentOutputs, _whole_groups, host_values, mixed_loss
     from logitstore.trainer.train import plan_sources
 
     view = Store.open(store).read()
@@ -248,7 +248,7 @@ def test_cross_tokenizer_loss_in_chunks_equals_the_loss_in_one_piece(store):
             indicator=evaluation,
         )
         loss.backward()
-        return float(loss.detach()), parts, h.grad, w.grad
+        return float(loss.detach()), host_values(parts), h.grad, w.grad
 
     whole, chunked = run(P), run(5)
     assert chunked[0] == pytest.approx(whole[0], rel=1e-5)

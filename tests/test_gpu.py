@@ -72,6 +72,15 @@ FIELDS = {
         "levers.compile.peak_memory_bytes",
         "levers.activation_checkpointing.tokens_per_second",
         "levers.activation_checkpointing.peak_memory_bytes",
+        "plain.eager.tokens_per_second",
+        "plain.eager.peak_memory_bytes",
+        "plain.compiled.tokens_per_second",
+        "vs_plain.tokens_per_second",
+        "vs_plain.peak_memory",
+        "vs_plain.compiled_tokens_per_second",
+        "large_micro_batch.fits",
+        "large_micro_batch.over_micro_batch",
+        "attention.bfloat16.kernel",
     ],
     "live": [
         "transport",
@@ -91,6 +100,10 @@ TARGETS = (
     "memory_8192_over_512",
     "speed_8192_over_512",
     "build_tokens_per_second",
+    "train_over_plain_eager",
+    "compile_over_plain_compiled",
+    "train_memory_over_plain",
+    "micro_batch_32_over_8_per_token",
 )
 
 

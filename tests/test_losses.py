@@ -438,3 +438,34 @@ def test_chunked_head_reports_the_same_parts_as_distill_loss():
     _, whole = distill_loss(hidden @ weight.T, t, cfg)
     _, chunked = chunked_distill_loss(hidden, weight, t, cfg, chunk=2)
     assert chunked == pytest.approx(whole, abs=1e-5)
+
+
+def test_chunked_head_under_autocast_multiplies_in_bf16_and_scores_in_fp32():
+    # One CUDA rank trains under bf16 autocast: the head's three matmuls must run in bf16 (fp32 ones
+    # are ~10x slower on a GPU), the loss on fp32 logits, the gradients in the parameters' dtype.
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from logitstore.trainer.losses import chunked_distill_loss
+
+    class MatmulDtypes(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen: set[tuple[str, torch.dtype]] = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.overloadpacket.__name__
+            if name in ("mm", "addmm_", "logsumexp"):
+                self.seen.add((name, args[0].dtype))
+            return func(*args, **(kwargs or {}))
+
+    t = LAYOUTS["topk"](_teacher_logits(5))
+    hidden = torch.randn(P, 6, generator=torch.Generator().manual_seed(5), requires_grad=True)
+    weight = torch.randn(V, 6, generator=torch.Generator().manual_seed(6), requires_grad=True)
+    want, _ = chunked_distill_loss(hidden, weight, t, LossConfig(), chunk=3)
+    with MatmulDtypes() as mode, torch.autocast("cpu", dtype=torch.bfloat16):
+        got, _ = chunked_distill_loss(hidden, weight, t, LossConfig(), chunk=3)
+        got.backward()
+    assert {dtype for name, dtype in mode.seen if name == "mm"} == {torch.bfloat16}
+    assert {dtype for name, dtype in mode.seen if name == "logsumexp"} == {torch.float32}
+    assert hidden.grad.dtype == weight.grad.dtype == torch.float32
+    assert float(got.detach()) == pytest.approx(float(want.detach()), rel=2e-2)

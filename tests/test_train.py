@@ -15,12 +15,14 @@ import numpy as np
 import polars as pl
 import pytest
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
 from typer.testing import CliRunner
 
 from logitstore.cli.app import app
 from logitstore.pipelines.build import BuildConfig, run_build
 from logitstore.store.store import Store
 from logitstore.testing.cli import CLI, one_line_error, run
+from logitstore.testing.dispatch import CountingMode
 from logitstore.testing.runs import COMMON, metrics
 from logitstore.testing.streams import stream, take
 from logitstore.trainer.config import LossConfig, TrainConfig
@@ -65,6 +67,23 @@ def test_loss_goes_down_and_the_student_exports(store, tmp_path):
     assert result.exit_code == 0, result.stderr
     evaluated = json.loads(result.stdout)
     assert evaluated["kl"] > 0 and evaluated["ce"] > 0
+
+
+def test_a_step_that_logs_nothing_reads_nothing_back_from_the_device(store, tmp_path):
+    # What a GPU would wait for, counted between one optimizer step and the next (start-up, the last
+    # step's read-back, evaluation and export lie outside): item() (`_local_scalar_dense`), copies from
+    # the device to the host, and ops whose output shape depends on the data (boolean masks, nonzero).
+    per_step = []
+    with CountingMode() as mode:
+        hook = register_optimizer_step_post_hook(lambda *_: per_step.append(mode.take()))
+        try:
+            launch(TrainConfig.from_flags(store=store, out=str(tmp_path / "run"), steps=4, log_every=4, **COMMON))
+        finally:
+            hook.remove()
+    after_a_silent_step = per_step[1:]  # steps 2, 3 and 4: the whole of each, after a step that logged nothing
+    assert len(after_a_silent_step) == 3 and all(c.n_ops > 100 for c in after_a_silent_step)
+    assert [c.n_syncs for c in after_a_silent_step] == [0, 0, 0], [dict(c.syncs) for c in after_a_silent_step]
+    assert [r["step"] for r in metrics(tmp_path / "run")] == [1, 2, 3, 4]  # every step's record, written at step 4
 
 
 def test_two_processes_agree_with_one_on_the_first_step(store, tmp_path):

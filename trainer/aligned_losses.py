@@ -39,6 +39,7 @@ from logitstore.trainer.losses import (
     LOG_TINY,
     MASKED_LOGIT,
     TINY,
+    as_floats,
     normalise,
     segment_logsumexp,
     segment_sum,
@@ -50,13 +51,23 @@ _LN2 = math.log(2.0)
 def aligned_kd(
     student_logits: Tensor, targets: AlignedTargets, *, uld_weight: float = 1.0
 ) -> tuple[Tensor, dict[str, float]]:
-    """The cross-tokenizer KD term, a scalar with grad, and parts {"kd", "exact", "uld", "chain"} as floats."""
+    """The cross-tokenizer KD term, a scalar with grad, and parts {"kd", "exact", "uld", "chain"} as floats
+    (one device sync; `aligned_kd_terms` gives them as tensors)."""
+    kd, parts = aligned_kd_terms(student_logits, targets, uld_weight=uld_weight)
+    return kd, as_floats(parts)
+
+
+def aligned_kd_terms(
+    student_logits: Tensor, targets: AlignedTargets, *, uld_weight: float = 1.0, total: int | None = None
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """`aligned_kd` with its parts as detached scalar tensors. `total`: the mean's denominator instead of
+    P (a chunk of a larger batch passes the batch's)."""
     _check_shapes(student_logits, targets)
     if not is_real(uld_weight) or not 0 <= uld_weight < math.inf:
         raise ValueError(f"uld_weight must be a finite number >= 0; got {uld_weight!r}")
     t = targets
     logits = student_logits.float()  # fp32 math even for bf16 logits
-    n = max(t.n_positions, 1)  # an empty micro-batch gives 0, not NaN
+    n = total or max(t.n_positions, 1)  # an empty micro-batch gives 0, not NaN
     w = t.weight.float() if t.weight is not None else torch.ones(t.n_positions, device=logits.device)
     lse = torch.logsumexp(logits, dim=-1)
 
@@ -66,8 +77,7 @@ def aligned_kd(
     uld = (w_exact * uld).sum() / n
     chain = (_chain_weights(w, t) * _chain_terms(logits, lse, t)).sum() / n
     kd = exact + uld_weight * uld + chain
-    values = torch.stack([kd.detach(), exact.detach(), uld.detach(), chain.detach()]).tolist()  # one device sync
-    return kd, dict(zip(("kd", "exact", "uld", "chain"), values))
+    return kd, {"kd": kd.detach(), "exact": exact.detach(), "uld": uld.detach(), "chain": chain.detach()}
 
 
 def _one_to_one_terms(logits: Tensor, lse: Tensor, t: AlignedTargets) -> tuple[Tensor, Tensor]:

@@ -257,12 +257,13 @@ class ScheduleConfig:
     eval_every: int = option(0, panel=CHECKPOINTS, help="Evaluate on the held-out split every N steps (0: never).")
     eval_batches: int = 8
     checkpoint_every: int = option(0, panel=CHECKPOINTS, help="Checkpoint every N steps (0: only at the end).")
-    log_every: int = 1
+    log_every: int = option(1, panel=CHECKPOINTS, help="Read the steps' values back and print a line every N steps.")
 
     def __post_init__(self) -> None:
         _check(
             [
                 (self.steps >= 1, "--steps must be at least 1"),
+                (self.log_every >= 1, "--log-every must be at least 1"),
                 (self.tokens is None or self.tokens >= 1, f"--tokens must be at least 1, got {self.tokens}"),
                 (
                     self.eval_every >= 0 and self.checkpoint_every >= 0,

@@ -105,7 +105,7 @@ class StoreDistillation(_TrainerBase):
             self.signal = StoreData(logitstore.open(store, version))
         register_attention()
         model.config._attn_implementation = ATTENTION  # packed rows: segments attend within themselves
-        self._parts: dict[str, list[float]] = {}
+        self._parts: dict[str, list] = {}  # the parts of each micro-batch since the last log, on the device
         self._resume_state: dict | None = None
         self._batches: _Batches | None = None
         super().__init__(model=model, args=args, **trainer_kwargs)
@@ -182,8 +182,8 @@ class StoreDistillation(_TrainerBase):
     def log(self, logs: dict, *args, **kwargs) -> None:
         if "loss" in logs:  # training logs: the mean KD and CE since the last one, beside Trainer's loss
             for key, values in self._parts.items():
-                if values:
-                    logs[key] = sum(values) / len(values)
+                if values:  # read back here, at a logging step, not at every micro-batch
+                    logs[key] = float(sum(values) / len(values))
             self._parts = {}
         super().log(logs, *args, **kwargs)
 

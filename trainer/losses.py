@@ -37,25 +37,44 @@ from logitstore.trainer.config import LossConfig, LossConfigError
 
 TINY = 1e-30
 LOG_TINY = math.log(TINY)
-# Written over the student's stored ids before the tail's logsumexp: far below any real logit, yet
-# finite, so a position whose entries cover the whole vocabulary gives a finite logsumexp and a
-# finite (zero) gradient instead of exp(-inf - -inf) = NaN.
+# Written over the student's log-probabilities at the stored ids before the tail's logsumexp: far below
+# any real one, yet finite, so a position whose entries cover the whole vocabulary gives a finite
+# logsumexp and a finite (zero) gradient instead of exp(-inf - -inf) = NaN.
 MASKED_LOGIT = -1e30
 
 
 def distill_loss(student_logits: Tensor, targets: SparseTargets, cfg: LossConfig) -> tuple[Tensor, dict[str, float]]:
-    """Mean over positions. Returns (loss, parts) with parts {"kd", "ce", "loss"} as python floats."""
+    """Mean over positions. Returns (loss, parts) with parts {"kd", "ce", "loss"} as python floats (one
+    device sync; `distill_terms` gives them as tensors)."""
+    loss, values = distill_terms(student_logits, targets, cfg)
+    return loss, as_floats(values)
+
+
+def distill_terms(
+    student_logits: Tensor, targets: SparseTargets, cfg: LossConfig, *, total: int | None = None
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """`distill_loss` with its parts as detached scalar tensors on the logits' device: nothing is read
+    back. `total`: the mean's denominator (default: these targets' positions; a chunk of a larger batch
+    passes the batch's, so the chunks' values add up to the batch's)."""
     _check_shapes(student_logits, targets)
     logits = student_logits.float()  # fp32 math even for bf16 logits; converted once for both terms
-    kd = _kd_term(logits, targets, cfg)
+    log_q = student_log_softmax(logits)  # the KD's (at temperature 1) and the CE's
+    kd = _kd_term(logits, targets, cfg, total=total, log_q=log_q)
     if cfg.alpha > 0:
-        ce = _ce_term(logits, targets.target_ids)
+        ce = _ce_term(logits, targets.target_ids, total=total, log_q=log_q)
+        loss = kd + cfg.alpha * ce
     else:
         with torch.no_grad():  # reported only: no [P, V] gradient of zeros to carry back
-            ce = _ce_term(logits, targets.target_ids)
-    loss = kd + cfg.alpha * ce
-    kd_f, ce_f, loss_f = torch.stack([kd.detach(), ce.detach(), loss.detach()]).tolist()  # one device sync
-    return loss, {"kd": kd_f, "ce": ce_f, "loss": loss_f}
+            ce = _ce_term(logits, targets.target_ids, total=total, log_q=log_q)
+        loss = kd
+    return loss, {"kd": kd.detach(), "ce": ce.detach(), "loss": loss.detach()}
+
+
+def as_floats(values: dict[str, Tensor]) -> dict[str, float]:
+    """Scalar tensors as python floats, read back in one device sync."""
+    if not values:
+        return {}
+    return dict(zip(values, torch.stack([v.float() for v in values.values()]).tolist()))
 
 
 def chunked_distill_loss(
@@ -66,7 +85,7 @@ def chunked_distill_loss(
     chunk's loss and gradients are computed at once and its logits let go (Liger-kernel's fused linear
     cross-entropy, for every loss here). hidden [P, d] (the final hidden states at the supervised
     positions), weight [V, d] (the output embedding). Memory: one chunk's logits, their gradient and the
-    loss's temporaries, about 64 MB each in fp32, instead of [P, V] several times over."""
+    loss's temporaries instead of [P, V] several times over. Parts as floats (one device sync)."""
     n = targets.n_positions
     if hidden.ndim != 2 or hidden.shape[0] != n or weight.ndim != 2 or weight.shape[1] != hidden.shape[1]:
         raise ValueError(
@@ -74,10 +93,11 @@ def chunked_distill_loss(
         )
     bounds = chunk_bounds(n, chunk=chunk or chunk_positions(weight))
     slice_at = position_slicer(targets, bounds)
+    total = max(n, 1)
     loss, parts = chunked_head_loss(
-        hidden, weight, lambda logits, a, b: distill_loss(logits, slice_at(a, b), cfg), bounds=bounds, n=n
+        hidden, weight, lambda logits, a, b: distill_terms(logits, slice_at(a, b), cfg, total=total), bounds=bounds
     )
-    return loss, {"kd": 0.0, "ce": 0.0, "loss": 0.0, **parts}  # an empty micro-batch: zeros
+    return loss, {"kd": 0.0, "ce": 0.0, "loss": 0.0, **as_floats(parts)}  # an empty micro-batch: zeros
 
 
 def chunk_positions(weight: Tensor) -> int:
@@ -99,19 +119,23 @@ def chunk_bounds(n: int, *, chunk: int, allowed=None) -> list[tuple[int, int]]:
 
 
 def chunked_head_loss(
-    hidden: Tensor, weight: Tensor, loss_of_chunk, *, bounds: list[tuple[int, int]], n: int
-) -> tuple[Tensor, dict[str, float]]:
+    hidden: Tensor, weight: Tensor, loss_of_chunk, *, bounds: list[tuple[int, int]]
+) -> tuple[Tensor, dict[str, Tensor]]:
     """The loss of the logits `hidden @ weight.T`, computed a chunk of positions at a time:
-    `loss_of_chunk(logits [b - a, V] fp32, a, b)` gives the mean over the chunk's positions (and its parts
-    as floats); the result is the mean over all n, with its parts likewise, and the gradients of hidden
-    and weight. Only one chunk's logits exist at a time."""
-    parts: dict[str, float] = {}
-    loss = _ChunkedHead.apply(hidden, weight, loss_of_chunk, bounds, n, parts)
+    `loss_of_chunk(logits [b - a, V] fp32, a, b)` gives (the chunk's share of the loss, its parts, "loss" among them, as
+    scalar tensors, their shares likewise, read with grad off); the result is their sum over the chunks,
+    the parts likewise (detached tensors on the device: nothing is read back), and the gradients of
+    hidden and weight. Only one chunk's logits exist at a time."""
+    parts: dict[str, Tensor] = {}
+    loss = _ChunkedHead.apply(hidden, weight, loss_of_chunk, bounds, parts)
     return loss, parts
 
 
-# Elements of one chunk's [positions, V] logits in `chunked_distill_loss`: 16M, 64 MB in fp32.
-CHUNK_ELEMENTS = 1 << 24
+# Elements of one chunk's [positions, V] logits in the chunked head: 64M, 256 MB in fp32. With their
+# gradient and the loss's temporaries a chunk holds about 1 GB, far below what a step's activations take
+# at the sizes that need chunking (the whole [P, V] at seq 2048 x 8 and 49k tokens: 805M logits, 3.2 GB
+# a copy in fp32), while the per-chunk work (~60 ops and launches) is spread over 64M logits.
+CHUNK_ELEMENTS = 1 << 26
 
 
 class _ChunkedHead(torch.autograd.Function):
@@ -119,25 +143,35 @@ class _ChunkedHead(torch.autograd.Function):
     weight (autograd on the chunk alone, so every loss kind is exact); backward only scales them."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, loss_of_chunk, bounds, n, parts):
-        grad_hidden = torch.zeros_like(hidden)
+    def forward(ctx, hidden, weight, loss_of_chunk, bounds, parts):
+        device = hidden.device.type
+        # The matmuls in the forward's compute dtype (bf16 under autocast), the loss in fp32 without it.
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
+        h_all, w = hidden.to(dtype), weight.to(dtype)
+        grad_hidden = torch.empty_like(h_all)  # the chunks cover every row
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        w = weight.detach()
+        w_t = w.t()
+        total, keys = None, []
         for a, b in bounds:
-            with torch.enable_grad():
-                logits = (hidden[a:b].detach() @ w.T).float().requires_grad_()
-                loss, chunk_parts = loss_of_chunk(logits, a, b)
-                loss = loss * ((b - a) / n)  # the chunk's share of the mean over all n positions
+            h = h_all[a:b]
+            logits = (h @ w_t).float().requires_grad_()  # grad mode is off here: a leaf of its own
+            with torch.enable_grad(), torch.autocast(device, enabled=False):
+                loss, values = loss_of_chunk(logits, a, b)
                 (grad_logits,) = torch.autograd.grad(loss, logits)
-            g = grad_logits.to(w.dtype)
-            grad_hidden[a:b] = g @ w
-            grad_weight += (g.T @ hidden[a:b].detach()).float()
-            total += loss.detach()
-            for key, value in chunk_parts.items():
-                parts[key] = parts.get(key, 0.0) + value * (b - a) / n
-        ctx.save_for_backward(grad_hidden, grad_weight.to(weight.dtype))
-        return total
+            g = grad_logits.to(dtype)
+            torch.mm(g, w, out=grad_hidden[a:b])
+            if g.dtype == grad_weight.dtype:
+                grad_weight.addmm_(g.t(), h)
+            else:  # bf16 products, summed in fp32
+                grad_weight.add_(g.t() @ h)
+            keys = list(values)
+            stacked = torch.stack(list(values.values()))  # grad mode is off: no graph, nothing to detach
+            total = stacked if total is None else total.add_(stacked)
+        ctx.save_for_backward(grad_hidden.to(hidden.dtype), grad_weight.to(weight.dtype))
+        if total is None:  # no positions
+            return torch.zeros((), dtype=torch.float32, device=hidden.device)
+        parts.update(zip(keys, total.unbind()))
+        return parts["loss"].clone()
 
     @staticmethod
     def backward(ctx, grad_output):
@@ -148,75 +182,93 @@ class _ChunkedHead(torch.autograd.Function):
             None,
             None,
             None,
-            None,
         )
 
 
-def position_slicer(t: SparseTargets, bounds: list[tuple[int, int]]):
+def position_slicer(t: SparseTargets, bounds: list[tuple[int, int]], *, host: SparseTargets | None = None):
     """`slice_at(a, b)`: the targets at positions [a, b) of the chunk spans `bounds`, renumbered from 0.
-    The entries of every span are found in one search (entry_pos is non-decreasing): one device sync
-    for all chunks, not one per chunk."""
-    cuts = torch.tensor([a for a, _ in bounds] + [t.n_positions], device=t.entry_pos.device)
-    entry_cuts = torch.searchsorted(t.entry_pos, cuts).tolist()
-    entries = {a: (entry_cuts[i], entry_cuts[i + 1]) for i, (a, _) in enumerate(bounds)}
-    return lambda a, b: t.cut(a, b, entries=entries[a])
+    The entries of every span are found on the host, in `host` (the same targets as the stream made them,
+    before they were moved to the device; default `t` itself, read back if it is on a device)."""
+    entry_pos = (host if host is not None else t).entry_pos.cpu().numpy()
+    cuts = np.searchsorted(entry_pos, [a for a, _ in bounds] + [t.n_positions]).tolist()
+    entries = {a: (cuts[i], cuts[i + 1]) for i, (a, _) in enumerate(bounds)}
+    return lambda a, b: t if (a, b) == (0, t.n_positions) else t.cut(a, b, entries=entries[a])
 
 
-def kd_term(student_logits: Tensor, targets: SparseTargets, cfg: LossConfig) -> Tensor:
-    """The KD term alone: (1/P) sum_t w_t T^2 kd_t, a scalar with grad (cfg.alpha is not used)."""
+def kd_term(
+    student_logits: Tensor, targets: SparseTargets, cfg: LossConfig, *, total: int | None = None, log_q=None
+) -> Tensor:
+    """The KD term alone: (1/P) sum_t w_t T^2 kd_t, a scalar with grad (cfg.alpha is not used). `total`:
+    the denominator instead of P (see `distill_terms`); `log_q`: `student_log_softmax(student_logits)`,
+    if computed already."""
     _check_shapes(student_logits, targets)
-    return _kd_term(student_logits.float(), targets, cfg)
+    return _kd_term(student_logits.float(), targets, cfg, total=total, log_q=log_q)
 
 
-def ce_term(student_logits: Tensor, target_ids: Tensor) -> Tensor:
-    """The cross-entropy alone: mean_t -log softmax(z)[target_t] at temperature 1, a scalar with grad."""
+def ce_term(student_logits: Tensor, target_ids: Tensor, *, total: int | None = None, log_q=None) -> Tensor:
+    """The cross-entropy alone: mean_t -log softmax(z)[target_t] at temperature 1, a scalar with grad
+    (`total`, `log_q`: as for `kd_term`)."""
     if student_logits.ndim != 2 or target_ids.shape != student_logits.shape[:1]:
         raise ValueError(
             f"student_logits must be [P, V] and target_ids [P]; got {tuple(student_logits.shape)} "
             f"and {tuple(target_ids.shape)}"
         )
-    return _ce_term(student_logits.float(), target_ids)
+    return _ce_term(student_logits.float(), target_ids, total=total, log_q=log_q)
 
 
-def _kd_term(logits: Tensor, t: SparseTargets, cfg: LossConfig) -> Tensor:
-    kd = _kd_per_position(logits, t, cfg=cfg)
+def student_log_softmax(logits: Tensor) -> Tensor:
+    """[P, V] log-probabilities of fp32 logits: one fused kernel forward and one backward, where a
+    logsumexp subtracted from gathered logits takes several passes over [P, V] each way."""
+    return torch.log_softmax(logits, dim=-1)
+
+
+def _kd_term(logits: Tensor, t: SparseTargets, cfg: LossConfig, *, total: int | None, log_q) -> Tensor:
+    terms, pos = _kd_terms(logits, t, cfg=cfg, log_q=log_q if cfg.temperature == 1 else None)
     if t.weight is not None:
-        kd = kd * t.weight.float()
-    n = max(t.n_positions, 1)  # an empty micro-batch gives 0, not NaN
-    return kd.sum() / n * cfg.temperature**2
+        terms = terms * t.weight.float()[pos]
+    n = total or max(t.n_positions, 1)  # an empty micro-batch gives 0, not NaN
+    return terms.sum() * (cfg.temperature**2 / n)
 
 
-def _ce_term(logits: Tensor, target_ids: Tensor) -> Tensor:
-    return _cross_entropy(logits, target_ids).sum() / max(len(target_ids), 1)
+def _ce_term(logits: Tensor, target_ids: Tensor, *, total: int | None = None, log_q=None) -> Tensor:
+    log_q = student_log_softmax(logits) if log_q is None else log_q
+    n = total or max(len(target_ids), 1)
+    return -log_q.gather(1, target_ids[:, None]).sum() / n
 
 
-def _kd_per_position(logits: Tensor, t: SparseTargets, *, cfg: LossConfig) -> Tensor:
-    """[P] divergence per position, before the T^2 factor."""
+def _kd_terms(logits: Tensor, t: SparseTargets, *, cfg: LossConfig, log_q) -> tuple[Tensor, Tensor]:
+    """The divergence's terms, before the T^2 factor, and the position of each: they sum to each
+    position's divergence over its buckets (`log_q`: the log-softmax of the logits at temperature 1, or None)."""
     z = logits / cfg.temperature if cfg.temperature != 1 else logits
-    n = t.n_positions
     if t.entry_counts is not None:
         if cfg.kind != "forward_kl":
             raise LossConfigError(
                 f"--loss {cfg.kind} needs the teacher's distribution over the stored entries, which a sampled "
                 "store's draw counts do not give; use --loss forward_kl (the unbiased sampled estimator)"
             )
-        return segment_sum(_sampled_forward_kl_terms(z, t), t.entry_pos, n=n)
-    if cfg.kind == "topk_renorm":
-        log_p, log_q, pos = _entry_buckets(z, t, temperature=cfg.temperature)
+        return _sampled_forward_kl_terms(_or_log_softmax(log_q, z), t), t.entry_pos
+    if cfg.kind == "topk_renorm":  # the entries' logits alone: no softmax over the vocabulary
+        log_p, log_q_b, pos = _entry_buckets(z, t, temperature=cfg.temperature)
     else:
-        log_p, log_q, pos = _tail_buckets(z, t, temperature=cfg.temperature)
-    return segment_sum(_divergence_terms(log_p, log_q, kind=cfg.kind, beta=cfg.jsd_beta), pos, n=n)
+        log_p, log_q_b, pos = _tail_buckets(_or_log_softmax(log_q, z), t, temperature=cfg.temperature)
+    return _divergence_terms(log_p, log_q_b, kind=cfg.kind, beta=cfg.jsd_beta), pos
 
 
-def _tail_buckets(z: Tensor, t: SparseTargets, *, temperature: float) -> tuple[Tensor, Tensor, Tensor]:
-    """Normalised log-masses of the entries then the P tail buckets, for teacher and student, and
-    the position of each bucket ([E + P] each)."""
+def _or_log_softmax(log_q: Tensor | None, z: Tensor) -> Tensor:
+    return student_log_softmax(z) if log_q is None else log_q
+
+
+def _tail_buckets(log_q_all: Tensor, t: SparseTargets, *, temperature: float) -> tuple[Tensor, Tensor, Tensor]:
+    """Normalised log-masses of the entries then the P tail buckets, for teacher and student (from the
+    student's log-softmax `log_q_all` [P, V]), and the position of each bucket ([E + P] each)."""
     n = t.n_positions
-    pos = torch.cat([t.entry_pos, torch.arange(n, device=z.device)])
-    lse = torch.logsumexp(z, dim=-1)
-    log_q_entries = z[t.entry_pos, t.entry_ids] - lse[t.entry_pos]
-    masked = z.index_put((t.entry_pos, t.entry_ids), torch.tensor(MASKED_LOGIT, dtype=z.dtype, device=z.device))
-    log_q_tail = (torch.logsumexp(masked, dim=-1) - lse).clamp_min(LOG_TINY)
+    device = log_q_all.device
+    pos = torch.cat([t.entry_pos, torch.arange(n, device=device)])
+    log_q_entries = log_q_all[t.entry_pos, t.entry_ids]
+    masked = log_q_all.index_put(
+        (t.entry_pos, t.entry_ids), torch.tensor(MASKED_LOGIT, dtype=log_q_all.dtype, device=device)
+    )
+    log_q_tail = torch.logsumexp(masked, dim=-1).clamp_min(LOG_TINY)
     log_q = torch.cat([log_q_entries, log_q_tail])
     raw_p = torch.cat([_teacher_logprobs(t), t.tail.float().clamp_min(TINY).log()])
     log_p = normalise(raw_p / temperature, pos, n=n)
@@ -242,21 +294,17 @@ def _divergence_terms(log_p: Tensor, log_q: Tensor, *, kind: str, beta: float) -
     return beta * log_p.exp() * (log_p - log_m) + (1 - beta) * log_q.exp() * (log_q - log_m)
 
 
-def _sampled_forward_kl_terms(z: Tensor, t: SparseTargets) -> Tensor:
-    """[E] terms w_i (lp_i - log q_i) of the unbiased sampled estimator."""
-    assert t.entry_counts is not None  # sampled targets only (`_kd_per_position`)
-    log_q = z[t.entry_pos, t.entry_ids] - torch.logsumexp(z, dim=-1)[t.entry_pos]
+def _sampled_forward_kl_terms(log_q_all: Tensor, t: SparseTargets) -> Tensor:
+    """[E] terms w_i (lp_i - log q_i) of the unbiased sampled estimator (`log_q_all`: the student's
+    log-softmax [P, V])."""
+    assert t.entry_counts is not None  # sampled targets only (`_kd_terms`)
+    log_q = log_q_all[t.entry_pos, t.entry_ids]
     counts = t.entry_counts.float()
     if t.n_draws is not None:
         weights = counts / float(t.n_draws)
     else:
         weights = counts / segment_sum(counts, t.entry_pos, n=t.n_positions)[t.entry_pos]
     return weights * (_teacher_logprobs(t) - log_q)
-
-
-def _cross_entropy(logits: Tensor, target_ids: Tensor) -> Tensor:
-    """[P] -log softmax(logits)[target] at temperature 1."""
-    return torch.logsumexp(logits, dim=-1) - logits.gather(1, target_ids[:, None]).squeeze(1)
 
 
 def _teacher_logprobs(t: SparseTargets) -> Tensor:

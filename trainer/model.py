@@ -1,9 +1,17 @@
-"""The student: a built-in fresh config or a Hugging Face causal-LM directory, sharded with FSDP2.
+"""The student: a built-in fresh config or a Hugging Face causal-LM directory, sharded with FSDP2 across
+ranks.
 
-Every rank builds the full model on CPU with the same seed and then shards it, so the initial weights
-are identical whatever the process count (1-process and 2-process runs agree on the first loss). That
-costs one full copy of the weights per rank at start-up; for students too big for that, build on the
-meta device and initialise after `to_empty` (torchtitan's recipe), which is not needed at this size.
+A built-in student is built on the meta device (no memory, no work), given storage on its device with
+`to_empty` and initialised there (torchtitan's recipe): Hugging Face's own initialisation (normal(0,
+0.02) weights, unit norms, the rotary tables), drawn from the device's generator seeded with `--seed`,
+so a launch spends no CPU time drawing 100M numbers one by one. Every rank initialises the full model
+with the same seed before sharding, so the initial weights are identical whatever the process count
+(1-process and 2-process runs agree on the first loss). A CPU run draws from the CPU's generator and a
+CUDA run from the GPU's: the same distribution, not the same numbers.
+
+One rank without optimizer offloading trains the plain module (`distribute`): FSDP2's all-gathers and
+reduce-scatters would copy every parameter and gradient for nothing there. bf16 on CUDA is FSDP2's
+parameter dtype across ranks and autocast on one rank (`precision`).
 """
 
 from __future__ import annotations
@@ -13,7 +21,7 @@ from typing import Any
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from logitstore.errors import LogitstoreError
@@ -59,24 +67,53 @@ class StudentError(LogitstoreError):
     """The student cannot be built or does not fit the store's teacher."""
 
 
-def build_student(spec: str, *, vocab_size: int, seed: int):
-    """(model, tokenizer or None). A built-in name is a fresh model over `vocab_size` tokens (its
-    tokenizer is the store's: the teacher's, or `--student-tokenizer`); a directory brings its own
-    tokenizer, which `student_tokenizer_hash` matches against the store's before this is called."""
+def build_student(spec: str, *, vocab_size: int, seed: int, device: torch.device | str = "cpu"):
+    """(model, tokenizer or None) on `device`. A built-in name is a fresh model over `vocab_size` tokens,
+    initialised on `device` (its tokenizer is the store's: the teacher's, or `--student-tokenizer`); a
+    directory brings its weights and its own tokenizer, which `student_tokenizer_hash` matches against
+    the store's before this is called."""
     register_attention()  # packed rows attend within their segments, without an L x L mask
     torch.manual_seed(seed)
     if spec in BUILTIN_STUDENTS:
         config = LlamaConfig(vocab_size=vocab_size, tie_word_embeddings=True, **BUILTIN_STUDENTS[spec])
         config._attn_implementation = ATTENTION
-        return LlamaForCausalLM(config), None
+        return initialised(LlamaForCausalLM, config, device=torch.device(device)), None
     path = _model_dir(spec)
     model = AutoModelForCausalLM.from_pretrained(path, attn_implementation=ATTENTION)
+    model.to(torch.device(device))  # type: ignore[arg-type]  # transformers types its wrapped Module.to for models only
     out = model.get_output_embeddings().weight.shape[0]
     if out < vocab_size:
         raise StudentError(
             f"--student {spec}: predicts {out} tokens but its tokenizer's vocabulary in the store has {vocab_size}"
         )
     return model, _tokenizer_of(path)
+
+
+def initialised(model_class, config, *, device: torch.device):
+    """A fresh Hugging Face model built on the meta device, then given storage on `device` and
+    initialised there by its own `_init_weights`, drawing from the current seed of `device`'s generator."""
+    with torch.device("meta"):
+        model = model_class(config)
+    model.to_empty(device=device)
+    for module in model.modules():  # what the meta construction marked done initialises now, for real
+        module.__dict__.pop("_is_hf_initialized", None)
+    model.initialize_weights()
+    _rebuild_buffers(model)
+    model.tie_weights()
+    return model
+
+
+def _rebuild_buffers(model) -> None:
+    """The non-persistent buffers (the rotary tables, a few KB), computed again by a fresh module on the
+    CPU and copied into the model's: `to_empty` left them uninitialised, and not every Hugging Face
+    version's `_init_weights` writes them."""
+    for module in model.modules():
+        names: set[str] = getattr(module, "_non_persistent_buffers_set", set())
+        if not names:
+            continue
+        fresh = type(module)(module.config)
+        for name in names:
+            getattr(module, name).copy_(getattr(fresh, name))
 
 
 def student_tokenizer_hash(spec: str) -> str | None:
@@ -126,6 +163,23 @@ def apply_levers(model, *, activation_checkpointing: bool, compile: bool) -> Non
         for block in model.get_decoder().layers:
             if hasattr(block, "mlp"):
                 block.mlp.compile()
+
+
+def distribute(model, *, mesh: DeviceMesh, offload_optimizer: bool, cuda: bool):
+    """FSDP2 (`shard`) across ranks, or for optimizer offloading; one rank otherwise keeps the plain module."""
+    if mesh.size() == 1 and not offload_optimizer:
+        return model
+    return shard(model, mesh=mesh, offload_optimizer=offload_optimizer, cuda=cuda)
+
+
+def precision(model, device: torch.device):
+    """The context a step's forward and loss run in: bf16 autocast for an unsharded model on CUDA (a
+    sharded one computes in FSDP2's bf16 parameters already), nothing otherwise."""
+    return torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda" and not is_sharded(model))
+
+
+def is_sharded(model) -> bool:
+    return isinstance(model, FSDPModule)
 
 
 def shard(model, *, mesh: DeviceMesh, offload_optimizer: bool, cuda: bool):

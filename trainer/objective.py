@@ -26,16 +26,18 @@ from torch import Tensor
 
 from logitstore.streaming.batch import on_device
 from logitstore.streaming.targets import AlignedTargets, SparseTargets
-from logitstore.trainer.aligned_losses import aligned_kd
-from logitstore.trainer.attention import plan_segments
+from logitstore.trainer.aligned_losses import aligned_kd_terms
+from logitstore.trainer.attention import SegmentPlan, plan_segments
 from logitstore.trainer.losses import (
     LossConfig,
+    as_floats,
     ce_term,
     chunk_bounds,
     chunk_positions,
     chunked_head_loss,
     kd_term,
     position_slicer,
+    student_log_softmax,
 )
 
 
@@ -66,7 +68,7 @@ def student_outputs(model, batch, device) -> StudentOutputs:
         model(
             input_ids=batch.input_ids.to(device, non_blocking=True),
             position_ids=batch.position_ids.to(device, non_blocking=True),
-            segment_plan=plan_segments(batch.position_ids).to(device),
+            segment_plan=segment_plan(batch).to(device, non_blocking=True),
             use_cache=False,
             logits_to_keep=torch.zeros(0, dtype=torch.long, device=device),
         )  # no logits: the loss applies the head
@@ -77,14 +79,26 @@ def student_outputs(model, batch, device) -> StudentOutputs:
     return StudentOutputs(hidden=hidden, weight=inner.get_output_embeddings().weight)
 
 
+def segment_plan(batch) -> SegmentPlan:
+    """The batch's segments, as the stream planned them (a batch made elsewhere: planned here, on the host)."""
+    return batch.segment_plan if batch.segment_plan is not None else plan_segments(batch.position_ids)
+
+
 def batch_loss(
     outputs: StudentOutputs, batch, cfg: LossConfig, *, device, evaluation: bool = False
-) -> tuple[Tensor, dict[str, float]]:
+) -> tuple[Tensor, dict[str, Tensor | float]]:
     """(loss, parts) of one micro-batch, for one teacher or a mix alike: `kd`, `ce`, `loss` and, for a mix
     (`batch.mixed`), `kl/<name>` and the signal shares. `evaluation` reports each teacher's mean KL over
-    the positions it teaches."""
+    the positions it teaches. The parts stay on the device (`host_values` reads them back)."""
     loss, parts = mixed_loss(outputs, batch, cfg, device=device, indicator=evaluation)
     return loss, parts if batch.mixed else {key: parts[key] for key in ("kd", "ce", "loss")}
+
+
+def host_values(parts: dict[str, Tensor | float]) -> dict[str, float]:
+    """Parts as python floats: the tensors read back in one device sync, the host floats as they are."""
+    tensors = {k: v for k, v in parts.items() if isinstance(v, Tensor)}
+    read = as_floats(tensors)
+    return {k: read[k] if k in read else float(v) for k, v in parts.items()}
 
 
 @torch.no_grad()
@@ -99,9 +113,10 @@ def held_out_metrics(
     for i, batch in enumerate(batches):
         if limit is not None and i >= limit:
             break
-        _, parts = batch_loss(
+        _, found = batch_loss(
             student_outputs(model, batch, device), batch, evaluation_loss(cfg), device=device, evaluation=True
         )
+        parts = host_values(found)  # evaluation reads its values back, once per batch
         if not batch.mixed:
             parts = {"kd": parts["kd"], "ce": parts["ce"]}
         else:
@@ -142,50 +157,62 @@ def sparse_targets(batch, device) -> SparseTargets:
 
 def mixed_loss(
     outputs: StudentOutputs, batch, cfg: LossConfig, *, device, indicator: bool = False, chunk: int | None = None
-) -> tuple[Tensor, dict[str, float]]:
+) -> tuple[Tensor, dict[str, Tensor | float]]:
     """Sum of every teacher's weighted KD term, plus alpha * CE once, the head applied in chunks of
     positions (`losses.chunked_head_loss`; a cross-tokenizer teacher's many-token group never straddles
     two chunks). `indicator` (evaluation) replaces the weights by 1 wherever a teacher has signal and
-    reports each teacher's mean KL over its positions."""
-    signals = [(name, on_device(targets, device, non_blocking=True)) for name, targets in batch.signals]
+    reports each teacher's mean KL over its positions. The parts are scalar tensors on the device (the
+    signal shares, host floats): the chunks are cut from the batch's host arrays, and nothing is read back."""
+    host = batch.signals  # as the stream made them: where the chunks' cuts are found
+    signals = [(name, on_device(targets, device, non_blocking=True)) for name, targets in host]
     if indicator:
         for _, targets in signals:
             targets.weight = (_weight(targets) > 0).float()
     P = len(batch.positions)
-    target_ids = batch.target_ids.to(device)
-    bounds = chunk_bounds(P, chunk=chunk or chunk_positions(outputs.weight), allowed=_whole_groups(signals, P))
+    total = max(P, 1)
+    target_ids = batch.target_ids.to(device, non_blocking=True)
+    bounds = chunk_bounds(P, chunk=chunk or chunk_positions(outputs.weight), allowed=_whole_groups(host, P))
     slicers = {
-        name: position_slicer(targets, bounds) for name, targets in signals if not isinstance(targets, AlignedTargets)
+        name: position_slicer(targets, bounds, host=on_host)
+        for (name, targets), (_, on_host) in zip(signals, host)
+        if not isinstance(targets, AlignedTargets)
     }
+    each_teacher = batch.mixed or indicator  # one teacher's KL is the KD itself
 
-    def loss_of_chunk(logits: Tensor, a: int, b: int) -> tuple[Tensor, dict[str, float]]:
-        kd = torch.zeros((), device=logits.device)
-        parts = {}
+    def loss_of_chunk(logits: Tensor, a: int, b: int) -> tuple[Tensor, dict[str, Tensor]]:
+        log_q = student_log_softmax(logits)  # every same-tokenizer teacher's (at temperature 1) and the CE's
+        kd: Tensor | None = None
+        values = {}
         for name, targets in signals:
             if isinstance(targets, AlignedTargets):
-                term, sub = aligned_kd(logits, targets.cut(a, b), uld_weight=cfg.uld_weight)
-                parts[f"kl/{name}"] = sub["exact"] if indicator else sub["kd"]
+                term, sub = aligned_kd_terms(logits, targets.cut(a, b), uld_weight=cfg.uld_weight, total=total)
+                if each_teacher:
+                    values[f"kl/{name}"] = sub["exact"] if indicator else sub["kd"]
             else:
-                term = kd_term(logits, slicers[name](a, b), cfg)
-                parts[f"kl/{name}"] = float(term.detach())
-            kd = kd + term
+                term = kd_term(logits, slicers[name](a, b), cfg, total=total, log_q=log_q)
+                if each_teacher:
+                    values[f"kl/{name}"] = term
+            kd = term if kd is None else kd + term
+        assert kd is not None  # a batch has at least one teacher
         if cfg.alpha > 0:
-            ce = ce_term(logits, target_ids[a:b])
+            ce = ce_term(logits, target_ids[a:b], total=total, log_q=log_q)
             loss = kd + cfg.alpha * ce
         else:
             with torch.no_grad():  # reported only: no gradient of zeros to carry back
-                ce = ce_term(logits, target_ids[a:b])
+                ce = ce_term(logits, target_ids[a:b], total=total, log_q=log_q)
             loss = kd
-        parts.update({"kd": float(kd.detach()), "ce": float(ce.detach()), "loss": float(loss.detach())})
-        return loss, parts
+        values.update({"kd": kd, "ce": ce, "loss": loss})  # stacked with grad off (`chunked_head_loss`)
+        return loss, values
 
-    loss, parts = chunked_head_loss(outputs.hidden, outputs.weight, loss_of_chunk, bounds=bounds, n=max(P, 1))
-    parts = {"kd": 0.0, "ce": 0.0, "loss": 0.0, **{f"kl/{name}": 0.0 for name, _ in signals}, **parts}
+    loss, found = chunked_head_loss(outputs.hidden, outputs.weight, loss_of_chunk, bounds=bounds)
+    keys = ["kd", "ce", "loss", *(f"kl/{name}" for name, _ in signals if each_teacher)]
+    # an empty micro-batch: zeros
+    parts: dict[str, Tensor | float] = {k: found[k] if k in found else torch.zeros((), device=device) for k in keys}
     if indicator:  # each teacher's mean over the positions it teaches, not over all P
-        for name, targets in signals:
+        for name, targets in host:
             weight = _weight(targets)
             taught = weight[targets.exact_pos] if isinstance(targets, AlignedTargets) else weight
-            parts[f"kl/{name}"] *= P / max(int((taught > 0).sum()), 1)
+            parts[f"kl/{name}"] = parts[f"kl/{name}"] * (P / max(int((taught > 0).sum()), 1))
     counts = batch.signal_counts
     if counts:  # a mix: how much of the batch its teachers teach
         parts.update(

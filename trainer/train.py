@@ -34,7 +34,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from logitstore.environment import environment
-from logitstore.errors import DamagedDataError, LogitstoreError
+from logitstore.errors import LogitstoreError
 from logitstore.pipelines.teacher import describe_teacher
 from logitstore.store.store import Store
 from logitstore.streaming.mixing import WeightedTeacher, resolve_sources, student_vocabulary
@@ -42,11 +42,20 @@ from logitstore.streaming.spec import StreamConfigError
 from logitstore.streaming.stream import store_stream
 from logitstore.streaming.versions import WeightedVersion, mix_version, shown, snapshot_weights
 from logitstore.trainer import checkpoint, run_folder
+from logitstore.trainer.attention import describe as describe_attention
+from logitstore.trainer.attention import packed_attention
 from logitstore.trainer.config import TrainConfig, TrainConfigError
 from logitstore.trainer.live import InRankTeacher, LiveTeacher, live_stream, plan_live_samples, settle, start_teacher
-from logitstore.trainer.model import apply_levers, build_student, shard, student_max_positions, student_tokenizer_hash
-from logitstore.trainer.objective import all_reduce_mean, batch_loss, held_out_metrics, student_outputs
+from logitstore.trainer.model import (
+    apply_levers,
+    build_student,
+    distribute,
+    student_max_positions,
+    student_tokenizer_hash,
+)
+from logitstore.trainer.objective import held_out_metrics
 from logitstore.trainer.plots import plot_metrics
+from logitstore.trainer.step import StepLog, make_optimizer, train_step
 from logitstore.trainer.stopping import die_with_launcher, end_stopped, interrupted_once, stopped, stopping_ranks
 from logitstore.trainer.trackers import open_sinks
 
@@ -74,7 +83,7 @@ def _launch(cfg: TrainConfig, plan: run_folder.RunPlan) -> dict:
     if torchrun:
         return _run(cfg, plan, signal=signal)
     if cfg.student.nproc == 1:
-        with _one_process_group():
+        with one_process_group():
             return _run(cfg, plan, signal=signal)
     # spawned ranks open the version themselves (an Icechunk session does not travel)
     _spawn(cfg, plan)
@@ -171,7 +180,7 @@ def _spawned(rank: int, cfg: TrainConfig, plan: run_folder.RunPlan, errors, laun
         raise
 
 
-def _one_process_group():
+def one_process_group():
     """A one-process group's variables, removed afterwards so a later launch in this process (a test, a
     notebook) is not mistaken for a torchrun worker."""
     one = dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
@@ -217,14 +226,16 @@ def _train(cfg: TrainConfig, plan: run_folder.RunPlan, *, cuda: bool, signal: St
     # the store versions this run has read: the ones before a --new-version, then this one
     versions = list(plan.versions) if signal.snapshot in plan.versions else [*plan.versions, signal.snapshot]
 
-    model, _tokenizer = build_student(cfg.student.student, vocab_size=signal.vocab_size, seed=cfg.student.seed)
+    model, _tokenizer = build_student(
+        cfg.student.student, vocab_size=signal.vocab_size, seed=cfg.student.seed, device=device
+    )
     # Only now, with store and student accepted, does the run take --out: a failed start leaves it as it was.
     if rank == 0:
         run_folder.claim(plan, cfg, snapshot=signal.snapshot)
     dist.barrier()
     apply_levers(model, activation_checkpointing=cfg.student.activation_checkpointing, compile=cfg.student.compile)
-    model = shard(model.to(device), mesh=mesh, offload_optimizer=cfg.student.offload_optimizer, cuda=cuda)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay)
+    model = distribute(model, mesh=mesh, offload_optimizer=cfg.student.offload_optimizer, cuda=cuda)
+    optimizer = make_optimizer(model, cfg, device=device)
 
     signal.start(cfg)
     stream = signal.stream(cfg, rank=rank, world_size=world, split="train")
@@ -250,8 +261,11 @@ def _train(cfg: TrainConfig, plan: run_folder.RunPlan, *, cuda: bool, signal: St
         "nproc": world,
         "resumed_from": str(resumed_from) if resumed_from else None,
         "signal": signal.kind,
+        "attention": packed_attention(device, torch.bfloat16 if cuda else torch.float32),
         **signal.header(),
     }
+    # said once, with the first step's line: a run refused before its first step says that in one line
+    attention_note = describe_attention(header["attention"]) if rank == 0 else None
     _log(metrics_file, header)
     batches = iter(stream)
     record = run_folder.last_record(out, step=step) if resumed_from is not None else {}
@@ -260,41 +274,48 @@ def _train(cfg: TrainConfig, plan: run_folder.RunPlan, *, cuda: bool, signal: St
     try:
         if rank == 0:  # --report-to; in the try: a sink that cannot start still closes the stream
             sinks = open_sinks(cfg.output.report_to, out=out, header=header)
+        steps = StepLog(device)
         while step < cfg.schedule.steps:
             lr = lr_at(step, cfg)
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            started = time.perf_counter()
-            wait_before = stream.wait_seconds
-            parts, tokens = _train_step(model, optimizer, batches, cfg, device, step=step + 1)
+            started, wait_before = steps.start(), stream.wait_seconds
+            values, tokens = train_step(model, optimizer, batches, cfg, device, step=step + 1)
             step += 1
-            elapsed = time.perf_counter() - started
-            record = {
-                "step": step,
-                **parts,
-                "lr": lr,
-                "tokens": tokens,
-                "tokens_per_second": tokens / elapsed,
-                "data_wait_seconds": stream.wait_seconds - wait_before,
-                "skipped_samples": getattr(stream, "skipped_samples", 0),
-                "version": signal.version,
-                "signal": signal.kind,
-            }
-            if cfg.schedule.eval_every and step % cfg.schedule.eval_every == 0:
-                record.update(evaluate(model, signal, cfg=cfg, device=device))
-            elif step == cfg.schedule.steps:  # every run ends with a held-out KL, if its split can give one
-                record.update(_final_evaluation(model, signal, cfg=cfg, device=device, rank=rank))
-            record["eta_seconds"] = (
-                (time.perf_counter() - run_started) / (step - resumed_step) * (cfg.schedule.steps - step)
+            steps.add(
+                step,
+                values,
+                tokens=tokens,
+                started=started,
+                host={
+                    "lr": lr,
+                    "data_wait_seconds": stream.wait_seconds - wait_before,
+                    "skipped_samples": getattr(stream, "skipped_samples", 0),
+                    "version": signal.version,
+                    "signal": signal.kind,
+                },
             )
-            _log(metrics_file, record, echo=step % cfg.schedule.log_every == 0 or step == cfg.schedule.steps)
-            for sink in sinks:
-                sink.write(record)
-            if (
-                cfg.schedule.checkpoint_every
-                and step % cfg.schedule.checkpoint_every == 0
-                and step < cfg.schedule.steps
-            ):
+            evaluating = bool(cfg.schedule.eval_every) and step % cfg.schedule.eval_every == 0
+            checkpointing = bool(cfg.schedule.checkpoint_every) and step % cfg.schedule.checkpoint_every == 0
+            last = step == cfg.schedule.steps
+            if not (evaluating or checkpointing or last or step % cfg.schedule.log_every == 0):
+                continue  # nothing read back: the device runs on
+            records = steps.flush()
+            if evaluating:
+                records[-1].update(evaluate(model, signal, cfg=cfg, device=device))
+            elif last:  # every run ends with a held-out KL, if its split can give one
+                records[-1].update(_final_evaluation(model, signal, cfg=cfg, device=device, rank=rank))
+            per_step = (time.perf_counter() - run_started) / (step - resumed_step)
+            if attention_note is not None and metrics_file is not None:
+                print(attention_note, file=sys.stderr, flush=True)
+                attention_note = None
+            for record in records:
+                record["eta_seconds"] = per_step * (cfg.schedule.steps - record["step"])
+                shown = record["step"] % cfg.schedule.log_every == 0 or record["step"] == cfg.schedule.steps
+                _log(metrics_file, record, echo=shown)
+                for sink in sinks:
+                    sink.write(record)
+            if checkpointing and not last:
                 checkpoint.save(
                     out,
                     step=step,
@@ -323,37 +344,6 @@ def _train(cfg: TrainConfig, plan: run_folder.RunPlan, *, cuda: bool, signal: St
         for sink in sinks:
             sink.close()
     return record
-
-
-def _train_step(model, optimizer, batches, cfg: TrainConfig, device, *, step: int) -> tuple[dict, int]:
-    """One optimizer step over `grad_accum` micro-batches. Returns mean loss parts and tokens (all ranks).
-    A step without a token on any rank (every sample of it skipped as damaged) stops the run before the
-    optimizer steps on nothing: what is left to train on cannot be told without reading the whole store."""
-    optimizer.zero_grad(set_to_none=True)
-    sums: dict[str, float] = {}
-    tokens = 0
-    for micro_step in range(cfg.optim.grad_accum):
-        if cfg.optim.defer_grad_sync:  # reduce once, after the last micro-batch: 1/grad_accum of the communication
-            model.set_requires_gradient_sync(micro_step == cfg.optim.grad_accum - 1)
-        batch = next(batches)
-        loss, parts = batch_loss(student_outputs(model, batch, device), batch, cfg.loss, device=device)
-        (loss / cfg.optim.grad_accum).backward()
-        for k, v in parts.items():
-            sums[k] = sums.get(k, 0.0) + v / cfg.optim.grad_accum
-        tokens += batch.n_tokens
-    grad_norm = torch.nn.utils.clip_grad_norm_(
-        model.parameters(), cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
-    )
-    grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-    reduced = all_reduce_mean({**sums, "tokens": float(tokens)})
-    tokens_all = int(round(reduced.pop("tokens") * dist.get_world_size()))
-    if tokens_all == 0:  # every rank sees the same sum: all of them stop here
-        raise DamagedDataError(
-            f"step {step}: every sample of it is damaged and was skipped (--on-error skip); nothing left to "
-            "train on: `logitstore verify` names the damaged samples"
-        )
-    optimizer.step()
-    return {**reduced, "grad_norm": float(grad_norm)}, tokens_all
 
 
 # -- teachers: which ones, and how their signal reaches the student ----------------------------------
@@ -570,7 +560,7 @@ def run_eval(cfg: TrainConfig) -> dict:
 
     signal = StoreSignal(cfg)
     model, _ = build_student(cfg.student.student, vocab_size=signal.vocab_size, seed=cfg.student.seed)
-    with _one_process_group():
+    with one_process_group():
         dist.init_process_group("gloo")
         try:
             result = evaluate(model.eval(), signal, cfg=cfg, device=torch.device("cpu"))

@@ -12,6 +12,7 @@ import torch
 
 from logitstore.format.samples import SparseSamples, ranges
 from logitstore.streaming.order import Pieces
+from logitstore.streaming.segments import SegmentPlan
 from logitstore.streaming.targets import AlignedTargets, SparseTargets
 from logitstore.text.chat import supervised_positions
 
@@ -42,6 +43,9 @@ class PackedBatch:
     # The stream's `state_dict()` once this batch is consumed: resume point for a loop that reads the
     # stream through a DataLoader's worker processes, whose progress the parent's stream cannot see.
     data_state: dict | None = None
+    # Where the segments lie, for the attention (`segments.plan_segments`): planned by the stream when it
+    # packs the batch, so the step neither computes it nor reads anything back from the device for it.
+    segment_plan: SegmentPlan | None = None
 
     @property
     def mixed(self) -> bool:
@@ -82,6 +86,8 @@ class PackedBatch:
             value = getattr(self, f.name)
             moved[f.name] = value.to(device, non_blocking=non_blocking) if isinstance(value, torch.Tensor) else value
         moved["signals"] = [(name, on_device(t, device, non_blocking=non_blocking)) for name, t in self.signals]
+        if self.segment_plan is not None:
+            moved["segment_plan"] = self.segment_plan.to(device, non_blocking=non_blocking)
         return PackedBatch(**moved)
 
 

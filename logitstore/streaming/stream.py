@@ -38,6 +38,7 @@ from logitstore.store.version import StoreVersion
 from logitstore.streaming.batch import BatchContext, PackedBatch
 from logitstore.streaming.mixing import MixedSource
 from logitstore.streaming.order import EpochPlan, Pieces, SplitTable, deal_samples, group_window_parts, window_parts
+from logitstore.streaming.segments import plan_segments
 from logitstore.streaming.spec import DEFAULT_MEMORY_BUDGET, StreamConfigError, StreamSpec
 from logitstore.streaming.store_source import StoreSource
 from logitstore.streaming.versions import VersionsSource, WeightedVersion, mix_version
@@ -440,7 +441,9 @@ class Stream(torch.utils.data.IterableDataset):
         if self._parts is not None and len(pieces.row):  # no rows: past the end of the eval pass, padding
             self._read_ahead(epoch, plan, row0)
             parts = self._parts.get(np.unique(self.table.part[pieces.row]).tolist())
-        return self.source.build(pieces, parts, stream=self)
+        batch = self.source.build(pieces, parts, stream=self)
+        batch.segment_plan = plan_segments(batch.position_ids)  # here, on the stream's thread: not in the step
+        return batch
 
     def _read_ahead(self, epoch: int, plan: EpochPlan, row0: int) -> None:
         """Ask for the parts this reader's micro-batches need, this one's and the next
