@@ -2,20 +2,22 @@
 
 Like with like: both sides use the same sparsity (default `--sample 16`, the build's default; `--top-k K`
 for top-k), the same windows, units and batches (the build's own planning, `build.plan_units`, and
-batching, `engines.token_budget_batches`), and per unit the same sampling seed. The difference is
-everything that is not the teacher's forward pass: reading and tokenizing, entry selection
-(`sparsify.to_samples`), encoding, compression, writing, merging and commits. Runs alternate (forward
-alone, then build) and each side keeps its best of `--repeats`. Target: the store side adds < 5%.
+batching, `engines.token_budget_batches`), and per unit the same sampling seed. The forward side is the
+teacher's forward pass, the selection in stored types on its device and the copy to the host
+(`sparsify.forward_selected`, `to_host`); the difference is the host side: reading and tokenizing, the
+selected rows as samples (`HostSelected.samples`), encoding, compression, writing, merging and commits.
+Runs alternate (forward alone, then build) and each side keeps its best of `--repeats`. Target: the store
+side adds < 5%.
 
 Two teachers, side by side:
 
 - the real default teacher (SmolLM2-135M, 49,152-token vocabulary) on `--device`;
-- stand-ins as fast as a GPU (`--standin-rate`, tokens/s; default 250k and 1M): the real teacher's output
-  rows (computed once, before any timing, over one unit's worth of the corpus: real log-softmax
-  values, draws and tails) replayed at that rate. A stand-in batch takes exactly tokens / rate seconds:
+- stand-ins as fast as a GPU (`--standin-rate`, tokens/s; default 250k and 1M): the real teacher's selected
+  rows (computed once, before any timing, over one unit's worth of the corpus: real entries, draws and
+  tails in stored types) replayed at that rate. A stand-in batch takes exactly tokens / rate seconds:
   the rest of that time it sleeps, as a host thread waits on a GPU, so the CPU is free meanwhile. The
-  build runs its own selection, encoding and writes on what it returns. Its rows cycle through the
-  pool, which holds a whole unit, so no part holds a row twice and compression sees real data.
+  build runs its own host side on what it returns. Its rows cycle through the pool, which holds a
+  whole unit, so no part holds a row twice and compression sees real data.
 
     python benchmarks/build.py                              # sampled-16, CPU teacher, stand-ins at 250k and 1M tokens/s
     python benchmarks/build.py --top-k 64 --device cuda --tokens 65536
@@ -45,13 +47,13 @@ import torch
 from logitstore.data import SAMPLE_CORPUS
 from logitstore.format.sparsity import Sparsity
 from logitstore.pipelines import build as build_module
-from logitstore.pipelines import teacher as teacher_module
+from logitstore.pipelines import sparsify
 from logitstore.pipelines.build import BuildConfig, BuildSummary, run_build
 from logitstore.pipelines.engines.shared import token_budget_batches
 from logitstore.pipelines.engines.torch_engine import load_teacher_once, shared_teachers
 from logitstore.pipelines.generate import Generation
 from logitstore.pipelines.plan import plan_units
-from logitstore.pipelines.teacher import SparseBatch, describe_teacher
+from logitstore.pipelines.teacher import describe_teacher
 from logitstore.pipelines.workers import unit_seed
 
 
@@ -73,6 +75,10 @@ def corpus(path: Path, *, tokens: int, tokenizer, chars: int | None = None) -> i
     return total
 
 
+# Planning alone (`batches`) writes nothing; `BuildConfig` still wants a store it could create.
+PLANNING_STORE = "memory://planning-only"
+
+
 def config(args, *, store: str, data: Path) -> BuildConfig:
     return BuildConfig(
         store=store,
@@ -88,14 +94,16 @@ def config(args, *, store: str, data: Path) -> BuildConfig:
     )
 
 
-def forward(model, ids: torch.Tensor, mask: torch.Tensor, sparsity: Sparsity, generator) -> SparseBatch:
-    """The teacher's forward pass as the torch engine runs it (`pipelines/engines/torch_engine.py`) (looked up at call time, so a
+def forward(model, ids: torch.Tensor, mask: torch.Tensor, sparsity: Sparsity, generator) -> sparsify.HostSelected:
+    """The teacher's forward pass, the selection in stored types and their copy to the host, as the torch
+    engine runs them (`pipelines/engines/torch_engine.py`), waited for (looked up at call time, so a
     stand-in patched into the module runs here too)."""
-    if sparsity.mode == "sampled":
-        return teacher_module.sampled_forward(
-            model, ids, mask, n=sparsity.n, generator=generator, temperature=sparsity.temperature
-        )
-    return teacher_module.sparse_topk_forward(model, ids, mask, k=sparsity.k, temperature=sparsity.temperature)
+    lengths = mask.sum(dim=1).numpy()
+    selected = sparsify.forward_selected(model, ids, mask, lengths=lengths, sparsity=sparsity, generator=generator)
+    host = sparsify.to_host(selected)
+    if host.ready is not None:
+        host.ready.synchronize()
+    return host
 
 
 def batches(cfg: BuildConfig, tokenizer, *, generation: Generation | None = None) -> list[tuple[int, list]]:
@@ -137,54 +145,42 @@ def forward_only(model, planned, sparsity: Sparsity) -> tuple[float, list[float]
 
 
 class StandIn:
-    """A teacher as fast as a GPU: replays real output rows at `rate` tokens/s (see the module docstring)."""
+    """A teacher as fast as a GPU: replays real selected rows at `rate` tokens/s (see the module docstring)."""
 
-    def __init__(self, pool: dict[str, np.ndarray], *, rate: float):
+    def __init__(self, pool: dict[str, torch.Tensor], *, rate: float):
         self.pool, self.rate, self.cursor = pool, rate, 0
         self.rows = len(pool["tail"])
 
     @classmethod
-    def pool_from(cls, model, planned, sparsity: Sparsity) -> dict[str, np.ndarray]:
-        """The real teacher's rows (every real position of the planned batches), before selection."""
-        parts = {"ids": [], "logprobs": [], "target": [], "tail": []}
+    def pool_from(cls, model, planned, sparsity: Sparsity) -> dict[str, torch.Tensor]:
+        """The real teacher's selected rows (every real position of the planned batches), in stored types."""
+        parts: dict[str, list[torch.Tensor]] = {}
         for ids, mask, generator in each_batch(model, planned):
-            batch = forward(model, ids, mask, sparsity, generator)
-            valid = mask[:, 1:].bool().numpy()  # position t predicts token t + 1
-            parts["ids"].append(batch.ids.cpu().numpy()[valid])
-            parts["logprobs"].append(batch.logprobs.cpu().numpy()[valid])
-            parts["target"].append(batch.target_logprob.cpu().numpy()[valid])
-            parts["tail"].append(batch.tail.cpu().numpy()[valid])
-        return {k: np.concatenate(v) for k, v in parts.items()}
+            for name, rows in forward(model, ids, mask, sparsity, generator).arrays.items():
+                parts.setdefault(name, []).append(rows)
+        return {name: torch.cat(rows) for name, rows in parts.items()}
 
-    def forward(self, model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **_) -> SparseBatch:
+    def forward_selected(self, model, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, lengths, **_):
         start = time.perf_counter()
-        b, t = input_ids.shape
-        take = (self.cursor + np.arange(b * (t - 1))) % self.rows  # padding positions too, as a GPU computes them
+        take = torch.from_numpy((self.cursor + np.arange(int((lengths - 1).sum()))) % self.rows)
         self.cursor = (self.cursor + len(take)) % self.rows
-        width = self.pool["ids"].shape[1]
-        batch = SparseBatch(
-            ids=torch.from_numpy(self.pool["ids"][take].reshape(b, t - 1, width)),
-            logprobs=torch.from_numpy(self.pool["logprobs"][take].reshape(b, t - 1, width)),
-            target_logprob=torch.from_numpy(self.pool["target"][take].reshape(b, t - 1)),
-            tail=torch.from_numpy(self.pool["tail"][take].reshape(b, t - 1)),
-        )
-        tokens = int(attention_mask.sum()) if attention_mask is not None else b * t
-        left = tokens / self.rate - (time.perf_counter() - start)
+        selected = sparsify.Selected(**{name: rows[take] for name, rows in self.pool.items()})
+        left = int(attention_mask.sum()) / self.rate - (time.perf_counter() - start)
         if left > 0:
             time.sleep(left)  # the GPU's share: the host waits, its CPU free
-        return batch
+        return selected
 
     @contextlib.contextmanager
     def installed(self):
-        """The build's workers call the teacher module's forward functions: point both at this stand-in,
+        """The build's workers call the selection module's `forward_selected`: point it at this stand-in,
         from the pool's first row (so every run stores the same rows)."""
         self.cursor = 0
-        saved = teacher_module.sparse_topk_forward, teacher_module.sampled_forward
-        teacher_module.sparse_topk_forward = teacher_module.sampled_forward = self.forward
+        saved = sparsify.forward_selected
+        sparsify.forward_selected = self.forward_selected
         try:
             yield
         finally:
-            teacher_module.sparse_topk_forward, teacher_module.sampled_forward = saved
+            sparsify.forward_selected = saved
 
 
 class UnitClock:
@@ -217,13 +213,12 @@ class UnitClock:
 
 
 def write_alone(
-    args, pool: dict[str, np.ndarray], planned, *, tmp: Path, teacher_meta, repeats: int
+    args, pool: dict[str, torch.Tensor], planned, *, tmp: Path, teacher_meta, repeats: int
 ) -> tuple[float, int]:
-    """(best seconds, tokens) of `PartWriter.write` of one unit of the stand-in's samples (selected by the
-    build's `to_samples`) into a store: encode, compress, hash, store, in this process."""
+    """(best seconds, tokens) of `PartWriter.write` of one unit of the stand-in's samples (read by the
+    build's `HostSelected.samples`) into a store: encode, compress, hash, store, in this process."""
     from logitstore.format import codec
     from logitstore.format.samples import concat
-    from logitstore.pipelines.sparsify import to_samples
     from logitstore.store.store import Store
 
     standin = StandIn(pool, rate=float("inf"))
@@ -232,9 +227,9 @@ def write_alone(
     for i, (ids, mask) in enumerate(unit_batches):
         lengths = mask.sum(dim=1).numpy()
         tokens = [ids[r, :n].numpy() for r, n in enumerate(lengths)]
+        host = sparsify.to_host(standin.forward_selected(None, ids, mask, lengths=lengths))
         parts.append(
-            to_samples(
-                standin.forward(None, ids, mask),
+            host.samples(
                 sample_ids=[f"b{i}-{r}" for r in range(len(tokens))],
                 lengths=lengths,
                 input_ids=tokens,
@@ -349,7 +344,7 @@ def main() -> None:
                 f"{info.spec.name} ({args.device})",
                 real_tokens,
                 real_data,
-                batches(config(args, store="", data=real_data), info.tokenizer),
+                batches(config(args, store=PLANNING_STORE, data=real_data), info.tokenizer),
                 None,
             )
         )
@@ -359,11 +354,11 @@ def main() -> None:
             corpus(pool_data, tokens=args.unit_tokens, tokenizer=info.tokenizer)
             print(f"stand-in rows: the real teacher over {args.unit_tokens:,} tokens (once, not timed) ...", flush=True)
             pool = StandIn.pool_from(
-                model, batches(config(args, store="", data=pool_data), info.tokenizer), args.sparsity
+                model, batches(config(args, store=PLANNING_STORE, data=pool_data), info.tokenizer), args.sparsity
             )
             standin_data = tmp / "standin.jsonl"
             standin_tokens = corpus(standin_data, tokens=args.standin_tokens, tokenizer=info.tokenizer)
-            planned = batches(config(args, store="", data=standin_data), info.tokenizer)
+            planned = batches(config(args, store=PLANNING_STORE, data=standin_data), info.tokenizer)
             for rate in args.standin_rate:
                 runs.append(
                     (
@@ -386,7 +381,7 @@ def main() -> None:
                 steady_s, steady_tokens = clock.steady()
                 b = best[label]
                 b[0], b[1] = min(b[0], f), min(b[1], summary.seconds)
-                if steady_tokens:  # units 2.. of the build, against the same units' forward passes
+                if steady_tokens and per_unit[2:]:  # units 2.. of the build, against the same units' forward passes
                     b[2], b[3] = min(b[2], sum(per_unit[2:])), min(b[3], steady_s)
                 b[4] = summary.bytes_per_token
     print(
