@@ -21,6 +21,7 @@ Two teachers, side by side:
 
     python benchmarks/build.py                              # sampled-16, CPU teacher, stand-ins at 250k and 1M tokens/s
     python benchmarks/build.py --top-k 64 --device cuda --tokens 65536
+    python benchmarks/build.py --host-cores 1 2             # the host side alone on 1, then 2 cores
 
 `--generate N` measures `build --generate N` instead: `--prompts` prompts (the sample corpus's documents
 cut to `--prompt-chars`) answered by the teacher itself. The engine alone is the same generator on the
@@ -37,6 +38,8 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import os
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -50,7 +53,7 @@ from logitstore.pipelines import build as build_module
 from logitstore.pipelines import sparsify
 from logitstore.pipelines.build import BuildConfig, BuildSummary, run_build
 from logitstore.pipelines.engines.shared import token_budget_batches
-from logitstore.pipelines.engines.torch_engine import load_teacher_once, shared_teachers
+from logitstore.pipelines.engines.torch_engine import load_teacher_once, right_padded, shared_teachers
 from logitstore.pipelines.generate import Generation
 from logitstore.pipelines.plan import plan_units
 from logitstore.pipelines.teacher import describe_teacher
@@ -115,12 +118,7 @@ def batches(cfg: BuildConfig, tokenizer, *, generation: Generation | None = None
         order = np.argsort(-lengths, kind="stable")
         unit_batches = []
         for rows in token_budget_batches(lengths[order], order, budget=cfg.batch_tokens):
-            ids = torch.zeros((len(rows), lengths[rows].max()), dtype=torch.long)
-            mask = torch.zeros_like(ids)
-            for r, i in enumerate(rows):  # one copy per sample
-                ids[r, : lengths[i]] = torch.as_tensor(unit.tokens[i])
-                mask[r, : lengths[i]] = 1
-            unit_batches.append((ids, mask))
+            unit_batches.append(right_padded([unit.tokens[i] for i in rows], lengths[rows]))
         out.append((unit_seed(cfg.seed, unit), unit_batches))
     return out
 
@@ -162,9 +160,10 @@ class StandIn:
 
     def forward_selected(self, model, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, lengths, **_):
         start = time.perf_counter()
-        take = torch.from_numpy((self.cursor + np.arange(int((lengths - 1).sum()))) % self.rows)
+        take = (self.cursor + np.arange(int((lengths - 1).sum()))) % self.rows
         self.cursor = (self.cursor + len(take)) % self.rows
-        selected = sparsify.Selected(**{name: rows[take] for name, rows in self.pool.items()})
+        # numpy's gather: torch's index_select on the CPU can stall ~8 ms a call in its thread pool on a busy machine
+        selected = sparsify.Selected(**{name: torch.from_numpy(rows.numpy()[take]) for name, rows in self.pool.items()})
         left = int(attention_mask.sum()) / self.rate - (time.perf_counter() - start)
         if left > 0:
             time.sleep(left)  # the GPU's share: the host waits, its CPU free
@@ -300,6 +299,47 @@ def generation_benchmark(args, info, model) -> None:
     print(f"whole build       {best['build']:7.2f} s  store side {best['build'] / engine - 1:+.1%} (target < +5%)")
 
 
+def pinned_to(cores: set[int]) -> None:
+    """Every thread of this process on these cores (Linux: a thread's affinity is its own; new threads
+    inherit their creator's)."""
+    for task in os.listdir("/proc/self/task"):
+        with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
+            os.sched_setaffinity(int(task), cores)
+
+
+def host_benchmark(args, info, model) -> None:
+    """`--host-cores N M ...`: the host side alone, a build whose stand-in teacher takes no time, with the
+    process on N, then M, ... cores, alternating; median tokens/s of `--repeats` runs each."""
+    available = sorted(os.sched_getaffinity(0))
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        pool_data, data = tmp / "pool.jsonl", tmp / "host.jsonl"
+        corpus(pool_data, tokens=args.unit_tokens, tokenizer=info.tokenizer)
+        pool = StandIn.pool_from(
+            model, batches(config(args, store=PLANNING_STORE, data=pool_data), info.tokenizer), args.sparsity
+        )
+        tokens = corpus(data, tokens=args.standin_tokens, tokenizer=info.tokenizer)
+        standin = StandIn(pool, rate=float("inf"))
+        seconds: dict[int, list[float]] = {n: [] for n in args.host_cores}
+        for r in range(args.repeats):
+            for n in args.host_cores:
+                pinned_to(set(available[:n]))
+                with standin.installed():
+                    summary = run_build(config(args, store=str(tmp / f"store-{n}-{r}"), data=data), log=lambda _: None)
+                seconds[n].append(summary.seconds)
+        pinned_to(set(available))
+    print(
+        f"host side alone ({args.sparsity.describe()}, {tokens:,} tokens, stand-in teacher taking no time); "
+        f"median of {args.repeats}, alternating; load average {os.getloadavg()[0]:.1f} at the end"
+    )
+    base = tokens / statistics.median(seconds[args.host_cores[0]])
+    for n in args.host_cores:
+        rate = tokens / statistics.median(seconds[n])
+        print(
+            f"{n} core(s): {rate:>10,.0f} tokens/s  {rate / base:5.2f}x  (runs: {', '.join(f'{tokens / x:,.0f}' for x in seconds[n])})"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=8192, help="tokens for the real teacher (default 8192)")
@@ -324,6 +364,9 @@ def main() -> None:
     parser.add_argument("--generate", type=int, default=None, help="measure build --generate N instead")
     parser.add_argument("--prompts", type=int, default=32, help="with --generate: prompts (default 32)")
     parser.add_argument("--prompt-chars", type=int, default=200, help="with --generate: characters per prompt")
+    parser.add_argument(
+        "--host-cores", type=int, nargs="+", default=None, help="measure the host side alone on N, M, ... cores"
+    )
     args = parser.parse_args()
     args.sparsity = Sparsity(k=args.top_k) if args.top_k else Sparsity(mode="sampled", n=args.sample or 16)
     if args.generate:
@@ -334,6 +377,9 @@ def main() -> None:
 
     info = describe_teacher(None)
     model = load_teacher_once(info.spec, args.device, "auto").model
+    if args.host_cores:
+        host_benchmark(args, info, model)
+        return
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         runs = []  # (label, tokens, data, planned batches, stand-in or None)
