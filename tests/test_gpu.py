@@ -32,7 +32,14 @@ FIELDS = {
         for dtype in ("bfloat16", "float32")
         for name in ("top1_agreement", "max_abs_dlogp_fine", "max_abs_dlogp_coarse", "mean_abs_dlogp_fine")
         + ("max_abs_dtarget", "max_abs_dtail", "mean_abs_dtail", "positions", "shared_entries")
-    ],
+    ]
+    + [
+        f"baseline.{side}.{sparsity}.{name}"
+        for side in ("plain", "build")
+        for sparsity in ("top64", "sampled16")
+        for name in ("tokens", "seconds", "tokens_per_second")
+    ]
+    + [f"baseline.build_over_plain.{sparsity}" for sparsity in ("top64", "sampled16")],
     "oom": [
         "batch_tokens_fits",
         "batch_tokens_asked",
