@@ -98,6 +98,8 @@ TARGETS = (
     "memory_8192_over_512",
     "speed_8192_over_512",
     "build_tokens_per_second",
+    "build_over_plain_top64",
+    "build_over_plain_sampled16",
 )
 
 
