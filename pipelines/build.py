@@ -50,7 +50,15 @@ from logitstore.pipelines.plan import (
 )
 from logitstore.pipelines.progress import Progress
 from logitstore.pipelines.startup import StartupClock
-from logitstore.pipelines.workers import Unit, interrupted_on_sigterm, make_executor, worker_settings, write_unit
+from logitstore.pipelines.workers import (
+    LoadingExecutor,
+    Unit,
+    interrupted_on_sigterm,
+    loads_early,
+    make_executor,
+    worker_settings,
+    write_unit,
+)
 from logitstore.store.meta import DEFAULT_BRANCH, TeacherMeta
 from logitstore.store.store import Store
 
@@ -204,7 +212,13 @@ def run_build(
 
 def _run_build(cfg: BuildConfig, *, log: Callable[[str], None], answers_of: AnswersOf | None = None) -> BuildSummary:
     startup = StartupClock()
-    plan = plan_build(cfg, read_first=False, answers_of=answers_of)
+    loading = _loading(cfg, on_batch=lambda tokens: progress.batch(tokens))
+    try:
+        plan = plan_build(cfg, read_first=False, answers_of=answers_of)
+    except BaseException:
+        if loading is not None:
+            loading.leave()
+        raise
     startup.mark("plan")
     log(f"build: sample ids are {plan.ids_from}")
     for note in plan.notes:
@@ -221,8 +235,10 @@ def _run_build(cfg: BuildConfig, *, log: Callable[[str], None], answers_of: Answ
                 writer.remove(plan.meta.name, plan.stored.take_removals())
                 _commit(writer, cfg, plan.summary, final=True)
         if first is not None:
-            store = _compute(plan, cfg, first, progress, startup)
+            store = _compute(plan, cfg, first, progress, startup, loading)
     finally:
+        if loading is not None:
+            loading.leave()  # nothing to compute, or an error: the teacher goes (after its load, if under way)
         progress.close()
         if plan.generation is not None:
             plan.generation.close()
@@ -236,13 +252,31 @@ def _run_build(cfg: BuildConfig, *, log: Callable[[str], None], answers_of: Answ
     return summary
 
 
-def _compute(plan: BuildPlan, cfg: BuildConfig, first: Unit, progress: Progress, startup: StartupClock) -> Store:
-    """Load the teacher and compute, write and commit every unit; returns the store (created if new)."""
+def _loading(cfg: BuildConfig, *, on_batch: Callable[[int], None]) -> LoadingExecutor | None:
+    """The teacher loading beside the planning (`workers.loads_early`), or None: it loads after it."""
+    if not loads_early(cfg):
+        return None
+    from logitstore.pipelines.teacher import resolve_teacher  # torch and transformers: 2.7 s, loaded here anyway
+
+    spec = resolve_teacher(cfg.teacher)
+    if cfg.teacher_name is not None:  # as `plan_build` names it: the same teacher for `shared_teachers()`
+        spec = dataclasses.replace(spec, name=cfg.teacher_name)
+    return LoadingExecutor(cfg, teacher_spec=spec, on_batch=on_batch)
+
+
+def _compute(
+    plan: BuildPlan, cfg: BuildConfig, first: Unit, progress: Progress, startup: StartupClock, loading
+) -> Store:
+    """Load the teacher (or take the one loaded meanwhile) and compute, write and commit every unit;
+    returns the store (created if new)."""
     store, meta, summary = plan.store, plan.meta, plan.summary
     # the first batch the in-process executor reports, or the first unit other executors return
     progress.on_tokens = lambda: startup.mark("first_batch")
     with interrupted_on_sigterm():  # a SIGTERM'd build closes its engines too
-        executor = make_executor(cfg, teacher_spec=plan.info.spec, on_batch=progress.batch)
+        if loading is not None:
+            executor = loading.take()
+        else:
+            executor = make_executor(cfg, teacher_spec=plan.info.spec, on_batch=progress.batch)
         startup.mark("teacher")
         try:
             head = [first]
