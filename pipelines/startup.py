@@ -39,7 +39,7 @@ class StartupClock:
     """Marks the build's start-up phases in order (`mark`); the first batch may be marked from any thread.
     A phase marked twice keeps its first time (a second teacher's pass starts up again, uncounted)."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._lock = threading.Lock()
         self._last = time.perf_counter()
         before = seconds_since_process_start()

@@ -116,16 +116,15 @@ class Selection:
         launched: deque[_Launched] = deque()
         parts = []
         for rows in token_budget_batches(lengths[order], order, budget=self.settings.batch_tokens):
-            launched.extend(
-                halving_on_oom(
-                    run,
-                    [sample_ids[i] for i in rows],
-                    [tokens[i] for i in rows],
-                    None if keep is None else [keep[i] for i in rows],
-                    on_oom=_free_cache,
-                    join=_joined,
-                )
+            batch: list[_Launched] = halving_on_oom(
+                run,
+                [sample_ids[i] for i in rows],
+                [tokens[i] for i in rows],
+                None if keep is None else [keep[i] for i in rows],
+                on_oom=_free_cache,
+                join=_joined,
             )
+            launched.extend(batch)
             while len(launched) > 1:  # the batch launched last stays in flight while the host reads the one before
                 parts.append(self._finish(launched.popleft(), on_batch))
         while launched:
