@@ -12,7 +12,8 @@ event that `HostSelected.samples` waits on, so the thread that launched a batch 
 forward pass before it reads this one (`torch_engine.Selection`). The host reads the codes back as the grid's
 values (`codec.dequantize`), which the writer's encode turns into the same codes again.
 
-Everything is vectorised over positions; on the CPU "the device" is the CPU and the copy a view.
+Everything is vectorised over positions. On the CPU "the device" is the CPU, the selection runs in numpy's
+and numba's kernels (`select_numpy`; a GPU runs torch's, `select_torch`) and the copy is a view.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import dataclasses
 import threading
 from dataclasses import dataclass
 
+import numba
 import numpy as np
 import torch
 from torch import Tensor
@@ -76,10 +78,22 @@ def real_positions(lengths: np.ndarray, width: int) -> np.ndarray:
 
 
 def on_device(batch: SparseBatch, *, positions: Tensor, sparsity: Sparsity) -> Selected:
-    """The selection of `batch` at `positions` (flat indices, on the batch's device) in stored types."""
+    """The selection of `batch` at `positions` (flat indices, on the batch's device) in stored types: torch's
+    kernels on a GPU (`select_torch`), numpy's and numba's on the CPU (`select_numpy`, the same codes and
+    entries). On the CPU torch's kernels hand work to its thread pool above ~32k elements, and on a busy
+    2-core machine those hand-overs stalled a served answer's top-64 selection (1 ms of work) to ~150 ms."""
+    if batch.ids.device.type == "cpu":
+        return select_numpy(batch, positions=positions.numpy(), sparsity=sparsity)
+    return select_torch(batch, positions=positions, sparsity=sparsity)
+
+
+def select_torch(batch: SparseBatch, *, positions: Tensor, sparsity: Sparsity) -> Selected:
+    """`on_device` in torch's kernels, on the batch's device."""
+    every = len(positions) == batch.tail.numel()  # no padding (a served answer's one row): nothing to gather
 
     def take(t: Tensor) -> Tensor:
-        return t.reshape(-1, *t.shape[2:]).index_select(0, positions)
+        flat = t.reshape(-1, *t.shape[2:])
+        return flat if every else flat.index_select(0, positions)
 
     ids, logprobs, tail = take(batch.ids), take(batch.logprobs), take(batch.tail).double()
     n_entries = counts = None
@@ -100,6 +114,93 @@ def on_device(batch: SparseBatch, *, positions: Tensor, sparsity: Sparsity) -> S
         n_entries=n_entries,
         counts=None if counts is None else _bits16(counts),
     )
+
+
+def select_numpy(batch: SparseBatch, *, positions: np.ndarray, sparsity: Sparsity) -> Selected:
+    """`on_device` in numpy's and numba's kernels, for a batch on the CPU: the same arithmetic as
+    `select_torch` (the codes are the codec's own, `codec.quantize`)."""
+    every = len(positions) == batch.tail.numel()
+
+    def take(t: Tensor) -> np.ndarray:
+        flat = t.reshape(-1, *t.shape[2:]).numpy()
+        return flat if every else flat[positions]
+
+    ids, logprobs, tail = take(batch.ids), take(batch.logprobs), take(batch.tail).astype(np.float64)
+    n_entries = counts = None
+    if sparsity.sampled:
+        ids, logprobs, counts, n_entries = _distinct_draws_numpy(ids, logprobs)
+    elif sparsity.mode == "topp":
+        assert sparsity.p is not None, "Sparsity refuses top-p without p"
+        selection = logprobs if batch.selection_logprobs is None else take(batch.selection_logprobs)
+        n_entries, tail = _top_p_numpy(logprobs, selection, tail, p=sparsity.p)
+    grid = sparsity.grid
+    with np.errstate(divide="ignore"):  # a tail of 0: log 0 is minus infinity, the grid's reserved code
+        log_mass = np.log(np.clip(tail, 0.0, 1.0).astype(np.float32).astype(np.float64))
+
+    def codes(values: np.ndarray) -> Tensor:
+        return torch.from_numpy(codec.quantize(values, params=grid).view(np.int16))
+
+    return Selected(
+        ids=torch.from_numpy(np.asarray(ids, dtype=np.int32)),
+        codes=codes(logprobs),
+        tail=codes(log_mass),
+        target=codes(take(batch.target_logprob)),
+        n_entries=None if n_entries is None else torch.from_numpy(n_entries),
+        counts=None if counts is None else torch.from_numpy(counts.view(np.int16)),
+    )
+
+
+def _top_p_numpy(logprobs: np.ndarray, selection: np.ndarray, tail: np.ndarray, *, p: float):
+    """`_top_p` in numpy."""
+    width = logprobs.shape[1]
+    cumulative = np.cumsum(np.exp(selection.astype(np.float64)), axis=1)
+    n_keep = np.minimum((cumulative < p).sum(axis=1) + 1, width)
+    kept = np.arange(width)[None, :] < n_keep[:, None]
+    dropped = np.where(kept, 0.0, np.exp(logprobs.astype(np.float64))).sum(axis=1)
+    return n_keep.astype(np.int32), tail + dropped
+
+
+def _distinct_draws_numpy(draws: np.ndarray, logprobs: np.ndarray):
+    """`_distinct_draws` in one numba pass: (ids, log-probabilities, counts uint16, entries per row)."""
+    ids = np.zeros(draws.shape, dtype=np.int32)
+    values = np.zeros(draws.shape, dtype=np.float32)
+    counts = np.zeros(draws.shape, dtype=np.uint16)
+    n_entries = np.zeros(len(draws), dtype=np.int32)
+    if draws.size:
+        _distinct_draws_kernel(
+            np.ascontiguousarray(draws), np.ascontiguousarray(logprobs), ids, values, counts, n_entries
+        )
+    return ids, values, counts, n_entries
+
+
+@numba.njit(cache=True, nogil=True)
+def _distinct_draws_kernel(draws, logprobs, ids, values, counts, n_entries):
+    # One pass per row: insertion sort of its n draws (n is small, 16 by default; an equal id always has
+    # the same log-probability), then each run of equal ids becomes one entry, its length the count.
+    width = draws.shape[1]
+    row_ids = np.empty(width, dtype=np.int64)
+    row_values = np.empty(width, dtype=np.float32)
+    for p in range(draws.shape[0]):
+        for j in range(width):
+            key = np.int64(draws[p, j])
+            value = logprobs[p, j]
+            b = j - 1
+            while b >= 0 and row_ids[b] > key:
+                row_ids[b + 1] = row_ids[b]
+                row_values[b + 1] = row_values[b]
+                b -= 1
+            row_ids[b + 1] = key
+            row_values[b + 1] = value
+        e = 0
+        for j in range(width):
+            if j > 0 and row_ids[j] == row_ids[j - 1]:
+                counts[p, e - 1] += 1
+            else:
+                ids[p, e] = row_ids[j]
+                values[p, e] = row_values[j]
+                counts[p, e] = 1
+                e += 1
+        n_entries[p] = e
 
 
 def _top_p(logprobs: Tensor, selection: Tensor, tail: Tensor, *, p: float) -> tuple[Tensor, Tensor]:

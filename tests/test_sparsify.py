@@ -203,3 +203,26 @@ def test_distinct_draws_on_the_device_match_a_per_row_count():
     assert s.entry_counts.tolist() == [c for _, counts in expected for c in counts.tolist()]
     grid = Sparsity().grid
     np.testing.assert_array_equal(s.entry_logprobs, quantized(np.log(np.arange(1, 7) / 21.0)[s.entry_ids], grid))
+
+
+@pytest.mark.parametrize(
+    "sparsity",
+    [Sparsity(k=K), Sparsity(mode="topp", k=K, p=0.7), Sparsity(mode="sampled", n=K)],
+    ids=str,
+)
+def test_torchs_kernels_select_what_numpys_do(sparsity):
+    """A GPU runs the selection in torch's kernels, the CPU in numpy's and numba's: run here on the same
+    batch (padding included), they must give the same ids, codes, counts and entries per position."""
+    from logitstore.pipelines.sparsify import real_positions, select_numpy, select_torch
+
+    batch, _ = dense_batch(rows=3, positions=7, seed=2)
+    if sparsity.sampled:  # draws: few distinct ids, repeats, each with its own log-probability
+        batch.ids = batch.ids % 4
+        batch.logprobs = torch.log((batch.ids.float() + 1) / 10)
+    positions = real_positions(np.array([8, 3, 6]), batch.ids.shape[1])
+    with_torch = select_torch(batch, positions=torch.from_numpy(positions), sparsity=sparsity).tensors()
+    with_numpy = select_numpy(batch, positions=positions, sparsity=sparsity).tensors()
+    assert with_torch.keys() == with_numpy.keys()
+    for name, tensor in with_torch.items():
+        assert tensor.dtype == with_numpy[name].dtype, name
+        np.testing.assert_array_equal(tensor.numpy(), with_numpy[name].numpy(), err_msg=name)
