@@ -30,7 +30,7 @@ import numpy as np
 import pyarrow as pa
 
 from logitstore.ahead import read_ahead
-from logitstore.errors import ChangedTextError, ConflictError
+from logitstore.errors import ChangedTextError, ConflictError, LogitstoreError
 from logitstore.format import codec
 from logitstore.format.sparsity import Sparsity
 from logitstore.pipelines import inputs
@@ -258,7 +258,10 @@ def _loading(cfg: BuildConfig, *, on_batch: Callable[[int], None]) -> LoadingExe
         return None
     from logitstore.pipelines.teacher import resolve_teacher  # torch and transformers: 2.7 s, loaded here anyway
 
-    spec = resolve_teacher(cfg.teacher)
+    try:
+        spec = resolve_teacher(cfg.teacher)
+    except LogitstoreError:  # `plan_build` says so, after its checks of the input
+        return None
     if cfg.teacher_name is not None:  # as `plan_build` names it: the same teacher for `shared_teachers()`
         spec = dataclasses.replace(spec, name=cfg.teacher_name)
     return LoadingExecutor(cfg, teacher_spec=spec, on_batch=on_batch)
