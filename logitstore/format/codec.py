@@ -23,9 +23,6 @@ Encode and decode are vectorised numpy plus numba kernels; nothing loops per tok
 from __future__ import annotations
 
 import functools
-import os
-import threading
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numba
@@ -138,22 +135,20 @@ def encode(samples: SparseSamples, *, params: CodecParams, code_of_id: np.ndarra
     if n:
         keys = np.empty(n, dtype=np.int64)
         no_counts = np.zeros(0, dtype=np.int64)
-        arrays = (
+        duplicate = _encode_entries_kernel(
+            np.asarray(samples.entry_ids),
+            np.asarray(code_of_id),
+            samples.entry_offsets,
             np.asarray(samples.entry_logprobs),
             no_counts if counts is None else np.asarray(samples.entry_counts),
             keys,
             deltas,
             logprobs,
             no_counts.astype(np.uint16) if counts is None else counts,
+            *_grid(params),
         )
-        ids, codes, grid = np.asarray(samples.entry_ids), np.asarray(code_of_id), _grid(params)
-
-        def kernel(offsets: np.ndarray) -> int:
-            return _encode_entries_kernel(ids, codes, offsets, *arrays, *grid)
-
-        found = [d for d in _in_pieces(kernel, samples.entry_offsets) if d >= 0]
-        if found:
-            _duplicate_error(samples, min(found))
+        if duplicate >= 0:
+            _duplicate_error(samples, duplicate)
     return EncodedSamples(
         input_ids=samples.input_ids.astype(dtype),
         n_entries=samples.n_entries.astype(np.uint16),
@@ -164,31 +159,6 @@ def encode(samples: SparseSamples, *, params: CodecParams, code_of_id: np.ndarra
         entry_counts=counts,
         loss_mask=None if samples.loss_mask is None else samples.loss_mask.astype(np.uint8),
     )
-
-
-# Entries per piece of an encode run in threads of its own (the kernel runs without the GIL, each piece
-# on its own positions and their slices of the output): a top-64 part of 16.9k tokens (1.1M entries)
-# encodes in two pieces on two cores in ~5 ms instead of ~10. Smaller encodes run in the caller's thread.
-_PIECE_ENTRIES = 1 << 19
-_pieces_pool: ThreadPoolExecutor | None = None
-_pieces_lock = threading.Lock()
-
-
-def _in_pieces(kernel, offsets: np.ndarray) -> list[int]:
-    """`kernel(offsets)` over consecutive runs of positions of about `_PIECE_ENTRIES` entries each
-    (at most one per core), the first in this thread: what each returns, in order."""
-    global _pieces_pool
-    pieces = min(os.cpu_count() or 1, max(1, int(offsets[-1]) // _PIECE_ENTRIES))
-    if pieces == 1:
-        return [kernel(offsets)]
-    bounds = np.searchsorted(offsets, np.linspace(0, offsets[-1], pieces + 1)[1:-1])
-    cuts = [0, *bounds.tolist(), len(offsets) - 1]
-    runs = [offsets[a : b + 1] for a, b in zip(cuts[:-1], cuts[1:])]
-    with _pieces_lock:
-        if _pieces_pool is None:
-            _pieces_pool = ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix="logitstore-encode")
-    rest = [_pieces_pool.submit(kernel, run) for run in runs[1:]]
-    return [kernel(runs[0]), *(f.result() for f in rest)]
 
 
 def _duplicate_error(samples: SparseSamples, entry: int) -> None:
