@@ -2,23 +2,26 @@
 
 Like with like: both sides use the same sparsity (default `--sample 16`, the build's default; `--top-k K`
 for top-k), the same windows, units and batches (the build's own planning, `build.plan_units`, and
-batching, `engines.token_budget_batches`), and per unit the same sampling seed. The difference is
-everything that is not the teacher's forward pass: reading and tokenizing, entry selection
-(`sparsify.to_samples`), encoding, compression, writing, merging and commits. Runs alternate (forward
-alone, then build) and each side keeps its best of `--repeats`. Target: the store side adds < 5%.
+batching, `engines.token_budget_batches`), and per unit the same sampling seed. The forward side is the
+teacher's forward pass, the selection in stored types on its device and the copy to the host
+(`sparsify.forward_selected`, `to_host`); the difference is the host side: reading and tokenizing, the
+selected rows as samples (`HostSelected.samples`), encoding, compression, writing, merging and commits.
+Runs alternate (forward alone, then build) and each side keeps its best of `--repeats`. Target: the store
+side adds < 5%.
 
 Two teachers, side by side:
 
 - the real default teacher (SmolLM2-135M, 49,152-token vocabulary) on `--device`;
-- stand-ins as fast as a GPU (`--standin-rate`, tokens/s; default 250k and 1M): the real teacher's output
-  rows (computed once, before any timing, over one unit's worth of the corpus: real log-softmax
-  values, draws and tails) replayed at that rate. A stand-in batch takes exactly tokens / rate seconds:
+- stand-ins as fast as a GPU (`--standin-rate`, tokens/s; default 250k and 1M): the real teacher's selected
+  rows (computed once, before any timing, over one unit's worth of the corpus: real entries, draws and
+  tails in stored types) replayed at that rate. A stand-in batch takes exactly tokens / rate seconds:
   the rest of that time it sleeps, as a host thread waits on a GPU, so the CPU is free meanwhile. The
-  build runs its own selection, encoding and writes on what it returns. Its rows cycle through the
-  pool, which holds a whole unit, so no part holds a row twice and compression sees real data.
+  build runs its own host side on what it returns. Its rows cycle through the pool, which holds a
+  whole unit, so no part holds a row twice and compression sees real data.
 
     python benchmarks/build.py                              # sampled-16, CPU teacher, stand-ins at 250k and 1M tokens/s
     python benchmarks/build.py --top-k 64 --device cuda --tokens 65536
+    python benchmarks/build.py --host-cores 1 2             # the host side alone on 1, then 2 cores
 
 `--generate N` measures `build --generate N` instead: `--prompts` prompts (the sample corpus's documents
 cut to `--prompt-chars`) answered by the teacher itself. The engine alone is the same generator on the
@@ -35,6 +38,8 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import os
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -46,13 +51,13 @@ import torch
 from logitstore.data import SAMPLE_CORPUS
 from logitstore.format.sparsity import Sparsity
 from logitstore.pipelines import build as build_module
-from logitstore.pipelines import teacher as teacher_module
+from logitstore.pipelines import sparsify
 from logitstore.pipelines.build import BuildConfig, BuildSummary, run_build
 from logitstore.pipelines.engines.shared import token_budget_batches
-from logitstore.pipelines.engines.torch_engine import load_teacher_once, shared_teachers
+from logitstore.pipelines.engines.torch_engine import load_teacher_once, right_padded, shared_teachers
 from logitstore.pipelines.generate import Generation
 from logitstore.pipelines.plan import plan_units
-from logitstore.pipelines.teacher import SparseBatch, describe_teacher
+from logitstore.pipelines.teacher import describe_teacher
 from logitstore.pipelines.workers import unit_seed
 
 # Toy sizes: 4 units of stand-in tokens, so the steady state (units 3 on) has two.
@@ -88,6 +93,10 @@ def corpus(path: Path, *, tokens: int, tokenizer, chars: int | None = None) -> i
     return total
 
 
+# Planning alone (`batches`) writes nothing; `BuildConfig` still wants a store it could create.
+PLANNING_STORE = "memory://planning-only"
+
+
 def config(args, *, store: str, data: Path) -> BuildConfig:
     return BuildConfig(
         store=store,
@@ -104,14 +113,16 @@ def config(args, *, store: str, data: Path) -> BuildConfig:
     )
 
 
-def forward(model, ids: torch.Tensor, mask: torch.Tensor, sparsity: Sparsity, generator) -> SparseBatch:
-    """The teacher's forward pass as the torch engine runs it (`pipelines/engines/torch_engine.py`) (looked up at call time, so a
+def forward(model, ids: torch.Tensor, mask: torch.Tensor, sparsity: Sparsity, generator) -> sparsify.HostSelected:
+    """The teacher's forward pass, the selection in stored types and their copy to the host, as the torch
+    engine runs them (`pipelines/engines/torch_engine.py`), waited for (looked up at call time, so a
     stand-in patched into the module runs here too)."""
-    if sparsity.mode == "sampled":
-        return teacher_module.sampled_forward(
-            model, ids, mask, n=sparsity.n, generator=generator, temperature=sparsity.temperature
-        )
-    return teacher_module.sparse_topk_forward(model, ids, mask, k=sparsity.k, temperature=sparsity.temperature)
+    lengths = mask.sum(dim=1).numpy()
+    selected = sparsify.forward_selected(model, ids, mask, lengths=lengths, sparsity=sparsity, generator=generator)
+    host = sparsify.to_host(selected)
+    if host.ready is not None:
+        host.ready.synchronize()
+    return host
 
 
 def batches(cfg: BuildConfig, tokenizer, *, generation: Generation | None = None) -> list[tuple[int, list]]:
@@ -123,12 +134,7 @@ def batches(cfg: BuildConfig, tokenizer, *, generation: Generation | None = None
         order = np.argsort(-lengths, kind="stable")
         unit_batches = []
         for rows in token_budget_batches(lengths[order], order, budget=cfg.batch_tokens):
-            ids = torch.zeros((len(rows), lengths[rows].max()), dtype=torch.long)
-            mask = torch.zeros_like(ids)
-            for r, i in enumerate(rows):  # one copy per sample
-                ids[r, : lengths[i]] = torch.as_tensor(unit.tokens[i])
-                mask[r, : lengths[i]] = 1
-            unit_batches.append((ids, mask))
+            unit_batches.append(right_padded([unit.tokens[i] for i in rows], lengths[rows]))
         out.append((unit_seed(cfg.seed, unit), unit_batches))
     return out
 
@@ -153,54 +159,43 @@ def forward_only(model, planned, sparsity: Sparsity) -> tuple[float, list[float]
 
 
 class StandIn:
-    """A teacher as fast as a GPU: replays real output rows at `rate` tokens/s (see the module docstring)."""
+    """A teacher as fast as a GPU: replays real selected rows at `rate` tokens/s (see the module docstring)."""
 
-    def __init__(self, pool: dict[str, np.ndarray], *, rate: float):
+    def __init__(self, pool: dict[str, torch.Tensor], *, rate: float):
         self.pool, self.rate, self.cursor = pool, rate, 0
         self.rows = len(pool["tail"])
 
     @classmethod
-    def pool_from(cls, model, planned, sparsity: Sparsity) -> dict[str, np.ndarray]:
-        """The real teacher's rows (every real position of the planned batches), before selection."""
-        parts = {"ids": [], "logprobs": [], "target": [], "tail": []}
+    def pool_from(cls, model, planned, sparsity: Sparsity) -> dict[str, torch.Tensor]:
+        """The real teacher's selected rows (every real position of the planned batches), in stored types."""
+        parts: dict[str, list[torch.Tensor]] = {}
         for ids, mask, generator in each_batch(model, planned):
-            batch = forward(model, ids, mask, sparsity, generator)
-            valid = mask[:, 1:].bool().numpy()  # position t predicts token t + 1
-            parts["ids"].append(batch.ids.cpu().numpy()[valid])
-            parts["logprobs"].append(batch.logprobs.cpu().numpy()[valid])
-            parts["target"].append(batch.target_logprob.cpu().numpy()[valid])
-            parts["tail"].append(batch.tail.cpu().numpy()[valid])
-        return {k: np.concatenate(v) for k, v in parts.items()}
+            for name, rows in forward(model, ids, mask, sparsity, generator).arrays.items():
+                parts.setdefault(name, []).append(rows)
+        return {name: torch.cat(rows) for name, rows in parts.items()}
 
-    def forward(self, model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **_) -> SparseBatch:
+    def forward_selected(self, model, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, lengths, **_):
         start = time.perf_counter()
-        b, t = input_ids.shape
-        take = (self.cursor + np.arange(b * (t - 1))) % self.rows  # padding positions too, as a GPU computes them
+        take = (self.cursor + np.arange(int((lengths - 1).sum()))) % self.rows
         self.cursor = (self.cursor + len(take)) % self.rows
-        width = self.pool["ids"].shape[1]
-        batch = SparseBatch(
-            ids=torch.from_numpy(self.pool["ids"][take].reshape(b, t - 1, width)),
-            logprobs=torch.from_numpy(self.pool["logprobs"][take].reshape(b, t - 1, width)),
-            target_logprob=torch.from_numpy(self.pool["target"][take].reshape(b, t - 1)),
-            tail=torch.from_numpy(self.pool["tail"][take].reshape(b, t - 1)),
-        )
-        tokens = int(attention_mask.sum()) if attention_mask is not None else b * t
-        left = tokens / self.rate - (time.perf_counter() - start)
+        # numpy's gather: torch's index_select on the CPU can stall ~8 ms a call in its thread pool on a busy machine
+        selected = sparsify.Selected(**{name: torch.from_numpy(rows.numpy()[take]) for name, rows in self.pool.items()})
+        left = int(attention_mask.sum()) / self.rate - (time.perf_counter() - start)
         if left > 0:
             time.sleep(left)  # the GPU's share: the host waits, its CPU free
-        return batch
+        return selected
 
     @contextlib.contextmanager
     def installed(self):
-        """The build's workers call the teacher module's forward functions: point both at this stand-in,
+        """The build's workers call the selection module's `forward_selected`: point it at this stand-in,
         from the pool's first row (so every run stores the same rows)."""
         self.cursor = 0
-        saved = teacher_module.sparse_topk_forward, teacher_module.sampled_forward
-        teacher_module.sparse_topk_forward = teacher_module.sampled_forward = self.forward
+        saved = sparsify.forward_selected
+        sparsify.forward_selected = self.forward_selected
         try:
             yield
         finally:
-            teacher_module.sparse_topk_forward, teacher_module.sampled_forward = saved
+            sparsify.forward_selected = saved
 
 
 class UnitClock:
@@ -233,13 +228,12 @@ class UnitClock:
 
 
 def write_alone(
-    args, pool: dict[str, np.ndarray], planned, *, tmp: Path, teacher_meta, repeats: int
+    args, pool: dict[str, torch.Tensor], planned, *, tmp: Path, teacher_meta, repeats: int
 ) -> tuple[float, int]:
-    """(best seconds, tokens) of `PartWriter.write` of one unit of the stand-in's samples (selected by the
-    build's `to_samples`) into a store: encode, compress, hash, store, in this process."""
+    """(best seconds, tokens) of `PartWriter.write` of one unit of the stand-in's samples (read by the
+    build's `HostSelected.samples`) into a store: encode, compress, hash, store, in this process."""
     from logitstore.format import codec
     from logitstore.format.samples import concat
-    from logitstore.pipelines.sparsify import to_samples
     from logitstore.store.store import Store
 
     standin = StandIn(pool, rate=float("inf"))
@@ -248,9 +242,9 @@ def write_alone(
     for i, (ids, mask) in enumerate(unit_batches):
         lengths = mask.sum(dim=1).numpy()
         tokens = [ids[r, :n].numpy() for r, n in enumerate(lengths)]
+        host = sparsify.to_host(standin.forward_selected(None, ids, mask, lengths=lengths))
         parts.append(
-            to_samples(
-                standin.forward(None, ids, mask),
+            host.samples(
                 sample_ids=[f"b{i}-{r}" for r in range(len(tokens))],
                 lengths=lengths,
                 input_ids=tokens,
@@ -318,9 +312,46 @@ def generation_benchmark(args, info, model, *, tmp: Path) -> None:
     print(f"whole build       {best['build']:7.2f} s  store side {best['build'] / engine - 1:+.1%} (target < +5%)")
 
 
+def pinned_to(cores: set[int]) -> None:
+    """Every thread of this process on these cores (Linux: a thread's affinity is its own; new threads
+    inherit their creator's)."""
+    for task in os.listdir("/proc/self/task"):
+        with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
+            os.sched_setaffinity(int(task), cores)
+
+
+def host_benchmark(args, info, model, *, tmp: Path) -> None:
+    """`--host-cores N M ...`: the host side alone, a build whose stand-in teacher takes no time, with the
+    process on N, then M, ... cores, alternating; median tokens/s of `--repeats` runs each."""
+    available = sorted(os.sched_getaffinity(0))
+    pool_data, data = tmp / "pool.jsonl", tmp / "host.jsonl"
+    corpus(pool_data, tokens=args.unit_tokens, tokenizer=info.tokenizer)
+    pool = StandIn.pool_from(model, planned_batches(args, pool_data, info.tokenizer), args.sparsity)
+    tokens = corpus(data, tokens=args.standin_tokens, tokenizer=info.tokenizer)
+    standin = StandIn(pool, rate=float("inf"))
+    seconds: dict[int, list[float]] = {n: [] for n in args.host_cores}
+    for r in range(args.repeats):
+        for n in args.host_cores:
+            pinned_to(set(available[:n]))
+            with standin.installed():
+                summary = run_build(config(args, store=str(tmp / f"store-{n}-{r}"), data=data), log=lambda _: None)
+            seconds[n].append(summary.seconds)
+    pinned_to(set(available))
+    print(
+        f"host side alone ({args.sparsity.describe()}, {tokens:,} tokens, stand-in teacher taking no time); "
+        f"median of {args.repeats}, alternating; load average {os.getloadavg()[0]:.1f} at the end"
+    )
+    base = tokens / statistics.median(seconds[args.host_cores[0]])
+    for n in args.host_cores:
+        rate = tokens / statistics.median(seconds[n])
+        print(
+            f"{n} core(s): {rate:>10,.0f} tokens/s  {rate / base:5.2f}x  (runs: {', '.join(f'{tokens / x:,.0f}' for x in seconds[n])})"
+        )
+
+
 def planned_batches(args, data: Path, tokenizer) -> list[tuple[int, list]]:
-    """The batches a build of `data` runs. Planning opens no store: its config names one that is never made."""
-    return batches(config(args, store=str(data.with_suffix(".never-made")), data=data), tokenizer)
+    """The batches a build of `data` runs (planning writes nothing: `PLANNING_STORE`)."""
+    return batches(config(args, store=PLANNING_STORE, data=data), tokenizer)
 
 
 def store_side_benchmark(args, info, model, *, tmp: Path) -> None:
@@ -364,7 +395,7 @@ def store_side_benchmark(args, info, model, *, tmp: Path) -> None:
             steady_s, steady_tokens = clock.steady()
             b = best[label]
             b[0], b[1] = min(b[0], f), min(b[1], summary.seconds)
-            if steady_tokens:  # units 2.. of the build, against the same units' forward passes
+            if steady_tokens and per_unit[2:]:  # units 2.. of the build, against the same units' forward passes
                 b[2], b[3] = min(b[2], sum(per_unit[2:])), min(b[3], steady_s)
             b[4] = summary.bytes_per_token
     sparsity_name = f"top-{args.top_k}" if args.top_k else f"sampled-{args.sparsity.n}"
@@ -422,13 +453,19 @@ def main() -> None:
     parser.add_argument("--generate", type=int, default=None, help="measure build --generate N instead")
     parser.add_argument("--prompts", type=int, default=32, help="with --generate: prompts (default 32)")
     parser.add_argument("--prompt-chars", type=int, default=200, help="with --generate: characters per prompt")
+    parser.add_argument(
+        "--host-cores", type=int, nargs="+", default=None, help="measure the host side alone on N, M, ... cores"
+    )
     args = smoke.parse_args(parser, sizes=SMOKE)
     args.sparsity = Sparsity(k=args.top_k) if args.top_k else Sparsity(mode="sampled", n=args.sample or 16)
     with tempfile.TemporaryDirectory() as tmp:
         args.teacher = smoke.smoke_teacher(args, Path(tmp))
         info = describe_teacher(args.teacher)
         model = load_teacher_once(info.spec, args.device, "auto").model
-        measure = generation_benchmark if args.generate else store_side_benchmark
+        if args.generate:
+            measure = generation_benchmark
+        else:
+            measure = host_benchmark if args.host_cores else store_side_benchmark
         measure(args, info, model, tmp=Path(tmp))
 
 

@@ -15,7 +15,7 @@ failed check; the next section still runs.
 Sections: build (the torch engine in bf16 and fp32 against a CPU fp32 build), oom (a build whose
 --batch-tokens does not fit, under a memory limit; on CPU a hook emulates it), train (`logitstore train`
 with smollm2-135m on one rank from a synthetic store, no teacher needed: throughput, MFU, the plain loop
-of benchmarks/plain.py beside it eager and compiled, micro-batch 32, the CPU's first-step loss, segment
+of benchmarks/_plain.py beside it eager and compiled, micro-batch 32, the CPU's first-step loss, segment
 attention, the chunked head, the levers), live (CUDA IPC), trainer (`DistillationTrainer`) and vllm
 (where `import vllm` works). Each check's bound stands next to its value in the JSON. What each section checks, the
 MFU formula (`PEAK_BF16`) and the targets (`TARGETS`, recorded with whether they were met, never
@@ -42,8 +42,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import _plain as baselines  # benchmarks/_plain.py: the plain loop the train section measures against
 import numpy as np
-import plain as baselines  # benchmarks/plain.py: the plain loop the train section measures against
 import psutil
 import stream as stream_benchmark  # benchmarks/stream.py: the synthetic store the train section reads
 import torch
@@ -97,7 +97,10 @@ TARGETS = {
     "memory_8192_over_512": ("<=", 1.2),
     "speed_8192_over_512": (">=", 0.9),
     "build_tokens_per_second": (">=", 100_000),
-    # the plain loop (benchmarks/plain.py) in the same process, on the same GPU and the same batches
+    # the plain forward pass and selection in the same process, on the build's own windows and batches
+    "build_over_plain_top64": (">=", 0.9),
+    "build_over_plain_sampled16": (">=", 0.9),
+    # the plain loop (benchmarks/_plain.py) in the same process, on the same GPU and the same batches
     "train_over_plain_eager": (">=", 1.0),  # at seq 2048 x 8
     "compile_over_plain_compiled": (">=", 1.0),
     "train_memory_over_plain": ("<=", 1.0),
@@ -188,6 +191,21 @@ SMOKE = Shapes(
     student_vocab=SMOKE_VOCAB,
     large_micro_batch=8,
 )
+
+
+@dataclass(frozen=True)
+class Baseline:
+    """Section 1's build against the plain forward pass and selection: the same teacher, windows, batches
+    (the build's planning) and sparsity, in the same process."""
+
+    tokens: int
+    max_length: int
+    batch_tokens: int  # one unit is one batch: batches of batch_tokens / max_length full windows
+    dtype: str
+
+
+GPU_BASELINE = Baseline(tokens=1_280_000, max_length=2048, batch_tokens=65_536, dtype="bfloat16")
+SMOKE_BASELINE = Baseline(tokens=4_000, max_length=128, batch_tokens=512, dtype="float32")
 
 
 def quiet(_: str) -> None:
@@ -647,6 +665,7 @@ def section_build(run: Run, record: dict) -> None:
         record["throughput"]["bfloat16"]["tokens"] >= s.build_tokens,
     )
 
+    build_against_plain(run, record)
     data = run.corpus("reference", s.reference_tokens, chars=s.doc_chars)
     top64 = dict(max_length=s.max_length, sparsity=Sparsity(k=64), batch_tokens=s.batch_tokens)
     with shared_teachers():  # one teacher load per (device, dtype)
@@ -662,6 +681,67 @@ def section_build(run: Run, record: dict) -> None:
         found = compare_stores(reference["uri"], summary["uri"], shift=shift)
         record["reference"][dtype] = found
         check_build_agreement(record, f"{run.device} {dtype} vs cpu fp32", found, dtype=dtype)
+
+
+SPARSITIES = {"top64": Sparsity(k=64), "sampled16": Sparsity(mode="sampled", n=16)}
+
+
+def build_against_plain(run: Run, record: dict) -> None:
+    """`logitstore build` (`run_build`) against the plain forward pass and selection over the same batches:
+    tokens/s of each and their ratio, for top-64 and sampled-16."""
+    b = SMOKE_BASELINE if run.smoke else GPU_BASELINE
+    data = run.corpus("baseline", b.tokens)
+    options = dict(max_length=b.max_length, batch_tokens=b.batch_tokens, unit_tokens=b.batch_tokens, dtype=b.dtype)
+    record["baseline"] = {**dataclasses.asdict(b), "plain": {}, "build": {}, "build_over_plain": {}}
+    for name, sparsity in SPARSITIES.items():
+        with shared_teachers():  # loaded once, before either clock starts
+            model = load_teacher_once(resolve_teacher(run.teacher), run.device, b.dtype).model
+            cfg = BuildConfig(
+                store=build_benchmark.PLANNING_STORE,
+                data=str(data),
+                teacher=run.teacher,
+                id_column="id",
+                sparsity=sparsity,
+                progress=False,
+                device=run.device,
+                **options,
+            )
+            plain = plain_throughput(
+                model, build_benchmark.batches(cfg, describe_teacher(run.teacher).tokenizer), sparsity
+            )
+            built = run.build(f"baseline-{name}", data=data, device=run.device, sparsity=sparsity, **options)
+        record["baseline"]["plain"][name] = plain
+        record["baseline"]["build"][name] = {k: built[k] for k in ("tokens", "seconds", "tokens_per_second")}
+        ratio = built["tokens_per_second"] / plain["tokens_per_second"]
+        record["baseline"]["build_over_plain"][name] = ratio
+        run.report.target(f"build_over_plain_{name}", ratio)
+
+
+def plain_throughput(model, planned, sparsity: Sparsity) -> dict:
+    """The plain way over the planned batches: the model's forward pass, log-softmax in fp32 over the whole
+    vocabulary, top-k (or n draws with their log-probabilities), the result copied to the host. The first
+    batch warms up, untimed."""
+    generator = torch.Generator(device=model.device).manual_seed(0)
+
+    def step(ids: torch.Tensor, mask: torch.Tensor) -> list[torch.Tensor]:
+        with torch.inference_mode():
+            logits = model(input_ids=ids.to(model.device), attention_mask=mask.to(model.device)).logits
+            logprobs = torch.log_softmax(logits.float(), dim=-1).flatten(0, 1)
+            if sparsity.sampled:
+                draws = torch.multinomial(logprobs.exp(), sparsity.n, replacement=True, generator=generator)
+                picked = [draws, logprobs.gather(1, draws)]
+            else:
+                picked = list(torch.topk(logprobs, sparsity.k, dim=-1))
+            return [t.cpu() for t in picked]
+
+    batches = [batch for _, unit in planned for batch in unit]
+    step(*batches[0])
+    tokens, start = 0, time.perf_counter()
+    for ids, mask in batches:
+        step(ids, mask)
+        tokens += int(mask.sum())
+    seconds = time.perf_counter() - start  # each step ends in its copy to the host: the device is done
+    return {"tokens": tokens, "seconds": round(seconds, 3), "tokens_per_second": tokens / seconds}
 
 
 # -- 2. out of memory ----------------------------------------------------------------------------------
@@ -904,7 +984,7 @@ def section_train(run: Run, record: dict) -> None:
 
 
 def plain_loop(run: Run, *, compile: bool) -> dict:
-    """benchmarks/plain.py's loop on the batches `logitstore train` reads at the headline's shape, in this
+    """benchmarks/_plain.py's loop on the batches `logitstore train` reads at the headline's shape, in this
     process on the same device: tokens/s (B x L a step) over the steps after the warm-up (the compile
     happens in the warm-up), and its peak memory."""
     s = run.shapes

@@ -36,7 +36,7 @@ import tempfile
 import time
 from pathlib import Path
 
-import plain as baselines  # benchmarks/plain.py, beside this file
+import _plain as baselines  # benchmarks/_plain.py, beside this file
 import stream as stream_benchmark  # benchmarks/stream.py: its synthetic store writer
 import torch
 import torch.distributed as dist

@@ -21,7 +21,6 @@ import dataclasses
 import itertools
 import json
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -29,10 +28,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import pyarrow as pa
-from tqdm import tqdm
 
 from logitstore.ahead import read_ahead
-from logitstore.errors import ChangedTextError, ConflictError
+from logitstore.errors import ChangedTextError, ConflictError, LogitstoreError
 from logitstore.format import codec
 from logitstore.format.sparsity import Sparsity
 from logitstore.pipelines import inputs
@@ -49,7 +47,17 @@ from logitstore.pipelines.plan import (
     load_student_tokenizers,
     plan_units,
 )
-from logitstore.pipelines.workers import Unit, interrupted_on_sigterm, make_executor, worker_settings, write_unit
+from logitstore.pipelines.progress import Progress
+from logitstore.pipelines.startup import StartupClock
+from logitstore.pipelines.workers import (
+    LoadingExecutor,
+    Unit,
+    interrupted_on_sigterm,
+    loads_early,
+    make_executor,
+    worker_settings,
+    write_unit,
+)
 from logitstore.store.documents import document_ids
 from logitstore.store.meta import DEFAULT_BRANCH, TeacherMeta
 from logitstore.store.store import Store
@@ -89,6 +97,7 @@ class BuildSummary:
     answers_empty: int = 0  # answers without a token (a served generator's): not stored
     generation: dict | None = None  # what wrote the answers (`Generation.record`), stored with them
     no_answer: int = 0  # a later teacher of several: answers the first teacher does not hold (not scored)
+    startup_seconds: dict | None = None  # the command to the teacher's first batch, in phases (`startup.py`)
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -203,7 +212,15 @@ def run_build(
 
 
 def _run_build(cfg: BuildConfig, *, log: Callable[[str], None], answers_of: AnswersOf | None = None) -> BuildSummary:
-    plan = plan_build(cfg, read_first=False, answers_of=answers_of)
+    startup = StartupClock()
+    loading = _loading(cfg, on_batch=lambda tokens: progress.batch(tokens))
+    try:
+        plan = plan_build(cfg, read_first=False, answers_of=answers_of)
+    except BaseException:
+        if loading is not None:
+            loading.leave()
+        raise
+    startup.mark("plan")
     log(f"build: sample ids are {plan.ids_from}")
     for note in plan.notes:
         log(f"build: {note}")
@@ -212,14 +229,17 @@ def _run_build(cfg: BuildConfig, *, log: Callable[[str], None], answers_of: Answ
     store = plan.store
     try:
         first = plan.read_first()  # reads and checks the input before any model is loaded
+        startup.mark("first_unit")
         if first is None and plan.stored.removals:  # only documents replaced by text too short for a window
             store = _store_and_branch(store, cfg)
             with store.writer(branch=cfg.branch) as writer:
                 writer.remove(plan.meta.name, plan.stored.take_removals())
                 _commit(writer, cfg, plan.summary, final=True)
         if first is not None:
-            store = _compute(plan, cfg, first, progress)
+            store = _compute(plan, cfg, first, progress, startup, loading)
     finally:
+        if loading is not None:
+            loading.leave()  # nothing to compute, or an error: the teacher goes (after its load, if under way)
         progress.close()
         if plan.generation is not None:
             plan.generation.close()
@@ -229,14 +249,39 @@ def _run_build(cfg: BuildConfig, *, log: Callable[[str], None], answers_of: Answ
     summary.seconds = time.perf_counter() - plan.started
     summary.tokens_per_second = summary.tokens / summary.seconds if summary.seconds else 0.0
     summary.bytes_per_token = summary.stored_bytes / summary.tokens if summary.tokens else None
+    summary.startup_seconds = startup.to_json()
     return summary
 
 
-def _compute(plan: BuildPlan, cfg: BuildConfig, first: Unit, progress: Progress) -> Store:
-    """Load the teacher and compute, write and commit every unit; returns the store (created if new)."""
+def _loading(cfg: BuildConfig, *, on_batch: Callable[[int], None]) -> LoadingExecutor | None:
+    """The teacher loading beside the planning (`workers.loads_early`), or None: it loads after it."""
+    if not loads_early(cfg):
+        return None
+    from logitstore.pipelines.teacher import resolve_teacher  # torch and transformers: 2.7 s, loaded here anyway
+
+    try:
+        spec = resolve_teacher(cfg.teacher)
+    except LogitstoreError:  # `plan_build` says so, after its checks of the input
+        return None
+    if cfg.teacher_name is not None:  # as `plan_build` names it: the same teacher for `shared_teachers()`
+        spec = dataclasses.replace(spec, name=cfg.teacher_name)
+    return LoadingExecutor(cfg, teacher_spec=spec, on_batch=on_batch)
+
+
+def _compute(
+    plan: BuildPlan, cfg: BuildConfig, first: Unit, progress: Progress, startup: StartupClock, loading
+) -> Store:
+    """Load the teacher (or take the one loaded meanwhile) and compute, write and commit every unit;
+    returns the store (created if new)."""
     store, meta, summary = plan.store, plan.meta, plan.summary
+    # the first batch the in-process executor reports, or the first unit other executors return
+    progress.on_tokens = lambda: startup.mark("first_batch")
     with interrupted_on_sigterm():  # a SIGTERM'd build closes its engines too
-        executor = make_executor(cfg, teacher_spec=plan.info.spec, on_batch=progress.batch)
+        if loading is not None:
+            executor = loading.take()
+        else:
+            executor = make_executor(cfg, teacher_spec=plan.info.spec, on_batch=progress.batch)
+        startup.mark("teacher")
         try:
             head = [first]
             new_teacher = store is None or meta.name not in store.read(_base_branch(store, cfg)).teachers
@@ -294,7 +339,7 @@ def run_builds(
         teachers=[p.own_json() for p in parts],
         **{
             name: getattr(parts[0], name)
-            for name in (*first, "answers_cut", "answers_retokenized", "answers_empty", "generation")
+            for name in (*first, "answers_cut", "answers_retokenized", "answers_empty", "generation", "startup_seconds")
         },
     )
     added = ("samples", "tokens", "already_stored", "refused", "too_long", "changed", "seconds", "commits")
@@ -477,123 +522,6 @@ def _mapped_mass(samples, vocab_map: np.ndarray) -> dict:
     positions = len(samples.tail)
     mapped = np.exp(samples.entry_logprobs.astype(np.float64)) * (vocab_map[samples.entry_ids] >= 0)
     return {"mapped_mass": float(mapped.sum() / positions) if positions else None, "mapped_mass_positions": positions}
-
-
-# -- progress ------------------------------------------------------------------------------------
-
-
-class Progress:
-    """Build progress in tokens: a tqdm bar on a terminal, else a line every `every` seconds on a clock
-    (logs, CI, a pipe; also while the input is read and tokenized, before the teacher computes), one at
-    the first teacher batch, and a last line at the end.
-
-    Tokens are counted as the teacher computes them (`batch`, from the in-process executor's workers,
-    so the first line comes with the first batch) or, for executors in other processes, as units are
-    merged (`update`). The ETA is the remaining tokens over the measured tokens/s; the tokens to compute
-    are estimated from the planner's count (`Planned`: the windows of the documents read so far, less
-    what is stored) times the input's document count over the documents read, when that count is cheap
-    to know. A long document counts whole as soon as it is tokenized.
-    """
-
-    def __init__(
-        self, cfg: BuildConfig, *, log: Callable[[str], None], every: float = 10.0, planned: Planned | None = None
-    ):
-        self.log, self.every = log, every
-        self.enabled = cfg.progress
-        self.planned = planned if planned is not None else Planned()
-        self.total_documents = inputs.count_documents(cfg.data) if cfg.progress else None
-        if self.total_documents is not None and cfg.limit is not None:
-            self.total_documents = min(self.total_documents, cfg.limit)
-        self.start = time.monotonic()
-        self.last: float | None = None  # when the last line was printed; None: no line yet
-        self.computed = self.tokens = self.samples = self.documents = 0
-        self._lock = threading.Lock()  # the teacher's threads report batches, the clock ticks
-        self.bar = None
-        if self.enabled and sys.stderr.isatty():
-            self.bar = tqdm(total=None, unit="tok", unit_scale=True, desc="build", dynamic_ncols=True)
-        self._stop = threading.Event()
-        self._clock = threading.Thread(target=self._tick, name="logitstore-progress", daemon=True)
-        if self.enabled and every > 0:
-            self._clock.start()
-
-    def _tick(self) -> None:
-        while not self._stop.wait(self.every):
-            with self._lock:
-                self._report()
-
-    def batch(self, tokens: int) -> None:
-        """The teacher computed `tokens` more tokens (any thread)."""
-        with self._lock:
-            first = self.computed == 0
-            self.computed += tokens
-            self._report(now=first)
-
-    def update(self, *, tokens: int, samples: int, documents: int) -> None:
-        """A unit was merged: its tokens count now if no batch reported them."""
-        with self._lock:
-            self.tokens += tokens
-            self.samples += samples
-            self.documents += documents
-            self._report()
-
-    def _done(self) -> int:
-        return max(self.computed, self.tokens)
-
-    def _total(self) -> int | None:
-        read, tokens = self.planned.documents, self.planned.tokens
-        if not self.total_documents or not read:
-            return None
-        return max(self._done(), tokens, int(tokens / read * self.total_documents))
-
-    def _report(self, *, final: bool = False, now: bool = False) -> None:
-        if not self.enabled:
-            return
-        clock = time.monotonic()
-        rate = self._done() / max(clock - self.start, 1e-9)
-        if self.bar is not None:
-            self.bar.total = self._done() if final else self._total()
-            self.bar.n = self._done()
-            self.bar.set_postfix(samples=self.samples, refresh=False)
-            self.bar.refresh()
-            return
-        due = clock - (self.last if self.last is not None else self.start) >= self.every
-        if final or now or due:
-            self.last = clock
-            self.log(self._line(final=final, rate=rate))
-
-    def _line(self, *, final: bool, rate: float) -> str:
-        """Tokens computed (of the estimate), samples written so far, documents read so far."""
-        total = None if final else self._total()
-        eta = "" if total is None or not rate else f", ETA {(total - self._done()) / rate / 60:.1f} min"
-        of = f" of ~{total:,}" if total else ""
-        documents = max(self.documents, self.planned.documents)
-        waiting = ""
-        if not final and not self._done():
-            waiting = (
-                "; the teacher's first batch is not done yet" if documents else "; reading and tokenizing the input"
-            )
-        generated = self.planned.generated
-        answers = (
-            f", {generated.tokens:,} tokens generated ({generated.tokens / generated.seconds:,.0f} tokens/s)"
-            if generated is not None and generated.seconds
-            else ""
-        )
-        return (
-            f"build: {self._done():,}{of} tokens, {self.samples:,} samples written, {documents:,} documents read, "
-            f"{rate:,.0f} tokens/s{answers}{eta}{waiting}"
-        )
-
-    def finish(self) -> None:
-        """The build is done: the bar to 100%, or a last line with the totals."""
-        with self._lock:
-            self._report(final=True)
-
-    def close(self) -> None:
-        self._stop.set()
-        if self._clock.is_alive():
-            self._clock.join()
-        if self.bar is not None:
-            self.bar.close()
 
 
 def summary_json(summary: BuildSummary) -> str:

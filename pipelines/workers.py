@@ -409,6 +409,57 @@ def worker_devices(*, workers: int, gpus_per_worker: int, visible: list[str]) ->
     return [",".join(visible[w * gpus_per_worker : (w + 1) * gpus_per_worker]) for w in range(workers)]
 
 
+class LoadingExecutor:
+    """`make_executor` in a thread of its own, started before the build plans its input, so the teacher's
+    weights load while the teacher is described, the store opened and the first unit read (seconds each).
+    The build takes the executor (`take`) or leaves it (`leave`: on an error before, or nothing to compute):
+    one left, or loaded after being left, is closed; a build does not wait for a load it leaves."""
+
+    def __init__(self, cfg, *, teacher_spec, on_batch: Callable[[int], None]):
+        self._lock = threading.Lock()
+        self._executor: Any = None
+        self._error: BaseException | None = None
+        self._left = False
+        self._thread = threading.Thread(
+            target=self._load, args=(cfg, teacher_spec, on_batch), name="logitstore-teacher-load", daemon=True
+        )
+        self._thread.start()
+
+    def _load(self, cfg, teacher_spec, on_batch) -> None:
+        try:
+            executor = make_executor(cfg, teacher_spec=teacher_spec, on_batch=on_batch)
+        except BaseException as error:  # noqa: BLE001 - raised in the build's thread by `take`
+            self._error = error
+            return
+        with self._lock:
+            left, self._executor = self._left, executor
+        if left:
+            self.leave()
+
+    def take(self):
+        """The executor, once loaded (the load's error, if it failed)."""
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        with self._lock:
+            executor, self._executor = self._executor, None
+        return executor
+
+    def leave(self) -> None:
+        with self._lock:
+            self._left = True
+            executor, self._executor = self._executor, None
+        if executor is not None:
+            executor.close()
+
+
+def loads_early(cfg) -> bool:
+    """Whether a build loads its teacher while it plans: the torch engine in this process (spawned workers
+    start on their first unit; vLLM's and Ray's start-up wants the main thread; a server has nothing to
+    load; `--generate` loads it to generate while it plans)."""
+    return cfg.engine == "torch" and cfg.workers == 1 and not cfg.ray_address and not cfg.generate
+
+
 def make_executor(cfg, *, teacher_spec, on_batch: Callable[[int], None] | None = None):
     """The executor `cfg` asks for. `on_batch(tokens)` hears of every teacher batch computed in this
     process (the in-process executor); the others report units as they come back."""

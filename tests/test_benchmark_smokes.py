@@ -199,6 +199,7 @@ def test_every_script_has_a_smoke_run_somewhere():
         "stream.py": "test_benchmarks.py",
         "named_arrays.py": "test_benchmarks.py",
         "export.py": "test_benchmarks.py",
+        "step.py": "test_benchmarks.py",
         "gpu.py": "test_gpu.py",
         "frontier.py": "test_frontier.py",
         "vllm_engine.py": "test_vllm_build.py",

@@ -341,3 +341,14 @@ def test_the_in_process_executor_overlaps_units_keeps_their_order_and_raises_the
     executor.close()
     assert got == [0, 1, 2, 3, 4] and 1 < most[0] <= workers.OVERLAP
     assert closed == [0]  # the engine closed once, after its last unit
+
+
+def test_the_input_is_checked_before_the_teacher_even_when_the_teacher_loads_beside_the_planning(tmp_path):
+    """The torch engine loads its teacher in a thread while the build plans; a build whose input and teacher
+    are both wrong still names the input first, as a build that loads the teacher afterwards does."""
+    from logitstore.pipelines.inputs import DataError
+
+    cfg = BuildConfig(store=str(tmp_path / "store"), data=str(tmp_path / "missing.jsonl"), teacher=str(tmp_path / "no"))
+    with pytest.raises(DataError, match="missing.jsonl"):
+        run_build(cfg, log=lambda _: None)
+    assert not (tmp_path / "store").exists()

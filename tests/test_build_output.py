@@ -32,6 +32,10 @@ def test_a_piped_build_reports_progress_in_tokens_from_the_first_batch(tiny_teac
     assert all("first batch is not done" in line or "reading" in line for line, n in zip(progress, counts) if n == 0)
     assert 0 < next(n for n in counts if n) <= 64  # one batch of --batch-tokens, before any unit was merged
     assert progress[-1].startswith(f"build: {summary['tokens']:,} tokens, {summary['samples']:,} samples")
+    startup = summary["startup_seconds"]  # the command to the first batch, in its phases and their sum
+    assert list(startup) == ["process", "plan", "first_unit", "teacher", "first_batch", "total"]
+    assert min(startup.values()) >= 0 and startup["process"] > 0  # the interpreter and imports come first
+    assert abs(startup["total"] - sum(v for k, v in startup.items() if k != "total")) <= 0.005  # rounding
     assert "stdlib" not in result.stderr and [
         r["sample_id"] for r in json.loads(run("ls", tmp_path / "store", "--json").stdout)
     ][:1] == ["d0#w0"]

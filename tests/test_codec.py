@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from logitstore.format import codec
 from logitstore.format.codec import dequantize, quantize
 from logitstore.format.grid import GRIDS, Q_MAX, CodecParams
+from logitstore.format.samples import SparseSamples
 from logitstore.testing.samples import assert_samples_close
 from logitstore.testing.synthetic import random_samples
 
@@ -232,3 +233,34 @@ def test_encode_finds_a_duplicate_entry_and_names_it():
         rf"entries of position {position}",
     ):
         codec.encode(samples, params=PARAMS, code_of_id=codec.identity_order(1000), vocab_size=1000)
+
+
+def test_encode_orders_every_position_as_a_stable_sort_by_code():
+    """Entries of each position in code order, values with them, at every size: the counting sort of short
+    positions and the sort of long ones (past `_RANK_SORT_MAX`) against numpy's stable argsort."""
+    rng = np.random.default_rng(3)
+    vocab = 70_000
+    n_entries = np.array([0, 1, 2, 17, 64, 255, 256, 257, 300], dtype=np.int64)
+    ids = np.concatenate([rng.choice(vocab, size=n, replace=False) for n in n_entries])
+    samples = SparseSamples(
+        sample_ids=["a"],
+        n_tokens=np.array([len(n_entries) + 1]),
+        input_ids=np.zeros(len(n_entries) + 1, dtype=np.int64),
+        n_entries=n_entries,
+        entry_ids=ids,
+        entry_logprobs=-rng.exponential(3.0, len(ids)).astype(np.float32),
+        tail=np.full(len(n_entries), 0.1, dtype=np.float32),
+        target_logprobs=np.zeros(len(n_entries), dtype=np.float32),
+        entry_counts=rng.integers(1, 9, len(ids)),
+    )
+    code_of_id = rng.permutation(vocab).astype(np.uint32)
+    enc = codec.encode(samples, params=PARAMS, code_of_id=code_of_id, vocab_size=vocab)
+    offsets = samples.entry_offsets
+    for a, b in zip(offsets[:-1], offsets[1:]):  # one position at a time: the reference
+        order = a + np.argsort(code_of_id[ids[a:b]], kind="stable")
+        codes = code_of_id[ids[order]].astype(np.int64)
+        np.testing.assert_array_equal(enc.entry_codes[a:b], np.diff(codes, prepend=0))
+        np.testing.assert_array_equal(
+            enc.entry_logprobs[a:b], codec.quantize(samples.entry_logprobs[order], params=PARAMS)
+        )
+        np.testing.assert_array_equal(enc.entry_counts[a:b], samples.entry_counts[order])

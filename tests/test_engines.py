@@ -102,3 +102,49 @@ def test_close_gives_the_torch_engines_teacher_back(tiny_teacher, monkeypatch):
     assert model() is None
     with pytest.raises(AssertionError, match="closed"):
         engine.compute(["a"], [torch.arange(4).numpy()], seed=0)
+
+
+def test_the_next_batch_is_launched_before_the_host_reads_the_last(tiny_teacher, monkeypatch):
+    """A queue of depth one: batch i + 1's forward pass and copy are launched before the host turns batch
+    i into samples, so a GPU never waits for the host; and the samples are the same as one batch at a time."""
+    import numpy as np
+
+    from logitstore.format.sparsity import Sparsity
+    from logitstore.pipelines import sparsify
+    from logitstore.pipelines.engines import torch_engine
+    from logitstore.pipelines.teacher import resolve_teacher
+    from logitstore.pipelines.workers import WorkerSettings
+
+    events = []
+    launch, finish = sparsify.forward_selected, sparsify.HostSelected.samples
+
+    def launched(*args, lengths, **kwargs):
+        events.append("launch")
+        return launch(*args, lengths=lengths, **kwargs)
+
+    def finished(self, **kwargs):
+        events.append("read")
+        return finish(self, **kwargs)
+
+    settings = WorkerSettings(
+        teacher_spec=resolve_teacher(tiny_teacher),
+        device="cpu",
+        dtype="float32",
+        sparsity=Sparsity(k=8),
+        batch_tokens=32,  # one sample of 32 tokens per batch
+        seed=0,
+    )
+    engine = torch_engine.TorchEngine(settings, lock=threading.Lock())
+    tokens = [np.arange(1, 33) + i for i in range(4)]
+    ids = [f"s{i}" for i in range(4)]
+    alone = [engine.compute([sid], [t], seed=0) for sid, t in zip(ids, tokens)]
+    monkeypatch.setattr(sparsify, "forward_selected", launched)
+    monkeypatch.setattr(sparsify.HostSelected, "samples", finished)
+    together = engine.compute(ids, tokens, seed=0)
+    assert events == ["launch", "launch", "read", "launch", "read", "launch", "read", "read"]
+    for i, samples in enumerate(alone):
+        one = together.select(i)
+        assert one.sample_ids == samples.sample_ids
+        np.testing.assert_array_equal(one.entry_ids, samples.entry_ids)
+        np.testing.assert_array_equal(one.entry_logprobs, samples.entry_logprobs)
+        np.testing.assert_array_equal(one.tail, samples.tail)

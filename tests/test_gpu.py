@@ -32,7 +32,14 @@ FIELDS = {
         for dtype in ("bfloat16", "float32")
         for name in ("top1_agreement", "max_abs_dlogp_fine", "max_abs_dlogp_coarse", "mean_abs_dlogp_fine")
         + ("max_abs_dtarget", "max_abs_dtail", "mean_abs_dtail", "positions", "shared_entries")
-    ],
+    ]
+    + [
+        f"baseline.{side}.{sparsity}.{name}"
+        for side in ("plain", "build")
+        for sparsity in ("top64", "sampled16")
+        for name in ("tokens", "seconds", "tokens_per_second")
+    ]
+    + [f"baseline.build_over_plain.{sparsity}" for sparsity in ("top64", "sampled16")],
     "oom": [
         "batch_tokens_fits",
         "batch_tokens_asked",
@@ -100,6 +107,8 @@ TARGETS = (
     "memory_8192_over_512",
     "speed_8192_over_512",
     "build_tokens_per_second",
+    "build_over_plain_top64",
+    "build_over_plain_sampled16",
     "train_over_plain_eager",
     "compile_over_plain_compiled",
     "train_memory_over_plain",

@@ -5,11 +5,14 @@ tokens that end an answer.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import numpy as np
 
-from logitstore.format.samples import SparseSamples, concat
+from logitstore.format.samples import concat
 from logitstore.pipelines.engines.base import EngineError
+
+T = TypeVar("T")
 
 
 def is_out_of_memory(error: BaseException) -> bool:
@@ -25,15 +28,17 @@ def is_out_of_memory(error: BaseException) -> bool:
 
 
 def halving_on_oom(
-    run: Callable[..., SparseSamples],
+    run: Callable[..., T],
     sample_ids: list[str],
     tokens: Sequence[np.ndarray],
     keep: list | None,
     *,
     on_oom: Callable[[], None] = lambda: None,
-) -> SparseSamples:
+    join: Callable[[list[T]], T] = concat,  # type: ignore[assignment]  # the default for T = SparseSamples
+) -> T:
     """`run(sample_ids, tokens, keep)`; when it runs out of memory, `on_oom()` (free the cache) and the
-    two halves of the batch are run apart, recursively. One sample that does not fit is an error."""
+    two halves of the batch are run apart, recursively, their results joined by `join` (`concat` of
+    `SparseSamples` by default). One sample that does not fit is an error."""
     try:
         return run(sample_ids, tokens, keep)
     except (RuntimeError, MemoryError) as error:
@@ -47,10 +52,10 @@ def halving_on_oom(
         )
     half = len(sample_ids) // 2
     halves = (None, None) if keep is None else (keep[:half], keep[half:])
-    return concat(
+    return join(
         [
-            halving_on_oom(run, sample_ids[:half], tokens[:half], halves[0], on_oom=on_oom),
-            halving_on_oom(run, sample_ids[half:], tokens[half:], halves[1], on_oom=on_oom),
+            halving_on_oom(run, sample_ids[:half], tokens[:half], halves[0], on_oom=on_oom, join=join),
+            halving_on_oom(run, sample_ids[half:], tokens[half:], halves[1], on_oom=on_oom, join=join),
         ]
     )
 
