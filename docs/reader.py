@@ -13,9 +13,13 @@ format 3 and 4 (a part is one packed object) and refuses older or newer ones in 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import atexit
 import json
 import os
 import sys
+import threading
+import time
 
 import icechunk
 import numpy as np
@@ -23,6 +27,7 @@ import pyarrow.compute as pc
 import pyarrow.fs
 import pyarrow.parquet as pq
 import zarr
+from zarr.core import sync as zarr_sync
 from zarr.core.buffer import cpu
 
 READS = (3, 4)  # the store formats whose parts this reader knows: one packed object per part
@@ -30,6 +35,24 @@ GRID_CODEC = "logitstore.logprob_grid"  # float32 log-probabilities over uint16 
 MINUS_INFINITY = 65535  # the grid's code for a log-probability of minus infinity (a tail of exactly 0)
 if "ICECHUNK_LOG" not in os.environ:  # its warning on every local open concerns writers only
     icechunk.set_logs_filter("icechunk=error")
+
+
+def settle(limit_s: float = 5.0) -> None:
+    """At exit, wait until no request is pending on Zarr's event loop and no thread that Python did not
+    start is inside Python. Icechunk hands each answer over from a tokio thread that may still be entering
+    Python when the script ends; an interpreter finalizing under it aborts the process (SIGABRT) after a
+    correct answer (logitstore/storage/bounded.py, "exit", has the whole story)."""
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        loop = zarr_sync.loop[0]
+        pending = loop is not None and not loop.is_closed() and any(not t.done() for t in asyncio.all_tasks(loop))
+        started = {t.ident for t in threading.enumerate() if not isinstance(t, threading._DummyThread)}
+        if not pending and not set(sys._current_frames()) - started:
+            return
+        time.sleep(0.001)  # releases the GIL to the thread that waits for it
+
+
+atexit.register(settle)  # after Zarr's own handler (registered on import), so it runs before it
 
 
 class Refused(Exception):

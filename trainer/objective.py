@@ -135,7 +135,9 @@ def held_out_metrics(
     n = max(reduced.pop("n"), 1e-9)
     out = {"eval_kl": reduced.pop("kd") / n, "eval_ce": reduced.pop("ce") / n}
     out.update({f"eval_{k}": v / n for k, v in reduced.items()})
-    return out
+    # A divergence is never negative, yet float32 sums at a near-perfect match (or the sampled estimator's
+    # noise) can come out at -1e-8; 0 is nearer the truth than any negative number.
+    return {k: max(v, 0.0) if k == "eval_kl" or k.startswith("eval_kl/") else v for k, v in out.items()}
 
 
 def all_reduce_mean(values: dict[str, float]) -> dict[str, float]:
