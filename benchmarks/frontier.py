@@ -51,6 +51,8 @@ from logitstore.format import codec
 from logitstore.format.grid import GRIDS, CodecParams
 from logitstore.format.samples import concat
 from logitstore.format.sparsity import Sparsity
+from logitstore.live.config import LiveConfig
+from logitstore.live.teacher import plan_live_samples
 from logitstore.pipelines.engines.torch_engine import load_teacher_once, shared_teachers
 from logitstore.pipelines.head import OutputHead
 from logitstore.pipelines.sparsify import to_samples
@@ -68,8 +70,7 @@ from logitstore.store.store import Store
 from logitstore.streaming.order import is_eval_sample
 from logitstore.streaming.spec import StreamSpec
 from logitstore.streaming.stream import store_stream
-from logitstore.trainer.config import LiveConfig, LossConfig, TrainConfig
-from logitstore.trainer.live import plan_live_samples
+from logitstore.trainer.config import LossConfig, TrainConfig
 from logitstore.trainer.losses import distill_loss
 from logitstore.trainer.model import build_student
 from logitstore.trainer.objective import sparse_targets, student_outputs

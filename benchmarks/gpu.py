@@ -50,6 +50,7 @@ import torch
 
 import build as build_benchmark  # benchmarks/build.py, beside this file: its corpus of N tokens
 from logitstore.format.sparsity import Sparsity
+from logitstore.live.config import LiveConfig
 from logitstore.pipelines.build import BuildConfig, run_build
 from logitstore.pipelines.engines.torch_engine import load_teacher_once, shared_teachers
 from logitstore.pipelines.teacher import describe_teacher, resolve_teacher
@@ -59,7 +60,7 @@ from logitstore.streaming.stream import store_stream
 from logitstore.testing.shm import leaked_shm, shm_entries
 from logitstore.testing.teachers import save_toy_teacher
 from logitstore.trainer.attention import ATTENTION, packed_attention, plan_segments
-from logitstore.trainer.config import LiveConfig, LossConfig, TrainConfig
+from logitstore.trainer.config import LossConfig, TrainConfig
 from logitstore.trainer.losses import chunked_distill_loss, distill_loss
 from logitstore.trainer.model import build_student
 from logitstore.trainer.objective import sparse_targets

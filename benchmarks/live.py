@@ -22,9 +22,10 @@ import _smoke as smoke  # benchmarks/ is on sys.path when a script here runs
 
 from logitstore.data import SAMPLE_CORPUS
 from logitstore.format.sparsity import Sparsity
+from logitstore.live.config import LiveConfig
 from logitstore.pipelines.build import BuildConfig, run_build
 from logitstore.pipelines.teacher import resolve_teacher
-from logitstore.trainer.config import LiveConfig, TrainConfig
+from logitstore.trainer.config import TrainConfig
 from logitstore.trainer.train import launch
 
 SMOKE = {"steps": 2, "student": "llama-tiny", "seq_len": 64, "docs": 2, "max_length": 128}

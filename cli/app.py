@@ -37,10 +37,11 @@ from logitstore.cli.flags import (
 )
 from logitstore.cli.rounds import Rounds, run_rounds
 from logitstore.errors import INTERRUPTED, LogitstoreError, capped
+from logitstore.live.config import LIVE
 from logitstore.options import OptionError, declared, dump, from_values, in_range, to_values
 from logitstore.pipelines.config import PANELS as BUILD_PANELS
 from logitstore.pipelines.config import BuildConfig, DataSource
-from logitstore.trainer.config import LIVE, PANELS, TrainConfig, TrainConfigError, missing_kept, read_kept
+from logitstore.trainer.config import PANELS, TrainConfig, TrainConfigError, missing_kept, read_kept
 
 app = typer.Typer(
     name="logitstore",

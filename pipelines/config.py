@@ -36,6 +36,7 @@ if TYPE_CHECKING:  # pyarrow (0.3 s): `DataSource.source` imports it when the bu
     from logitstore.pipelines.inputs import Document, HubDataset
 
 DEFAULT_STORE = "logitstore-store"  # `BuildConfig.store` from Python; the CLI asks for --store
+BATCH_TOKENS = 8192  # padded tokens per teacher batch: build's --batch-tokens default, and live mode's
 DTYPES = ("auto", "float32", "bfloat16", "float16")  # the teacher's weights; auto: bf16 on GPU, fp32 on CPU
 
 # answers per prompt at most: each is planned (an id, a document) before the first is generated, so a count
@@ -262,7 +263,7 @@ class BuildConfig(EngineOptions, PlanConfig):
         parse=lambda values: SparsityFlags(**values),
         show=lambda sparsity: to_values(SparsityFlags.of(sparsity)),
     )
-    batch_tokens: int = option(8192, panel=TEACHER, help="Padded tokens per teacher batch.")
+    batch_tokens: int = option(BATCH_TOKENS, panel=TEACHER, help="Padded tokens per teacher batch.")
     device: str = option("auto", panel=TEACHER, help="auto, cpu or cuda\\[:N].")
     dtype: str = option("auto", choices=lambda: DTYPES, panel=TEACHER, help="auto: bf16 on GPU, fp32 on CPU.")
     workers: int = option(1, panel=TEACHER, help="Teacher worker processes (or Ray actors with --ray-address).")

@@ -5,7 +5,7 @@ teacher's tokenizer (and every student tokenizer, aligned to it: `align.py`; cha
 chat template: `logitstore.text.chat`), cuts each document into windows (`window`) and groups their
 samples into units of about `unit_tokens` tokens in input order, leaving out units the branch already
 holds (`StoredDocuments`). The build driver (`build.py`) runs a teacher over the units and writes them;
-live mode (`trainer/live.py`) plans the same samples and hands them to a teacher beside the trainer.
+live mode (`live/teacher.py`) plans the same samples and hands them to a teacher beside the trainer.
 """
 
 from __future__ import annotations

@@ -345,3 +345,12 @@ def to_samples(
     positions = torch.from_numpy(real_positions(lengths, batch.ids.shape[1])).to(batch.ids.device)
     selected = on_device(batch, positions=positions, sparsity=sparsity)
     return to_host(selected).samples(sample_ids=sample_ids, lengths=lengths, input_ids=input_ids, sparsity=sparsity)
+
+
+def row_samples(sample_id: str, tokens: np.ndarray, row: dict, sparsity) -> SparseSamples:
+    """One request's arrays through the torch engine's selection (`to_samples`); the vLLM and server engines' answers, one
+    prompt's `[T-1, k]` arrays (`engines/prompt_logprobs.py`), take this path: top-k or top-p."""
+    batch = SparseBatch(**{name: torch.from_numpy(array[None]) for name, array in row.items()})
+    return to_samples(
+        batch, sample_ids=[sample_id], lengths=np.array([len(tokens)]), input_ids=[tokens], sparsity=sparsity
+    )

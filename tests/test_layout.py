@@ -14,7 +14,15 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).parents[1]
-PACKAGES = ("logitstore", "pipelines", "trainer", "cli", "benchmarks")
+# The top-level folders that install as the package (pyproject.toml's package-dir), lowest first.
+FOLDERS = {
+    "logitstore": "logitstore",
+    "pipelines": "logitstore.pipelines",
+    "trainer": "logitstore.trainer",
+    "live": "logitstore.live",
+    "cli": "logitstore.cli",
+}
+PACKAGES = (*FOLDERS, "benchmarks")
 
 
 def test_no_module_imports_another_modules_private_names():
@@ -50,7 +58,7 @@ def test_the_top_level_folders_import_as_logitstore_subpackages():
 def test_a_non_editable_install_imports_every_subpackage(tmp_path):
     # The editable install maps the folders by a path finder; a wheel must carry them as logitstore.*.
     source = tmp_path / "source"
-    for name in ("logitstore", "pipelines", "trainer", "cli"):
+    for name in FOLDERS:
         shutil.copytree(ROOT / name, source / name, ignore=shutil.ignore_patterns("__pycache__"))
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(ROOT / name, source / name)
@@ -94,9 +102,7 @@ def test_the_type_check_sees_every_module_under_its_import_name():
     folders = typecheck.package_folders()
     assert folders["logitstore.pipelines.engines"] == ROOT / "pipelines" / "engines"
     linked = {p.resolve() for p in typecheck.link_tree(folders).rglob("*.py")}
-    sources = {
-        p.resolve() for root in ("logitstore", "pipelines", "trainer", "cli") for p in (ROOT / root).rglob("*.py")
-    }
+    sources = {p.resolve() for root in FOLDERS for p in (ROOT / root).rglob("*.py")}
     assert linked == sources and all((folder / "__init__.py").exists() for folder in folders.values())
 
 
@@ -105,7 +111,7 @@ def test_every_import_inside_a_function_says_why():
     measured start-up cost) carries its reason in a comment on its block, or sits in a `try` that turns
     a missing optional package into one clear message. The CLI's module docstring gives its own reason."""
     unexplained = []
-    for package in ("logitstore", "pipelines", "trainer"):
+    for package in ("logitstore", "pipelines", "trainer", "live"):
         for path in sorted((ROOT / package).rglob("*.py")):
             lines = path.read_text().splitlines()
             for node in ast.walk(ast.parse(path.read_text())):
@@ -127,12 +133,7 @@ def test_every_import_inside_a_function_says_why():
 
 def _package_modules():
     """(path, module name) of every module of the package, with pyproject's package-dir mapping."""
-    for folder, package in (
-        ("logitstore", "logitstore"),
-        ("pipelines", "logitstore.pipelines"),
-        ("trainer", "logitstore.trainer"),
-        ("cli", "logitstore.cli"),
-    ):
+    for folder, package in FOLDERS.items():
         for path in sorted((ROOT / folder).rglob("*.py")):
             parts = path.relative_to(ROOT / folder).with_suffix("").parts
             name = ".".join((package, *parts)).removesuffix(".__init__")
@@ -194,7 +195,7 @@ def test_the_library_is_the_ground_floor():
     """Modules of logitstore/ (the store, the codec, tokenisation, the stream), its `__init__` included,
     import neither stage: not the build (pipelines/), not the trainer (trainer/), not the CLI. The tests'
     tooling (logitstore/testing/) sits above both stages and drives them."""
-    upward = ("logitstore.pipelines", "logitstore.trainer", "logitstore.cli")
+    upward = ("logitstore.pipelines", "logitstore.trainer", "logitstore.live", "logitstore.cli")
     found = [
         f"{name} imports {target}"
         for name, targets in sorted(_import_graph().items())
@@ -203,6 +204,52 @@ def test_the_library_is_the_ground_floor():
         if target.startswith(upward)
     ]
     assert not found, "\n".join(found)
+
+
+def test_the_stages_meet_only_in_live_mode_and_the_cli():
+    """The trainer (stage two) imports nothing from the build (stage one), nor the build from the trainer:
+    live mode, which runs a teacher beside the trainer, uses both and sits above them (live/), as the CLI
+    and the tests' tooling do."""
+    stages = {"logitstore.trainer": "logitstore.pipelines", "logitstore.pipelines": "logitstore.trainer"}
+    found = [
+        f"{name} imports {target}"
+        for name, targets in sorted(_import_graph().items())
+        for stage, other in stages.items()
+        if name.startswith(stage + ".")
+        for target in sorted(targets)
+        if target.startswith(other + ".") or target == other
+    ]
+    assert not found, "\n".join(found)
+
+
+def test_each_shared_default_is_written_in_one_module():
+    """The defaults several commands share (the top-k K, the teacher's batch, the default sparsities) are
+    assigned in one module each and imported everywhere else, and no `Sparsity(k=64)` (the default's value) is
+    written outside logitstore/format/sparsity.py, where the number would be a second copy of the default."""
+    from logitstore.format.sparsity import DEFAULT_K
+
+    names = ("DEFAULT_K", "BATCH_TOKENS", "DEFAULT_SAMPLED", "DEFAULT_TOPK")
+    assigned: dict[str, list[str]] = {name: [] for name in names}
+    literal_k = []
+    for path, module in _package_modules():
+        tree = ast.parse(path.read_text())
+        for node in tree.body:
+            if isinstance(node, ast.Assign | ast.AnnAssign):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                for t in targets:
+                    if isinstance(t, ast.Name) and t.id in assigned:
+                        assigned[t.id].append(module)
+        if module == "logitstore.format.sparsity":
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "Sparsity":
+                literal_k += [
+                    f"{path.relative_to(ROOT)}:{node.lineno}"
+                    for kw in node.keywords
+                    if kw.arg == "k" and isinstance(kw.value, ast.Constant) and kw.value.value == DEFAULT_K
+                ]
+    assert all(len(modules) == 1 for modules in assigned.values()), assigned
+    assert not literal_k, "write the default K through DEFAULT_K:\n" + "\n".join(literal_k)
 
 
 def test_no_import_cycles():
@@ -268,7 +315,7 @@ def test_imports_between_the_librarys_rooms_point_down():
         f"{name} ({_room(name)}) imports {target} ({_room(target)})"
         for name, targets in sorted(_import_graph().items())
         if name.startswith("logitstore.")
-        and not name.startswith(("logitstore.pipelines", "logitstore.trainer", "logitstore.cli"))
+        and not name.startswith(("logitstore.pipelines", "logitstore.trainer", "logitstore.live", "logitstore.cli"))
         for target in sorted(targets)
         if target.startswith("logitstore.") and ROOMS.index(_room(target)) > ROOMS.index(_room(name))
     ]
@@ -282,7 +329,7 @@ def test_at_most_twelve_modules_at_the_librarys_top_level():
 
 def _source_files():
     """Every module of the package and scripts/ (benchmarks/ and tests/ may hold long scripts and suites)."""
-    for folder in ("logitstore", "pipelines", "trainer", "cli", "scripts"):
+    for folder in (*FOLDERS, "scripts"):
         yield from sorted((ROOT / folder).rglob("*.py"))
 
 
@@ -304,7 +351,7 @@ def test_no_class_name_is_defined_twice():
 def test_no_module_shadows_the_standard_library():
     shadows = [
         str(p.relative_to(ROOT))
-        for folder in ("logitstore", "pipelines", "trainer", "cli")
+        for folder in FOLDERS
         for p in sorted((ROOT / folder).rglob("*"))
         if (p.suffix == ".py" and p.stem in sys.stdlib_module_names)
         or (p.is_dir() and p.name in sys.stdlib_module_names and (p / "__init__.py").exists())

@@ -18,14 +18,15 @@ from typer.testing import CliRunner
 from logitstore.cli.app import app
 from logitstore.format.samples import SparseSamples
 from logitstore.format.sparsity import Sparsity
+from logitstore.live.config import LiveConfig
+from logitstore.live.teacher import LiveTeacher, _allocate_ring, _write_slot
 from logitstore.pipelines.build import BuildConfig, run_build
 from logitstore.pipelines.engines.server.client import API_KEY_VARIABLE
 from logitstore.testing.cli import CLI, one_line_error, sample_corpus_head
 from logitstore.testing.runs import COMMON
 from logitstore.testing.shm import cuda_driver_file, leaked_shm, shm_entries
 from logitstore.testing.teachers import serve_teacher
-from logitstore.trainer.config import LiveConfig, TrainConfig
-from logitstore.trainer.live import LiveTeacher, _allocate_ring, _write_slot
+from logitstore.trainer.config import TrainConfig
 from logitstore.trainer.train import launch
 
 
@@ -226,7 +227,7 @@ def test_cuda_transport_hands_over_like_shared_memory(corpus, tmp_path):
 
 
 def test_live_flags_make_a_live_config_only_with_a_live_teacher():
-    from logitstore.trainer.config import LiveTeacherError
+    from logitstore.live.config import LiveTeacherError
 
     assert LiveConfig.from_flags(None) is None
     cfg = LiveConfig.from_flags("default", top_k=8, max_length=64)

@@ -104,9 +104,9 @@ def test_the_cli_default_is_sampled_except_where_probabilities_are_needed():
 
 
 def test_one_default_for_the_cli_the_build_and_live_mode():
+    from logitstore.live.config import LiveConfig
     from logitstore.pipelines.build import BuildConfig
     from logitstore.pipelines.engines import engine_class
-    from logitstore.trainer.config import LiveConfig
 
     assert LiveConfig().sparsity == BuildConfig().sparsity == DEFAULT_SAMPLED
     assert LiveConfig.from_flags("default").sparsity == DEFAULT_SAMPLED  # train --live-teacher default

@@ -17,8 +17,8 @@ import torch
 
 from logitstore.errors import LogitstoreError
 from logitstore.format.sparsity import Sparsity
+from logitstore.pipelines.engines.prompt_logprobs import flat_prompt_logprobs_to_sparse, prompt_logprobs_to_sparse
 from logitstore.pipelines.engines.vllm import hardware
-from logitstore.pipelines.engines.vllm.conversion import flat_prompt_logprobs_to_sparse, prompt_logprobs_to_sparse
 from logitstore.pipelines.engines.vllm.engine import VllmEngine, VllmTeacher
 from logitstore.pipelines.engines.vllm.hardware import (
     CPU,

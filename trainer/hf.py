@@ -22,7 +22,7 @@ supervise the assistant's tokens only (`train_on="completion"`, the default) or 
 `evaluate()` measures the held-out split (`eval_kl`, `eval_ce`), as `logitstore eval` does. TRL:
 `logitstore.trainer.hf_trl.DistillationSFTTrainer` is the same on TRL's `SFTTrainer` (stores only).
 
-Live teacher: `live=LiveConfig(teacher=..., data=...)` instead of `store=` (`trainer/live.py`): the
+Live teacher: `live=LiveConfig(teacher=..., data=...)` instead of `store=` (`live/teacher.py`): the
 teacher starts with the first batch and stops on `trainer.close()` (or at the end of a `with` block).
 
 Checkpoints: every Trainer checkpoint also holds `logitstore_stream.json`, the stream's position after
@@ -43,12 +43,13 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, TrainOutput, get_l
 
 import logitstore
 from logitstore.errors import LogitstoreError
+from logitstore.live.config import LiveConfig
+from logitstore.live.teacher import InRankTeacher, LiveTeacher, live_stream, plan_live_samples, settle, start_teacher
 from logitstore.streaming.spec import StreamSpec
 from logitstore.streaming.stream import store_stream
 from logitstore.trainer.attention import ATTENTION
 from logitstore.trainer.attention import register as register_attention
-from logitstore.trainer.config import LiveConfig, LossConfig
-from logitstore.trainer.live import InRankTeacher, LiveTeacher, live_stream, plan_live_samples, settle, start_teacher
+from logitstore.trainer.config import LossConfig
 from logitstore.trainer.objective import batch_loss, held_out_metrics, student_outputs
 from logitstore.trainer.run_folder import write_atomic
 
@@ -202,7 +203,7 @@ class StoreData:
 
 
 class LiveData:
-    """The teacher signal from a live teacher (`trainer/live.py`): the data is planned as a build would
+    """The teacher signal from a live teacher (`live/teacher.py`): the data is planned as a build would
     (at construction: it tokenizes the whole data), the teacher process starts on the first stream and
     serves this rank until `close()`. Same order and batches as a store built from the same data."""
 

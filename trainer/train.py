@@ -35,7 +35,7 @@ from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from logitstore.environment import environment
 from logitstore.errors import LogitstoreError
-from logitstore.pipelines.teacher import describe_teacher
+from logitstore.live.teacher import InRankTeacher, LiveTeacher, live_stream, plan_live_samples, settle, start_teacher
 from logitstore.store.store import Store
 from logitstore.streaming.mixing import WeightedTeacher, resolve_sources, student_vocabulary
 from logitstore.streaming.spec import StreamConfigError
@@ -45,7 +45,6 @@ from logitstore.trainer import checkpoint, run_folder
 from logitstore.trainer.attention import describe as describe_attention
 from logitstore.trainer.attention import packed_attention
 from logitstore.trainer.config import TrainConfig, TrainConfigError
-from logitstore.trainer.live import InRankTeacher, LiveTeacher, live_stream, plan_live_samples, settle, start_teacher
 from logitstore.trainer.model import (
     apply_levers,
     build_student,
@@ -419,7 +418,7 @@ class LiveSignal:
         assert cfg.live is not None  # chosen for live mode only
         self.samples = plan_live_samples(cfg.live)
         student_hash = student_tokenizer_hash(cfg.student.student)
-        if student_hash is not None and student_hash != describe_teacher(cfg.live.teacher).tokenizer_hash:
+        if student_hash is not None and student_hash != self.samples.tokenizer_hash:
             raise TrainConfigError(
                 "--live-teacher: the student's tokenizer differs from the teacher's; live mode "
                 "needs the same tokenizer (cross-tokenizer students train from a store)"

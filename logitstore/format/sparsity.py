@@ -29,10 +29,15 @@ class SparsityError(LogitstoreError, ValueError):
     """Sparsity flags or metadata that contradict each other or are out of range; the message names the flag."""
 
 
+# K of top-k when no --top-k is given: the cap of --top-p, the top-k default (`DEFAULT_TOPK`) and a served
+# teacher's K (at most the server's maximum).
+DEFAULT_K = 64
+
+
 @dataclass(frozen=True)
 class Sparsity:
     mode: str = "topk"
-    k: int = 64
+    k: int = DEFAULT_K
     p: float | None = None
     n: int | None = None
     temperature: float = 1.0
@@ -94,7 +99,7 @@ class Sparsity:
 # probabilities of the entries themselves are needed: cross-tokenizer alignment, and engines that
 # cannot draw exactly (none does: the vLLM engine draws through its hidden-state output).
 DEFAULT_SAMPLED = Sparsity(mode="sampled", n=16)
-DEFAULT_TOPK = Sparsity(k=64)
+DEFAULT_TOPK = Sparsity(k=DEFAULT_K)
 
 
 def default_sparsity(*, student_tokenizers: bool = False, engine_samples: bool = True) -> Sparsity:
@@ -125,7 +130,9 @@ def sparsity_from_flags(
     if top_k is None and top_p is None and sample is None:
         return replace(default, temperature=temperature, grid=grid)
     mode = "sampled" if sample is not None else "topp" if top_p is not None else "topk"
-    return Sparsity(mode=mode, k=64 if top_k is None else top_k, p=top_p, n=sample, temperature=temperature, grid=grid)
+    return Sparsity(
+        mode=mode, k=DEFAULT_K if top_k is None else top_k, p=top_p, n=sample, temperature=temperature, grid=grid
+    )
 
 
 PANEL = "Sparsity"

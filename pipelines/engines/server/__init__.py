@@ -3,7 +3,7 @@ server (or any server that speaks its `/v1/completions` with `prompt_logprobs`),
 
 Each sample is one request: the prompt as token ids, `prompt_logprobs: K` (vLLM's extension) and one generated
 token. The answer's per-position top-K (and the prompt token, added where it is outside them) is read straight
-into arrays (`served_json`) and converted by the vLLM engine's own conversion (`vllm.conversion.entries_to_sparse`):
+into arrays (`served_json`) and converted as the vLLM engine converts its own (`prompt_logprobs.entries_to_sparse`):
 the same ids, log-probabilities, target and tail (1 - sum of the top-K) as `--engine vllm --vllm-output
 logprobs`, then the torch engine's selection (`sparsify.to_samples`: top-k, or top-p cut from the K).
 

@@ -1,5 +1,5 @@
 """What a request to the server asks and what its answer holds: a prompt's log-probabilities as the sparse
-top-k arrays (`served_to_sparse`, through the vLLM engine's conversion), a generation request and its
+top-k arrays (`served_to_sparse`, through `prompt_logprobs`, as the vLLM engine converts its own), a generation request and its
 answer's ids and top log-probabilities, and the answers scored in their generating request, handed to the
 engine in this process (`HAND_OVER`).
 """
@@ -13,6 +13,7 @@ import threading
 import numpy as np
 import orjson
 
+from logitstore.pipelines.engines.prompt_logprobs import ID_PAST_RANGE, entries_to_sparse
 from logitstore.pipelines.engines.server.served_json import (
     MISSING_RANK,
     FlatPromptLogprobs,
@@ -20,15 +21,14 @@ from logitstore.pipelines.engines.server.served_json import (
     parse_prompt_logprobs,
 )
 from logitstore.pipelines.engines.vllm import VllmEngineError
-from logitstore.pipelines.engines.vllm.conversion import ID_PAST_RANGE, entries_to_sparse
 
 # what reading an answer raises where it cannot be stored: not its shape, or values no distribution has
 UNUSABLE = (MalformedResponse, VllmEngineError)
 
 
 def served_to_sparse(body: bytes, tokens: np.ndarray, *, k: int, vocab_size: int) -> dict[str, np.ndarray]:
-    """One answer's prompt log-probabilities as the sparse top-k arrays (`vllm.conversion`),
-    through the vLLM engine's conversion; `MalformedResponse` or `VllmEngineError` where it cannot be."""
+    """One answer's prompt log-probabilities as the sparse top-k arrays (`prompt_logprobs`), as the
+    vLLM engine converts its own; `MalformedResponse` or `VllmEngineError` where it cannot be."""
     return flat_to_sparse(parse_prompt_logprobs(body), tokens, k=k, vocab_size=vocab_size)
 
 

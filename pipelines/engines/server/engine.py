@@ -16,8 +16,9 @@ import numpy as np
 import orjson
 
 from logitstore.format.samples import SparseSamples, concat
-from logitstore.format.sparsity import Sparsity
+from logitstore.format.sparsity import DEFAULT_K, Sparsity
 from logitstore.pipelines.engines.base import Engine, Generator
+from logitstore.pipelines.engines.prompt_logprobs import check_ids
 from logitstore.pipelines.engines.server.answers import (
     HAND_OVER,
     UNUSABLE,
@@ -28,7 +29,6 @@ from logitstore.pipelines.engines.server.answers import (
 )
 from logitstore.pipelines.engines.server.client import Answer, Replicas, ServerError, api_key
 from logitstore.pipelines.engines.server.preflight import (
-    DEFAULT_K,
     PROBE_TEXT,
     answer_logprobs_are_raw,
     generator_preflight,
@@ -36,7 +36,6 @@ from logitstore.pipelines.engines.server.preflight import (
 )
 from logitstore.pipelines.engines.server.served_json import MalformedResponse
 from logitstore.pipelines.engines.shared import cut_at_stop
-from logitstore.pipelines.engines.vllm.conversion import check_ids
 from logitstore.urls import redacted
 
 SKIP_REASONS = ("refused", "too_long")  # why a sample was not stored: a 4xx for it, longer than the server takes
@@ -114,9 +113,8 @@ class ServerEngine(Engine):
         """Every position of every sample that the server answers (the worker applies `keep`); refused and
         too long samples are left out, their reasons in `skips`."""
         assert self.replicas is not None, "the engine is closed"
-        from logitstore.pipelines.engines.vllm.engine import (
-            row_samples,
-        )  # torch comes with it: the preflight imports this module before a build loads torch
+        # torch comes with it: the preflight imports this module before a build loads torch
+        from logitstore.pipelines.sparsify import row_samples
 
         limit = self.served.max_model_len
         sent, parts = [], []

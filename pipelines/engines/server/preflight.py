@@ -2,7 +2,7 @@
 for a served generator): every replica answers `/v1/models` with the model, tokenizes a probe text as the
 local tokenizer does (`/tokenize`, else the ids a text prompt echoes), and takes K prompt log-probabilities
 (a larger K is refused naming `vllm serve --max-logprobs`; with no --top-k/--top-p the build takes
-K = min(64, the server's maximum)).
+K = min(DEFAULT_K, the server's maximum)).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import orjson
 
+from logitstore.format.sparsity import DEFAULT_K
 from logitstore.pipelines.engines.server.answers import (
     UNUSABLE,
     answer_ids,
@@ -35,7 +36,6 @@ from logitstore.pipelines.engines.server.client import (
 from logitstore.pipelines.engines.server.served_json import MalformedResponse, parse_prompt_logprobs
 from logitstore.urls import recorded, redacted
 
-DEFAULT_K = 64  # with no --top-k/--top-p: K = min(this, the server's maximum)
 PROBE_TEXT = "Distillation stores a teacher's next-token distributions: 3.14, naïve café, 東京, \t<tags>."
 # vLLM's refusal of too many prompt log-probabilities ("Requested prompt logprobs of 64, which is greater
 # than max allowed: 20"); the number at its end is the server's --max-logprobs

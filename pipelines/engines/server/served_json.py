@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numba
 import numpy as np
 
-from logitstore.pipelines.engines.vllm.conversion import ID_PAST_RANGE
+from logitstore.pipelines.engines.prompt_logprobs import ID_PAST_RANGE
 
 KEY = b'"prompt_logprobs"'
 MISSING_RANK = -1  # an entry whose `rank` is absent or null

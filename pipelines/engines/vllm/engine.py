@@ -6,7 +6,7 @@ pooling runner, task `token_embed`, no activation: transformers' `hidden_states[
 logitstore loads the teacher's output head itself (`pipelines/head.py`) and the torch engine's batching and
 selection (`torch_engine.Selection`) apply it chunk by chunk: every sparsity, temperature, the exact tail and
 target, the torch build's batches and draws. `logprobs`: vLLM's own prompt log-probabilities, top-K only,
-converted by `conversion.py` and selected by `sparsify.to_samples` (top-k or top-p at temperature 1);
+converted by `engines/prompt_logprobs.py` and selected by `sparsify.row_samples` (top-k or top-p at temperature 1);
 `--sample` is refused. docs/build.md "Scale out" has how close the two engines' entries come.
 """
 
@@ -24,10 +24,10 @@ import torch
 
 from logitstore.format.samples import SparseSamples, concat
 from logitstore.pipelines.engines.base import Engine, Generator
+from logitstore.pipelines.engines.prompt_logprobs import to_sparse
 from logitstore.pipelines.engines.shared import cut_at_stop, halving_on_oom
 from logitstore.pipelines.engines.torch_engine import Selection
 from logitstore.pipelines.engines.vllm import VllmEngineError, hardware
-from logitstore.pipelines.engines.vllm.conversion import to_sparse
 from logitstore.pipelines.engines.vllm.hardware import (
     SHUTDOWN_SECONDS,
     VllmPlan,
@@ -40,8 +40,8 @@ from logitstore.pipelines.engines.vllm.hardware import (
     vllm_features,
 )
 from logitstore.pipelines.head import load_head, logit_transforms
-from logitstore.pipelines.sparsify import to_samples
-from logitstore.pipelines.teacher import SparseBatch, TeacherForward, describe_teacher, loadable, model_stop_ids
+from logitstore.pipelines.sparsify import row_samples
+from logitstore.pipelines.teacher import TeacherForward, describe_teacher, loadable, model_stop_ids
 
 _INSTALL_HINT = (
     "--engine vllm needs vLLM: pip install 'logitstore[vllm]' (vLLM 0.11 to 0.33 on a Linux machine with an "
@@ -188,14 +188,6 @@ def _check_head(spec) -> None:
 
     path, kwargs = loadable(spec)
     logit_transforms(AutoConfig.from_pretrained(path, **kwargs))
-
-
-def row_samples(sample_id: str, tokens: np.ndarray, row: dict, sparsity) -> SparseSamples:
-    """One request's arrays through the torch engine's selection (`to_samples`): top-k or top-p."""
-    batch = SparseBatch(**{name: torch.from_numpy(array[None]) for name, array in row.items()})
-    return to_samples(
-        batch, sample_ids=[sample_id], lengths=np.array([len(tokens)]), input_ids=[tokens], sparsity=sparsity
-    )
 
 
 class VllmRunner:

@@ -43,6 +43,7 @@ import torch.multiprocessing as mp
 from logitstore.format import codec
 from logitstore.format.samples import SparseSamples, concat
 from logitstore.format.sparsity import default_sparsity
+from logitstore.live.config import LiveConfig, LiveTeacherError
 from logitstore.pipelines.config import PlanConfig
 from logitstore.pipelines.engines import engine_class, engine_names
 from logitstore.pipelines.plan import check_teacher_fits, plan_units
@@ -52,7 +53,6 @@ from logitstore.streaming.batch import assemble
 from logitstore.streaming.order import SplitTable, is_eval_sample
 from logitstore.streaming.spec import StreamSpec
 from logitstore.streaming.stream import Stream
-from logitstore.trainer.config import LiveConfig, LiveTeacherError
 
 RING_SLOTS = 2
 POLL_SECONDS = 0.2
@@ -115,6 +115,7 @@ class LiveSamples:
     teacher_name: str
     vocab_size: int
     tokenizer: object = field(repr=False, default=None)
+    tokenizer_hash: str | None = None  # the teacher tokenizer's, which a student must share in live mode
 
     @property
     def fingerprint(self) -> str:
@@ -145,6 +146,7 @@ def plan_live_samples(cfg: LiveConfig) -> LiveSamples:
         teacher_name=info.spec.name,
         vocab_size=info.vocab_size,
         tokenizer=info.tokenizer,
+        tokenizer_hash=info.tokenizer_hash,
     )
 
 

@@ -5,8 +5,9 @@
     target_logprob float32 [T-1]     logprob of prompt token t+1
     tail           float32 [T-1]     probability mass outside the k kept entries
 
-From either output form of a request (a list of per-position dicts, or a `FlatLogprobs` without a Python
-object per position), and from a served answer (`engines/server/`, through `entries_to_sparse`). The tail
+From either output form of a vLLM request (a list of per-position dicts, or a `FlatLogprobs` without a Python
+object per position), and from a served answer (`engines/server/`, through `entries_to_sparse`): the vLLM and
+server engines share this module, and select from its arrays with `sparsify.row_samples`. The tail
 is 1 - sum(top-k), exact to vLLM's fp32 rounding only. docs/build.md "Scale out" lists what vLLM documents
 about these entries (entry 0 is None, the prompt token added with its rank, ties by version).
 """
