@@ -87,8 +87,9 @@ def run_variant(teacher: str, variant: str, sparsity: str, *, tokens: int, max_l
     import numpy as np
 
     from logitstore.format.sparsity import Sparsity
+    from logitstore.pipelines.engines.settings import WorkerSettings
     from logitstore.pipelines.teacher import resolve_teacher
-    from logitstore.pipelines.workers import TeacherWorker, WorkerSettings
+    from logitstore.pipelines.workers import TeacherWorker
 
     engine, output = VARIANTS[variant]
     rows = [np.asarray(w, dtype=np.int64) for w in windows(Path(teacher), tokens=tokens, max_length=max_length)]

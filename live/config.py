@@ -58,7 +58,7 @@ class LiveConfig:
     device: str = "auto"
     dtype: str = "auto"
     quantize: bool = True
-    # no --top-k/--top-p/--sample was given: the engine's default applies (`live.settle`: sampled 16 for the
+    # no --top-k/--top-p/--sample was given: the engine's default applies (`live.teacher.settle_engine`: sampled 16 for the
     # torch engine, the server's K for a served teacher), as in build
     default_sparsity: bool = False
 
@@ -102,7 +102,7 @@ class LiveConfig:
         values = to_values(live)
         values.update(dataclasses.asdict(SparsityFlags.of(live.sparsity)))
         values.pop("value_grid")
-        if live.default_sparsity:  # not settled yet (`live.settle`): the engine's default, asked again
+        if live.default_sparsity:  # not settled yet (`settle_engine`): the engine's default, asked again
             values.update(top_k=None, top_p=None, sample=None)
         return {**values, "live_teacher": live.teacher or "default"}
 

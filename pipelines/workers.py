@@ -29,8 +29,8 @@ import numpy as np
 
 from logitstore.errors import LogitstoreError
 from logitstore.format.samples import SparseSamples, StudentTokens
-from logitstore.format.sparsity import Sparsity
 from logitstore.pipelines.engines import engine_class
+from logitstore.pipelines.engines.settings import WorkerSettings
 from logitstore.store.writer import PartWriter, WrittenPart
 from logitstore.text.chat import supervised_positions
 
@@ -84,28 +84,6 @@ class Unit:
         self.n_tokens += len(tokens)
         if students:
             self.students[sample_id] = students
-
-
-@dataclass(frozen=True)
-class WorkerSettings:
-    teacher_spec: object
-    device: str
-    dtype: str
-    sparsity: Sparsity
-    batch_tokens: int
-    seed: int
-    engine: str = "torch"  # a name of `engines.engine_names()`
-    # chat data: teacher entries for "completion" positions only, or for every one ("prompt+completion")
-    entries_for: str = "prompt+completion"
-    tensor_parallel: int = 1  # GPUs per engine (the vLLM engine)
-    max_length: int = 1024  # the longest sample, tokens
-    vllm_output: str = "hidden"  # the vLLM engine's output: final hidden states, or its prompt log-probabilities
-    # the server engine: replicas, key (never in a repr), requests in flight per replica, request timeout
-    server_urls: tuple[str, ...] = ()
-    server_api_key: str | None = field(default=None, repr=False)
-    server_concurrency: int = 64
-    server_timeout: float = 600.0
-    default_sparsity: bool = False  # no sparsity flag given: the engine may settle the default (the server's K)
 
 
 class TeacherWorker:

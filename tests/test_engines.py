@@ -82,8 +82,8 @@ def test_close_gives_the_torch_engines_teacher_back(tiny_teacher, monkeypatch):
     (and a closed engine refuses to compute)."""
     from logitstore.format.sparsity import default_sparsity
     from logitstore.pipelines.engines import torch_engine
+    from logitstore.pipelines.engines.settings import WorkerSettings
     from logitstore.pipelines.teacher import resolve_teacher
-    from logitstore.pipelines.workers import WorkerSettings
 
     monkeypatch.setattr(torch_engine, "_shared", None)  # the tests' shared teacher cache, off for this one
     settings = WorkerSettings(
@@ -112,8 +112,8 @@ def test_the_next_batch_is_launched_before_the_host_reads_the_last(tiny_teacher,
     from logitstore.format.sparsity import Sparsity
     from logitstore.pipelines import sparsify
     from logitstore.pipelines.engines import torch_engine
+    from logitstore.pipelines.engines.settings import WorkerSettings
     from logitstore.pipelines.teacher import resolve_teacher
-    from logitstore.pipelines.workers import WorkerSettings
 
     events = []
     launch, finish = sparsify.forward_selected, sparsify.HostSelected.samples

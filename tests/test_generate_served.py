@@ -20,10 +20,10 @@ from logitstore.cli.app import app
 from logitstore.format.sparsity import Sparsity
 from logitstore.pipelines.engines.server.answers import answer_top_logprobs, generation_request
 from logitstore.pipelines.engines.server.preflight import PROBE_TEXT, answer_logprobs_are_raw
+from logitstore.pipelines.engines.settings import WorkerSettings
 from logitstore.pipelines.engines.shared import cut_at_stop
 from logitstore.pipelines.engines.torch_engine import TorchGenerator, load_teacher_once
 from logitstore.pipelines.teacher import resolve_teacher
-from logitstore.pipelines.workers import WorkerSettings
 from logitstore.testing.openai_server import Generate, OpenAIServer, Scores, render_generation
 from logitstore.testing.prompts import PROMPTS, answers, write_prompts
 from logitstore.testing.stores import stored

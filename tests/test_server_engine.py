@@ -530,8 +530,8 @@ def test_without_tokenize_the_echoed_ids_check_the_tokenizer(servers, tiny_teach
 
     from logitstore.format.sparsity import Sparsity
     from logitstore.pipelines.engines.server.preflight import preflight
+    from logitstore.pipelines.engines.settings import WorkerSettings
     from logitstore.pipelines.teacher import resolve_teacher
-    from logitstore.pipelines.workers import WorkerSettings
 
     server = servers[0]
     server.tokenize = False

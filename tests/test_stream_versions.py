@@ -26,7 +26,7 @@ from logitstore.testing.streams import assert_same, build_store, take
 from logitstore.testing.synthetic import random_samples
 from logitstore.trainer import checkpoint, run_folder
 from logitstore.trainer.config import TrainConfig
-from logitstore.trainer.train import preflight
+from logitstore.trainer.train import check_before_launch
 
 REPLACED = [f"doc-{i:03d}" for i in range(0, 60, 3)]  # round 2's answers to a third of the prompts
 
@@ -195,7 +195,7 @@ def test_a_mixed_run_records_its_mix_and_resumes_only_on_it(tmp_path):
     resume = TrainConfig.from_flags(store=uri, out=str(out), steps=2, seq_len=32, micro_batch=2, eval_fraction=0.0)
     plan = run_folder.plan(dataclasses.replace(resume, output=dataclasses.replace(resume.output, resume=True)))
     assert (plan.snapshot, plan.versions, plan.new_data) == (first, (first,), False)
-    preflight(resume.with_version(plan.snapshot), plan, world_size=1)
+    check_before_launch(resume.with_version(plan.snapshot), plan, world_size=1)
     other = ["--version-weight", "round-1=1", "--version-weight", "round-2=1"]
     refused = train("--steps", 2, "--resume", *other)
     assert refused.exit_code == 2 and f"but --version-weight is {shown(pinned({one: 1, two: 1}))};" in refused.stderr

@@ -18,6 +18,7 @@ import torch
 from logitstore.errors import LogitstoreError
 from logitstore.format.sparsity import Sparsity
 from logitstore.pipelines.engines.prompt_logprobs import flat_prompt_logprobs_to_sparse, prompt_logprobs_to_sparse
+from logitstore.pipelines.engines.settings import WorkerSettings
 from logitstore.pipelines.engines.vllm import hardware
 from logitstore.pipelines.engines.vllm.engine import VllmEngine, VllmTeacher
 from logitstore.pipelines.engines.vllm.hardware import (
@@ -29,7 +30,7 @@ from logitstore.pipelines.engines.vllm.hardware import (
     plan_vllm,
 )
 from logitstore.pipelines.teacher import SparseBatch, sparse_topk_forward
-from logitstore.pipelines.workers import WorkerSettings, worker_devices
+from logitstore.pipelines.workers import worker_devices
 
 VOCAB = 100
 T = 12

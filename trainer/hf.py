@@ -44,7 +44,14 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, TrainOutput, get_l
 import logitstore
 from logitstore.errors import LogitstoreError
 from logitstore.live.config import LiveConfig
-from logitstore.live.teacher import InRankTeacher, LiveTeacher, live_stream, plan_live_samples, settle, start_teacher
+from logitstore.live.teacher import (
+    InRankTeacher,
+    LiveTeacher,
+    live_stream,
+    plan_live_samples,
+    settle_engine,
+    start_teacher,
+)
 from logitstore.streaming.spec import StreamSpec
 from logitstore.streaming.stream import store_stream
 from logitstore.trainer.attention import ATTENTION
@@ -208,7 +215,7 @@ class LiveData:
     serves this rank until `close()`. Same order and batches as a store built from the same data."""
 
     def __init__(self, live: LiveConfig, *, seq_len: int, micro_batch: int):
-        self.live, self.seq_len, self.micro_batch = settle(live), seq_len, micro_batch
+        self.live, self.seq_len, self.micro_batch = settle_engine(live), seq_len, micro_batch
         self.samples = plan_live_samples(self.live)
         self.client: LiveTeacher | InRankTeacher | None = None
 

@@ -1,7 +1,7 @@
 """Stage two: train a student from a pinned store version. Reads top to bottom, like nanoGPT's train.py.
 
 Before any process starts, `run_folder.plan` checks `--out` (a new, empty or run-marked folder; what a
-resume continues from and which snapshot it reads) and `preflight` everything the store can refuse. Order of construction (fixed, as in torchtitan):
+resume continues from and which snapshot it reads) and `check_before_launch` everything the store can refuse. Order of construction (fixed, as in torchtitan):
 process group and mesh -> store version (pinned by snapshot id) -> student (seeded) -> the run takes
 `--out` (`run_folder.claim`) -> FSDP2 sharding -> optimizer and schedule -> data stream -> resume from
 the newest complete checkpoint -> the loop -> last checkpoint, final metrics, `final/`. Every resumable
@@ -35,7 +35,14 @@ from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from logitstore.environment import environment
 from logitstore.errors import LogitstoreError
-from logitstore.live.teacher import InRankTeacher, LiveTeacher, live_stream, plan_live_samples, settle, start_teacher
+from logitstore.live.teacher import (
+    InRankTeacher,
+    LiveTeacher,
+    live_stream,
+    plan_live_samples,
+    settle_engine,
+    start_teacher,
+)
 from logitstore.store.store import Store
 from logitstore.streaming.mixing import WeightedTeacher, resolve_sources, student_vocabulary
 from logitstore.streaming.spec import StreamConfigError
@@ -65,7 +72,7 @@ def launch(cfg: TrainConfig) -> dict:
     """Run training on `cfg.student.nproc` processes (or under torchrun); returns rank 0's final metrics."""
     check_student_fits(cfg)  # before any process starts, like every other configuration error
     if cfg.live is not None:  # the engine's refusals (a served teacher's preflight) before --out is touched
-        cfg = dataclasses.replace(cfg, live=settle(cfg.live, log=lambda line: print(line, file=sys.stderr)))
+        cfg = dataclasses.replace(cfg, live=settle_engine(cfg.live, log=lambda line: print(line, file=sys.stderr)))
     first = os.environ.get("RANK", "0") == "0"  # under torchrun, the first worker holds --out for them all
     with run_folder.taken(cfg, lock=first) as plan:  # a new --out that nothing was written to goes again
         return _launch(cfg, plan)
@@ -78,7 +85,7 @@ def _launch(cfg: TrainConfig, plan: run_folder.RunPlan) -> dict:
     if plan.snapshot is not None:  # a resumed store run reads what its run pinned, not what the branch says now
         cfg = cfg.with_version(plan.snapshot)
     torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
-    signal = preflight(cfg, plan, world_size=int(os.environ["WORLD_SIZE"]) if torchrun else cfg.student.nproc)
+    signal = check_before_launch(cfg, plan, world_size=int(os.environ["WORLD_SIZE"]) if torchrun else cfg.student.nproc)
     if torchrun:
         return _run(cfg, plan, signal=signal)
     if cfg.student.nproc == 1:
@@ -89,7 +96,7 @@ def _launch(cfg: TrainConfig, plan: run_folder.RunPlan) -> dict:
     return json.loads((plan.out / "final_metrics.json").read_text())
 
 
-def preflight(cfg: TrainConfig, plan: run_folder.RunPlan, *, world_size: int) -> StoreSignal | None:
+def check_before_launch(cfg: TrainConfig, plan: run_folder.RunPlan, *, world_size: int) -> StoreSignal | None:
     """Everything the store and the flags can refuse, in this process, before any rank starts and before
     a rank claims --out (so a refused start leaves the folder as it was): the version, its teachers and
     the student's tokenizer (`plan_sources`) and the streams (`check_streams`). Reads the index and the
@@ -216,7 +223,7 @@ def _train(cfg: TrainConfig, plan: run_folder.RunPlan, *, cuda: bool, signal: St
     out = Path(cfg.output.out)
 
     # The teachers' signal: a store version pinned by snapshot id (a later build on the branch cannot
-    # change this run), or in live mode a teacher process beside this rank. `preflight` made it in a
+    # change this run), or in live mode a teacher process beside this rank. `check_before_launch` made it in a
     # launching process that is also this rank.
     if signal is None:
         signal = LiveSignal(cfg) if cfg.live is not None else StoreSignal(cfg)

@@ -19,9 +19,11 @@ import numpy as np
 
 from logitstore.errors import LogitstoreError
 
-if TYPE_CHECKING:  # the format's arrays: only their types are named here
+if TYPE_CHECKING:  # only their types are named here (a TeacherSpec's module loads torch)
     from logitstore.format.samples import SparseSamples
     from logitstore.format.sparsity import Sparsity
+    from logitstore.pipelines.engines.settings import WorkerSettings
+    from logitstore.pipelines.teacher_files import TeacherSpec
 
 
 class EngineError(LogitstoreError):
@@ -29,14 +31,14 @@ class EngineError(LogitstoreError):
 
 
 class Engine(Protocol):
-    """A teacher engine. `settings` is a `WorkerSettings` (a `BuildConfig` for `samples`), `spec` the teacher's
-    `TeacherSpec`."""
+    """A teacher engine, built from a `WorkerSettings`; `spec` is the teacher's `TeacherSpec`. `samples` alone
+    is also asked with a `BuildConfig` (its default sparsity is settled before a teacher is resolved)."""
 
     name: ClassVar[str]  # what `--engine` calls it
     # where live mode (`train --live-teacher`) runs it: "process" (a teacher process beside each rank, handing
     # over by shared memory or CUDA IPC), "rank" (the rank calls it itself: it holds no model), None: refused
     live: ClassVar[str | None] = None
-    spec: Any  # the teacher's `TeacherSpec`
+    spec: TeacherSpec
     vocab_size: int  # the teacher's output width
     device: Any = None  # the `torch.device` its tensors are on (live mode's "process" hands them over); None: none
 
@@ -47,18 +49,18 @@ class Engine(Protocol):
         ...
 
     @classmethod
-    def check(cls, settings: Any, spec: Any) -> None:
+    def check(cls, settings: WorkerSettings, spec: TeacherSpec) -> None:
         """Refuses, in one line, what cannot run here (a missing package, no GPU, an unsupported sparsity or
         model format) before anything is written."""
         ...
 
     @classmethod
-    def resolved_dtype(cls, settings: Any) -> str:
+    def resolved_dtype(cls, settings: WorkerSettings) -> str:
         """The dtype `--dtype auto` means for this engine."""
         ...
 
     @classmethod
-    def gpus_per_worker(cls, settings: Any) -> int:
+    def gpus_per_worker(cls, settings: WorkerSettings) -> int:
         """The GPUs one worker of this engine takes (0: none)."""
         ...
 
@@ -68,16 +70,16 @@ class Engine(Protocol):
         ...
 
     @classmethod
-    def settled(cls, settings: Any, spec: Any) -> tuple[Sparsity, str | None]:
+    def settled(cls, settings: WorkerSettings, spec: TeacherSpec) -> tuple[Sparsity, str | None]:
         """After `check`: the sparsity the build stores, and a line the build starts with (None: no line)."""
         return settings.sparsity, None
 
     @classmethod
-    def recorded(cls, settings: Any, spec: Any) -> dict:
+    def recorded(cls, settings: WorkerSettings, spec: TeacherSpec) -> dict:
         """More of `TeacherMeta`'s fields to record (none by default)."""
         return {}
 
-    def __init__(self, settings: Any, *, lock: threading.Lock) -> None:
+    def __init__(self, settings: WorkerSettings, *, lock: threading.Lock) -> None:
         """Loads the teacher; `lock` is held around forward passes only."""
         ...
 
@@ -110,7 +112,7 @@ class Generator(Protocol):
 
     stop_ids: list[int]  # the tokens that end an answer (the model's generation config)
 
-    def __init__(self, settings: Any, *, spec: Any, shares_teacher: bool) -> None:
+    def __init__(self, settings: WorkerSettings, *, spec: TeacherSpec, shares_teacher: bool) -> None:
         """Loads the generator `spec` with the build's device, dtype and batch budget; `shares_teacher`: it is
         the teacher, whose loaded weights (or server) it may share with the engine in this process."""
         ...

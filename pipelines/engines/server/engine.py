@@ -53,7 +53,7 @@ class ServerEngine(Engine):
 
     @classmethod
     def check(cls, settings, spec) -> None:
-        preflight(settings, spec, default_k=settings.default_sparsity, fresh=True)
+        preflight(settings, spec, k_defaulted=settings.default_sparsity, fresh=True)
 
     @classmethod
     def resolved_dtype(cls, settings) -> str:
@@ -70,7 +70,7 @@ class ServerEngine(Engine):
     @classmethod
     def settled(cls, settings, spec) -> tuple[Sparsity, str | None]:
         """The sparsity at the K the servers take (module docstring), and the line the build starts with."""
-        served = preflight(settings, spec, default_k=settings.default_sparsity)
+        served = preflight(settings, spec, k_defaulted=settings.default_sparsity)
         sparsity = dataclasses.replace(settings.sparsity, k=served.k)
         note = (
             f"--engine server: {sparsity.describe()} from {len(served.urls)} replica(s) of {served.model} "
@@ -83,7 +83,7 @@ class ServerEngine(Engine):
     @classmethod
     def recorded(cls, settings, spec) -> dict:
         """The teacher metadata's `server` field (`ServedTeacher.record`: no key, no credentials)."""
-        return {"server": preflight(settings, spec, default_k=settings.default_sparsity).record()}
+        return {"server": preflight(settings, spec, k_defaulted=settings.default_sparsity).record()}
 
     def __init__(self, settings, *, lock: threading.Lock, log=None):
         from logitstore.pipelines.teacher import (
@@ -92,7 +92,7 @@ class ServerEngine(Engine):
 
         self.settings, self.spec = settings, settings.teacher_spec
         self.vocab_size = describe_teacher(self.spec).vocab_size
-        self.served = preflight(settings, self.spec, default_k=settings.default_sparsity)
+        self.served = preflight(settings, self.spec, k_defaulted=settings.default_sparsity)
         if self.served.k != settings.sparsity.k:  # `settled` ran in the driver: the settings carry the K
             raise ServerError(
                 f"the server's K changed since the build started ({settings.sparsity.k} -> {self.served.k})"
@@ -200,7 +200,7 @@ class ServerGenerator(Generator):
         self.k: int | None = None
         self.settings, self.spec, self._checked = settings, spec, True
         if shares_teacher:
-            teacher = preflight(settings, spec, default_k=settings.default_sparsity)
+            teacher = preflight(settings, spec, k_defaulted=settings.default_sparsity)
             self.model, urls, self.k = teacher.model, teacher.urls, teacher.k
             self.flag = "--server-url"
             self._checked = False  # whether answers' log-probabilities are the model's: at the first answers

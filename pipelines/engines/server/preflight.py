@@ -66,7 +66,7 @@ _preflights: dict[tuple, ServedTeacher] = {}  # by (urls, teacher, K asked, defa
 _preflights_lock = threading.Lock()
 
 
-def preflight(settings, spec, *, default_k: bool = False, fresh: bool = False) -> ServedTeacher:
+def preflight(settings, spec, *, k_defaulted: bool = False, fresh: bool = False) -> ServedTeacher:
     """Checks every replica (module docstring) and returns what the build records; one line on failure.
     Asked again with the same settings, the answer of the last check (`fresh`: ask the servers again)."""
     if not settings.server_urls:
@@ -84,14 +84,14 @@ def preflight(settings, spec, *, default_k: bool = False, fresh: bool = False) -
             "temperature 1"
         )
     # with the default, K is asked as DEFAULT_K whatever the settings carry (the settled K, once settled)
-    k = DEFAULT_K if default_k else sparsity.k
-    key = (tuple(settings.server_urls), api_key(settings), spec, k, default_k)
+    k = DEFAULT_K if k_defaulted else sparsity.k
+    key = (tuple(settings.server_urls), api_key(settings), spec, k, k_defaulted)
     with _preflights_lock:
         if fresh:
             _preflights.pop(key, None)
         if key not in _preflights:
             with Checks(settings) as client:
-                served = [_check_replica(client, url, spec, k=k, default_k=default_k) for url in key[0]]
+                served = [_check_replica(client, url, spec, k=k, k_defaulted=k_defaulted) for url in key[0]]
             _preflights[key] = ServedTeacher(
                 model=served[0].model,
                 version=served[0].version,
@@ -102,7 +102,7 @@ def preflight(settings, spec, *, default_k: bool = False, fresh: bool = False) -
         return _preflights[key]
 
 
-def _check_replica(client, url: str, spec, *, k: int, default_k: bool) -> ServedTeacher:
+def _check_replica(client, url: str, spec, *, k: int, k_defaulted: bool) -> ServedTeacher:
     shown = redacted(url)
     cards = served_models(client, url)
     if cards is None:
@@ -120,7 +120,7 @@ def _check_replica(client, url: str, spec, *, k: int, default_k: bool) -> Served
     limit = card.get("max_model_len")
     limit = int(limit) if isinstance(limit, int) else None
     probe = probe[: max(2, limit - 1)] if limit else probe  # the prompt and its one generated token fit
-    k = _check_k(client, url, model, probe, k=k, default_k=default_k)
+    k = _check_k(client, url, model, probe, k=k, k_defaulted=k_defaulted)
     return ServedTeacher(model, version, k, limit, (url,))
 
 
@@ -197,7 +197,7 @@ def _ids(answer, key: str) -> list[int] | None:
     return None
 
 
-def _check_k(client, url: str, model: str, probe: list[int], *, k: int, default_k: bool) -> int:
+def _check_k(client, url: str, model: str, probe: list[int], *, k: int, k_defaulted: bool) -> int:
     """K, or the server's maximum below it where the build took the default; checks the answer parses."""
     body = {"model": model, "prompt": probe, "max_tokens": 1, "prompt_logprobs": k, "temperature": 1.0}
     response = request(client, "POST", url, "/v1/completions", body=orjson.dumps(body))
@@ -207,12 +207,12 @@ def _check_k(client, url: str, model: str, probe: list[int], *, k: int, default_
         if found is None:
             raise ServerError(f"--server-url {shown} refused {k} prompt log-probabilities: {response.text[:200]}")
         most = int(found.group(1))
-        if not default_k:
+        if not k_defaulted:
             raise ServerError(
                 f"--top-k {k} is above {shown}'s maximum of {most} prompt log-probabilities: lower --top-k, or "
                 f"start the server with vllm serve --max-logprobs {k} (or more)"
             )
-        return _check_k(client, url, model, probe, k=min(DEFAULT_K, most), default_k=False)
+        return _check_k(client, url, model, probe, k=min(DEFAULT_K, most), k_defaulted=False)
     if response.status_code != 200:
         raise ServerError(f"--server-url {shown}: /v1/completions answered HTTP {response.status_code}")
     try:
