@@ -52,11 +52,12 @@ from logitstore.data import SAMPLE_CORPUS
 from logitstore.format.sparsity import Sparsity
 from logitstore.pipelines import build as build_module
 from logitstore.pipelines import sparsify
-from logitstore.pipelines.build import BuildConfig, BuildSummary, run_build
+from logitstore.pipelines.build import BuildConfig, run_build
 from logitstore.pipelines.engines.shared import token_budget_batches
 from logitstore.pipelines.engines.torch_engine import load_teacher_once, right_padded, shared_teachers
 from logitstore.pipelines.generate import Generation
 from logitstore.pipelines.plan import plan_units
+from logitstore.pipelines.summary import BuildSummary
 from logitstore.pipelines.teacher import describe_teacher
 from logitstore.pipelines.workers import unit_seed
 

@@ -369,7 +369,8 @@ def build(
     if dry_run:
         _print_estimates(cfg, teachers, json_out=json_out)
         return
-    from logitstore.pipelines.build import run_builds, summary_json
+    from logitstore.pipelines.build import run_builds
+    from logitstore.pipelines.summary import summary_json
 
     summary = run_builds(cfg, teachers)
     if json_out:

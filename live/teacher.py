@@ -13,7 +13,7 @@ refusals (the server's preflight) and fixes the sparsity before the run takes --
 
 Data. The trainer plans the samples itself, exactly as `logitstore build` would (same reader, same
 tokenizer, same windows and ids), and orders, splits, packs and shards them with the stream engine's
-rules (`logitstore/streaming/stream.py`, `LiveSource`: sorted by id, permuted by seed, split by id hash). The batch
+rules (`live/stream.py`'s `LiveSource`: sorted by id, permuted by seed, split by id hash). The batch
 order is therefore a function of the sample ids and the seed only: a live run and a run on a store built from the same data and options
 see the same batches. The teacher never reorders: it computes what it is asked, in request order.
 
@@ -50,10 +50,6 @@ from logitstore.pipelines.engines.settings import WorkerSettings
 from logitstore.pipelines.plan import check_teacher_fits, plan_units
 from logitstore.pipelines.teacher import describe_teacher, resolve_teacher
 from logitstore.pipelines.workers import TeacherWorker, Unit
-from logitstore.streaming.batch import assemble
-from logitstore.streaming.order import SplitTable, is_eval_sample
-from logitstore.streaming.spec import StreamSpec
-from logitstore.streaming.stream import Stream
 
 RING_SLOTS = 2
 POLL_SECONDS = 0.2
@@ -448,60 +444,3 @@ def remove_process_shm(pid: int) -> None:
     for path in glob.glob(f"/dev/shm/cuda.shm.*.{pid:x}.*") + glob.glob(f"/dev/shm/torch_{pid}_*"):
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
-
-
-# -- the stream ---------------------------------------------------------------------------------------
-
-
-class LiveSource:
-    """Live mode as a source of the stream engine (`logitstore/streaming/stream.py`): the planned samples of one
-    split, ordered, packed and sharded as a store's (one window: the global shuffle), and computed
-    whole by the teacher process for each micro-batch, then cut into its pieces."""
-
-    def __init__(
-        self, samples: LiveSamples, teacher: LiveTeacher | InRankTeacher | None, *, split: str, eval_fraction: float
-    ):
-        keep = [
-            i
-            for i, sid in enumerate(samples.sample_ids)  # one step per sample, at start
-            if is_eval_sample(sid, eval_fraction=eval_fraction) == (split == "eval")
-        ]
-        self.teacher, self.teacher_name, self.version = teacher, samples.teacher_name, samples.fingerprint
-        self.table = SplitTable(
-            sample_ids=[samples.sample_ids[i] for i in keep],
-            n_tokens=samples.n_tokens[keep],
-            part=np.zeros(len(keep), dtype=np.int64),
-            parts=["live"],
-        )
-        self._tokens = [samples.tokens[i] for i in keep]
-        self.where = f"the {split} split of live teacher {samples.teacher_name!r}"
-
-    def part_bytes(self) -> None:
-        return None  # nothing to read: the teacher computes every batch
-
-    def read_part(self, code: int) -> None:
-        raise AssertionError("a live source has no parts to read")
-
-    def build(self, pieces, parts: dict, *, stream):
-        assert self.teacher is not None, "a live stream without its teacher only checks sizes (`check_streams`)"
-        rows, where = np.unique(pieces.row, return_inverse=True)
-        assert self.teacher is not None, "a live stream without its teacher is for checks only"
-        whole = self.teacher.compute([self._tokens[r] for r in rows], names=[self.table.sample_ids[r] for r in rows])
-        decoded = whole.cut(where.reshape(-1), pieces.a, pieces.b)
-        return assemble(
-            pieces,
-            np.ones(len(pieces.row), bool),
-            decoded,
-            teacher=self.teacher_name,
-            sample_ids=self.table.sample_ids,
-            micro_batch=stream.micro_batch,
-            seq_len=stream.seq_len,
-            sampled=decoded.entry_counts is not None,
-        )
-
-
-def live_stream(samples: LiveSamples, teacher: LiveTeacher | InRankTeacher | None, spec: StreamSpec) -> Stream:
-    """The stream engine over live mode: same order, packing, sharding and resume state as a store run
-    on the same samples, batches from the live teacher (`spec.teacher`, `memory_budget`, `on_error` and
-    `train_on` do not apply: nothing is read, and the teacher computes what it is asked)."""
-    return Stream(LiveSource(samples, teacher, split=spec.split, eval_fraction=spec.eval_fraction), spec)

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import json
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -27,7 +26,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
-import pyarrow as pa
 
 from logitstore.ahead import read_ahead
 from logitstore.errors import ChangedTextError, ConflictError, LogitstoreError
@@ -49,6 +47,7 @@ from logitstore.pipelines.plan import (
 )
 from logitstore.pipelines.progress import Progress
 from logitstore.pipelines.startup import StartupClock
+from logitstore.pipelines.summary import BuildSummary, count_commit, count_skips
 from logitstore.pipelines.workers import (
     LoadingExecutor,
     Unit,
@@ -58,53 +57,11 @@ from logitstore.pipelines.workers import (
     worker_settings,
     write_unit,
 )
-from logitstore.store.documents import document_ids
 from logitstore.store.meta import DEFAULT_BRANCH, TeacherMeta
 from logitstore.store.store import Store
 
 if TYPE_CHECKING:  # teacher.py imports torch (2.7 s): run_build imports it after the input checks
     from logitstore.pipelines.teacher import TeacherInfo
-
-
-@dataclass
-class BuildSummary:
-    """The `--json` summary. `samples`/`tokens` count what this run wrote."""
-
-    samples: int = 0
-    tokens: int = 0
-    skipped: int = 0  # documents too short to predict anything (< 2 tokens)
-    no_completion: int = 0  # conversations whose rendering holds no assistant token (skipped)
-    tool_calls: int = 0  # conversations with tool calls that the teacher's chat template does not render (skipped)
-    duplicates: int = 0  # documents whose id appeared earlier in the input
-    already_stored: int = 0  # samples committed by an earlier (interrupted) run of the build
-    refused: int = 0  # samples the teacher's server refused (a 4xx for that request; --engine server)
-    too_long: int = 0  # samples longer than the teacher's server takes (its max_model_len; --engine server)
-    changed: int = 0  # documents stored before with other text: replaced or kept, by --on-duplicate
-    seconds: float = 0.0
-    tokens_per_second: float = 0.0
-    bytes_per_token: float | None = None
-    version: str | None = None  # the branch's version after the build; None: nothing stored, nothing made
-    teacher: str = ""
-    commits: int = 0
-    stored_bytes: int = 0  # compressed bytes of the parts this run wrote
-    teachers: list = field(default_factory=list)  # each teacher's own summary (one with one --teacher)
-    # build --generate: prompts read, answers generated (this run), their tokens, answers cut at --generate
-    prompts: int = 0
-    answers: int = 0
-    generated_tokens: int = 0
-    answers_cut: int = 0
-    answers_retokenized: int = 0  # answers whose generated ids a side with the generator's tokenizer re-tokenized
-    answers_empty: int = 0  # answers without a token (a served generator's): not stored
-    generation: dict | None = None  # what wrote the answers (`Generation.record`), stored with them
-    no_answer: int = 0  # a later teacher of several: answers the first teacher does not hold (not scored)
-    startup_seconds: dict | None = None  # the command to the teacher's first batch, in phases (`startup.py`)
-
-    def to_json(self) -> dict:
-        return dataclasses.asdict(self)
-
-    def own_json(self) -> dict:
-        """One teacher's part of a build's `teachers` list: its summary less that list."""
-        return {k: v for k, v in self.to_json().items() if k != "teachers"}
 
 
 @dataclass
@@ -291,7 +248,7 @@ def _compute(
                 store, cfg, meta, plan.info, first, samples, summary, students=plan.students
             ):
                 head = []
-                _count_skips(summary, first)
+                count_skips(summary, first)
                 progress.update(tokens=first.n_tokens, samples=len(first.sample_ids), documents=first.documents_read)
             _process(store, cfg, head, plan.units, executor, summary, progress, stored=plan.stored)
             progress.finish()
@@ -426,7 +383,7 @@ def _add_teacher_with_first_unit(
                 raise
             _stored_documents(store, cfg, meta, students)  # the winner's teacher must be this one
             return False
-    _count_commit(summary, writer)
+    count_commit(summary, writer)
     return True
 
 
@@ -456,7 +413,7 @@ def _merge_units(store, cfg, head, rest, executor, summary, progress: Progress, 
         for written, unit in executor.map(units, writer_for=lambda: writer, max_in_flight=2 * cfg.workers):  # noqa: B023
             writer.remove(summary.teacher, unit.replaces)  # the changed documents' old windows
             writer.merge(written)  # the summary counts what each commit holds (`_count_commit`)
-            _count_skips(summary, unit)
+            count_skips(summary, unit)
             progress.update(tokens=unit.n_tokens, samples=len(unit.sample_ids), documents=unit.documents_read)
             if time.monotonic() - last_commit >= cfg.commit_every:
                 _commit(writer, cfg, summary, final=False)
@@ -494,26 +451,7 @@ def _commit(writer, cfg: BuildConfig, summary: BuildSummary, *, final: bool) -> 
         writer.record_generation(summary.teacher, summary.generation)
     message = cfg.message or f"build: teacher {summary.teacher}"
     writer.commit(message if final else f"{message} (checkpoint, {summary.samples} samples before it)")
-    _count_commit(summary, writer)
-
-
-def _count_skips(summary: BuildSummary, unit: Unit) -> None:
-    """Samples the engine left out of a merged unit (the server engine's refusals and too long samples)."""
-    summary.refused += unit.skips.get("refused", 0)
-    summary.too_long += unit.skips.get("too_long", 0)
-
-
-def _count_commit(summary: BuildSummary, writer) -> None:
-    """The summary counts what the commits hold: samples a concurrent build of the same data committed
-    first were dropped at the rebase and count as already stored, and a commit left with nothing to
-    hold was not made."""
-    result = writer.result
-    summary.samples += result.samples
-    summary.tokens += result.tokens
-    summary.stored_bytes += result.stored_bytes
-    summary.already_stored += result.dropped
-    summary.changed += len(set(document_ids(pa.array(result.changed, pa.string())).to_pylist()))
-    summary.commits += result.committed
+    count_commit(summary, writer)
 
 
 def _mapped_mass(samples, vocab_map: np.ndarray) -> dict:
@@ -522,7 +460,3 @@ def _mapped_mass(samples, vocab_map: np.ndarray) -> dict:
     positions = len(samples.tail)
     mapped = np.exp(samples.entry_logprobs.astype(np.float64)) * (vocab_map[samples.entry_ids] >= 0)
     return {"mapped_mass": float(mapped.sum() / positions) if positions else None, "mapped_mass_positions": positions}
-
-
-def summary_json(summary: BuildSummary) -> str:
-    return json.dumps(summary.to_json(), indent=2)

@@ -266,7 +266,7 @@ def test_the_mask_travels_through_the_cross_tokenizer_alignment(gpt2_tokenizer_d
     from logitstore.streaming.spec import StreamSpec
     from logitstore.streaming.stream import store_stream
     from logitstore.trainer.config import TrainConfig
-    from logitstore.trainer.train import plan_sources
+    from logitstore.trainer.signals import plan_sources
 
     store = str(tmp_path / "s")
     run_build(

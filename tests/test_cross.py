@@ -221,7 +221,7 @@ def test_cross_tokenizer_loss_in_chunks_equals_the_loss_in_one_piece(store):
     from logitstore.trainer.aligned_losses import aligned_kd
     from logitstore.trainer.config import LossConfig
     from logitstore.trainer.objective import StudentOutputs, _whole_groups, host_values, mixed_loss
-    from logitstore.trainer.train import plan_sources
+    from logitstore.trainer.signals import plan_sources
 
     view = Store.open(store).read()
     cfg = TrainConfig.from_flags(store=store, out="-", student="llama-tiny", student_tokenizer="gpt2", eval_fraction=0)

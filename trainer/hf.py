@@ -44,14 +44,8 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, TrainOutput, get_l
 import logitstore
 from logitstore.errors import LogitstoreError
 from logitstore.live.config import LiveConfig
-from logitstore.live.teacher import (
-    InRankTeacher,
-    LiveTeacher,
-    live_stream,
-    plan_live_samples,
-    settle_engine,
-    start_teacher,
-)
+from logitstore.live.stream import live_stream
+from logitstore.live.teacher import InRankTeacher, LiveTeacher, plan_live_samples, settle_engine, start_teacher
 from logitstore.streaming.spec import StreamSpec
 from logitstore.streaming.stream import store_stream
 from logitstore.trainer.attention import ATTENTION

@@ -5,7 +5,7 @@ reading each stored byte about once per epoch however large the store.
 One engine, `Stream`, owns order, split, packing, sharding, resume, reading and prefetch. What turns
 a piece of a sample into targets is its *source* (`Source`): `store_source.StoreSource` (one teacher of
 a store), `mixing.MixedSource` (several or cross-tokenizer teachers), `versions.VersionsSource` (a weighted
-mix of a store's versions) and `live.LiveSource` (a teacher process beside the trainer). `store_stream`
+mix of a store's versions) and `live.stream.LiveSource` (a teacher process beside the trainer). `store_stream`
 builds the first three, `logitstore.stream` the first two.
 
 The stream lives in five modules: its options and their checks (`spec.py`), the order (`order.py`: the
