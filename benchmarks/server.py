@@ -143,7 +143,7 @@ def main() -> None:
 
     from logitstore.format.sparsity import SparsityFlags
     from logitstore.pipelines.build import BuildConfig, run_build
-    from logitstore.pipelines.engines.server.answers import served_to_sparse
+    from logitstore.pipelines.engines.server.completions import served_to_sparse
 
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)

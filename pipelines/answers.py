@@ -21,10 +21,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import pyarrow.compute as pc
 
-from logitstore.pipelines.answer_text import Prompt
 from logitstore.pipelines.config import BuildError
 from logitstore.pipelines.generate import Generated, Generation, GenerationCounts
 from logitstore.pipelines.inputs import Document
+from logitstore.pipelines.retokenize import Prompt
 from logitstore.store.answers import answer_tokens
 
 # An answer as a later teacher scores it: prompt + answer token ids, and the loss mask (the answer's).

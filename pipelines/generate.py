@@ -11,7 +11,7 @@ The generator is the teacher itself (nothing given), or a model (a folder, a Hub
 train` run's `RUN/final`), run by the build's engine (`engines.generator_class`), or a served model
 (`--generator-url`: the server engine's `ServerGenerator`, checked here before anything is written, which
 must tokenize as the teacher). A model of another tokenizer than the teacher's takes the prompt in its own
-tokens (its own chat template), and its answer reaches the teacher as text (`answer_text`), as it does
+tokens (its own chat template), and its answer reaches the teacher as text (`retokenize`), as it does
 every student tokenizer of the build (`--student-tokenizer`). It runs in the planner (`plan.plan_units`), ahead of the teacher, on the answers the branch does
 not hold: what is stored, by id, is skipped before anything is generated, so a resumed build
 generates no answer twice.
@@ -31,10 +31,10 @@ import numpy as np
 
 from logitstore.errors import LogitstoreError
 from logitstore.pipelines import align
-from logitstore.pipelines.answer_text import AnswerText, Prompt, stop_text
 from logitstore.pipelines.config import BuildConfig, BuildError
 from logitstore.pipelines.engines import generator_class
 from logitstore.pipelines.inputs import Document
+from logitstore.pipelines.retokenize import AnswerText, Prompt, stop_text
 from logitstore.pipelines.workers import worker_settings
 from logitstore.store.generation import answer_id, answer_source_hash, generation_id, prompt_record, seed_of
 from logitstore.store.meta import RUN_MARKER
@@ -132,7 +132,7 @@ class Generation:
 
     def carry_as_text(self, tokenizer, students) -> None:
         """Answers go to the teacher (`tokenizer`) and the build's student tokenizers as text
-        (`answer_text`) where the generator's tokenizer is not the teacher's or there are students."""
+        (`retokenize`) where the generator's tokenizer is not the teacher's or there are students."""
         if self.tokenizer is None and not students:
             return
         stops = [] if self.tokenizer is None else _model_stop_ids(self.teacher.spec)

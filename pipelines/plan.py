@@ -225,7 +225,7 @@ def _plan_answers(
     """Units of generated answers: each prompt's answer documents (`PROMPTID/gN`) are checked against
     the store (stored: skipped; stored by another generation: `--on-duplicate`) before any is
     generated, then the rest are generated and planned as one-window samples (with each student
-    tokenizer's side, where the build has any: `answer_text`)."""
+    tokenizer's side, where the build has any: `retokenize`)."""
     pending = Unit(index=0)
     seen: set[str] = set()
     for doc_batch in _batched(cfg.documents(), generation.prompts_per_call, max_chars=TOKENIZE_CHARS):

@@ -14,11 +14,11 @@ from typer.testing import CliRunner
 import logitstore
 from logitstore.cli.app import app
 from logitstore.format.layout import student_arrays
-from logitstore.pipelines.answer_text import AnswerText, stop_text
 from logitstore.pipelines.build import BuildConfig
 from logitstore.pipelines.generate import Generation
 from logitstore.pipelines.inputs import Document
 from logitstore.pipelines.plan import load_student_tokenizers
+from logitstore.pipelines.retokenize import AnswerText, stop_text
 from logitstore.pipelines.teacher import describe_teacher, model_stop_ids
 from logitstore.store.generation import seed_of
 from logitstore.testing.prompts import PROMPTS, write_prompts

@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 import logitstore
 from logitstore.cli.app import app
 from logitstore.format.sparsity import Sparsity
-from logitstore.pipelines.engines.server.answers import answer_top_logprobs, generation_request
+from logitstore.pipelines.engines.server.completions import answer_top_logprobs, generation_request
 from logitstore.pipelines.engines.server.preflight import PROBE_TEXT, answer_logprobs_are_raw
 from logitstore.pipelines.engines.settings import WorkerSettings
 from logitstore.pipelines.engines.shared import cut_at_stop

@@ -20,8 +20,8 @@ from typer.testing import CliRunner
 
 from logitstore.cli.app import app
 from logitstore.pipelines.engines.prompt_logprobs import prompt_logprobs_to_sparse
-from logitstore.pipelines.engines.server.answers import served_to_sparse
 from logitstore.pipelines.engines.server.client import ServerError, check_one_credential
+from logitstore.pipelines.engines.server.completions import served_to_sparse
 from logitstore.pipelines.engines.server.preflight import MAX_ALLOWED
 from logitstore.pipelines.engines.server.served_json import MalformedResponse, parse_prompt_logprobs
 from logitstore.store.store import Store

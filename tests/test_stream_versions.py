@@ -1,4 +1,4 @@
-"""A stream over a weighted mix of a store's versions (`logitstore/streaming/versions.py`): two rounds,
+"""A stream over a weighted mix of a store's versions (`logitstore/streaming/version_mix.py`): two rounds,
 the second replacing some of the first's ids as `build --on-duplicate replace` does, and a version on
 another branch whose parts the main branch's tree lacks."""
 
@@ -19,7 +19,7 @@ from logitstore.cli.rounds import Rounds, train_flags
 from logitstore.store.store import Store
 from logitstore.streaming.spec import StreamConfigError, StreamSpec
 from logitstore.streaming.stream import store_stream
-from logitstore.streaming.versions import VersionsSource, WeightedVersion, multiplicity, pinned, shown
+from logitstore.streaming.version_mix import VersionsSource, WeightedVersion, multiplicity, pinned, shown
 from logitstore.testing.cli import one_line_error
 from logitstore.testing.stores import write, write_store
 from logitstore.testing.streams import assert_same, build_store, take

@@ -80,7 +80,7 @@ def weights_option(name: str, *, what: str, placeholder: str, help: str) -> Any:
 class DataConfig:
     store: str | None = option(None, panel=DATA, help="Store to train from (required, unless --live-teacher).")
     version: str | None = option(None, panel=DATA, help="Version id, tag or branch (default: main).")
-    # a weighted mix of versions: {version: weight} (samples per epoch per stored sample); see versions.py
+    # a weighted mix of versions: {version: weight} (samples per epoch per stored sample); see streaming/version_mix.py
     version_weights: dict[str, float] | None = weights_option(
         "version_weight",
         what="version",

@@ -29,7 +29,7 @@ from pathlib import Path
 from logitstore.options import dump
 from logitstore.store.meta import RUN_MARKER
 from logitstore.store.store import Store
-from logitstore.streaming.versions import pinned, shown, snapshot_weights
+from logitstore.streaming.version_mix import pinned, shown, snapshot_weights
 from logitstore.trainer import checkpoint
 from logitstore.trainer.config import RUN_CONFIG, TrainConfig, TrainConfigError, kept_values
 
@@ -54,7 +54,7 @@ class RunPlan:
 
     out: Path
     resume_from: Path | None = None  # the newest complete checkpoint, which a resumed run loads
-    # the store snapshot (or mix {snapshot: weight}, `streaming/versions.py`) the folder's run pinned,
+    # the store snapshot (or mix {snapshot: weight}, `streaming/version_mix.py`) the folder's run pinned,
     # which a resumed run reads
     snapshot: str | dict | None = None
     replace: bool = False  # --force on a marked folder: the old run's entries go when the run claims it

@@ -13,7 +13,7 @@ from logitstore.live.teacher import InRankTeacher, LiveTeacher, plan_live_sample
 from logitstore.store.store import Store
 from logitstore.streaming.mixing import WeightedTeacher, resolve_sources, student_vocabulary
 from logitstore.streaming.stream import store_stream
-from logitstore.streaming.versions import WeightedVersion, mix_version, shown, snapshot_weights
+from logitstore.streaming.version_mix import WeightedVersion, mix_version, shown, snapshot_weights
 from logitstore.trainer.config import TrainConfig, TrainConfigError
 from logitstore.trainer.model import student_tokenizer_hash
 

@@ -44,8 +44,8 @@ from logitstore.store.version import StoreVersion
 from logitstore.streaming.batch import BatchContext, PackedBatch, layout, sparse_targets_of
 from logitstore.streaming.order import Pieces, SplitTable
 from logitstore.streaming.spec import StreamSpec
-from logitstore.streaming.store_source import check_train_on, split_rows
 from logitstore.streaming.targets import AlignedTargets
+from logitstore.streaming.teacher_source import check_train_on, split_rows
 from logitstore.text.chat import supervised_positions
 
 

@@ -3,14 +3,14 @@ with the teacher's sparse targets. Deterministic, sharded across ranks, resumabl
 reading each stored byte about once per epoch however large the store.
 
 One engine, `Stream`, owns order, split, packing, sharding, resume, reading and prefetch. What turns
-a piece of a sample into targets is its *source* (`Source`): `store_source.StoreSource` (one teacher of
-a store), `mixing.MixedSource` (several or cross-tokenizer teachers), `versions.VersionsSource` (a weighted
+a piece of a sample into targets is its *source* (`Source`): `teacher_source.StoreSource` (one teacher of
+a store), `mixing.MixedSource` (several or cross-tokenizer teachers), `version_mix.VersionsSource` (a weighted
 mix of a store's versions) and `live.stream.LiveSource` (a teacher process beside the trainer). `store_stream`
 builds the first three, `logitstore.stream` the first two.
 
 The stream lives in five modules: its options and their checks (`spec.py`), the order (`order.py`: the
 split, the epoch plan, windows and packing, without reading data), the batch (`batch.py`: `PackedBatch`
-and `assemble`), the store's source (`store_source.py`) and the engine with its factory (here).
+and `assemble`), the store's source (`teacher_source.py`) and the engine with its factory (here).
 
 The contract, which tests/test_stream.py holds the engine to, is in docs/train.md ("Streaming", "The
 stream's contract"): the split by id hash, reader groups, the window shuffle within a group, the
@@ -40,8 +40,8 @@ from logitstore.streaming.mixing import MixedSource
 from logitstore.streaming.order import EpochPlan, Pieces, SplitTable, deal_samples, group_window_parts, window_parts
 from logitstore.streaming.segments import plan_segments
 from logitstore.streaming.spec import DEFAULT_MEMORY_BUDGET, StreamConfigError, StreamSpec
-from logitstore.streaming.store_source import StoreSource
-from logitstore.streaming.versions import VersionsSource, WeightedVersion, mix_version
+from logitstore.streaming.teacher_source import StoreSource
+from logitstore.streaming.version_mix import VersionsSource, WeightedVersion, mix_version
 
 LOOKAHEAD_BATCHES = 8  # micro-batches ahead whose parts are asked for: work for every reader thread
 
@@ -532,7 +532,7 @@ def store_stream(
 ) -> Stream:
     """The stream of a store version: one teacher (`spec.teacher`, or the version's only one), several
     or cross-tokenizer teachers (`sources`, `logitstore/streaming/mixing.py`), or one teacher of a
-    weighted mix of versions (`versions`, `logitstore/streaming/versions.py`; `view` is then unused)."""
+    weighted mix of versions (`versions`, `logitstore/streaming/version_mix.py`; `view` is then unused)."""
     source = _source_of(view, spec, sources=sources, versions=versions)
     stream = Stream(source, spec)
     if sources is None and view.store.location.uri.split("://")[0] != "memory":

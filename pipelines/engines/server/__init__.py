@@ -15,6 +15,6 @@ no --top-k/--top-p the build takes K = min(64, the server's maximum)).
 The API key (`--server-api-key` or `LOGITSTORE_SERVER_API_KEY`) goes into each request's header and nowhere
 else: not the settings' repr, the teacher's metadata, a message or a log line.
 Rooms: `client.py` the transport (`Replicas`, the request pool, and the preflight's HTTP helpers),
-`preflight.py` the checks before anything is written, `answers.py` what a request asks and what its answer
+`preflight.py` the checks before anything is written, `completions.py` what a request asks and what its answer
 holds, `engine.py` the engine (`ServerEngine`) and the served generator (`ServerGenerator`).
 """

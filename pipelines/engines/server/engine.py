@@ -19,7 +19,8 @@ from logitstore.format.samples import SparseSamples, concat
 from logitstore.format.sparsity import DEFAULT_K, Sparsity
 from logitstore.pipelines.engines.base import Engine, Generator
 from logitstore.pipelines.engines.prompt_logprobs import check_ids
-from logitstore.pipelines.engines.server.answers import (
+from logitstore.pipelines.engines.server.client import Answer, Replicas, ServerError, api_key
+from logitstore.pipelines.engines.server.completions import (
     HAND_OVER,
     UNUSABLE,
     answer_ids,
@@ -27,7 +28,6 @@ from logitstore.pipelines.engines.server.answers import (
     scored_answer,
     served_to_sparse,
 )
-from logitstore.pipelines.engines.server.client import Answer, Replicas, ServerError, api_key
 from logitstore.pipelines.engines.server.preflight import (
     PROBE_TEXT,
     answer_logprobs_are_raw,

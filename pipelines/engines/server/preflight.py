@@ -15,13 +15,6 @@ import numpy as np
 import orjson
 
 from logitstore.format.sparsity import DEFAULT_K
-from logitstore.pipelines.engines.server.answers import (
-    UNUSABLE,
-    answer_ids,
-    answer_top_logprobs,
-    generation_request,
-    served_to_sparse,
-)
 from logitstore.pipelines.engines.server.client import (
     Checks,
     ServerError,
@@ -32,6 +25,13 @@ from logitstore.pipelines.engines.server.client import (
     request,
     served_models,
     server_version,
+)
+from logitstore.pipelines.engines.server.completions import (
+    UNUSABLE,
+    answer_ids,
+    answer_top_logprobs,
+    generation_request,
+    served_to_sparse,
 )
 from logitstore.pipelines.engines.server.served_json import MalformedResponse, parse_prompt_logprobs
 from logitstore.urls import recorded, redacted

@@ -79,7 +79,7 @@ def one_teacher_batch(
     pieces: Pieces, ok: np.ndarray, decoded, *, source, sampled: bool, stream: BatchContext
 ) -> PackedBatch:
     """The batch of one teacher's readable pieces (`assemble`), for a source of one teacher (its
-    `teacher`, `table` and `completion_only`): `StoreSource` and `versions.VersionsSource`."""
+    `teacher`, `table` and `completion_only`): `StoreSource` and `version_mix.VersionsSource`."""
     return assemble(
         pieces,
         ok,

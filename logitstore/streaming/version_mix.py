@@ -38,7 +38,7 @@ from logitstore.store.version import StoreVersion
 from logitstore.streaming.batch import BatchContext, PackedBatch
 from logitstore.streaming.order import Pieces, SplitTable
 from logitstore.streaming.spec import StreamConfigError, StreamSpec
-from logitstore.streaming.store_source import check_train_on, one_teacher_batch, readable, split_rows
+from logitstore.streaming.teacher_source import check_train_on, one_teacher_batch, readable, split_rows
 
 
 @dataclass(frozen=True)
