@@ -3,17 +3,15 @@ definition of the store's layout (docs/store-format.md, "Reading a store without
 
     python docs/reader.py STORE SAMPLE [--teacher NAME] [--branch main]
 
-STORE is a folder or s3://bucket/prefix (S3 settings from AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY,
-AWS_REGION and AWS_ENDPOINT_URL). It prints one JSON object, as `logitstore show --json` does:
-{"sample_id", "teacher", "input_ids", "positions": [{"ids", "logprobs", "tail", "target_logprob"}, ...]},
-entries highest probability first, `counts` added for a sampled teacher. It reads teachers of store
-format 3 and 4 (a part is one packed object) and refuses older or newer ones in one line (exit 2).
+STORE is a folder or s3://bucket/prefix (S3 settings from AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_REGION
+and AWS_ENDPOINT_URL). It prints one JSON object, as `logitstore show --json` does: {"sample_id", "teacher",
+"input_ids", "positions": [{"ids", "logprobs", "tail", "target_logprob"}, ...]}, entries highest probability
+first, `counts` added where sampled. It reads store formats 3 and 4 and refuses others in one line (exit 2).
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import atexit
 import json
 import os
@@ -27,7 +25,6 @@ import pyarrow.compute as pc
 import pyarrow.fs
 import pyarrow.parquet as pq
 import zarr
-from zarr.core import sync as zarr_sync
 from zarr.core.buffer import cpu
 
 READS = (3, 4)  # the store formats whose parts this reader knows: one packed object per part
@@ -37,22 +34,14 @@ if "ICECHUNK_LOG" not in os.environ:  # its warning on every local open concerns
     icechunk.set_logs_filter("icechunk=error")
 
 
+@atexit.register  # registered after Zarr's own handler (on import), so it runs before it
 def settle(limit_s: float = 5.0) -> None:
-    """At exit, wait until no request is pending on Zarr's event loop and no thread that Python did not
-    start is inside Python. Icechunk hands each answer over from a tokio thread that may still be entering
-    Python when the script ends; an interpreter finalizing under it aborts the process (SIGABRT) after a
-    correct answer (logitstore/storage/bounded.py, "exit", has the whole story)."""
+    """At exit, wait until no thread that Python did not start is inside Python: an Icechunk thread entering
+    it while the interpreter finalizes aborts the process (logitstore/storage/bounded.py, "exit")."""
     deadline = time.monotonic() + limit_s
-    while time.monotonic() < deadline:
-        loop = zarr_sync.loop[0]
-        pending = loop is not None and not loop.is_closed() and any(not t.done() for t in asyncio.all_tasks(loop))
-        started = {t.ident for t in threading.enumerate() if not isinstance(t, threading._DummyThread)}
-        if not pending and not set(sys._current_frames()) - started:
-            return
+    ours = lambda: {t.ident for t in threading.enumerate() if not isinstance(t, threading._DummyThread)}  # noqa: E731
+    while set(sys._current_frames()) - ours() and time.monotonic() < deadline:
         time.sleep(0.001)  # releases the GIL to the thread that waits for it
-
-
-atexit.register(settle)  # after Zarr's own handler (registered on import), so it runs before it
 
 
 class Refused(Exception):
@@ -93,9 +82,7 @@ def index_row(repo, session, files, folder: str, sample: str, teacher: str | Non
     held = sorted(r["teacher"] for r in rows)
     rows = [r for r in rows if teacher in (None, r["teacher"])]
     if not rows:
-        raise Refused(
-            f"no sample {sample!r}" + (f" of teacher {teacher!r}" if teacher else "") + f" (teachers: {held})"
-        )
+        raise Refused(f"no sample {sample!r}{f' of teacher {teacher!r}' if teacher else ''} (teachers: {held})")
     if len(rows) > 1:
         raise Refused(f"sample {sample!r} is held by teachers {held}; name one with --teacher")
     return rows[0]
@@ -116,16 +103,12 @@ def as_codes(document: dict) -> dict:
     """A zarr.json without the grid codec: declared as the uint16 codes it stores."""
 
     def strip(codecs: list) -> tuple[list, bool]:
-        found = False
-        kept = []
+        found, kept = False, []
         for codec in codecs:
-            if codec["name"] == GRID_CODEC:
-                found = True
-                continue
             if codec["name"] == "sharding_indexed":
-                inner, inside = strip(codec["configuration"]["codecs"])
-                codec["configuration"]["codecs"], found = inner, found or inside
-            kept.append(codec)
+                codec["configuration"]["codecs"], inside = strip(codec["configuration"]["codecs"])
+                found = found or inside
+            found, kept = found or codec["name"] == GRID_CODEC, kept + [codec] * (codec["name"] != GRID_CODEC)
         return kept, found
 
     document["codecs"], found = strip(document["codecs"])
