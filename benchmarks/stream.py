@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import math
 import multiprocessing
@@ -45,6 +46,7 @@ import sys
 import tempfile
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,6 +60,7 @@ from zarr.storage import WrapperStore
 import logitstore
 from logitstore.format.samples import SparseSamples
 from logitstore.format.sparsity import Sparsity
+from logitstore.pipelines.workers import OVERLAP
 from logitstore.sizes import format_bytes, parse_bytes
 from logitstore.store.meta import TeacherMeta
 from logitstore.store.store import Store
@@ -255,28 +258,27 @@ def write_store(uri: str, args, log) -> dict:
     _warm_up_writer(teacher, meta)  # numba's first compile and lazy imports are not write throughput
     store = Store.open(uri, create=True)
     seconds, generate_seconds, entries = 0.0, 0.0, 0
+    # As a build's process writes: `writer_threads` parts at once (its unit threads but the one in the forward
+    # pass), each through the transaction's part writer, merged into the transaction by this thread in order.
+    pool = ThreadPoolExecutor(max_workers=args.writer_threads, thread_name_prefix="stream-bench-write")
     for c in range(0, len(parts), args.commit_every):
         group = parts[c : c + args.commit_every]
+        start = time.perf_counter()  # the synthetic teacher's samples, outside the timing
+        batch = [teacher.samples([f"doc{r:08d}#w0" for r in rows.tolist()], lengths[rows]) for rows in group]
+        generate_seconds += time.perf_counter() - start
+        if c == 0:
+            batch[0].validate(vocab_size=args.vocab)  # the writer validates again, inside the timing
+            _check_distributions(batch[0])
+        entries += sum(len(samples.entry_ids) for samples in batch)
         start = time.perf_counter()
-        writer = store.writer()
-        seconds += time.perf_counter() - start
-        with writer:
-            for i, rows in enumerate(group):
-                start = time.perf_counter()
-                samples = teacher.samples([f"doc{r:08d}#w0" for r in rows.tolist()], lengths[rows])
-                generate_seconds += time.perf_counter() - start
-                if c == 0 and i == 0:
-                    samples.validate(vocab_size=args.vocab)  # the writer validates again, inside the timing
-                    _check_distributions(samples)
-                entries += len(samples.entry_ids)
-                start = time.perf_counter()
-                if c == 0 and i == 0:
-                    writer.add_teacher(meta, code_of_id=frequency_order(samples.entry_ids, args.vocab))
-                writer.write(samples, teacher=TEACHER)
-                seconds += time.perf_counter() - start
-            start = time.perf_counter()
+        with store.writer() as writer:
+            if c == 0:
+                writer.add_teacher(meta, code_of_id=frequency_order(batch[0].entry_ids, args.vocab))
+            write = functools.partial(writer.part_writer().write, teacher=TEACHER)
+            for written in pool.map(write, batch):
+                writer.merge(written)
             writer.commit(f"stream benchmark: parts {c}..{c + len(group) - 1}")
-            seconds += time.perf_counter() - start
+        seconds += time.perf_counter() - start
         log(f"  wrote {min(c + args.commit_every, len(parts))}/{len(parts)} parts")
     tokens = int(lengths.sum())
     return {
@@ -287,6 +289,7 @@ def write_store(uri: str, args, log) -> dict:
         "generate_seconds": generate_seconds,
         "entries_per_position": entries / (tokens - len(lengths)),
         "write_tokens_per_second": tokens / seconds,
+        "writer_threads": args.writer_threads,
     }
 
 
@@ -753,6 +756,13 @@ def parse_args(argv):
     p.add_argument("--part-tokens", type=int, default=16_384, help="tokens per part (the build's unit_tokens)")
     p.add_argument("--commit-every", type=int, default=32, help="parts per commit")
     p.add_argument(
+        "--writer-threads",
+        type=int,
+        default=OVERLAP - 1,
+        help=f"parts written at once (default {OVERLAP - 1}: a build's process has {OVERLAP} unit threads, one of "
+        "them in the teacher's forward pass while the others select and write)",
+    )
+    p.add_argument(
         "--store",
         help="a new local folder, or s3://bucket/prefix on a moto server started here (default: a temporary folder)",
     )
@@ -937,6 +947,7 @@ def summarise(args, written, info, budget, jobs, reads, floors, backend, shape) 
             "floor_memory_budget": jobs[0].floor_budget,
         },
         "write_tokens_per_second": written["write_tokens_per_second"],
+        "writer_threads": written["writer_threads"],
         "read_tokens_per_second": read_tps,
         "latency_ms": args.latency_ms,
         "decode_tokens_per_second": decode_tps,
@@ -984,7 +995,8 @@ def summary_text(r: dict) -> str:
         f"  reading: seq_len {s['seq_len']:,} x micro_batch {s['micro_batch']}, {s['workers']} reader process(es), "
         f"memory budget {format_bytes(s['memory_budget'])} (store {s['store_to_budget']:.1f}x the budget)",
         f"  stored          {format_bytes(r['stored_bytes'])} ({r['bytes_per_token']:.1f} B/token)",
-        f"  write           {r['write_tokens_per_second']:>12,.0f} tokens/s  (encode + write + commit, one process)"
+        f"  write           {r['write_tokens_per_second']:>12,.0f} tokens/s  (encode + write + commit, one process, "
+        f"{r['writer_threads']} part(s) at once)"
         f"   target >= {t['write_tokens_per_second']:,}: {mark('write_tokens_per_second')}",
         f"  read            {r['read_tokens_per_second']:>12,.0f} tokens/s  ({r['epoch_fraction']:.0%} of an epoch in "
         f"{r['read_seconds']:.1f} s)   target >= {t['read_tokens_per_second']:,}: {mark('read_tokens_per_second')}",

@@ -412,7 +412,7 @@ def _merge_units(store, cfg, head, rest, executor, summary, progress: Progress, 
         # writer_for reads `writer` when called: after a commit it is the new transaction's writer
         for written, unit in executor.map(units, writer_for=lambda: writer, max_in_flight=2 * cfg.workers):  # noqa: B023
             writer.remove(summary.teacher, unit.replaces)  # the changed documents' old windows
-            writer.merge(written)  # the summary counts what each commit holds (`_count_commit`)
+            writer.merge(written)  # the summary counts what each commit holds (`count_commit`)
             count_skips(summary, unit)
             progress.update(tokens=unit.n_tokens, samples=len(unit.sample_ids), documents=unit.documents_read)
             if time.monotonic() - last_commit >= cfg.commit_every:
