@@ -7,16 +7,14 @@ interrupted (Ctrl-C, or the output's reader went away).
 Each command imports the machinery it needs inside its function: at the top, the build's and the
 trainer's modules (torch, transformers) would cost seconds at every `--help`, `info` and `show`.
 
-`build`, `train` and `eval` take their options from the configuration types (`pipelines/config.py`,
-`trainer/config.py`): `cli/flags.py` makes the typer options from the fields' declarations, and
-`resolve` layers defaults, a run folder's kept configuration, `--config FILE` and the flags given.
+`build`, `train`, `eval` and `rounds` take their options from the configuration types
+(`pipelines/config.py`, `trainer/config.py` through `cli/train_options.py`, `cli/rounds.py`): `cli/flags.py`
+makes the typer options from the fields' declarations, and `resolve` layers defaults, a run folder's kept
+configuration, `--config FILE` and the flags given.
 """
 
 from __future__ import annotations
 
-import functools
-import os
-import sys
 from typing import Annotated, Literal, Optional
 
 import typer
@@ -31,17 +29,17 @@ from logitstore.cli.flags import (
     PrintConfigOpt,
     Program,
     json_option,
-    pick,
     resolve,
     takes,
+    user_errors,
 )
 from logitstore.cli.rounds import Rounds, run_rounds
-from logitstore.errors import INTERRUPTED, LogitstoreError, capped
-from logitstore.live.config import LIVE
-from logitstore.options import OptionError, declared, dump, from_values, in_range, to_values
+from logitstore.cli.train_options import EVAL_FLAGS, TRAIN_FLAGS, LiveOpt, train_config
+from logitstore.errors import LogitstoreError
+from logitstore.options import declared, dump, from_values, to_values
 from logitstore.pipelines.config import PANELS as BUILD_PANELS
 from logitstore.pipelines.config import BuildConfig, DataSource
-from logitstore.trainer.config import PANELS, TrainConfig, TrainConfigError, missing_kept, read_kept
+from logitstore.trainer.config import PANELS, TrainConfig
 
 app = typer.Typer(
     name="logitstore",
@@ -73,36 +71,6 @@ COMMAND_ORDER = (
     "tag",
     "verify",
 )
-
-
-def user_errors(fn):
-    """Print a LogitstoreError as one line (`capped`: whatever it quotes) and exit with its code (2; 1 for
-    damaged data); anything else is a bug and keeps its traceback. An integer flag is checked first
-    (`in_range`; typer takes any). A reader of the output that went away (`| head`) ends the command as
-    interrupted (typer itself would exit 1, the code for damaged data)."""
-
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        try:
-            _check_integers(kwargs)
-            return fn(*args, **kwargs)
-        except LogitstoreError as e:
-            typer.echo(f"error: {capped(str(e))}", err=True)
-            raise typer.Exit(e.exit_code) from None
-        except BrokenPipeError:
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the flush at exit must not fail again
-            raise typer.Exit(INTERRUPTED) from None
-
-    return wrapper
-
-
-def _check_integers(flags: dict) -> None:
-    for name, value in flags.items():
-        if isinstance(value, int) and not isinstance(value, bool):
-            try:
-                in_range(value)
-            except ValueError as e:
-                raise OptionError(f"--{name.replace('_', '-')} {e}") from None
 
 
 def _open(store: str, *, create: bool = False):
@@ -367,7 +335,7 @@ def build(
     check_input(source, **{k: values[k] for k in columns})
     cfg = from_values(BuildConfig, values)
     if dry_run:
-        _print_estimates(cfg, teachers, json_out=json_out)
+        text.print_dry_run(cfg, teachers, json_out=json_out)
         return
     from logitstore.pipelines.build import run_builds
     from logitstore.pipelines.summary import summary_json
@@ -377,44 +345,6 @@ def build(
         typer.echo(summary_json(summary))
     else:
         text.print_build(summary, cfg)
-
-
-def _print_estimates(cfg, teachers: list, *, json_out: bool) -> None:
-    """`build --dry-run`: one estimate per teacher (`pipelines/estimate.py`)."""
-    from logitstore.pipelines.estimate import estimate_builds
-
-    estimates = estimate_builds(cfg, teachers, log=lambda line: typer.echo(line, err=True))
-    if json_out:
-        text.print_json({"dry_run": True, "teachers": [e.to_json() for e in estimates]})
-    else:
-        text.print_estimates(estimates)
-
-
-TRAIN_FLAGS = declared(TrainConfig)
-# live mode as a switch: the teacher is --live-teacher's, else the default one
-LiveOpt = Annotated[
-    bool,
-    typer.Option(
-        "--live",
-        help="Live mode: --live-teacher's teacher, else the default one (as --live-teacher default).",
-        rich_help_panel=LIVE,
-    ),
-]
-EVAL_FLAGS = pick(
-    TRAIN_FLAGS,
-    {
-        "store": dict(panel=None, required=True, help="Store holding the teacher distributions. Required."),
-        "student": dict(panel=None, required=True, help="Trained student directory (e.g. OUT/final). Required."),
-        "version": dict(panel=None),
-        "teacher": dict(panel=None),
-        "seq_len": dict(panel=None),
-        "eval_fraction": dict(
-            panel=None,
-            help="Held-out share, as in training (1: every sample, for a store built from held-out text).",
-        ),
-        "train_on": dict(panel=None, help="Chat data: measure the completion's tokens only, or prompt+completion."),
-    },
-)
 
 
 @app.command(cls=Command)
@@ -429,7 +359,7 @@ def train(
     given: Given,
 ) -> None:
     """Train a student from a store version with FSDP2; no teacher runs."""
-    cfg = _train_config(given, config=config, live=live)  # checked before torch loads
+    cfg = train_config(given, config=config, live=live)  # checked before torch loads
     if print_config:
         typer.echo(dump(to_values(cfg), command="train"), nl=False)
         return
@@ -446,33 +376,6 @@ def train(
         f"done: step {final.get('step', '-')}{held_out}; the student is in {cfg.output.out}/final, "
         f"the curves in {cfg.output.out}/training.png"
     )
-
-
-def _train_config(given: Given, *, config: str | None, live: bool = False) -> TrainConfig:
-    """`train`'s configuration; with --resume, over the configuration the run kept in its folder (so
-    resuming needs --out and --resume only; a flag that changes the run's identity is refused).
-    A folder that keeps none resumes from the options given, and if they make no run, says so."""
-    values = _live_switch(resolve(TRAIN_FLAGS, given, config=config, command="train"), live=live)
-    if not values["resume"]:
-        return from_values(TrainConfig, values)
-    kept = read_kept(values["out"])
-    if kept is not None:
-        kept_values = resolve(TRAIN_FLAGS, given, config=config, command="train", base=kept)
-        return from_values(TrainConfig, _live_switch(kept_values, live=live))
-    try:
-        return from_values(TrainConfig, values)
-    except TrainConfigError as e:
-        raise TrainConfigError(
-            f"--out {values['out']} keeps no run configuration to resume from ({missing_kept(values['out'])}); "
-            f"give the run's options as at its start: {e}"
-        ) from None
-
-
-def _live_switch(values: dict, *, live: bool) -> dict:
-    """`--live` is `--live-teacher default` where no --live-teacher is given."""
-    if live and values["live_teacher"] is None:
-        return {**values, "live_teacher": "default"}
-    return values
 
 
 @app.command(name="eval", cls=Command)
@@ -503,53 +406,29 @@ def eval_(
         )
 
 
+ROUNDS_FLAGS = declared(Rounds)
+
+
 @app.command(cls=Command)
 @user_errors
+@takes(ROUNDS_FLAGS)
 def rounds(
-    store: Annotated[str, typer.Option(help="Store of the rounds' answers; each round's version is tagged round-R.")],
-    out: Annotated[
-        str, typer.Option(help="The run folder every round trains in (OUT/final generates the next round).")
-    ],
-    prompts: Annotated[str, typer.Option(help="The prompts (any input build --data reads).")],
-    rounds: Annotated[int, typer.Option(help="Rounds to run: build, tag, train.")],
-    steps_per_round: Annotated[int, typer.Option(help="Optimizer steps each round adds to the run.")],
-    generate: Annotated[int, typer.Option(help="New tokens per answer at most (build --generate).")] = Rounds.generate,
-    prompt_column: Annotated[Optional[str], typer.Option(help="Column of plain-text prompts.")] = Rounds.prompt_column,
-    chat_column: Annotated[
-        Optional[str], typer.Option(help="Column of conversations ending with a user turn.")
-    ] = Rounds.chat_column,
-    teacher: Annotated[
-        Optional[str], typer.Option(help="The teacher that scores (and writes round 1's answers).")
-    ] = Rounds.teacher,
-    student: Annotated[Optional[str], typer.Option(help="The student to train (train --student).")] = Rounds.student,
-    samples_per_prompt: Annotated[int, typer.Option(help="Answers per prompt.")] = Rounds.samples_per_prompt,
-    generation_temperature: Annotated[
-        float, typer.Option(help="Sampling temperature of the answers.")
-    ] = Rounds.generation_temperature,
-    generation_top_p: Annotated[float, typer.Option(help="Nucleus sampling of the answers.")] = Rounds.generation_top_p,
-    seed: Annotated[int, typer.Option(help="Round R samples with seed + R.")] = Rounds.seed,
-    max_length: Annotated[int, typer.Option(help="Prompt and answer, teacher tokens at most.")] = Rounds.max_length,
-    seq_len: Annotated[int, typer.Option(help="train --seq-len.")] = Rounds.seq_len,
-    micro_batch: Annotated[int, typer.Option(help="train --micro-batch.")] = Rounds.micro_batch,
-    earlier_rounds_weight: Annotated[
-        float,
-        typer.Option(
-            help="Round R also trains on every earlier round's answers at this weight (train --version-weight; 0: round R's only)."
-        ),
-    ] = Rounds.earlier_rounds_weight,
+    config: ConfigOpt = None,
+    print_config: PrintConfigOpt = False,
     json_out: JsonOpt = False,
+    *,
+    given: Given,
 ) -> None:
     """On-policy distillation in rounds: the student of round R-1 answers the prompts, the teacher scores the answers, the student trains on them (docs/train.md 'On-policy rounds')."""
-    options = dict(locals())  # the options by name: `Rounds`' fields, and --json
-    del options["json_out"]
-    if rounds < 1 or steps_per_round < 1:
-        raise LogitstoreError("--rounds and --steps-per-round must be at least 1")
-    if not 0 <= earlier_rounds_weight < float("inf"):
-        raise LogitstoreError(f"--earlier-rounds-weight must be a finite weight >= 0, got {earlier_rounds_weight}")
+    values = resolve(ROUNDS_FLAGS, given, config=config, command="rounds")
+    if print_config:
+        typer.echo(dump(values, command="rounds"), nl=False)
+        return
+    options = from_values(Rounds, values)  # the flags' errors, before anything is built
     from logitstore.trainer.stopping import ended_when_stopped
 
     with ended_when_stopped():
-        done = run_rounds(Rounds(**options), log=lambda line: typer.echo(line, err=True))
+        done = run_rounds(options, log=lambda line: typer.echo(line, err=True))
     if json_out:
         text.print_json(done)
         return

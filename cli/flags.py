@@ -10,7 +10,8 @@ CLIs from dataclasses (tyro in torchtitan, jsonargparse in litgpt) would replace
 nested options with dots (`--optim.lr`), which would change every flag.
 
 Layers, later ones winning: each flag's default; a run folder's kept configuration (`train --resume`);
-`--config FILE`; the flags given on the command line (`resolve`).
+`--config FILE`; the flags given on the command line (`resolve`). `user_errors` wraps every command: a
+user's error is one line on stderr with its exit code, never a traceback.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import os
 import sys
 import typing
 from collections.abc import Callable, Sequence
@@ -27,8 +29,8 @@ from typing import Annotated, Any, Literal, TypeVar
 import typer
 import typer.core
 
-from logitstore.errors import capped
-from logitstore.options import Declared, OptionError, read_file
+from logitstore.errors import INTERRUPTED, LogitstoreError, capped
+from logitstore.options import Declared, OptionError, in_range, read_file
 
 ConfigOpt = Annotated[
     str | None,
@@ -232,3 +234,33 @@ def _rank(panel: str | None, panels: Sequence[str]) -> int:
 def _on_command_line(ctx: typer.Context, name: str) -> bool:
     source = ctx.get_parameter_source(name)
     return source is not None and source.name != "DEFAULT"
+
+
+def user_errors(fn):
+    """Print a LogitstoreError as one line (`capped`: whatever it quotes) and exit with its code (2; 1 for
+    damaged data); anything else is a bug and keeps its traceback. An integer flag is checked first
+    (`in_range`; typer takes any). A reader of the output that went away (`| head`) ends the command as
+    interrupted (typer itself would exit 1, the code for damaged data)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            _check_integers(kwargs)
+            return fn(*args, **kwargs)
+        except LogitstoreError as e:
+            typer.echo(f"error: {capped(str(e))}", err=True)
+            raise typer.Exit(e.exit_code) from None
+        except BrokenPipeError:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the flush at exit must not fail again
+            raise typer.Exit(INTERRUPTED) from None
+
+    return wrapper
+
+
+def _check_integers(flags: dict) -> None:
+    for name, value in flags.items():
+        if isinstance(value, int) and not isinstance(value, bool):
+            try:
+                in_range(value)
+            except ValueError as e:
+                raise OptionError(f"--{name.replace('_', '-')} {e}") from None

@@ -20,35 +20,54 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from logitstore.errors import VersionNotFoundError
-from logitstore.options import show_weights
+from logitstore.errors import LogitstoreError, VersionNotFoundError
+from logitstore.options import option, show_weights
 from logitstore.pipelines.config import BuildConfig
 from logitstore.store.meta import RUN_MARKER
 from logitstore.trainer.config import DataConfig, TrainConfig
 
 
+class RoundsError(LogitstoreError):
+    """An option of `logitstore rounds` out of range."""
+
+
 @dataclass(frozen=True)
 class Rounds:
-    """`logitstore rounds`' options, and their defaults (the command's flags take theirs from here)."""
+    """`logitstore rounds`' options, declared as its flags (`options.option`), checked on construction."""
 
-    store: str
-    out: str
-    prompts: str
-    rounds: int
-    steps_per_round: int
-    generate: int = 256
-    prompt_column: str | None = None
-    chat_column: str | None = None
-    teacher: str | None = None
-    student: str | None = None
-    samples_per_prompt: int = BuildConfig.samples_per_prompt
-    generation_temperature: float = BuildConfig.generation_temperature
-    generation_top_p: float = BuildConfig.generation_top_p
-    seed: int = 0
-    max_length: int = BuildConfig.max_length
-    seq_len: int = DataConfig.seq_len
-    micro_batch: int = 8
-    earlier_rounds_weight: float = 0.0
+    store: str = option(
+        None, required=True, help="Store of the rounds' answers; each round's version is tagged round-R."
+    )
+    out: str = option(
+        None, required=True, help="The run folder every round trains in (OUT/final generates the next round)."
+    )
+    prompts: str = option(None, required=True, help="The prompts (any input build --data reads).")
+    rounds: int = option(None, required=True, help="Rounds to run: build, tag, train.")
+    steps_per_round: int = option(None, required=True, help="Optimizer steps each round adds to the run.")
+    generate: int = option(256, help="New tokens per answer at most (build --generate).")
+    prompt_column: str | None = option(None, help="Column of plain-text prompts.")
+    chat_column: str | None = option(None, help="Column of conversations ending with a user turn.")
+    teacher: str | None = option(None, help="The teacher that scores (and writes round 1's answers).")
+    student: str | None = option(None, help="The student to train (train --student).")
+    samples_per_prompt: int = option(BuildConfig.samples_per_prompt, help="Answers per prompt.")
+    generation_temperature: float = option(
+        BuildConfig.generation_temperature, help="Sampling temperature of the answers."
+    )
+    generation_top_p: float = option(BuildConfig.generation_top_p, help="Nucleus sampling of the answers.")
+    seed: int = option(0, help="Round R samples with seed + R.")
+    max_length: int = option(BuildConfig.max_length, help="Prompt and answer, teacher tokens at most.")
+    seq_len: int = option(DataConfig.seq_len, help="train --seq-len.")
+    micro_batch: int = option(8, help="train --micro-batch.")
+    earlier_rounds_weight: float = option(
+        0.0,
+        help="Round R also trains on every earlier round's answers at this weight (train --version-weight; 0: round R's only).",
+    )
+
+    def __post_init__(self) -> None:
+        if self.rounds < 1 or self.steps_per_round < 1:
+            raise RoundsError("--rounds and --steps-per-round must be at least 1")
+        if not 0 <= self.earlier_rounds_weight < float("inf"):
+            raise RoundsError(f"--earlier-rounds-weight must be a finite weight >= 0, got {self.earlier_rounds_weight}")
 
 
 def tag_of(round_: int) -> str:

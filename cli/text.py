@@ -236,3 +236,14 @@ def _generation_estimate(e) -> str:
         f"~{e.answers_cut:,} cut), ~{e.generation_seconds / 60:.1f} min at {rate}; "
         f"answers stored ~{format_bytes(e.answer_stored_bytes)}"
     )
+
+
+def print_dry_run(cfg, teachers: list, *, json_out: bool) -> None:
+    """`build --dry-run`: one estimate per teacher (`pipelines/estimate.py`)."""
+    from logitstore.pipelines.estimate import estimate_builds  # the build's modules: torch, seconds to import
+
+    estimates = estimate_builds(cfg, teachers, log=lambda line: typer.echo(line, err=True))
+    if json_out:
+        print_json({"dry_run": True, "teachers": [e.to_json() for e in estimates]})
+    else:
+        print_estimates(estimates)

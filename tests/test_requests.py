@@ -125,7 +125,7 @@ def test_a_stream_under_latency_gives_the_same_batches_with_requests_in_flight_t
 
 def test_windows_under_latency_read_each_part_and_its_manifest_once(proxy):
     """Windows of one part (a memory budget of two): the engine reads one window ahead and warms the
-    manifests of the window after (`_Parts.warm`), so each part costs one chunk request when it is read;
+    manifests of the window after (`HeldParts.warm`), so each part costs one chunk request when it is read;
     nothing is requested twice, and the batches are those without latency."""
     read_under_latency(proxy, windowed, parts=8, prefetch=0)  # prefetch 0: no batches of the next epoch
     counts = gets(proxy)

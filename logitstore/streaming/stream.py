@@ -24,8 +24,6 @@ import dataclasses
 import time
 import warnings
 from collections.abc import Generator, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -35,99 +33,16 @@ from logitstore.errors import DamagedDataError, StorageError
 from logitstore.sizes import format_bytes, parse_bytes
 from logitstore.store.store import Store
 from logitstore.store.version import StoreVersion
-from logitstore.streaming.batch import BatchContext, PackedBatch
+from logitstore.streaming.batch import PackedBatch
 from logitstore.streaming.mixing import MixedSource
-from logitstore.streaming.order import EpochPlan, Pieces, SplitTable, deal_samples, group_window_parts, window_parts
+from logitstore.streaming.order import EpochPlan, Pieces, deal_samples, group_window_parts, window_parts
 from logitstore.streaming.segments import plan_segments
+from logitstore.streaming.source import HeldParts, Source
 from logitstore.streaming.spec import DEFAULT_MEMORY_BUDGET, StreamConfigError, StreamSpec
 from logitstore.streaming.teacher_source import StoreSource
 from logitstore.streaming.version_mix import VersionsSource, WeightedVersion, mix_version
 
 LOOKAHEAD_BATCHES = 8  # micro-batches ahead whose parts are asked for: work for every reader thread
-
-
-class Source(Protocol):
-    """What the engine needs from a source of teacher signal."""
-
-    table: SplitTable
-
-    @property
-    def version(self) -> str | dict[str, float]:
-        """What a state_dict pins: a store snapshot id, a mix of them {id: weight}, or live mode's fingerprint."""
-
-    def part_bytes(self) -> np.ndarray | None:
-        """Bytes in memory of each part once read, or None for a source with nothing to read."""
-
-    def read_part(self, part: int) -> object:
-        """Read one part (in a reader thread); what `build` gets back in `parts`."""
-
-    # Optional: `warm_part(part)`, a cheap request that makes a later `read_part(part)` one round trip
-    # shallower (a store source: the part's manifest), for parts beyond what the memory budget lets
-    # the engine read yet (`_Parts.warm`).
-
-    def build(self, pieces: Pieces, parts: dict[int, Any], *, stream: BatchContext) -> PackedBatch:
-        """The batch of these pieces (`parts`: what its own `read_part` gave, by part);
-        `stream.unreadable(row, error)` for a sample that cannot be used."""
-
-
-# -- the parts in memory ----------------------------------------------------------------------------------
-
-
-class _Parts:
-    """The parts a stream holds, read by a pool of threads; `want` starts reads, `get` waits for them."""
-
-    def __init__(self, read, *, sizes: np.ndarray, threads: int, warm=None):
-        self._read, self._warm = read, warm
-        self._sizes, self._threads = sizes, threads
-        self._futures: dict[int, Future] = {}
-        self._warmed: set[int] = set()
-        self._pool: ThreadPoolExecutor | None = None
-        self.reads = 0  # parts read (or being read): how often each part was fetched, for tests and benchmarks
-        self.peak = 0  # the most parts held (read, or being read) at once
-        self.peak_bytes = 0  # the most bytes held at once (`sizes`, in memory once read): what the budget bounds
-
-    def want(self, codes) -> None:
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix="logitstore-read")
-        for code in codes:
-            if code not in self._futures:
-                self._futures[code] = self._pool.submit(self._read, code)
-                self.reads += 1
-        self.peak = max(self.peak, len(self._futures))
-        self.peak_bytes = max(self.peak_bytes, int(self._sizes[list(self._futures)].sum()))
-
-    def warm(self, codes) -> None:
-        """Warm parts that are neither held nor being read (once each), on the reader threads after
-        the reads asked for so far. Under object storage's latency a part's read is then one round trip
-        (its object) instead of two (its manifest, then its object): what hides that latency when the
-        memory budget allows only a window ahead."""
-        if self._warm is None or self._pool is None:
-            return
-        for code in codes:
-            if code not in self._futures and code not in self._warmed:
-                self._warmed.add(code)
-                self._pool.submit(self._warm, code)
-
-    def keep_only(self, codes: set[int]) -> None:
-        for code in [c for c in self._futures if c not in codes]:
-            self._futures.pop(code).cancel()
-
-    def get(self, codes) -> dict[int, object]:
-        self.want(codes)
-        out = {}
-        for code in codes:
-            try:
-                out[code] = self._futures[code].result()
-            except BaseException:
-                self._futures.pop(code, None)  # a later attempt (a resumed iteration) reads it again
-                raise
-        return out
-
-    def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
-            self._pool = None
-        self._futures.clear()
 
 
 # -- the engine ---------------------------------------------------------------------------------------------
@@ -164,7 +79,7 @@ class Stream(torch.utils.data.IterableDataset):
         self._parts = (
             None
             if part_bytes is None
-            else _Parts(
+            else HeldParts(
                 source.read_part, sizes=part_bytes, threads=spec.read_threads, warm=getattr(source, "warm_part", None)
             )
         )
