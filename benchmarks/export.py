@@ -29,7 +29,10 @@ from types import SimpleNamespace
 
 import pyarrow.parquet as pq
 from _timing import timed  # benchmarks/ is on sys.path when a script here runs
-from stream import write_store  # the streaming benchmark's synthetic store, written through the real writer
+from stream import (  # the streaming benchmark's synthetic store, written through the real writer
+    WRITER_THREADS,
+    write_store,
+)
 
 from logitstore.store.entries import write_entries
 from logitstore.store.store import Store
@@ -61,7 +64,9 @@ def main(argv: list[str] | None = None) -> dict:
 
 def run(args, folder: Path) -> dict:
     uri = str(folder / "store")
-    shapes = SimpleNamespace(**vars(args), commit_every=64, part_layout="packed+students")
+    shapes = SimpleNamespace(
+        **vars(args), commit_every=64, part_layout="packed+students", writer_threads=WRITER_THREADS
+    )
     written = write_store(uri, shapes, log=lambda line: print(line, file=sys.stderr))
     view = Store.open(uri).read()
     out = folder / "entries.parquet"

@@ -242,6 +242,10 @@ def sparsity(args) -> Sparsity:
 # -- writing -----------------------------------------------------------------------------------------
 
 
+# Parts a build's process writes at once: its unit threads but the one in the teacher's forward pass.
+WRITER_THREADS = OVERLAP - 1
+
+
 def write_store(uri: str, args, log) -> dict:
     """Write the synthetic store; time encode + write + commit only (generation excluded)."""
     teacher = SyntheticTeacher(vocab=args.vocab, mode=args.mode, k=args.k, seed=args.seed)
@@ -758,9 +762,9 @@ def parse_args(argv):
     p.add_argument(
         "--writer-threads",
         type=int,
-        default=OVERLAP - 1,
-        help=f"parts written at once (default {OVERLAP - 1}: a build's process has {OVERLAP} unit threads, one of "
-        "them in the teacher's forward pass while the others select and write)",
+        default=WRITER_THREADS,
+        help=f"parts written at once (default {WRITER_THREADS}: a build's process has {OVERLAP} unit threads, one "
+        "of them in the teacher's forward pass while the others select and write)",
     )
     p.add_argument(
         "--store",
