@@ -149,8 +149,12 @@ def main() -> None:
         result = run_variant(
             str(args.teacher_folder), variant, sparsity, tokens=args.tokens, max_length=args.max_length
         )
-        print(json.dumps(result))
-        return
+        print(json.dumps(result), flush=True)
+        sys.stderr.flush()
+        # The engine is shut down and the result printed: leave without the interpreter's teardown, where a
+        # thread vLLM's C++ side left joinable can end the process in std::terminate (SIGABRT) after a
+        # correct run (seen once in CI's vLLM job, not reproduced in 9 runs since).
+        os._exit(0)
     with tempfile.TemporaryDirectory() as tmp:
         if args.smoke and not args.teacher_folder:
             from logitstore.testing.teachers import save_vllm_teacher  # as run_variant's imports
@@ -170,7 +174,8 @@ def run_in_own_process(spec: str, teacher: Path, args) -> bool:
     command += ["--tokens", str(args.tokens), "--max-length", str(args.max_length)]
     result = subprocess.run(command, capture_output=True, text=True, env={**os.environ})
     if result.returncode:
-        print(f"{spec}: failed\n{result.stderr[-2000:]}", file=sys.stderr)
+        printed = "its result printed" if result.stdout.strip() else "nothing printed"
+        print(f"{spec}: failed (exit {result.returncode}, {printed})\n{result.stderr[-2000:]}", file=sys.stderr)
         return False
     print(result.stdout.strip().splitlines()[-1], flush=True)
     return True
