@@ -264,26 +264,26 @@ def write_store(uri: str, args, log) -> dict:
     seconds, generate_seconds, entries = 0.0, 0.0, 0
     # As a build's process writes: `writer_threads` parts at once (its unit threads but the one in the forward
     # pass), each through the transaction's part writer, merged into the transaction by this thread in order.
-    pool = ThreadPoolExecutor(max_workers=args.writer_threads, thread_name_prefix="stream-bench-write")
-    for c in range(0, len(parts), args.commit_every):
-        group = parts[c : c + args.commit_every]
-        start = time.perf_counter()  # the synthetic teacher's samples, outside the timing
-        batch = [teacher.samples([f"doc{r:08d}#w0" for r in rows.tolist()], lengths[rows]) for rows in group]
-        generate_seconds += time.perf_counter() - start
-        if c == 0:
-            batch[0].validate(vocab_size=args.vocab)  # the writer validates again, inside the timing
-            _check_distributions(batch[0])
-        entries += sum(len(samples.entry_ids) for samples in batch)
-        start = time.perf_counter()
-        with store.writer() as writer:
+    with ThreadPoolExecutor(max_workers=args.writer_threads, thread_name_prefix="stream-bench-write") as pool:
+        for c in range(0, len(parts), args.commit_every):
+            group = parts[c : c + args.commit_every]
+            start = time.perf_counter()  # the synthetic teacher's samples, outside the timing
+            batch = [teacher.samples([f"doc{r:08d}#w0" for r in rows.tolist()], lengths[rows]) for rows in group]
+            generate_seconds += time.perf_counter() - start
             if c == 0:
-                writer.add_teacher(meta, code_of_id=frequency_order(batch[0].entry_ids, args.vocab))
-            write = functools.partial(writer.part_writer().write, teacher=TEACHER)
-            for written in pool.map(write, batch):
-                writer.merge(written)
-            writer.commit(f"stream benchmark: parts {c}..{c + len(group) - 1}")
-        seconds += time.perf_counter() - start
-        log(f"  wrote {min(c + args.commit_every, len(parts))}/{len(parts)} parts")
+                batch[0].validate(vocab_size=args.vocab)  # the writer validates again, inside the timing
+                _check_distributions(batch[0])
+            entries += sum(len(samples.entry_ids) for samples in batch)
+            start = time.perf_counter()
+            with store.writer() as writer:
+                if c == 0:
+                    writer.add_teacher(meta, code_of_id=frequency_order(batch[0].entry_ids, args.vocab))
+                write = functools.partial(writer.part_writer().write, teacher=TEACHER)
+                for written in pool.map(write, batch):
+                    writer.merge(written)
+                writer.commit(f"stream benchmark: parts {c}..{c + len(group) - 1}")
+            seconds += time.perf_counter() - start
+            log(f"  wrote {min(c + args.commit_every, len(parts))}/{len(parts)} parts")
     tokens = int(lengths.sum())
     return {
         "tokens": tokens,

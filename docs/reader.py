@@ -103,12 +103,12 @@ def as_codes(document: dict) -> dict:
     """A zarr.json without the grid codec: declared as the uint16 codes it stores."""
 
     def strip(codecs: list) -> tuple[list, bool]:
-        found, kept = False, []
-        for codec in codecs:
+        kept = [codec for codec in codecs if codec["name"] != GRID_CODEC]
+        found = len(kept) < len(codecs)
+        for codec in kept:
             if codec["name"] == "sharding_indexed":
                 codec["configuration"]["codecs"], inside = strip(codec["configuration"]["codecs"])
                 found = found or inside
-            found, kept = found or codec["name"] == GRID_CODEC, kept + [codec] * (codec["name"] != GRID_CODEC)
         return kept, found
 
     document["codecs"], found = strip(document["codecs"])

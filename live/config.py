@@ -12,7 +12,7 @@ from typing import Any
 
 from logitstore.errors import LogitstoreError
 from logitstore.format.sparsity import Sparsity, SparsityFlags, default_sparsity
-from logitstore.options import declared, from_values, group, option, option_of, to_values
+from logitstore.options import declared, from_values, group, option, option_of, refuse_failed, to_values
 from logitstore.pipelines.config import BATCH_TOKENS, DataSource, EngineOptions, PlanConfig
 
 LIVE = "Live mode (instead of --store)"  # the panel of `train --help` that lists live mode's flags
@@ -113,9 +113,7 @@ class LiveConfig:
             self.sparsity, self.default_sparsity = default_sparsity(), True
         if self.max_length < 2:
             raise LiveTeacherError(f"--max-length must be at least 2, got {self.max_length}")
-        for ok, message in self.engine_options.engine_checks():
-            if not ok:
-                raise LiveTeacherError(message)
+        refuse_failed(self.engine_options.engine_checks(), LiveTeacherError)
 
     def identity(self) -> dict:
         """What a resumed live run must match: not the engine's replicas, key, concurrency or timeout (a

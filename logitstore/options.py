@@ -242,6 +242,14 @@ def _scalar(value_type: Any, value: Any) -> Any:
     raise TypeError(f"a flag of type {value_type} cannot come from a config file")
 
 
+def refuse_failed(checks: Iterable[tuple[bool, str]], error: type[Exception]) -> None:
+    """Raise `error(message)` for the first `(ok, message)` check that failed: how every config type's
+    `__post_init__` turns its checks into one line naming the flag."""
+    for ok, message in checks:
+        if not ok:
+            raise error(message)
+
+
 def in_range(value: int) -> int:
     """`value` if a 64-bit integer holds it (what numpy, Arrow and the C library take as a count or an
     index): every integer option, on the command line or in a file, is one."""

@@ -24,7 +24,7 @@ from logitstore.data import SAMPLE_CHAT
 from logitstore.errors import LogitstoreError
 from logitstore.format.sparsity import PANEL as SPARSITY
 from logitstore.format.sparsity import Sparsity, SparsityFlags, default_sparsity
-from logitstore.options import group, option, to_values
+from logitstore.options import group, option, refuse_failed, to_values
 from logitstore.pipelines.engines import VLLM_OUTPUTS, engine_class, engine_names
 from logitstore.pipelines.engines.settings import WorkerSettings
 from logitstore.storage.location import Location
@@ -364,9 +364,7 @@ class BuildConfig(EngineOptions, PlanConfig):
             flags = self.sparsity
             self.default_sparsity = flags.top_k is None and flags.top_p is None and flags.sample is None
             self.sparsity = flags.resolve(default)
-        for ok, message in self._checks():
-            if not ok:
-                raise BuildError(message)
+        refuse_failed(self._checks(), BuildError)
 
     def _checks(self) -> list[tuple[bool, str]]:
         return [

@@ -35,6 +35,7 @@ from logitstore.options import (
     option,
     parse_weights,
     read_file,
+    refuse_failed,
     show_weights,
     to_values,
 )
@@ -59,10 +60,8 @@ class LossConfigError(LogitstoreError, ValueError):
     """A loss option out of range or unusable with the store; the message names the flag."""
 
 
-def _check(checks: list[tuple[bool, str]], error: type[LogitstoreError] = TrainConfigError) -> None:
-    for ok, message in checks:
-        if not ok:
-            raise error(message)
+def _check(checks: list[tuple[bool, str]]) -> None:
+    refuse_failed(checks, TrainConfigError)
 
 
 def is_real(x) -> bool:

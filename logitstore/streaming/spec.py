@@ -13,6 +13,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from logitstore.errors import LogitstoreError
+from logitstore.options import refuse_failed
 
 SPLITS = ("train", "eval")
 ON_ERROR = ("raise", "skip")
@@ -87,9 +88,7 @@ class StreamSpec:
             ),
             (self.loader_workers >= 0, f"loader_workers must be >= 0, got {self.loader_workers}"),
         ]
-        for ok, message in checks:
-            if not ok:
-                raise StreamConfigError(message)
+        refuse_failed(checks, StreamConfigError)
 
     def default_reader_groups(self) -> int:
         """Reader groups when `reader_groups` is not given (a placed spec): the world size, times
