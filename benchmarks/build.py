@@ -59,7 +59,7 @@ from logitstore.pipelines.generate import Generation
 from logitstore.pipelines.plan import plan_units
 from logitstore.pipelines.summary import BuildSummary
 from logitstore.pipelines.teacher import describe_teacher
-from logitstore.pipelines.workers import unit_seed
+from logitstore.pipelines.workers import settled_settings, unit_seed
 
 # Toy sizes: 4 units of stand-in tokens, so the steady state (units 3 on) has two.
 SMOKE = {
@@ -289,7 +289,7 @@ def generation_benchmark(args, info, model, *, tmp: Path) -> None:
         cfg = dataclasses.replace(
             config(args, store=str(tmp / f"store-{r}"), data=data), prompt_column="prompt", generate=args.generate
         )
-        generation = Generation(cfg, teacher=info, engine="torch")
+        generation = Generation(cfg, teacher=info, settings=settled_settings(cfg, teacher_spec=info.spec).settings)
         generation.generator()  # loaded (shared with the teacher) before any clock runs
         planned = batches(cfg, info.tokenizer, generation=generation)
         generated = generation.generated

@@ -221,7 +221,7 @@ def vllm_ratio(args) -> None:
     from logitstore.pipelines.build import BuildConfig
     from logitstore.pipelines.engines import engine_class
     from logitstore.pipelines.teacher import describe_teacher
-    from logitstore.pipelines.workers import OVERLAP, worker_settings
+    from logitstore.pipelines.workers import OVERLAP, settled_settings
     from logitstore.testing.teachers import save_vllm_teacher
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -250,8 +250,7 @@ def vllm_ratio(args) -> None:
             for name, extra in [("server", {"server_urls": (server.url,)}), ("vllm", {"vllm_output": "logprobs"})]:
                 cfg = BuildConfig(engine=name, **common, **extra)
                 info = describe_teacher(cfg.teacher)
-                settings = worker_settings(cfg, teacher_spec=info.spec)
-                engine_class(name).check(settings, info.spec)
+                settings = settled_settings(cfg, teacher_spec=info.spec).settings
                 clock = time.perf_counter()
                 engines[name] = engine_class(name)(settings, lock=threading.Lock())
                 started[name] = time.perf_counter() - clock

@@ -6,14 +6,15 @@ and engine options, declared once as build declares them (`pipelines/config.py`)
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
 from logitstore.errors import LogitstoreError
-from logitstore.format.sparsity import Sparsity, SparsityFlags, default_sparsity
+from logitstore.format.sparsity import Sparsity, SparsityFlags, flags_of, requested
 from logitstore.options import declared, from_values, group, option, option_of, refuse_failed, to_values
 from logitstore.pipelines.config import BATCH_TOKENS, DataSource, EngineOptions, PlanConfig
+from logitstore.pipelines.engines.settings import Dtype
 
 LIVE = "Live mode (instead of --store)"  # the panel of `train --help` that lists live mode's flags
 
@@ -49,18 +50,22 @@ class LiveConfig:
     text_column: str = option_of(PlanConfig, "text_column", adjust=_live_flag)
     id_column: str | None = option_of(PlanConfig, "id_column", adjust=_live_flag)
     max_length: int = option_of(PlanConfig, "max_length", adjust=_live_flag)
-    # None: `sparsity.default_sparsity()`, as build and the CLI
-    sparsity: Sparsity | None = group(SparsityFlags, default=None, adjust=_live_flag, exclude=("value_grid",))
+    # as asked (`sparsity.requested`): the `Sparsity` the flags name, or the flags (none of --top-k/--top-p/
+    # --sample given), which the engine settles (`live.teacher.settle_engine`: sampled 16 for the torch
+    # engine, top-K at the server's K for a served teacher), as in build
+    sparsity: Sparsity | SparsityFlags = group(
+        SparsityFlags, default_factory=SparsityFlags, adjust=_live_flag, exclude=("value_grid",)
+    )
     # build's --engine and the server engine's flags: which engine runs the teacher, and where live mode runs
     # it (`live/teacher.py`: a teacher process per rank, or the rank itself for a teacher behind a server)
     engine_options: EngineOptions = group(EngineOptions, default_factory=EngineOptions, adjust=_live_flag)
     batch_tokens: int = BATCH_TOKENS
     device: str = "auto"
-    dtype: str = "auto"
+    dtype: Dtype = "auto"
     quantize: bool = True
-    # no --top-k/--top-p/--sample was given: the engine's default applies (`live.teacher.settle_engine`: sampled 16 for the
-    # torch engine, the server's K for a served teacher), as in build
-    default_sparsity: bool = False
+    # what the engine's `settle` found (`WorkerSettings.checked`: a served teacher's preflight), for this
+    # process's engines; not a flag, never written
+    checked: object = field(default=None, repr=False, compare=False)
 
     @classmethod
     def from_flags(cls, live_teacher: str | None, **flags: Any) -> LiveConfig | None:
@@ -81,8 +86,7 @@ class LiveConfig:
         engine_flags = {d.name: given.pop(d.name) for d in declared(EngineOptions) if d.name in given}
         return cls(
             teacher=live_teacher,
-            sparsity=SparsityFlags(**sparsity_flags).resolve(default_sparsity()),
-            default_sparsity=not {"top_k", "top_p", "sample"} & set(sparsity_flags),
+            sparsity=SparsityFlags(**sparsity_flags),
             engine_options=from_values(EngineOptions, engine_flags),
             **given,
         )
@@ -98,19 +102,15 @@ class LiveConfig:
         """The flags that make `live` (None: no live mode, every live flag not given)."""
         if live is None:
             return {d.name: None for d in declared(LiveConfig)}
-        assert live.sparsity is not None  # __post_init__ sets the default
         values = to_values(live)
-        values.update(dataclasses.asdict(SparsityFlags.of(live.sparsity)))
+        values.update(dataclasses.asdict(flags_of(live.sparsity)))
         values.pop("value_grid")
-        if live.default_sparsity:  # not settled yet (`settle_engine`): the engine's default, asked again
-            values.update(top_k=None, top_p=None, sample=None)
         return {**values, "live_teacher": live.teacher or "default"}
 
     def __post_init__(self) -> None:
         if self.teacher == "default":
             self.teacher = None
-        if self.sparsity is None:  # the one default, as `train --live-teacher` without sparsity flags
-            self.sparsity, self.default_sparsity = default_sparsity(), True
+        self.sparsity = requested(self.sparsity)
         if self.max_length < 2:
             raise LiveTeacherError(f"--max-length must be at least 2, got {self.max_length}")
         refuse_failed(self.engine_options.engine_checks(), LiveTeacherError)
@@ -120,7 +120,7 @@ class LiveConfig:
         served teacher may come back elsewhere; the key is never written), nor whether the sparsity was
         the default (the run folder keeps the sparsity it settled on)."""
         out = dataclasses.asdict(self)
-        del out["engine_options"], out["default_sparsity"]
+        del out["engine_options"], out["checked"]
         if self.engine_options.engine != EngineOptions.engine:  # the default left out: a run without one resumes
             out["engine"] = self.engine_options.engine
         return out

@@ -42,7 +42,7 @@ import torch.multiprocessing as mp
 
 from logitstore.format import codec
 from logitstore.format.samples import SparseSamples, concat
-from logitstore.format.sparsity import default_sparsity
+from logitstore.format.sparsity import Sparsity
 from logitstore.live.config import LiveConfig, LiveTeacherError
 from logitstore.pipelines.config import PlanConfig
 from logitstore.pipelines.engines import engine_class, engine_names
@@ -59,8 +59,8 @@ POLL_SECONDS = 0.2
 
 
 def teacher_settings(cfg: LiveConfig) -> WorkerSettings:
-    """The build's worker settings for live mode's teacher (seed 0: sampled draws are seeded per request)."""
-    assert cfg.sparsity is not None  # LiveConfig.__post_init__ sets the default
+    """The build's worker settings for live mode's teacher (seed 0: sampled draws are seeded per request),
+    settled where `cfg` is (`settle_engine`)."""
     return WorkerSettings(
         teacher_spec=resolve_teacher(cfg.teacher),
         device=cfg.device,
@@ -69,34 +69,27 @@ def teacher_settings(cfg: LiveConfig) -> WorkerSettings:
         batch_tokens=cfg.batch_tokens,
         seed=0,
         max_length=cfg.max_length,
-        default_sparsity=cfg.default_sparsity,
+        checked=cfg.checked,
         **cfg.engine_options.engine_settings(),
     )
 
 
 def settle_engine(cfg: LiveConfig, *, log=None) -> LiveConfig:
     """`cfg` with its engine's refusals made (one line: for a served teacher the preflight, i.e. reachable,
-    the teacher's model and tokenizer, K within the server's maximum) and its sparsity fixed: the engine's
-    default where no --top-k/--top-p/--sample was given (sampled 16 for the torch engine, top-K at the
-    server's K, as build). Run before the run takes --out, so a refusal leaves nothing behind; `log` is
-    told the engine's line (the server's K)."""
+    the teacher's model and tokenizer, K within the server's maximum) and its sparsity settled by the engine
+    (`Engine.settle`: sampled 16 for the torch engine, top-K at the server's K, as build). Run before the
+    run takes --out, so a refusal leaves nothing behind; `log` is told the engine's line (the server's K)."""
     engine = engine_class(cfg.engine_options.engine)
     if engine.live not in LIVE_TEACHERS:
         runs = [name for name in engine_names() if engine_class(name).live in LIVE_TEACHERS]
         raise LiveTeacherError(f"--engine {engine.name} does not run in live mode; live mode runs {', '.join(runs)}")
     settings = teacher_settings(cfg)
-    if cfg.default_sparsity:
-        assert cfg.sparsity is not None  # LiveConfig.__post_init__ sets the default
-        default = default_sparsity(engine_samples=engine.samples(settings))
-        default = dataclasses.replace(default, temperature=cfg.sparsity.temperature, grid=cfg.sparsity.grid)
-        cfg = dataclasses.replace(cfg, sparsity=default)
-        settings = teacher_settings(cfg)
     engine.check(settings, settings.teacher_spec)
-    sparsity, note = engine.settled(settings, settings.teacher_spec)  # the server engine: the server's K
-    cfg = dataclasses.replace(cfg, sparsity=sparsity)
+    settled, note = engine.settle(settings)
     if note and log is not None:
         log(note)
-    return dataclasses.replace(cfg, default_sparsity=False)  # settled: the run folder keeps this sparsity
+    # the run folder keeps this sparsity; this process's engines reuse what the check found
+    return dataclasses.replace(cfg, sparsity=settled.stored, checked=settled.checked)
 
 
 # -- planning: the samples a build would write -------------------------------------------------------
@@ -128,7 +121,7 @@ class LiveSamples:
 def plan_live_samples(cfg: LiveConfig) -> LiveSamples:
     """The build's planning (`plan.plan_units`) with nothing stored yet, flattened and sorted by id."""
     info = describe_teacher(cfg.teacher)
-    assert cfg.sparsity is not None  # LiveConfig.__post_init__ sets the default
+    assert isinstance(cfg.sparsity, Sparsity), "settle_engine settles the sparsity before the samples are planned"
     check_teacher_fits(info, sparsity=cfg.sparsity, max_length=cfg.max_length)
     plan = PlanConfig(data=cfg.data, text_column=cfg.text_column, id_column=cfg.id_column, max_length=cfg.max_length)
     ids, tokens = [], []
@@ -195,7 +188,7 @@ def _serve(cfg: LiveConfig, capacity: tuple[int, int], requests, ready, acks, pa
 
 
 def _answer(worker: TeacherWorker, cfg: LiveConfig, capacity: tuple[int, int], requests, ready, acks, parent_pid: int):
-    sparsity = worker.settings.sparsity
+    sparsity = worker.settings.stored
     device = worker.engine.device
     ring = _allocate_ring(*capacity, device=device, sampled=sparsity.sampled)
     ready.put(("ring", ring))  # exported once; the producer keeps these tensors alive until it exits
@@ -249,7 +242,7 @@ def answer(
         )
     samples = _in_request_order(samples, ids)
     if quantize:
-        vocab, params = worker.engine.vocab_size, worker.settings.sparsity.grid
+        vocab, params = worker.engine.vocab_size, worker.settings.stored.grid
         order = codec.identity_order(vocab).astype(np.int64)
         enc = codec.encode(samples, params=params, code_of_id=order, vocab_size=vocab)
         samples = codec.decode(enc, params=params, id_of_code=order, n_tokens=samples.n_tokens)
@@ -300,7 +293,7 @@ class LiveTeacher:
     """The trainer's handle on its teacher process: `compute(tokens)` -> `SparseSamples`, thread-safe."""
 
     def __init__(self, cfg: LiveConfig, *, micro_batch: int, seq_len: int):
-        assert cfg.sparsity is not None  # LiveConfig.__post_init__ sets the default
+        assert isinstance(cfg.sparsity, Sparsity), "settle_engine settles the sparsity before the teacher starts"
         self.cfg = cfg
         ctx = mp.get_context("spawn")  # CUDA and shared tensors need spawn, never fork
         # None once closed: dropping them frees their named semaphores

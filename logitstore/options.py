@@ -28,7 +28,7 @@ import typing
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import MISSING, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 
@@ -109,7 +109,11 @@ class Declared:
 
     @property
     def choices(self) -> tuple[str, ...] | None:
-        return None if self.flag.choices is None else tuple(self.flag.choices())
+        """The registry's names, or the values of a `Literal`-typed flag."""
+        if self.flag.choices is not None:
+            return tuple(self.flag.choices())
+        literal = [t for t in (self.value_type, *typing.get_args(self.value_type)) if typing.get_origin(t) is Literal]
+        return typing.get_args(literal[0]) if literal else None
 
 
 def declared(cls: type) -> list[Declared]:
@@ -237,7 +241,7 @@ def _scalar(value_type: Any, value: Any) -> Any:
         return in_range(int(value) if not isinstance(value, str) else int(value.replace("_", "")))
     if value_type is float:
         return float(value)
-    if value_type is str:
+    if value_type is str or typing.get_origin(value_type) is typing.Literal:  # a choice: `choices` checked it
         return str(value)
     raise TypeError(f"a flag of type {value_type} cannot come from a config file")
 

@@ -30,11 +30,12 @@ import numpy as np
 from logitstore.ahead import read_ahead
 from logitstore.errors import ChangedTextError, ConflictError, LogitstoreError
 from logitstore.format import codec
-from logitstore.format.sparsity import Sparsity
 from logitstore.pipelines import inputs
 from logitstore.pipelines.answers import AnswersOf, StoredAnswers, check_one_tokenizer
 from logitstore.pipelines.config import BuildConfig, BuildError
 from logitstore.pipelines.engines import EngineError, engine_class
+from logitstore.pipelines.engines.base import HandOver
+from logitstore.pipelines.engines.settings import WorkerSettings
 from logitstore.pipelines.generate import Generation
 from logitstore.pipelines.plan import (
     Planned,
@@ -54,7 +55,7 @@ from logitstore.pipelines.workers import (
     interrupted_on_sigterm,
     loads_early,
     make_executor,
-    worker_settings,
+    settled_settings,
     write_unit,
 )
 from logitstore.store.meta import DEFAULT_BRANCH, TeacherMeta
@@ -73,6 +74,7 @@ class BuildPlan:
 
     info: TeacherInfo
     meta: TeacherMeta
+    settings: WorkerSettings  # settled by the build's engine (`Engine.settle`): what every engine is built from
     store: Store | None
     stored: StoredDocuments
     students: list[StudentSide]
@@ -83,6 +85,8 @@ class BuildPlan:
     started: float
     planned: Planned  # what the planner has read so far (the progress clock reads it)
     generation: Generation | None = None  # build --generate: the generator, loaded by the planner
+    # build --generate: what the generator scored for the engine in this process (a served teacher's answers)
+    hand_over: HandOver | None = None
     notes: list[str] = field(default_factory=list)  # the engine's lines said at start (the server's K)
 
     def read_first(self) -> Unit | None:
@@ -104,22 +108,16 @@ def plan_build(cfg: BuildConfig, *, read_first: bool = True, answers_of: Answers
     info = describe_teacher(cfg.teacher)
     if cfg.teacher_name is not None:
         info = dataclasses.replace(info, spec=dataclasses.replace(info.spec, name=cfg.teacher_name))
-    check_teacher_fits(info, sparsity=_sparsity(cfg), max_length=cfg.max_length)
-    engine, settings = engine_class(cfg.engine), worker_settings(cfg, teacher_spec=info.spec)
-    engine.check(settings, info.spec)  # e.g. vLLM missing, or no GPU: one line, before anything is written
-    notes = []
-    # the server engine's K follows the server's maximum where none was asked; set on the caller's config
-    # too: run_build's executor and the dry run's read it from there
-    cfg.sparsity, note = engine.settled(settings, info.spec)
-    settings = worker_settings(cfg, teacher_spec=info.spec)
-    notes += [note] if note else []
+    # the one place the sparsity is settled: as asked, or the engine's default (a served teacher's K)
+    engine = engine_class(cfg.engine)
+    settings, note = settled_settings(cfg, teacher_spec=info.spec)
+    check_teacher_fits(info, sparsity=settings.stored, max_length=cfg.max_length)
     students = load_student_tokenizers(cfg.student_tokenizers, teacher=info)
     # The store (and a new branch) is made only with the first commit: a build that fails before leaves
     # no empty store or branch behind.
     store = Store.open_if_exists(cfg.store)
-    sparsity = _sparsity(cfg)
     meta = info.store_meta(
-        sparsity,
+        settings.stored,
         loss_mask=cfg.train_on if cfg.chat_column or cfg.generate else None,
         engine=engine.name,
         dtype=engine.resolved_dtype(settings),
@@ -129,7 +127,10 @@ def plan_build(cfg: BuildConfig, *, read_first: bool = True, answers_of: Answers
     summary = BuildSummary(teacher=meta.name)
     stored = _stored_documents(store, cfg, meta, students)
     planned = Planned()
-    generation = Generation(cfg, teacher=info, engine=engine.name) if cfg.generate and not answers_of else None
+    hand_over = HandOver() if cfg.generate else None
+    generation = None
+    if cfg.generate and not answers_of:
+        generation = Generation(cfg, teacher=info, settings=settings, hand_over=hand_over)
     if answers_of is not None:  # the branch's answers (and a dry run's, from memory)
         version = store.read(_base_branch(store, cfg)) if store else None
         generation = StoredAnswers(cfg, source=answers_of, version=version, counts=summary)
@@ -147,8 +148,10 @@ def plan_build(cfg: BuildConfig, *, read_first: bool = True, answers_of: Answers
         generation=generation,
     )
     plan = BuildPlan(
-        info, meta, store, stored, students, summary, units, None, ids_from, start, planned, generation, notes
+        info, meta, settings, store, stored, students, summary, units, None, ids_from, start, planned, generation
     )
+    plan.hand_over = hand_over
+    plan.notes += [note] if note else []
     if read_first:
         plan.read_first()
     return plan
@@ -222,7 +225,11 @@ def _loading(cfg: BuildConfig, *, on_batch: Callable[[int], None]) -> LoadingExe
         return None
     if cfg.teacher_name is not None:  # as `plan_build` names it: the same teacher for `shared_teachers()`
         spec = dataclasses.replace(spec, name=cfg.teacher_name)
-    return LoadingExecutor(cfg, teacher_spec=spec, on_batch=on_batch)
+    try:
+        settings, _ = settled_settings(cfg, teacher_spec=spec)  # the torch engine's: no requests, no load
+    except LogitstoreError:  # `plan_build` says so, after its checks of the input
+        return None
+    return LoadingExecutor(cfg, settings=settings, on_batch=on_batch)
 
 
 def _compute(
@@ -236,8 +243,9 @@ def _compute(
     with interrupted_on_sigterm():  # a SIGTERM'd build closes its engines too
         if loading is not None:
             executor = loading.take()
+            assert executor.worker.settings == plan.settings, "the early load settles as the plan does"
         else:
-            executor = make_executor(cfg, teacher_spec=plan.info.spec, on_batch=progress.batch)
+            executor = make_executor(cfg, settings=plan.settings, on_batch=progress.batch, hand_over=plan.hand_over)
         startup.mark("teacher")
         try:
             head = [first]
@@ -305,12 +313,6 @@ def run_builds(
     total.tokens_per_second = total.tokens / total.seconds if total.seconds else 0.0
     total.bytes_per_token = total.stored_bytes / total.tokens if total.tokens else None
     return total
-
-
-def _sparsity(cfg: BuildConfig) -> Sparsity:
-    """The build's sparsity: None in a `BuildConfig` only asks for the default, which construction fills in."""
-    assert isinstance(cfg.sparsity, Sparsity), "BuildConfig.__post_init__ resolves the sparsity"
-    return cfg.sparsity
 
 
 def _store_and_branch(store: Store | None, cfg: BuildConfig) -> Store:

@@ -23,14 +23,15 @@ from typing import TYPE_CHECKING, Any, TypedDict
 from logitstore.data import SAMPLE_CHAT
 from logitstore.errors import LogitstoreError
 from logitstore.format.sparsity import PANEL as SPARSITY
-from logitstore.format.sparsity import Sparsity, SparsityFlags, default_sparsity
+from logitstore.format.sparsity import Sparsity, SparsityFlags, flags_of, requested
 from logitstore.options import group, option, refuse_failed, to_values
 from logitstore.pipelines.engines import VLLM_OUTPUTS, engine_class, engine_names
-from logitstore.pipelines.engines.settings import WorkerSettings
+from logitstore.pipelines.engines.settings import DTYPES, Dtype, EngineName, WorkerSettings
+from logitstore.pipelines.engines.vllm import VllmOutput
 from logitstore.storage.location import Location
-from logitstore.store.meta import DEFAULT_BRANCH, NAME, ON_DUPLICATE
+from logitstore.store.meta import DEFAULT_BRANCH, NAME, ON_DUPLICATE, OnDuplicate
 from logitstore.streaming.spec import StreamSpec
-from logitstore.text import chat
+from logitstore.text import TrainOn, chat
 from logitstore.urls import redacted, url_checks
 
 if TYPE_CHECKING:  # pyarrow (0.3 s): `DataSource.source` imports it when the build reads its input
@@ -38,7 +39,6 @@ if TYPE_CHECKING:  # pyarrow (0.3 s): `DataSource.source` imports it when the bu
 
 DEFAULT_STORE = "logitstore-store"  # `BuildConfig.store` from Python; the CLI asks for --store
 BATCH_TOKENS = 8192  # padded tokens per teacher batch: build's --batch-tokens default, and live mode's
-DTYPES = ("auto", "float32", "bfloat16", "float16")  # the teacher's weights; auto: bf16 on GPU, fp32 on CPU
 
 # answers per prompt at most: each is planned (an id, a document) before the first is generated, so a count
 # far past any use (1e12) would hold the build there with nothing to show
@@ -150,7 +150,7 @@ class PlanConfig:
     # read only the input's first N documents: a quick trial of a large input
     limit: int | None = option(None, panel=DATA, help="Read only the input's first N documents: a quick trial.")
     # a document stored with other text: error, replace (recompute) or skip (keep)
-    on_duplicate: str = option(
+    on_duplicate: OnDuplicate = option(
         "error",
         choices=lambda: ON_DUPLICATE,
         panel=STORE,
@@ -181,7 +181,7 @@ class EngineOptions:
     which live mode (`train --live-teacher`) offers too. `BuildConfig` is one; `LiveConfig` holds one."""
 
     # a teacher engine (`pipelines/engines/`)
-    engine: str = option(
+    engine: EngineName = option(
         WorkerSettings.engine,
         choices=engine_names,
         panel=TEACHER,
@@ -260,17 +260,18 @@ class BuildConfig(EngineOptions, PlanConfig):
         panel=TEACHER,
         help="Hugging Face model directory, .gguf file, Hub id (org/name[@rev], local cache first), or built-in name (default: smollm2-135m-instruct). Repeat for several teachers.",
     )
-    # None: default_sparsity() (sampled 16; top-64 with student tokenizers or vLLM's logprobs); the flags'
-    # request (`SparsityFlags`) is resolved against that default on construction
-    sparsity: Sparsity | SparsityFlags | None = group(
+    # as asked (`sparsity.requested`): the `Sparsity` the flags name, or the flags (none of --top-k/--top-p/
+    # --sample given), which the build's engine settles (`Engine.settle`: sampled 16; top-64 with student
+    # tokenizers or vLLM's logprobs; a served teacher's K); the build's plan holds the settled one
+    sparsity: Sparsity | SparsityFlags = group(
         SparsityFlags,
-        default=None,
+        default_factory=SparsityFlags,
         parse=lambda values: SparsityFlags(**values),
-        show=lambda sparsity: to_values(SparsityFlags.of(sparsity)),
+        show=lambda sparsity: to_values(flags_of(sparsity)),
     )
     batch_tokens: int = option(BATCH_TOKENS, panel=TEACHER, help="Padded tokens per teacher batch.")
     device: str = option("auto", panel=TEACHER, help="auto, cpu or cuda\\[:N].")
-    dtype: str = option("auto", choices=lambda: DTYPES, panel=TEACHER, help="auto: bf16 on GPU, fp32 on CPU.")
+    dtype: Dtype = option("auto", choices=lambda: DTYPES, panel=TEACHER, help="auto: bf16 on GPU, fp32 on CPU.")
     workers: int = option(1, panel=TEACHER, help="Teacher worker processes (or Ray actors with --ray-address).")
     ray_address: str | None = option(
         None, panel=TEACHER, help="Ray cluster address, 'auto', or 'local' to start one here."
@@ -286,7 +287,7 @@ class BuildConfig(EngineOptions, PlanConfig):
         help="GPUs per teacher engine (--engine vllm): tensor parallelism, for teachers that do not fit one GPU.",
     )
     # the vLLM engine's output (`engines/vllm/`): hidden or logprobs
-    vllm_output: str = option(
+    vllm_output: VllmOutput = option(
         WorkerSettings.vllm_output,
         choices=lambda: VLLM_OUTPUTS,
         panel=TEACHER,
@@ -299,9 +300,6 @@ class BuildConfig(EngineOptions, PlanConfig):
         help="Store the teacher under this name (default: its folder's or file's name), e.g. to keep another engine's or dtype's entries apart.",
     )
     progress: bool = True
-    # no --top-k/--top-p/--sample was given: the engine's default applies (the server engine's K follows the
-    # server's maximum); kept through `dataclasses.replace`, which constructs from a resolved `Sparsity`
-    default_sparsity: bool = False
     # "[NAME=]TOK" each: align every sample to these too
     student_tokenizers: tuple[str, ...] = option(
         (),
@@ -310,7 +308,7 @@ class BuildConfig(EngineOptions, PlanConfig):
         help="\\[NAME=]TOK: also align every sample to this student tokenizer (a tokenizer or model folder, or a tokenizer.json). Repeatable.",
     )
     # chat data: teacher entries for the completion only, or prompt+completion
-    train_on: str = option(
+    train_on: TrainOn = option(
         StreamSpec.train_on,  # the store keeps what the stream trains on by default
         choices=lambda: chat.TRAIN_ON,
         panel=DATA,
@@ -353,17 +351,8 @@ class BuildConfig(EngineOptions, PlanConfig):
         if self.data is None and self.chat_column:  # the shipped chat sample, as the text sample corpus for text
             self.data = str(SAMPLE_CHAT)
         Location.parse(self.store)  # a --store that cannot be one (a file, a bad scheme): refused before anything loads
-        engine = engine_class(self.engine)  # an unknown --engine is refused here, naming the engines
-        # the library and the CLI share one default
-        default = default_sparsity(
-            student_tokenizers=bool(self.student_tokenizers), engine_samples=engine.samples(self)
-        )
-        if self.sparsity is None:
-            self.sparsity, self.default_sparsity = default, True
-        elif isinstance(self.sparsity, SparsityFlags):
-            flags = self.sparsity
-            self.default_sparsity = flags.top_k is None and flags.top_p is None and flags.sample is None
-            self.sparsity = flags.resolve(default)
+        engine_class(self.engine)  # an unknown --engine is refused here, naming the engines
+        self.sparsity = requested(self.sparsity)  # contradicting flags are refused here
         refuse_failed(self._checks(), BuildError)
 
     def _checks(self) -> list[tuple[bool, str]]:

@@ -207,7 +207,10 @@ def _measure(cfg: BuildConfig, plan: BuildPlan, unit: Unit, estimate: BuildEstim
     batches: list[tuple[float, int]] = []  # (when it ended, its tokens)
     one = dataclasses.replace(cfg, workers=1, ray_address=None)
     executor = make_executor(
-        one, teacher_spec=plan.info.spec, on_batch=lambda n: batches.append((time.perf_counter(), n))
+        one,
+        settings=plan.settings,
+        on_batch=lambda n: batches.append((time.perf_counter(), n)),
+        hand_over=plan.hand_over,
     )
     loaded = time.perf_counter()
     try:

@@ -33,9 +33,10 @@ from logitstore.errors import LogitstoreError
 from logitstore.pipelines import align
 from logitstore.pipelines.config import BuildConfig, BuildError
 from logitstore.pipelines.engines import generator_class
+from logitstore.pipelines.engines.base import HandOver
+from logitstore.pipelines.engines.settings import WorkerSettings
 from logitstore.pipelines.inputs import Document
 from logitstore.pipelines.retokenize import AnswerText, Prompt, stop_text
-from logitstore.pipelines.workers import worker_settings
 from logitstore.store.generation import answer_id, answer_source_hash, generation_id, prompt_record, seed_of
 from logitstore.store.meta import RUN_MARKER
 from logitstore.text import chat
@@ -69,13 +70,17 @@ class Generation:
     and the generator itself, loaded on first use (in the planner, before the first unit: a generator
     that cannot load fails the build before anything is written)."""
 
-    def __init__(self, cfg: BuildConfig, *, teacher, engine: str):
+    def __init__(self, cfg: BuildConfig, *, teacher, settings: WorkerSettings, hand_over: HandOver | None = None):
         assert cfg.generate is not None, "a Generation is made for build --generate"
         self.cfg, self.teacher, self.max_new_tokens = cfg, teacher, cfg.generate
+        # the build's settled settings: a generator that is the teacher's server takes its K and check from them
+        self.settings = settings
+        self.hand_over = hand_over  # what a generator sharing the teacher scores for the build's engine
         # the generator's tokenizer where it is not the teacher's; answers are carried as text then (`text`)
         self.tokenizer = None
         if cfg.generator_urls:  # checked now, before anything is written: one line and exit 2 on failure
-            self.spec, generator = teacher.spec, _describe_served(cfg, teacher=teacher)
+            self.spec = teacher.spec
+            self.settings, generator = _served_generator(cfg, settings=settings, teacher=teacher)
         else:
             self.spec, generator, self.tokenizer = _describe_generator(cfg.generator, teacher=teacher)
         if self.tokenizer is not None and cfg.chat_column and not getattr(self.tokenizer, "chat_template", None):
@@ -85,7 +90,7 @@ class Generation:
             )
         self.record: dict[str, Any] = {
             "generator": generator,
-            "engine": engine,
+            "engine": settings.engine,
             "max_new_tokens": cfg.generate,
             "temperature": cfg.generation_temperature,
             "top_p": cfg.generation_top_p,
@@ -109,16 +114,15 @@ class Generation:
 
     def generator(self):
         if self._generator is None:
-            cfg = self.cfg
-            settings = worker_settings(cfg, teacher_spec=self.spec)
+            cfg, settings = self.cfg, dataclasses.replace(self.settings, teacher_spec=self.spec)
             engine = "server" if cfg.generator_urls else cfg.engine
-            if cfg.generator_urls:
-                settings = dataclasses.replace(settings, server_urls=cfg.generator_urls)
             # the teacher's loaded weights (or its server's answers' scores) are shared with an engine in
             # this process only
             shares = cfg.generator is None and not cfg.generator_urls and cfg.workers == 1 and not cfg.ray_address
             try:
-                self._generator = generator_class(engine)(settings, spec=self.spec, shares_teacher=shares)
+                self._generator = generator_class(engine)(
+                    settings, spec=self.spec, shares_teacher=shares, hand_over=self.hand_over if shares else None
+                )
             except (LogitstoreError, OSError, ValueError, RuntimeError) as e:
                 raise BuildError(f"generator {self.spec.name!r} cannot load: {_one_line(e)}") from None
         return self._generator
@@ -296,15 +300,16 @@ def _model_stop_ids(spec) -> list[int]:
     return model_stop_ids(spec)
 
 
-def _describe_served(cfg: BuildConfig, *, teacher) -> dict:
-    """What the store records of a served generator (`--generator-url`), after its preflight: the served
+def _served_generator(cfg: BuildConfig, *, settings: WorkerSettings, teacher) -> tuple[WorkerSettings, dict]:
+    """A served generator (`--generator-url`) checked once (its preflight): the settings its `ServerGenerator`
+    is built from (the replicas, what the check found), and what the store records of it: the served
     model's name and the server, the URLs without credentials; the key is in no record."""
     # engines load on use (their registry): only a served generator needs this one, with its HTTP clients
     from logitstore.pipelines.engines.server.preflight import generator_preflight
 
-    settings = dataclasses.replace(worker_settings(cfg, teacher_spec=teacher.spec), server_urls=cfg.generator_urls)
+    settings = dataclasses.replace(settings, server_urls=cfg.generator_urls)
     served = generator_preflight(settings, teacher.spec)
-    return {
+    return dataclasses.replace(settings, checked=served), {
         "name": served.model,
         "source": None,
         "content_hash": None,

@@ -30,6 +30,7 @@ import numpy as np
 from logitstore.errors import LogitstoreError
 from logitstore.format.samples import SparseSamples, StudentTokens
 from logitstore.pipelines.engines import engine_class
+from logitstore.pipelines.engines.base import HandOver, Settled
 from logitstore.pipelines.engines.settings import WorkerSettings
 from logitstore.store.writer import PartWriter, WrittenPart
 from logitstore.text.chat import supervised_positions
@@ -89,13 +90,13 @@ class Unit:
 class TeacherWorker:
     """Holds one teacher engine (`pipelines/engines/`); turns units into written parts."""
 
-    def __init__(self, settings: WorkerSettings):
+    def __init__(self, settings: WorkerSettings, *, hand_over: HandOver | None = None):
         self.settings = settings
         self.on_batch: Callable[[int], None] | None = None  # told the tokens of each batch computed
         # One forward pass at a time (one teacher, one device): held for the forward pass alone, so
         # selection and writes (CPU) run while another thread's forward pass keeps the teacher busy.
         self._compute_lock = threading.Lock()
-        self.engine = engine_class(settings.engine)(settings, lock=self._compute_lock)
+        self.engine = engine_class(settings.engine)(settings, lock=self._compute_lock, hand_over=hand_over)
 
     def process(self, unit: Unit, writer: PartWriter) -> tuple[WrittenPart, Unit]:
         """Compute and write one unit. Safe to call from several threads: the forward passes take turns
@@ -161,8 +162,8 @@ class InProcessExecutor:
     goes into its own fork of the driver's transaction: a commit between two merges never catches a
     half-written part."""
 
-    def __init__(self, settings: WorkerSettings):
-        self.worker = TeacherWorker(settings)
+    def __init__(self, settings: WorkerSettings, *, hand_over: HandOver | None = None):
+        self.worker = TeacherWorker(settings, hand_over=hand_over)
         self.pool = ThreadPoolExecutor(max_workers=OVERLAP, thread_name_prefix="logitstore-unit")
 
     def compute(self, unit: Unit) -> SparseSamples:
@@ -350,7 +351,8 @@ def interrupted_on_sigterm():
 
 
 def worker_settings(cfg, *, teacher_spec) -> WorkerSettings:
-    """A build's worker settings (`cfg` is a `BuildConfig`)."""
+    """A build's worker settings (`cfg` is a `BuildConfig`), with its sparsity as asked: its engine's
+    `settle` makes the settings engines are built from (`settled_settings`)."""
     return WorkerSettings(
         teacher_spec=teacher_spec,
         device=cfg.device,
@@ -362,9 +364,17 @@ def worker_settings(cfg, *, teacher_spec) -> WorkerSettings:
         tensor_parallel=cfg.tensor_parallel,
         max_length=cfg.max_length,
         vllm_output=cfg.vllm_output,
-        default_sparsity=cfg.default_sparsity,
+        aligns_students=bool(cfg.student_tokenizers),
         **cfg.engine_settings(),
     )
+
+
+def settled_settings(cfg, *, teacher_spec) -> Settled:
+    """`worker_settings` checked and settled by the build's engine (`Engine.check`, `Engine.settle`)."""
+    engine = engine_class(cfg.engine)
+    settings = worker_settings(cfg, teacher_spec=teacher_spec)
+    engine.check(settings, teacher_spec)  # e.g. vLLM missing, or no GPU: one line, before anything is written
+    return engine.settle(settings)
 
 
 def visible_gpus() -> list[str]:
@@ -393,19 +403,19 @@ class LoadingExecutor:
     The build takes the executor (`take`) or leaves it (`leave`: on an error before, or nothing to compute):
     one left, or loaded after being left, is closed; a build does not wait for a load it leaves."""
 
-    def __init__(self, cfg, *, teacher_spec, on_batch: Callable[[int], None]):
+    def __init__(self, cfg, *, settings: WorkerSettings, on_batch: Callable[[int], None]):
         self._lock = threading.Lock()
         self._executor: Any = None
         self._error: BaseException | None = None
         self._left = False
         self._thread = threading.Thread(
-            target=self._load, args=(cfg, teacher_spec, on_batch), name="logitstore-teacher-load", daemon=True
+            target=self._load, args=(cfg, settings, on_batch), name="logitstore-teacher-load", daemon=True
         )
         self._thread.start()
 
-    def _load(self, cfg, teacher_spec, on_batch) -> None:
+    def _load(self, cfg, settings, on_batch) -> None:
         try:
-            executor = make_executor(cfg, teacher_spec=teacher_spec, on_batch=on_batch)
+            executor = make_executor(cfg, settings=settings, on_batch=on_batch)
         except BaseException as error:  # noqa: BLE001 - raised in the build's thread by `take`
             self._error = error
             return
@@ -438,14 +448,21 @@ def loads_early(cfg) -> bool:
     return cfg.engine == "torch" and cfg.workers == 1 and not cfg.ray_address and not cfg.generate
 
 
-def make_executor(cfg, *, teacher_spec, on_batch: Callable[[int], None] | None = None):
-    """The executor `cfg` asks for. `on_batch(tokens)` hears of every teacher batch computed in this
-    process (the in-process executor); the others report units as they come back."""
-    settings = worker_settings(cfg, teacher_spec=teacher_spec)
+def make_executor(
+    cfg,
+    *,
+    settings: WorkerSettings,
+    on_batch: Callable[[int], None] | None = None,
+    hand_over: HandOver | None = None,
+):
+    """The executor `cfg` asks for, its engines built from `settings` (settled: `settled_settings`).
+    `on_batch(tokens)` hears of every teacher batch computed in this process (the in-process executor); the
+    others report units as they come back. `hand_over`: what the build's generator scored, for an engine
+    in this process."""
     if cfg.ray_address:
         return RayExecutor(settings, workers=cfg.workers, address=cfg.ray_address)
     if cfg.workers == 1:
-        executor = InProcessExecutor(settings)
+        executor = InProcessExecutor(settings, hand_over=hand_over)
         executor.worker.on_batch = on_batch
         return executor
     if cfg.store.startswith("memory://"):

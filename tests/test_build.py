@@ -309,7 +309,7 @@ def test_the_in_process_executor_overlaps_units_keeps_their_order_and_raises_the
     lock = threading.Lock()
 
     class Worker:
-        def __init__(self, settings):
+        def __init__(self, settings, *, hand_over=None):
             pass
 
         def close(self):

@@ -20,6 +20,7 @@ from logitstore.pipelines.inputs import Document
 from logitstore.pipelines.plan import load_student_tokenizers
 from logitstore.pipelines.retokenize import AnswerText, stop_text
 from logitstore.pipelines.teacher import describe_teacher, model_stop_ids
+from logitstore.pipelines.workers import settled_settings
 from logitstore.store.generation import seed_of
 from logitstore.testing.prompts import PROMPTS, write_prompts
 from logitstore.testing.teachers import save_tiny_llama
@@ -82,7 +83,8 @@ def student_side(view, sample_id: str) -> tuple[np.ndarray, np.ndarray]:
 
 def generated_answers(cfg: BuildConfig) -> dict[str, np.ndarray]:
     """The generator's own answers to the prompts, as the build asked for them (one call, input order)."""
-    generation = Generation(cfg, teacher=describe_teacher(cfg.teacher), engine="torch")
+    info = describe_teacher(cfg.teacher)
+    generation = Generation(cfg, teacher=info, settings=settled_settings(cfg, teacher_spec=info.spec).settings)
     try:
         tokenizer = generation.tokenizer
         ids = [np.asarray(i) for i in tokenizer(list(PROMPTS.values()))["input_ids"]]
@@ -103,7 +105,8 @@ def test_answers_of_another_tokenizer_are_scored_as_their_text(stores, tiny_teac
     cfg = BuildConfig(store=str(store), data=str(prompts), prompt_column="prompt", generate=N, max_length=64)
     cfg = dataclasses.replace(cfg, teacher=tiny_teacher, generator=gpt2_generator, seed=7)
     generated = generated_answers(cfg)
-    gpt2 = Generation(cfg, teacher=describe_teacher(tiny_teacher), engine="torch").tokenizer
+    info = describe_teacher(tiny_teacher)
+    gpt2 = Generation(cfg, teacher=info, settings=settled_settings(cfg, teacher_spec=info.spec).settings).tokenizer
     end = stop_text(teacher, model_stop_ids(describe_teacher(tiny_teacher).spec))
     retokenized = 0
     for prompt_id, prompt in PROMPTS.items():
@@ -154,9 +157,8 @@ def test_a_generator_renders_a_conversation_with_its_own_template_and_the_teache
     store, summary = stores["chat"]
     info = describe_teacher(tiny_teacher)
     cfg = BuildConfig(store=str(store), data=str(store), chat_column="messages", generate=N, max_length=64)
-    generation = Generation(
-        dataclasses.replace(cfg, teacher=tiny_teacher, generator=gpt2_generator), teacher=info, engine="torch"
-    )
+    cfg = dataclasses.replace(cfg, teacher=tiny_teacher, generator=gpt2_generator)
+    generation = Generation(cfg, teacher=info, settings=settled_settings(cfg, teacher_spec=info.spec).settings)
     generation.carry_as_text(info.tokenizer, [])
     doc = Document(id="q", text=None, token_ids=None, source_hash="0" * 32, row=0, messages=CHATS["q"])
     [prompt] = generation.prompt_tokens(info.tokenizer, [doc])

@@ -538,11 +538,11 @@ def test_without_tokenize_the_echoed_ids_check_the_tokenizer(servers, tiny_teach
     spec = resolve_teacher(tiny_teacher)
     settings = WorkerSettings(spec, "cpu", "auto", Sparsity(k=8), 8192, 0, engine="server", server_urls=(server.url,))
     try:
-        assert preflight(settings, spec, fresh=True).k == 8
+        assert preflight(settings, spec).k == 8
         server.tokenizer, mine = AutoTokenizer.from_pretrained(gpt2_tokenizer_dir), server.tokenizer
         try:
             with pytest.raises(ServerError, match="tokenizes a probe text otherwise"):
-                preflight(settings, spec, fresh=True)
+                preflight(settings, spec)
         finally:
             server.tokenizer = mine
     finally:

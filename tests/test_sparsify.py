@@ -104,17 +104,27 @@ def test_the_cli_default_is_sampled_except_where_probabilities_are_needed():
 
 
 def test_one_default_for_the_cli_the_build_and_live_mode():
+    """A config keeps the sparsity as asked; the engine settles the default (`Engine.settle`), once."""
+    from logitstore.format.sparsity import SparsityFlags
     from logitstore.live.config import LiveConfig
     from logitstore.pipelines.build import BuildConfig
     from logitstore.pipelines.engines import engine_class
+    from logitstore.pipelines.workers import worker_settings
 
-    assert LiveConfig().sparsity == BuildConfig().sparsity == DEFAULT_SAMPLED
-    assert LiveConfig.from_flags("default").sparsity == DEFAULT_SAMPLED  # train --live-teacher default
-    assert BuildConfig(engine="vllm").sparsity == DEFAULT_SAMPLED  # vLLM draws through its hidden states
+    def settled(cfg: BuildConfig) -> Sparsity:  # no teacher needed: these engines settle without one
+        return engine_class(cfg.engine).settle(worker_settings(cfg, teacher_spec=None)).settings.stored
+
+    assert LiveConfig().sparsity == BuildConfig().sparsity == SparsityFlags()  # unset: the engine's default
+    assert LiveConfig.from_flags("default").sparsity == SparsityFlags()  # train --live-teacher default
+    assert BuildConfig(sparsity=SparsityFlags(top_k=8)).sparsity == Sparsity(k=8)  # flags that name one: settled
+    assert settled(BuildConfig()) == DEFAULT_SAMPLED
+    assert settled(BuildConfig(engine="vllm")) == DEFAULT_SAMPLED  # vLLM draws through its hidden states
     top_k_only = BuildConfig(engine="vllm", vllm_output="logprobs")  # prompt log-probabilities: top-k only
-    assert top_k_only.sparsity == DEFAULT_TOPK == BuildConfig(student_tokenizers=("gpt2",)).sparsity
-    assert engine_class("torch").samples(BuildConfig()) and engine_class("vllm").samples(BuildConfig(engine="vllm"))
-    assert not engine_class("vllm").samples(top_k_only)
+    assert settled(top_k_only) == DEFAULT_TOPK == settled(BuildConfig(student_tokenizers=("gpt2",)))
+    assert settled(BuildConfig(sparsity=SparsityFlags(temperature=2.0))) == Sparsity(
+        mode="sampled", n=16, temperature=2.0
+    )
+    assert settled(BuildConfig(sparsity=Sparsity(k=8), student_tokenizers=("gpt2",))) == Sparsity(k=8)
 
 
 def test_sparsity_round_trips_through_teacher_metadata_with_its_grid():

@@ -40,8 +40,8 @@ from logitstore.options import (
     to_values,
 )
 from logitstore.sizes import parse_bytes
-from logitstore.streaming.spec import DEFAULT_MEMORY_BUDGET, ON_ERROR, StreamSpec
-from logitstore.text.chat import TRAIN_ON
+from logitstore.streaming.spec import DEFAULT_MEMORY_BUDGET, ON_ERROR, OnError, StreamConfigError, StreamSpec
+from logitstore.text import TRAIN_ON, TrainOn
 from logitstore.trainer.trackers import check_sinks
 
 EVAL_ONLY = "-"  # the `out` of a configuration that only evaluates (`logitstore eval`): it writes nothing
@@ -107,7 +107,7 @@ class DataConfig:
         panel=DATA,
         help="Stored data each process's stream holds in memory (e.g. 512MB); a store larger than this is read in windows of parts, shuffled within each (docs/train.md 'Streaming').",
     )
-    on_error: str = option(
+    on_error: OnError = option(
         StreamSpec.on_error,
         choices=lambda: ON_ERROR,
         panel=DATA,
@@ -122,7 +122,7 @@ class DataConfig:
     eval_fraction: float = option(
         StreamSpec.eval_fraction, panel=DATA, help="Share of samples held out, by sample id hash."
     )
-    train_on: str = option(
+    train_on: TrainOn = option(
         StreamSpec.train_on,
         choices=lambda: TRAIN_ON,
         panel=DATA,
@@ -130,14 +130,13 @@ class DataConfig:
     )
 
     def __post_init__(self) -> None:
+        try:  # the stream's own checks, each naming its flag
+            self.stream_spec(seed=0, rank=None, world_size=None, split="train")
+        except StreamConfigError as e:
+            assert e.field is not None, "a StreamSpec check names its field"
+            raise TrainConfigError(f"--{e.field.replace('_', '-')}{str(e)[len(e.field) :]}") from None
         _check(
             [
-                (self.train_on in TRAIN_ON, f"--train-on must be one of {', '.join(TRAIN_ON)}"),
-                (self.seq_len >= 2, "--seq-len must be at least 2"),
-                (self.micro_batch >= 1, "--micro-batch must be at least 1"),
-                (0 <= self.eval_fraction <= 1, "--eval-fraction must be in [0, 1] (0 holds nothing out)"),
-                (self.on_error in ON_ERROR, "--on-error must be raise or skip"),
-                (self.reader_groups is None or self.reader_groups >= 1, "--reader-groups must be at least 1"),
                 (not (self.teacher_weights and self.teacher), "--teacher and --teacher-weight exclude each other"),
                 (all(w > 0 for w in (self.teacher_weights or {}).values()), "--teacher-weight weights must be > 0"),
                 (not (self.version_weights and self.version), "--version and --version-weight exclude each other"),
@@ -146,6 +145,22 @@ class DataConfig:
         )
 
         parse_bytes(self.memory_budget, name="--memory-budget")  # a typo fails here, not in every rank
+
+    def stream_spec(self, *, seed: int, rank: int | None, world_size: int | None, split: str) -> StreamSpec:
+        """The stream these options make (for one rank where `rank` is given)."""
+        return StreamSpec(
+            seq_len=self.seq_len,
+            micro_batch=self.micro_batch,
+            seed=seed,
+            rank=rank,
+            world_size=world_size,
+            split=split,
+            eval_fraction=self.eval_fraction,
+            memory_budget=self.memory_budget,
+            on_error=self.on_error,
+            train_on=self.train_on,
+            reader_groups=self.reader_groups,
+        )
 
 
 @dataclass
@@ -360,20 +375,7 @@ class TrainConfig:
 
     def stream_spec(self, *, rank: int, world_size: int, split: str) -> StreamSpec:
         """The options of this run's stream of `split` for one rank."""
-        d = self.data
-        return StreamSpec(
-            seq_len=d.seq_len,
-            micro_batch=d.micro_batch,
-            seed=self.student.seed,
-            rank=rank,
-            world_size=world_size,
-            split=split,
-            eval_fraction=d.eval_fraction,
-            memory_budget=d.memory_budget,
-            on_error=d.on_error,
-            train_on=d.train_on,
-            reader_groups=d.reader_groups,
-        )
+        return self.data.stream_spec(seed=self.student.seed, rank=rank, world_size=world_size, split=split)
 
     @classmethod
     def from_flags(cls, *, live=None, **flags) -> TrainConfig:

@@ -48,6 +48,7 @@ from logitstore.live.stream import live_stream
 from logitstore.live.teacher import InRankTeacher, LiveTeacher, plan_live_samples, settle_engine, start_teacher
 from logitstore.streaming.spec import StreamSpec
 from logitstore.streaming.stream import store_stream
+from logitstore.text import TrainOn
 from logitstore.trainer.attention import ATTENTION
 from logitstore.trainer.attention import register as register_attention
 from logitstore.trainer.config import LossConfig
@@ -78,7 +79,7 @@ class StoreDistillation(_TrainerBase):
         teacher: str | None = StreamSpec.teacher,
         eval_fraction: float = StreamSpec.eval_fraction,
         memory_budget: int | str | None = StreamSpec.memory_budget,
-        train_on: str = StreamSpec.train_on,
+        train_on: TrainOn = StreamSpec.train_on,
         live: LiveConfig | None = None,
         **trainer_kwargs,
     ):

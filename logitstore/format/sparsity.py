@@ -10,19 +10,25 @@ plus the selection temperature (stored log-probabilities are always at temperatu
 grid the log-probabilities are quantised to (`grid.CodecParams`; `grid.GRIDS` names three).
 
 A `Sparsity` comes from build's (and live train's) flags (`sparsity_from_flags`), from a store's teacher
-metadata (`Sparsity.from_meta`, which `TeacherMeta` holds), or is `default_sparsity()`: the one default. How the entries are
-selected from a forward pass lives in `pipelines/sparsify.py`.
+metadata (`Sparsity.from_meta`, which `TeacherMeta` holds), or is `default_sparsity()`: the one default.
+
+A config holds the sparsity as asked (`SparsityRequest`, made by `requested`): the `Sparsity` its flags name,
+or, where none of --top-k/--top-p/--sample is given, the flags themselves, which only an engine can settle
+(`pipelines/engines/base.py`'s `Engine.settle`: sampled 16, top-64, or a served teacher's K). How the
+entries are selected from a forward pass lives in `pipelines/sparsify.py`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import Literal, TypeAlias, get_args
 
 from logitstore.errors import LogitstoreError
 from logitstore.format.grid import GRIDS, CodecParams
 from logitstore.options import option
 
-MODES = ("topk", "topp", "sampled")
+Mode = Literal["topk", "topp", "sampled"]
+MODES: tuple[Mode, ...] = get_args(Mode)
 
 
 class SparsityError(LogitstoreError, ValueError):
@@ -36,7 +42,7 @@ DEFAULT_K = 64
 
 @dataclass(frozen=True)
 class Sparsity:
-    mode: str = "topk"
+    mode: Mode = "topk"
     k: int = DEFAULT_K
     p: float | None = None
     n: int | None = None
@@ -129,7 +135,7 @@ def sparsity_from_flags(
         grid = GRIDS[grid]
     if top_k is None and top_p is None and sample is None:
         return replace(default, temperature=temperature, grid=grid)
-    mode = "sampled" if sample is not None else "topp" if top_p is not None else "topk"
+    mode: Mode = "sampled" if sample is not None else "topp" if top_p is not None else "topk"
     return Sparsity(
         mode=mode, k=DEFAULT_K if top_k is None else top_k, p=top_p, n=sample, temperature=temperature, grid=grid
     )
@@ -164,6 +170,12 @@ class SparsityFlags:
         help="Log-probability grid: default (0.025-nat bound above -5 nats), fine (0.001, finer than fp16) or coarse (0.05); see 'Choosing a budget'.",
     )
 
+    @property
+    def given(self) -> bool:
+        """Whether these flags name a sparsity (one of --top-k, --top-p, --sample); else an engine's
+        default applies, at these flags' temperature and grid."""
+        return self.top_k is not None or self.top_p is not None or self.sample is not None
+
     def resolve(self, default: Sparsity) -> Sparsity:
         return sparsity_from_flags(
             top_k=self.top_k,
@@ -187,3 +199,29 @@ class SparsityFlags:
             temperature=sparsity.temperature,
             value_grid=grid,
         )
+
+
+# A config's sparsity until an engine settles it: a `Sparsity` where the flags name one, else the flags
+# (`SparsityFlags`, none of --top-k/--top-p/--sample given), whose temperature and grid the default takes.
+SparsityRequest: TypeAlias = "Sparsity | SparsityFlags"
+
+
+def requested(value: Sparsity | SparsityFlags | None) -> Sparsity | SparsityFlags:
+    """`value` as a config keeps it (`SparsityRequest`): flags that name a sparsity become it (checked
+    here, so a contradiction is refused before anything loads); None asks for the default."""
+    if value is None:
+        return SparsityFlags()
+    if isinstance(value, SparsityFlags):
+        settled = value.resolve(DEFAULT_SAMPLED)  # refuses bad flags now; the default is only taken if none given
+        return settled if value.given else value
+    return value
+
+
+def settle(request: Sparsity | SparsityFlags, *, default: Sparsity) -> Sparsity:
+    """The sparsity `request` asks for: itself, or `default` at the request's temperature and grid."""
+    return request if isinstance(request, Sparsity) else request.resolve(default)
+
+
+def flags_of(request: Sparsity | SparsityFlags) -> SparsityFlags:
+    """The flags that make `request` (what print-config shows)."""
+    return request if isinstance(request, SparsityFlags) else SparsityFlags.of(request)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import datetime as dt
 import re
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 import numpy as np
 
@@ -31,7 +32,8 @@ WRITER = "logitstore 0.1.0"
 DEFAULT_BRANCH = "main"
 # What a write does with a sample id the branch holds (`StoreWriter`'s on_duplicate and on_changed), and a
 # build with a document stored under its id with other text (`--on-duplicate`): refuse, replace, or keep.
-ON_DUPLICATE = ("error", "replace", "skip")
+OnDuplicate = Literal["error", "replace", "skip"]
+ON_DUPLICATE: tuple[OnDuplicate, ...] = get_args(OnDuplicate)
 RUN_MARKER = "logitstore-run.json"  # marks a `logitstore train` run's folder (trainer/run_folder.py)
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # teachers, student tokenizers, tags and branches
 PART_LAYOUTS = ("packed+students", "packed", "arrays")  # `TeacherMeta.part_layout`, newest first

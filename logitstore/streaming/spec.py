@@ -11,19 +11,26 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 from logitstore.errors import LogitstoreError
-from logitstore.options import refuse_failed
+from logitstore.text import TRAIN_ON, TrainOn
 
 SPLITS = ("train", "eval")
-ON_ERROR = ("raise", "skip")
+OnError = Literal["raise", "skip"]
+ON_ERROR: tuple[OnError, ...] = get_args(OnError)
 DEFAULT_MEMORY_BUDGET = "4GiB"  # per reader process: a training node has ~1 TB for 8 ranks
 READ_THREADS = 8  # parts read at once: S3 answers in 10-50 ms, so one at a time would starve decoding
 
 
 class StreamConfigError(LogitstoreError, ValueError):
     """A stream that cannot be built as asked: a bad argument, an empty or too small split, a memory
-    budget below two parts, or a state from another run. A `LogitstoreError` and a `ValueError`."""
+    budget below two parts, or a state from another run. A `LogitstoreError` and a `ValueError`;
+    `field` names the `StreamSpec` field a bad argument was given for (the message starts with it)."""
+
+    def __init__(self, message: str, *, field: str | None = None):
+        super().__init__(message)
+        self.field = field
 
 
 @dataclass(frozen=True)
@@ -64,31 +71,35 @@ class StreamSpec:
     split: str = "train"
     eval_fraction: float = 0.05
     memory_budget: int | str | None = None
-    on_error: str = "raise"
+    on_error: OnError = "raise"
     prefetch: int = 4
     read_threads: int = READ_THREADS
-    train_on: str = "completion"
+    train_on: TrainOn = "completion"
     reader_groups: int | None = None
     loader_workers: int = 0
 
     def __post_init__(self) -> None:
         rank, world = self.rank, self.world_size
         placed = world is None or (world >= 1 and (rank is None or 0 <= rank < world))
-        checks = [
-            (self.seq_len >= 2, f"seq_len must be at least 2 (a token and the one it predicts), got {self.seq_len}"),
-            (self.micro_batch >= 1, f"micro_batch must be at least 1, got {self.micro_batch}"),
-            (placed and (rank is None or rank >= 0), f"rank {rank} is outside world size {world}"),
-            (self.split in SPLITS, f"split must be one of {SPLITS}, got {self.split!r}"),
-            (self.prefetch >= 0, f"prefetch must be >= 0, got {self.prefetch}"),
-            (self.on_error in ON_ERROR, f"on_error must be one of {ON_ERROR}, got {self.on_error!r}"),
-            (0 <= self.eval_fraction <= 1, f"eval_fraction must be in [0, 1], got {self.eval_fraction}"),
+        checks = [  # (ok, field, what is wrong): the message starts with the field's name
+            (self.seq_len >= 2, "seq_len", f"must be at least 2 (a token and the one it predicts), got {self.seq_len}"),
+            (self.micro_batch >= 1, "micro_batch", f"must be at least 1, got {self.micro_batch}"),
+            (placed and (rank is None or rank >= 0), "rank", f"{rank} is outside world size {world}"),
+            (self.split in SPLITS, "split", f"must be one of {', '.join(SPLITS)}, got {self.split!r}"),
+            (self.prefetch >= 0, "prefetch", f"must be >= 0, got {self.prefetch}"),
+            (self.on_error in ON_ERROR, "on_error", f"must be one of {', '.join(ON_ERROR)}, got {self.on_error!r}"),
+            (self.train_on in TRAIN_ON, "train_on", f"must be one of {', '.join(TRAIN_ON)}, got {self.train_on!r}"),
+            (0 <= self.eval_fraction <= 1, "eval_fraction", f"must be in [0, 1], got {self.eval_fraction}"),
             (
                 self.reader_groups is None or self.reader_groups >= 1,
-                f"reader_groups must be >= 1, got {self.reader_groups}",
+                "reader_groups",
+                f"must be >= 1, got {self.reader_groups}",
             ),
-            (self.loader_workers >= 0, f"loader_workers must be >= 0, got {self.loader_workers}"),
+            (self.loader_workers >= 0, "loader_workers", f"must be >= 0, got {self.loader_workers}"),
         ]
-        refuse_failed(checks, StreamConfigError)
+        for ok, name, problem in checks:
+            if not ok:
+                raise StreamConfigError(f"{name} {problem}", field=name)
 
     def default_reader_groups(self) -> int:
         """Reader groups when `reader_groups` is not given (a placed spec): the world size, times

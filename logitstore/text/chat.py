@@ -29,9 +29,9 @@ import json
 import numpy as np
 
 from logitstore.errors import LogitstoreError
+from logitstore.text import TRAIN_ON
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
-TRAIN_ON = ("completion", "prompt+completion")
 
 
 class ChatError(LogitstoreError):

@@ -11,9 +11,10 @@ the builds of the other engines from importing torch, vLLM or aiohttp.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import NamedTuple, get_args
 
 from logitstore.pipelines.engines.base import Engine, EngineError, Generator
+from logitstore.pipelines.engines.settings import EngineName
 from logitstore.pipelines.engines.vllm import VLLM_OUTPUTS
 
 __all__ = ["ENGINES", "VLLM_OUTPUTS", "EngineError", "engine_class", "engine_names", "generator_class"]
@@ -45,10 +46,11 @@ def _server() -> Registered:
     return Registered(ServerEngine, ServerGenerator)
 
 
-ENGINES: dict[str, Callable[[], Registered]] = {"torch": _torch, "vllm": _vllm, "server": _server}
+ENGINES: dict[EngineName, Callable[[], Registered]] = {"torch": _torch, "vllm": _vllm, "server": _server}
+assert set(ENGINES) == set(get_args(EngineName)), "one registered engine per name"
 
 
-def engine_names() -> list[str]:
+def engine_names() -> list[EngineName]:
     """The engines `--engine` accepts."""
     return sorted(ENGINES)
 

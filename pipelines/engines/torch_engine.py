@@ -23,7 +23,7 @@ import transformers
 
 from logitstore.format.samples import SparseSamples, concat
 from logitstore.pipelines import sparsify
-from logitstore.pipelines.engines.base import Engine, EngineError, Generator
+from logitstore.pipelines.engines.base import Engine, EngineError, Generator, HandOver
 from logitstore.pipelines.engines.shared import cut_at_stop, halving_on_oom, stop_token_ids, token_budget_batches
 from logitstore.pipelines.teacher import Teacher, TeacherForward, load_teacher
 
@@ -66,7 +66,9 @@ class TorchEngine(Engine):
     def version(cls) -> str:
         return f"torch {torch.__version__}, transformers {transformers.__version__}"
 
-    def __init__(self, settings, *, lock: threading.Lock):
+    def __init__(
+        self, settings, *, lock: threading.Lock, hand_over: HandOver | None = None
+    ):  # nothing handed over: it scores the answers itself
         self.settings = settings
         self.teacher: Teacher | None = load_teacher_once(
             settings.teacher_spec, resolved_device(settings.device), self.resolved_dtype(settings)
@@ -110,7 +112,7 @@ class Selection:
         lengths = np.array([len(t) for t in tokens])
         order = np.argsort(-lengths, kind="stable")
         generator = None
-        if self.settings.sparsity.sampled:  # one generator per call: draws depend on the seed and the batches only
+        if self.settings.stored.sampled:  # one generator per call: draws depend on the seed and the batches only
             generator = torch.Generator(device=self.device).manual_seed(seed)
         run = functools.partial(self._launch, generator=generator)
         launched: deque[_Launched] = deque()
@@ -147,7 +149,7 @@ class Selection:
                 ids,
                 mask,
                 lengths=lengths,
-                sparsity=self.settings.sparsity,
+                sparsity=self.settings.stored,
                 generator=generator,
                 keep=head_on,
             )
@@ -159,7 +161,7 @@ class Selection:
             sample_ids=launched.sample_ids,
             lengths=launched.lengths,
             input_ids=launched.tokens,
-            sparsity=self.settings.sparsity,
+            sparsity=self.settings.stored,
         )
         if on_batch is not None:
             on_batch(int(launched.lengths.sum()))
@@ -242,7 +244,7 @@ class TorchGenerator(Generator):
     answer in any batch, up to the float rounding of the logits themselves, which padding and batch
     shape can move (a near-tie can then flip). Temperature 0 is greedy decoding."""
 
-    def __init__(self, settings, *, spec, shares_teacher: bool):
+    def __init__(self, settings, *, spec, shares_teacher: bool, hand_over: HandOver | None = None):
         device, dtype = resolved_device(settings.device), dtype_for(settings.dtype, settings.device)
         if shares_teacher:  # inside `shared_teachers()`, the teacher's engine and this share one load
             self.teacher: Teacher | None = load_teacher_once(spec, device, dtype)

@@ -1,14 +1,11 @@
 """What a request to the server asks and what its answer holds: a prompt's log-probabilities as the sparse
 top-k arrays (`served_to_sparse`, through `prompt_logprobs`, as the vLLM engine converts its own), a generation request and its
-answer's ids and top log-probabilities, and the answers scored in their generating request, handed to the
-engine in this process (`HAND_OVER`).
+answer's ids and top log-probabilities, and an answer scored in its generating request (`scored_answer`).
 """
 
 from __future__ import annotations
 
-import hashlib
 import re
-import threading
 
 import numpy as np
 import orjson
@@ -164,33 +161,3 @@ def scored_answer(body: bytes, prompt: np.ndarray, answer: np.ndarray, *, k: int
         null_at=prompt_part.null_at,
     )
     return flat_to_sparse(flat, np.concatenate([prompt, answer]), k=k, vocab_size=vocab_size)
-
-
-class HandOver:
-    """Answers scored in their generating request, by the digest of prompt + answer tokens, until the
-    engine's `compute` takes them: the planner's generator and the in-process executor's engine share
-    this process (one build at a time). What is never taken (a sample already stored, a dry run) goes when
-    the generator closes."""
-
-    def __init__(self) -> None:
-        self._arrays: dict[bytes, dict] = {}
-        self._lock = threading.Lock()
-
-    @staticmethod
-    def key(tokens) -> bytes:
-        return hashlib.sha256(np.asarray(tokens, dtype=np.int64).tobytes()).digest()
-
-    def put(self, tokens, arrays: dict) -> None:
-        with self._lock:
-            self._arrays[self.key(tokens)] = arrays
-
-    def take(self, tokens) -> dict | None:
-        with self._lock:
-            return self._arrays.pop(self.key(tokens), None)
-
-    def clear(self) -> None:
-        with self._lock:
-            self._arrays.clear()
-
-
-HAND_OVER = HandOver()

@@ -1,7 +1,8 @@
 """The server engine (`ServerEngine`): each sample one request through the replicas' pool, its answer read
 into the sparse arrays and selected as the torch engine selects (`row_samples`); refused and too long samples
 are left out and counted (`take_skips`). And the served generator (`ServerGenerator`): one request per answer,
-whose prompt's and answer's top-K come back with it where the generator is the teacher (`HAND_OVER`).
+whose prompt's and answer's top-K come back with it where the generator is the teacher (the build's
+`HandOver`, `base.py`).
 """
 
 from __future__ import annotations
@@ -16,12 +17,11 @@ import numpy as np
 import orjson
 
 from logitstore.format.samples import SparseSamples, concat
-from logitstore.format.sparsity import DEFAULT_K, Sparsity
-from logitstore.pipelines.engines.base import Engine, Generator
+from logitstore.format.sparsity import DEFAULT_K, Sparsity, settle
+from logitstore.pipelines.engines.base import Engine, Generator, HandOver, Settled
 from logitstore.pipelines.engines.prompt_logprobs import check_ids
 from logitstore.pipelines.engines.server.client import Answer, Replicas, ServerError, api_key
 from logitstore.pipelines.engines.server.completions import (
-    HAND_OVER,
     UNUSABLE,
     answer_ids,
     generation_request,
@@ -30,9 +30,11 @@ from logitstore.pipelines.engines.server.completions import (
 )
 from logitstore.pipelines.engines.server.preflight import (
     PROBE_TEXT,
+    ServedGenerator,
+    ServedTeacher,
     answer_logprobs_are_raw,
-    generator_preflight,
     preflight,
+    refuse_unservable,
 )
 from logitstore.pipelines.engines.server.served_json import MalformedResponse
 from logitstore.pipelines.engines.shared import cut_at_stop
@@ -53,7 +55,7 @@ class ServerEngine(Engine):
 
     @classmethod
     def check(cls, settings, spec) -> None:
-        preflight(settings, spec, k_defaulted=settings.default_sparsity, fresh=True)
+        refuse_unservable(settings)  # the replicas themselves are checked once, by `settle`
 
     @classmethod
     def resolved_dtype(cls, settings) -> str:
@@ -68,35 +70,35 @@ class ServerEngine(Engine):
         return f"aiohttp {aiohttp.__version__}, orjson {orjson.__version__}"
 
     @classmethod
-    def settled(cls, settings, spec) -> tuple[Sparsity, str | None]:
-        """The sparsity at the K the servers take (module docstring), and the line the build starts with."""
-        served = preflight(settings, spec, k_defaulted=settings.default_sparsity)
-        sparsity = dataclasses.replace(settings.sparsity, k=served.k)
+    def settle(cls, settings) -> Settled:
+        """The replicas checked (`preflight`, once per build: its answer goes on as `settings.checked`), and
+        the sparsity at the K they take (module docstring), with the line the build starts with."""
+        served = preflight(settings, settings.teacher_spec)
+        defaulted = not isinstance(settings.sparsity, Sparsity)
+        sparsity = settle(settings.sparsity, default=Sparsity(k=served.k))
+        sparsity = dataclasses.replace(sparsity, k=served.k)
         note = (
             f"--engine server: {sparsity.describe()} from {len(served.urls)} replica(s) of {served.model} "
             f"(server {served.version})"
         )
-        if settings.default_sparsity:
+        if defaulted:
             note += f"; no --top-k given: K = min({DEFAULT_K}, the server's maximum) = {served.k}"
-        return sparsity, note
+        return Settled(dataclasses.replace(settings, sparsity=sparsity, checked=served), note)
 
     @classmethod
     def recorded(cls, settings, spec) -> dict:
         """The teacher metadata's `server` field (`ServedTeacher.record`: no key, no credentials)."""
-        return {"server": preflight(settings, spec, k_defaulted=settings.default_sparsity).record()}
+        return {"server": served_teacher(settings).record()}
 
-    def __init__(self, settings, *, lock: threading.Lock, log=None):
+    def __init__(self, settings, *, lock: threading.Lock, hand_over: HandOver | None = None, log=None):
         from logitstore.pipelines.teacher import (
             describe_teacher,
         )  # torch comes with it: the preflight imports this module before a build loads torch
 
         self.settings, self.spec = settings, settings.teacher_spec
         self.vocab_size = describe_teacher(self.spec).vocab_size
-        self.served = preflight(settings, self.spec, k_defaulted=settings.default_sparsity)
-        if self.served.k != settings.sparsity.k:  # `settled` ran in the driver: the settings carry the K
-            raise ServerError(
-                f"the server's K changed since the build started ({settings.sparsity.k} -> {self.served.k})"
-            )
+        self.served = served_teacher(settings)
+        self.hand_over = hand_over
         log = log or (lambda message: print(message, file=sys.stderr, flush=True))
         self.skips: dict[str, str] = {}  # sample id -> a `SKIP_REASONS`, until the worker takes it
         self.replicas: Replicas | None = Replicas(
@@ -119,9 +121,10 @@ class ServerEngine(Engine):
         limit = self.served.max_model_len
         sent, parts = [], []
         for sid, row in zip(sample_ids, tokens):
-            arrays = HAND_OVER.take(row)  # scored by the request that generated it (`ServerGenerator`)
+            # scored by the request that generated it (`ServerGenerator`)
+            arrays = self.hand_over.take(row) if self.hand_over is not None else None
             if arrays is not None:
-                parts.append(row_samples(sid, np.asarray(row), arrays, self.settings.sparsity))
+                parts.append(row_samples(sid, np.asarray(row), arrays, self.settings.stored))
                 if on_batch is not None:
                     on_batch(len(row))
                 continue
@@ -150,13 +153,13 @@ class ServerEngine(Engine):
                     raise ServerError(
                         f"--server-url {redacted(answer.url)}: malformed answer for sample {sid!r}: {error}"
                     ) from None
-                parts.append(row_samples(sid, np.asarray(row), arrays, self.settings.sparsity))
+                parts.append(row_samples(sid, np.asarray(row), arrays, self.settings.stored))
                 if on_batch is not None:
                     on_batch(len(row))
         finally:
             for _, _, future in sent:
                 future.cancel()
-        return concat(parts) if parts else _empty(self.settings.sparsity)
+        return concat(parts) if parts else _empty(self.settings.stored)
 
     def take_skips(self, sample_ids: list[str]) -> Counter:
         """How many of these samples were skipped, by reason (forgotten here)."""
@@ -182,14 +185,21 @@ def _empty(sparsity) -> SparseSamples:
     )
 
 
+def served_teacher(settings) -> ServedTeacher:
+    """What `ServerEngine.settle`'s preflight found, carried by the settled settings."""
+    served = settings.checked
+    assert isinstance(served, ServedTeacher), "ServerEngine.settle runs before an engine is built"
+    return served
+
+
 class ServerGenerator(Generator):
     """Answers from a served model (the generator interface, `base.Generator`): the
     `--generator-url` replicas (`settings.server_urls`), or, with `shares_teacher`, the teacher's own
     replicas, whose generating request also returns the top-K of every position (`scored_answer`),
-    handed to the engine's `compute` in this process (`HAND_OVER`) so no second request scores it. One
+    handed to the engine's `compute` in this process (the build's `HandOver`) so no second request scores it. One
     request per answer through the engine's `Replicas` (retries, replicas set aside, `ServerOutage`)."""
 
-    def __init__(self, settings, *, spec, shares_teacher: bool):
+    def __init__(self, settings, *, spec, shares_teacher: bool, hand_over: HandOver | None = None):
         from logitstore.pipelines.teacher import (
             describe_teacher,
             model_stop_ids,
@@ -199,14 +209,14 @@ class ServerGenerator(Generator):
         self.vocab_size = describe_teacher(spec).vocab_size  # the generator's tokenizer is the teacher's
         self.k: int | None = None
         self.settings, self.spec, self._checked = settings, spec, True
-        if shares_teacher:
-            teacher = preflight(settings, spec, k_defaulted=settings.default_sparsity)
-            self.model, urls, self.k = teacher.model, teacher.urls, teacher.k
-            self.flag = "--server-url"
+        self.hand_over = hand_over
+        # checked by the build: the teacher's replicas (`ServerEngine.settle`) or a --generator-url's
+        served = settings.checked
+        assert isinstance(served, ServedTeacher | ServedGenerator), "the build checks the servers before it generates"
+        self.model, urls, self.flag = served.model, served.urls, "--generator-url"
+        if isinstance(served, ServedTeacher) and shares_teacher and hand_over is not None:
+            self.k, self.flag = served.k, "--server-url"  # its answers are scored in their generating request
             self._checked = False  # whether answers' log-probabilities are the model's: at the first answers
-        else:
-            served = generator_preflight(settings, spec)
-            self.model, urls, self.flag = served.model, served.urls, "--generator-url"
         self.replicas: Replicas | None = Replicas(
             urls=urls,
             key=api_key(settings),
@@ -272,14 +282,14 @@ class ServerGenerator(Generator):
             check_ids(ids, vocab_size=self.vocab_size)
             cut = cut_at_stop(ids, self.stop_ids)
             if self.k is not None and len(cut) == len(ids):
+                assert self.hand_over is not None, "only a generator sharing the teacher scores its answers"
                 arrays = scored_answer(answer.body, prompt, ids, k=self.k, vocab_size=self.vocab_size)
-                HAND_OVER.put(np.concatenate([prompt, ids]), arrays)
+                self.hand_over.put(np.concatenate([prompt, ids]), arrays)
         except UNUSABLE as error:
             raise ServerError(f"{self.flag} {shown}: malformed generation answer: {error}") from None
         return cut
 
     def close(self) -> None:
-        HAND_OVER.clear()
         replicas, self.replicas = self.replicas, None
         if replicas is not None:
             replicas.close()

@@ -8,17 +8,15 @@ K = min(DEFAULT_K, the server's maximum)).
 from __future__ import annotations
 
 import re
-import threading
 from dataclasses import dataclass
 
 import numpy as np
 import orjson
 
-from logitstore.format.sparsity import DEFAULT_K
+from logitstore.format.sparsity import DEFAULT_K, Sparsity
 from logitstore.pipelines.engines.server.client import (
     Checks,
     ServerError,
-    api_key,
     check_one_credential,
     error_message,
     parse_json,
@@ -62,44 +60,43 @@ class ServedTeacher:
         }
 
 
-_preflights: dict[tuple, ServedTeacher] = {}  # by (urls, teacher, K asked, default): one per build
-_preflights_lock = threading.Lock()
-
-
-def preflight(settings, spec, *, k_defaulted: bool = False, fresh: bool = False) -> ServedTeacher:
-    """Checks every replica (module docstring) and returns what the build records; one line on failure.
-    Asked again with the same settings, the answer of the last check (`fresh`: ask the servers again)."""
+def refuse_unservable(settings) -> None:
+    """What no server can do, refused without a request (`ServerEngine.check`): no --server-url, two
+    credentials, sampled entries, a temperature other than 1."""
     if not settings.server_urls:
         raise ServerError("--engine server needs --server-url URL (repeat it for several replicas)")
     check_one_credential(settings)
-    sparsity = settings.sparsity
-    if sparsity.sampled:
+    request = settings.sparsity
+    if isinstance(request, Sparsity) and request.sampled:  # asked for the default: top-K (`ServerEngine.samples`)
         raise ServerError(
             "--engine server cannot store --sample entries: a server returns the top-K prompt log-probabilities "
             "only, not the whole distribution to draw from; use --top-k or --top-p"
         )
-    if sparsity.temperature != 1:
+    if request.temperature != 1:
         raise ServerError(
             "--engine server selects entries at --temperature 1 only: a server's prompt log-probabilities are at "
             "temperature 1"
         )
-    # with the default, K is asked as DEFAULT_K whatever the settings carry (the settled K, once settled)
-    k = DEFAULT_K if k_defaulted else sparsity.k
-    key = (tuple(settings.server_urls), api_key(settings), spec, k, k_defaulted)
-    with _preflights_lock:
-        if fresh:
-            _preflights.pop(key, None)
-        if key not in _preflights:
-            with Checks(settings) as client:
-                served = [_check_replica(client, url, spec, k=k, k_defaulted=k_defaulted) for url in key[0]]
-            _preflights[key] = ServedTeacher(
-                model=served[0].model,
-                version=served[0].version,
-                k=min(s.k for s in served),
-                max_model_len=min((s.max_model_len for s in served if s.max_model_len), default=None),
-                urls=key[0],
-            )
-        return _preflights[key]
+
+
+def preflight(settings, spec) -> ServedTeacher:
+    """Checks every replica (module docstring) and returns what the build records; one line on failure.
+    `ServerEngine.settle` runs it once per build and passes its answer on (`WorkerSettings.checked`)."""
+    refuse_unservable(settings)
+    request = settings.sparsity
+    # asked for the default (no --top-k/--top-p/--sample): K = min(DEFAULT_K, the server's maximum)
+    k_defaulted = not isinstance(request, Sparsity)
+    k = DEFAULT_K if k_defaulted else request.k
+    urls = tuple(settings.server_urls)
+    with Checks(settings) as client:
+        served = [_check_replica(client, url, spec, k=k, k_defaulted=k_defaulted) for url in urls]
+    return ServedTeacher(
+        model=served[0].model,
+        version=served[0].version,
+        k=min(s.k for s in served),
+        max_model_len=min((s.max_model_len for s in served if s.max_model_len), default=None),
+        urls=urls,
+    )
 
 
 def _check_replica(client, url: str, spec, *, k: int, k_defaulted: bool) -> ServedTeacher:

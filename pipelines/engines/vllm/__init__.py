@@ -8,10 +8,13 @@ served answer's) into the sparse top-k arrays; `hardware.py` holds what differs 
 two outputs, the memory plan, and what vLLM documents that these modules rely on.
 """
 
+from typing import Literal, get_args
+
 from logitstore.errors import LogitstoreError
 
 # `--vllm-output`: the vLLM engine's final hidden states, or its prompt log-probabilities
-VLLM_OUTPUTS = ("hidden", "logprobs")
+VllmOutput = Literal["hidden", "logprobs"]
+VLLM_OUTPUTS: tuple[VllmOutput, ...] = get_args(VllmOutput)
 
 
 class VllmEngineError(LogitstoreError):

@@ -23,7 +23,8 @@ import numpy as np
 import torch
 
 from logitstore.format.samples import SparseSamples, concat
-from logitstore.pipelines.engines.base import Engine, Generator
+from logitstore.format.sparsity import Sparsity, SparsityFlags
+from logitstore.pipelines.engines.base import Engine, Generator, HandOver
 from logitstore.pipelines.engines.prompt_logprobs import to_sparse
 from logitstore.pipelines.engines.shared import cut_at_stop, halving_on_oom
 from logitstore.pipelines.engines.torch_engine import Selection
@@ -95,7 +96,9 @@ class VllmEngine(Engine):
     def version(cls) -> str:
         return hardware.installed_vllm() or "vllm (not installed)"
 
-    def __init__(self, settings, *, lock: threading.Lock):
+    def __init__(
+        self, settings, *, lock: threading.Lock, hand_over: HandOver | None = None
+    ):  # nothing handed over: it scores the answers itself
         self.settings, self.lock = settings, lock
         info = describe_teacher(settings.teacher_spec)
         platform = current_platform()
@@ -107,7 +110,7 @@ class VllmEngine(Engine):
             plan_vllm,
             model=str(spec.path / spec.gguf_file) if spec.gguf_file else str(spec.path),
             output=settings.vllm_output,
-            k=settings.sparsity.k or 1,
+            k=settings.stored.k or 1,
             vocab_size=info.vocab_size,
             batch_tokens=settings.batch_tokens,
             max_length=settings.max_length,
@@ -129,8 +132,8 @@ class VllmEngine(Engine):
             else:
                 logprobs_plan = plan()
                 self._runner = runner_for(
-                    ("logprobs", logprobs_plan.llm, logprobs_plan.sampling, settings.sparsity.k),
-                    lambda: VllmTeacher(logprobs_plan, k=settings.sparsity.k),
+                    ("logprobs", logprobs_plan.llm, logprobs_plan.sampling, settings.stored.k),
+                    lambda: VllmTeacher(logprobs_plan, k=settings.stored.k),
                 )
             if self._runner.vocab_size != self.vocab_size:
                 raise VllmEngineError(
@@ -162,13 +165,11 @@ class VllmEngine(Engine):
         assert isinstance(self._runner, VllmTeacher), "the engine is closed"
         with self.lock:
             rows = self._runner.forward(tokens)
-        return concat(
-            [row_samples(sid, t, row, self.settings.sparsity) for sid, t, row in zip(sample_ids, tokens, rows)]
-        )
+        return concat([row_samples(sid, t, row, self.settings.stored) for sid, t, row in zip(sample_ids, tokens, rows)])
 
 
-def _check_prompt_logprobs(sparsity) -> None:
-    if sparsity.sampled:
+def _check_prompt_logprobs(sparsity: Sparsity | SparsityFlags) -> None:
+    if isinstance(sparsity, Sparsity) and sparsity.sampled:  # asked for the default: top-K (`samples`)
         raise VllmEngineError(
             "--vllm-output logprobs cannot store --sample entries: vLLM returns the top-K prompt "
             "log-probabilities only, not the whole distribution to draw from; use --vllm-output hidden "
@@ -328,7 +329,7 @@ class VllmGenerator(Generator):
     requests itself. The same seed gives the same answer on the same vLLM, device and batch shape
     (vLLM's own guarantee for per-request seeds); the answers are vLLM's, not the torch engine's."""
 
-    def __init__(self, settings, *, spec, shares_teacher: bool):
+    def __init__(self, settings, *, spec, shares_teacher: bool, hand_over: HandOver | None = None):
         self.stop_ids = model_stop_ids(spec)
         dtype = VllmEngine.resolved_dtype(settings)
         plan = plan_generation(
