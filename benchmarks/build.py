@@ -41,6 +41,7 @@ import json
 import os
 import statistics
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -160,11 +161,20 @@ def forward_only(model, planned, sparsity: Sparsity) -> tuple[float, list[float]
 
 
 class StandIn:
-    """A teacher as fast as a GPU: replays real selected rows at `rate` tokens/s (see the module docstring)."""
+    """A teacher as fast as a GPU: replays real selected rows at `rate` tokens/s (see the module docstring).
+
+    It runs as a GPU's stream does: a batch is queued when it is launched (`forward_selected` returns at
+    once, as kernel launches do) and is done `tokens / rate` seconds after the batch queued before it; the
+    host waits for it where it reads the batch (`HostSelected.ready`, as the torch engine waits for a
+    copy's event). So the host's work on one batch overlaps the next batch's forward pass, as the engine's
+    queue of depth one arranges on a GPU, and a host that falls behind leaves the device idle."""
 
     def __init__(self, pool: dict[str, torch.Tensor], *, rate: float):
         self.pool, self.rate, self.cursor = pool, rate, 0
         self.rows = len(pool["tail"])
+        self.free_at = 0.0  # when the device finishes what was queued so far (perf_counter seconds)
+        self.due: dict[int, float] = {}  # id of a queued batch's `Selected` -> when it is done
+        self.lock = threading.Lock()
 
     @classmethod
     def pool_from(cls, model, planned, sparsity: Sparsity) -> dict[str, torch.Tensor]:
@@ -176,27 +186,44 @@ class StandIn:
         return {name: torch.cat(rows) for name, rows in parts.items()}
 
     def forward_selected(self, model, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, lengths, **_):
-        start = time.perf_counter()
         take = (self.cursor + np.arange(int((lengths - 1).sum()))) % self.rows
         self.cursor = (self.cursor + len(take)) % self.rows
         # numpy's gather: torch's index_select on the CPU can stall ~8 ms a call in its thread pool on a busy machine
         selected = sparsify.Selected(**{name: torch.from_numpy(rows.numpy()[take]) for name, rows in self.pool.items()})
-        left = int(attention_mask.sum()) / self.rate - (time.perf_counter() - start)
-        if left > 0:
-            time.sleep(left)  # the GPU's share: the host waits, its CPU free
+        with self.lock:  # the device's queue: this batch starts when the one before it is done
+            self.free_at = max(self.free_at, time.perf_counter()) + int(attention_mask.sum()) / self.rate
+            self.due[id(selected)] = self.free_at
         return selected
+
+    def to_host(self, selected: sparsify.Selected) -> sparsify.HostSelected:
+        host = sparsify.HostSelected({name: t for name, t in selected.tensors().items()})
+        with self.lock:
+            host.ready = _Done(self.due.pop(id(selected)))  # type: ignore[assignment]  # an event's `synchronize`
+        return host
 
     @contextlib.contextmanager
     def installed(self):
-        """The build's workers call the selection module's `forward_selected`: point it at this stand-in,
-        from the pool's first row (so every run stores the same rows)."""
-        self.cursor = 0
-        saved = sparsify.forward_selected
-        sparsify.forward_selected = self.forward_selected
+        """The build's workers call the selection module's `forward_selected` and `to_host`: point them at
+        this stand-in, from the pool's first row (so every run stores the same rows) and an idle device."""
+        self.cursor, self.free_at = 0, 0.0
+        saved = sparsify.forward_selected, sparsify.to_host
+        sparsify.forward_selected, sparsify.to_host = self.forward_selected, self.to_host
         try:
             yield
         finally:
-            sparsify.forward_selected = saved
+            sparsify.forward_selected, sparsify.to_host = saved
+
+
+class _Done:
+    """A stand-in batch's end, waited for as a CUDA event is: the host sleeps (its CPU free) until then."""
+
+    def __init__(self, at: float):
+        self.at = at
+
+    def synchronize(self) -> None:
+        left = self.at - time.perf_counter()
+        if left > 0:
+            time.sleep(left)
 
 
 class UnitClock:

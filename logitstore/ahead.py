@@ -16,11 +16,12 @@ _POLL_SECONDS = 0.1  # how soon a blocked producer notices that the consumer lef
 _ITEM, _END, _ERROR = range(3)
 
 
-def read_ahead(items: Iterable[T], *, depth: int, name: str) -> Generator[T, None, None]:
+def read_ahead(items: Iterable[T], *, depth: int, name: str, eager: bool = False) -> Generator[T, None, None]:
     """The items of `items`, produced by a daemon thread named `name` up to `depth` items ahead. The
-    thread starts at the first `next()`. An exception in the producer is raised here, after the items
-    before it, with its traceback. Closing the iterator (or leaving a loop over it) stops the thread
-    and waits for the item it is producing."""
+    thread starts at the first `next()` (`eager`: at once, so items are produced before the first is
+    asked for). An exception in the producer is raised here, after the items before it, with its
+    traceback. Closing the iterator (or leaving a loop over it) stops the thread and waits for the item
+    it is producing."""
     ahead: queue.Queue = queue.Queue(maxsize=depth)
     stop = threading.Event()
 
@@ -43,8 +44,19 @@ def read_ahead(items: Iterable[T], *, depth: int, name: str) -> Generator[T, Non
             put((_ERROR, e))
 
     thread = threading.Thread(target=produce, name=name, daemon=True)
-    thread.start()
+    consumer = _consumed(ahead, stop, thread, eager=eager)
+    if eager:
+        thread.start()
+        next(consumer)  # inside its `try` from here: closing it before the first item stops the producer
+    return consumer
+
+
+def _consumed(ahead: queue.Queue, stop: threading.Event, thread: threading.Thread, *, eager: bool) -> Generator:
     try:
+        if eager:
+            yield None  # taken by `read_ahead` itself
+        else:
+            thread.start()
         while True:
             kind, value = ahead.get()
             if kind == _END:
@@ -54,4 +66,5 @@ def read_ahead(items: Iterable[T], *, depth: int, name: str) -> Generator[T, Non
             yield value
     finally:
         stop.set()
-        thread.join()
+        if thread.ident is not None:
+            thread.join()

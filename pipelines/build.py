@@ -247,10 +247,15 @@ def _compute(
         else:
             executor = make_executor(cfg, settings=plan.settings, on_batch=progress.batch, hand_over=plan.hand_over)
         startup.mark("teacher")
+        planner = None
         try:
             head = [first]
             new_teacher = store is None or meta.name not in store.read(_base_branch(store, cfg)).teachers
             samples = executor.compute(first) if new_teacher else None
+            # planned by a thread from here on; a new teacher's next units start on the teacher as they are
+            # planned, while this thread makes the store and registers the teacher
+            started = _starting(plan.units, executor, count=START_AHEAD if new_teacher else 0)
+            planner = read_ahead(started, depth=PLAN_AHEAD, name="logitstore-plan", eager=True)
             store = _store_and_branch(store, cfg)
             if new_teacher and _add_teacher_with_first_unit(
                 store, cfg, meta, plan.info, first, samples, summary, students=plan.students
@@ -258,11 +263,23 @@ def _compute(
                 head = []
                 count_skips(summary, first)
                 progress.update(tokens=first.n_tokens, samples=len(first.sample_ids), documents=first.documents_read)
-            _process(store, cfg, head, plan.units, executor, summary, progress, stored=plan.stored)
+            # the first unit computed and written in this thread: the kernels are compiled (`InProcessExecutor.map`)
+            warm = not head
+            _process(store, cfg, head, planner, executor, summary, progress, stored=plan.stored, warm=warm)
             progress.finish()
         finally:
+            if planner is not None:
+                planner.close()  # stops the planner thread
             executor.close()  # the engines' close() (workers.py), on success, failure and interruption
     return store
+
+
+def _starting(units: Iterator[Unit], executor, *, count: int) -> Iterator[Unit]:
+    """`units`, the first `count` of them started on the teacher as they are planned (`executor.start`)."""
+    for i, unit in enumerate(units):
+        if i < count:
+            executor.start(unit)
+        yield unit
 
 
 def run_builds(
@@ -399,20 +416,24 @@ def _process(
     progress: Progress,
     *,
     stored: StoredDocuments,
+    warm: bool = False,
 ) -> None:
     try:
-        _merge_units(store, cfg, head, rest, executor, summary, progress, stored=stored)
+        _merge_units(store, cfg, head, rest, executor, summary, progress, stored=stored, warm=warm)
     except ChangedTextError as e:  # the planner met what the branch held; the writer, what a build added since
         raise BuildError(changed_text(e.sample_id, stored=e.stored, new=e.new, concurrent=True)) from None
 
 
-def _merge_units(store, cfg, head, rest, executor, summary, progress: Progress, *, stored: StoredDocuments) -> None:
+def _merge_units(
+    store, cfg, head, rest, executor, summary, progress: Progress, *, stored: StoredDocuments, warm: bool = False
+) -> None:
     writer = _writer(store, cfg)
     last_commit = time.monotonic()
-    units = read_ahead(itertools.chain(head, rest), depth=PLAN_AHEAD, name="logitstore-plan")
+    units = itertools.chain(head, rest)  # `rest`: planned ahead by the planner thread, which the caller closes
     try:
         # writer_for reads `writer` when called: after a commit it is the new transaction's writer
-        for written, unit in executor.map(units, writer_for=lambda: writer, max_in_flight=2 * cfg.workers):  # noqa: B023
+        mapped = executor.map(units, writer_for=lambda: writer, max_in_flight=2 * cfg.workers, warm=warm)  # noqa: B023
+        for written, unit in mapped:
             writer.remove(summary.teacher, unit.replaces)  # the changed documents' old windows
             writer.merge(written)  # the summary counts what each commit holds (`count_commit`)
             count_skips(summary, unit)
@@ -425,8 +446,6 @@ def _merge_units(store, cfg, head, rest, executor, summary, progress: Progress, 
         # a bad row further on, or the teacher's server gone: the units computed before it are kept
         _commit(writer, cfg, summary, final=False)
         raise
-    finally:
-        units.close()  # stops the planner thread
     writer.remove(summary.teacher, stored.take_removals())  # replaced documents no later unit carried
     _commit(writer, cfg, summary, final=True)
 
@@ -444,6 +463,11 @@ def _writer(store: Store, cfg: BuildConfig):
 # fast teacher idle (a GPU-speed stand-in loses ~15% of its time to it, benchmarks/build.py). A unit
 # ahead holds only its tokens (~130 KB), so 32 of them cost ~4 MB.
 PLAN_AHEAD = 32
+# Units a new teacher's build starts computing while it registers the teacher (`InProcessExecutor.start`):
+# registration (the store made, the metadata and the first unit committed) takes ~0.1 s, six units of a
+# GPU-speed teacher at 1M tokens/s; their selected entries wait in memory (~2 MB a unit) to be written.
+# The planner thread starts them as it plans them.
+START_AHEAD = 6
 
 
 def _commit(writer, cfg: BuildConfig, summary: BuildSummary, *, final: bool) -> None:

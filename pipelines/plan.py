@@ -167,7 +167,7 @@ def plan_units(
     pending = Unit(index=0)
     seen: set[str] = set()
     drop_tool_calls = bool(cfg.chat_column) and not chat.renders_tool_calls(tokenizer)
-    for doc_batch in _batched(cfg.documents(), 256, max_chars=TOKENIZE_CHARS):
+    for doc_batch in _batched(cfg.documents(), 256, max_chars=TOKENIZE_CHARS, start=16):
         if drop_tool_calls:  # their calls would vanish from an empty reply: skipped and counted instead
             kept = [doc for doc in doc_batch if not chat.has_tool_calls(doc.messages)]
             summary.tool_calls += len(doc_batch) - len(kept)
@@ -316,10 +316,30 @@ _Tokenized = tuple[np.ndarray, dict, np.ndarray | None]
 
 def _tokenize(tokenizer, docs: list) -> list[_Tokenized]:
     texts = [d.text for d in docs if d.token_ids is None]
-    encoded = iter(tokenizer(texts)["input_ids"]) if texts else iter(())
+    encoded = iter(encode_ids(tokenizer, texts)) if texts else iter(())
     return [
         (np.asarray(d.token_ids if d.token_ids is not None else next(encoded), dtype=np.int64), {}, None) for d in docs
     ]
+
+
+def encode_ids(tokenizer, texts: list[str]) -> list[list[int]]:
+    """`tokenizer(texts)["input_ids"]`, the same ids: through the Rust tokenizer's `encode_batch_fast`
+    where `tokenizer` is a fast one set as `__call__` would set it (no truncation, no padding, special
+    tokens as its `split_special_tokens` says). It tracks no offsets and makes no Python object per token:
+    ~30% less of the build's planning time, which runs beside the teacher on the host's cores."""
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if backend is None or not _set_as_call_sets(tokenizer, backend):
+        return tokenizer(texts)["input_ids"]
+    return [encoding.ids for encoding in backend.encode_batch_fast(texts, add_special_tokens=True)]
+
+
+def _set_as_call_sets(tokenizer, backend) -> bool:
+    return (
+        hasattr(backend, "encode_batch_fast")
+        and backend.truncation is None
+        and backend.padding is None
+        and backend.encode_special_tokens == bool(getattr(tokenizer, "split_special_tokens", False))
+    )
 
 
 def _tokenize_chat(tokenizer, docs: list, students: Sequence[StudentSide] = ()) -> list[_Tokenized]:
@@ -405,11 +425,14 @@ def _window_students(alignments: dict, *, t_start: int, t_stop: int) -> dict[str
     return out
 
 
-def _batched(documents: Iterator, size: int, *, max_chars: int) -> Iterator[list]:
+def _batched(documents: Iterator, size: int, *, max_chars: int, start: int | None = None) -> Iterator[list]:
     """Batches of at most `size` documents and, past their first, `max_chars` characters: what one
-    tokenizer call holds in memory. A document longer than `MAX_DOCUMENT_CHARS` is refused here."""
+    tokenizer call holds in memory. A document longer than `MAX_DOCUMENT_CHARS` is refused here. With
+    `start`, the first batch holds at most `start` documents and each next one twice as many, up to `size`:
+    the first unit is read without tokenizing ahead of it (the build's start-up)."""
     batch: list = []
     chars = 0
+    limit = size if start is None else min(start, size)
     for doc in documents:
         n = _chars(doc)
         if n > MAX_DOCUMENT_CHARS:
@@ -418,9 +441,9 @@ def _batched(documents: Iterator, size: int, *, max_chars: int) -> Iterator[list
                 f"{MAX_DOCUMENT_CHARS:,} one document may have (tokenizing it whole takes ~{n * 90 / 1e9:.1f} GB); "
                 "split it into several documents"
             )
-        if batch and (len(batch) == size or chars + n > max_chars):
+        if batch and (len(batch) == limit or chars + n > max_chars):
             yield batch
-            batch, chars = [], 0
+            batch, chars, limit = [], 0, min(2 * limit, size)
         batch.append(doc)
         chars += n
     if batch:

@@ -98,12 +98,15 @@ class TeacherWorker:
         self._compute_lock = threading.Lock()
         self.engine = engine_class(settings.engine)(settings, lock=self._compute_lock, hand_over=hand_over)
 
-    def process(self, unit: Unit, writer: PartWriter) -> tuple[WrittenPart, Unit]:
-        """Compute and write one unit. Safe to call from several threads: the forward passes take turns
-        on the teacher, and selection and the write run beside the other thread's forward passes. A
-        unit's result does not depend on how the threads interleave (sampling is seeded per unit and
-        each unit's batches run in order in its own thread)."""
-        written = write_unit(writer, unit, self.compute(unit), teacher=self.engine.spec.name)
+    def process(
+        self, unit: Unit, writer: PartWriter, *, computed: SparseSamples | None = None
+    ) -> tuple[WrittenPart, Unit]:
+        """Compute (unless `computed` already) and write one unit. Safe to call from several threads: the
+        forward passes take turns on the teacher, and selection and the write run beside the other
+        thread's forward passes. A unit's result does not depend on how the threads interleave (sampling
+        is seeded per unit and each unit's batches run in order in its own thread)."""
+        samples = computed if computed is not None else self.compute(unit)
+        written = write_unit(writer, unit, samples, teacher=self.engine.spec.name)
         unit.tokens = []  # the driver needs the counts back, not the tokens
         return written, unit
 
@@ -165,25 +168,40 @@ class InProcessExecutor:
     def __init__(self, settings: WorkerSettings, *, hand_over: HandOver | None = None):
         self.worker = TeacherWorker(settings, hand_over=hand_over)
         self.pool = ThreadPoolExecutor(max_workers=OVERLAP, thread_name_prefix="logitstore-unit")
+        self._ahead: dict[int, Future] = {}  # unit index -> its compute, started before `map` meets it
 
     def compute(self, unit: Unit) -> SparseSamples:
         return self.worker.compute(unit)
 
+    def start(self, unit: Unit) -> None:
+        """Start computing `unit` now, in a unit thread; `map` writes it when it meets it. The teacher
+        works while the build registers a new teacher (store, metadata, first commit: ~0.1 s), which at
+        a GPU's pace is several units."""
+        self._ahead[unit.index] = self.pool.submit(self.worker.compute, unit)
+
+    def _process(self, unit: Unit, writer: PartWriter) -> tuple[WrittenPart, Unit]:
+        ahead = self._ahead.pop(unit.index, None)
+        if ahead is None:
+            return self.worker.process(unit, writer)
+        return self.worker.process(unit, writer, computed=ahead.result())
+
     def map(
-        self, units: Iterator[Unit], *, writer_for: Callable, max_in_flight: int
+        self, units: Iterator[Unit], *, writer_for: Callable, max_in_flight: int, warm: bool = False
     ) -> Iterator[tuple[WrittenPart, Unit]]:
+        """Each unit computed and written, in input order. `warm`: a unit was computed and written in this
+        thread already (a new teacher's first unit), so the kernels are compiled."""
         units = iter(units)
-        first = next(units, None)
+        first = None if warm else next(units, None)
         if first is not None:
             # The first unit runs in this thread, so numba compiles (or loads from its cache) the selection
             # and encoding kernels here. Compiled first in a unit thread, they can make the process abort at
             # exit ("terminate called without an active exception": about 1 build in 16 with an empty numba
             # cache). It costs one unit's overlap.
-            yield self.worker.process(first, writer_for().fork())
+            yield self._process(first, writer_for().fork())
         # One unit more than threads: a thread that finishes finds the next unit waiting.
         yield from _in_order(
             units,
-            lambda unit: self.pool.submit(self.worker.process, unit, writer_for().fork()),
+            lambda unit: self.pool.submit(self._process, unit, writer_for().fork()),
             max_in_flight=OVERLAP + 1,
         )
 
@@ -247,7 +265,10 @@ class ProcessExecutor:
     def compute(self, unit: Unit) -> SparseSamples:
         return self.pool.submit(_compute_in_worker, unit).result()
 
-    def map(self, units, *, writer_for, max_in_flight):
+    def start(self, unit: Unit) -> None:
+        """Nothing: its units are computed where they are written, in the worker processes."""
+
+    def map(self, units, *, writer_for, max_in_flight, warm: bool = False):  # warm: in-process only
         yield from _in_order(
             units,
             lambda unit: self.pool.submit(_process_in_worker, unit, writer_for().fork()),
@@ -307,7 +328,10 @@ class RayExecutor:
     def compute(self, unit: Unit) -> SparseSamples:
         return self.ray.get(self.actors[0].compute.remote(unit))
 
-    def map(self, units, *, writer_for, max_in_flight):
+    def start(self, unit: Unit) -> None:
+        """Nothing: its units are computed where they are written, in the actors."""
+
+    def map(self, units, *, writer_for, max_in_flight, warm: bool = False):  # warm: in-process only
         from ray.util import ActorPool  # the optional [ray] extra, as in __init__
 
         pool = ActorPool([a for _ in range(OVERLAP) for a in self.actors])  # OVERLAP slots per actor

@@ -585,3 +585,21 @@ def test_an_id_with_a_control_character_is_refused_naming_its_row(tiny_teacher, 
     samples = random_samples([bad], max_tokens=10)
     with pytest.raises(InvalidSampleError, match="without control characters"):
         samples.validate(vocab_size=1000)
+
+
+def test_the_planner_tokenizes_as_the_tokenizer_itself_does(gpt2_tokenizer_dir, tmp_path):
+    """`plan.encode_ids` (the Rust tokenizer's offsets-free batch) gives `tokenizer(texts)`'s ids: for the
+    default teacher's tokenizer and GPT-2's, special tokens in the text, empty and odd texts; and a tokenizer
+    set to truncate goes through `tokenizer(texts)` itself."""
+    from transformers import AutoTokenizer
+
+    from logitstore.data import SAMPLE_CORPUS
+    from logitstore.pipelines.plan import encode_ids
+    from logitstore.pipelines.teacher import describe_teacher
+
+    texts = [json.loads(line)["text"] for line in SAMPLE_CORPUS.read_text().splitlines()[:20]]
+    texts += ["<|im_start|>user hi<|im_end|>", "<|endoftext|>", "", " leading", "tab\tand\nnewline", "東京 café"]
+    for tokenizer in (describe_teacher(None).tokenizer, AutoTokenizer.from_pretrained(gpt2_tokenizer_dir)):
+        assert encode_ids(tokenizer, texts) == tokenizer(texts)["input_ids"]
+        tokenizer._tokenizer.enable_truncation(max_length=3)  # not how __call__ runs it: the fallback
+        assert encode_ids(tokenizer, texts) == tokenizer(texts)["input_ids"]

@@ -309,6 +309,12 @@ def test_a_part_is_written_as_zarr_writes_it_byte_for_byte(tmp_path, case):
         theirs = _objects(w.session.store, "teachers/teacher-a/parts/by-zarr/")
         arrays = zarr.open_group(w.session.store, mode="r")[f"teachers/teacher-a/parts/{part}"].store
         if meta.packed:  # one object; through PackedStore, the same objects as one array each
+            from zarr.core.buffer import default_buffer_prototype
+            from zarr.core.metadata import ArrayV3Metadata
+
+            document = ours["packed/zarr.json"]  # spliced (rawwrite.packed_document): Zarr's rendering, byte for byte
+            rendered = ArrayV3Metadata.from_dict(json.loads(document)).to_buffer_dict(default_buffer_prototype())
+            assert document == rendered["zarr.json"].to_bytes()
             packed_path = f"teachers/teacher-a/parts/{part}/packed"
             packed = zarr.open_array(w.session.store, path=packed_path, mode="r")
             members = array_members(packed, names=(), where=packed_path, grid=meta.grid)  # the writer's table passes

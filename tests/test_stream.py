@@ -571,7 +571,10 @@ def test_the_python_api_lists_the_streams_options_from_their_one_definition():
         default = inspect.Parameter.empty if f.default is dataclasses.MISSING else f.default
         assert parameters[f.name].default == default, f.name
     shown = pydoc.render_doc(logitstore.stream, renderer=pydoc.plaintext)
-    assert "memory_budget: int | str | None = None" in shown and "train_on: Literal['completion', 'prompt+completion'] = 'completion'" in shown
+    assert (
+        "memory_budget: int | str | None = None" in shown
+        and "train_on: Literal['completion', 'prompt+completion'] = 'completion'" in shown
+    )
     code = "import sys, logitstore; assert 'torch' not in sys.modules and 'numpy' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
 

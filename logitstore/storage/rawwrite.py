@@ -91,11 +91,20 @@ def group_document(attributes: dict) -> bytes:
     return GroupMetadata(attributes=attributes).to_buffer_dict(default_buffer_prototype())["zarr.json"].to_bytes()
 
 
-def pack(arrays: dict[str, EncodedArray]) -> tuple[bytes, dict]:
+@dataclasses.dataclass(frozen=True)
+class Member:
+    """One array of a packed part: its zarr.json as Zarr rendered it, and [offset, length] of each of its
+    objects in the packed chunk (None: not written)."""
+
+    document: bytes
+    objects: list[list[int] | None]
+
+
+def pack(arrays: dict[str, EncodedArray]) -> tuple[bytes, dict[str, Member]]:
     """Arrays (by name) as one packed chunk (store format 3, `packed.py`): their shards end to end, and
     the member table (`layout.MEMBERS`) that says where each lies and holds each array's zarr.json."""
     pieces: list[bytes] = []
-    members: dict[str, dict] = {}
+    members: dict[str, Member] = {}
     offset = 0
     for name, array in arrays.items():
         n_objects = max(array.shards, default=-1) + 1
@@ -104,24 +113,95 @@ def pack(arrays: dict[str, EncodedArray]) -> tuple[bytes, dict]:
             objects[number] = [offset, len(blob)]
             pieces.append(blob)
             offset += len(blob)
-        members[name] = {"zarr": json.loads(array.document), "objects": objects}
+        members[name] = Member(array.document, objects)
     return b"".join(pieces), members
 
 
-def packed_document(length: int, members: dict) -> bytes:
+def packed_document(length: int, members: dict[str, Member]) -> bytes:
     """The zarr.json of a packed array of `length` bytes: uint8, one chunk, no codec beyond `bytes` (its
-    members are compressed and checksummed already), the member table as its attribute."""
-    metadata = _packed_template()
+    members are compressed and checksummed already), the member table as its attribute. Byte for byte
+    what Zarr renders (`zarr_packed_document`), spliced: Zarr's rendering of the template around the
+    member table, and the table made of the members' own documents, re-indented. Zarr's rendering of the
+    whole table re-encodes every member's document through Python's JSON encoder with an indent, ~2 ms a
+    part holding the GIL, on the write's critical path."""
+    if length == 0:  # the shape and the chunk's differ (0 and 1): no splice
+        return zarr_packed_document(length, members)
+    before, after, indent = _packed_splice()
+    table = _members_text(members, indent=indent)
+    mark, value = str(_LENGTH_MARK).encode(), str(length).encode()
+    return before.replace(mark, value) + table + after.replace(mark, value)
+
+
+def zarr_packed_document(length: int, members: dict[str, Member]) -> bytes:
+    """`packed_document` as Zarr renders it whole (the reference the splice is tested against)."""
+    table = {name: {"zarr": json.loads(m.document), "objects": m.objects} for name, m in members.items()}
     return (
         dataclasses.replace(
-            metadata,
+            _packed_template(),
             shape=(length,),
             chunk_grid=RegularChunkGrid(chunk_shape=(max(1, length),)),
-            attributes={MEMBERS: members},
+            attributes={MEMBERS: table},
         )
         .to_buffer_dict(default_buffer_prototype())["zarr.json"]
         .to_bytes()
     )
+
+
+_TABLE_MARK = "logitstore-member-table-goes-here"
+
+
+@functools.lru_cache(maxsize=1)
+def _packed_splice() -> tuple[bytes, bytes, int]:
+    """Zarr's packed document around its member table: (text before the table, text after, the indent of
+    the table's line); the length appears as `_LENGTH_MARK` in the shape and the chunk's shape."""
+    metadata = dataclasses.replace(
+        _packed_template(),
+        shape=(_LENGTH_MARK,),
+        chunk_grid=RegularChunkGrid(chunk_shape=(_LENGTH_MARK,)),
+        attributes={MEMBERS: _TABLE_MARK},
+    )
+    text = metadata.to_buffer_dict(default_buffer_prototype())["zarr.json"].to_bytes()
+    mark = json.dumps(_TABLE_MARK).encode()
+    assert text.count(mark) == 1, "the member table's place appears once in the packed document"
+    before, after = text.split(mark)
+    return before, after, _line_indent(before)
+
+
+def _line_indent(before: bytes) -> int:
+    """The indent of the line the text `before` ends in (the member table's key)."""
+    line = before[before.rfind(b"\n") + 1 :]
+    return len(line) - len(line.lstrip(b" "))
+
+
+def _members_text(members: dict[str, Member], *, indent: int) -> bytes:
+    """The member table as `json.dumps(table, indent=2)` renders it nested at `indent` spaces: each
+    member's document (rendered by Zarr with indent 2) re-indented, not re-encoded."""
+    if not members:
+        return b"{}"
+    pad = b" " * indent
+    rows = []
+    for name, member in members.items():
+        inner = pad + b"    "
+        document = member.document.replace(b"\n", b"\n" + inner)
+        objects = json.dumps(member.objects, indent=2).encode().replace(b"\n", b"\n" + inner)
+        key = json.dumps(name).encode()
+        rows.append(
+            pad
+            + b"  "
+            + key
+            + b": {\n"
+            + inner
+            + b'"zarr": '
+            + document
+            + b",\n"
+            + inner
+            + b'"objects": '
+            + objects
+            + b"\n"
+            + pad
+            + b"  }"
+        )
+    return b"{\n" + b",\n".join(rows) + b"\n" + pad + b"}"
 
 
 @functools.lru_cache(maxsize=1)
