@@ -121,7 +121,6 @@ class LiveSamples:
 def plan_live_samples(cfg: LiveConfig) -> LiveSamples:
     """The build's planning (`plan.plan_units`) with nothing stored yet, flattened and sorted by id."""
     info = describe_teacher(cfg.teacher)
-    assert isinstance(cfg.sparsity, Sparsity), "settle_engine settles the sparsity before the samples are planned"
     check_teacher_fits(info, sparsity=cfg.sparsity, max_length=cfg.max_length)
     plan = PlanConfig(data=cfg.data, text_column=cfg.text_column, id_column=cfg.id_column, max_length=cfg.max_length)
     ids, tokens = [], []

@@ -18,7 +18,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from logitstore.format.sparsity import Sparsity
+from logitstore.format.sparsity import Sparsity, SparsityFlags
 from logitstore.pipelines import align, inputs
 from logitstore.pipelines.config import BuildError, PlanConfig
 from logitstore.pipelines.workers import Unit
@@ -85,9 +85,10 @@ def window_ids(doc_id: str, n_windows: int) -> list[str]:
     return [f"{doc_id}#w{i}" for i in range(n_windows)]
 
 
-def check_teacher_fits(info, *, sparsity: Sparsity, max_length: int) -> None:
-    """Options that the teacher's config alone can refuse, before anything is read or loaded."""
-    if not sparsity.sampled and sparsity.k > info.vocab_size:
+def check_teacher_fits(info, *, sparsity: Sparsity | SparsityFlags, max_length: int) -> None:
+    """Options that the teacher's config alone can refuse, before anything is read or loaded (a sparsity
+    left to the engine's default, not settled yet, has nothing to refuse)."""
+    if isinstance(sparsity, Sparsity) and not sparsity.sampled and sparsity.k > info.vocab_size:
         raise BuildError(f"--top-k {sparsity.k} is larger than the teacher's vocabulary ({info.vocab_size})")
     if info.max_positions is not None and max_length > info.max_positions:
         raise BuildError(
