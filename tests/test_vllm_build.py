@@ -287,13 +287,18 @@ def test_a_build_killed_mid_run_resumes_and_sigterm_leaves_no_process(teacher, d
     agreement = compare(samples(store), reference)
     assert agreement["same"] == agreement["positions"], agreement
 
-    terminated = Watched(build_args(teacher, tmp_path / "term", data, *extra, "--engine", "vllm"))
+    # the corpus 8 times over: a new teacher's build computes its next units while it commits the first
+    # (`build.START_AHEAD`), so on the corpus alone it is done by the time its first commit shows
+    rows = [json.loads(line) for line in data.read_text().splitlines()]
+    more = tmp_path / "more.jsonl"
+    more.write_text("".join(json.dumps({**r, "id": f"{r['id']}~{c}"}) + "\n" for c in range(8) for r in rows))
+    terminated = Watched(build_args(teacher, tmp_path / "term", more, *extra, "--engine", "vllm"))
     assert not terminated.wait(until=lambda: _stored(tmp_path / "term") > 0), "SIGTERM should land mid-run"
     terminated.child.send_signal(signal.SIGTERM)
     terminated.wait(timeout=120)
     assert terminated.child.returncode != 0
     assert terminated.survivors(grace=5) == [], "a process of the SIGTERM'd build survived it"
-    assert 0 < _stored(tmp_path / "term") < len(reference)
+    assert 0 < _stored(tmp_path / "term") < 8 * len(reference)
 
 
 class Served:
