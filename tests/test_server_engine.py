@@ -174,6 +174,34 @@ def test_served_answers_parse_as_the_dict_form_converts():
             served_to_sparse(broken, np.array(prompt), k=8, vocab_size=1000)
 
 
+def test_every_entry_reads_as_json_reads_it_on_the_word_path_and_off_it():
+    """Compact entries (the eight-bytes-at-a-time path) and what it hands to the byte reader (an exponent,
+    ids and ranks of 8+ digits, an 8+ digit integer part, long and escaped strings, the answer's last bytes):
+    the ids, float32 log-probabilities and ranks Python's json reads, whichever reader took an entry."""
+    rng = np.random.default_rng(1)
+    values = [float(v) for v in -rng.exponential(3.0, 400).astype(np.float32)]
+    values += [-0.0, 0.0, -1e-07, -1.1920928955078125e-07, -100.5, -12345678.9, -0.000123456789012345678, -7.0]
+    values += [-3.4028234663852886e38, -1.401298464324817e-45, -123456789012345678901.5, -42]
+    names = ["", '"', "\\", "é\n", "東京", "\u2028", "x" * 100, '\\"' * 9, "}", ',"rank":', "a" * 7]
+    positions = []
+    for p in range(0, len(values), 5):
+        ids = [int(i) for i in rng.choice([0, 7, 12345, 151_935, 1_234_567, 12_345_678], 5, replace=False)]
+        ranks = [int(r) for r in rng.choice([1, 2, 99, 1_234_567, 12_345_678], 5)]
+        positions.append(
+            {
+                str(i): {"logprob": v, "rank": r, "decoded_token": names[(p + j) % len(names)]}
+                for j, (i, v, r) in enumerate(zip(ids, values[p : p + 5], ranks))
+            }
+        )
+    body = json.dumps({"choices": [{"prompt_logprobs": [None, *positions]}], "usage": {}}, separators=(",", ":"))
+    flat = parse_prompt_logprobs(body.encode())
+    read = [e for position in json.loads(body)["choices"][0]["prompt_logprobs"][1:] for e in position.items()]
+    assert flat.ids.tolist() == [int(i) for i, _ in read]
+    assert np.array_equal(flat.logprobs, np.array([e["logprob"] for _, e in read], dtype=np.float32))
+    assert flat.ranks.tolist() == [e["rank"] for _, e in read]
+    assert flat.starts.tolist() == [0, 0, *np.cumsum([len(p) for p in positions]).tolist()]
+
+
 # vLLM 0.32.0's own answer (`vllm serve` on vLLM's CPU build, the vLLM tests' random Llama) to prompt
 # [12, 400, 3000] with prompt_logprobs 2: the prompt tokens are outside the top 2 (ranks 29,750 and 2,939)
 VLLM_ANSWER = (

@@ -9,9 +9,10 @@ orjson (or json) would make a dict per entry and a dict, a float, an int and a s
 that is ~300 objects per position, which caps a client near 50k tokens/s before any conversion. The kernel
 below reads only what the store needs (the id, `logprob`, `rank`), skips every other value (strings with
 their escapes included), and refuses anything that is not this shape. The rest of the answer (a few hundred
-bytes: `model`, `usage`, ...) is never looked at.
+bytes: `model`, `usage`, ...) is never looked at. vLLM's own entries (compact, in its field order) take the
+fast path of `compact_entry`, eight bytes at a time; this module's byte-at-a-time reader takes the rest.
 
-Numbers: the mantissa's digits and the decimal exponent, then one multiplication or division by a power of
+Numbers (here): the mantissa's digits and the decimal exponent, then one multiplication or division by a power of
 ten in float64; exact wherever the mantissa has at most 15 digits, else within an ulp of float64. vLLM's
 values are float32s written in full (`tolist()`), and they are kept as float32: far from a float32's
 rounding boundary, so equal to the value the server had.
@@ -25,6 +26,7 @@ import numba
 import numpy as np
 
 from logitstore.pipelines.engines.prompt_logprobs import ID_PAST_RANGE
+from logitstore.pipelines.engines.server.compact_entry import compact_entry
 
 KEY = b'"prompt_logprobs"'
 MISSING_RANK = -1  # an entry whose `rank` is absent or null
@@ -81,11 +83,6 @@ _RANK = np.frombuffer(b"rank", dtype=np.uint8)
 _NULL = np.frombuffer(b"null", dtype=np.uint8)
 _POW10 = np.array([10.0**e for e in range(23)])
 _MANTISSA_FULL = 10**17
-# vLLM's own entry, compact and in its field order: read by the fast path in `_entry`, anything else by the
-# general one
-_FAST_LOGPROB = np.frombuffer(b'"logprob":', dtype=np.uint8)
-_FAST_RANK = np.frombuffer(b',"rank":', dtype=np.uint8)
-_FAST_DECODED = np.frombuffer(b',"decoded_token":"', dtype=np.uint8)
 
 
 @numba.njit(cache=True, nogil=True)
@@ -224,33 +221,6 @@ def _key_is(data, start, end, word):
 
 
 @numba.njit(cache=True, nogil=True)
-def _fast_fields(data, i, logprobs, ranks, e):
-    """An entry's fields as vLLM writes them (`{"logprob":N,"rank":N,"decoded_token":"..."}`, i just past
-    the brace): the byte after the closing brace, or -1 for anything else (the general path reads it). Half
-    the cost of reading each key as a string and comparing it."""
-    if not _at(data, i, _FAST_LOGPROB):
-        return -1
-    logprob, i = _number(data, i + len(_FAST_LOGPROB))
-    if not _at(data, i, _FAST_RANK):
-        return -1
-    i += len(_FAST_RANK)
-    if i >= len(data) or not 48 <= data[i] <= 57:  # null, or not a plain count
-        return -1
-    rank = 0
-    while i < len(data) and 48 <= data[i] <= 57:
-        rank = rank * 10 + (np.int64(data[i]) - 48)
-        i += 1
-    if not _at(data, i, _FAST_DECODED):
-        return -1
-    i = _skip_string(data, i + len(_FAST_DECODED) - 1)
-    if i < 0 or i >= len(data) or data[i] != 125:
-        return -1
-    logprobs[e] = logprob
-    ranks[e] = rank
-    return i + 1
-
-
-@numba.njit(cache=True, nogil=True)
 def _entry(data, i, ids, logprobs, ranks, e):
     """One `"id": {...}` at byte i (past whitespace); returns the next byte."""
     if data[i] != 34:
@@ -272,9 +242,6 @@ def _entry(data, i, ids, logprobs, ranks, e):
     if i < 0:
         return i
     ids[e] = token
-    j = _fast_fields(data, i, logprobs, ranks, e)
-    if j >= 0:
-        return j
     logprobs[e] = np.nan
     ranks[e] = MISSING_RANK
     have_logprob = False
@@ -348,7 +315,8 @@ def _scan(data, i, starts, ids, logprobs, ranks, nulls):
                 while True:
                     if e >= len(ids):
                         return -(i + 1), 0, 0, 0
-                    i = _entry(data, i, ids, logprobs, ranks, e)
+                    j = compact_entry(data, i, ids, logprobs, ranks, e)  # vLLM's own, 8 bytes at a time
+                    i = j if j >= 0 else _entry(data, i, ids, logprobs, ranks, e)
                     if i < 0:
                         return i, 0, 0, 0
                     e += 1
