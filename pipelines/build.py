@@ -30,6 +30,7 @@ import numpy as np
 from logitstore.ahead import read_ahead
 from logitstore.errors import ChangedTextError, ConflictError, LogitstoreError
 from logitstore.format import codec
+from logitstore.heap import frozen_heap
 from logitstore.pipelines import inputs
 from logitstore.pipelines.answers import AnswersOf, StoredAnswers, check_one_tokenizer
 from logitstore.pipelines.config import BuildConfig, BuildError
@@ -247,30 +248,34 @@ def _compute(
         else:
             executor = make_executor(cfg, settings=plan.settings, on_batch=progress.batch, hand_over=plan.hand_over)
         startup.mark("teacher")
-        planner = None
-        try:
-            head = [first]
-            new_teacher = store is None or meta.name not in store.read(_base_branch(store, cfg)).teachers
-            samples = executor.compute(first) if new_teacher else None
-            # planned by a thread from here on; a new teacher's next units start on the teacher as they are
-            # planned, while this thread makes the store and registers the teacher
-            started = _starting(plan.units, executor, count=START_AHEAD if new_teacher else 0)
-            planner = read_ahead(started, depth=PLAN_AHEAD, name="logitstore-plan", eager=True)
-            store = _store_and_branch(store, cfg)
-            if new_teacher and _add_teacher_with_first_unit(
-                store, cfg, meta, plan.info, first, samples, summary, students=plan.students
-            ):
-                head = []
-                count_skips(summary, first)
-                progress.update(tokens=first.n_tokens, samples=len(first.sample_ids), documents=first.documents_read)
-            # the first unit computed and written in this thread: the kernels are compiled (`InProcessExecutor.map`)
-            warm = not head
-            _process(store, cfg, head, planner, executor, summary, progress, stored=plan.stored, warm=warm)
-            progress.finish()
-        finally:
-            if planner is not None:
-                planner.close()  # stops the planner thread
-            executor.close()  # the engines' close() (workers.py), on success, failure and interruption
+        # the heap as it is with the teacher in memory: left out of the collector's full passes
+        with frozen_heap():
+            planner = None
+            try:
+                head = [first]
+                new_teacher = store is None or meta.name not in store.read(_base_branch(store, cfg)).teachers
+                samples = executor.compute(first) if new_teacher else None
+                # planned by a thread from here on; a new teacher's next units start on the teacher as they are
+                # planned, while this thread makes the store and registers the teacher
+                started = _starting(plan.units, executor, count=START_AHEAD if new_teacher else 0)
+                planner = read_ahead(started, depth=PLAN_AHEAD, name="logitstore-plan", eager=True)
+                store = _store_and_branch(store, cfg)
+                if new_teacher and _add_teacher_with_first_unit(
+                    store, cfg, meta, plan.info, first, samples, summary, students=plan.students
+                ):
+                    head = []
+                    count_skips(summary, first)
+                    progress.update(
+                        tokens=first.n_tokens, samples=len(first.sample_ids), documents=first.documents_read
+                    )
+                # the first unit computed and written in this thread: the kernels are compiled (`InProcessExecutor.map`)
+                warm = not head
+                _process(store, cfg, head, planner, executor, summary, progress, stored=plan.stored, warm=warm)
+                progress.finish()
+            finally:
+                if planner is not None:
+                    planner.close()  # stops the planner thread
+                executor.close()  # the engines' close() (workers.py), on success, failure and interruption
     return store
 
 

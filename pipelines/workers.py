@@ -169,6 +169,8 @@ class InProcessExecutor:
         self.worker = TeacherWorker(settings, hand_over=hand_over)
         self.pool = ThreadPoolExecutor(max_workers=OVERLAP, thread_name_prefix="logitstore-unit")
         self._ahead: dict[int, Future] = {}  # unit index -> its compute, started before `map` meets it
+        # the started units' writes: beside the pool, so the units after them reach the teacher at once
+        self._writes = ThreadPoolExecutor(max_workers=OVERLAP, thread_name_prefix="logitstore-write")
 
     def compute(self, unit: Unit) -> SparseSamples:
         return self.worker.compute(unit)
@@ -198,11 +200,15 @@ class InProcessExecutor:
             # exit ("terminate called without an active exception": about 1 build in 16 with an empty numba
             # cache). It costs one unit's overlap.
             yield self._process(first, writer_for().fork())
-        # One unit more than threads: a thread that finishes finds the next unit waiting.
+        # One unit more than threads: a thread that finishes finds the next unit waiting. Units started
+        # ahead are written in their own threads and do not count: the next units' forward passes go on
+        # while they are written, where waiting for those writes would leave the teacher idle.
         yield from _in_order(
             units,
-            lambda unit: self.pool.submit(self._process, unit, writer_for().fork()),
-            max_in_flight=OVERLAP + 1,
+            lambda unit: (self._writes if unit.index in self._ahead else self.pool).submit(
+                self._process, unit, writer_for().fork()
+            ),
+            max_in_flight=OVERLAP + 1 + len(self._ahead),
         )
 
     def close(self) -> None:
@@ -210,6 +216,7 @@ class InProcessExecutor:
         # and its fork, never merged, is discarded with the transaction. Then the engine goes.
         try:
             self.pool.shutdown(wait=True, cancel_futures=True)
+            self._writes.shutdown(wait=True, cancel_futures=True)
         finally:
             self.worker.close()
 

@@ -104,17 +104,32 @@ def test_close_gives_the_torch_engines_teacher_back(tiny_teacher, monkeypatch):
         engine.compute(["a"], [torch.arange(4).numpy()], seed=0)
 
 
+def _top8_engine_of_one_sample_batches(tiny_teacher):
+    """The torch engine on the tiny teacher, top-8, batches of 32 tokens: one 32-token sample per batch."""
+    from logitstore.format.sparsity import Sparsity
+    from logitstore.pipelines.engines import torch_engine
+    from logitstore.pipelines.engines.settings import WorkerSettings
+    from logitstore.pipelines.teacher import resolve_teacher
+
+    settings = WorkerSettings(
+        teacher_spec=resolve_teacher(tiny_teacher),
+        device="cpu",
+        dtype="float32",
+        sparsity=Sparsity(k=8),
+        batch_tokens=32,
+        seed=0,
+    )
+    return torch_engine.TorchEngine(settings, lock=threading.Lock())
+
+
 def test_the_next_batch_is_launched_before_the_host_reads_the_last(tiny_teacher, monkeypatch):
     """A queue of depth `IN_FLIGHT`: batches i + 1 .. i + IN_FLIGHT are launched (forward pass and copy)
     before the host turns batch i into samples, so a GPU never waits for the host; and the samples are the
     same as one batch at a time."""
     import numpy as np
 
-    from logitstore.format.sparsity import Sparsity
     from logitstore.pipelines import sparsify
     from logitstore.pipelines.engines import torch_engine
-    from logitstore.pipelines.engines.settings import WorkerSettings
-    from logitstore.pipelines.teacher import resolve_teacher
 
     events = []
     launch, finish = sparsify.forward_selected, sparsify.HostSelected.samples
@@ -127,15 +142,7 @@ def test_the_next_batch_is_launched_before_the_host_reads_the_last(tiny_teacher,
         events.append("read")
         return finish(self, **kwargs)
 
-    settings = WorkerSettings(
-        teacher_spec=resolve_teacher(tiny_teacher),
-        device="cpu",
-        dtype="float32",
-        sparsity=Sparsity(k=8),
-        batch_tokens=32,  # one sample of 32 tokens per batch
-        seed=0,
-    )
-    engine = torch_engine.TorchEngine(settings, lock=threading.Lock())
+    engine = _top8_engine_of_one_sample_batches(tiny_teacher)
     tokens = [np.arange(1, 33) + i for i in range(4)]
     ids = [f"s{i}" for i in range(4)]
     alone = [engine.compute([sid], [t], seed=0) for sid, t in zip(ids, tokens)]
@@ -151,3 +158,41 @@ def test_the_next_batch_is_launched_before_the_host_reads_the_last(tiny_teacher,
         np.testing.assert_array_equal(one.entry_ids, samples.entry_ids)
         np.testing.assert_array_equal(one.entry_logprobs, samples.entry_logprobs)
         np.testing.assert_array_equal(one.tail, samples.tail)
+
+
+def test_two_calls_side_by_side_launch_one_after_the_other(tiny_teacher, monkeypatch):
+    """Two units computed at once on one engine (the in-process executor's threads): every batch of one is
+    launched before any of the other's, so on a GPU the first unit finishes, and is written, while the
+    second runs (interleaved, both would finish together and the device would wait for both writes). Each
+    gives what it gives alone. The host's reads are slowed so that the calls would interleave otherwise."""
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    import numpy as np
+
+    from logitstore.pipelines import sparsify
+
+    launches = []
+    launch, finish = sparsify.forward_selected, sparsify.HostSelected.samples
+
+    def launched(*args, lengths, **kwargs):
+        launches.append(threading.current_thread().name)
+        return launch(*args, lengths=lengths, **kwargs)
+
+    def finished(self, **kwargs):
+        time.sleep(0.02)  # outside the teacher's lock: the other call could launch meanwhile
+        return finish(self, **kwargs)
+
+    engine = _top8_engine_of_one_sample_batches(tiny_teacher)
+    units = [([f"u{u}s{i}" for i in range(4)], [np.arange(1, 33) + 10 * u + i for i in range(4)]) for u in range(2)]
+    alone = [engine.compute(ids, tokens, seed=u) for u, (ids, tokens) in enumerate(units)]
+    monkeypatch.setattr(sparsify, "forward_selected", launched)
+    monkeypatch.setattr(sparsify.HostSelected, "samples", finished)
+    with ThreadPoolExecutor(2, thread_name_prefix="unit") as pool:
+        side_by_side = list(pool.map(lambda u: engine.compute(*units[u], seed=u), range(2)))
+    first, second = launches[0], next(name for name in launches if name != launches[0])
+    assert launches == [first] * 4 + [second] * 4
+    for got, expected in zip(side_by_side, alone):
+        assert got.sample_ids == expected.sample_ids
+        np.testing.assert_array_equal(got.entry_ids, expected.entry_ids)
+        np.testing.assert_array_equal(got.entry_logprobs, expected.entry_logprobs)

@@ -106,6 +106,11 @@ class Selection:
 
     def __init__(self, forward: TeacherForward, *, settings, lock: threading.Lock, device: torch.device):
         self.forward, self.settings, self.lock, self.device = forward, settings, lock, device
+        # One call launches at a time, all its batches; the next call's launches queue behind its last.
+        # Calls launching side by side would interleave their batches on the device and finish together,
+        # and then write together while the device waits; one after another, each call's host work runs
+        # beside the next call's forward passes.
+        self.turn = threading.Lock()
 
     def compute(
         self, sample_ids: list[str], tokens: list[np.ndarray], *, seed: int, keep: list | None = None, on_batch=None
@@ -118,18 +123,19 @@ class Selection:
         run = functools.partial(self._launch, generator=generator)
         launched: deque[_Launched] = deque()
         parts = []
-        for rows in token_budget_batches(lengths[order], order, budget=self.settings.batch_tokens):
-            batch: list[_Launched] = halving_on_oom(
-                run,
-                [sample_ids[i] for i in rows],
-                [tokens[i] for i in rows],
-                None if keep is None else [keep[i] for i in rows],
-                on_oom=_free_cache,
-                join=_joined,
-            )
-            launched.extend(batch)
-            while len(launched) > IN_FLIGHT:  # the batches launched last stay in flight while the host reads older ones
-                parts.append(self._finish(launched.popleft(), on_batch))
+        with self.turn:
+            for rows in token_budget_batches(lengths[order], order, budget=self.settings.batch_tokens):
+                batch: list[_Launched] = halving_on_oom(
+                    run,
+                    [sample_ids[i] for i in rows],
+                    [tokens[i] for i in rows],
+                    None if keep is None else [keep[i] for i in rows],
+                    on_oom=_free_cache,
+                    join=_joined,
+                )
+                launched.extend(batch)
+                while len(launched) > IN_FLIGHT:  # the batches launched last stay in flight while the host reads older
+                    parts.append(self._finish(launched.popleft(), on_batch))
         while launched:
             parts.append(self._finish(launched.popleft(), on_batch))
         return concat(parts)
