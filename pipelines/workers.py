@@ -200,9 +200,8 @@ class InProcessExecutor:
             # exit ("terminate called without an active exception": about 1 build in 16 with an empty numba
             # cache). It costs one unit's overlap.
             yield self._process(first, writer_for().fork())
-        # One unit more than threads: a thread that finishes finds the next unit waiting. Units started
-        # ahead are written in their own threads and do not count: the next units' forward passes go on
-        # while they are written, where waiting for those writes would leave the teacher idle.
+        # One unit more than threads: a thread that finishes finds the next unit waiting. Units started ahead
+        # are written in threads of their own and do not count: the teacher goes on meanwhile.
         yield from _in_order(
             units,
             lambda unit: (self._writes if unit.index in self._ahead else self.pool).submit(
