@@ -194,6 +194,10 @@ def test_every_entry_reads_as_json_reads_it_on_the_word_path_and_off_it():
             }
         )
     body = json.dumps({"choices": [{"prompt_logprobs": [None, *positions]}], "usage": {}}, separators=(",", ":"))
+    # the last entry's value with 100 fraction digits: the word path reads its fraction past REACH
+    last = body.rindex('"logprob":') + len('"logprob":')
+    end = body.index(",", last)
+    body = body[:last] + "-1.5" + "0" * 98 + "1" + body[end:]
     flat = parse_prompt_logprobs(body.encode())
     read = [e for position in json.loads(body)["choices"][0]["prompt_logprobs"][1:] for e in position.items()]
     assert flat.ids.tolist() == [int(i) for i, _ in read]

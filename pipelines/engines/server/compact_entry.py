@@ -150,6 +150,8 @@ def compact_entry(data, i, ids, logprobs, ranks, e):
             kept += take
             exponent -= take
             i += count
+    if i + 16 > n:  # a long fraction ran past REACH: the rank's key and digits below are read as words
+        return -1
     if data[i] == 101 or data[i] == 69:  # an exponent: the general reader
         return -1
     if _load8(data, i) != _RANK:
