@@ -393,7 +393,7 @@ def _add_teacher_with_first_unit(
             return False
         writer.add_teacher(
             meta,
-            tokenizer_json=info.tokenizer.backend_tokenizer.to_str(),
+            tokenizer_json=info.tokenizer_json,
             code_of_id=code_of_id,
             students=registrations,
         )

@@ -25,7 +25,7 @@ from logitstore.pipelines.workers import Unit
 from logitstore.store.documents import document_id, document_ids
 from logitstore.store.meta import StudentTokenizer
 from logitstore.text import chat
-from logitstore.text.tokenizer_io import load_tokenizer, parse_tokenizer_spec, tokenizer_hash
+from logitstore.text.tokenizer_io import json_hash, load_tokenizer, parse_tokenizer_spec, tokenizer_json
 
 if TYPE_CHECKING:
     from logitstore.pipelines.generate import Generated, Generation
@@ -391,11 +391,12 @@ def load_student_tokenizers(specs: tuple[str, ...], *, teacher) -> list[StudentS
             raise BuildError(f"--student-tokenizer: two tokenizers are named {name!r}; name them with NAME=TOK")
         tokenizer = load_tokenizer(path)
         vmap = align.vocab_map(teacher.tokenizer, tokenizer, teacher_vocab_size=teacher.vocab_size)
+        text = tokenizer_json(tokenizer)
         registration = StudentTokenizer(
             name=name,
-            tokenizer_hash=tokenizer_hash(tokenizer),
+            tokenizer_hash=json_hash(text),
             vocab_size=len(tokenizer),
-            tokenizer_json=tokenizer.backend_tokenizer.to_str(),
+            tokenizer_json=text,
             vocab_map=vmap,
         )
         out.append(StudentSide(tokenizer=tokenizer, registration=registration))

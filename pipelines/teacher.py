@@ -34,7 +34,7 @@ from logitstore.pipelines.head import OutputHead
 from logitstore.pipelines.teacher_files import TeacherSpec, file_sha256, loadable, quiet_gguf_bar
 from logitstore.store.meta import TeacherMeta
 from logitstore.text.hub import is_hub_id, local_folder, repo_name
-from logitstore.text.tokenizer_io import tokenizer_hash
+from logitstore.text.tokenizer_io import json_hash, tokenizer_json
 
 DEFAULT_TEACHER = "smollm2-135m-instruct"
 
@@ -181,13 +181,15 @@ def load_teacher(spec: TeacherSpec | str | None, *, device: str | torch.device =
         raise TeacherError(
             f"teacher {spec.name!r}: tokenizer has {len(tokenizer)} tokens but the model only predicts {vocab_size}"
         )
+    text = tokenizer_json(tokenizer)
     return Teacher(
         spec=spec,
         model=model,
         tokenizer=tokenizer,
         vocab_size=vocab_size,
         content_hash=_content_hash(spec),
-        tokenizer_hash=tokenizer_hash(tokenizer),
+        tokenizer_hash=json_hash(text),
+        tokenizer_json=text,
     )
 
 
@@ -200,6 +202,7 @@ class TeacherInfo:
     vocab_size: int
     content_hash: str
     tokenizer_hash: str
+    tokenizer_json: str = field(repr=False)  # what the store keeps of the tokenizer (`tokenizer_json`)
     max_positions: int | None = None  # the model's context (config `max_position_embeddings`), if it says
 
     def store_meta(self, sparsity: Sparsity, **recorded: Any) -> TeacherMeta:
@@ -247,12 +250,14 @@ def _describe(spec: TeacherSpec) -> TeacherInfo:
             f"teacher {spec.name!r}: tokenizer has {len(tokenizer)} tokens but the model only predicts {vocab_size}"
         )
     max_positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    text = tokenizer_json(tokenizer)
     return TeacherInfo(
         spec=spec,
         tokenizer=tokenizer,
         vocab_size=vocab_size,
         content_hash=_content_hash(spec),
-        tokenizer_hash=tokenizer_hash(tokenizer),
+        tokenizer_hash=json_hash(text),
+        tokenizer_json=text,
         max_positions=int(max_positions) if max_positions else None,
     )
 

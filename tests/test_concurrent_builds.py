@@ -24,6 +24,8 @@ from logitstore.errors import ChangedTextError
 from logitstore.pipelines import build as build_module
 from logitstore.pipelines.build import BuildConfig, run_build
 from logitstore.pipelines.inputs import text_hash
+from logitstore.store import writer as writer_module
+from logitstore.store.documents import decide
 from logitstore.store.store import Store
 from logitstore.store.verify import verify
 from logitstore.testing.cli import CLI, LONG, build, jsonl, one_line_error, small_build
@@ -145,6 +147,37 @@ def test_a_write_meets_a_document_the_base_holds_under_other_window_ids(tmp_path
     stage_document(replacing, ["new"], "text-b")
     replacing.commit("replace")
     assert {s: h for s, h in sources(store).items() if s.startswith("new")} == {"new": "text-b"}
+
+
+def test_only_a_sample_whose_document_is_stored_or_staged_again_meets_the_rule(tmp_path, monkeypatch):
+    """The rule looks up each sample's document in what is stored; the writer passes it only the samples
+    that can meet something (a build's every unit is merged in the driver's thread), with the same outcome."""
+    store = write_store(str(tmp_path / "store"), n=3)
+    with store.writer(on_duplicate="skip") as first:
+        stage_document(first, WINDOWS, "text-a")
+        first.commit("first")
+    met: list[list[str]] = []
+
+    def recording(keys, sources, **kwargs):
+        met.append([sample_id for _, sample_id in keys])
+        return decide(keys, sources, **kwargs)
+
+    monkeypatch.setattr(writer_module, "decide", recording)
+    later = store.writer(on_duplicate="skip", on_changed="skip")
+    stage_document(later, ["fresh#w0", "fresh#w1"], "text-c")  # a document the store does not hold
+    stage_document(later, ["new", "other"], "text-b")  # "new": its windows are stored with other text
+    stage_document(later, ["fresh#w1"], "text-c")  # staged again in this transaction
+    later.commit("later")
+    assert met == [["new"], ["fresh#w1"]]
+    assert later.result is not None and later.result.changed == ["new"]
+    held = {s: h for s, h in sources(store).items() if not s.startswith("doc-")}
+    assert held == {
+        "new#w0": "text-a",
+        "new#w1": "text-a",
+        "fresh#w0": "text-c",
+        "fresh#w1": "text-c",
+        "other": "text-b",
+    }
 
 
 # -- builds ------------------------------------------------------------------------------------------

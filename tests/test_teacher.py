@@ -9,6 +9,7 @@ import torch
 from logitstore.errors import LogitstoreError
 from logitstore.pipelines.teacher import (
     DEFAULT_TEACHER,
+    describe_teacher,
     load_teacher,
     model_stop_ids,
     resolve_teacher,
@@ -16,6 +17,7 @@ from logitstore.pipelines.teacher import (
 )
 from logitstore.pipelines.teacher_files import CACHE_VARIABLE, loadable
 from logitstore.testing.teachers import save_tiny_llama
+from logitstore.text.tokenizer_io import tokenizer_hash
 
 TEXTS = [
     "The json module can serialize Python dictionaries, lists, strings and numbers, "
@@ -57,6 +59,10 @@ def test_default_teacher_loads_offline(teacher):
     assert len(teacher.tokenizer) <= teacher.vocab_size == 49152
     assert re.fullmatch(r"[0-9a-f]{64}", teacher.content_hash)
     assert re.fullmatch(r"[0-9a-f]{64}", teacher.tokenizer_hash)
+    # the JSON a store keeps is rendered once, and is the one the hash fingerprints
+    assert teacher.tokenizer_json == teacher.tokenizer.backend_tokenizer.to_str()
+    assert teacher.tokenizer_hash == tokenizer_hash(teacher.tokenizer) == describe_teacher(None).tokenizer_hash
+    assert describe_teacher(None).tokenizer_json == teacher.tokenizer_json
 
 
 def test_the_converted_copy_of_a_gguf_teacher_is_the_gguf_file_s_model(

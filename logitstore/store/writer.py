@@ -30,7 +30,7 @@ from logitstore.storage.bounded import (
 )
 from logitstore.storage.location import commit_lock
 from logitstore.store import index
-from logitstore.store.documents import Decision, decide
+from logitstore.store.documents import Decision, decide, document_id
 from logitstore.store.generation import GENERATIONS_ATTR
 from logitstore.store.meta import (
     FORMAT_VERSION,
@@ -74,6 +74,7 @@ class StoreWriter:
         self.teachers = read_teachers(self.root)
         # (teacher, sample id) -> source hash of what the base version holds, less what `remove` drops
         self._base_keys = _sources(store.read_index(self.base_snapshot))
+        self._documents: set[tuple[str, str]] | None = None  # `_base_documents`
         self._new_rows: list[pa.Table] = []
         self._new_keys: set[tuple[str, str]] = set()
         self._committed: str | None = None
@@ -168,7 +169,7 @@ class StoreWriter:
             samples, source_hashes = _subset(samples, keep, source_hashes)
             students = None if students is None else {n: st.select(keep) for n, st in students.items()}
         written = self.part_writer().write(samples, teacher=teacher, source_hashes=source_hashes, students=students)
-        self._add_rows(written.rows, stored_bytes=written.stored_bytes)
+        self._add_rows(written.rows, teacher=teacher, sample_ids=samples.sample_ids, stored_bytes=written.stored_bytes)
         return len(samples)
 
     def part_writer(self) -> PartWriter:
@@ -205,16 +206,19 @@ class StoreWriter:
         of whose samples is added (all stored already, with on_duplicate="skip") is left out: its
         arrays never reach the branch, and a transaction of such parts alone commits nothing."""
         rows = written.rows
-        if rows.num_rows:
-            teacher = rows["teacher"][0].as_py()
-            keep = self._apply_duplicate_rule(teacher, rows["sample_id"].to_pylist(), rows["source_hash"].to_pylist())
+        if not rows.num_rows:
+            return 0
+        teacher, sample_ids = rows["teacher"][0].as_py(), rows["sample_id"].to_pylist()
+        keep = self._apply_duplicate_rule(teacher, sample_ids, rows["source_hash"].to_pylist())
+        if len(keep) < len(sample_ids):
             rows = rows.take(pa.array(keep, type=pa.int64()))  # typed: an empty list would be null-typed
+            sample_ids = [sample_ids[i] for i in keep]
         if not rows.num_rows:
             return 0
         if written.fork is not None:
             with storage_errors(f"cannot merge a forked writer into {self.store.location.uri}"):
                 self.session.merge(written.fork)
-        self._add_rows(rows, stored_bytes=written.stored_bytes)
+        self._add_rows(rows, teacher=teacher, sample_ids=sample_ids, stored_bytes=written.stored_bytes)
         return rows.num_rows
 
     def remove(self, teacher: str, sample_ids: list[str]) -> None:
@@ -230,11 +234,12 @@ class StoreWriter:
         """Anything to commit: written or merged parts, or removals."""
         return self.session.has_uncommitted_changes or bool(self._removed)
 
-    def _add_rows(self, rows: pa.Table, *, stored_bytes: int) -> None:
+    def _add_rows(self, rows: pa.Table, *, teacher: str, sample_ids: list[str], stored_bytes: int) -> None:
+        """Stage one part's index rows: `teacher`'s samples `sample_ids`, the rows' own, in order."""
         self._new_rows.append(rows)
-        self._new_keys.update(zip(rows["teacher"].to_pylist(), rows["sample_id"].to_pylist()))
+        self._new_keys.update((teacher, sid) for sid in sample_ids)
         if rows.num_rows:
-            self._part_bytes[(rows["teacher"][0].as_py(), rows["part"][0].as_py())] = stored_bytes
+            self._part_bytes[(teacher, rows["part"][0].as_py())] = stored_bytes
 
     def _apply_duplicate_rule(self, teacher: str, sample_ids: list[str], sources: list[str | None]) -> list[int]:
         """Which of these samples to stage, by `on_duplicate` and, for one whose document is stored with
@@ -252,11 +257,27 @@ class StoreWriter:
             if in_txn:
                 raise DuplicateSampleError(f"sample id {in_txn[0]!r} written twice in one transaction")
             return list(range(len(sample_ids)))
+        # Only a sample whose document the base holds or this write stages again can meet a stored one:
+        # the rest skip `decide` (~10 us a sample, in the driver's thread on a build's every unit).
+        held, restaged = self._base_documents(), {document_id(sid) for sid in in_txn}
+        documents = [document_id(sid) for sid in sample_ids]
+        meets = [i for i, doc in enumerate(documents) if doc in restaged or (teacher, doc) in held]
+        if not meets:
+            return list(range(len(sample_ids)))
         stored = ChainMap(self._new_sources(teacher, in_txn), self._base_keys)
-        decision = decide(keys, sources, stored=stored, on_changed=self.on_changed)
+        decision = decide(
+            [keys[i] for i in meets], [sources[i] for i in meets], stored=stored, on_changed=self.on_changed
+        )
         self.remove(teacher, [sid for t, sid in decision.dropped])  # a replaced document's other windows
         self._count_left_out(decision.left_out, decision.changed)
         return [i for i, key in enumerate(keys) if key not in decision.left_out]
+
+    def _base_documents(self) -> set[tuple[str, str]]:
+        """(teacher, document id) of every sample the base version holds, found once (a sample `remove`
+        drops leaves its document here: a few samples more meet `decide`, which looks them up itself)."""
+        if self._documents is None:
+            self._documents = {(teacher, document_id(sid)) for teacher, sid in self._base_keys}
+        return self._documents
 
     def _count_left_out(self, left_out: set[tuple[str, str]], changed: list[str]) -> None:
         """Count once what a write, a merge or the commit that succeeds left out or replaced."""

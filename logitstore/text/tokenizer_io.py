@@ -32,10 +32,21 @@ class TokenizerError(LogitstoreError, ValueError):
 def tokenizer_hash(tokenizer) -> str:
     """sha256 of the tokenizer's canonical JSON (vocab, merges, normalizer, pre/post-processing): what a
     store records of a teacher's and a student's tokenizer, and what training checks them against."""
+    return json_hash(tokenizer_json(tokenizer))
+
+
+def tokenizer_json(tokenizer) -> str:
+    """The tokenizer's canonical JSON, what a store keeps of it. Rendering it holds the GIL (~20 ms for a
+    vocabulary of 49k), so a caller that needs it twice keeps it."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:
         raise TokenizerError(f"{type(tokenizer).__name__} is not a fast tokenizer; cannot fingerprint it")
-    return hashlib.sha256(backend.to_str().encode("utf-8")).hexdigest()
+    return backend.to_str()
+
+
+def json_hash(text: str) -> str:
+    """`tokenizer_hash` of a tokenizer whose canonical JSON is `text`."""
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
 def parse_tokenizer_spec(spec: str) -> tuple[str, str]:
