@@ -170,13 +170,13 @@ def test_help_groups_options_shows_choices_and_lists_commands_in_order_of_use():
     from logitstore.pipelines.config import DTYPES, ON_DUPLICATE
     from logitstore.pipelines.engines import VLLM_OUTPUTS, engine_names
     from logitstore.text import chat
-    from logitstore.trainer.config import KINDS, ON_ERROR
+    from logitstore.trainer.config import LOSS_NAMES, ON_ERROR
 
     wide = {"COLUMNS": "200"}  # so no choice list is wrapped
     train_help = runner.invoke(app, ["train", "--help"], env=wide).stdout
     panels = ["Output", "Data", "Student", "Optimisation", "Loss", "Checkpoints and evaluation", "Live mode"]
     assert [train_help.index(f"─ {p}") for p in panels] == sorted(train_help.index(f"─ {p}") for p in panels)
-    assert "|".join(KINDS) in train_help and "|".join(ON_ERROR) in train_help  # the registries' choices
+    assert "|".join(LOSS_NAMES) in train_help and "|".join(ON_ERROR) in train_help  # the registries' choices
     build_help = runner.invoke(app, ["build", "--help"], env=wide).stdout
     assert all(f"─ {p}" in build_help for p in ("Data", "Teacher", "Sparsity", "Store"))
     choices = [GRIDS, DTYPES, ON_DUPLICATE, engine_names(), VLLM_OUTPUTS, chat.TRAIN_ON]  # from the registries

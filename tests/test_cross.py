@@ -213,6 +213,19 @@ def test_same_tokenizer_signal_through_the_mixed_path_equals_the_single_teacher_
                 break
 
 
+@pytest.mark.parametrize(("loss", "temperature"), [("reverse_kl", 1.0), ("topk_renorm", 1.0), ("forward_kl", 2.0)])
+def test_a_cross_tokenizer_teacher_takes_only_the_loss_aligned_kd_computes(store, loss, temperature):
+    from logitstore.trainer.config import TrainConfigError
+    from logitstore.trainer.signals import plan_sources
+
+    view = Store.open(store).read()
+    cfg = TrainConfig.from_flags(
+        store=store, out="-", student="llama-tiny", student_tokenizer="gpt2", loss=loss, kd_temperature=temperature
+    )
+    with pytest.raises(TrainConfigError, match="supports --loss forward_kl at --kd-temperature 1 only"):
+        plan_sources(view, cfg)
+
+
 def test_cross_tokenizer_loss_in_chunks_equals_the_loss_in_one_piece(store):
     """The chunked head on aligned targets (chunks that never split a many-token group) gives the value
     and gradients of the whole [P, V] logits at once, in training and in evaluation."""

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from logitstore.streaming.targets import SparseTargets
-from logitstore.trainer.config import KINDS, LossConfig
+from logitstore.trainer.config import LOSS_NAMES, LossConfig
 from logitstore.trainer.losses import ce_term, distill_loss, kd_term
 
 V, P, K = 40, 7, 5
@@ -158,9 +158,9 @@ LAYOUTS = {
 
 @pytest.mark.parametrize("temperature", [1.0, 0.5, 2.5])
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", LOSS_NAMES)
 def test_matches_dense_reference(kind, layout, temperature):
-    seed = KINDS.index(kind) + 10 * sorted(LAYOUTS).index(layout)
+    seed = LOSS_NAMES.index(kind) + 10 * sorted(LAYOUTS).index(layout)
     t = LAYOUTS[layout](_teacher_logits(seed))
     cfg = LossConfig(kind=kind, temperature=temperature, alpha=0.25, jsd_beta=0.3 if kind == "jsd" else 0.5)
     _assert_matches_reference(_student_logits(seed), t, cfg)
@@ -327,7 +327,7 @@ def _position_weights(seed: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("temperature", [1.0, 2.0])
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", LOSS_NAMES)
 def test_position_weights_multiply_the_kd_terms_only(kind, temperature):
     t = _sparsify(_teacher_logits(12), VARYING_K, noise=0.01, seed=12)
     t.weight = _position_weights(12)
@@ -413,9 +413,9 @@ def _chunked_case(t: SparseTargets, cfg: LossConfig, *, chunk: int, seed: int) -
 
 
 @pytest.mark.parametrize("chunk", [1, 3, P])
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", LOSS_NAMES)
 def test_chunked_head_matches_the_dense_reference(kind, chunk):
-    seed = KINDS.index(kind)
+    seed = LOSS_NAMES.index(kind)
     t = LAYOUTS["varying"](_teacher_logits(seed))
     cfg = LossConfig(kind=kind, temperature=1.5, alpha=0.25, jsd_beta=0.3 if kind == "jsd" else 0.5)
     _chunked_case(t, cfg, chunk=chunk, seed=seed)

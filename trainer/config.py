@@ -23,7 +23,7 @@ import math
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args
 
 from logitstore.errors import LogitstoreError
 from logitstore.live.config import LIVE, LiveConfig
@@ -45,7 +45,10 @@ from logitstore.text import TRAIN_ON, TrainOn
 from logitstore.trainer.trackers import check_sinks
 
 EVAL_ONLY = "-"  # the `out` of a configuration that only evaluates (`logitstore eval`): it writes nothing
-KINDS = ("forward_kl", "topk_renorm", "reverse_kl", "jsd")  # the distillation losses (`losses.py`)
+# The distillation losses: each one's definition is its entry in `losses.DIVERGENCES` (the registry, which
+# imports torch; these names stay here, where the command line reads them without it).
+LossName = Literal["forward_kl", "topk_renorm", "reverse_kl", "jsd"]
+LOSS_NAMES: tuple[LossName, ...] = get_args(LossName)
 
 OUTPUT, DATA, STUDENT, OPTIM, LOSS = "Output", "Data", "Student", "Optimisation", "Loss"
 CHECKPOINTS = "Checkpoints and evaluation"
@@ -225,10 +228,9 @@ class OptimConfig:
 
 @dataclass(frozen=True)
 class LossConfig:
-    kind: str = option(
+    kind: LossName = option(
         "forward_kl",
         name="loss",
-        choices=lambda: KINDS,
         panel=LOSS,
         help="forward_kl (tail bucket), topk_renorm, reverse_kl or jsd.",
     )
@@ -243,8 +245,8 @@ class LossConfig:
     )
 
     def __post_init__(self) -> None:
-        if self.kind not in KINDS:
-            raise LossConfigError(f"--loss must be one of {', '.join(KINDS)}; got {self.kind!r}")
+        if self.kind not in LOSS_NAMES:
+            raise LossConfigError(f"--loss must be one of {', '.join(LOSS_NAMES)}; got {self.kind!r}")
         if not is_real(self.temperature) or not 0 < self.temperature < math.inf:
             raise LossConfigError(f"--kd-temperature must be a finite number > 0; got {self.temperature!r}")
         if not is_real(self.alpha) or not 0 <= self.alpha < math.inf:

@@ -51,7 +51,7 @@ from logitstore.streaming.stream import store_stream
 from logitstore.text import TrainOn
 from logitstore.trainer.attention import ATTENTION
 from logitstore.trainer.attention import register as register_attention
-from logitstore.trainer.config import LossConfig
+from logitstore.trainer.config import LossConfig, LossName
 from logitstore.trainer.objective import batch_loss, held_out_metrics, student_outputs
 from logitstore.trainer.run_folder import write_atomic
 
@@ -75,7 +75,7 @@ class StoreDistillation(_TrainerBase):
         store: str | None = None,
         version: str | None = None,
         seq_len: int = 1024,
-        loss: str | LossConfig = LossConfig.kind,
+        loss: LossName | LossConfig = LossConfig.kind,
         teacher: str | None = StreamSpec.teacher,
         eval_fraction: float = StreamSpec.eval_fraction,
         memory_budget: int | str | None = StreamSpec.memory_budget,

@@ -27,13 +27,15 @@ weights and the numerics in full: docs/architecture.md, "The losses in detail".
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 from torch import Tensor
 
 from logitstore.streaming.targets import SparseTargets
-from logitstore.trainer.config import LossConfig, LossConfigError
+from logitstore.trainer.config import LOSS_NAMES, LossConfig, LossConfigError, LossName
 
 TINY = 1e-30
 LOG_TINY = math.log(TINY)
@@ -239,19 +241,20 @@ def _ce_term(logits: Tensor, target_ids: Tensor, *, total: int | None = None, lo
 def _kd_terms(logits: Tensor, t: SparseTargets, *, cfg: LossConfig, log_q) -> tuple[Tensor, Tensor]:
     """The divergence's terms, before the T^2 factor, and the position of each: they sum to each
     position's divergence over its buckets (`log_q`: the log-softmax of the logits at temperature 1, or None)."""
+    divergence = DIVERGENCES[cfg.kind]
     z = logits / cfg.temperature if cfg.temperature != 1 else logits
     if t.entry_counts is not None:
-        if cfg.kind != "forward_kl":
+        if not divergence.sampled:
             raise LossConfigError(
                 f"--loss {cfg.kind} needs the teacher's distribution over the stored entries, which a sampled "
                 "store's draw counts do not give; use --loss forward_kl (the unbiased sampled estimator)"
             )
         return _sampled_forward_kl_terms(_or_log_softmax(log_q, z), t), t.entry_pos
-    if cfg.kind == "topk_renorm":  # the entries' logits alone: no softmax over the vocabulary
-        log_p, log_q_b, pos = _entry_buckets(z, t, temperature=cfg.temperature)
-    else:
+    if divergence.tail_bucket:
         log_p, log_q_b, pos = _tail_buckets(_or_log_softmax(log_q, z), t, temperature=cfg.temperature)
-    return _divergence_terms(log_p, log_q_b, kind=cfg.kind, beta=cfg.jsd_beta), pos
+    else:  # the entries' logits alone: no softmax over the vocabulary
+        log_p, log_q_b, pos = _entry_buckets(z, t, temperature=cfg.temperature)
+    return divergence.terms(log_p, log_q_b, cfg.jsd_beta), pos
 
 
 def _or_log_softmax(log_q: Tensor | None, z: Tensor) -> Tensor:
@@ -284,14 +287,41 @@ def _entry_buckets(z: Tensor, t: SparseTargets, *, temperature: float) -> tuple[
     return log_p, log_q, t.entry_pos
 
 
-def _divergence_terms(log_p: Tensor, log_q: Tensor, *, kind: str, beta: float) -> Tensor:
-    """Per-bucket terms of the divergence; they sum to it over a position's buckets."""
-    if kind in ("forward_kl", "topk_renorm"):
-        return log_p.exp() * (log_p - log_q)
-    if kind == "reverse_kl":
-        return log_q.exp() * (log_q - log_p)
+# -- the losses: one `Divergence` each, named in `DIVERGENCES` ------------------------------------------
+# Each gives per-bucket terms from the teacher's and the student's normalised log-masses over the same
+# buckets (log p, log q [B]); they sum to the divergence over a position's buckets.
+
+
+def _forward_kl(log_p: Tensor, log_q: Tensor, beta: float) -> Tensor:
+    return log_p.exp() * (log_p - log_q)
+
+
+def _reverse_kl(log_p: Tensor, log_q: Tensor, beta: float) -> Tensor:
+    return log_q.exp() * (log_q - log_p)
+
+
+def _jsd(log_p: Tensor, log_q: Tensor, beta: float) -> Tensor:
     log_m = torch.logaddexp(log_p + math.log(beta), log_q + math.log(1 - beta))
     return beta * log_p.exp() * (log_p - log_m) + (1 - beta) * log_q.exp() * (log_q - log_m)
+
+
+@dataclass(frozen=True)
+class Divergence:
+    """A distillation loss (`--loss`): its per-bucket terms and what it compares them over."""
+
+    terms: Callable[[Tensor, Tensor, float], Tensor]  # (log p, log q, --jsd-beta) -> per-bucket terms
+    tail_bucket: bool = True  # each position's tail is a bucket; False: both sides renormalised over the entries
+    sampled: bool = False  # a sampled store's draw counts give its unbiased estimator (`_sampled_forward_kl_terms`)
+    cross_tokenizer: bool = False  # `aligned_losses.aligned_kd` computes it for a teacher of another tokenizer
+
+
+DIVERGENCES: dict[LossName, Divergence] = {
+    "forward_kl": Divergence(_forward_kl, sampled=True, cross_tokenizer=True),
+    "topk_renorm": Divergence(_forward_kl, tail_bucket=False),
+    "reverse_kl": Divergence(_reverse_kl),
+    "jsd": Divergence(_jsd),
+}
+assert set(DIVERGENCES) == set(LOSS_NAMES), "one divergence per --loss name"
 
 
 def _sampled_forward_kl_terms(log_q_all: Tensor, t: SparseTargets) -> Tensor:

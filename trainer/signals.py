@@ -15,6 +15,7 @@ from logitstore.streaming.mixing import WeightedTeacher, resolve_sources, studen
 from logitstore.streaming.stream import store_stream
 from logitstore.streaming.version_mix import WeightedVersion, mix_version, shown, snapshot_weights
 from logitstore.trainer.config import TrainConfig, TrainConfigError
+from logitstore.trainer.losses import DIVERGENCES
 from logitstore.trainer.model import student_tokenizer_hash
 
 
@@ -29,8 +30,9 @@ def plan_sources(view, cfg: TrainConfig):
         student_hash=student_tokenizer_hash(cfg.student.student),
     )
     sources = resolve_sources(view, weights=weights, vocab=vocab)
-    if any(s.cross for s in sources) and (cfg.loss.kind != "forward_kl" or cfg.loss.temperature != 1):
-        raise TrainConfigError("a cross-tokenizer teacher supports --loss forward_kl at --kd-temperature 1 only")
+    if any(s.cross for s in sources) and not (DIVERGENCES[cfg.loss.kind].cross_tokenizer and cfg.loss.temperature == 1):
+        crossing = ", ".join(name for name, d in DIVERGENCES.items() if d.cross_tokenizer)
+        raise TrainConfigError(f"a cross-tokenizer teacher supports --loss {crossing} at --kd-temperature 1 only")
     return sources, vocab
 
 
