@@ -179,15 +179,13 @@ def load_teacher(spec: TeacherSpec | str | None, *, device: str | torch.device =
         raise TeacherError(
             f"teacher {spec.name!r}: tokenizer has {len(tokenizer)} tokens but the model only predicts {vocab_size}"
         )
-    text = tokenizer_json(tokenizer)
     return Teacher(
         spec=spec,
         model=model,
         tokenizer=tokenizer,
         vocab_size=vocab_size,
         content_hash=_content_hash(spec),
-        tokenizer_hash=json_hash(text),
-        tokenizer_json=text,
+        tokenizer_json=tokenizer_json(tokenizer),
     )
 
 
@@ -199,9 +197,13 @@ class TeacherInfo:
     tokenizer: Any
     vocab_size: int
     content_hash: str
-    tokenizer_hash: str
-    tokenizer_json: str = field(repr=False)  # what the store keeps of the tokenizer (`tokenizer_json`)
+    tokenizer_json: str = field(repr=False)  # what the store keeps of the tokenizer, rendered once (~20 ms)
     max_positions: int | None = None  # the model's context (config `max_position_embeddings`), if it says
+
+    @functools.cached_property
+    def tokenizer_hash(self) -> str:
+        """What the store records of the tokenizer (`tokenizer_io.tokenizer_hash`), from its JSON."""
+        return json_hash(self.tokenizer_json)
 
     def store_meta(self, sparsity: Sparsity, **recorded: Any) -> TeacherMeta:
         """The metadata a store keeps for this teacher's entries at `sparsity` (its grid as the codec);
@@ -248,14 +250,12 @@ def _describe(spec: TeacherSpec) -> TeacherInfo:
             f"teacher {spec.name!r}: tokenizer has {len(tokenizer)} tokens but the model only predicts {vocab_size}"
         )
     max_positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
-    text = tokenizer_json(tokenizer)
     return TeacherInfo(
         spec=spec,
         tokenizer=tokenizer,
         vocab_size=vocab_size,
         content_hash=_content_hash(spec),
-        tokenizer_hash=json_hash(text),
-        tokenizer_json=text,
+        tokenizer_json=tokenizer_json(tokenizer),
         max_positions=int(max_positions) if max_positions else None,
     )
 

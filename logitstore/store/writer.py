@@ -30,7 +30,7 @@ from logitstore.storage.bounded import (
 )
 from logitstore.storage.location import commit_lock
 from logitstore.store import index
-from logitstore.store.documents import Decision, decide, document_id
+from logitstore.store.documents import Decision, decide, document_id, document_ids
 from logitstore.store.generation import GENERATIONS_ATTR
 from logitstore.store.meta import (
     FORMAT_VERSION,
@@ -73,7 +73,8 @@ class StoreWriter:
         self.base_snapshot = self.session.snapshot_id
         self.teachers = read_teachers(self.root)
         # (teacher, sample id) -> source hash of what the base version holds, less what `remove` drops
-        self._base_keys = _sources(store.read_index(self.base_snapshot))
+        self._base_index = store.read_index(self.base_snapshot)
+        self._base_keys = _sources(self._base_index)
         self._documents: set[tuple[str, str]] | None = None  # `_base_documents`
         self._new_rows: list[pa.Table] = []
         self._new_keys: set[tuple[str, str]] = set()
@@ -276,7 +277,8 @@ class StoreWriter:
         """(teacher, document id) of every sample the base version holds, found once (a sample `remove`
         drops leaves its document here: a few samples more meet `decide`, which looks them up itself)."""
         if self._documents is None:
-            self._documents = {(teacher, document_id(sid)) for teacher, sid in self._base_keys}
+            docs = document_ids(self._base_index["sample_id"]).to_pylist()  # one vectorised pass
+            self._documents = set(zip(self._base_index["teacher"].to_pylist(), docs))
         return self._documents
 
     def _count_left_out(self, left_out: set[tuple[str, str]], changed: list[str]) -> None:
